@@ -1,0 +1,48 @@
+#include "cache.h"
+
+#include "common.h"
+
+namespace dfn {
+
+model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv_type_, ggml_backend_buffer_type_t buft)
+    : n_ctx(n_ctx_), kv_type(kv_type_) {
+    const size_t n_tensors = 2 * (size_t) hp.n_layer;
+    ggml_init_params ip = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/ true};
+    ctx_ = ggml_init(ip);
+    if (!ctx_) throw runtime_error("[cache] ggml_init failed");
+    kv.resize(hp.n_layer);
+    gdn.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        if (hp.layer_is_gdn(il)) {
+            gdn[il].conv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, hp.ssm_d_conv - 1, hp.ssm_conv_channels());
+            gdn[il].ssm = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.ssm_head_dim, hp.ssm_head_dim, hp.ssm_n_v_heads);
+            ggml_format_name(gdn[il].conv, "cache.conv.%d", il);
+            ggml_format_name(gdn[il].ssm, "cache.ssm.%d", il);
+        } else {
+            kv[il].k = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            kv[il].v = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            ggml_format_name(kv[il].k, "cache.k.%d", il);
+            ggml_format_name(kv[il].v, "cache.v.%d", il);
+        }
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    if (!buf_) throw runtime_error(cat("[cache] cannot allocate the cache for n_ctx = ", n_ctx));
+    ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_COMPUTE);
+    clear();
+}
+
+model_cache::~model_cache() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+void model_cache::clear() {
+    // Zero everything: dead K/V rows never reach attention (masked), but zeros keep
+    // comparisons of cache contents deterministic.
+    ggml_backend_buffer_clear(buf_, 0);
+    n_past = 0;
+}
+
+size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+
+}  // namespace dfn

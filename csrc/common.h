@@ -1,0 +1,36 @@
+// Shared error handling and small utilities for the dflash-native core.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace dfn {
+
+// Bad user input (a file, a shape, an argument): maps to Python ValueError.
+struct input_error : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+};
+
+// A failure while running (allocation, backend): maps to Python RuntimeError.
+struct runtime_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+std::string cat(const Args &... args) {
+    std::ostringstream os;
+    (os << ... << args);
+    return os.str();
+}
+
+// The last message ggml logged at WARN or ERROR level; loaders append it to exceptions
+// because gguf/ggml report the reason of a failure only through the log.
+std::string last_ggml_error();
+void install_ggml_log();  // keeps ggml quiet unless DFLASH_NATIVE_VERBOSE is set
+
+}  // namespace dfn
+
+// Throw input_error with "[where] message" when cond is false.
+#define DFN_REQUIRE(cond, where, ...) \
+    do { if (!(cond)) throw ::dfn::input_error(::dfn::cat("[", where, "] ", __VA_ARGS__)); } while (0)

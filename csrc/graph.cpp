@@ -1,0 +1,107 @@
+#include "graph.h"
+
+#include "common.h"
+
+#include <cmath>
+
+namespace dfn {
+
+void graph_inputs::tap(int il, ggml_tensor * cur) {
+    for (size_t i = 0; i < tap_layers.size(); ++i) {
+        if (tap_layers[i] == il) {
+            taps[i] = cur;
+            ggml_set_output(cur);
+            ggml_build_forward_expand(gf, cur);
+        }
+    }
+}
+
+ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) {
+    return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, g.hp->rms_eps), w);
+}
+
+ggml_tensor * ffn_swiglu(graph_inputs & g, ggml_tensor * x, const layer_weights & w) {
+    ggml_tensor * gate = ggml_mul_mat(g.ctx, w.ffn_gate, x);  // [n_ff, n_tokens]
+    ggml_tensor * up = ggml_mul_mat(g.ctx, w.ffn_up, x);      // [n_ff, n_tokens]
+    return ggml_mul_mat(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+}
+
+ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
+    ggml_context * ctx = g.ctx;
+    const kv_layer & c = g.cache->kv[il];
+    const int64_t hd = c.k->ne[0], n_kv_head = c.k->ne[1];
+
+    // Append this batch's K/V at rows n_past .. n_past + n_tokens - 1.
+    ggml_tensor * k_dst = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_tokens, c.k->nb[1], c.k->nb[2], g.n_past * c.k->nb[2]);
+    ggml_tensor * v_dst = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_tokens, c.v->nb[1], c.v->nb[2], g.n_past * c.v->nb[2]);
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, k, k_dst));
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, v, v_dst));
+
+    // The live prefix, rows 0 .. n_kv - 1 (this batch included).
+    ggml_tensor * K = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_kv, c.k->nb[1], c.k->nb[2], 0);  // [hd, n_kv_head, n_kv]
+    ggml_tensor * V = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_kv, c.v->nb[1], c.v->nb[2], 0);
+
+    q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n_tokens, n_head]
+    K = ggml_permute(ctx, K, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]
+    V = ggml_permute(ctx, V, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]
+
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, K, V, g.kq_mask, scale, 0.0f, 0.0f);  // [hd, n_head, n_tokens]
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    return ggml_reshape_2d(ctx, out, out->ne[0] * out->ne[1], out->ne[2] * out->ne[3]);
+}
+
+ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
+    ggml_context * ctx = g.ctx;
+    const target_hparams & hp = *g.hp;
+    const gdn_layer & st = g.cache->gdn[il];
+    const int64_t n_tok = g.n_tokens;
+    const int64_t S = hp.ssm_head_dim, H_k = hp.ssm_n_k_heads, H_v = hp.ssm_n_v_heads;
+    const int64_t n_ch = hp.ssm_conv_channels();
+    const int64_t d_conv = hp.ssm_d_conv;
+
+    ggml_tensor * qkv = ggml_mul_mat(ctx, w.wqkv, x);  // [n_ch, n_tok]
+    ggml_tensor * z = ggml_mul_mat(ctx, w.wgate, x);   // [S * H_v, n_tok]
+
+    ggml_tensor * beta = ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ssm_beta, x));  // [H_v, n_tok]
+    beta = ggml_reshape_4d(ctx, beta, 1, H_v, n_tok, 1);
+
+    // g = softplus(alpha + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
+    ggml_tensor * alpha = ggml_mul_mat(ctx, w.ssm_alpha, x);  // [H_v, n_tok]
+    ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
+    gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
+
+    // Causal depthwise conv over [conv state; this batch], then keep the last d_conv-1 inputs.
+    ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_reshape_3d(ctx, ggml_transpose(ctx, qkv), n_tok, n_ch, 1), 0);
+    // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
+    ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
+                                           n_tok * ggml_element_size(conv_in));
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
+
+    ggml_tensor * conv_out = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
+
+    const size_t es = ggml_element_size(conv_out);
+    const size_t row = conv_out->nb[1];
+    ggml_tensor * q = ggml_view_4d(ctx, conv_out, S, H_k, n_tok, 1, S * es, row, row * n_tok, 0);
+    ggml_tensor * k = ggml_view_4d(ctx, conv_out, S, H_k, n_tok, 1, S * es, row, row * n_tok, S * H_k * es);
+    ggml_tensor * v = ggml_view_4d(ctx, conv_out, S, H_v, n_tok, 1, S * es, row, row * n_tok, 2 * S * H_k * es);
+
+    // L2 normalisation as rms_norm scaled by 1/sqrt(S): x / sqrt(sum x^2 + eps).
+    q = ggml_scale(ctx, ggml_rms_norm(ctx, q, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
+    k = ggml_scale(ctx, ggml_rms_norm(ctx, k, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
+
+    ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
+    // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
+    ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
+    ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
+
+    // Per-head RMSNorm of the output, gated by SiLU(z).
+    ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);
+    o = ggml_mul(ctx, rms_norm(g, o, w.ssm_norm), ggml_silu(ctx, z4));
+    o = ggml_reshape_2d(ctx, o, S * H_v, n_tok);
+    return ggml_mul_mat(ctx, w.ssm_out, o);  // [n_embd, n_tok]
+}
+
+}  // namespace dfn

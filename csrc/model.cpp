@@ -1,0 +1,63 @@
+#include "model.h"
+
+#include "common.h"
+
+namespace dfn {
+
+static const char * W = "load_gguf";
+
+std::unique_ptr<target_model> target_model::open(const std::string & path) {
+    auto f = std::make_unique<gguf_file>(path);
+    DFN_REQUIRE(f->has_key("general.architecture"), W, "'", path, "' has no general.architecture key");
+    const std::string arch = f->arch();
+    if (arch == "qwen3") return make_qwen3(std::move(f));
+    if (arch == "qwen35") return make_qwen35(std::move(f));
+    throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
+                          "' (supported: qwen3, qwen35)"));
+}
+
+void target_model::read_common_hparams() {
+    const gguf_file & f = *file_;
+    hp_.arch = f.arch();
+    hp_.n_layer = f.get_u32(key("block_count"));
+    hp_.n_embd = f.get_u32(key("embedding_length"));
+    hp_.n_ff = f.get_u32(key("feed_forward_length"));
+    hp_.n_head = f.get_u32(key("attention.head_count"));
+    hp_.n_head_kv = f.get_u32(key("attention.head_count_kv"), (uint32_t) hp_.n_head);
+    hp_.head_dim = f.get_u32(key("attention.key_length"), hp_.n_head ? (uint32_t) (hp_.n_embd / hp_.n_head) : 0);
+    hp_.n_ctx_train = f.get_u32(key("context_length"), 4096);
+    hp_.rms_eps = f.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
+    hp_.rope_base = f.get_f32(key("rope.freq_base"), 10000.0f);
+    hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
+
+    DFN_REQUIRE(hp_.n_layer > 0 && hp_.n_layer <= 1024, W, "'", f.path(), "': bad block_count ", hp_.n_layer);
+    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0, W, "'", f.path(), "': embedding_length and feed_forward_length must be > 0");
+    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head % hp_.n_head_kv == 0, W, "'", f.path(),
+                "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv);
+    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ", hp_.head_dim, " must be even and > 0");
+    const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
+    DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
+    DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", f.path(),
+                "': rope.dimension_count ", hp_.n_rot, " must be even and within head dim ", hp_.head_dim);
+
+    DFN_REQUIRE(f.has_tensor("token_embd.weight"), W, "'", f.path(), "': missing tensor 'token_embd.weight'");
+}
+
+void target_model::load_common_tensors() {
+    const gguf_file & f = *file_;
+    // n_vocab comes from the embedding's shape; every other tensor is checked against hparams.
+    {
+        ggml_tensor * t = f.tensor("token_embd.weight", {}, false);
+        hp_.n_vocab = t ? t->ne[1] : 0;
+        DFN_REQUIRE(t && t->ne[0] == hp_.n_embd && t->ne[2] == 1 && hp_.n_vocab > 0, W, "'", f.path(),
+                    "': token_embd.weight has shape [", t ? t->ne[0] : 0, ", ", hp_.n_vocab,
+                    "], expected [", hp_.n_embd, ", n_vocab]");
+    }
+    tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab});
+    output_norm = f.tensor("output_norm.weight", {hp_.n_embd});
+    output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, false);
+    if (!output) output = tok_embd;  // tied embeddings
+    layers.resize(hp_.n_layer);
+}
+
+}  // namespace dfn

@@ -1,0 +1,112 @@
+// Target model interface: hparams, weights, and the graph builder each architecture implements.
+#pragma once
+
+#include "gguf_file.h"
+
+#include "ggml.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+struct target_hparams {
+    std::string arch;
+    int64_t n_vocab = 0;
+    int64_t n_embd = 0;
+    int64_t n_layer = 0;
+    int64_t n_ff = 0;
+    int64_t n_head = 0;
+    int64_t n_head_kv = 0;
+    int64_t head_dim = 0;
+    int64_t n_ctx_train = 0;
+    float rms_eps = 1e-6f;
+    float rope_base = 10000.0f;
+    int64_t n_rot = 0;
+    int rope_sections[4] = {0, 0, 0, 0};
+
+    // Gated DeltaNet (hybrid archs only)
+    int64_t ssm_d_conv = 0;     // conv kernel width
+    int64_t ssm_head_dim = 0;   // d_k == d_v per head (ggml_gated_delta_net needs them equal)
+    int64_t ssm_n_k_heads = 0;  // key heads (groups)
+    int64_t ssm_n_v_heads = 0;  // value heads; a multiple of ssm_n_k_heads (tiled broadcast)
+    std::vector<bool> is_gdn;   // per layer: GDN (true) or full attention (false)
+
+    int64_t ssm_conv_channels() const { return ssm_head_dim * (2 * ssm_n_k_heads + ssm_n_v_heads); }
+    int64_t ssm_d_inner() const { return ssm_head_dim * ssm_n_v_heads; }
+    bool layer_is_gdn(int il) const { return !is_gdn.empty() && is_gdn[il]; }
+};
+
+// Per-layer weights; an architecture fills what it uses.
+struct layer_weights {
+    ggml_tensor * attn_norm = nullptr;       // F32 [n_embd]
+    ggml_tensor * post_attn_norm = nullptr;  // F32 [n_embd] (qwen35: the pre-FFN norm)
+    ggml_tensor * ffn_norm = nullptr;        // F32 [n_embd] (qwen3)
+
+    // full attention
+    ggml_tensor * wq = nullptr;  // [n_embd, head_dim * n_head (x2 with gate)]
+    ggml_tensor * wk = nullptr;  // [n_embd, head_dim * n_head_kv]
+    ggml_tensor * wv = nullptr;  // [n_embd, head_dim * n_head_kv]
+    ggml_tensor * wo = nullptr;  // [head_dim * n_head, n_embd]
+    ggml_tensor * q_norm = nullptr;  // F32 [head_dim]
+    ggml_tensor * k_norm = nullptr;  // F32 [head_dim]
+
+    // Gated DeltaNet
+    ggml_tensor * wqkv = nullptr;       // [n_embd, conv_channels]
+    ggml_tensor * wgate = nullptr;      // [n_embd, d_inner]   (z)
+    ggml_tensor * ssm_conv1d = nullptr; // F32 [d_conv, conv_channels]
+    ggml_tensor * ssm_dt = nullptr;     // F32 [n_v_heads]   dt bias
+    ggml_tensor * ssm_a = nullptr;      // F32 [n_v_heads]   -exp(A_log)
+    ggml_tensor * ssm_beta = nullptr;   // [n_embd, n_v_heads]
+    ggml_tensor * ssm_alpha = nullptr;  // [n_embd, n_v_heads]
+    ggml_tensor * ssm_norm = nullptr;   // F32 [head_dim]
+    ggml_tensor * ssm_out = nullptr;    // [d_inner, n_embd]
+
+    // SwiGLU FFN
+    ggml_tensor * ffn_gate = nullptr;  // [n_embd, n_ff]
+    ggml_tensor * ffn_up = nullptr;    // [n_embd, n_ff]
+    ggml_tensor * ffn_down = nullptr;  // [n_ff, n_embd]
+};
+
+struct graph_inputs;  // graph.h
+
+class target_model {
+public:
+    virtual ~target_model() = default;
+
+    // Opens `path`, reads and validates hparams and tensor shapes; data is not read yet.
+    static std::unique_ptr<target_model> open(const std::string & path);
+
+    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+
+    // Builds the forward pass of g.n_tokens tokens into g.gf; returns the final hidden
+    // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.
+    virtual ggml_tensor * build_forward(graph_inputs & g) const = 0;
+
+    // Positions per token in the `pos` input: 4 for multi-section RoPE (text uses one position
+    // in the first three sections), else 1.
+    virtual int n_pos_per_token() const { return 1; }
+
+    const target_hparams & hparams() const { return hp_; }
+    const gguf_file & file() const { return *file_; }
+
+    ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
+    ggml_tensor * output_norm = nullptr;  // F32 [n_embd]
+    ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (== tok_embd when tied)
+    std::vector<layer_weights> layers;
+
+protected:
+    explicit target_model(std::unique_ptr<gguf_file> f) : file_(std::move(f)) {}
+    void read_common_hparams();
+    void load_common_tensors();
+    std::string key(const char * suffix) const { return hp_.arch + "." + suffix; }
+
+    std::unique_ptr<gguf_file> file_;
+    target_hparams hp_;
+};
+
+std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
+
+}  // namespace dfn

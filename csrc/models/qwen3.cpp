@@ -1,0 +1,75 @@
+// Qwen3 dense target (GGUF arch "qwen3"): pre-norm attention with q/k RMSNorm, NeoX RoPE, SwiGLU FFN.
+#include "../common.h"
+#include "../graph.h"
+#include "../model.h"
+
+#include <cmath>
+
+namespace dfn {
+
+namespace {
+
+class qwen3_model : public target_model {
+public:
+    explicit qwen3_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
+        read_common_hparams();
+        load_common_tensors();
+        const gguf_file & F = *file_;
+        const int64_t E = hp_.n_embd, hd = hp_.head_dim;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            layer_weights & L = layers[il];
+            auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+            L.attn_norm = F.tensor(n("attn_norm"), {E});
+            L.wq = F.tensor(n("attn_q"), {E, hd * hp_.n_head});
+            L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
+            L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
+            L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
+            L.q_norm = F.tensor(n("attn_q_norm"), {hd});
+            L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+            L.ffn_norm = F.tensor(n("ffn_norm"), {E});
+            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
+            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
+            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+        }
+    }
+
+    ggml_tensor * build_forward(graph_inputs & g) const override {
+        ggml_context * ctx = g.ctx;
+        const int64_t hd = hp_.head_dim, n_tok = g.n_tokens;
+        const float scale = 1.0f / sqrtf((float) hd);
+
+        ggml_tensor * cur = ggml_get_rows(ctx, tok_embd, g.tokens);  // [n_embd, n_tok]
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            const layer_weights & L = layers[il];
+            ggml_tensor * inp = cur;
+
+            ggml_tensor * x = rms_norm(g, cur, L.attn_norm);
+            ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, x), hd, hp_.n_head, n_tok);
+            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
+            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+            q = rope(g, rms_norm(g, q, L.q_norm));
+            k = rope(g, rms_norm(g, k, L.k_norm));
+            x = ggml_mul_mat(ctx, L.wo, attention_kv(g, il, q, k, v, scale));
+            cur = ggml_add(ctx, x, inp);
+
+            ggml_tensor * ffn_inp = cur;
+            cur = ggml_add(ctx, ffn_swiglu(g, rms_norm(g, cur, L.ffn_norm), L), ffn_inp);
+            g.tap(il, cur);
+        }
+        return rms_norm(g, cur, output_norm);
+    }
+
+private:
+    ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
+        return ggml_rope_ext(g.ctx, x, g.pos, nullptr, (int) hp_.n_rot, GGML_ROPE_TYPE_NEOX, (int) hp_.n_ctx_train,
+                             hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+    }
+};
+
+}  // namespace
+
+std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f) {
+    return std::make_unique<qwen3_model>(std::move(f));
+}
+
+}  // namespace dfn

@@ -1,0 +1,144 @@
+// Qwen3.5 hybrid target (GGUF arch "qwen35"): Gated DeltaNet layers with a short conv, and
+// every full_attention_interval-th layer gated full attention with partial multi-section RoPE.
+// Norm weights are stored as (1 + w) by the converter, so every norm here is x_hat * w.
+#include "../common.h"
+#include "../graph.h"
+#include "../model.h"
+
+#include <cmath>
+
+namespace dfn {
+
+namespace {
+
+static const char * W = "load_gguf";
+
+class qwen35_model : public target_model {
+public:
+    explicit qwen35_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
+        read_common_hparams();
+        const gguf_file & F = *file_;
+        const std::string & P = F.path();
+
+        const auto sections = F.get_int_arr(key("rope.dimension_sections"));
+        int64_t sum = 0;
+        for (size_t i = 0; i < sections.size() && i < 4; ++i) {
+            hp_.rope_sections[i] = (int) sections[i];
+            sum += sections[i];
+        }
+        // Multi-section RoPE divides by the section total: zero sections would not be a model.
+        DFN_REQUIRE(sum > 0 && sum * 2 <= hp_.n_rot, W, "'", P, "': rope.dimension_sections must be set and sum to at most",
+                    " rope.dimension_count / 2 = ", hp_.n_rot / 2, " (sum ", sum, ")");
+
+        hp_.ssm_d_conv = F.get_u32(key("ssm.conv_kernel"));
+        const int64_t d_inner = F.get_u32(key("ssm.inner_size"));
+        hp_.ssm_head_dim = F.get_u32(key("ssm.state_size"));
+        hp_.ssm_n_v_heads = F.get_u32(key("ssm.time_step_rank"));
+        hp_.ssm_n_k_heads = F.get_u32(key("ssm.group_count"));
+        DFN_REQUIRE(hp_.ssm_d_conv >= 2, W, "'", P, "': ssm.conv_kernel ", hp_.ssm_d_conv, " must be >= 2");
+        DFN_REQUIRE(hp_.ssm_head_dim > 0 && hp_.ssm_n_v_heads > 0 && hp_.ssm_n_k_heads > 0, W, "'", P,
+                    "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0");
+        DFN_REQUIRE(hp_.ssm_n_v_heads % hp_.ssm_n_k_heads == 0, W, "'", P, "': value heads ", hp_.ssm_n_v_heads,
+                    " must be a multiple of key heads ", hp_.ssm_n_k_heads);
+        DFN_REQUIRE(d_inner == hp_.ssm_head_dim * hp_.ssm_n_v_heads, W, "'", P, "': ssm.inner_size ", d_inner,
+                    " != value head dim x value heads; GDN needs d_k == d_v (", hp_.ssm_head_dim, " x ",
+                    hp_.ssm_n_v_heads, ")");
+
+        // Layer pattern: explicit per-layer flags, else every interval-th layer is attention.
+        hp_.is_gdn.assign(hp_.n_layer, false);
+        const auto recurrent = F.get_int_arr(key("attention.recurrent_layers"));
+        if (!recurrent.empty()) {
+            DFN_REQUIRE((int64_t) recurrent.size() >= hp_.n_layer, W, "'", P, "': attention.recurrent_layers has ",
+                        recurrent.size(), " entries for ", hp_.n_layer, " layers");
+            for (int il = 0; il < hp_.n_layer; ++il) hp_.is_gdn[il] = recurrent[il] != 0;
+        } else {
+            const uint32_t interval = F.get_u32(key("full_attention_interval"), 4);
+            DFN_REQUIRE(interval >= 1, W, "'", P, "': full_attention_interval must be >= 1");
+            for (int il = 0; il < hp_.n_layer; ++il) hp_.is_gdn[il] = (il + 1) % interval != 0;
+        }
+
+        load_common_tensors();
+        const int64_t E = hp_.n_embd, hd = hp_.head_dim;
+        const int64_t S = hp_.ssm_head_dim, n_ch = hp_.ssm_conv_channels(), H_v = hp_.ssm_n_v_heads;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            layer_weights & L = layers[il];
+            auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+            L.attn_norm = F.tensor(n("attn_norm"), {E});
+            L.post_attn_norm = F.tensor(n("post_attention_norm"), {E});
+            if (hp_.is_gdn[il]) {
+                L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch});
+                L.wgate = F.tensor(n("attn_gate"), {E, S * H_v});
+                L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp_.ssm_d_conv, n_ch});
+                L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v});
+                L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v});
+                L.ssm_beta = F.tensor(n("ssm_beta"), {E, H_v});
+                L.ssm_alpha = F.tensor(n("ssm_alpha"), {E, H_v});
+                L.ssm_norm = F.tensor(n("ssm_norm"), {S});
+                L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E});
+            } else {
+                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head});  // [q | gate] per head
+                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
+                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
+                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
+                L.q_norm = F.tensor(n("attn_q_norm"), {hd});
+                L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+            }
+            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
+            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
+            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+        }
+    }
+
+    int n_pos_per_token() const override { return 4; }
+
+    ggml_tensor * build_forward(graph_inputs & g) const override {
+        ggml_context * ctx = g.ctx;
+        ggml_tensor * cur = ggml_get_rows(ctx, tok_embd, g.tokens);  // [n_embd, n_tok]
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            const layer_weights & L = layers[il];
+            ggml_tensor * inp = cur;
+            ggml_tensor * x = rms_norm(g, cur, L.attn_norm);
+            x = hp_.is_gdn[il] ? gdn_mixer(g, il, L, x) : gated_attention(g, il, L, x);
+            cur = ggml_add(ctx, x, inp);
+
+            ggml_tensor * ffn_inp = cur;
+            cur = ggml_add(ctx, ffn_swiglu(g, rms_norm(g, cur, L.post_attn_norm), L), ffn_inp);
+            g.tap(il, cur);
+        }
+        return rms_norm(g, cur, output_norm);
+    }
+
+private:
+    // W_q emits [q | gate] per head; output = attn(q, k, v) * sigmoid(gate).
+    ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x) const {
+        ggml_context * ctx = g.ctx;
+        const int64_t hd = hp_.head_dim, n_tok = g.n_tokens, n_head = hp_.n_head;
+        ggml_tensor * qg = ggml_mul_mat(ctx, L.wq, x);  // [2 * hd * n_head, n_tok]
+        const size_t es = ggml_element_size(qg);
+        ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
+        ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
+        gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
+
+        ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+        q = rope(g, rms_norm(g, q, L.q_norm));
+        k = rope(g, rms_norm(g, k, L.k_norm));
+
+        ggml_tensor * a = attention_kv(g, il, q, k, v, 1.0f / sqrtf((float) hd));  // [hd * n_head, n_tok]
+        return ggml_mul_mat(ctx, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
+    }
+
+    ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
+        int sections[4] = {hp_.rope_sections[0], hp_.rope_sections[1], hp_.rope_sections[2], hp_.rope_sections[3]};
+        return ggml_rope_multi(g.ctx, x, g.pos, nullptr, (int) hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
+                               (int) hp_.n_ctx_train, hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+    }
+};
+
+}  // namespace
+
+std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f) {
+    return std::make_unique<qwen35_model>(std::move(f));
+}
+
+}  // namespace dfn

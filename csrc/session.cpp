@@ -1,0 +1,223 @@
+#include "session.h"
+
+#include "common.h"
+#include "graph.h"
+
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+namespace dfn {
+
+static const char * W = "decode";
+
+target_session::target_session(const std::string & path, const session_params & params) : params_(params) {
+    install_ggml_log();
+    DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
+    DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
+    DFN_REQUIRE(params.n_threads >= 0, "engine", "n_threads must be >= 0, got ", params.n_threads);
+    DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
+                "kv_type must be f16 or f32");
+
+    model_ = target_model::open(path);
+
+    cpu_ = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
+    const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
+    params_.n_threads = n_threads;
+    ggml_backend_cpu_set_n_threads(cpu_, n_threads);
+
+    if (params.device == "cpu") {
+        backend_ = cpu_;
+    } else if (params.device == "gpu" || params.device == "cuda" || params.device == "metal") {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        if (!dev) {
+            ggml_backend_free(cpu_);
+            throw input_error(cat("[engine] device='", params.device, "' asked for, but the ggml this package runs on "
+                                  "was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
+                                  "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
+                                  "llama-cpp-python==0.3.36, then reinstall dflash-native"));
+        }
+        backend_ = ggml_backend_dev_init(dev, nullptr);
+        if (!backend_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
+    } else {
+        ggml_backend_free(cpu_);
+        throw input_error(cat("[engine] unknown device '", params.device, "' (use 'cpu' or 'gpu')"));
+    }
+
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
+    model_->load_weights(buft);
+    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, buft);
+
+    max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
+    meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
+
+    ggml_backend_t backends[2] = {backend_, cpu_};
+    const int n_backends = backend_ == cpu_ ? 1 : 2;
+    sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, max_nodes_, false, true);
+    if (!sched_) throw runtime_error("[engine] cannot create the ggml scheduler");
+}
+
+target_session::~target_session() {
+    if (sched_) ggml_backend_sched_free(sched_);
+    cache_.reset();
+    model_.reset();  // frees the weight buffer before its backend
+    if (backend_ && backend_ != cpu_) ggml_backend_free(backend_);
+    if (cpu_) ggml_backend_free(cpu_);
+}
+
+std::string target_session::device_name() const { return ggml_backend_name(backend_); }
+
+decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers) {
+    const target_hparams & hp = model_->hparams();
+    DFN_REQUIRE(n > 0, W, "no tokens to decode");
+    DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
+                " new tokens > n_ctx = ", cache_->n_ctx);
+    for (int64_t i = 0; i < n; ++i) {
+        DFN_REQUIRE(tokens[i] >= 0 && tokens[i] < hp.n_vocab, W, "token id ", tokens[i], " at index ", i,
+                    " is outside the vocabulary [0, ", hp.n_vocab, ")");
+    }
+    for (int il : tap_layers) {
+        DFN_REQUIRE(il >= 0 && il < hp.n_layer, W, "tap layer ", il, " outside [0, ", hp.n_layer, ")");
+    }
+
+    decode_result out;
+    out.n_rows = all_logits ? n : 1;
+    out.logits.resize((size_t) out.n_rows * hp.n_vocab);
+    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
+
+    const int64_t n_past0 = cache_->n_past;
+    try {
+        for (int64_t off = 0; off < n; off += params_.n_batch) {
+            const int64_t m = std::min(params_.n_batch, n - off);
+            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n);
+        }
+    } catch (...) {
+        // K/V rows past the old cursor are dead; GDN state cannot be restored here, so the caller
+        // (Engine) must reset before the next request.
+        cache_->n_past = n_past0;
+        throw;
+    }
+    return out;
+}
+
+void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
+                               decode_result & out, int64_t tok_offset, int64_t n_total) {
+    const target_hparams & hp = model_->hparams();
+    const bool last_chunk = tok_offset + n == n_total;
+    const bool want_logits = all_logits || last_chunk;
+
+    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) throw runtime_error("[decode] ggml_init failed");
+    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
+
+    graph_inputs g;
+    g.ctx = ctx;
+    g.gf = ggml_new_graph_custom(ctx, max_nodes_, false);
+    g.hp = &hp;
+    g.cache = cache_.get();
+    g.n_tokens = n;
+    g.n_past = cache_->n_past;
+    g.n_kv = g.n_past + n;
+    const int n_pos = model_->n_pos_per_token();
+
+    g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
+    g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
+    ggml_set_input(g.tokens);
+    ggml_set_input(g.pos);
+    ggml_set_input(g.kq_mask);
+    g.tap_layers = tap_layers;
+    g.taps.assign(tap_layers.size(), nullptr);
+
+    ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+    ggml_tensor * logits = nullptr;
+    if (want_logits) {
+        if (!all_logits) {
+            hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
+        }
+        logits = ggml_mul_mat(ctx, model_->output, hidden);  // [n_vocab, rows]
+        ggml_set_output(logits);
+        ggml_build_forward_expand(g.gf, logits);
+    } else {
+        ggml_build_forward_expand(g.gf, hidden);
+    }
+
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
+        throw runtime_error(cat("[decode] cannot allocate the compute graph for ", n, " tokens at n_past ", g.n_past));
+    }
+
+    // inputs
+    ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
+    {
+        std::vector<int32_t> pos(n * n_pos, 0);
+        for (int64_t i = 0; i < n; ++i) {
+            const int32_t p = (int32_t) (g.n_past + i);
+            for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
+        }
+        ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    }
+    {
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t p = g.n_past + i;
+            ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
+            for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
+        }
+        ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    }
+
+    const ggml_status st = ggml_backend_sched_graph_compute(sched_, g.gf);
+    if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[decode] graph compute failed with status ", (int) st));
+    cache_->n_past += n;
+
+    if (want_logits) {
+        const int64_t rows = all_logits ? n : 1;
+        float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
+        ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
+        for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
+            if (!std::isfinite(dst[i])) {
+                throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
+                                        ": the model weights or inputs produce NaN/inf"));
+            }
+        }
+    }
+    const size_t n_taps = tap_layers.size();
+    for (size_t t = 0; t < n_taps; ++t) {
+        // taps[t]: [n_embd, n] -> out.taps[token][t][:]
+        std::vector<float> buf((size_t) hp.n_embd * n);
+        ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
+                        buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
+        }
+    }
+}
+
+std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {
+    // Reads t (or its first n_rows_dim2 slices along dim 2) as F32.
+    const int64_t ne2 = n_rows_dim2 >= 0 ? n_rows_dim2 : t->ne[2];
+    const size_t n_el = (size_t) t->ne[0] * t->ne[1] * ne2 * t->ne[3];
+    std::vector<float> out(n_el);
+    if (n_el == 0) return out;
+    const size_t bytes = n_el * ggml_type_size(t->type) / ggml_blck_size(t->type);
+    std::vector<uint8_t> raw(bytes);
+    ggml_backend_tensor_get(t, raw.data(), 0, bytes);
+    if (t->type == GGML_TYPE_F32) {
+        std::memcpy(out.data(), raw.data(), bytes);
+    } else if (t->type == GGML_TYPE_F16) {
+        ggml_fp16_to_fp32_row((const ggml_fp16_t *) raw.data(), out.data(), (int64_t) n_el);
+    } else {
+        throw runtime_error(cat("[cache] cannot read tensor of type ", ggml_type_name(t->type)));
+    }
+    return out;
+}
+
+}  // namespace dfn

@@ -1,0 +1,65 @@
+// A loaded target plus its sequence state: the unit that runs forward passes.
+#pragma once
+
+#include "cache.h"
+#include "model.h"
+
+#include "ggml-backend.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+struct session_params {
+    int64_t n_ctx = 4096;
+    int n_threads = 0;            // 0: all cores
+    ggml_type kv_type = GGML_TYPE_F16;
+    int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
+    std::string device = "cpu";   // "cpu" or "gpu" (first GPU ggml was built with)
+};
+
+struct decode_result {
+    std::vector<float> logits;  // [n_rows, n_vocab], rows = all tokens or the last one
+    int64_t n_rows = 0;
+    std::vector<float> taps;    // [n_tokens, n_taps, n_embd] when taps were asked for
+};
+
+class target_session {
+public:
+    target_session(const std::string & path, const session_params & params);
+    ~target_session();
+    target_session(const target_session &) = delete;
+    target_session & operator=(const target_session &) = delete;
+
+    // Runs tokens at positions n_past .. n_past + n - 1 and appends them to the cache.
+    decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {});
+
+    void reset() { cache_->clear(); }
+    int64_t n_past() const { return cache_->n_past; }
+
+    const target_hparams & hparams() const { return model_->hparams(); }
+    const target_model & model() const { return *model_; }
+    model_cache & cache() { return *cache_; }
+    const session_params & params() const { return params_; }
+    std::string device_name() const;
+
+    // Copies of cache contents as F32 for inspection and tests.
+    std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) const;
+
+private:
+    void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
+                   decode_result & out, int64_t tok_offset, int64_t n_total);
+
+    session_params params_;
+    std::unique_ptr<target_model> model_;
+    std::unique_ptr<model_cache> cache_;
+    ggml_backend_t backend_ = nullptr;      // the main compute backend (GPU or CPU)
+    ggml_backend_t cpu_ = nullptr;          // CPU backend (== backend_ on CPU)
+    ggml_backend_sched_t sched_ = nullptr;
+    std::vector<uint8_t> meta_;             // graph metadata arena
+    size_t max_nodes_ = 0;
+};
+
+}  // namespace dfn

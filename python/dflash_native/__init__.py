@@ -1,0 +1,31 @@
+"""dflash-native: exact DFlash speculative decoding for GGUF models, over ggml."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import _core
+from .engine import Engine, GenerationResult, GenerationStats, TextPiece
+
+
+def gpu_available() -> bool:
+    """True when the ggml this package runs on was built with a GPU backend."""
+    return bool(_core.gpu_available())
+
+
+def convert_hf_to_gguf(src_dir, dst_path, *, outtype: str = "f16"):
+    """Convert a Hugging Face checkpoint (config.json + safetensors) to GGUF. See dflash_native.convert."""
+    from .convert import convert_hf_to_gguf as _convert
+
+    return _convert(src_dir, dst_path, outtype=outtype)
+
+
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "GenerationStats",
+    "TextPiece",
+    "convert_hf_to_gguf",
+    "gpu_available",
+    "__version__",
+]
