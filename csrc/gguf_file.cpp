@@ -147,6 +147,7 @@ ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> n
         return nullptr;
     }
     ggml_tensor * t = it->second;
+    if (ne.empty()) return t;  // shape checked by the caller
     bool ok = true;
     for (int i = 0; i < GGML_MAX_DIMS; ++i) {
         const int64_t want = i < (int) ne.size() ? ne[i] : 1;

@@ -34,7 +34,8 @@ public:
     std::string get_str(const std::string & key, const std::string & def) const;
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
 
-    // Tensor lookup. `required` tensors throw when missing or when their shape differs from `ne`.
+    // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape
+    // differs from `ne` (an empty `ne` skips the shape check).
     ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, bool required = true) const;
     bool has_tensor(const std::string & name) const { return tensors_.count(name) != 0; }
 

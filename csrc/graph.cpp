@@ -72,7 +72,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
 
     // Causal depthwise conv over [conv state; this batch], then keep the last d_conv-1 inputs.
     ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
-    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_reshape_3d(ctx, ggml_transpose(ctx, qkv), n_tok, n_ch, 1), 0);
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
     // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
     ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
                                            n_tok * ggml_element_size(conv_in));
