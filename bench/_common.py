@@ -1,0 +1,77 @@
+"""Shared bench helpers: machine description, timing statistics, JSON lines, cached models."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache" / "dflash-native-bench"))
+
+# A Qwen3.5-0.8B-shaped hybrid (hidden 1024, 24 layers, 3 GDN : 1 attention), vocab cut to
+# 151936 (Qwen2.5-0.5B's) so the model is about 0.5-0.6B parameters.
+QWEN35_05B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True,
+)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:
+    """Build (once) a random model with the package's own converter."""
+    from dflash_native.testing import make_random_gguf
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{name}-{outtype}-s{seed}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp.gguf")
+        make_random_gguf(tmp, arch, outtype=outtype, seed=seed, **overrides)
+        tmp.rename(path)
+    return path
+
+
+def summarize(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *a):
+        self.s = time.perf_counter() - self.t0
+
+
+def write_jsonl(path: Path | None, rows: list[dict]) -> None:
+    if path is None:
+        return
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"

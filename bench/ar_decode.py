@@ -1,0 +1,108 @@
+"""AR prefill and decode speed: dflash-native vs llama.cpp (llama-cpp-python) on the same GGUF files.
+
+Both engines run in this process, alternating per repetition, with the same thread count,
+F16 KV cache and flash attention, greedy decoding of the same tokens. Ratios are ours / llama.cpp.
+
+    python bench/ar_decode.py --threads 2 --json bench/results/ar_decode.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import QWEN35_05B, Timer, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+
+
+def bench_ours(path, prompt, n_decode, threads, n_ctx):
+    from dflash_native import _core
+
+    t = _core.Target(str(path), n_ctx=n_ctx, n_threads=threads, kv_type="f16")
+
+    def run():
+        t.reset()
+        with Timer() as tp:
+            logits = t.decode(prompt)
+        tok = int(np.argmax(logits[-1]))
+        with Timer() as td:
+            for _ in range(n_decode):
+                tok = int(np.argmax(t.decode([tok])[-1]))
+        return tp.s, td.s
+
+    return run
+
+
+def bench_llama(path, prompt, n_decode, threads, n_ctx):
+    import llama_cpp
+
+    ll = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+
+    def run():
+        ll.reset()  # clears llama.cpp's memory (KV and recurrent state) too
+        with Timer() as tp:
+            ll.eval(prompt)
+        tok = int(np.argmax(ll.scores[ll.n_tokens - 1]))
+        with Timer() as td:
+            for _ in range(n_decode):
+                ll.eval([tok])
+                tok = int(np.argmax(ll.scores[ll.n_tokens - 1]))
+        return tp.s, td.s
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--outtypes", default="f16,q8_0")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape (smoke run)")
+    ap.add_argument("--json", type=Path, default=None, help="append JSON lines here")
+    a = ap.parse_args()
+
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4) if a.tiny else QWEN35_05B
+    name = "qwen35-tiny" if a.tiny else "qwen35-0.5b"
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(10, 600, a.prompt_len)]
+    n_ctx = a.prompt_len + a.decode + 16
+
+    print(f"# ar_decode: {machine()}; threads={a.threads}; prompt={a.prompt_len}; decode={a.decode}; "
+          f"reps={a.reps} (+1 warm-up); rev {git_rev()}")
+    print(f"{'model':<16}{'type':<6}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
+    rows = []
+    for outtype in a.outtypes.split(","):
+        path = cached_gguf(name, "qwen3_5", outtype, **shape)
+        runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
+                   "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
+        res = {k: {"prefill": [], "decode": []} for k in runners}
+        for rep in range(a.reps + 1):
+            for k, run in runners.items():  # alternate engines within each repetition
+                tp, td = run()
+                if rep > 0:
+                    res[k]["prefill"].append(a.prompt_len / tp)
+                    res[k]["decode"].append(a.decode / td)
+        for k in runners:
+            p, d = summarize(res[k]["prefill"]), summarize(res[k]["decode"])
+            print(f"{name:<16}{outtype:<6}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
+            rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
+                         "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
+                         "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev()})
+        ours, ref = res["dflash-native"], res["llama.cpp"]
+        rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
+        rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]
+        print(f"{name:<16}{outtype:<6}{'ratio':<14}{rp:>14.3f}{rd:>14.3f}")
+        rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": "ratio ours/llama.cpp",
+                     "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "rev": git_rev()})
+    write_jsonl(a.json, rows)
+
+
+if __name__ == "__main__":
+    main()
