@@ -1,0 +1,110 @@
+"""The generation API: streaming, stop strings, chat template, tokenizer parity, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dflash_native as dn
+from dflash_native.testing import make_random_gguf
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return make_random_gguf(tmp_path_factory.mktemp("gen") / "m.gguf", "qwen3_5", outtype="f16", seed=11,
+                            num_hidden_layers=4, hidden_size=96, intermediate_size=160)
+
+
+@pytest.fixture(scope="module")
+def eng(gguf):
+    return dn.Engine(gguf, n_ctx=256, n_threads=2)
+
+
+def test_stream_equals_non_stream(eng):
+    r = eng.generate("def main():", max_tokens=40)
+    pieces = list(eng.generate("def main():", max_tokens=40, stream=True))
+    assert pieces[-1].result is not None and all(p.result is None for p in pieces[:-1])
+    assert "".join(pieces) == r.text == pieces[-1].result.text
+    assert pieces[-1].result.tokens == r.tokens
+    assert r.stats.n_generated == len(r.tokens) > 0
+    assert r.stats.prefill_tok_s > 0 and r.stats.n_prompt_tokens == len(eng.tokenize("def main():"))
+
+
+def test_text_is_detokenized_tokens(eng):
+    r = eng.generate("import os\n", max_tokens=30)
+    assert r.text == eng.detokenize(r.tokens)
+
+
+def test_stop_string(eng):
+    full = eng.generate("x = ", max_tokens=40)
+    assert len(full.text) > 6, "need some generated text to cut"
+    stop = full.text[3:6]
+    r = eng.generate("x = ", max_tokens=40, stop=[stop])
+    assert r.stats.stop_reason == "stop"
+    assert r.text == full.text[: full.text.find(stop)]
+    assert stop not in r.text
+    # streaming never leaks any part of the stop string
+    pieces = list(eng.generate("x = ", max_tokens=40, stop=[stop], stream=True))
+    assert "".join(pieces) == r.text
+
+
+def test_max_tokens_zero_and_one(eng):
+    assert eng.generate([5, 6], max_tokens=0).tokens == []
+    r1 = eng.generate([5, 6], max_tokens=1)
+    r5 = eng.generate([5, 6], max_tokens=5)
+    assert len(r1.tokens) == 1 and r5.tokens[:1] == r1.tokens
+
+
+def test_tokenize_equals_llamacpp(eng, gguf):
+    import llama_cpp
+
+    ll = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    for text in ["hello world", "def f(x):\n    return x ** 2\n", "  spaces\t\ttabs\n\n\n", "ünïcödé — 日本語 🙂",
+                 "<|im_start|>user\nhi<|im_end|>"]:
+        assert eng.tokenize(text) == ll.tokenize(text.encode(), add_bos=True, special=True)
+        assert eng.detokenize(eng.tokenize(text)) == text
+
+
+def test_chat_template(eng):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = eng.tokenizer.apply_chat_template(msgs)
+    assert prompt.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
+    assert prompt.endswith("<|im_start|>assistant\n")
+    r = eng.chat(msgs, max_tokens=8)
+    assert r.prompt_tokens == eng.tokenize(prompt)
+    with pytest.raises(ValueError, match="role"):
+        eng.chat([{"content": "no role"}])
+
+
+def test_eval_is_stateless(eng):
+    a = eng.eval([5, 6, 7, 8])
+    eng.generate([9, 9, 9], max_tokens=3)
+    b = eng.eval([5, 6, 7, 8])
+    assert (a == b).all()
+
+
+def test_cli_generate(gguf):
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "generate", "--target", str(gguf), "--prompt",
+                        "def f():", "--max-tokens", "12", "--json", "--threads", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(out["tokens"]) <= 12 and out["stats"]["n_generated"] == len(out["tokens"])
+    eng = dn.Engine(gguf, n_ctx=256)
+    assert out["tokens"] == eng.generate("def f():", max_tokens=12).tokens
+
+
+def test_cli_bad_target_is_clean_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "generate", "--target", str(tmp_path / "no.gguf"),
+                        "--prompt", "x"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no such file" in p.stderr
+
+
+def test_demo_runs():
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "demo", "--max-tokens", "8", "--threads", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "RANDOM weights" in p.stdout and "generated" in p.stdout
