@@ -1,5 +1,7 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 #include "common.h"
+#include "gdn_tape.h"
+#include "verify.h"
 #include "session.h"
 
 #include <pybind11/numpy.h>
@@ -50,20 +52,75 @@ PYBIND11_MODULE(_core, m) {
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
 
+    m.def(
+        "accept_prefix",
+        [](const py::object & draft, const py::object & target) {
+            std::vector<int32_t> d = to_tokens(draft), t = to_tokens(target);
+            return accept_prefix(d.data(), (int64_t) d.size(), t.data(), (int64_t) t.size());
+        },
+        py::arg("draft"), py::arg("target"),
+        "Committed tokens of one chain-verify round: the longest prefix of draft (d_1..d_{B-1}) equal to "
+        "target (t_0..t_{B-1}), plus the bonus token.");
+
+    using farr = py::array_t<float, py::array::c_style | py::array::forcecast>;
+    m.def(
+        "gdn_tape_record",
+        [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
+            // q, k: [T, H_k, S]; v: [T, H_v, S]; g, beta: [T, H_v]; state0: [H_v, S(v), S(k)] (S^T per head)
+            if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || g.ndim() != 2 || beta.ndim() != 2 || state0.ndim() != 3)
+                throw input_error("[gdn_tape] expected q, k, v 3-D; g, beta 2-D; state0 3-D");
+            const int64_t T = v.shape(0), H_v = v.shape(1), S = v.shape(2), H_k = q.shape(1);
+            if (H_k < 1 || H_v % H_k != 0 || q.shape(0) != T || q.shape(2) != S || k.shape(0) != T || k.shape(1) != H_k ||
+                k.shape(2) != S || g.shape(0) != T || g.shape(1) != H_v || beta.shape(0) != T || beta.shape(1) != H_v ||
+                state0.shape(0) != H_v || state0.shape(1) != S || state0.shape(2) != S)
+                throw input_error("[gdn_tape] inconsistent shapes");
+            gdn_inputs in{q.data(), S, S * H_k, k.data(), S, S * H_k, v.data(), S, S * H_v, g.data(), H_v, beta.data(), H_v};
+            std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
+            {
+                py::gil_scoped_release release;
+                gdn_tape_record(in, state0.data(), o.data(), {tk.data(), tu.data(), tg.data()}, S, H_k, H_v, T, 0, H_v);
+            }
+            return py::make_tuple(to_array<float>(std::move(o), {T, H_v, S}), to_array<float>(std::move(tk), {T, H_v, S}),
+                                  to_array<float>(std::move(tu), {T, H_v, S}), to_array<float>(std::move(tg), {T, H_v}));
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"),
+        "Run the GDN recurrence from state0 recording the tape: returns (o, tape_k, tape_u, tape_g).");
+    m.def(
+        "gdn_tape_replay",
+        [](farr state0, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
+            if (state0.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)
+                throw input_error("[gdn_tape] expected state0, tape_k, tape_u 3-D and tape_g 2-D");
+            const int64_t H_v = state0.shape(0), S = state0.shape(1), T = tk.shape(0);
+            if (state0.shape(2) != S || tk.shape(1) != H_v || tk.shape(2) != S || tu.shape(0) != T || tu.shape(1) != H_v ||
+                tu.shape(2) != S || tg.shape(0) != T || tg.shape(1) != H_v)
+                throw input_error("[gdn_tape] inconsistent shapes");
+            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
+            std::vector<float> st(state0.data(), state0.data() + state0.size());
+            gdn_tape_view tape{const_cast<float *>(tk.data()), const_cast<float *>(tu.data()), const_cast<float *>(tg.data())};
+            {
+                py::gil_scoped_release release;
+                gdn_tape_replay_mt(st.data(), tape, S, H_v, n, n_threads);
+            }
+            return to_array<float>(std::move(st), {H_v, S, S});
+        },
+        py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
+        "State after the first n tokens of a tape, from state0 ([H_v, S, S], S^T per head).");
+
     py::class_<target_session>(m, "Target")
         .def(py::init([](const std::string & path, int64_t n_ctx, int n_threads, const std::string & kv_type,
-                         int64_t n_batch, const std::string & device) {
+                         int64_t n_batch, const std::string & device, int64_t max_verify) {
                  session_params p;
                  p.n_ctx = n_ctx;
                  p.n_threads = n_threads;
                  p.kv_type = parse_kv_type(kv_type);
                  p.n_batch = n_batch;
                  p.device = device;
+                 p.max_verify = max_verify;
                  py::gil_scoped_release release;
                  return std::make_unique<target_session>(path, p);
              }),
              py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
-             py::arg("n_batch") = 512, py::arg("device") = "cpu")
+             py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0)
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })
@@ -100,6 +157,32 @@ PYBIND11_MODULE(_core, m) {
             "Run tokens at positions n_past.. and append them to the cache. Returns logits float32 "
             "[n_rows, n_vocab] (all tokens or the last), and with taps=[layers] also the hidden states "
             "after those layers, float32 [n_tokens, n_taps, n_embd].")
+        .def(
+            "verify",
+            [](target_session & s, const py::object & tokens, const std::vector<int> & taps) -> py::object {
+                std::vector<int32_t> toks = to_tokens(tokens);
+                decode_result r;
+                {
+                    py::gil_scoped_release release;
+                    r = s.verify(toks.data(), (int64_t) toks.size(), taps);
+                }
+                py::array_t<float> logits = to_array<float>(std::move(r.logits), {r.n_rows, s.hparams().n_vocab});
+                if (taps.empty()) return logits;
+                py::array_t<float> t = to_array<float>(std::move(r.taps),
+                    {(py::ssize_t) toks.size(), (py::ssize_t) taps.size(), (py::ssize_t) s.hparams().n_embd});
+                return py::make_tuple(logits, t);
+            },
+            py::arg("tokens"), py::arg("taps") = std::vector<int>{},
+            "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
+        .def(
+            "commit",
+            [](target_session & s, int64_t n_keep) {
+                py::gil_scoped_release release;
+                s.commit(n_keep);
+            },
+            py::arg("n_keep"), "Keep the first n_keep tokens of the pending verify (rollback of the rest)")
+        .def_property_readonly("verify_pending", &target_session::verify_pending)
+        .def_property_readonly("tape_bytes_per_token", [](target_session & s) { return s.cache().tape_bytes_per_token(); })
         .def(
             "kv",
             [](target_session & s, int il) {

@@ -4,9 +4,10 @@
 
 namespace dfn {
 
-model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv_type_, ggml_backend_buffer_type_t buft)
-    : n_ctx(n_ctx_), kv_type(kv_type_) {
-    const size_t n_tensors = 2 * (size_t) hp.n_layer;
+model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv_type_, int64_t n_tape_,
+                         ggml_backend_buffer_type_t buft)
+    : n_ctx(n_ctx_), n_tape(n_tape_), kv_type(kv_type_) {
+    const size_t n_tensors = 6 * (size_t) hp.n_layer;
     ggml_init_params ip = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/ true};
     ctx_ = ggml_init(ip);
     if (!ctx_) throw runtime_error("[cache] ggml_init failed");
@@ -18,6 +19,13 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
             gdn[il].ssm = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.ssm_head_dim, hp.ssm_head_dim, hp.ssm_n_v_heads);
             ggml_format_name(gdn[il].conv, "cache.conv.%d", il);
             ggml_format_name(gdn[il].ssm, "cache.ssm.%d", il);
+            if (n_tape > 0) {
+                const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads;
+                gdn[il].tape_k = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, S, H_v, n_tape);
+                gdn[il].tape_u = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, S, H_v, n_tape);
+                gdn[il].tape_g = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, H_v, n_tape);
+                gdn[il].tape_qkv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, hp.ssm_conv_channels(), n_tape);
+            }
         } else {
             kv[il].k = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
             kv[il].v = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
@@ -44,5 +52,13 @@ void model_cache::clear() {
 }
 
 size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+
+size_t model_cache::tape_bytes_per_token() const {
+    size_t n = 0;
+    for (const auto & l : gdn) {
+        if (l.tape_k) n += (ggml_nbytes(l.tape_k) + ggml_nbytes(l.tape_u) + ggml_nbytes(l.tape_g) + ggml_nbytes(l.tape_qkv)) / n_tape;
+    }
+    return n;
+}
 
 }  // namespace dfn

@@ -17,6 +17,12 @@ struct kv_layer {
 struct gdn_layer {
     ggml_tensor * conv = nullptr;  // F32 [d_conv - 1, conv_channels]: the last conv inputs, oldest first
     ggml_tensor * ssm = nullptr;   // F32 [S, S, n_v_heads]: S^T per head (ggml_gated_delta_net layout, k fastest)
+
+    // Tape of the last verify pass (see gdn_tape.h); T_cap = model_cache::n_tape tokens.
+    ggml_tensor * tape_k = nullptr;    // F32 [S, n_v_heads, T_cap]
+    ggml_tensor * tape_u = nullptr;    // F32 [S, n_v_heads, T_cap]
+    ggml_tensor * tape_g = nullptr;    // F32 [n_v_heads, T_cap]
+    ggml_tensor * tape_qkv = nullptr;  // F32 [conv_channels, T_cap]: conv inputs, for the conv state
 };
 
 // Rollback of attention K/V is a cursor move: rows at positions >= n_past are dead and
@@ -24,7 +30,9 @@ struct gdn_layer {
 // exactly n_past tokens.
 class model_cache {
 public:
-    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, ggml_backend_buffer_type_t buft);
+    // n_tape: the most tokens one verify pass may record (0: no verify on this cache).
+    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape,
+                ggml_backend_buffer_type_t buft);
     ~model_cache();
     model_cache(const model_cache &) = delete;
     model_cache & operator=(const model_cache &) = delete;
@@ -33,10 +41,12 @@ public:
 
     int64_t n_ctx = 0;
     int64_t n_past = 0;
+    int64_t n_tape = 0;
     ggml_type kv_type;
     std::vector<kv_layer> kv;    // per layer; null tensors on GDN layers
     std::vector<gdn_layer> gdn;  // per layer; null tensors on attention layers
     size_t bytes() const;
+    size_t tape_bytes_per_token() const;  // GDN tape bytes one verified token costs, all layers
 
 private:
     ggml_context * ctx_ = nullptr;

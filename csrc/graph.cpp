@@ -1,6 +1,7 @@
 #include "graph.h"
 
 #include "common.h"
+#include "gdn_tape.h"
 
 #include <cmath>
 
@@ -74,9 +75,15 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
     ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
     // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
-    ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
-                                           n_tok * ggml_element_size(conv_in));
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
+    if (g.record_tape) {
+        // the conv inputs go to the tape; the conv state moves only when the prefix is committed
+        ggml_tensor * dst = ggml_view_2d(ctx, st.tape_qkv, n_ch, n_tok, st.tape_qkv->nb[1], 0);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
+    } else {
+        ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
+                                               n_tok * ggml_element_size(conv_in));
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
+    }
 
     ggml_tensor * conv_out = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
 
@@ -91,11 +98,25 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     k = ggml_scale(ctx, ggml_rms_norm(ctx, k, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
 
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
-    // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
-    ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
-    ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
+    ggml_tensor * o = nullptr;
+    if (g.record_tape) {
+        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state);
+        // res packs [outputs | tape k | tape u | tape g]; copy the tape to the cache's tape tensors
+        const int64_t n_o = S * H_v * n_tok;
+        o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
+        auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
+            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
+        };
+        to_tape(st.tape_k, n_o, n_o);
+        to_tape(st.tape_u, n_o, 2 * n_o);
+        to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
+    } else {
+        ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
+        // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
+        o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
+        ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
+    }
 
     // Per-head RMSNorm of the output, gated by SiLU(z).
     ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);

@@ -26,6 +26,10 @@ struct graph_inputs {
     ggml_tensor * pos = nullptr;      // I32 [n_tokens] (x4 for multi-section RoPE)
     ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tokens]: 0 or -inf, causal
 
+    // Verify pass: GDN layers record their tape and leave their state alone (see gdn_tape.h);
+    // the caller commits the accepted prefix afterwards.
+    bool record_tape = false;
+
     // Hidden-state taps: output of layer tap_layers[i] (after its residual), F32 [n_embd, n_tokens].
     std::vector<int> tap_layers;
     std::vector<ggml_tensor *> taps;

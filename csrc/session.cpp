@@ -1,6 +1,7 @@
 #include "session.h"
 
 #include "common.h"
+#include "gdn_tape.h"
 #include "graph.h"
 
 #include "ggml-alloc.h"
@@ -51,7 +52,8 @@ target_session::target_session(const std::string & path, const session_params & 
 
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
     model_->load_weights(buft);
-    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, buft);
+    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
+    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify, buft);
 
     max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
@@ -72,8 +74,9 @@ target_session::~target_session() {
 
 std::string target_session::device_name() const { return ggml_backend_name(backend_); }
 
-decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers) {
+void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
+    DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
     DFN_REQUIRE(n > 0, W, "no tokens to decode");
     DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
                 " new tokens > n_ctx = ", cache_->n_ctx);
@@ -84,6 +87,11 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     for (int il : tap_layers) {
         DFN_REQUIRE(il >= 0 && il < hp.n_layer, W, "tap layer ", il, " outside [0, ", hp.n_layer, ")");
     }
+}
+
+decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers) {
+    const target_hparams & hp = model_->hparams();
+    check_tokens(tokens, n, tap_layers);
 
     decode_result out;
     out.n_rows = all_logits ? n : 1;
@@ -94,7 +102,7 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     try {
         for (int64_t off = 0; off < n; off += params_.n_batch) {
             const int64_t m = std::min(params_.n_batch, n - off);
-            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n);
+            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n, false);
         }
     } catch (...) {
         // K/V rows past the old cursor are dead; GDN state cannot be restored here, so the caller
@@ -105,8 +113,77 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     return out;
 }
 
+decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) {
+    const target_hparams & hp = model_->hparams();
+    check_tokens(tokens, n, tap_layers);
+    DFN_REQUIRE(n <= cache_->n_tape || hp.is_gdn.empty(), "verify", n, " tokens > max_verify = ", cache_->n_tape,
+                " (the GDN tape capacity this engine was created with)");
+    DFN_REQUIRE(n <= params_.n_batch, "verify", n, " tokens > n_batch = ", params_.n_batch);
+
+    decode_result out;
+    out.n_rows = n;
+    out.logits.resize((size_t) n * hp.n_vocab);
+    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
+    const int64_t n_past0 = cache_->n_past;
+    try {
+        run_chunk(tokens, n, true, tap_layers, out, 0, n, true);
+    } catch (...) {
+        cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
+        throw;
+    }
+    pending_past_ = n_past0;
+    pending_n_ = n;
+    return out;
+}
+
+void target_session::commit(int64_t n_keep) {
+    DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
+    DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
+    const target_hparams & hp = model_->hparams();
+    cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
+    pending_n_ = 0;
+    if (hp.is_gdn.empty()) return;
+
+    const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
+    const int64_t kc = hp.ssm_d_conv - 1;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        if (!hp.is_gdn[il]) continue;
+        gdn_layer & L = cache_->gdn[il];
+        // TODO(cuda): run csrc/cuda/gdn_tape.cu on device buffers instead of this host round trip
+        const bool host = ggml_backend_buffer_is_host(L.ssm->buffer);
+        std::vector<float> st_h, tk_h, tu_h, tg_h;
+        float * state = (float *) L.ssm->data;
+        gdn_tape_view tape = {(float *) L.tape_k->data, (float *) L.tape_u->data, (float *) L.tape_g->data};
+        if (!host) {
+            st_h.resize(ggml_nelements(L.ssm));
+            tk_h.resize(S * H_v * n_keep); tu_h.resize(S * H_v * n_keep); tg_h.resize(H_v * n_keep);
+            ggml_backend_tensor_get(L.ssm, st_h.data(), 0, st_h.size() * sizeof(float));
+            ggml_backend_tensor_get(L.tape_k, tk_h.data(), 0, tk_h.size() * sizeof(float));
+            ggml_backend_tensor_get(L.tape_u, tu_h.data(), 0, tu_h.size() * sizeof(float));
+            ggml_backend_tensor_get(L.tape_g, tg_h.data(), 0, tg_h.size() * sizeof(float));
+            state = st_h.data();
+            tape = {tk_h.data(), tu_h.data(), tg_h.data()};
+        }
+        gdn_tape_replay_mt(state, tape, S, H_v, n_keep, params_.n_threads);
+        if (!host) ggml_backend_tensor_set(L.ssm, st_h.data(), 0, st_h.size() * sizeof(float));
+
+        // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
+        std::vector<float> conv((size_t) kc * n_ch), qkv((size_t) n_ch * n_keep);
+        ggml_backend_tensor_get(L.conv, conv.data(), 0, conv.size() * sizeof(float));
+        ggml_backend_tensor_get(L.tape_qkv, qkv.data(), 0, qkv.size() * sizeof(float));
+        std::vector<float> out((size_t) kc * n_ch);
+        for (int64_t c = 0; c < n_ch; ++c) {
+            for (int64_t j = 0; j < kc; ++j) {
+                const int64_t src = n_keep + j;  // index into the kc + n_keep long sequence, from its end
+                out[c * kc + j] = src < kc ? conv[c * kc + src] : qkv[(src - kc) * n_ch + c];
+            }
+        }
+        ggml_backend_tensor_set(L.conv, out.data(), 0, out.size() * sizeof(float));
+    }
+}
+
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
-                               decode_result & out, int64_t tok_offset, int64_t n_total) {
+                               decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape) {
     const target_hparams & hp = model_->hparams();
     const bool last_chunk = tok_offset + n == n_total;
     const bool want_logits = all_logits || last_chunk;
@@ -124,6 +201,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     g.n_tokens = n;
     g.n_past = cache_->n_past;
     g.n_kv = g.n_past + n;
+    g.record_tape = record_tape;
     const int n_pos = model_->n_pos_per_token();
 
     g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);

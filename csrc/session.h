@@ -18,6 +18,7 @@ struct session_params {
     ggml_type kv_type = GGML_TYPE_F16;
     int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
     std::string device = "cpu";   // "cpu" or "gpu" (first GPU ggml was built with)
+    int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
 };
 
 struct decode_result {
@@ -36,7 +37,16 @@ public:
     // Runs tokens at positions n_past .. n_past + n - 1 and appends them to the cache.
     decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {});
 
-    void reset() { cache_->clear(); }
+    // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
+    // updating their state. Must be followed by commit(n_keep) before the next decode or verify.
+    decode_result verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers = {});
+
+    // Keep the first n_keep (1..n) tokens of the pending verify: attention K/V cursor to
+    // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
+    void commit(int64_t n_keep);
+    bool verify_pending() const { return pending_n_ > 0; }
+
+    void reset() { cache_->clear(); pending_n_ = 0; }
     int64_t n_past() const { return cache_->n_past; }
 
     const target_hparams & hparams() const { return model_->hparams(); }
@@ -49,8 +59,9 @@ public:
     std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) const;
 
 private:
+    void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
-                   decode_result & out, int64_t tok_offset, int64_t n_total);
+                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape);
 
     session_params params_;
     std::unique_ptr<target_model> model_;
@@ -60,6 +71,8 @@ private:
     ggml_backend_sched_t sched_ = nullptr;
     std::vector<uint8_t> meta_;             // graph metadata arena
     size_t max_nodes_ = 0;
+    int64_t pending_n_ = 0;       // tokens of an uncommitted verify
+    int64_t pending_past_ = 0;    // n_past before it
 };
 
 }  // namespace dfn

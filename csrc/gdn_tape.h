@@ -1,0 +1,56 @@
+// GDN tape: record (k_t, u_t, g_t) per token per value head during a verify pass, and replay
+// the accepted prefix onto the saved state. See ARCHITECTURE.md, "GDN tape".
+//
+// Per value head h (key head h % H_k: tiled broadcast, as ggml_gated_delta_net), state S (d_k x d_v):
+//   S'  = exp(g_t) S
+//   u_t = beta_t (v_t - S'^T k_t)
+//   S   = S' + k_t u_t^T
+//   o_t = S^T q_t / sqrt(d_k)
+// State memory layout is ggml's: M[j * S + i] = S[i][j] (k index fastest), per head.
+//
+// This CPU file is the reference the CUDA (csrc/cuda/gdn_tape.cu) and Metal
+// (csrc/metal/gdn_tape.metal) kernels are tested against.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dfn {
+
+// Strided views of the inputs (strides in floats).
+struct gdn_inputs {
+    const float * q; int64_t q_s1, q_s2;  // [S, H_k, T]: element (i, hk, t) at i + hk*q_s1 + t*q_s2
+    const float * k; int64_t k_s1, k_s2;  // [S, H_k, T]
+    const float * v; int64_t v_s1, v_s2;  // [S, H_v, T]
+    const float * g; int64_t g_s1;        // [H_v, T]: (h, t) at h + t*g_s1  (log decay)
+    const float * beta; int64_t b_s1;     // [H_v, T]
+};
+
+struct gdn_tape_view {
+    float * k;  // [S, H_v, T_cap]: element (i, h, t) at i + S*(h + H_v*t)
+    float * u;  // [S, H_v, T_cap]
+    float * g;  // [H_v, T_cap]:  (h, t) at h + H_v*t
+};
+
+// Runs T tokens from state0 (read only) for value heads [h0, h1): writes outputs o
+// [S, H_v, T] (contiguous) and the tape. The state after the pass is not kept.
+void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape,
+                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
+
+// state <- the state after the first n tokens of the tape, for value heads [h0, h1).
+// Bitwise equal to the state the record pass held after those n tokens.
+void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n,
+                     int64_t h0, int64_t h1);
+
+// Same, spread over n_threads threads.
+void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int n_threads);
+
+// ggml CPU custom op around gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1];
+// g, beta: [1, H_v, T, 1]; state: [S, S, H_v] (not modified).
+// Returns F32 [S*H_v*T (o) | S*H_v*T (tape k) | S*H_v*T (tape u) | H_v*T (tape g)].
+ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state);
+
+}  // namespace dfn
