@@ -13,6 +13,15 @@ def gpu_available() -> bool:
     return bool(_core.gpu_available())
 
 
+def accept_prefix(draft, target) -> list[int]:
+    """Committed tokens of one chain-verify round.
+
+    draft: d_1..d_{B-1}, the drafter's tokens after the last committed token; target: t_0..t_{B-1},
+    the target's argmax after each of [last, d_1..d_{B-1}]. Returns the longest prefix of draft
+    that the target agrees with (d_i == t_{i-1}) plus the bonus token: 1..B tokens."""
+    return list(_core.accept_prefix(draft, target))
+
+
 def convert_hf_to_gguf(src_dir, dst_path, *, outtype: str = "f16"):
     """Convert a Hugging Face checkpoint (config.json + safetensors) to GGUF. See dflash_native.convert."""
     from .convert import convert_hf_to_gguf as _convert
@@ -25,6 +34,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "TextPiece",
+    "accept_prefix",
     "convert_hf_to_gguf",
     "gpu_available",
     "__version__",
