@@ -1,0 +1,882 @@
+"""Hugging Face checkpoint -> GGUF conversion for DFlash target models.
+
+Supported: Qwen3 (`Qwen3ForCausalLM`, GGUF arch `qwen3`) and Qwen3.5 text
+models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
+`Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
+`model.language_model.` and whose hparams sit under `text_config`; GGUF arch
+`qwen35`).
+
+The output follows llama.cpp's own converter (conversion/qwen.py in the
+llama.cpp that llama-cpp-python 0.3.36 vendors) key for key and tensor for
+tensor, so llama.cpp loads it and the native engine can share its loader
+conventions. The transforms that are not plain renames:
+
+- Qwen3.5 RMSNorms compute `x * (1 + w)`; we store `w + 1` for every norm but
+  the GDN output norm `linear_attn.norm`, which is already multiplicative.
+- `A_log` is stored as `ssm_a = -exp(A_log)`; `dt_bias` becomes `ssm_dt.bias`.
+- `conv1d.weight` [C, 1, K] is squeezed to [C, K] (ggml ne = [K, C]) and kept F32.
+- GDN value heads are reordered from grouped-by-key-head order to tiled order
+  when n_v_heads != n_k_heads, so ggml can broadcast q/k heads by tiling.
+
+Safetensors are read directly (header JSON + memmap), so no torch is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType, LlamaFileType, MODEL_TENSOR, TokenType
+
+__all__ = ["OUTTYPES", "convert_hf_to_gguf"]
+
+logger = logging.getLogger(__name__)
+
+# outtype -> (type for tensors that are allowed to be narrowed, general.file_type)
+OUTTYPES: Mapping[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathLike[str],
+                       *, outtype: str = "f16") -> Path:
+    """Convert the HF checkpoint in `src_dir` to a GGUF file at `dst_path`.
+
+    `outtype` is one of "f32", "f16", "bf16", "q8_0". As in llama.cpp, 1-D
+    tensors, norms, biases, `ssm_a` and `ssm_conv1d` stay F32, and a tensor
+    whose row length is not a multiple of 32 falls back from Q8_0 to F16.
+    Returns the path written. Raises ValueError for a missing directory or
+    config.json, an unsupported architecture, missing tensors or an unknown
+    outtype.
+    """
+    if outtype not in OUTTYPES:
+        raise ValueError(f"[convert] unknown outtype {outtype!r}; expected one of {sorted(OUTTYPES)}")
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise ValueError(f"[convert] checkpoint directory {str(src)!r} does not exist")
+    spec = _load_model_spec(src)
+    ckpt = _Checkpoint(src)
+
+    arch_kv, arch_tensors = _ARCH_WRITERS[spec.gguf_arch]
+    tensors = arch_tensors(spec, ckpt)
+    qtype_out, file_type = OUTTYPES[outtype]
+    planned = [_PlannedTensor(t.name, t.shape, _pick_qtype(t.name, t.shape, qtype_out, t.keep_f32), t.load)
+               for t in tensors]
+
+    def write_kv(writer: gguf.GGUFWriter) -> None:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(src.resolve().name)
+        arch_kv(writer, spec)
+        writer.add_file_type(file_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_tokenizer_kv(writer, src, spec.vocab_size, spec.config)
+
+    return _write_gguf(Path(dst_path), spec.gguf_arch, write_kv, planned)
+
+
+# ---------------------------------------------------------------------------
+# safetensors reading (no torch)
+# ---------------------------------------------------------------------------
+
+_ST_DTYPES: Mapping[str, np.dtype] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # widened to F32 by a 16-bit shift on load
+}
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class _StTensor:
+    """One tensor inside a .safetensors file, loaded lazily through a memmap."""
+
+    path: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in `path`
+
+    def load(self) -> np.ndarray:
+        """The tensor as a C-contiguous float32 array (a fresh copy)."""
+        np_dtype = _ST_DTYPES.get(self.dtype)
+        if np_dtype is None:
+            raise ValueError(f"[convert] {self.path}: tensor {self.name!r} has dtype {self.dtype}; "
+                             f"supported: {sorted(_ST_DTYPES)}")
+        count = math.prod(self.shape)
+        if count == 0:
+            return np.zeros(self.shape, dtype=np.float32)
+        raw = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=(count,))
+        if self.dtype == "BF16":
+            out = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = raw.astype(np.float32)
+        del raw
+        return out.reshape(self.shape)
+
+
+def _read_safetensors_header(path: Path) -> dict[str, _StTensor]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"[convert] {path}: not a safetensors file (shorter than 8 bytes)")
+        n_header = int.from_bytes(prefix, "little")
+        if n_header <= 0 or 8 + n_header > size:
+            raise ValueError(f"[convert] {path}: corrupt safetensors header length {n_header}")
+        try:
+            header = json.loads(f.read(n_header))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"[convert] {path}: corrupt safetensors header: {e}") from None
+    base = 8 + n_header
+    out: dict[str, _StTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info["dtype"]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+        itemsize = _ST_ITEMSIZE.get(dtype)
+        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+            raise ValueError(f"[convert] {path}: tensor {name!r} has {end - begin} bytes, "
+                             f"expected {math.prod(shape) * itemsize} for {dtype}{list(shape)}")
+        if base + end > size:
+            raise ValueError(f"[convert] {path}: tensor {name!r} runs past the end of the file")
+        out[name] = _StTensor(path, name, dtype, shape, base + begin)
+    return out
+
+
+class _Checkpoint:
+    """All tensors of a HF checkpoint directory: model.safetensors, a sharded
+    model.safetensors.index.json, or (without an index) every *.safetensors."""
+
+    def __init__(self, src_dir: Path):
+        self.src_dir = src_dir
+        index_path = src_dir / "model.safetensors.index.json"
+        if index_path.is_file():
+            with open(index_path, encoding="utf-8") as f:
+                weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+            if not weight_map:
+                raise ValueError(f"[convert] {index_path}: empty or missing 'weight_map'")
+            files = sorted(set(weight_map.values()))
+            for fname in files:
+                if not (src_dir / fname).is_file():
+                    raise ValueError(f"[convert] {index_path}: shard {fname!r} does not exist")
+        elif (src_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in src_dir.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"[convert] no model.safetensors, model.safetensors.index.json "
+                                 f"or *.safetensors in {str(src_dir)!r}")
+        self.tensors: dict[str, _StTensor] = {}
+        for fname in files:
+            self.tensors.update(_read_safetensors_header(src_dir / fname))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> _StTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ValueError(f"[convert] {self.src_dir}: missing tensor {name!r}")
+        return t
+
+
+# ---------------------------------------------------------------------------
+# tensor dtype policy and GGUF writing (shared with the drafter converter)
+# ---------------------------------------------------------------------------
+
+@dataclass
+class _SourceTensor:
+    """A GGUF tensor before its storage type is chosen.
+
+    `shape` is the numpy (row-major) shape; ggml's ne is its reverse, so the
+    last entry is the row length that quantization blocks run along.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], np.ndarray]  # float32 data in the final layout
+    keep_f32: bool = False  # llama.cpp keeps it F32 whatever the outtype (e.g. ssm_conv1d)
+    hf_name: str = ""  # the checkpoint tensor it comes from, for bookkeeping
+
+
+@dataclass
+class _PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    load: Callable[[], np.ndarray]
+
+
+def _pick_qtype(name: str, shape: Sequence[int], qtype_out: GGMLQuantizationType,
+                keep_f32: bool = False) -> GGMLQuantizationType:
+    """llama.cpp's storage rule (ModelBase.prepare_tensors): 1-D tensors, norms,
+    non-`.weight` tensors and the listed exceptions stay F32; everything else
+    takes the outtype, with Q8_0 falling back to F16 when rows are not whole blocks."""
+    if keep_f32 or len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return GGMLQuantizationType.F32
+    if qtype_out == GGMLQuantizationType.Q8_0:
+        block_size, _ = gguf.GGML_QUANT_SIZES[qtype_out]
+        if shape[-1] % block_size != 0:
+            return GGMLQuantizationType.F16
+    return qtype_out
+
+
+def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float32 data -> the bytes (or f32/f16 array) GGUF stores for `qtype`."""
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if qtype == GGMLQuantizationType.F32:
+        return data
+    if qtype == GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    return gguf.quants.quantize(data, qtype)
+
+
+def _nbytes(shape: Sequence[int], qtype: GGMLQuantizationType) -> int:
+    return math.prod(gguf.quants.quant_shape_to_byte_shape(tuple(shape), qtype))
+
+
+def _write_gguf(dst_path: Path, arch: str, write_kv: Callable[[gguf.GGUFWriter], None],
+                tensors: Sequence[_PlannedTensor]) -> Path:
+    """Write a GGUF file, streaming one tensor at a time so that peak memory is
+    one tensor, not the model. Writes to a temporary name and renames at the end."""
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"[convert] duplicate GGUF tensor names: {dup}")
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = dst_path.with_name(dst_path.name + ".tmp")
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    try:
+        write_kv(writer)
+        for t in tensors:
+            # tensor_dtype float32 + raw_dtype keeps `shape` as the logical shape.
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(t.shape, t.qtype),
+                                   raw_dtype=t.qtype)
+        writer.write_header_to_file(path=tmp_path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            data = t.load()
+            if tuple(data.shape) != tuple(t.shape):
+                raise ValueError(f"[convert] tensor {t.name!r}: shape {list(data.shape)} != planned {list(t.shape)}")
+            writer.write_tensor_data(_encode(data, t.qtype))
+        writer.close()
+        os.replace(tmp_path, dst_path)
+    except BaseException:
+        writer.close()
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return dst_path
+
+
+def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    name = gguf.TENSOR_NAMES[key]
+    if bid is not None:
+        name = name.format(bid=bid)
+    return name + suffix
+
+
+# ---------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------
+
+@dataclass
+class _ModelSpec:
+    src_dir: Path
+    gguf_arch: str            # "qwen3" | "qwen35"
+    config: dict[str, Any]    # the full config.json
+    text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
+    tied: bool                # tie_word_embeddings
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.text.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.text:
+            raise ValueError(f"[convert] {self.src_dir / 'config.json'}: missing key {key!r}")
+        return self.text[key]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.require("vocab_size"))
+
+
+# HF architecture / model_type -> GGUF arch
+_ARCHS = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5ForConditionalGeneration": "qwen35",
+}
+_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+
+# Defaults of the transformers 5 config classes for keys a config.json may omit.
+_DEFAULTS = {
+    "qwen3": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
+    "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                   linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_num_key_heads=16, linear_num_value_heads=32),
+}
+
+
+def _load_model_spec(src: Path) -> _ModelSpec:
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"[convert] {str(src)!r} has no config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"[convert] {config_path}: invalid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"[convert] {config_path}: expected a JSON object")
+
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    gguf_arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None) or _MODEL_TYPES.get(model_type)
+    if gguf_arch is None:
+        raise ValueError(f"[convert] {config_path}: unsupported architecture {archs} (model_type "
+                         f"{model_type!r}); supported: {sorted(_ARCHS)} / model_type {sorted(_MODEL_TYPES)}")
+
+    text = config
+    if isinstance(config.get("text_config"), dict):
+        text = {**config["text_config"]}
+        # top-level keys the text config leaves out (e.g. tie_word_embeddings) still apply
+        for key in ("tie_word_embeddings",):
+            if key in config and key not in text:
+                text[key] = config[key]
+    text = {**_DEFAULTS[gguf_arch], **text}
+    if text.get("num_key_value_heads") is None:
+        text["num_key_value_heads"] = text.get("num_attention_heads")
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return _ModelSpec(src, gguf_arch, config, text, tied)
+
+
+def _rope_parameters(spec: _ModelSpec) -> dict[str, Any]:
+    """transformers 5 `rope_parameters`, or the older `rope_scaling` + top-level keys."""
+    rp = dict(spec.get("rope_parameters") or spec.get("rope_scaling") or {})
+    if "rope_type" not in rp and "type" in rp:
+        rp["rope_type"] = rp["type"]
+    rp.setdefault("rope_type", "default")
+    if "rope_theta" not in rp:
+        rp["rope_theta"] = spec.get("rope_theta", 10000.0)
+    if "partial_rotary_factor" not in rp and spec.get("partial_rotary_factor") is not None:
+        rp["partial_rotary_factor"] = spec.get("partial_rotary_factor")
+    return rp
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, spec: _ModelSpec, rp: Mapping[str, Any]) -> None:
+    rope_type = rp["rope_type"]
+    factor = rp.get("factor")
+    if rope_type == "default":
+        return
+    if rope_type == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+        return
+    if rope_type == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        orig = rp.get("original_max_position_embeddings")
+        if orig is None:
+            raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: yarn rope scaling "
+                             f"needs original_max_position_embeddings")
+        writer.add_rope_scaling_orig_ctx_len(int(orig))
+        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rp.get(key) is not None:
+                add(rp[key])
+        return
+    raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type {rope_type!r} "
+                     f"(supported: default, linear, yarn)")
+
+
+def _common_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    writer.add_block_count(int(spec.require("num_hidden_layers")))
+    writer.add_context_length(int(spec.get("max_position_embeddings")))
+    writer.add_embedding_length(int(spec.require("hidden_size")))
+    writer.add_feed_forward_length(int(spec.require("intermediate_size")))
+    writer.add_head_count(int(spec.require("num_attention_heads")))
+    writer.add_head_count_kv(int(spec.get("num_key_value_heads")))
+    writer.add_layer_norm_rms_eps(float(spec.get("rms_norm_eps")))
+    writer.add_key_length(int(spec.get("head_dim")))
+    writer.add_value_length(int(spec.get("head_dim")))
+    if spec.get("use_sliding_window"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: use_sliding_window=true is not "
+                         f"supported (llama.cpp's qwen3/qwen35 graphs have no sliding-window layers)")
+    if spec.get("attention_bias"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: attention_bias=true is not "
+                         f"supported (llama.cpp's graph has no attn_output bias)")
+
+
+# ---------------------------------------------------------------------------
+# Qwen3
+# ---------------------------------------------------------------------------
+
+def _qwen3_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    _common_kv(writer, spec)
+    rp = _rope_parameters(spec)
+    writer.add_rope_freq_base(float(rp["rope_theta"]))
+    _add_rope_scaling(writer, spec, rp)
+
+
+def _text_prefix(ckpt: _Checkpoint) -> str:
+    return "model.language_model." if any(n.startswith("model.language_model.") for n in ckpt.tensors) \
+        else "model."
+
+
+def _copy(ckpt: _Checkpoint, hf_name: str, gguf_name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+          *, shape: tuple[int, ...] | None = None, keep_f32: bool = False) -> _SourceTensor:
+    """A GGUF tensor read from one HF tensor, optionally transformed (shape-preserving
+    unless `shape` says otherwise)."""
+    src = ckpt.get(hf_name)
+
+    def load() -> np.ndarray:
+        data = src.load()
+        return transform(data) if transform is not None else data
+
+    return _SourceTensor(gguf_name, shape if shape is not None else src.shape, load, keep_f32, hf_name)
+
+
+def _embedding_and_head(spec: _ModelSpec, ckpt: _Checkpoint, prefix: str,
+                        norm: Callable[[np.ndarray], np.ndarray] | None) -> list[_SourceTensor]:
+    out = [_copy(ckpt, prefix + "embed_tokens.weight", _tensor_name(MODEL_TENSOR.TOKEN_EMBD)),
+           _copy(ckpt, prefix + "norm.weight", _tensor_name(MODEL_TENSOR.OUTPUT_NORM), norm)]
+    n_vocab, hidden = spec.vocab_size, int(spec.require("hidden_size"))
+    if out[0].shape != (n_vocab, hidden):
+        raise ValueError(f"[convert] {spec.src_dir}: {prefix}embed_tokens.weight has shape "
+                         f"{list(out[0].shape)}, expected [{n_vocab}, {hidden}] from config.json")
+    if not spec.tied:
+        out.append(_copy(ckpt, "lm_head.weight", _tensor_name(MODEL_TENSOR.OUTPUT)))
+        if out[-1].shape != (n_vocab, hidden):
+            raise ValueError(f"[convert] {spec.src_dir}: lm_head.weight has shape {list(out[-1].shape)}, "
+                             f"expected [{n_vocab}, {hidden}] from config.json")
+    return out
+
+
+def _check_unused(ckpt: _Checkpoint, prefix: str, out: Sequence[_SourceTensor]) -> None:
+    """Refuse tensors of the text model that we would silently drop. Vision
+    (`model.visual.`) and MTP (`mtp.`) tensors lie outside the prefix and are skipped."""
+    used = {t.hf_name for t in out} | {"lm_head.weight"}  # lm_head is dropped on purpose when tied
+    extra = sorted(n for n in ckpt.tensors
+                   if n not in used and (n.startswith(prefix) or n == "lm_head.weight")
+                   and not n.endswith(".rotary_emb.inv_freq"))
+    if extra:
+        shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
+        raise ValueError(f"[convert] {ckpt.src_dir}: unexpected tensors for this architecture: {shown}")
+
+
+def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, None)
+    per_layer = {
+        "input_layernorm.weight": MODEL_TENSOR.ATTN_NORM,
+        "self_attn.q_proj.weight": MODEL_TENSOR.ATTN_Q,
+        "self_attn.k_proj.weight": MODEL_TENSOR.ATTN_K,
+        "self_attn.v_proj.weight": MODEL_TENSOR.ATTN_V,
+        "self_attn.o_proj.weight": MODEL_TENSOR.ATTN_OUT,
+        "self_attn.q_norm.weight": MODEL_TENSOR.ATTN_Q_NORM,
+        "self_attn.k_norm.weight": MODEL_TENSOR.ATTN_K_NORM,
+        "post_attention_layernorm.weight": MODEL_TENSOR.FFN_NORM,
+        "mlp.gate_proj.weight": MODEL_TENSOR.FFN_GATE,
+        "mlp.up_proj.weight": MODEL_TENSOR.FFN_UP,
+        "mlp.down_proj.weight": MODEL_TENSOR.FFN_DOWN,
+    }
+    for il in range(int(spec.require("num_hidden_layers"))):
+        for hf_suffix, key in per_layer.items():
+            out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il)))
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Qwen3.5 (hybrid Gated DeltaNet + gated full attention)
+# ---------------------------------------------------------------------------
+
+def _qwen35_layer_types(spec: _ModelSpec) -> list[str]:
+    n_layer = int(spec.require("num_hidden_layers"))
+    layer_types = spec.get("layer_types")
+    if layer_types is None:
+        interval = int(spec.get("full_attention_interval", 4))
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layer)]
+    if len(layer_types) != n_layer:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: layer_types has {len(layer_types)} "
+                         f"entries, num_hidden_layers is {n_layer}")
+    bad = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    if bad:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported layer_types {bad}")
+    return list(layer_types)
+
+
+def _full_attention_interval(layer_types: Sequence[str]) -> int | None:
+    """The interval k with layer i full iff (i+1) % k == 0, if the pattern has one."""
+    for k in range(1, len(layer_types) + 2):
+        if all((t == "full_attention") == ((i + 1) % k == 0) for i, t in enumerate(layer_types)):
+            return k
+    return None
+
+
+def _text_mrope_sections(n_rot: int, head_dim: int, given: Sequence[int] | None) -> list[int]:
+    """`rope.dimension_sections` for a text model.
+
+    For text every section gets the same position, so the sections only have
+    to keep ggml's interleaved M-RoPE from ever picking the 4th ("e") position,
+    which llama.cpp sets to 0 for text, and satisfy sum(sections) <= head_dim
+    (a GGML_ASSERT). HF's value (default [11, 11, 10]) is kept when it does so;
+    otherwise the equal split of the n_rot/2 rotated pairs is used.
+    """
+    n_pairs = n_rot // 2
+
+    def text_safe(s: Sequence[int]) -> bool:
+        total = sum(s)
+        if total <= 0 or total > head_dim:
+            return False
+        for k in range(n_pairs):
+            sector = k % total
+            if not (sector < 3 * s[sector % 3]):
+                return False
+        return True
+
+    if given is not None:
+        sections = [int(x) for x in given][:4]
+        sections += [0] * (4 - len(sections))
+        if text_safe(sections[:3]) and sections[3] == 0:
+            return sections
+    derived = [(n_pairs - j + 2) // 3 for j in range(3)] + [0]  # ceil((n_pairs - j) / 3)
+    if not text_safe(derived[:3]):
+        derived = [max(1, derived[0]), derived[1], derived[2], 0]
+    return derived
+
+
+@dataclass(frozen=True)
+class _GdnDims:
+    n_k_heads: int
+    n_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def v_per_k(self) -> int:
+        return self.n_v_heads // self.n_k_heads
+
+
+def _gdn_dims(spec: _ModelSpec) -> _GdnDims:
+    d = _GdnDims(int(spec.get("linear_num_key_heads")), int(spec.get("linear_num_value_heads")),
+                 int(spec.get("linear_key_head_dim")), int(spec.get("linear_value_head_dim")),
+                 int(spec.get("linear_conv_kernel_dim")))
+    where = spec.src_dir / "config.json"
+    if d.n_k_heads <= 0 or d.n_v_heads % d.n_k_heads != 0:
+        raise ValueError(f"[convert] {where}: linear_num_value_heads ({d.n_v_heads}) must be a multiple "
+                         f"of linear_num_key_heads ({d.n_k_heads})")
+    if d.head_k_dim != d.head_v_dim:
+        raise ValueError(f"[convert] {where}: linear_key_head_dim ({d.head_k_dim}) != linear_value_head_dim "
+                         f"({d.head_v_dim}); llama.cpp's qwen35 (ggml_gated_delta_net) needs them equal")
+    return d
+
+
+def v_heads_grouped_to_tiled(x: np.ndarray, axis: int, n_k_heads: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """Reorder value heads along `axis` from HF's grouped order
+    [k0: v0..v(r-1), k1: v0..v(r-1), ...] to ggml's tiled order
+    [v0 of k0, v0 of k1, ..., v1 of k0, ...] (head j*n_k + i holds HF head i*r + j)."""
+    axis = axis % x.ndim
+    shape = x.shape
+    if shape[axis] != n_k_heads * v_per_k * head_dim:
+        raise ValueError(f"[convert] V-head reorder: axis {axis} has {shape[axis]} entries, expected "
+                         f"{n_k_heads} x {v_per_k} x {head_dim}")
+    y = x.reshape(shape[:axis] + (n_k_heads, v_per_k, head_dim) + shape[axis + 1:])
+    y = np.swapaxes(y, axis, axis + 1)
+    return np.ascontiguousarray(y).reshape(shape)
+
+
+def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    _common_kv(writer, spec)
+    rp = _rope_parameters(spec)
+    if rp["rope_type"] != "default":
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type "
+                         f"{rp['rope_type']!r} for Qwen3.5")
+    head_dim = int(spec.get("head_dim"))
+    n_rot = int(head_dim * float(rp.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections(_text_mrope_sections(n_rot, head_dim, rp.get("mrope_section")))
+    writer.add_rope_freq_base(float(rp["rope_theta"]))
+    writer.add_rope_dimension_count(n_rot)
+
+    d = _gdn_dims(spec)
+    writer.add_ssm_conv_kernel(d.conv_kernel)
+    writer.add_ssm_state_size(d.head_k_dim)
+    writer.add_ssm_group_count(d.n_k_heads)
+    writer.add_ssm_time_step_rank(d.n_v_heads)
+    writer.add_ssm_inner_size(d.value_dim)
+
+    layer_types = _qwen35_layer_types(spec)
+    # The per-layer array is what llama.cpp reads first; the interval is its fallback.
+    writer.add_array(f"{spec.gguf_arch}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in layer_types])
+    interval = _full_attention_interval(layer_types)
+    if interval is not None:
+        writer.add_full_attention_interval(interval)
+
+
+def _plus_one(x: np.ndarray) -> np.ndarray:
+    return x + np.float32(1.0)
+
+
+def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, _plus_one)
+    d = _gdn_dims(spec)
+    reorder = d.v_per_k > 1
+
+    def tile(axis: int, head_dim: int, start: int = 0) -> Callable[[np.ndarray], np.ndarray]:
+        """Reorder V heads along `axis`, leaving the first `start` entries (q and k) alone."""
+        def f(x: np.ndarray) -> np.ndarray:
+            if not reorder:
+                return x
+            head, tail = np.split(x, [start], axis=axis)
+            tail = v_heads_grouped_to_tiled(tail, axis, d.n_k_heads, d.v_per_k, head_dim)
+            return np.concatenate([head, tail], axis=axis)
+        return f
+
+    def conv1d(x: np.ndarray) -> np.ndarray:
+        # [C, 1, K] -> [C, K]; ggml's ssm_conv1d has ne = [K, C]
+        return tile(0, d.head_v_dim, 2 * d.key_dim)(x.reshape(x.shape[0], x.shape[-1]))
+
+    def neg_exp(x: np.ndarray) -> np.ndarray:
+        return -np.exp(x)
+
+    for il, layer_type in enumerate(_qwen35_layer_types(spec)):
+        p = f"{prefix}layers.{il}."
+        out.append(_copy(ckpt, p + "input_layernorm.weight", _tensor_name(MODEL_TENSOR.ATTN_NORM, il), _plus_one))
+        if layer_type == "full_attention":
+            for hf_suffix, key, fn in (
+                ("self_attn.q_proj.weight", MODEL_TENSOR.ATTN_Q, None),  # rows: per head [q | gate]
+                ("self_attn.k_proj.weight", MODEL_TENSOR.ATTN_K, None),
+                ("self_attn.v_proj.weight", MODEL_TENSOR.ATTN_V, None),
+                ("self_attn.o_proj.weight", MODEL_TENSOR.ATTN_OUT, None),
+                ("self_attn.q_norm.weight", MODEL_TENSOR.ATTN_Q_NORM, _plus_one),
+                ("self_attn.k_norm.weight", MODEL_TENSOR.ATTN_K_NORM, _plus_one),
+            ):
+                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il), fn))
+        else:
+            conv = ckpt.get(p + "linear_attn.conv1d.weight")
+            if conv.shape != (d.conv_dim, 1, d.conv_kernel):
+                raise ValueError(f"[convert] {ckpt.src_dir}: {conv.name} has shape {list(conv.shape)}, expected "
+                                 f"[{d.conv_dim}, 1, {d.conv_kernel}] from config.json")
+            out += [
+                _copy(ckpt, p + "linear_attn.in_proj_qkv.weight", _tensor_name(MODEL_TENSOR.ATTN_QKV, il),
+                      tile(0, d.head_v_dim, 2 * d.key_dim)),
+                _copy(ckpt, p + "linear_attn.in_proj_z.weight", _tensor_name(MODEL_TENSOR.ATTN_GATE, il),
+                      tile(0, d.head_v_dim)),
+                _copy(ckpt, p + "linear_attn.in_proj_b.weight", _tensor_name(MODEL_TENSOR.SSM_BETA, il), tile(0, 1)),
+                _copy(ckpt, p + "linear_attn.in_proj_a.weight", _tensor_name(MODEL_TENSOR.SSM_ALPHA, il), tile(0, 1)),
+                _copy(ckpt, p + "linear_attn.conv1d.weight", _tensor_name(MODEL_TENSOR.SSM_CONV1D, il), conv1d,
+                      shape=(d.conv_dim, d.conv_kernel), keep_f32=True),
+                _copy(ckpt, p + "linear_attn.dt_bias", _tensor_name(MODEL_TENSOR.SSM_DT, il, ".bias"), tile(0, 1)),
+                _copy(ckpt, p + "linear_attn.A_log", _tensor_name(MODEL_TENSOR.SSM_A, il, ""),
+                      lambda x, t=tile(0, 1): neg_exp(t(x))),
+                _copy(ckpt, p + "linear_attn.norm.weight", _tensor_name(MODEL_TENSOR.SSM_NORM, il)),
+                _copy(ckpt, p + "linear_attn.out_proj.weight", _tensor_name(MODEL_TENSOR.SSM_OUT, il),
+                      tile(1, d.head_v_dim)),
+            ]
+        out.append(_copy(ckpt, p + "post_attention_layernorm.weight",
+                         _tensor_name(MODEL_TENSOR.ATTN_POST_NORM, il), _plus_one))
+        for hf_suffix, key in (("mlp.gate_proj.weight", MODEL_TENSOR.FFN_GATE),
+                               ("mlp.up_proj.weight", MODEL_TENSOR.FFN_UP),
+                               ("mlp.down_proj.weight", MODEL_TENSOR.FFN_DOWN)):
+            out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il)))
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# GGUF arch -> (hparam keys writer, tensor planner)
+_ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
+                                  Callable[[_ModelSpec, _Checkpoint], list[_SourceTensor]]]] = {
+    "qwen3": (_qwen3_kv, _qwen3_tensors),
+    "qwen35": (_qwen35_kv, _qwen35_tensors),
+}
+
+
+# ---------------------------------------------------------------------------
+# tokenizer metadata
+# ---------------------------------------------------------------------------
+
+# Split regexes of the Qwen byte-level BPE tokenizers, as written in their
+# tokenizer.json, and the llama.cpp pre-tokenizer names that implement them.
+_PRE_TOKENIZERS = {
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen2",
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen35",
+}
+_SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+_MASK_TOKEN_TEXTS = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+def _iter_pre_tokenizers(node: Any) -> Iterator[dict[str, Any]]:
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "Sequence":
+        for child in node.get("pretokenizers", []):
+            yield from _iter_pre_tokenizers(child)
+    else:
+        yield node
+
+
+def _tokenizer_pre(tok: dict[str, Any], where: Path) -> str:
+    pre = list(_iter_pre_tokenizers(tok.get("pre_tokenizer")))
+    if not any(p.get("type") == "ByteLevel" for p in pre):
+        raise ValueError(f"[convert] {where}: only byte-level BPE tokenizers are supported "
+                         f"(no ByteLevel pre-tokenizer)")
+    splits = [p for p in pre if p.get("type") == "Split"]
+    if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}):
+        raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer, found {len(splits)}")
+    regex = splits[0]["pattern"]["Regex"]
+    name = _PRE_TOKENIZERS.get(regex)
+    if name is None:
+        raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; "
+                         f"supported: the Qwen2 and Qwen3.5 ones")
+    return name
+
+
+def _looks_special(text: str) -> bool:
+    """llama.cpp's TextModel.does_token_look_special."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def _merge_strings(merges: Sequence[Any], where: Path) -> list[str]:
+    out = []
+    for m in merges:
+        if isinstance(m, str):
+            out.append(m)
+        elif isinstance(m, (list, tuple)) and len(m) == 2:
+            # a space inside a part is written as U+0120+... the way gguf's SpecialVocab does
+            out.append(" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in m))
+        else:
+            raise ValueError(f"[convert] {where}: unknown merges entry {m!r}")
+    return out
+
+
+def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, config: Mapping[str, Any]) -> None:
+    tok_path = src / "tokenizer.json"
+    if not tok_path.is_file():
+        logger.warning("[convert] %s: no tokenizer.json; writing a GGUF without a vocabulary", src)
+        writer.add_tokenizer_model("none")
+        writer.add_vocab_size(vocab_size)
+        return
+    with open(tok_path, encoding="utf-8") as f:
+        tok = json.load(f)
+    model = tok.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"[convert] {tok_path}: tokenizer model {model.get('type')!r} is not supported (BPE only)")
+    pre = _tokenizer_pre(tok, tok_path)
+
+    id_to_text: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
+    added = {int(a["id"]): a for a in tok.get("added_tokens", [])}
+    for i, a in added.items():
+        id_to_text[i] = a["content"]
+    if id_to_text and max(id_to_text) >= vocab_size:
+        raise ValueError(f"[convert] {tok_path}: token id {max(id_to_text)} >= vocab_size {vocab_size} of config.json")
+
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(vocab_size):
+        text = id_to_text.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+        elif i in added:
+            if added[i].get("special", False) or _looks_special(text):
+                types.append(TokenType.CONTROL)
+            else:
+                types.append(TokenType.USER_DEFINED)
+                text = text.replace("\u2581", " ")  # llama.cpp pre-normalises user-defined spaces
+            tokens.append(text)
+        else:
+            tokens.append(text)
+            types.append(TokenType.NORMAL)
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(_merge_strings(model.get("merges", []), tok_path))
+
+    tok_config: dict[str, Any] = {}
+    tok_config_path = src / "tokenizer_config.json"
+    if tok_config_path.is_file():
+        with open(tok_config_path, encoding="utf-8") as f:
+            tok_config = json.load(f)
+
+    # Special ids as gguf's SpecialVocab resolves them: tokenizer_config.json's
+    # `<typ>_token` text looked up among the added tokens, then config.json's
+    # `<typ>_token_id` (also under text_config); the first valid one wins.
+    content_to_id = {a["content"]: i for i, a in sorted(added.items())}
+    special_ids: dict[str, int] = {}
+    for typ in _SPECIAL_TYPES:
+        entry = tok_config.get(f"{typ}_token")
+        text = entry.get("content") if isinstance(entry, dict) else entry
+        if isinstance(text, str) and text in content_to_id:
+            special_ids[typ] = content_to_id[text]
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for typ in _SPECIAL_TYPES:
+        tid = config.get(f"{typ}_token_id", text_config.get(f"{typ}_token_id"))
+        if typ not in special_ids and isinstance(tid, int) and 0 <= tid < vocab_size:
+            special_ids[typ] = tid
+    if "mask" not in special_ids:
+        mask = next((content_to_id[t] for t in _MASK_TOKEN_TEXTS if t in content_to_id), None)
+        if mask is not None:
+            special_ids["mask"] = mask
+    for typ, tid in special_ids.items():
+        getattr(writer, f"add_{typ}_token_id")(tid)
+    # add_bos/add_eos: a ByteLevel post-processor adds nothing; tokenizer_config.json overrides.
+    add_special: dict[str, bool] = {}
+    post = tok.get("post_processor") or {}
+    if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
+        add_special.update(bos=False, eos=False)
+    for typ in ("bos", "eos", "sep"):
+        value = tok_config.get(f"add_{typ}_token")
+        if isinstance(value, bool):
+            add_special[typ] = value
+    for typ, value in add_special.items():
+        getattr(writer, f"add_add_{typ}_token")(value)
+
+    template = tok_config.get("chat_template")
+    if template is None and (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None and (src / "chat_template.json").is_file():
+        with open(src / "chat_template.json", encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    if isinstance(template, (str, list)):
+        writer.add_chat_template(template)

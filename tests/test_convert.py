@@ -1,0 +1,509 @@
+"""HF -> GGUF converter: llama.cpp loads our files and agrees with transformers.
+
+Parity is checked against transformers run on the same weights: for f16, bf16
+and q8_0 the HF model's 2-D weights are first rounded to what the GGUF stores
+(conftest._round_like_gguf). What remains is llama.cpp's arithmetic: on CPU,
+ggml converts a matmul's activations to the weight's dot-product type (F16,
+BF16 or Q8_0), and that rounding is what the per-dtype tolerances below bound.
+Measured on these fixtures, worst over seeds 0-2 and all variants (max |diff|
+over 80 positions; logits have std ~2; relative RMS = ||diff|| / ||logits||):
+
+    outtype   Qwen3 max   Qwen3.5 max   rel. RMS (both)
+    f32       5.3e-6      3.7e-5        1e-6
+    f16       3.8e-3      2.0e-2        8e-4
+    bf16      3.5e-2      1.8e-1        5.6e-3
+    q8_0      1.0e-1      8.1e-1        2.1e-2
+
+Qwen3.5 is the more sensitive: errors in the GDN decay input are amplified by
+A (up to 8 here) inside exp(g), and the per-head RMSNorm of small GDN outputs
+amplifies noise. The bars sit 2-5x above the worst measurement. For q8_0 the
+per-position max bar is necessarily loose; the relative RMS bar is the sharp
+one: a layout or transform error moves logits by O(1) everywhere, i.e. a
+relative RMS near 1, 20x beyond it (test_v_head_reorder_is_needed shows one).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import gguf
+from gguf import GGMLQuantizationType as QT, TokenType
+
+from dflash_native import convert
+from dflash_native.convert import convert_hf_to_gguf
+from dflash_native.testing import SPECIAL_TOKENS, TINY_VARIANTS, make_random_checkpoint, make_random_gguf
+
+# outtype -> (max |logit diff|, ||diff|| / ||logits||)
+TOLERANCE = {
+    "f32": (2e-4, 1e-5),
+    "f16": (8e-2, 3e-3),
+    "bf16": (5e-1, 1.5e-2),
+    "q8_0": (2.0, 5e-2),
+}
+OUTTYPES = tuple(convert.OUTTYPES)
+N_TOKENS = 80  # > 64: crosses a chunk boundary of HF's chunked gated-delta rule
+
+VARIANTS = [(arch, variant) for arch, variants in TINY_VARIANTS.items() for variant in variants]
+GGUF_ARCH = {"qwen3": "qwen3", "qwen3_5": "qwen35"}
+OUT_QTYPE = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
+
+
+def _config(ckpt: Path) -> dict:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def _tokens(n_vocab: int, n: int = N_TOKENS, seed: int = 1234) -> list[int]:
+    return np.random.default_rng(seed).integers(0, n_vocab, size=n).tolist()
+
+
+def _fields(path: Path) -> tuple[dict, dict]:
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    return fields, tensors
+
+
+def _st_tensor(ckpt: Path, name: str) -> np.ndarray:
+    """A checkpoint tensor as float32, read with the safetensors package (not our reader)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))[name].astype(np.float32)
+
+
+def _assert_close(got: np.ndarray, ref: np.ndarray, outtype: str, what: str) -> None:
+    max_tol, rms_tol = TOLERANCE[outtype]
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    rel_rms = float(np.sqrt((diff ** 2).mean() / (ref.astype(np.float64) ** 2).mean()))
+    worst = np.unravel_index(int(diff.argmax()), diff.shape)
+    assert np.isfinite(got).all(), f"{what}: non-finite llama.cpp logits"
+    assert diff.max() <= max_tol and rel_rms <= rms_tol, (
+        f"{what}: max |diff| {diff.max():.3g} (tol {max_tol}) at position {worst[0]}, "
+        f"relative RMS {rel_rms:.3g} (tol {rms_tol})")
+
+
+# ---------------------------------------------------------------------------
+# logits parity with transformers
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("arch,variant", VARIANTS)
+def test_llama_cpp_logits_match_transformers(arch, variant, outtype, hf_checkpoint, gguf_model, hf_logits,
+                                             llama_logits):
+    ckpt = hf_checkpoint(arch, variant)
+    tokens = _tokens(_config(ckpt)["vocab_size"])
+    ref = hf_logits(ckpt, tokens, weights_as=outtype)
+    got = llama_logits(gguf_model(arch, variant, outtype), tokens)
+    assert got.shape == ref.shape
+    _assert_close(got, ref, outtype, f"{arch}/{variant}/{outtype}")
+
+
+def test_v_head_reorder_is_needed(hf_checkpoint, hf_logits, llama_logits, tmp_path, monkeypatch):
+    """With n_v_heads = 2 x n_k_heads the tiled V-head order is load-bearing: a
+    converter that skips it gives llama.cpp logits far outside the f32 bar."""
+    ckpt = hf_checkpoint("qwen3_5", "default")
+    cfg = _config(ckpt)
+    assert cfg["linear_num_value_heads"] == 2 * cfg["linear_num_key_heads"]
+    monkeypatch.setattr(convert, "v_heads_grouped_to_tiled", lambda x, *args: x)
+    path = convert_hf_to_gguf(ckpt, tmp_path / "no-reorder.gguf", outtype="f32")
+    tokens = _tokens(cfg["vocab_size"], n=24)
+    diff = np.abs(llama_logits(path, tokens) - hf_logits(ckpt, tokens))
+    assert diff.max() > 100 * TOLERANCE["f32"][0]
+
+
+def test_fixture_logits_are_informative_and_stable(hf_checkpoint, hf_logits):
+    """The random weights give logits with a spread of a few units at every
+    position over 96 steps: nothing decays to a constant or blows up."""
+    for arch in TINY_VARIANTS:
+        ckpt = hf_checkpoint(arch)
+        logits = hf_logits(ckpt, _tokens(_config(ckpt)["vocab_size"], n=96, seed=7))
+        spread = logits.std(axis=-1)
+        assert np.isfinite(logits).all()
+        assert 0.5 < spread.min() and spread.max() < 10, (arch, spread.min(), spread.max())
+        assert len(set(logits.argmax(-1).tolist())) > 10, arch  # greedy decoding is not stuck on one token
+
+
+# ---------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------
+
+TEXTS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "naïve café, Straße, jalapeño; Привет, мир! Γειά σου; 日本語のテキスト、中文；한국어 🙂🚀👍🏽",
+    "नमस्ते दुनिया, क्षत्रिय",  # combining marks: where the Qwen2 and Qwen3.5 regexes differ
+    "def f(x):\n    return x ** 2  # square\n\n\tif x != 0:\n\t\tpass\n",
+    "   leading, trailing   \n\n\n  runs\r\n\r\nof\t\t whitespace    ",
+    "Numbers 1234567890, 3.14159, 1e-5, 2026-11-21; I'M sure it's DON'T you'll we'd",
+    "",
+]
+SPECIAL_TEXTS = [
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\nHello<|im_end|>",
+    "text<|endoftext|>more<|MASK|><|MASK|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pairs(gguf_model, hf_checkpoint):
+    """arch -> (llama.cpp vocab-only model, HF `tokenizers` Tokenizer) over the same tokenizer.json."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tokenizers = pytest.importorskip("tokenizers")
+    pairs = {}
+    for arch in TINY_VARIANTS:
+        llm = llama_cpp.Llama(model_path=str(gguf_model(arch)), vocab_only=True, verbose=False)
+        hf = tokenizers.Tokenizer.from_file(str(hf_checkpoint(arch) / "tokenizer.json"))
+        pairs[arch] = (llm, hf)
+    yield pairs
+    for llm, _ in pairs.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", list(TINY_VARIANTS))
+def test_tokenization_matches_hf_tokenizers(arch, tokenizer_pairs):
+    llm, hf = tokenizer_pairs[arch]
+    for text in TEXTS:
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == want, text
+        assert llm.detokenize(want).decode() == text
+    for text in SPECIAL_TEXTS:
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want, text
+
+
+_CHARS = st.sampled_from(list(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \t\n\r'\".,;:!?()[]{}<>|/\\-_=+*&^%$#@~`"
+    "éèüßñçøåÉÜ" "приветмир" "αβγδ" "日本語中文한국" "🙂🚀❤️" "\u0915\u094d\u0937\u093e"
+))
+_PIECES = st.sampled_from([text for text, _ in SPECIAL_TOKENS] + ["    ", "\n\n", "'s", "'LL", "2026", "e\u0301"])
+_TEXTS = st.lists(st.one_of(_CHARS, _CHARS, _CHARS, _PIECES), max_size=50).map("".join)
+
+
+@given(_TEXTS)
+def test_tokenization_property(tokenizer_pairs, text):
+    text = unicodedata.normalize("NFC", text)  # the HF tokenizer NFC-normalises; llama.cpp does not
+    for llm, hf in tokenizer_pairs.values():
+        # HF matches added special tokens in any text; llama.cpp does with special=True
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == hf.encode(
+            text, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------------------
+# metadata and tensors
+# ---------------------------------------------------------------------------
+
+def _expected_qtype(name: str, ne: list[int], outtype: str) -> QT:
+    """llama.cpp's converter: norms, 1-D tensors, biases, ssm_a and ssm_conv1d stay F32;
+    Q8_0 needs rows (ne[0]) of whole 32-element blocks, else F16."""
+    if len(ne) == 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or not name.endswith(".weight"):
+        return QT.F32
+    if outtype == "q8_0" and ne[0] % 32 != 0:
+        return QT.F16
+    return OUT_QTYPE[outtype]
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("arch,variant", VARIANTS)
+def test_tensor_types_and_shapes(arch, variant, outtype, hf_checkpoint, gguf_model):
+    cfg = _config(hf_checkpoint(arch, variant))
+    fields, tensors = _fields(gguf_model(arch, variant, outtype))
+    assert fields["general.file_type"] == FILE_TYPE[outtype]
+    h, n_vocab = cfg["hidden_size"], cfg["vocab_size"]
+    for name, t in tensors.items():
+        ne = [int(x) for x in t.shape]
+        assert t.tensor_type == _expected_qtype(name, ne, outtype), (name, ne, t.tensor_type.name)
+    assert [int(x) for x in tensors["token_embd.weight"].shape] == [h, n_vocab]
+    assert ("output.weight" in tensors) == (not cfg["tie_word_embeddings"])
+    n_layer = cfg["num_hidden_layers"]
+    assert {int(n.split(".")[1]) for n in tensors if n.startswith("blk.")} == set(range(n_layer))
+    if arch == "qwen3_5":
+        n_k, n_v, d = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+        conv_dim = 2 * n_k * d + n_v * d
+        for il, layer_type in enumerate(cfg["layer_types"]):
+            if layer_type == "linear_attention":
+                assert [int(x) for x in tensors[f"blk.{il}.ssm_conv1d.weight"].shape] == \
+                    [cfg["linear_conv_kernel_dim"], conv_dim]
+                assert [int(x) for x in tensors[f"blk.{il}.ssm_a"].shape] == [n_v]
+                assert [int(x) for x in tensors[f"blk.{il}.ssm_dt.bias"].shape] == [n_v]
+                assert [int(x) for x in tensors[f"blk.{il}.ssm_norm.weight"].shape] == [d]
+                assert f"blk.{il}.attn_q.weight" not in tensors
+            else:
+                assert [int(x) for x in tensors[f"blk.{il}.attn_q.weight"].shape] == \
+                    [h, 2 * cfg["num_attention_heads"] * cfg["head_dim"]]
+                assert f"blk.{il}.ssm_a" not in tensors
+
+
+def test_q8_0_falls_back_to_f16_for_partial_blocks(gguf_model):
+    _, tensors = _fields(gguf_model("qwen3_5", "odd", "q8_0"))
+    assert tensors["blk.0.attn_output.weight"].tensor_type == QT.F16  # row of 3 heads x 24 = 72
+    assert tensors["blk.0.ffn_down.weight"].tensor_type == QT.F16     # row of 200
+    assert tensors["blk.1.ssm_out.weight"].tensor_type == QT.F16      # row of 6 heads x 24 = 144
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == QT.Q8_0      # row of 96
+
+
+@pytest.mark.parametrize("arch,variant", VARIANTS)
+def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
+    cfg = _config(hf_checkpoint(arch, variant))
+    fields, _ = _fields(gguf_model(arch, variant, "f16"))
+    a = GGUF_ARCH[arch]
+    assert fields["general.architecture"] == a
+    expect = {
+        f"{a}.block_count": cfg["num_hidden_layers"],
+        f"{a}.context_length": cfg["max_position_embeddings"],
+        f"{a}.embedding_length": cfg["hidden_size"],
+        f"{a}.feed_forward_length": cfg["intermediate_size"],
+        f"{a}.attention.head_count": cfg["num_attention_heads"],
+        f"{a}.attention.head_count_kv": cfg["num_key_value_heads"],
+        f"{a}.attention.key_length": cfg["head_dim"],
+        f"{a}.attention.value_length": cfg["head_dim"],
+        "general.quantization_version": gguf.GGML_QUANT_VERSION,
+    }
+    for key, value in expect.items():
+        assert fields[key] == value, key
+    assert fields[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"], rel=1e-6)
+    assert fields[f"{a}.rope.freq_base"] == pytest.approx(cfg["rope_parameters"]["rope_theta"], rel=1e-6)
+    if arch == "qwen3":
+        assert f"{a}.rope.dimension_count" not in fields  # llama.cpp's qwen3 asserts n_rot == head_dim
+        return
+    n_rot = int(cfg["head_dim"] * 0.25)
+    sections = fields[f"{a}.rope.dimension_sections"]
+    assert fields[f"{a}.rope.dimension_count"] == n_rot
+    assert len(sections) == 4 and sections[3] == 0 and sum(sections) == n_rot // 2
+    assert fields[f"{a}.ssm.conv_kernel"] == cfg["linear_conv_kernel_dim"]
+    assert fields[f"{a}.ssm.state_size"] == cfg["linear_key_head_dim"]
+    assert fields[f"{a}.ssm.group_count"] == cfg["linear_num_key_heads"]
+    assert fields[f"{a}.ssm.time_step_rank"] == cfg["linear_num_value_heads"]
+    assert fields[f"{a}.ssm.inner_size"] == cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    assert fields[f"{a}.attention.recurrent_layers"] == [t == "linear_attention" for t in cfg["layer_types"]]
+    if variant == "odd":  # [full, linear, linear]: no interval describes it
+        assert f"{a}.full_attention_interval" not in fields
+    else:
+        assert fields[f"{a}.full_attention_interval"] == cfg["full_attention_interval"]
+
+
+@pytest.mark.parametrize("arch", list(TINY_VARIANTS))
+def test_tokenizer_keys(arch, hf_checkpoint, gguf_model):
+    ckpt = hf_checkpoint(arch, "odd")
+    cfg = _config(ckpt)
+    fields, _ = _fields(gguf_model(arch, "odd", "f32"))
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    n_bpe = len(tok["model"]["vocab"])
+    assert fields["tokenizer.ggml.model"] == "gpt2"
+    assert fields["tokenizer.ggml.pre"] == {"qwen3": "qwen2", "qwen3_5": "qwen35"}[arch]
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == cfg["vocab_size"] > n_bpe + len(SPECIAL_TOKENS)
+    for text, i in tok["model"]["vocab"].items():
+        assert tokens[i] == text and types[i] == TokenType.NORMAL
+    for text, special in SPECIAL_TOKENS:
+        assert tokens[ids[text]] == text
+        assert types[ids[text]] == (TokenType.CONTROL if special else TokenType.USER_DEFINED), text
+    for i in range(n_bpe + len(SPECIAL_TOKENS), cfg["vocab_size"]):
+        assert tokens[i] == f"[PAD{i}]" and types[i] == TokenType.UNUSED
+    assert fields["tokenizer.ggml.merges"] == [" ".join(m) for m in tok["model"]["merges"]]
+    assert fields["tokenizer.ggml.eos_token_id"] == ids["<|im_end|>"]        # tokenizer_config eos_token
+    assert fields["tokenizer.ggml.padding_token_id"] == ids["<|endoftext|>"]  # tokenizer_config pad_token
+    assert fields["tokenizer.ggml.bos_token_id"] == cfg["bos_token_id"] == ids["<|endoftext|>"]  # config.json
+    assert fields["tokenizer.ggml.mask_token_id"] == ids["<|MASK|>"]
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+    assert fields["tokenizer.chat_template"] == tok_cfg["chat_template"]
+
+
+def test_qwen35_tensor_transforms(hf_checkpoint, gguf_model):
+    """Values, re-derived here from the HF tensors: `w + 1` norms (but not the GDN
+    output norm), ssm_a = -exp(A_log), dt_bias -> ssm_dt.bias, conv1d squeezed,
+    and V heads in tiled order along the right axis of every GDN tensor."""
+    ckpt = hf_checkpoint("qwen3_5", "odd")
+    cfg = _config(ckpt)
+    _, tensors = _fields(gguf_model("qwen3_5", "odd", "f32"))
+    n_k, n_v, d = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    r = n_v // n_k
+    tiled = np.array([i * r + j for j in range(r) for i in range(n_k)])  # tiled slot -> HF head
+    rows = (tiled[:, None] * d + np.arange(d)).reshape(-1)                # per-head rows of size d
+    qk = 2 * n_k * d
+
+    def g(name: str) -> np.ndarray:
+        return np.asarray(tensors[name].data, dtype=np.float32)
+
+    def hf(name: str) -> np.ndarray:
+        return _st_tensor(ckpt, name)
+
+    np.testing.assert_array_equal(g("output_norm.weight"), hf("model.norm.weight") + 1)
+    np.testing.assert_array_equal(g("blk.0.attn_q_norm.weight"), hf("model.layers.0.self_attn.q_norm.weight") + 1)
+    np.testing.assert_array_equal(g("blk.0.attn_q.weight"), hf("model.layers.0.self_attn.q_proj.weight"))
+    p = "model.layers.1.linear_attn."
+    np.testing.assert_array_equal(g("blk.1.attn_norm.weight"), hf("model.layers.1.input_layernorm.weight") + 1)
+    np.testing.assert_array_equal(g("blk.1.ssm_norm.weight"), hf(p + "norm.weight"))
+    np.testing.assert_allclose(g("blk.1.ssm_a"), -np.exp(hf(p + "A_log"))[tiled], rtol=1e-6)
+    np.testing.assert_array_equal(g("blk.1.ssm_dt.bias"), hf(p + "dt_bias")[tiled])
+    np.testing.assert_array_equal(g("blk.1.ssm_alpha.weight"), hf(p + "in_proj_a.weight")[tiled])
+    np.testing.assert_array_equal(g("blk.1.ssm_beta.weight"), hf(p + "in_proj_b.weight")[tiled])
+    qkv = hf(p + "in_proj_qkv.weight")
+    np.testing.assert_array_equal(g("blk.1.attn_qkv.weight"), np.concatenate([qkv[:qk], qkv[qk:][rows]]))
+    np.testing.assert_array_equal(g("blk.1.attn_gate.weight"), hf(p + "in_proj_z.weight")[rows])
+    np.testing.assert_array_equal(g("blk.1.ssm_out.weight"), hf(p + "out_proj.weight")[:, rows])
+    conv = hf(p + "conv1d.weight")[:, 0, :]
+    np.testing.assert_array_equal(g("blk.1.ssm_conv1d.weight"), np.concatenate([conv[:qk], conv[qk:][rows]]))
+
+
+def test_qwen3_norms_are_stored_as_is(hf_checkpoint, gguf_model):
+    ckpt = hf_checkpoint("qwen3", "odd")
+    _, tensors = _fields(gguf_model("qwen3", "odd", "f32"))
+    np.testing.assert_array_equal(np.asarray(tensors["output_norm.weight"].data), _st_tensor(ckpt, "model.norm.weight"))
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.ffn_norm.weight"].data),
+                                  _st_tensor(ckpt, "model.layers.1.post_attention_layernorm.weight"))
+    np.testing.assert_array_equal(np.asarray(tensors["output.weight"].data), _st_tensor(ckpt, "lm_head.weight"))
+
+
+# ---------------------------------------------------------------------------
+# checkpoint layouts and source dtypes
+# ---------------------------------------------------------------------------
+
+def _tensor_bytes(path: Path) -> dict[str, bytes]:
+    return {t.name: bytes(np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
+def test_conditional_generation_and_sharded_layouts_convert_identically(gguf_model, tmp_path):
+    """`Qwen3_5ForConditionalGeneration` (text_config, model.language_model. prefix,
+    vision and MTP tensors to skip) and a sharded index give the same GGUF tensors."""
+    overrides = TINY_VARIANTS["qwen3_5"]["default"]
+    want = _tensor_bytes(gguf_model("qwen3_5", "default", "q8_0"))
+    want_fields, _ = _fields(gguf_model("qwen3_5", "default", "q8_0"))
+    for layout, n_shards in (("conditional_generation", 1), ("causal_lm", 3), ("conditional_generation", 2)):
+        ckpt = make_random_checkpoint(tmp_path / f"{layout}-{n_shards}", "qwen3_5", seed=0, layout=layout,
+                                      n_shards=n_shards, **overrides)
+        path = convert_hf_to_gguf(ckpt, tmp_path / f"{layout}-{n_shards}.gguf", outtype="q8_0")
+        assert _tensor_bytes(path) == want, (layout, n_shards)
+        fields, _ = _fields(path)
+        for key in want_fields:
+            if key != "general.name" and not key.startswith("GGUF."):
+                assert fields[key] == want_fields[key], (layout, n_shards, key)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_sources_are_read_exactly(dtype, tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "qwen3", dtype=dtype)
+    path = convert_hf_to_gguf(ckpt, tmp_path / "out.gguf", outtype="f32")
+    _, tensors = _fields(path)
+    src = load_file(str(ckpt / "model.safetensors"))
+    assert src["model.embed_tokens.weight"].dtype == getattr(torch, dtype)
+    np.testing.assert_array_equal(np.asarray(tensors["token_embd.weight"].data),
+                                  src["model.embed_tokens.weight"].float().numpy())
+    np.testing.assert_array_equal(np.asarray(tensors["blk.0.attn_k.weight"].data),
+                                  src["model.layers.0.self_attn.k_proj.weight"].float().numpy())
+
+
+def test_make_random_gguf_loads(tmp_path, llama_logits):
+    path = make_random_gguf(tmp_path / "m.gguf", "qwen3_5", outtype="bf16", seed=3, num_hidden_layers=2)
+    fields, _ = _fields(path)
+    assert fields["general.architecture"] == "qwen35" and fields["qwen35.block_count"] == 2
+    assert np.isfinite(llama_logits(path, [1, 2, 3])).all()
+
+
+def test_large_vocab_is_padded(tmp_path):
+    """A vocabulary far beyond the tokenizer (benchmark shapes) is padded with [PAD<i>]."""
+    path = make_random_gguf(tmp_path / "m.gguf", "qwen3", outtype="q8_0", vocab_size=4096, num_hidden_layers=1)
+    fields, tensors = _fields(path)
+    assert len(fields["tokenizer.ggml.tokens"]) == 4096 and fields["tokenizer.ggml.tokens"][4095] == "[PAD4095]"
+    assert [int(x) for x in tensors["token_embd.weight"].shape] == [64, 4096]
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(ckpt: Path, **changes) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        convert_hf_to_gguf(tmp_path / "nope", tmp_path / "out.gguf")
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        convert_hf_to_gguf(tmp_path / "ckpt", tmp_path / "out.gguf")
+
+
+def test_unsupported_architecture(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    _edit_config(ckpt, model_type="llama", architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=r"unsupported architecture \['LlamaForCausalLM'\]"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+
+
+def test_unknown_outtype(hf_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="unknown outtype 'q4_0'"):
+        convert_hf_to_gguf(hf_checkpoint("qwen3"), tmp_path / "out.gguf", outtype="q4_0")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_missing_tensor(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    _edit_config(ckpt, num_hidden_layers=3)
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.2\.input_layernorm\.weight'"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.gguf*"))
+
+
+def test_unexpected_tensor(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    _edit_config(ckpt, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"unexpected tensors .*model\.layers\.1\."):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+
+
+def test_missing_weights_file(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+
+
+def test_corrupt_safetensors(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    (ckpt / "model.safetensors").write_bytes((10 ** 9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="corrupt safetensors header"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+
+
+def test_unsupported_tensor_dtype_leaves_no_file(hf_checkpoint, tmp_path):
+    """A dtype error surfaces while tensors stream out; the partial file is removed."""
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3"), tmp_path / "ckpt")
+    st = ckpt / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    n_header = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n_header].decode()
+    entry = '"model.norm.weight":{"dtype":"F32"'
+    assert entry in header
+    raw[8:8 + n_header] = header.replace(entry, entry.replace("F32", "I32")).encode()
+    st.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.* dtype I32"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.gguf*"))
+
+
+def test_unequal_gdn_head_dims(hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3_5"), tmp_path / "ckpt")
+    _edit_config(ckpt, linear_value_head_dim=8)
+    with pytest.raises(ValueError, match="linear_key_head_dim .* != linear_value_head_dim"):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
