@@ -1,0 +1,547 @@
+"""Hugging Face DFlash drafter checkpoint -> GGUF (arch `dflash`).
+
+Input: a z-lab style `DFlashDraftModel` directory (config.json with
+`model_type: qwen3` and `dflash_config.{target_layer_ids, mask_token_id,
+block_size}`, older files a top-level `block_size`; safetensors with `fc`,
+`hidden_norm`, `norm` and Qwen3 decoder layers, no `embed_tokens` / `lm_head`:
+those come from the target at run time).
+
+The output follows llama.cpp's own converter (conversion/qwen.py,
+`DFlashModel`, in the llama.cpp vendored by llama-cpp-python 0.3.36) key for
+key and tensor for tensor, so llama.cpp loads it as a drafter and the native
+engine reads the same file. The transforms that are not plain renames:
+
+- `dflash.target_layers = target_layer_ids + 1`: HF id i taps the OUTPUT of
+  target layer i (`hidden_states[i + 1]`), which llama.cpp reads as the input
+  of layer i + 1.
+- `hidden_norm` -> `enc.output_norm`, `norm` -> `output_norm`,
+  `post_attention_layernorm` -> `blk.N.ffn_norm`. Norm weights are stored as
+  they are: the drafter is a Qwen3 model, whose RMSNorm is `x * w` (the
+  Qwen3.5 `x * (1 + w)` rule and its `w + 1` storage do not apply, even for a
+  Qwen3.5 target).
+- For an M-RoPE target (Qwen3.5) llama.cpp writes degenerate rope sections
+  `[head_dim / 2, 0, 0, 0]`: all rotary pairs take the token position, which is
+  plain NeoX RoPE. We do the same when the target (directory or GGUF) is known.
+
+The tokenizer is carried so llama.cpp can load the drafter on its own and
+find `tokenizer.ggml.mask_token_id`: copied key for key from `target_gguf`
+when given (llama.cpp's converter likewise takes the target's tokenizer),
+else built from tokenizer.json in the drafter directory (or `target_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import gguf
+from gguf import GGUFValueType, MODEL_TENSOR
+
+from .convert import (
+    OUTTYPES,
+    _add_rope_scaling,
+    _add_tokenizer_kv,
+    _Checkpoint,
+    _ModelSpec,
+    _PlannedTensor,
+    _pick_qtype,
+    _rope_parameters,
+    _SourceTensor,
+    _tensor_name,
+    _write_gguf,
+)
+
+__all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
+           "target_layer_ids_from_gguf"]
+
+logger = logging.getLogger(__name__)
+
+DFLASH_ARCH = "dflash"
+
+# dflash_config / config keys that change the drafter's math in ways this
+# converter and the native engine do not implement (DFlash2 dynamic convs and
+# selector, value scaling, SpecForge-style uniform SWA).
+_UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                            "attention_value_scale", "use_swa", "swa_window_size")
+
+# Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
+_QWEN3_DEFAULTS: Mapping[str, Any] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=32768,
+                                         rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
+                                         sliding_window=4096, max_window_layers=28, hidden_act="silu")
+
+# HF decoder-layer tensor suffix -> GGUF tensor
+_LAYER_TENSORS: Mapping[str, MODEL_TENSOR] = {
+    "input_layernorm.weight": MODEL_TENSOR.ATTN_NORM,
+    "self_attn.q_proj.weight": MODEL_TENSOR.ATTN_Q,
+    "self_attn.k_proj.weight": MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj.weight": MODEL_TENSOR.ATTN_V,
+    "self_attn.o_proj.weight": MODEL_TENSOR.ATTN_OUT,
+    "self_attn.q_norm.weight": MODEL_TENSOR.ATTN_Q_NORM,
+    "self_attn.k_norm.weight": MODEL_TENSOR.ATTN_K_NORM,
+    "post_attention_layernorm.weight": MODEL_TENSOR.FFN_NORM,
+    "mlp.gate_proj.weight": MODEL_TENSOR.FFN_GATE,
+    "mlp.up_proj.weight": MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj.weight": MODEL_TENSOR.FFN_DOWN,
+}
+# llama.cpp's LLM_TENSOR_FC / LLM_TENSOR_ENC_OUTPUT_NORM (PyPI gguf 0.19 has no FC)
+FC_NAME = "fc.weight"
+ENC_OUTPUT_NORM_NAME = "enc.output_norm.weight"
+
+
+class DflashSpec:
+    """A validated DFlash drafter config: the hparams the GGUF needs, with
+    Qwen3Config defaults applied and every DFlash field resolved."""
+
+    def __init__(self, src_dir: Path, config: dict[str, Any]):
+        self.src_dir = src_dir
+        self.config = config
+        where = src_dir / "config.json"
+        self.where = where
+        archs = config.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            extra = (" (DFlash2 drafters with dynamic convs and a candidate selector are not supported)"
+                     if "DFlash2DraftModel" in archs else "")
+            raise ValueError(f"[convert_dflash] {where}: architectures {archs} is not a DFlashDraftModel{extra}")
+        model_type = config.get("model_type")
+        if model_type not in (None, "qwen3"):
+            raise ValueError(f"[convert_dflash] {where}: model_type {model_type!r}; a DFlash drafter is a "
+                             f"Qwen3 model (model_type 'qwen3')")
+        self.hp: dict[str, Any] = {**_QWEN3_DEFAULTS, **config}
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in config:
+                raise ValueError(f"[convert_dflash] {where}: missing key {key!r}")
+        if self.hp["num_key_value_heads"] is None:
+            self.hp["num_key_value_heads"] = self.hp["num_attention_heads"]
+        if self.hp["head_dim"] is None:
+            self.hp["head_dim"] = int(self.hp["hidden_size"]) // int(self.hp["num_attention_heads"])
+
+        dc = config.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise ValueError(f"[convert_dflash] {where}: missing 'dflash_config' (target_layer_ids, "
+                             f"mask_token_id, block_size)")
+        self.dflash_config = dc
+        bad = [k for k in _UNSUPPORTED_DFLASH_KEYS if k in dc or k in config]
+        if bad:
+            raise ValueError(f"[convert_dflash] {where}: unsupported DFlash options {bad}")
+
+        ids = dc.get("target_layer_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                            for i in ids):
+            raise ValueError(f"[convert_dflash] {where}: dflash_config.target_layer_ids must be a non-empty "
+                             f"list of ints, got {ids!r}")
+        if min(ids) < 0:
+            raise ValueError(f"[convert_dflash] {where}: negative target layer id in {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"[convert_dflash] {where}: repeated target layer id in {ids}")
+        self.target_layer_ids: list[int] = list(ids)
+
+        mask = dc.get("mask_token_id", config.get("mask_token_id"))
+        if mask is None:
+            raise ValueError(f"[convert_dflash] {where}: missing dflash_config.mask_token_id")
+        if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
+            raise ValueError(f"[convert_dflash] {where}: mask_token_id must be a non-negative int, got {mask!r}")
+        if "vocab_size" in config and mask >= int(config["vocab_size"]):
+            raise ValueError(f"[convert_dflash] {where}: mask_token_id {mask} >= vocab_size {config['vocab_size']}")
+        self.mask_token_id: int = mask
+
+        block_size = dc.get("block_size", config.get("block_size", 16))
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+            raise ValueError(f"[convert_dflash] {where}: block_size must be an int >= 2 (the last committed "
+                             f"token plus at least one mask), got {block_size!r}")
+        self.block_size: int = block_size
+
+        n_target = config.get("num_target_layers")
+        self.num_target_layers: int | None = int(n_target) if n_target is not None else None
+
+        if self.hp.get("attention_bias"):
+            raise ValueError(f"[convert_dflash] {where}: attention_bias=true is not supported (llama.cpp's "
+                             f"dflash graph has no attention biases)")
+        if self.hp.get("hidden_act") != "silu":
+            raise ValueError(f"[convert_dflash] {where}: hidden_act {self.hp.get('hidden_act')!r} is not "
+                             f"supported (SwiGLU with silu only)")
+        if config.get("rope_is_neox_style", True) is not True:
+            raise ValueError(f"[convert_dflash] {where}: rope_is_neox_style=false (interleaved RoPE) is not "
+                             f"supported")
+        self.rope = _rope_parameters(self._model_spec())
+        prf = float(self.rope.get("partial_rotary_factor", 1.0))
+        if prf != 1.0:
+            raise ValueError(f"[convert_dflash] {where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
+                             f"drafter ropes the whole head)")
+        self._resolve_attention_layout()
+
+    def _model_spec(self) -> _ModelSpec:
+        return _ModelSpec(self.src_dir, DFLASH_ARCH, self.config, self.hp, False)
+
+    def _resolve_attention_layout(self) -> None:
+        """Per-layer sliding window and causality, as z-lab's modeling code
+        resolves them: Qwen3Config keeps `sliding_window` only when
+        `use_sliding_window`; `layer_types` defaults to sliding for layers >=
+        max_window_layers when it does; a layer is causal iff it is a sliding
+        layer, unless `is_causal` (or `dflash_config.causal`) says otherwise."""
+        n_layer = int(self.hp["num_hidden_layers"])
+        window = self.hp.get("sliding_window") if self.hp.get("use_sliding_window") else None
+        layer_types = self.hp.get("layer_types")
+        if layer_types is None:
+            layer_types = ["sliding_attention" if window is not None and i >= int(self.hp["max_window_layers"])
+                           else "full_attention" for i in range(n_layer)]
+        if len(layer_types) != n_layer:
+            raise ValueError(f"[convert_dflash] {self.where}: layer_types has {len(layer_types)} entries, "
+                             f"num_hidden_layers is {n_layer}")
+        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"[convert_dflash] {self.where}: unsupported layer_types {bad}")
+        self.layer_types: list[str] = list(layer_types)
+        self.is_swa: list[bool] = [t == "sliding_attention" for t in layer_types]
+        self.sliding_window: int | None = int(window) if window is not None and any(self.is_swa) else None
+
+        causal = self.config.get("is_causal")
+        if causal is None:
+            causal = self.dflash_config.get("causal")
+        if causal is not None:
+            self.causal = bool(causal)
+        elif all(self.is_swa) or not any(self.is_swa):
+            self.causal = all(self.is_swa)
+        else:
+            raise ValueError(f"[convert_dflash] {self.where}: sliding layers are causal and full layers are not "
+                             f"unless is_causal is set; GGUF's single dflash.attention.causal cannot hold a mix")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hp["hidden_size"])
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.hp["num_hidden_layers"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hp["head_dim"])
+
+
+def load_dflash_spec(src_dir: str | os.PathLike[str]) -> DflashSpec:
+    """Read and validate `src_dir/config.json` of a DFlash drafter."""
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise ValueError(f"[convert_dflash] checkpoint directory {str(src)!r} does not exist")
+    path = src / "config.json"
+    if not path.is_file():
+        raise ValueError(f"[convert_dflash] {str(src)!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"[convert_dflash] {path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"[convert_dflash] {path}: expected a JSON object")
+    return DflashSpec(src, config)
+
+
+# ---------------------------------------------------------------------------
+# the target: what the drafter must agree with
+# ---------------------------------------------------------------------------
+
+class _TargetInfo:
+    """Hidden size, layer count, vocabulary size and M-RoPE use of the target,
+    from its GGUF or its HF config.json."""
+
+    def __init__(self, where: str, hidden: int, n_layer: int, n_vocab: int | None, mrope: bool):
+        self.where, self.hidden, self.n_layer, self.n_vocab, self.mrope = where, hidden, n_layer, n_vocab, mrope
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader, path: Path) -> "_TargetInfo":
+        fields = reader.fields
+
+        def value(key: str) -> Any:
+            f = fields.get(key)
+            return None if f is None else f.contents()
+
+        arch = value("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"[convert_dflash] target GGUF {path}: no general.architecture")
+        if arch == DFLASH_ARCH:
+            raise ValueError(f"[convert_dflash] target GGUF {path} is itself a DFlash drafter")
+        hidden, n_layer = value(f"{arch}.embedding_length"), value(f"{arch}.block_count")
+        if hidden is None or n_layer is None:
+            raise ValueError(f"[convert_dflash] target GGUF {path}: missing {arch}.embedding_length or "
+                             f"{arch}.block_count")
+        tokens = fields.get("tokenizer.ggml.tokens")
+        n_vocab = len(tokens.data) if tokens is not None else None
+        sections = value(f"{arch}.rope.dimension_sections")
+        mrope = bool(sections) and any(int(s) != 0 for s in sections)
+        return cls(f"target GGUF {path}", int(hidden), int(n_layer), n_vocab, mrope)
+
+    @classmethod
+    def from_dir(cls, target_dir: Path) -> "_TargetInfo":
+        path = target_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(f"[convert_dflash] target directory {str(target_dir)!r} has no config.json")
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        return cls(f"target {path}", int(text["hidden_size"]), int(text["num_hidden_layers"]),
+                   int(text["vocab_size"]) if "vocab_size" in text else None, "mrope_section" in rope)
+
+    def check(self, spec: DflashSpec) -> None:
+        if self.hidden != spec.hidden_size:
+            raise ValueError(f"[convert_dflash] drafter hidden size {spec.hidden_size} != hidden size "
+                             f"{self.hidden} of the {self.where}")
+        _check_layer_ids(spec, self.n_layer, self.where)
+        n_vocab = spec.config.get("vocab_size")
+        if n_vocab is not None and self.n_vocab is not None and int(n_vocab) != self.n_vocab:
+            raise ValueError(f"[convert_dflash] drafter vocab_size {n_vocab} != vocabulary size {self.n_vocab} "
+                             f"of the {self.where}")
+        if self.n_vocab is not None and spec.mask_token_id >= self.n_vocab:
+            raise ValueError(f"[convert_dflash] mask_token_id {spec.mask_token_id} is outside the vocabulary "
+                             f"({self.n_vocab}) of the {self.where}")
+
+
+def _check_layer_ids(spec: DflashSpec, n_target_layers: int, where: str) -> None:
+    ids = spec.target_layer_ids
+    if max(ids) >= n_target_layers:
+        raise ValueError(f"[convert_dflash] target_layer_ids {ids} reach past the {n_target_layers} layers "
+                         f"of the {where}")
+    if max(ids) == n_target_layers - 1:
+        # HF's hidden_states[n_layers] is the final-normed state, not the last
+        # layer's output; llama.cpp taps layer inputs and has no layer n_layers.
+        raise ValueError(f"[convert_dflash] target_layer_ids {ids} tap the last layer of the {where}: HF "
+                         f"gives its output after the final norm, which llama.cpp's layer-input taps "
+                         f"(target_layers = id + 1) cannot reproduce")
+
+
+# ---------------------------------------------------------------------------
+# conversion
+# ---------------------------------------------------------------------------
+
+def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathLike[str], *,
+                           outtype: str = "f16", target_gguf: str | os.PathLike[str] | None = None,
+                           target_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Convert the DFlash drafter checkpoint in `src_dir` to a GGUF file at `dst_path`.
+
+    `outtype` is one of "f32", "f16", "bf16", "q8_0", with convert.py's dtype
+    policy: 1-D tensors and norms stay F32, a Q8_0 tensor whose rows are not
+    whole blocks falls back to F16. `target_gguf` (the target model's GGUF) or
+    `target_dir` (its HF directory) is optional: when given, the drafter is
+    checked against it (hidden size, tapped layers, vocabulary) and its
+    tokenizer is carried into the drafter GGUF. Returns the path written.
+    Raises ValueError for a missing directory or config.json, a config that is
+    not a DFlashDraftModel, missing or invalid DFlash fields, missing,
+    misshapen or unexpected tensors, a drafter/target mismatch or an unknown
+    outtype.
+    """
+    if outtype not in OUTTYPES:
+        raise ValueError(f"[convert_dflash] unknown outtype {outtype!r}; expected one of {sorted(OUTTYPES)}")
+    spec = load_dflash_spec(src_dir)
+    src = spec.src_dir
+
+    target_reader: gguf.GGUFReader | None = None
+    target: _TargetInfo | None = None
+    if target_gguf is not None:
+        tpath = Path(target_gguf)
+        if not tpath.is_file():
+            raise ValueError(f"[convert_dflash] target GGUF {str(tpath)!r} does not exist")
+        try:
+            target_reader = gguf.GGUFReader(tpath)
+        except Exception as e:  # the reader raises assorted errors on a bad file
+            raise ValueError(f"[convert_dflash] target GGUF {tpath}: cannot read it: {e}") from None
+        target = _TargetInfo.from_gguf(target_reader, tpath)
+    elif target_dir is not None:
+        target = _TargetInfo.from_dir(Path(target_dir))
+    if target is not None:
+        target.check(spec)
+    elif spec.num_target_layers is not None:
+        _check_layer_ids(spec, spec.num_target_layers, "target (num_target_layers in the drafter config)")
+
+    tensors = _dflash_tensors(spec, _Checkpoint(src))
+    qtype_out, file_type = OUTTYPES[outtype]
+    planned = [_PlannedTensor(t.name, t.shape, _pick_qtype(t.name, t.shape, qtype_out, t.keep_f32), t.load)
+               for t in tensors]
+
+    def write_kv(writer: gguf.GGUFWriter) -> None:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(src.resolve().name)
+        _dflash_kv(writer, spec, mrope_target=target is not None and target.mrope)
+        writer.add_file_type(file_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _dflash_tokenizer_kv(writer, spec, target_reader,
+                             Path(target_dir) if target_dir is not None else None)
+
+    return _write_gguf(Path(dst_path), DFLASH_ARCH, write_kv, planned)
+
+
+def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool) -> None:
+    hp = spec.hp
+    arch = DFLASH_ARCH
+    writer.add_block_count(spec.n_layer)
+    writer.add_context_length(int(hp["max_position_embeddings"]))
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(int(hp["intermediate_size"]))
+    writer.add_head_count(int(hp["num_attention_heads"]))
+    writer.add_head_count_kv(int(hp["num_key_value_heads"]))
+    writer.add_layer_norm_rms_eps(float(hp["rms_norm_eps"]))
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_rope_freq_base(float(spec.rope["rope_theta"]))
+    _add_rope_scaling(writer, spec._model_spec(), spec.rope)
+    if mrope_target:
+        writer.add_array(f"{arch}.rope.dimension_sections", [spec.head_dim // 2, 0, 0, 0])
+
+    writer.add_key_value(f"{arch}.target_layers", [i + 1 for i in spec.target_layer_ids],
+                         GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    writer.add_uint32(f"{arch}.block_size", spec.block_size)
+    writer.add_bool(f"{arch}.attention.causal", spec.causal)
+    if spec.sliding_window is not None:
+        writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", spec.is_swa)
+
+    # What z-lab's compute_logits / noise embedding apply; llama.cpp reads the
+    # same keys (LLM_KV_LOGIT_SCALE, _FINAL_LOGIT_SOFTCAPPING, _EMBEDDING_SCALE).
+    dc, cfg = spec.dflash_config, spec.config
+    output_multiplier = dc.get("output_multiplier", cfg.get("output_multiplier"))
+    if output_multiplier is not None:
+        writer.add_float32(f"{arch}.logit_scale", float(output_multiplier))
+    softcap = dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+    if softcap is not None and float(softcap) > 0:
+        writer.add_float32(f"{arch}.final_logit_softcapping", float(softcap))
+    embedding_scale = dc.get("input_embedding_scale", cfg.get("input_embedding_scale"))
+    if embedding_scale is not None:
+        writer.add_float32(f"{arch}.embedding_scale", float(embedding_scale))
+
+
+_MASK_KEY = gguf.Keys.Tokenizer.MASK_ID
+
+
+def _dflash_tokenizer_kv(writer: gguf.GGUFWriter, spec: DflashSpec, target_reader: gguf.GGUFReader | None,
+                         target_dir: Path | None) -> None:
+    """The vocabulary, so that llama.cpp can load the drafter and read its mask
+    token: the target GGUF's `tokenizer.*` keys, else tokenizer.json from the
+    drafter directory or `target_dir`. The mask id is always the drafter's."""
+    n_vocab = int(spec.config.get("vocab_size", 0)) or None
+    if target_reader is not None:
+        _copy_tokenizer_kv(writer, target_reader)
+    else:
+        tok_dir = next((d for d in (spec.src_dir, target_dir) if d is not None and (d / "tokenizer.json").is_file()),
+                       None)
+        if tok_dir is None:
+            logger.warning("[convert_dflash] %s: no tokenizer.json and no target given; llama.cpp will load the "
+                           "drafter without a vocabulary (and so without its mask token)", spec.src_dir)
+            writer.add_tokenizer_model("none")
+            if n_vocab is not None:
+                writer.add_vocab_size(n_vocab)
+        else:
+            if n_vocab is None:
+                raise ValueError(f"[convert_dflash] {spec.where}: missing key 'vocab_size' (needed to write the "
+                                 f"tokenizer from {tok_dir / 'tokenizer.json'})")
+            tok_config = spec.config if tok_dir == spec.src_dir else _read_json(tok_dir / "config.json")
+            _add_tokenizer_kv(writer, tok_dir, n_vocab, tok_config)
+    writer.kv_data[0].pop(_MASK_KEY, None)  # the tokenizer may name a mask of its own
+    writer.add_mask_token_id(spec.mask_token_id)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _copy_tokenizer_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> None:
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == GGUFValueType.ARRAY:
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        else:
+            writer.add_key_value(key, value, vtype)
+
+
+def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    """GGUF tensors in llama.cpp's order (globals, then layers), with shapes
+    checked against config.json. Checkpoints name tensors `fc.weight` (z-lab)
+    or `model.fc.weight`; both are accepted."""
+    prefix = "model." if any(n.startswith("model.") for n in ckpt.tensors) else ""
+    h, hd = spec.hidden_size, spec.head_dim
+    n_head, n_kv, n_ff = (int(spec.hp["num_attention_heads"]), int(spec.hp["num_key_value_heads"]),
+                          int(spec.hp["intermediate_size"]))
+    n_taps = len(spec.target_layer_ids)
+
+    out: list[_SourceTensor] = []
+
+    def add(hf_suffix: str, gguf_name: str, shape: tuple[int, ...]) -> None:
+        name = prefix + hf_suffix
+        if name not in ckpt:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
+        src = ckpt.get(name)
+        if src.shape != shape:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
+                             f"{list(shape)} from config.json (n_taps={n_taps}, hidden={h}, heads={n_head}/{n_kv}, "
+                             f"head_dim={hd}, ffn={n_ff})")
+        out.append(_SourceTensor(gguf_name, shape, src.load, False, name))
+
+    add("fc.weight", FC_NAME, (h, n_taps * h))
+    add("hidden_norm.weight", ENC_OUTPUT_NORM_NAME, (h,))
+    add("norm.weight", _tensor_name(MODEL_TENSOR.OUTPUT_NORM), (h,))
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (n_head * hd, h),
+        "self_attn.k_proj.weight": (n_kv * hd, h),
+        "self_attn.v_proj.weight": (n_kv * hd, h),
+        "self_attn.o_proj.weight": (h, n_head * hd),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (n_ff, h),
+        "mlp.up_proj.weight": (n_ff, h),
+        "mlp.down_proj.weight": (h, n_ff),
+    }
+    for il in range(spec.n_layer):
+        for hf_suffix, key in _LAYER_TENSORS.items():
+            add(f"layers.{il}.{hf_suffix}", _tensor_name(key, il), shapes[hf_suffix])
+
+    used = {t.hf_name for t in out}
+    extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))
+    if extra:
+        shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
+        raise ValueError(f"[convert_dflash] {ckpt.src_dir}: unexpected tensors for a DFlash drafter: {shown}")
+    return out
+
+
+def gguf_tensor_plan(spec: DflashSpec) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """GGUF tensor name -> (ggml ne, always F32) that a drafter with `spec` has.
+    The contract the native loader and the tests check a file against."""
+    h, hd = spec.hidden_size, spec.head_dim
+    n_head, n_kv, n_ff = (int(spec.hp["num_attention_heads"]), int(spec.hp["num_key_value_heads"]),
+                          int(spec.hp["intermediate_size"]))
+    plan: dict[str, tuple[tuple[int, ...], bool]] = {
+        FC_NAME: ((len(spec.target_layer_ids) * h, h), False),
+        ENC_OUTPUT_NORM_NAME: ((h,), True),
+        "output_norm.weight": ((h,), True),
+    }
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        plan.update({
+            b + "attn_norm.weight": ((h,), True),
+            b + "attn_q.weight": ((h, n_head * hd), False),
+            b + "attn_k.weight": ((h, n_kv * hd), False),
+            b + "attn_v.weight": ((h, n_kv * hd), False),
+            b + "attn_output.weight": ((n_head * hd, h), False),
+            b + "attn_q_norm.weight": ((hd,), True),
+            b + "attn_k_norm.weight": ((hd,), True),
+            b + "ffn_norm.weight": ((h,), True),
+            b + "ffn_gate.weight": ((h, n_ff), False),
+            b + "ffn_up.weight": ((h, n_ff), False),
+            b + "ffn_down.weight": ((n_ff, h), False),
+        })
+    return plan
+
+
+def target_layer_ids_from_gguf(values: Sequence[int]) -> list[int]:
+    """`dflash.target_layers` -> HF target_layer_ids (index of the target layer
+    whose output is tapped)."""
+    return [int(v) - 1 for v in values]

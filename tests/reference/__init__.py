@@ -1,0 +1,1 @@
+"""Independent reference implementations (PyTorch / NumPy) the native engine is tested against."""
