@@ -3,6 +3,7 @@
 #include "gdn_tape.h"
 #include "verify.h"
 #include "session.h"
+#include "spec.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -209,4 +210,90 @@ PYBIND11_MODULE(_core, m) {
             },
             py::arg("layer"),
             "GDN state of a layer: (ssm float32 [n_v_heads, d_v, d_k] i.e. S^T per head, conv float32 [channels, d_conv-1])");
+
+    py::class_<spec_session>(m, "Spec")
+        .def(py::init([](target_session & t, const std::string & drafter, int64_t block_size, int64_t ring_capacity,
+                         int64_t window) {
+                 spec_params p;
+                 p.block_size = block_size;
+                 p.ring_capacity = ring_capacity;
+                 p.window = window;
+                 py::gil_scoped_release release;
+                 return std::make_unique<spec_session>(t, drafter, p);
+             }),
+             py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("ring_capacity") = 4096,
+             py::arg("window") = 0, py::keep_alive<1, 2>())
+        .def_property_readonly("block_size", &spec_session::block_size)
+        .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
+        .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
+        .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })
+        .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; })
+        .def_property_readonly("ring_n_pushed", [](spec_session & s) { return s.ring().n_pushed; })
+        .def_property_readonly("ring_bytes", [](spec_session & s) { return s.ring().bytes(); })
+        .def("ring_slot_positions", [](spec_session & s) {
+            std::vector<int64_t> out;
+            for (int64_t i = 0; i < s.ring().capacity; ++i) out.push_back(s.ring().slot_position(i));
+            return out;
+        })
+        .def(
+            "ring_kv",
+            [](spec_session & s, int il, const target_session & t) {
+                feature_ring & r = s.ring();
+                if (il < 0 || il >= (int) r.k.size()) throw input_error(cat("[feature_ring] no drafter layer ", il));
+                const ggml_tensor * k = r.k[il];
+                auto kk = to_array<float>(t.read_tensor_f32(k), {r.capacity, k->ne[1], k->ne[0]});
+                auto vv = to_array<float>(t.read_tensor_f32(r.v[il]), {r.capacity, k->ne[1], k->ne[0]});
+                return py::make_tuple(kk, vv);
+            },
+            py::arg("layer"), py::arg("target"), "Ring K, V of a drafter layer by slot, float32 [capacity, n_head_kv, head_dim]")
+        .def("reset", &spec_session::reset)
+        .def(
+            "prefill",
+            [](spec_session & s, const py::object & tokens) {
+                std::vector<int32_t> t = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.prefill(t.data(), (int64_t) t.size());
+            },
+            py::arg("tokens"), "Reset, run the prompt through the target with taps, fill the ring; returns the first token")
+        .def(
+            "draft",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+                py::gil_scoped_release release;
+                return s.draft(last, B);
+            },
+            py::arg("last"), py::arg("block_size"))
+        .def(
+            "round",
+            [](spec_session & s, int32_t last, int64_t B, const py::object & forced) {
+                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                std::vector<int32_t> f;
+                const bool has_forced = !forced.is_none();
+                if (has_forced) f = to_tokens(forced);
+                round_result r;
+                {
+                    py::gil_scoped_release release;
+                    r = s.round(last, B, has_forced ? &f : nullptr);
+                }
+                py::dict d;
+                d["committed"] = r.committed;
+                d["draft"] = r.draft;
+                d["draft_s"] = r.draft_s;
+                d["verify_s"] = r.verify_s;
+                d["rollback_s"] = r.rollback_s;
+                return d;
+            },
+            py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
+            "One round: draft, verify, accept, roll back, push features. Returns a dict with the committed tokens.")
+        .def(
+            "push_features",
+            [](spec_session & s, farr feats, int64_t pos0) {
+                if (feats.ndim() != 3) throw input_error("[feature_ring] features must be [m, n_taps, n_embd]");
+                const auto & dh = s.drafter_hparams_();
+                if (feats.shape(1) != (py::ssize_t) dh.tap_layers.size() || feats.shape(2) != dh.n_embd)
+                    throw input_error("[feature_ring] features must be [m, n_taps, n_embd] for this drafter");
+                py::gil_scoped_release release;
+                s.push_features(feats.data(), feats.shape(0), pos0);
+            },
+            py::arg("features"), py::arg("pos0"));
 }

@@ -102,7 +102,7 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     try {
         for (int64_t off = 0; off < n; off += params_.n_batch) {
             const int64_t m = std::min(params_.n_batch, n - off);
-            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n, false);
+            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n, false, false);
         }
     } catch (...) {
         // K/V rows past the old cursor are dead; GDN state cannot be restored here, so the caller
@@ -113,7 +113,8 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     return out;
 }
 
-decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) {
+decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,
+                                     bool argmax_only) {
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
     DFN_REQUIRE(n <= cache_->n_tape || hp.is_gdn.empty(), "verify", n, " tokens > max_verify = ", cache_->n_tape,
@@ -122,11 +123,12 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
 
     decode_result out;
     out.n_rows = n;
-    out.logits.resize((size_t) n * hp.n_vocab);
+    if (argmax_only) out.argmax.resize(n);
+    else out.logits.resize((size_t) n * hp.n_vocab);
     if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
     const int64_t n_past0 = cache_->n_past;
     try {
-        run_chunk(tokens, n, true, tap_layers, out, 0, n, true);
+        run_chunk(tokens, n, true, tap_layers, out, 0, n, true, argmax_only);
     } catch (...) {
         cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
         throw;
@@ -183,65 +185,62 @@ void target_session::commit(int64_t n_keep) {
 }
 
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
-                               decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape) {
+                               decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape,
+                               bool argmax_only) {
     const target_hparams & hp = model_->hparams();
     const bool last_chunk = tok_offset + n == n_total;
     const bool want_logits = all_logits || last_chunk;
 
-    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
-    ggml_context * ctx = ggml_init(ip);
-    if (!ctx) throw runtime_error("[decode] ggml_init failed");
-    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
-
     graph_inputs g;
-    g.ctx = ctx;
-    g.gf = ggml_new_graph_custom(ctx, max_nodes_, false);
     g.hp = &hp;
     g.cache = cache_.get();
     g.n_tokens = n;
     g.n_past = cache_->n_past;
     g.n_kv = g.n_past + n;
     g.record_tape = record_tape;
-    const int n_pos = model_->n_pos_per_token();
-
-    g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-    g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
-    g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
-    ggml_set_input(g.tokens);
-    ggml_set_input(g.pos);
-    ggml_set_input(g.kq_mask);
     g.tap_layers = tap_layers;
     g.taps.assign(tap_layers.size(), nullptr);
-
-    ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+    const int n_pos = model_->n_pos_per_token();
     ggml_tensor * logits = nullptr;
-    if (want_logits) {
-        if (!all_logits) {
-            hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
+    ggml_tensor * argmax = nullptr;
+
+    auto build = [&](ggml_context * ctx, ggml_cgraph * gf) {
+        g.ctx = ctx;
+        g.gf = gf;
+        g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+        g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
+        g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
+        ggml_set_input(g.tokens);
+        ggml_set_input(g.pos);
+        ggml_set_input(g.kq_mask);
+
+        ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+        if (want_logits) {
+            if (!all_logits) {
+                hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
+            }
+            logits = ggml_mul_mat(ctx, model_->output, hidden);  // [n_vocab, rows]
+            if (argmax_only) {
+                argmax = ggml_argmax(ctx, logits);  // I32 [rows]
+                ggml_set_output(argmax);
+                ggml_build_forward_expand(gf, argmax);
+            } else {
+                ggml_set_output(logits);
+                ggml_build_forward_expand(gf, logits);
+            }
+        } else {
+            ggml_build_forward_expand(gf, hidden);
         }
-        logits = ggml_mul_mat(ctx, model_->output, hidden);  // [n_vocab, rows]
-        ggml_set_output(logits);
-        ggml_build_forward_expand(g.gf, logits);
-    } else {
-        ggml_build_forward_expand(g.gf, hidden);
-    }
+    };
 
-    ggml_backend_sched_reset(sched_);
-    if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
-        throw runtime_error(cat("[decode] cannot allocate the compute graph for ", n, " tokens at n_past ", g.n_past));
-    }
-
-    // inputs
-    ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
-    {
+    auto set_inputs = [&] {
+        ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
         std::vector<int32_t> pos(n * n_pos, 0);
         for (int64_t i = 0; i < n; ++i) {
             const int32_t p = (int32_t) (g.n_past + i);
             for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
         }
         ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-    }
-    {
         const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
         std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
         for (int64_t i = 0; i < n; ++i) {
@@ -250,33 +249,52 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
         }
         ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    }
+    };
 
-    const ggml_status st = ggml_backend_sched_graph_compute(sched_, g.gf);
-    if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[decode] graph compute failed with status ", (int) st));
-    cache_->n_past += n;
-
-    if (want_logits) {
-        const int64_t rows = all_logits ? n : 1;
-        float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
-        ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
-        for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-            if (!std::isfinite(dst[i])) {
-                throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
-                                        ": the model weights or inputs produce NaN/inf"));
+    auto read_outputs = [&] {
+        cache_->n_past += n;
+        if (argmax) {
+            ggml_backend_tensor_get(argmax, out.argmax.data() + tok_offset, 0, ggml_nelements(argmax) * sizeof(int32_t));
+        } else if (want_logits) {
+            const int64_t rows = all_logits ? n : 1;
+            float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
+            ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
+            for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
+                if (!std::isfinite(dst[i])) {
+                    throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
+                                            ": the model weights or inputs produce NaN/inf"));
+                }
             }
         }
-    }
-    const size_t n_taps = tap_layers.size();
-    for (size_t t = 0; t < n_taps; ++t) {
-        // taps[t]: [n_embd, n] -> out.taps[token][t][:]
-        std::vector<float> buf((size_t) hp.n_embd * n);
-        ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
-        for (int64_t i = 0; i < n; ++i) {
-            std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
-                        buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
+        const size_t n_taps = tap_layers.size();
+        for (size_t t = 0; t < n_taps; ++t) {
+            // taps[t]: [n_embd, n] -> out.taps[token][t][:]
+            std::vector<float> buf((size_t) hp.n_embd * n);
+            ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
+            for (int64_t i = 0; i < n; ++i) {
+                std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
+                            buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
+            }
         }
-    }
+    };
+
+    run_graph(build, set_inputs, read_outputs);
+}
+
+void target_session::run_graph(const std::function<void(ggml_context *, ggml_cgraph *)> & build,
+                               const std::function<void()> & set_inputs, const std::function<void()> & read_outputs) {
+    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) throw runtime_error("[graph] ggml_init failed");
+    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
+    build(ctx, gf);
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    set_inputs();
+    const ggml_status st = ggml_backend_sched_graph_compute(sched_, gf);
+    if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
+    read_outputs();
 }
 
 std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {

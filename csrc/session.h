@@ -6,6 +6,7 @@
 
 #include "ggml-backend.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@ struct decode_result {
     std::vector<float> logits;  // [n_rows, n_vocab], rows = all tokens or the last one
     int64_t n_rows = 0;
     std::vector<float> taps;    // [n_tokens, n_taps, n_embd] when taps were asked for
+    std::vector<int32_t> argmax;  // [n_rows] when only the greedy tokens were asked for (logits empty)
 };
 
 class target_session {
@@ -39,7 +41,9 @@ public:
 
     // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
     // updating their state. Must be followed by commit(n_keep) before the next decode or verify.
-    decode_result verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers = {});
+    // argmax_only: return the greedy token per row instead of the logits (computed in the graph).
+    decode_result verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers = {},
+                         bool argmax_only = false);
 
     // Keep the first n_keep (1..n) tokens of the pending verify: attention K/V cursor to
     // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
@@ -55,13 +59,20 @@ public:
     const session_params & params() const { return params_; }
     std::string device_name() const;
 
+    // Builds a graph with `build` in this session's metadata arena, allocates it on this
+    // session's backends, calls `set_inputs`, computes, then `read_outputs`. Used by the drafter,
+    // which shares the target's embeddings, lm_head and backends.
+    void run_graph(const std::function<void(ggml_context *, ggml_cgraph *)> & build,
+                   const std::function<void()> & set_inputs, const std::function<void()> & read_outputs);
+    ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
+
     // Copies of cache contents as F32 for inspection and tests.
     std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) const;
 
 private:
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
-                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape);
+                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);
 
     session_params params_;
     std::unique_ptr<target_model> model_;

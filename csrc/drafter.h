@@ -1,0 +1,91 @@
+// The DFlash drafter (GGUF arch "dflash") and its feature ring.
+#pragma once
+
+#include "gguf_file.h"
+#include "model.h"
+
+#include "ggml-backend.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+struct drafter_hparams {
+    int64_t n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_ctx_train = 0;
+    float rms_eps = 1e-6f;
+    float rope_base = 10000.0f;
+    int64_t block_size = 16;
+    int64_t mask_token_id = -1;
+    bool causal = false;
+    int64_t sliding_window = 0;     // 0: attend to the whole ring
+    std::vector<int> tap_layers;    // target layers whose OUTPUT is fused (= GGUF target_layers - 1)
+};
+
+// Drafter-context K/V per committed position, for every drafter layer. Position p lives in
+// slot p % capacity; keys carry their RoPE at p, so wrap-around changes slots, never meaning.
+// Positions are pushed in order from 0; after N pushes the ring holds the last min(N, capacity).
+struct feature_ring {
+    feature_ring(const drafter_hparams & hp, int64_t capacity, ggml_backend_buffer_type_t buft);
+    ~feature_ring();
+    feature_ring(const feature_ring &) = delete;
+    feature_ring & operator=(const feature_ring &) = delete;
+
+    void clear();
+    int64_t n_valid() const { return n_pushed < capacity ? n_pushed : capacity; }
+    int64_t slot_position(int64_t slot) const;  // -1 when empty
+
+    int64_t capacity = 0;
+    int64_t n_pushed = 0;
+    std::vector<ggml_tensor *> k;  // per layer F32 [head_dim, n_head_kv, capacity]
+    std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity]
+    size_t bytes() const;
+
+private:
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+};
+
+struct drafter_layer {
+    ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;  // Qwen3 attention
+    ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;           // SwiGLU
+};
+
+class drafter_model {
+public:
+    // Opens a drafter and checks it against the target it will draft for.
+    drafter_model(const std::string & path, const target_hparams & target);
+
+    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+    const drafter_hparams & hparams() const { return hp_; }
+    size_t weights_bytes() const { return file_->weights_bytes(); }
+
+    // Context K/V of m positions into ring slots [slot0, slot0 + m) (no wrap inside one call).
+    // feats: F32 [n_taps * n_embd, m]; pos: I32 [m].
+    void build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * feats, ggml_tensor * pos,
+                      feature_ring & ring, int64_t slot0) const;
+
+    // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
+    // first n_ctx ring slots and (non-causally) to the block. mask: F16 [n_ctx + B, B].
+    // Returns the final hidden states after output_norm, F32 [n_embd, B].
+    ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
+                              ggml_tensor * mask, const feature_ring & ring, int64_t n_ctx,
+                              ggml_tensor * tok_embd) const;
+
+    ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them
+    ggml_tensor * output = nullptr;    // own lm_head, if the file has one
+
+private:
+    ggml_tensor * norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w) const;
+    ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
+
+    std::unique_ptr<gguf_file> file_;
+    drafter_hparams hp_;
+    ggml_tensor * fc = nullptr;        // [n_taps * n_embd, n_embd]
+    ggml_tensor * enc_norm = nullptr;  // F32 [n_embd] (HF hidden_norm)
+    ggml_tensor * output_norm = nullptr;
+    std::vector<drafter_layer> layers_;
+};
+
+}  // namespace dfn

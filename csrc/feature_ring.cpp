@@ -1,0 +1,45 @@
+#include "drafter.h"
+
+#include "common.h"
+
+namespace dfn {
+
+feature_ring::feature_ring(const drafter_hparams & hp, int64_t capacity_, ggml_backend_buffer_type_t buft)
+    : capacity(capacity_) {
+    DFN_REQUIRE(capacity >= 1, "feature_ring", "capacity must be >= 1, got ", capacity);
+    ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t) hp.n_layer + 1), nullptr, true};
+    ctx_ = ggml_init(ip);
+    if (!ctx_) throw runtime_error("[feature_ring] ggml_init failed");
+    for (int il = 0; il < hp.n_layer; ++il) {
+        k.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity));
+        v.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity));
+        ggml_format_name(k.back(), "ring.k.%d", il);
+        ggml_format_name(v.back(), "ring.v.%d", il);
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    if (!buf_) throw runtime_error(cat("[feature_ring] cannot allocate a ring of capacity ", capacity));
+    clear();
+}
+
+feature_ring::~feature_ring() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+void feature_ring::clear() {
+    ggml_backend_buffer_clear(buf_, 0);
+    n_pushed = 0;
+}
+
+int64_t feature_ring::slot_position(int64_t slot) const {
+    if (slot < 0 || slot >= capacity || slot >= n_pushed) return -1;
+    // the newest position in this slot: the largest p < n_pushed with p % capacity == slot
+    const int64_t last = n_pushed - 1;
+    const int64_t base = last - (last % capacity);
+    const int64_t p = base + slot;
+    return p <= last ? p : p - capacity;
+}
+
+size_t feature_ring::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+
+}  // namespace dfn

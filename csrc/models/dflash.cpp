@@ -1,0 +1,137 @@
+// DFlash drafter (GGUF arch "dflash"): Qwen3-style layers whose attention reads, besides the
+// block itself, context K/V made from fused target hidden states: RMSNorm(fc([h_l1; h_l2; ...])).
+// The block [last, MASK x (B-1)] attends to context + block without a causal mask.
+#include "../common.h"
+#include "../drafter.h"
+
+#include <cmath>
+
+namespace dfn {
+
+static const char * W = "load_gguf";
+
+drafter_model::drafter_model(const std::string & path, const target_hparams & target) {
+    file_ = std::make_unique<gguf_file>(path);
+    const gguf_file & F = *file_;
+    const std::string arch = F.arch();
+    DFN_REQUIRE(arch == "dflash", W, "'", path, "' is a '", arch, "' model, not a DFlash drafter (arch 'dflash')");
+    auto key = [](const char * s) { return std::string("dflash.") + s; };
+
+    hp_.n_layer = F.get_u32(key("block_count"));
+    hp_.n_embd = F.get_u32(key("embedding_length"));
+    hp_.n_ff = F.get_u32(key("feed_forward_length"));
+    hp_.n_head = F.get_u32(key("attention.head_count"));
+    hp_.n_head_kv = F.get_u32(key("attention.head_count_kv"), (uint32_t) hp_.n_head);
+    hp_.head_dim = F.get_u32(key("attention.key_length"), hp_.n_head ? (uint32_t) (hp_.n_embd / hp_.n_head) : 0);
+    hp_.rms_eps = F.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
+    hp_.rope_base = F.get_f32(key("rope.freq_base"), 10000.0f);
+    hp_.n_ctx_train = F.get_u32(key("context_length"), 4096);
+    hp_.block_size = F.get_u32(key("block_size"), 16);
+    hp_.causal = F.get_bool(key("attention.causal"), false);
+    hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
+    DFN_REQUIRE(F.has_key("tokenizer.ggml.mask_token_id"), W, "'", path, "': missing key 'tokenizer.ggml.mask_token_id'");
+    hp_.mask_token_id = F.get_u32("tokenizer.ggml.mask_token_id");
+
+    DFN_REQUIRE(hp_.n_layer >= 1 && hp_.n_layer <= 256, W, "'", path, "': bad block_count ", hp_.n_layer);
+    DFN_REQUIRE(hp_.n_embd == target.n_embd, W, "drafter hidden size ", hp_.n_embd, " != target hidden size ", target.n_embd);
+    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head % hp_.n_head_kv == 0, W, "'", path,
+                "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv);
+    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim % 2 == 0, W, "'", path, "': key_length must be even and > 0");
+    DFN_REQUIRE(hp_.block_size >= 2, W, "'", path, "': block_size ", hp_.block_size, " must be >= 2");
+    DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
+                " is outside the target vocabulary [0, ", target.n_vocab, ")");
+
+    const auto layers = F.get_int_arr(key("target_layers"));
+    DFN_REQUIRE(!layers.empty(), W, "'", path, "': missing key 'dflash.target_layers'");
+    for (int64_t l : layers) {
+        // GGUF stores HF target_layer_ids + 1 (the input of the next layer); we tap outputs.
+        DFN_REQUIRE(l >= 1 && l <= target.n_layer, W, "drafter target layer ", l - 1, " (GGUF target_layers ", l,
+                    ") is outside the target's ", target.n_layer, " layers");
+        hp_.tap_layers.push_back((int) l - 1);
+    }
+
+    const int64_t E = hp_.n_embd, hd = hp_.head_dim, n_taps = (int64_t) hp_.tap_layers.size();
+    fc = F.tensor("fc.weight", {n_taps * E, E});
+    enc_norm = F.tensor("enc.output_norm.weight", {E});
+    output_norm = F.tensor("output_norm.weight", {E});
+    if (F.has_tensor("token_embd.weight")) tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab});
+    if (F.has_tensor("output.weight")) output = F.tensor("output.weight", {E, target.n_vocab});
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+        drafter_layer L;
+        L.attn_norm = F.tensor(n("attn_norm"), {E});
+        L.wq = F.tensor(n("attn_q"), {E, hd * hp_.n_head});
+        L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
+        L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
+        L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
+        L.q_norm = F.tensor(n("attn_q_norm"), {hd});
+        L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+        L.ffn_norm = F.tensor(n("ffn_norm"), {E});
+        L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
+        L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
+        L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+        layers_.push_back(L);
+    }
+}
+
+ggml_tensor * drafter_model::norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w) const {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, hp_.rms_eps), w);
+}
+
+ggml_tensor * drafter_model::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
+    return ggml_rope_ext(ctx, x, pos, nullptr, (int) hp_.head_dim, GGML_ROPE_TYPE_NEOX, (int) hp_.n_ctx_train,
+                         hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
+void drafter_model::build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * feats, ggml_tensor * pos,
+                                 feature_ring & ring, int64_t slot0) const {
+    const int64_t m = feats->ne[1], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
+    ggml_tensor * h = norm(ctx, ggml_mul_mat(ctx, fc, feats), enc_norm);  // [n_embd, m]
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        const drafter_layer & L = layers_[il];
+        ggml_tensor * K = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, h), hd, n_kv, m);
+        ggml_tensor * V = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, h), hd, n_kv, m);
+        K = rope(ctx, norm(ctx, K, L.k_norm), pos);
+        ggml_tensor * kd = ring.k[il], * vd = ring.v[il];
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, kd, hd, n_kv, m, kd->nb[1], kd->nb[2], slot0 * kd->nb[2])));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, vd, hd, n_kv, m, vd->nb[1], vd->nb[2], slot0 * vd->nb[2])));
+    }
+}
+
+ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
+                                         ggml_tensor * mask, const feature_ring & ring, int64_t n_ctx,
+                                         ggml_tensor * target_tok_embd) const {
+    const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
+    const float scale = 1.0f / sqrtf((float) hd);
+    ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        const drafter_layer & L = layers_[il];
+        ggml_tensor * inp = x;
+        ggml_tensor * xn = norm(ctx, x, L.attn_norm);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, xn), hd, hp_.n_head, B);
+        ggml_tensor * K = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, xn), hd, n_kv, B);
+        ggml_tensor * V = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, xn), hd, n_kv, B);
+        Q = rope(ctx, norm(ctx, Q, L.q_norm), pos);
+        K = rope(ctx, norm(ctx, K, L.k_norm), pos);
+
+        // [ring slots 0 .. n_ctx-1 ; block]: slot order is irrelevant without a causal mask
+        const ggml_tensor * rk = ring.k[il], * rv = ring.v[il];
+        ggml_tensor * Kc = ggml_view_3d(ctx, ring.k[il], hd, n_kv, n_ctx, rk->nb[1], rk->nb[2], 0);
+        ggml_tensor * Vc = ggml_view_3d(ctx, ring.v[il], hd, n_kv, n_ctx, rv->nb[1], rv->nb[2], 0);
+        ggml_tensor * Ka = ggml_concat(ctx, Kc, K, 2);  // [hd, n_kv, n_ctx + B]
+        ggml_tensor * Va = ggml_concat(ctx, Vc, V, 2);
+        ggml_tensor * a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
+                                              ggml_permute(ctx, Va, 0, 2, 1, 3), mask, scale, 0.0f, 0.0f);
+        ggml_prec_set_acc(a, GGML_PREC_F32);
+        a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, B);
+        x = ggml_add(ctx, ggml_mul_mat(ctx, L.wo, a), inp);
+
+        ggml_tensor * f = norm(ctx, x, L.ffn_norm);
+        f = ggml_mul_mat(ctx, L.ffn_down, ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, f), ggml_mul_mat(ctx, L.ffn_up, f)));
+        x = ggml_add(ctx, f, x);
+    }
+    (void) gf;
+    return norm(ctx, x, output_norm);
+}
+
+}  // namespace dfn

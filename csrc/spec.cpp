@@ -1,0 +1,157 @@
+#include "spec.h"
+
+#include "common.h"
+#include "verify.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+namespace dfn {
+
+namespace {
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
+    : target_(target), params_(params) {
+    drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
+    const drafter_hparams & dh = drafter_->hparams();
+    block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
+    DFN_REQUIRE(block_size_ >= 2, "engine", "block_size must be >= 2, got ", block_size_);
+    DFN_REQUIRE(params.ring_capacity >= block_size_, "engine", "feature_ring_capacity ", params.ring_capacity,
+                " must be >= block_size ", block_size_);
+    DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
+    DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
+                "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
+    drafter_->load_weights(target.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, target.buffer_type());
+}
+
+void spec_session::reset() {
+    target_.reset();
+    ring_->clear();
+}
+
+void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
+    DFN_REQUIRE(pos0 == ring_->n_pushed, "feature_ring", "positions must be pushed in order: got ", pos0,
+                ", expected ", ring_->n_pushed);
+    const drafter_hparams & dh = drafter_->hparams();
+    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+    const int64_t cap = ring_->capacity;
+    // Positions older than the last `cap` would be overwritten within this push: skip them.
+    const int64_t skip = std::max<int64_t>(0, m - cap);
+    int64_t p = pos0 + skip, left = m - skip;
+    const float * src = feats + skip * row;
+    while (left > 0) {
+        const int64_t slot0 = p % cap;
+        const int64_t k = std::min(left, cap - slot0);  // contiguous slots before the wrap
+        ggml_tensor * f_in = nullptr, * pos_in = nullptr;
+        target_.run_graph(
+            [&](ggml_context * ctx, ggml_cgraph * gf) {
+                f_in = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, k);
+                pos_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, k);
+                ggml_set_input(f_in);
+                ggml_set_input(pos_in);
+                drafter_->build_encode(ctx, gf, f_in, pos_in, *ring_, slot0);
+            },
+            [&] {
+                ggml_backend_tensor_set(f_in, src, 0, (size_t) row * k * sizeof(float));
+                std::vector<int32_t> pos(k);
+                for (int64_t i = 0; i < k; ++i) pos[i] = (int32_t) (p + i);
+                ggml_backend_tensor_set(pos_in, pos.data(), 0, k * sizeof(int32_t));
+            },
+            [] {});
+        p += k;
+        left -= k;
+        src += k * row;
+    }
+    ring_->n_pushed = pos0 + m;
+}
+
+int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
+    reset();
+    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers);
+    push_features(r.taps.data(), n, 0);
+    return (int32_t) (std::max_element(r.logits.begin(), r.logits.end()) - r.logits.begin());
+}
+
+std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
+    const drafter_hparams & dh = drafter_->hparams();
+    const target_model & tm = target_.model();
+    const int64_t n_past = target_.n_past();
+    DFN_REQUIRE(ring_->n_pushed == n_past, "draft", "feature ring holds ", ring_->n_pushed,
+                " positions but the target has ", n_past);
+    const int64_t n_ctx = ring_->n_valid();
+    int64_t window = params_.window;
+    if (dh.sliding_window > 0) window = window > 0 ? std::min(window, dh.sliding_window) : dh.sliding_window;
+    const int64_t lo = window > 0 ? n_past - window : 0;  // oldest position the drafter may see
+
+    ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * am = nullptr;
+    std::vector<int32_t> out(B - 1);
+    target_.run_graph(
+        [&](ggml_context * ctx, ggml_cgraph * gf) {
+            tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+            pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+            mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+            ggml_set_input(tok);
+            ggml_set_input(pos);
+            ggml_set_input(mask);
+            ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, *ring_, n_ctx, tm.tok_embd);  // [E, B]
+            h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
+            ggml_tensor * logits = ggml_mul_mat(ctx, drafter_->output ? drafter_->output : tm.output, h);
+            am = ggml_argmax(ctx, logits);
+            ggml_set_output(am);
+            ggml_build_forward_expand(gf, am);
+        },
+        [&] {
+            std::vector<int32_t> t(B, (int32_t) dh.mask_token_id), p(B);
+            t[0] = last;
+            for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (n_past + i);
+            ggml_backend_tensor_set(tok, t.data(), 0, B * sizeof(int32_t));
+            ggml_backend_tensor_set(pos, p.data(), 0, B * sizeof(int32_t));
+            const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+            std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
+            for (int64_t i = 0; i < B; ++i) {
+                ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
+                for (int64_t s = 0; s < n_ctx; ++s) row[s] = ring_->slot_position(s) >= lo ? zero : ninf;
+                for (int64_t j = 0; j < B; ++j) row[n_ctx + j] = (!dh.causal || j <= i) ? zero : ninf;
+            }
+            ggml_backend_tensor_set(mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+        },
+        [&] { ggml_backend_tensor_get(am, out.data(), 0, (B - 1) * sizeof(int32_t)); });
+    return out;
+}
+
+round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
+    round_result r;
+    const double t0 = now_s();
+    r.draft = draft(last, B);
+    if (forced_draft) {
+        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        r.draft = *forced_draft;
+    }
+    const double t1 = now_s();
+
+    std::vector<int32_t> input(B);
+    input[0] = last;
+    std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
+    const int64_t n_past0 = target_.n_past();
+    decode_result v = target_.verify(input.data(), B, drafter_->hparams().tap_layers, /*argmax_only=*/true);
+    const double t2 = now_s();
+
+    r.committed = accept_prefix(r.draft.data(), B - 1, v.argmax.data(), B);
+    const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
+    target_.commit(n_keep);
+    push_features(v.taps.data(), n_keep, n_past0);
+    const double t3 = now_s();
+    r.draft_s = t1 - t0;
+    r.verify_s = t2 - t1;
+    r.rollback_s = t3 - t2;
+    return r;
+}
+
+}  // namespace dfn

@@ -1,0 +1,58 @@
+// The speculative round loop: draft, verify, accept, roll back, push features.
+#pragma once
+
+#include "drafter.h"
+#include "session.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+struct spec_params {
+    int64_t block_size = 0;           // B: verified tokens per round; 0 = the drafter's block_size
+    int64_t ring_capacity = 4096;     // feature ring positions
+    int64_t window = 0;               // drafter attention window in positions; 0 = whole ring
+};
+
+struct round_result {
+    std::vector<int32_t> committed;  // accepted drafts + bonus: 1..B tokens
+    std::vector<int32_t> draft;      // d_1 .. d_{B-1} as verified
+    double draft_s = 0, verify_s = 0, rollback_s = 0;
+};
+
+class spec_session {
+public:
+    // `target` must have been created with max_verify >= the block size.
+    spec_session(target_session & target, const std::string & drafter_path, const spec_params & params);
+
+    // Prefill the prompt through the target with taps, fill the ring; returns the first token.
+    int32_t prefill(const int32_t * prompt, int64_t n);
+
+    // Draft d_1 .. d_{B-1} after `last` at position target.n_past() (nothing is committed).
+    std::vector<int32_t> draft(int32_t last, int64_t B);
+
+    // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
+    // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
+    round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
+
+    // Push target features (taps) of m committed positions starting at `pos0` into the ring.
+    // feats: [m, n_taps, n_embd] row-major.
+    void push_features(const float * feats, int64_t m, int64_t pos0);
+
+    const drafter_hparams & drafter_hparams_() const { return drafter_->hparams(); }
+    int64_t block_size() const { return block_size_; }
+    feature_ring & ring() { return *ring_; }
+    const spec_params & params() const { return params_; }
+    void reset();
+
+private:
+    target_session & target_;
+    spec_params params_;
+    std::unique_ptr<drafter_model> drafter_;
+    std::unique_ptr<feature_ring> ring_;
+    int64_t block_size_ = 0;
+};
+
+}  // namespace dfn
