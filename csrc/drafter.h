@@ -20,6 +20,8 @@ struct drafter_hparams {
     int64_t mask_token_id = -1;
     bool causal = false;
     int64_t sliding_window = 0;     // 0: attend to the whole ring
+    std::vector<bool> is_swa;       // per layer: uses the sliding window (when sliding_window > 0)
+    float embedding_scale = 0.0f;   // 0: none
     std::vector<int> tap_layers;    // target layers whose OUTPUT is fused (= GGUF target_layers - 1)
 };
 
@@ -67,11 +69,13 @@ public:
                       feature_ring & ring, int64_t slot0) const;
 
     // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
-    // first n_ctx ring slots and (non-causally) to the block. mask: F16 [n_ctx + B, B].
+    // first n_ctx ring slots and (non-causally) to the block. mask, mask_swa: F16 [n_ctx + B, B]
+    // for full and sliding-window layers.
     // Returns the final hidden states after output_norm, F32 [n_embd, B].
     ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
-                              ggml_tensor * mask, const feature_ring & ring, int64_t n_ctx,
-                              ggml_tensor * tok_embd) const;
+                              ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
+                              int64_t n_ctx, ggml_tensor * tok_embd) const;
+    bool layer_is_swa(int il) const { return hp_.sliding_window > 0 && il < (int) hp_.is_swa.size() && hp_.is_swa[il]; }
 
     ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them
     ggml_tensor * output = nullptr;    // own lm_head, if the file has one

@@ -140,6 +140,12 @@ std::vector<int64_t> gguf_file::get_int_arr(const std::string & key) const {
     return out;
 }
 
+int64_t gguf_file::arr_len(const std::string & key) const {
+    const int64_t id = key_id(key);
+    if (id < 0 || gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY) return -1;
+    return (int64_t) gguf_get_arr_n(gguf_, id);
+}
+
 ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> ne, bool required) const {
     auto it = tensors_.find(name);
     if (it == tensors_.end()) {

@@ -33,6 +33,7 @@ public:
     std::string get_str(const std::string & key) const;
     std::string get_str(const std::string & key, const std::string & def) const;
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
+    int64_t arr_len(const std::string & key) const;                    // -1 if absent or not an array
 
     // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape
     // differs from `ne` (an empty `ne` skips the shape check).

@@ -19,6 +19,7 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
 void target_model::read_common_hparams() {
     const gguf_file & f = *file_;
     hp_.arch = f.arch();
+    hp_.n_tokenizer_tokens = f.arr_len("tokenizer.ggml.tokens");
     hp_.n_layer = f.get_u32(key("block_count"));
     hp_.n_embd = f.get_u32(key("embedding_length"));
     hp_.n_ff = f.get_u32(key("feed_forward_length"));

@@ -14,6 +14,7 @@ namespace dfn {
 struct target_hparams {
     std::string arch;
     int64_t n_vocab = 0;
+    int64_t n_tokenizer_tokens = -1;  // tokenizer.ggml.tokens entries; -1 without a tokenizer
     int64_t n_embd = 0;
     int64_t n_layer = 0;
     int64_t n_ff = 0;

@@ -278,10 +278,13 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
         }
     };
 
-    run_graph(build, set_inputs, read_outputs);
+    std::string key = cat("target:", n, all_logits ? ":all" : ":last", want_logits ? ":logits" : ":hidden",
+                          record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", ":taps");
+    for (int il : tap_layers) key += cat(",", il);
+    run_graph(key, build, set_inputs, read_outputs);
 }
 
-void target_session::run_graph(const std::function<void(ggml_context *, ggml_cgraph *)> & build,
+void target_session::run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
                                const std::function<void()> & set_inputs, const std::function<void()> & read_outputs) {
     ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
     ggml_context * ctx = ggml_init(ip);
@@ -289,6 +292,10 @@ void target_session::run_graph(const std::function<void(ggml_context *, ggml_cgr
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
     build(ctx, gf);
+    if (shape_key != last_shape_key_) {
+        if (!ggml_backend_sched_reserve(sched_, gf)) throw runtime_error("[graph] cannot reserve the compute graph");
+        last_shape_key_ = shape_key;
+    }
     ggml_backend_sched_reset(sched_);
     if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
     set_inputs();

@@ -62,7 +62,11 @@ public:
     // Builds a graph with `build` in this session's metadata arena, allocates it on this
     // session's backends, calls `set_inputs`, computes, then `read_outputs`. Used by the drafter,
     // which shares the target's embeddings, lm_head and backends.
-    void run_graph(const std::function<void(ggml_context *, ggml_cgraph *)> & build,
+    //
+    // `shape_key` names the graph's structure apart from its sizes (which op sequence, which
+    // outputs). ggml's allocator reuses its last plan whenever node count and sizes match, which
+    // is wrong for a different graph of the same size (e.g. with taps), so a new key re-plans.
+    void run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
                    const std::function<void()> & set_inputs, const std::function<void()> & read_outputs);
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
 
@@ -82,6 +86,7 @@ private:
     ggml_backend_sched_t sched_ = nullptr;
     std::vector<uint8_t> meta_;             // graph metadata arena
     size_t max_nodes_ = 0;
+    std::string last_shape_key_;  // see run_graph
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
 };

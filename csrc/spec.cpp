@@ -51,6 +51,7 @@ void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
         const int64_t k = std::min(left, cap - slot0);  // contiguous slots before the wrap
         ggml_tensor * f_in = nullptr, * pos_in = nullptr;
         target_.run_graph(
+            cat("encode:", k),
             [&](ggml_context * ctx, ggml_cgraph * gf) {
                 f_in = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, k);
                 pos_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, k);
@@ -86,13 +87,15 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
     DFN_REQUIRE(ring_->n_pushed == n_past, "draft", "feature ring holds ", ring_->n_pushed,
                 " positions but the target has ", n_past);
     const int64_t n_ctx = ring_->n_valid();
-    int64_t window = params_.window;
-    if (dh.sliding_window > 0) window = window > 0 ? std::min(window, dh.sliding_window) : dh.sliding_window;
-    const int64_t lo = window > 0 ? n_past - window : 0;  // oldest position the drafter may see
+    // The user's window limits every layer; a GGUF sliding window limits its layers further,
+    // per query: key position k is visible from query position q when q - k < w.
+    const int64_t lo = params_.window > 0 ? n_past - params_.window : 0;
+    const int64_t w = dh.sliding_window;
 
-    ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * am = nullptr;
+    ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
     std::vector<int32_t> out(B - 1);
     target_.run_graph(
+        cat("draft:", B, w > 0 ? ":swa" : ""),
         [&](ggml_context * ctx, ggml_cgraph * gf) {
             tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
             pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
@@ -100,7 +103,11 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
             ggml_set_input(tok);
             ggml_set_input(pos);
             ggml_set_input(mask);
-            ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, *ring_, n_ctx, tm.tok_embd);  // [E, B]
+            if (w > 0) {
+                mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+                ggml_set_input(mask_swa);
+            }
+            ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
             h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
             ggml_tensor * logits = ggml_mul_mat(ctx, drafter_->output ? drafter_->output : tm.output, h);
             am = ggml_argmax(ctx, logits);
@@ -114,13 +121,24 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
             ggml_backend_tensor_set(tok, t.data(), 0, B * sizeof(int32_t));
             ggml_backend_tensor_set(pos, p.data(), 0, B * sizeof(int32_t));
             const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-            std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
-            for (int64_t i = 0; i < B; ++i) {
-                ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
-                for (int64_t s = 0; s < n_ctx; ++s) row[s] = ring_->slot_position(s) >= lo ? zero : ninf;
-                for (int64_t j = 0; j < B; ++j) row[n_ctx + j] = (!dh.causal || j <= i) ? zero : ninf;
+            std::vector<int64_t> slot_pos(n_ctx);
+            for (int64_t s = 0; s < n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
+            for (int swa = 0; swa < (w > 0 ? 2 : 1); ++swa) {
+                std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
+                for (int64_t i = 0; i < B; ++i) {
+                    const int64_t q = n_past + i;
+                    ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
+                    for (int64_t s = 0; s < n_ctx; ++s) {
+                        const int64_t k = slot_pos[s];
+                        row[s] = (k >= lo && (!swa || q - k < w)) ? zero : ninf;
+                    }
+                    for (int64_t j = 0; j < B; ++j) {
+                        const bool ok = (!dh.causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
+                        row[n_ctx + j] = ok ? zero : ninf;
+                    }
+                }
+                ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
             }
-            ggml_backend_tensor_set(mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
         },
         [&] { ggml_backend_tensor_get(am, out.data(), 0, (B - 1) * sizeof(int32_t)); });
     return out;

@@ -29,6 +29,12 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.block_size = F.get_u32(key("block_size"), 16);
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
+    hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
+    if (hp_.sliding_window > 0) {
+        const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
+        hp_.is_swa.assign(F.get_u32(key("block_count")), pattern.empty());  // no pattern: every layer slides
+        for (size_t i = 0; i < pattern.size() && i < hp_.is_swa.size(); ++i) hp_.is_swa[i] = pattern[i] != 0;
+    }
     DFN_REQUIRE(F.has_key("tokenizer.ggml.mask_token_id"), W, "'", path, "': missing key 'tokenizer.ggml.mask_token_id'");
     hp_.mask_token_id = F.get_u32("tokenizer.ggml.mask_token_id");
 
@@ -40,6 +46,10 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     DFN_REQUIRE(hp_.block_size >= 2, W, "'", path, "': block_size ", hp_.block_size, " must be >= 2");
     DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
                 " is outside the target vocabulary [0, ", target.n_vocab, ")");
+
+    const int64_t n_tok = F.arr_len("tokenizer.ggml.tokens");
+    DFN_REQUIRE(n_tok < 0 || target.n_tokenizer_tokens < 0 || n_tok == target.n_tokenizer_tokens, W,
+                "drafter vocabulary (", n_tok, " tokens) != target vocabulary (", target.n_tokenizer_tokens, " tokens)");
 
     const auto layers = F.get_int_arr(key("target_layers"));
     DFN_REQUIRE(!layers.empty(), W, "'", path, "': missing key 'dflash.target_layers'");
@@ -99,11 +109,12 @@ void drafter_model::build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tens
 }
 
 ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
-                                         ggml_tensor * mask, const feature_ring & ring, int64_t n_ctx,
-                                         ggml_tensor * target_tok_embd) const {
+                                         ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
+                                         int64_t n_ctx, ggml_tensor * target_tok_embd) const {
     const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     const float scale = 1.0f / sqrtf((float) hd);
     ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
+    if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
     for (int il = 0; il < hp_.n_layer; ++il) {
         const drafter_layer & L = layers_[il];
         ggml_tensor * inp = x;
@@ -121,7 +132,8 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         ggml_tensor * Ka = ggml_concat(ctx, Kc, K, 2);  // [hd, n_kv, n_ctx + B]
         ggml_tensor * Va = ggml_concat(ctx, Vc, V, 2);
         ggml_tensor * a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
-                                              ggml_permute(ctx, Va, 0, 2, 1, 3), mask, scale, 0.0f, 0.0f);
+                                              ggml_permute(ctx, Va, 0, 2, 1, 3),
+                                              layer_is_swa(il) ? mask_swa : mask, scale, 0.0f, 0.0f);
         ggml_prec_set_acc(a, GGML_PREC_F32);
         a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, B);
         x = ggml_add(ctx, ggml_mul_mat(ctx, L.wo, a), inp);
