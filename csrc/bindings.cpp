@@ -227,6 +227,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
         .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })
+        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.ring().k.size(); })
         .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; })
         .def_property_readonly("ring_n_pushed", [](spec_session & s) { return s.ring().n_pushed; })
         .def_property_readonly("ring_bytes", [](spec_session & s) { return s.ring().bytes(); })
@@ -263,6 +264,19 @@ PYBIND11_MODULE(_core, m) {
                 return s.draft(last, B);
             },
             py::arg("last"), py::arg("block_size"))
+        .def(
+            "draft_logits",
+            [](spec_session & s, int32_t last, int64_t B, const target_session & t) {
+                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+                std::vector<float> l;
+                {
+                    py::gil_scoped_release release;
+                    l = s.draft_logits(last, B);
+                }
+                return to_array<float>(std::move(l), {B - 1, t.hparams().n_vocab});
+            },
+            py::arg("last"), py::arg("block_size"), py::arg("target"),
+            "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
         .def(
             "round",
             [](spec_session & s, int32_t last, int64_t B, const py::object & forced) {

@@ -81,7 +81,22 @@ int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
 }
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
+    std::vector<int32_t> out(B - 1);
+    run_draft(last, B, out.data(), nullptr);
+    return out;
+}
+
+std::vector<float> spec_session::draft_logits(int32_t last, int64_t B) {
+    std::vector<float> out((size_t) (B - 1) * target_.hparams().n_vocab);
+    run_draft(last, B, nullptr, out.data());
+    return out;
+}
+
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out) {
     const drafter_hparams & dh = drafter_->hparams();
+    DFN_REQUIRE(last >= 0 && last < target_.hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
+    DFN_REQUIRE(B >= 2 && target_.n_past() + B <= target_.params().n_ctx, "draft", "block of ", B, " at position ",
+                target_.n_past(), " does not fit n_ctx = ", target_.params().n_ctx);
     const target_model & tm = target_.model();
     const int64_t n_past = target_.n_past();
     DFN_REQUIRE(ring_->n_pushed == n_past, "draft", "feature ring holds ", ring_->n_pushed,
@@ -93,9 +108,9 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
     const int64_t w = dh.sliding_window;
 
     ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
-    std::vector<int32_t> out(B - 1);
+    ggml_tensor * logits = nullptr;
     target_.run_graph(
-        cat("draft:", B, w > 0 ? ":swa" : ""),
+        cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : ":argmax"),
         [&](ggml_context * ctx, ggml_cgraph * gf) {
             tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
             pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
@@ -109,10 +124,10 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
             }
             ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
             h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
-            ggml_tensor * logits = ggml_mul_mat(ctx, drafter_->output ? drafter_->output : tm.output, h);
-            am = ggml_argmax(ctx, logits);
-            ggml_set_output(am);
-            ggml_build_forward_expand(gf, am);
+            logits = ggml_mul_mat(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
+            ggml_tensor * res = logits_out ? logits : (am = ggml_argmax(ctx, logits));
+            ggml_set_output(res);
+            ggml_build_forward_expand(gf, res);
         },
         [&] {
             std::vector<int32_t> t(B, (int32_t) dh.mask_token_id), p(B);
@@ -140,8 +155,10 @@ std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
                 ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
             }
         },
-        [&] { ggml_backend_tensor_get(am, out.data(), 0, (B - 1) * sizeof(int32_t)); });
-    return out;
+        [&] {
+            if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
+            if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
+        });
 }
 
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {

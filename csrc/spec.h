@@ -32,6 +32,8 @@ public:
 
     // Draft d_1 .. d_{B-1} after `last` at position target.n_past() (nothing is committed).
     std::vector<int32_t> draft(int32_t last, int64_t B);
+    // The drafter's logits for d_1 .. d_{B-1}, [B-1, n_vocab] row-major (tests and debugging).
+    std::vector<float> draft_logits(int32_t last, int64_t B);
 
     // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
@@ -48,6 +50,8 @@ public:
     void reset();
 
 private:
+    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out);
+
     target_session & target_;
     spec_params params_;
     std::unique_ptr<drafter_model> drafter_;

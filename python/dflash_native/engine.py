@@ -22,6 +22,20 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stop_reason: str = ""  # "eos", "stop", "length" or "context"
+    # speculative decoding (zero / empty for AR)
+    speculative: bool = False
+    block_size: int = 0
+    rounds: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # [k] = rounds that committed k tokens
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Committed tokens per round (accepted drafts + bonus), 1..B."""
+        n = sum(self.acceptance_histogram)
+        return sum(k * c for k, c in enumerate(self.acceptance_histogram)) / n if n else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -37,6 +51,7 @@ class GenerationStats:
         d = dict(self.__dict__)
         d["prefill_tok_s"] = self.prefill_tok_s
         d["decode_tok_s"] = self.decode_tok_s
+        d["mean_acceptance_length"] = self.mean_acceptance_length
         return d
 
 
@@ -55,16 +70,23 @@ class TextPiece(str):
 
 
 class Engine:
-    """Runs a GGUF target model.
+    """Runs a GGUF target model, with a DFlash drafter for speculative decoding when given one.
 
-    >>> eng = Engine("model.gguf", n_ctx=2048)
+    >>> eng = Engine("target.gguf", drafter="drafter.gguf", n_ctx=2048)
     >>> eng.generate("def fib(n):", max_tokens=32).text
+
+    Greedy speculative output equals the AR output of the same engine (generate(...,
+    speculative=False)), token for token.
     """
 
     def __init__(
         self,
         target: str | os.PathLike,
         *,
+        drafter: str | os.PathLike | None = None,
+        block_size: int | None = None,
+        feature_ring_capacity: int = 4096,
+        drafter_window: int | None = None,
         n_ctx: int = 4096,
         n_threads: int | None = None,
         kv_type: str = "f16",
@@ -78,9 +100,25 @@ class Engine:
             raise ValueError(f"[engine] n_ctx must be a positive int, got {n_ctx!r}")
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"[engine] n_threads must be a positive int or None, got {n_threads!r}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 2):
+            raise ValueError(f"[engine] block_size must be an int >= 2, got {block_size!r}")
+        if drafter_window is not None and (not isinstance(drafter_window, int) or drafter_window < 1):
+            raise ValueError(f"[engine] drafter_window must be a positive int or None, got {drafter_window!r}")
+        if not isinstance(feature_ring_capacity, int) or feature_ring_capacity < 1:
+            raise ValueError(f"[engine] feature_ring_capacity must be a positive int, got {feature_ring_capacity!r}")
+        if drafter is not None and not Path(drafter).exists():
+            raise ValueError(f"[load_gguf] no such drafter file: '{drafter}'")
         self.path = path
+        self.drafter_path = Path(drafter) if drafter is not None else None
+        max_verify = 0
+        if drafter is not None:
+            max_verify = block_size or _drafter_block_size(drafter)
         self._core = _core.Target(str(path), n_ctx=n_ctx, n_threads=n_threads or 0, kv_type=kv_type,
-                                  n_batch=n_batch, device=device)
+                                  n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify)
+        self._spec = None
+        if drafter is not None:
+            self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
+                                    ring_capacity=feature_ring_capacity, window=drafter_window or 0)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(path)
         except ValueError:
@@ -110,6 +148,11 @@ class Engine:
     @property
     def layer_types(self) -> list[str]:
         return list(self._core.layer_types)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens verified per speculative round (0 without a drafter)."""
+        return self._spec.block_size if self._spec is not None else 0
 
     # ---- text -------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
@@ -142,7 +185,10 @@ class Engine:
         max_tokens: int = 256,
         stop: Sequence[str] = (),
         stream: bool = False,
+        speculative: bool | None = None,
     ) -> GenerationResult | Iterator[TextPiece]:
+        """Greedy generation. speculative=None uses the drafter when there is one;
+        speculative=False runs plain AR on the same engine (the lossless baseline)."""
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"[generate] max_tokens must be an int >= 0, got {max_tokens!r}")
         if isinstance(stop, str):
@@ -151,7 +197,10 @@ class Engine:
         toks = self._prompt_ids(prompt)
         if stop and self.tokenizer is None:
             raise ValueError("[generate] stop strings need a tokenizer; the model has none")
-        gen = self._generate_iter(toks, max_tokens, stop)
+        if speculative and self._spec is None:
+            raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
+        spec = self._spec is not None if speculative is None else bool(speculative)
+        gen = self._generate_iter(toks, max_tokens, stop, spec)
         if stream:
             return gen
         last = None
@@ -181,13 +230,39 @@ class Engine:
             raise ValueError(f"[generate] token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})")
         return toks
 
-    def _generate_iter(self, prompt: list[int], max_tokens: int, stop: tuple[str, ...]) -> Iterator[TextPiece]:
-        stats = GenerationStats(n_prompt_tokens=len(prompt))
+    def _generate_iter(self, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool) -> Iterator[TextPiece]:
+        stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec)
         out: list[int] = []
         text = ""
         emitted = 0
         dec = self.tokenizer.decoder() if self.tokenizer is not None else None
         hold = max((len(s) for s in stop), default=0)
+
+        def emit(tokens):
+            """Appends committed tokens; returns (pieces to yield, finished)."""
+            nonlocal text, emitted
+            pieces = []
+            for tok in tokens:
+                if self.tokenizer is not None and self.tokenizer.is_eog(tok):
+                    stats.stop_reason = "eos"
+                    return pieces, True
+                out.append(tok)
+                if dec is not None:
+                    text += dec.push(tok)
+                    if stop:
+                        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                        if cut >= 0:
+                            text = text[:cut]
+                            stats.stop_reason = "stop"
+                            return pieces, True
+                    safe = len(text) - hold
+                    if safe > emitted:
+                        pieces.append(TextPiece(text[emitted:safe]))
+                        emitted = safe
+                if len(out) >= max_tokens:
+                    stats.stop_reason = "length"
+                    return pieces, True
+            return pieces, False
 
         with self._lock:
             core = self._core
@@ -197,38 +272,40 @@ class Engine:
                     stats.stop_reason = "length"
                 else:
                     t0 = time.perf_counter()
-                    logits = core.decode(prompt)
+                    if spec:
+                        tok = int(self._spec.prefill(prompt))
+                    else:
+                        tok = int(np.argmax(core.decode(prompt)[-1]))
                     stats.prefill_s = time.perf_counter() - t0
+                    pieces, done = emit([tok])
+                    yield from pieces
                     t_dec = 0.0
-                    while True:
-                        tok = int(np.argmax(logits[-1]))
-                        if self.tokenizer is not None and self.tokenizer.is_eog(tok):
-                            stats.stop_reason = "eos"
-                            break
-                        out.append(tok)
-                        if dec is not None:
-                            text += dec.push(tok)
-                            if stop:
-                                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                                if cut >= 0:
-                                    text = text[:cut]
-                                    stats.stop_reason = "stop"
-                                    break
-                            safe = len(text) - hold
-                            if safe > emitted:
-                                piece = TextPiece(text[emitted:safe])
-                                emitted = safe
-                                yield piece
-                        if len(out) >= max_tokens:
-                            stats.stop_reason = "length"
-                            break
-                        if core.n_past >= core.n_ctx:
+                    B = self._spec.block_size if spec else 1
+                    hist = [0] * (B + 1)
+                    while not done:
+                        room = core.n_ctx - core.n_past
+                        if room <= 0:
                             stats.stop_reason = "context"
                             break
                         t0 = time.perf_counter()
-                        logits = core.decode([tok])
+                        if spec and room >= 2:
+                            r = self._spec.round(tok, min(B, room))
+                            committed = r["committed"]
+                            hist[len(committed)] += 1
+                            stats.draft_s += r["draft_s"]
+                            stats.verify_s += r["verify_s"]
+                            stats.rollback_s += r["rollback_s"]
+                        else:
+                            committed = [int(np.argmax(core.decode([tok])[-1]))]
                         t_dec += time.perf_counter() - t0
+                        tok = committed[-1]
+                        pieces, done = emit(committed)
+                        yield from pieces
                     stats.decode_s = t_dec
+                    if spec:
+                        stats.block_size = B
+                        stats.rounds = sum(hist)
+                        stats.acceptance_histogram = hist
             finally:
                 core.reset()
         if dec is not None and stats.stop_reason != "stop":
@@ -237,3 +314,15 @@ class Engine:
         last = TextPiece(text[emitted:])
         last.result = GenerationResult(text=text, tokens=out, stats=stats, prompt_tokens=list(prompt))
         yield last
+
+
+def _drafter_block_size(path) -> int:
+    """dflash.block_size of a drafter GGUF (16 when absent), read before the engine is built."""
+    from gguf import GGUFReader
+
+    try:
+        r = GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"[load_gguf] '{path}' is not a readable GGUF drafter: {e}") from None
+    f = r.fields.get("dflash.block_size")
+    return int(f.parts[-1][0]) if f is not None else 16
