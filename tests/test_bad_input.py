@@ -9,45 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
 
 import dflash_native as dn
 from dflash_native.testing import make_random_gguf
+from reference.gguf_edit import rewrite_gguf
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     return make_random_gguf(tmp_path_factory.mktemp("bad") / "good.gguf", "qwen3_5", outtype="f16", seed=3)
-
-
-def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), tensor_fn=None) -> Path:
-    """Copy a GGUF with some keys changed or dropped, and tensors passed through tensor_fn(name, array)."""
-    r = GGUFReader(src)
-    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
-    arch = (kv or {}).get("general.architecture", arch)
-    w = GGUFWriter(dst, arch)
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in drop_keys or name in (kv or {}):
-            continue
-        val = field.contents()
-        vtype = field.types[0]
-        sub = field.types[-1] if len(field.types) > 1 else None
-        w.add_key_value(name, val, vtype, sub_type=sub)
-    for name, val in (kv or {}).items():
-        if name != "general.architecture":
-            w.add_key_value(name, val[0], val[1]) if isinstance(val, tuple) else w.add_uint32(name, val)
-    for t in r.tensors:
-        data = np.array(t.data)
-        if tensor_fn is not None:
-            data = tensor_fn(t.name, data)
-            if data is None:
-                continue
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def load_in_subprocess(path: Path) -> str:
@@ -198,3 +168,90 @@ def test_generation_stops_at_context_end(eng):
     assert r.stats.stop_reason in ("context", "eos")
     if r.stats.stop_reason == "context":
         assert len(r.tokens) == 32 - 3 + 1  # the last token comes from the logits at position n_ctx-1
+
+
+# ---- drafter / target mismatches ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from dflash_native.convert import convert_hf_to_gguf
+    from dflash_native.testing import make_random_checkpoint
+    from dflash_native.testing_dflash import make_random_drafter_gguf
+
+    d = tmp_path_factory.mktemp("badpair")
+    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=1)
+    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f16")
+    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f16", seed=2, block_size=8, target_gguf=tg)
+    return tg, dg
+
+
+def spec_error(tg, dg, **kw) -> str:
+    code = textwrap.dedent(f"""
+        import dflash_native as dn
+        try:
+            dn.Engine({str(tg)!r}, drafter={str(dg)!r}, n_ctx=64, **{kw!r})
+        except ValueError as e:
+            print("VALUEERROR:", e)
+        else:
+            print("LOADED")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"process died with {p.returncode}: {p.stderr[-2000:]}"
+    return p.stdout.strip()
+
+
+def test_good_pair_loads(pair):
+    assert spec_error(*pair) == "LOADED"
+
+
+def test_drafter_hidden_size_mismatch(pair, tmp_path):
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "h.gguf", kv={"dflash.embedding_length": 80})
+    assert "drafter hidden size 80 != target hidden size 64" in spec_error(tg, bad)
+
+
+def test_drafter_tap_beyond_target_layers(pair, tmp_path):
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "l.gguf", kv={"dflash.target_layers": ([1, 9], GGUFValueType.ARRAY)})
+    assert "outside the target's 4 layers" in spec_error(tg, bad)
+
+
+def test_mask_token_outside_vocab(pair, tmp_path):
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "m.gguf", kv={"tokenizer.ggml.mask_token_id": 100000})
+    assert "mask token id 100000 is outside the target vocabulary" in spec_error(tg, bad)
+
+
+def test_vocab_mismatch(pair, tmp_path):
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "v.gguf", kv={"tokenizer.ggml.tokens": (["a", "b", "c"], GGUFValueType.ARRAY)},
+                       drop_keys=("tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores"))
+    assert "drafter vocabulary (3 tokens) != target vocabulary" in spec_error(tg, bad)
+
+
+def test_block_size_and_capacity(pair):
+    tg, dg = pair
+    assert "block_size must be an int >= 2" in spec_error(tg, dg, block_size=1)
+    assert "feature_ring_capacity 4 must be >= block_size 8" in spec_error(tg, dg, feature_ring_capacity=4)
+    assert "drafter_window" in spec_error(tg, dg, drafter_window=0)
+
+
+def test_drafter_block_size_below_2_in_file(pair, tmp_path):
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": 1})
+    assert "block_size 1 must be >= 2" in spec_error(tg, bad, block_size=4)
+
+
+def test_target_given_as_drafter(pair):
+    tg, _ = pair
+    assert "not a DFlash drafter" in spec_error(tg, tg, block_size=4)
+
+
+def test_speculative_without_drafter(pair):
+    eng = dn.Engine(pair[0], n_ctx=64)
+    with pytest.raises(ValueError, match="needs an Engine created with a drafter"):
+        eng.generate([1, 2], max_tokens=2, speculative=True)
