@@ -87,6 +87,23 @@ PYBIND11_MODULE(_core, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"),
         "Run the GDN recurrence from state0 recording the tape: returns (o, tape_k, tape_u, tape_g).");
     m.def(
+        "gdn_tape_replay_inplace",
+        [](py::array_t<float, py::array::c_style> state, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
+            if (state.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)
+                throw input_error("[gdn_tape] expected state, tape_k, tape_u 3-D and tape_g 2-D");
+            const int64_t H_v = state.shape(0), S = state.shape(1), T = tk.shape(0);
+            if (state.shape(2) != S || tk.shape(1) != H_v || tk.shape(2) != S || tu.shape(0) != T || tu.shape(1) != H_v ||
+                tu.shape(2) != S || tg.shape(0) != T || tg.shape(1) != H_v)
+                throw input_error("[gdn_tape] inconsistent shapes");
+            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
+            float * st = state.mutable_data();
+            gdn_tape_view tape{const_cast<float *>(tk.data()), const_cast<float *>(tu.data()), const_cast<float *>(tg.data())};
+            py::gil_scoped_release release;
+            gdn_tape_replay_mt(st, tape, S, H_v, n, n_threads);
+        },
+        py::arg("state"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
+        "gdn_tape_replay writing into `state` (float32, C-contiguous, [H_v, S, S]) without copies.");
+    m.def(
         "gdn_tape_replay",
         [](farr state0, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
             if (state0.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)

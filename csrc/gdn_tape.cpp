@@ -10,24 +10,53 @@ namespace dfn {
 
 namespace {
 
-// The two state updates shared by record and replay: the same code in the same order is what
-// makes replay bitwise equal to the state the record pass held.
-inline void decay(float * M, int64_t n, float eg) {
-    for (int64_t i = 0; i < n; ++i) M[i] *= eg;
-}
+// Hot loops, compiled for AVX-512 / AVX2 / baseline and picked at load time: the package is
+// built once for every x86-64 machine, so -march=native is not an option.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define DFN_MULTIVERSION
+#endif
 
-inline void rank1(float * M, const float * k, const float * u, int64_t S) {
+// One token on one head, row by row (row j of M is column j of S, contiguous in k):
+//   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
+// The decay is folded into the row pass: one sweep over the state per token.
+DFN_MULTIVERSION
+void record_token(float * __restrict M, const float * __restrict k, const float * __restrict q,
+                  const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
+                  float scale, int64_t S) {
     for (int64_t j = 0; j < S; ++j) {
-        float * row = M + j * S;
-        const float uj = u[j];
-        for (int64_t i = 0; i < S; ++i) row[i] += uj * k[i];
+        float * __restrict row = M + j * S;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < S; ++i) d += row[i] * k[i];
+        const float uj = beta * (v[j] - eg * d);
+        float od = 0.0f;
+#pragma omp simd reduction(+ : od)
+        for (int64_t i = 0; i < S; ++i) {
+            const float x = eg * row[i] + uj * k[i];
+            row[i] = x;
+            od += x * q[i];
+        }
+        u[j] = uj;
+        o[j] = od * scale;
     }
 }
 
-inline float dot(const float * a, const float * b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
+// Closed form of n tokens on one head (ARCHITECTURE.md): S_n = e^{G_n} S_0 + sum_t e^{G_n - G_t} k_t u_t^T.
+// coef[t] = e^{G_n - G_t}; k, u: the head's tape rows, stride `ts` floats between tokens.
+DFN_MULTIVERSION
+void replay_head(float * __restrict M, const float * __restrict k, const float * __restrict u,
+                 const float * __restrict coef, float e_n, int64_t n, int64_t ts, int64_t S) {
+    for (int64_t j = 0; j < S; ++j) {
+        float * __restrict row = M + j * S;
+        for (int64_t i = 0; i < S; ++i) row[i] *= e_n;
+        for (int64_t t = 0; t < n; ++t) {
+            const float c = coef[t] * u[t * ts + j];
+            const float * __restrict kt = k + t * ts;
+            for (int64_t i = 0; i < S; ++i) row[i] += c * kt[i];
+        }
+    }
 }
 
 }  // namespace
@@ -42,33 +71,31 @@ void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn
         const int64_t hk = h % H_k;
         std::memcpy(M, state0 + h * S * S, (size_t) S * S * sizeof(float));
         for (int64_t t = 0; t < T; ++t) {
-            const float * q = in.q + hk * in.q_s1 + t * in.q_s2;
-            const float * k = in.k + hk * in.k_s1 + t * in.k_s2;
-            const float * v = in.v + h * in.v_s1 + t * in.v_s2;
             const float gt = in.g[h + t * in.g_s1];
-            const float bt = in.beta[h + t * in.b_s1];
             float * tk = tape.k + S * (h + H_v * t);
-            float * tu = tape.u + S * (h + H_v * t);
             tape.g[h + H_v * t] = gt;
-            std::memcpy(tk, k, (size_t) S * sizeof(float));
-
-            decay(M, S * S, expf(gt));
-            for (int64_t j = 0; j < S; ++j) tu[j] = (v[j] - dot(M + j * S, tk, S)) * bt;
-            rank1(M, tk, tu, S);
-            float * ot = o + S * (h + H_v * t);
-            for (int64_t j = 0; j < S; ++j) ot[j] = dot(M + j * S, q, S) * scale;
+            std::memcpy(tk, in.k + hk * in.k_s1 + t * in.k_s2, (size_t) S * sizeof(float));
+            record_token(M, tk, in.q + hk * in.q_s1 + t * in.q_s2, in.v + h * in.v_s1 + t * in.v_s2,
+                         tape.u + S * (h + H_v * t), o + S * (h + H_v * t), expf(gt), in.beta[h + t * in.b_s1],
+                         scale, S);
         }
     }
 }
 
 void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int64_t h0,
                      int64_t h1) {
+    if (n <= 0) return;
+    std::vector<float> coef(n);
     for (int64_t h = h0; h < h1; ++h) {
-        float * M = state + h * S * S;
+        // G_t = g_1 + .. + g_t (log decays, <= 0); coef_t = exp(G_n - G_t) in (0, 1]
+        double G = 0.0;
+        for (int64_t t = 0; t < n; ++t) G += tape.g[h + H_v * t];
+        double Gt = 0.0;
         for (int64_t t = 0; t < n; ++t) {
-            decay(M, S * S, expf(tape.g[h + H_v * t]));
-            rank1(M, tape.k + S * (h + H_v * t), tape.u + S * (h + H_v * t), S);
+            Gt += tape.g[h + H_v * t];
+            coef[t] = (float) std::exp(G - Gt);
         }
+        replay_head(state + h * S * S, tape.k + S * h, tape.u + S * h, coef.data(), (float) std::exp(G), n, S * H_v, S);
     }
 }
 

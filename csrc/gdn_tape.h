@@ -39,8 +39,9 @@ struct gdn_tape_view {
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape,
                      int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
 
-// state <- the state after the first n tokens of the tape, for value heads [h0, h1).
-// Bitwise equal to the state the record pass held after those n tokens.
+// state <- the state after the first n tokens of the tape, for value heads [h0, h1), by the
+// closed form S_n = exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t u_t^T: one sweep over the state.
+// Equal to the record pass's state after n tokens up to float rounding.
 void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n,
                      int64_t h0, int64_t h1);
 
