@@ -2,6 +2,9 @@
 #include "common.h"
 #include "gdn_tape.h"
 #include "verify.h"
+#ifdef DFN_CUDA
+#include "cuda/gdn_tape_cuda.h"
+#endif
 #include "session.h"
 #include "spec.h"
 
@@ -50,6 +53,13 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "dflash-native C++ core over ggml";
 
     m.def("ggml_version", [] { return std::string(ggml_version()); });
+#ifdef DFN_CUDA
+    m.def("cuda_built", [] { return true; }, "True when the CUDA GDN tape kernels were compiled in");
+    m.def("cuda_available", [] { return cuda::available(); }, "CUDA kernels compiled in and a device usable");
+#else
+    m.def("cuda_built", [] { return false; }, "True when the CUDA GDN tape kernels were compiled in");
+    m.def("cuda_available", [] { return false; }, "CUDA kernels compiled in and a device usable");
+#endif
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
 
@@ -123,6 +133,39 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
         "State after the first n tokens of a tape, from state0 ([H_v, S, S], S^T per head).");
+
+#ifdef DFN_CUDA
+    m.def(
+        "cuda_gdn_tape_record",
+        [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
+            const int64_t T = v.shape(0), H_v = v.shape(1), S = v.shape(2), H_k = q.shape(1);
+            if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || state0.ndim() != 3 || H_k < 1 || H_v % H_k != 0 ||
+                state0.shape(0) != H_v || state0.shape(1) != S || state0.shape(2) != S)
+                throw input_error("[gdn_tape] inconsistent shapes");
+            std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
+            {
+                py::gil_scoped_release release;
+                cuda::gdn_tape_record_host(q.data(), k.data(), v.data(), g.data(), beta.data(), state0.data(), o.data(),
+                                           tk.data(), tu.data(), tg.data(), S, H_k, H_v, T);
+            }
+            return py::make_tuple(to_array<float>(std::move(o), {T, H_v, S}), to_array<float>(std::move(tk), {T, H_v, S}),
+                                  to_array<float>(std::move(tu), {T, H_v, S}), to_array<float>(std::move(tg), {T, H_v}));
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"));
+    m.def(
+        "cuda_gdn_tape_replay",
+        [](farr state0, farr tk, farr tu, farr tg, int64_t n) {
+            const int64_t H_v = state0.shape(0), S = state0.shape(1), T = tk.shape(0);
+            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
+            std::vector<float> st(state0.data(), state0.data() + state0.size());
+            {
+                py::gil_scoped_release release;
+                cuda::gdn_tape_replay_host(st.data(), tk.data(), tu.data(), tg.data(), S, H_v, T, n);
+            }
+            return to_array<float>(std::move(st), {H_v, S, S});
+        },
+        py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"));
+#endif
 
     py::class_<target_session>(m, "Target")
         .def(py::init([](const std::string & path, int64_t n_ctx, int n_threads, const std::string & kv_type,

@@ -2,6 +2,9 @@
 
 #include "common.h"
 #include "gdn_tape.h"
+#ifdef DFN_CUDA
+#include "cuda/gdn_tape_cuda.h"
+#endif
 #include "graph.h"
 
 #include "ggml-alloc.h"
@@ -138,6 +141,33 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
     return out;
 }
 
+void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep) {
+    const bool host = ggml_backend_buffer_is_host(L.ssm->buffer);
+    if (host) {
+        gdn_tape_replay_mt((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
+                           (float *) L.tape_g->data}, S, H_v, n_keep, params_.n_threads);
+        return;
+    }
+#ifdef DFN_CUDA
+    if (std::string(ggml_backend_buffer_name(L.ssm->buffer)).rfind("CUDA", 0) == 0) {
+        // device buffers: replay in place with csrc/cuda/gdn_tape.cu
+        ggml_backend_synchronize(backend_);
+        cuda::gdn_tape_replay((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
+                              (float *) L.tape_g->data}, S, H_v, n_keep, nullptr);
+        ggml_backend_synchronize(backend_);
+        return;
+    }
+#endif
+    // other devices: a host round trip through the CPU kernel
+    std::vector<float> st(ggml_nelements(L.ssm)), tk(S * H_v * n_keep), tu(S * H_v * n_keep), tg(H_v * n_keep);
+    ggml_backend_tensor_get(L.ssm, st.data(), 0, st.size() * sizeof(float));
+    ggml_backend_tensor_get(L.tape_k, tk.data(), 0, tk.size() * sizeof(float));
+    ggml_backend_tensor_get(L.tape_u, tu.data(), 0, tu.size() * sizeof(float));
+    ggml_backend_tensor_get(L.tape_g, tg.data(), 0, tg.size() * sizeof(float));
+    gdn_tape_replay_mt(st.data(), {tk.data(), tu.data(), tg.data()}, S, H_v, n_keep, params_.n_threads);
+    ggml_backend_tensor_set(L.ssm, st.data(), 0, st.size() * sizeof(float));
+}
+
 void target_session::commit(int64_t n_keep) {
     DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
     DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
@@ -151,23 +181,7 @@ void target_session::commit(int64_t n_keep) {
     for (int il = 0; il < hp.n_layer; ++il) {
         if (!hp.is_gdn[il]) continue;
         gdn_layer & L = cache_->gdn[il];
-        // TODO(cuda): run csrc/cuda/gdn_tape.cu on device buffers instead of this host round trip
-        const bool host = ggml_backend_buffer_is_host(L.ssm->buffer);
-        std::vector<float> st_h, tk_h, tu_h, tg_h;
-        float * state = (float *) L.ssm->data;
-        gdn_tape_view tape = {(float *) L.tape_k->data, (float *) L.tape_u->data, (float *) L.tape_g->data};
-        if (!host) {
-            st_h.resize(ggml_nelements(L.ssm));
-            tk_h.resize(S * H_v * n_keep); tu_h.resize(S * H_v * n_keep); tg_h.resize(H_v * n_keep);
-            ggml_backend_tensor_get(L.ssm, st_h.data(), 0, st_h.size() * sizeof(float));
-            ggml_backend_tensor_get(L.tape_k, tk_h.data(), 0, tk_h.size() * sizeof(float));
-            ggml_backend_tensor_get(L.tape_u, tu_h.data(), 0, tu_h.size() * sizeof(float));
-            ggml_backend_tensor_get(L.tape_g, tg_h.data(), 0, tg_h.size() * sizeof(float));
-            state = st_h.data();
-            tape = {tk_h.data(), tu_h.data(), tg_h.data()};
-        }
-        gdn_tape_replay_mt(state, tape, S, H_v, n_keep, params_.n_threads);
-        if (!host) ggml_backend_tensor_set(L.ssm, st_h.data(), 0, st_h.size() * sizeof(float));
+        replay_state(L, S, H_v, n_keep);
 
         // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
         std::vector<float> conv((size_t) kc * n_ch), qkv((size_t) n_ch * n_keep);

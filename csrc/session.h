@@ -74,6 +74,7 @@ public:
     std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) const;
 
 private:
+    void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);

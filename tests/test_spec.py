@@ -251,3 +251,23 @@ def test_window_limits_what_the_drafter_sees(pair):
     last2 = s2.prefill(PROMPT)
     assert last2 == last
     np.testing.assert_allclose(s2.draft_logits(last, 4, t2), windowed, atol=1e-5, rtol=0)
+
+
+def test_stop_and_length_inside_a_committed_block(pair):
+    """Rounds that commit many tokens at once still stop exactly where AR stops: max_tokens and
+    stop strings cut inside the block (drafts forced to the AR continuation: full acceptance)."""
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=8, n_ctx=256, kv_type="f32", n_threads=2)
+    ar = eng.generate(PROMPT, max_tokens=40, speculative=False)
+    ref = ar.tokens
+    eng._draft_override = lambda prompt, out, B: (ref[len(out): len(out) + B - 1] + [0] * B)[: B - 1]
+    for n in (1, 5, 13, 40):
+        r = eng.generate(PROMPT, max_tokens=n)
+        assert r.tokens == ref[:n] and r.stats.stop_reason == "length"
+        assert r.stats.rounds <= (n + 7) // 8 + 1
+    assert max(i for i, c in enumerate(eng.generate(PROMPT, max_tokens=40).stats.acceptance_histogram) if c) == 8
+    text = eng.detokenize(ref)
+    assert len(text) > 12
+    stop = text[9:12]
+    want = eng.generate(PROMPT, max_tokens=40, stop=[stop], speculative=False)
+    got = eng.generate(PROMPT, max_tokens=40, stop=[stop])
+    assert got.text == want.text and got.stats.stop_reason == want.stats.stop_reason == "stop"

@@ -29,12 +29,21 @@ def convert_hf_to_gguf(src_dir, dst_path, *, outtype: str = "f16"):
     return _convert(src_dir, dst_path, outtype=outtype)
 
 
+def convert_dflash_to_gguf(src_dir, dst_path, *, outtype: str = "f16", target_gguf=None):
+    """Convert a z-lab DFlash drafter checkpoint to GGUF (arch `dflash`, llama.cpp layout).
+    With target_gguf, the drafter is checked against the target and carries its tokenizer."""
+    from .convert_dflash import convert_dflash_to_gguf as _convert
+
+    return _convert(src_dir, dst_path, outtype=outtype, target_gguf=target_gguf)
+
+
 __all__ = [
     "Engine",
     "GenerationResult",
     "GenerationStats",
     "TextPiece",
     "accept_prefix",
+    "convert_dflash_to_gguf",
     "convert_hf_to_gguf",
     "gpu_available",
     "__version__",

@@ -12,7 +12,8 @@ from pathlib import Path
 def _cmd_generate(a) -> int:
     from .engine import Engine
 
-    eng = Engine(a.target, n_ctx=a.n_ctx, n_threads=a.threads, kv_type=a.kv_type)
+    eng = Engine(a.target, drafter=a.drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
+                 kv_type=a.kv_type)
     prompt = a.prompt
     if a.prompt_file:
         prompt = Path(a.prompt_file).read_text()
@@ -31,6 +32,10 @@ def _cmd_generate(a) -> int:
     s = result.stats
     print(f"[dflash-native] {s.n_prompt_tokens} prompt tokens at {s.prefill_tok_s:.1f} tok/s, "
           f"{s.n_generated} generated at {s.decode_tok_s:.1f} tok/s (stop: {s.stop_reason})", file=sys.stderr)
+    if s.speculative:
+        print(f"[dflash-native] {s.rounds} rounds of B={s.block_size}, mean acceptance length "
+              f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify {s.verify_s:.2f}s, "
+              f"rollback {s.rollback_s:.3f}s", file=sys.stderr)
     if a.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": s.as_dict()}))
     return 0
@@ -40,6 +45,14 @@ def _cmd_convert(a) -> int:
     from .convert import convert_hf_to_gguf
 
     out = convert_hf_to_gguf(a.src, a.dst, outtype=a.outtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_convert_drafter(a) -> int:
+    from .convert_dflash import convert_dflash_to_gguf
+
+    out = convert_dflash_to_gguf(a.src, a.dst, outtype=a.outtype, target_gguf=a.target)
     print(f"wrote {out}")
     return 0
 
@@ -70,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a GGUF target")
     g.add_argument("--target", required=True, help="target model GGUF")
+    g.add_argument("--drafter", default=None, help="DFlash drafter GGUF: speculative decoding")
+    g.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-file", default=None)
     g.add_argument("--max-tokens", type=int, default=256)
@@ -86,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="output .gguf path")
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     c.set_defaults(fn=_cmd_convert)
+
+    cd = sub.add_parser("convert-drafter", help="convert a z-lab DFlash drafter checkpoint to GGUF")
+    cd.add_argument("src", help="directory with the drafter's config.json and *.safetensors")
+    cd.add_argument("dst", help="output .gguf path")
+    cd.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
+    cd.set_defaults(fn=_cmd_convert_drafter)
 
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default="def fibonacci(n):")

@@ -127,6 +127,9 @@ class Engine:
             raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                              f"embedding has only {self._core.n_vocab} rows")
         self._lock = threading.Lock()
+        # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
+        # tokens to verify instead of the drafter's (which still runs), or None.
+        self._draft_override = None
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -289,7 +292,9 @@ class Engine:
                             break
                         t0 = time.perf_counter()
                         if spec and room >= 2:
-                            r = self._spec.round(tok, min(B, room))
+                            Bc = min(B, room)
+                            forced = self._draft_override(prompt, out, Bc) if self._draft_override else None
+                            r = self._spec.round(tok, Bc, forced)
                             committed = r["committed"]
                             hist[len(committed)] += 1
                             stats.draft_s += r["draft_s"]

@@ -1,0 +1,117 @@
+"""End-to-end speculative decoding vs AR on the same engine, with an acceptance-controlled mode.
+
+Everything goes through Engine.generate. The real drafter forward runs every round; then its
+tokens are replaced by the target's own greedy continuation with one error injected so that every
+round commits exactly tau tokens (tau = 1 .. B; the last round may commit fewer at max_tokens). Throughput is then measured at chosen mean acceptance lengths. The
+bound is tau * t_AR / (t_verify(B) + t_draft), from the same run's timings; "overhead" is the
+share of a round that is neither the draft forward nor the verify forward (rollback, ring push,
+sampling, Python, graph building).
+
+    python bench/spec_e2e.py --json bench/results/spec_e2e.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import QWEN35_05B, CACHE, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+
+
+def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
+    from dflash_native.testing_dflash import make_random_drafter_gguf
+
+    path = CACHE / f"{target_name}-drafter{n_layers}-{outtype}-s{seed}.gguf"
+    if not path.exists():
+        cfg = dict(shape, model_type="qwen3_5_text", num_hidden_layers=shape["num_hidden_layers"],
+                   mask_token_id=shape["vocab_size"] - 1)
+        n = shape["num_hidden_layers"]
+        ids = [1, n // 2, n - 2] if n_layers > 1 else [n // 2]
+        tmp = path.with_suffix(".tmp.gguf")
+        make_random_drafter_gguf(tmp, cfg, outtype=outtype, seed=seed, block_size=block_size,
+                                 num_hidden_layers=n_layers, target_layer_ids=ids,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+        tmp.rename(path)
+    return path
+
+
+def main():
+    import dflash_native as dn
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--outtype", default="q8_0")
+    ap.add_argument("--blocks", default="4,8,16")
+    ap.add_argument("--taus", default="1,2,4,8,B", help="committed tokens per round; B = all accepted")
+    ap.add_argument("--gen", type=int, default=48, help="tokens generated per measurement")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--drafter-layers", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="tiny model (smoke run)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+
+    shape = dict(QWEN35_05B)
+    name = "qwen35-0.5b"
+    if a.tiny:
+        shape.update(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64,
+                     linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4)
+        name = "qwen35-tiny"
+    blocks = [int(b) for b in a.blocks.split(",")]
+    target = cached_gguf(name, "qwen3_5", a.outtype, **shape)
+    drafter = cached_drafter(name, a.outtype, shape, max(blocks), a.drafter_layers)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, a.prompt_len)]
+    n_ctx = a.prompt_len + a.gen + 2 * max(blocks) + 8
+
+    print(f"# spec_e2e: {machine()}; {name} {a.outtype}, drafter {a.drafter_layers} layer(s), threads={a.threads}, "
+          f"prompt={a.prompt_len}, gen={a.gen}; rev {git_rev()}")
+    rows = []
+    for B in blocks:
+        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=n_ctx, n_threads=a.threads,
+                        feature_ring_capacity=4096)
+        # AR on the same engine: the reference tokens and t_AR
+        eng.generate(prompt, max_tokens=8, speculative=False)  # warm-up
+        ar = eng.generate(prompt, max_tokens=a.gen + B + 1, speculative=False)
+        ref = ar.tokens
+        t_ar = ar.stats.decode_s / max(ar.stats.n_generated - 1, 1)
+        print(f"\nB={B}: AR {1 / t_ar:.2f} tok/s")
+        print(f"{'tau':>6}{'tok/s':>9}{'speedup':>9}{'bound':>8}{'meas/bound':>11}{'t_draft ms':>11}"
+              f"{'t_verify ms':>12}{'rollback ms':>12}{'overhead':>9}")
+        taus = sorted({B if t == "B" else int(t) for t in a.taus.split(",")} - set(range(B + 1, 10**6)))
+        for tau in taus:
+            def forced(prompt_, out, Bc, tau=tau):
+                good = list(ref[len(out): len(out) + Bc - 1]) + [0] * Bc
+                good = good[: Bc - 1]
+                if tau < Bc:  # accept tau-1 drafts, then a wrong one: every round commits tau tokens
+                    good[tau - 1] = (good[tau - 1] + 1) % 500
+                return good
+
+            eng._draft_override = forced
+            eng.generate(prompt, max_tokens=B + 2)  # warm-up
+            r = eng.generate(prompt, max_tokens=a.gen)
+            st = r.stats
+            assert r.tokens == ref[: a.gen], "speculative output differs from AR"
+            tok_s = st.decode_tok_s  # tokens after the first (which comes from the prefill)
+            t_draft, t_verify = st.draft_s / st.rounds, st.verify_s / st.rounds
+            tau_m = st.mean_acceptance_length
+            bound = tau_m * t_ar / (t_verify + t_draft)
+            overhead = 1 - (st.draft_s + st.verify_s) / st.decode_s
+            print(f"{tau_m:>6.2f}{tok_s:>9.2f}{tok_s * t_ar:>9.2f}{bound:>8.2f}{tok_s * t_ar / bound:>11.3f}"
+                  f"{t_draft * 1e3:>11.1f}{t_verify * 1e3:>12.1f}{st.rollback_s / st.rounds * 1e3:>12.2f}"
+                  f"{overhead:>9.1%}")
+            rows.append({"bench": "spec_e2e", "model": name, "outtype": a.outtype, "B": B, "tau_target": tau,
+                         "mean_acceptance_length": tau_m, "tok_s": tok_s, "ar_tok_s": 1 / t_ar,
+                         "speedup": tok_s * t_ar, "bound": bound, "measured_over_bound": tok_s * t_ar / bound,
+                         "t_draft_s": t_draft, "t_verify_s": t_verify, "rollback_s_per_round": st.rollback_s / st.rounds,
+                         "overhead_share": overhead, "rounds": st.rounds, "threads": a.threads,
+                         "machine": machine(), "rev": git_rev()})
+        eng._draft_override = None
+    write_jsonl(a.json, rows)
+
+
+if __name__ == "__main__":
+    main()
