@@ -18,13 +18,18 @@ namespace {
 #define DFN_MULTIVERSION
 #endif
 
+// The state update of one token, shared word for word by the forward kernels and replay: an
+// explicit fmaf so every build and clone rounds it the same way. This is what makes a replayed
+// state bitwise equal to the state a forward pass reaches, and so speculative == AR exactly.
+#define DFN_GDN_UPDATE(row, i, uj, k, eg) fmaf((uj), (k)[i], (eg) * (row)[i])
+
 // One token on one head, row by row (row j of M is column j of S, contiguous in k):
 //   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
 // The decay is folded into the row pass: one sweep over the state per token.
 DFN_MULTIVERSION
-void record_token(float * __restrict M, const float * __restrict k, const float * __restrict q,
-                  const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
-                  float scale, int64_t S) {
+void forward_token(float * __restrict M, const float * __restrict k, const float * __restrict q,
+                   const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
+                   float scale, int64_t S) {
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
         float d = 0.0f;
@@ -34,7 +39,7 @@ void record_token(float * __restrict M, const float * __restrict k, const float 
         float od = 0.0f;
 #pragma omp simd reduction(+ : od)
         for (int64_t i = 0; i < S; ++i) {
-            const float x = eg * row[i] + uj * k[i];
+            const float x = DFN_GDN_UPDATE(row, i, uj, k, eg);
             row[i] = x;
             od += x * q[i];
         }
@@ -43,19 +48,35 @@ void record_token(float * __restrict M, const float * __restrict k, const float 
     }
 }
 
-// Closed form of n tokens on one head (ARCHITECTURE.md): S_n = e^{G_n} S_0 + sum_t e^{G_n - G_t} k_t u_t^T.
-// coef[t] = e^{G_n - G_t}; k, u: the head's tape rows, stride `ts` floats between tokens.
+// S = e S + k u^T on one head: forward_token's state update without the dot products.
 DFN_MULTIVERSION
-void replay_head(float * __restrict M, const float * __restrict k, const float * __restrict u,
-                 const float * __restrict coef, float e_n, int64_t n, int64_t ts, int64_t S) {
+void replay_token(float * __restrict M, const float * __restrict k, const float * __restrict u, float eg, int64_t S) {
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
-        for (int64_t i = 0; i < S; ++i) row[i] *= e_n;
-        for (int64_t t = 0; t < n; ++t) {
-            const float c = coef[t] * u[t * ts + j];
-            const float * __restrict kt = k + t * ts;
-            for (int64_t i = 0; i < S; ++i) row[i] += c * kt[i];
+        const float uj = u[j];
+#pragma omp simd
+        for (int64_t i = 0; i < S; ++i) row[i] = DFN_GDN_UPDATE(row, i, uj, k, eg);
+    }
+}
+
+// T tokens of head h on the state M (in place). With a tape, k/u/g are recorded.
+void forward_head(const gdn_inputs & in, float * M, float * o, float * u_scratch, const gdn_tape_view * tape,
+                  int64_t h, int64_t S, int64_t H_k, int64_t H_v, int64_t T) {
+    const int64_t hk = h % H_k;
+    const float scale = 1.0f / sqrtf((float) S);
+    for (int64_t t = 0; t < T; ++t) {
+        const float gt = in.g[h + t * in.g_s1];
+        const float * k = in.k + hk * in.k_s1 + t * in.k_s2;
+        float * u = u_scratch;
+        if (tape) {
+            tape->g[h + H_v * t] = gt;
+            float * tk = tape->k + S * (h + H_v * t);
+            std::memcpy(tk, k, (size_t) S * sizeof(float));
+            k = tk;
+            u = tape->u + S * (h + H_v * t);
         }
+        forward_token(M, k, in.q + hk * in.q_s1 + t * in.q_s2, in.v + h * in.v_s1 + t * in.v_s2, u,
+                      o + S * (h + H_v * t), expf(gt), in.beta[h + t * in.b_s1], scale, S);
     }
 }
 
@@ -65,37 +86,26 @@ void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn
                      int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1) {
     thread_local std::vector<float> work;
     work.resize((size_t) S * S);
-    float * M = work.data();
-    const float scale = 1.0f / sqrtf((float) S);
     for (int64_t h = h0; h < h1; ++h) {
-        const int64_t hk = h % H_k;
-        std::memcpy(M, state0 + h * S * S, (size_t) S * S * sizeof(float));
-        for (int64_t t = 0; t < T; ++t) {
-            const float gt = in.g[h + t * in.g_s1];
-            float * tk = tape.k + S * (h + H_v * t);
-            tape.g[h + H_v * t] = gt;
-            std::memcpy(tk, in.k + hk * in.k_s1 + t * in.k_s2, (size_t) S * sizeof(float));
-            record_token(M, tk, in.q + hk * in.q_s1 + t * in.q_s2, in.v + h * in.v_s1 + t * in.v_s2,
-                         tape.u + S * (h + H_v * t), o + S * (h + H_v * t), expf(gt), in.beta[h + t * in.b_s1],
-                         scale, S);
-        }
+        std::memcpy(work.data(), state0 + h * S * S, (size_t) S * S * sizeof(float));
+        forward_head(in, work.data(), o, nullptr, &tape, h, S, H_k, H_v, T);
     }
+}
+
+void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
+                 int64_t h0, int64_t h1) {
+    thread_local std::vector<float> u;
+    u.resize((size_t) S);
+    for (int64_t h = h0; h < h1; ++h) forward_head(in, state + h * S * S, o, u.data(), nullptr, h, S, H_k, H_v, T);
 }
 
 void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int64_t h0,
                      int64_t h1) {
-    if (n <= 0) return;
-    std::vector<float> coef(n);
     for (int64_t h = h0; h < h1; ++h) {
-        // G_t = g_1 + .. + g_t (log decays, <= 0); coef_t = exp(G_n - G_t) in (0, 1]
-        double G = 0.0;
-        for (int64_t t = 0; t < n; ++t) G += tape.g[h + H_v * t];
-        double Gt = 0.0;
         for (int64_t t = 0; t < n; ++t) {
-            Gt += tape.g[h + H_v * t];
-            coef[t] = (float) std::exp(G - Gt);
+            replay_token(state + h * S * S, tape.k + S * (h + H_v * t), tape.u + S * (h + H_v * t),
+                         expf(tape.g[h + H_v * t]), S);
         }
-        replay_head(state + h * S * S, tape.k + S * h, tape.u + S * h, coef.data(), (float) std::exp(G), n, S * H_v, S);
     }
 }
 
@@ -118,33 +128,52 @@ void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, in
 
 namespace {
 
-void record_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
-    const ggml_tensor * q = dst->src[0];
-    const ggml_tensor * k = dst->src[1];
-    const ggml_tensor * v = dst->src[2];
-    const ggml_tensor * g = dst->src[3];
-    const ggml_tensor * b = dst->src[4];
-    const ggml_tensor * st = dst->src[5];
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = q->ne[1];
+gdn_inputs op_inputs(const ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2], * g = dst->src[3], * b = dst->src[4];
     const int64_t f = sizeof(float);
-
     gdn_inputs in;
     in.q = (const float *) q->data; in.q_s1 = q->nb[1] / f; in.q_s2 = q->nb[2] / f;
     in.k = (const float *) k->data; in.k_s1 = k->nb[1] / f; in.k_s2 = k->nb[2] / f;
     in.v = (const float *) v->data; in.v_s1 = v->nb[1] / f; in.v_s2 = v->nb[2] / f;
     in.g = (const float *) g->data; in.g_s1 = g->nb[2] / f;
     in.beta = (const float *) b->data; in.b_s1 = b->nb[2] / f;
+    return in;
+}
 
+void head_range(int64_t H_v, int ith, int nth, int64_t & h0, int64_t & h1) {
+    const int64_t per = (H_v + nth - 1) / nth;
+    h0 = std::min(H_v, ith * per);
+    h1 = std::min(H_v, h0 + per);
+}
+
+// The AR pass: the state (src 5) is advanced in place; each thread owns whole heads.
+void forward_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * v = dst->src[2];
+    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
+    int64_t h0, h1;
+    head_range(H_v, ith, nth, h0, h1);
+    if (h0 < h1) gdn_forward(op_inputs(dst), (float *) dst->src[5]->data, (float *) dst->data, S, H_k, H_v, T, h0, h1);
+}
+
+void record_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * v = dst->src[2];
+    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
     float * out = (float *) dst->data;
     const int64_t n_o = S * H_v * T;
     gdn_tape_view tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
-
-    const int64_t per = (H_v + nth - 1) / nth;
-    const int64_t h0 = ith * per, h1 = std::min(H_v, h0 + per);
-    if (h0 < h1) gdn_tape_record(in, (const float *) st->data, out, tape, S, H_k, H_v, T, h0, h1);
+    int64_t h0, h1;
+    head_range(H_v, ith, nth, h0, h1);
+    if (h0 < h1) gdn_tape_record(op_inputs(dst), (const float *) dst->src[5]->data, out, tape, S, H_k, H_v, T, h0, h1);
 }
 
 }  // namespace
+
+ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
+                             ggml_tensor * beta, ggml_tensor * state) {
+    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
+    ggml_tensor * args[6] = {q, k, v, g, beta, state};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, S, H_v, T, 1, args, 6, forward_op, GGML_N_TASKS_MAX, nullptr);
+}
 
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state) {

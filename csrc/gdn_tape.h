@@ -39,14 +39,24 @@ struct gdn_tape_view {
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape,
                      int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
 
-// state <- the state after the first n tokens of the tape, for value heads [h0, h1), by the
-// closed form S_n = exp(G_n) S_0 + sum_t exp(G_n - G_t) k_t u_t^T: one sweep over the state.
-// Equal to the record pass's state after n tokens up to float rounding.
+// The AR pass with the same arithmetic: state advanced in place by T tokens, outputs o.
+void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
+                 int64_t h0, int64_t h1);
+
+// state <- the state after the first n tokens of the tape, for value heads [h0, h1).
+// Token by token with the forward kernels' own update (S = e^g S + k u^T), so the result is
+// bitwise the state a forward pass over those n tokens reaches. (The closed form
+// S_n = e^{G_n} S_0 + sum_t e^{G_n - G_t} k_t u_t^T has the same cost in flops but rounds
+// differently, which a chaotic model amplifies into different greedy tokens.)
 void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n,
                      int64_t h0, int64_t h1);
 
 // Same, spread over n_threads threads.
 void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int n_threads);
+
+// ggml CPU custom op around gdn_forward: returns o F32 [S, H_v, T]; advances `state` in place.
+ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
+                             ggml_tensor * beta, ggml_tensor * state);
 
 // ggml CPU custom op around gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1];
 // g, beta: [1, H_v, T, 1]; state: [S, S, H_v] (not modified).

@@ -3,6 +3,8 @@
 #include "common.h"
 #include "gdn_tape.h"
 
+#include "ggml-backend.h"
+
 #include <cmath>
 
 namespace dfn {
@@ -110,6 +112,9 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
         to_tape(st.tape_k, n_o, n_o);
         to_tape(st.tape_u, n_o, 2 * n_o);
         to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
+    } else if (ggml_backend_buffer_is_host(st.ssm->buffer)) {
+        // CPU: the same kernel as the verify pass, so AR and speculative states agree bitwise
+        o = gdn_forward_op(ctx, q, k, v, gate, beta, state);  // [S, H_v, n_tok]; state advanced in place
     } else {
         ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
         // res packs [outputs S*H_v*n_tok | final state S*S*H_v]

@@ -271,3 +271,62 @@ def test_stop_and_length_inside_a_committed_block(pair):
     want = eng.generate(PROMPT, max_tokens=40, stop=[stop], speculative=False)
     got = eng.generate(PROMPT, max_tokens=40, stop=[stop])
     assert got.text == want.text and got.stats.stop_reason == want.stats.stop_reason == "stop"
+
+
+# Q8_0 weights on x86-64: ggml's Q8_0 matmul gives the same bits for a batch as for single rows,
+# and the GDN layers run one kernel for AR, verify and replay, so here speculative decoding
+# must be bitwise AR, with no near-tie slack: verify logits, every cache, every token.
+Q8_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32, num_attention_heads=4,
+                num_key_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4)
+x86_only = pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                              reason="Q8_0 batch invariance is checked on x86-64 (ARM repacks Q8_0 into GEMM tiles)")
+
+
+@pytest.fixture(scope="module")
+def q8_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q8")
+    ckpt = make_random_checkpoint(d / "target", "qwen3_5", seed=21, **Q8_SHAPE)
+    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="q8_0")
+    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="q8_0", seed=22, target_gguf=tg, block_size=8,
+                                  num_hidden_layers=1, target_layer_ids=[0, 2], head_dim=32)
+    return tg, dg
+
+
+@x86_only
+def test_q8_0_verify_and_rollback_are_bitwise(q8_pair):
+    tg, dg = q8_pair
+    t = _core.Target(str(tg), n_ctx=128, n_threads=2, max_verify=8)
+    block = [int(x) for x in np.random.default_rng(1).integers(3, 500, 8)]
+    t.reset()
+    t.decode(PROMPT)
+    steps = np.concatenate([t.decode([x]) for x in block])
+    for n_keep in (1, 3, 8):
+        t.reset()
+        t.decode(PROMPT)
+        ver = t.verify(block)
+        np.testing.assert_array_equal(ver, steps)
+        t.commit(n_keep)
+        got = caches(t)
+        t.reset()
+        t.decode(PROMPT)
+        for x in block[:n_keep]:
+            t.decode([x])
+        for a, b in zip(got, caches(t)):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+
+
+@x86_only
+def test_q8_0_speculative_is_bitwise_ar(q8_pair):
+    tg, dg = q8_pair
+    eng = dn.Engine(tg, drafter=dg, block_size=8, feature_ring_capacity=20, n_ctx=256, n_threads=2)
+    ar = eng.generate(PROMPT, max_tokens=80, speculative=False)
+    assert eng.generate(PROMPT, max_tokens=80).tokens == ar.tokens
+    rng = np.random.default_rng(0)
+    ref = ar.tokens
+    eng._draft_override = lambda p, out, B: [tok if rng.random() > 0.2 else (tok + 1) % 500
+                                             for tok in (ref[len(out): len(out) + B - 1] + [0] * B)[: B - 1]]
+    r = eng.generate(PROMPT, max_tokens=80)
+    assert r.tokens == ar.tokens
+    assert r.stats.mean_acceptance_length > 2  # the injected error rate leaves long accepted runs
