@@ -47,6 +47,24 @@ def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) 
     return path
 
 
+def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
+    """A random DFlash drafter for a cached random target (only the shape matters for speed)."""
+    from dflash_native.testing_dflash import make_random_drafter_gguf
+
+    path = CACHE / f"{target_name}-drafter{n_layers}-{outtype}-s{seed}.gguf"
+    if not path.exists():
+        cfg = dict(shape, model_type="qwen3_5_text", num_hidden_layers=shape["num_hidden_layers"],
+                   mask_token_id=shape["vocab_size"] - 1)
+        n = shape["num_hidden_layers"]
+        ids = [1, n // 2, n - 2] if n_layers > 1 else [n // 2]
+        tmp = path.with_suffix(".tmp.gguf")
+        make_random_drafter_gguf(tmp, cfg, outtype=outtype, seed=seed, block_size=block_size,
+                                 num_hidden_layers=n_layers, target_layer_ids=ids,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+        tmp.rename(path)
+    return path
+
+
 def summarize(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import QWEN35_05B, cached_drafter, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
 
 
 def timeit(fn, reps):
@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--d-conv", type=int, default=4)
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--engine", action="store_true", help="also compare the three rollbacks inside the engine")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
 
@@ -109,7 +111,47 @@ def main():
                      "layers": L, "machine": machine(), "rev": git_rev()})
     print("* re-decode here re-runs only the GDN recurrence; re-running the accepted tokens through the\n"
           "  whole target costs a forward pass (see spec_e2e.py for forward timings).")
+    if a.engine:
+        rows += engine_rollback(a)
     write_jsonl(a.json, rows)
+
+
+def engine_rollback(a) -> list[dict]:
+    """The three rollbacks inside the engine: Qwen3.5-0.5B-shaped Q8_0 target, B = 16, drafts
+    forced to commit tau tokens per round (as in spec_e2e.py); rollback time per round and
+    end-to-end tok/s, same prompt and tokens for every mode."""
+    import dflash_native as dn
+
+    B, gen = 16, 48
+    target = cached_gguf("qwen35-0.5b", "qwen3_5", "q8_0", **QWEN35_05B)
+    drafter = cached_drafter("qwen35-0.5b", "q8_0", QWEN35_05B, B, 1)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, 64)]
+    print(f"\nengine: qwen35-0.5b q8_0, B={B}, {gen} tokens, threads={a.threads}")
+    print(f"{'mode':<10}{'tau':>5}{'rollback ms/round':>19}{'verify ms':>11}{'tok/s':>8}")
+    rows, ref = [], None
+    for mode in ("tape", "snapshot", "redecode"):
+        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=256, n_threads=a.threads, rollback=mode)
+        if ref is None:
+            ref = eng.generate(prompt, max_tokens=gen + B, speculative=False).tokens
+        for tau in (1, 8, 16):
+            def forced(p, out, Bc, tau=tau):
+                good = (list(ref[len(out): len(out) + Bc - 1]) + [0] * Bc)[: Bc - 1]
+                if tau < Bc:
+                    good[tau - 1] = (good[tau - 1] + 1) % 500
+                return good
+
+            eng._draft_override = forced
+            eng.generate(prompt, max_tokens=B + 2)  # warm-up
+            r = eng.generate(prompt, max_tokens=gen)
+            assert r.tokens == ref[:gen]
+            st = r.stats
+            print(f"{mode:<10}{tau:>5}{st.rollback_s / st.rounds * 1e3:>19.2f}{st.verify_s / st.rounds * 1e3:>11.1f}"
+                  f"{st.decode_tok_s:>8.2f}")
+            rows.append({"bench": "rollback", "what": "engine", "mode": mode, "B": B, "tau": tau,
+                         "rollback_ms_per_round": st.rollback_s / st.rounds * 1e3,
+                         "verify_ms_per_round": st.verify_s / st.rounds * 1e3, "tok_s": st.decode_tok_s,
+                         "cache_bytes": eng._core.cache_bytes, "machine": machine(), "rev": git_rev()})
+    return rows
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<target_session>(m, "Target")
         .def(py::init([](const std::string & path, int64_t n_ctx, int n_threads, const std::string & kv_type,
-                         int64_t n_batch, const std::string & device, int64_t max_verify) {
+                         int64_t n_batch, const std::string & device, int64_t max_verify, const std::string & rollback) {
                  session_params p;
                  p.n_ctx = n_ctx;
                  p.n_threads = n_threads;
@@ -177,11 +177,13 @@ PYBIND11_MODULE(_core, m) {
                  p.n_batch = n_batch;
                  p.device = device;
                  p.max_verify = max_verify;
+                 p.rollback = rollback;
                  py::gil_scoped_release release;
                  return std::make_unique<target_session>(path, p);
              }),
              py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
-             py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0)
+             py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
+             py::arg("rollback") = "tape")
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })

@@ -5,9 +5,9 @@
 namespace dfn {
 
 model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv_type_, int64_t n_tape_,
-                         ggml_backend_buffer_type_t buft)
+                         bool snapshots, ggml_backend_buffer_type_t buft)
     : n_ctx(n_ctx_), n_tape(n_tape_), kv_type(kv_type_) {
-    const size_t n_tensors = 6 * (size_t) hp.n_layer;
+    const size_t n_tensors = 7 * (size_t) hp.n_layer;
     ggml_init_params ip = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/ true};
     ctx_ = ggml_init(ip);
     if (!ctx_) throw runtime_error("[cache] ggml_init failed");
@@ -25,6 +25,7 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
                 gdn[il].tape_u = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, S, H_v, n_tape);
                 gdn[il].tape_g = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, H_v, n_tape);
                 gdn[il].tape_qkv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, hp.ssm_conv_channels(), n_tape);
+                if (snapshots) gdn[il].snapshots = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, S * S * H_v, n_tape);
             }
         } else {
             kv[il].k = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);

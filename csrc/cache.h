@@ -23,6 +23,8 @@ struct gdn_layer {
     ggml_tensor * tape_u = nullptr;    // F32 [S, n_v_heads, T_cap]
     ggml_tensor * tape_g = nullptr;    // F32 [n_v_heads, T_cap]
     ggml_tensor * tape_qkv = nullptr;  // F32 [conv_channels, T_cap]: conv inputs, for the conv state
+    ggml_tensor * snapshots = nullptr; // F32 [S * S * n_v_heads, T_cap]: state after each token
+                                       // (only for the snapshot rollback baseline)
 };
 
 // Rollback of attention K/V is a cursor move: rows at positions >= n_past are dead and
@@ -31,7 +33,7 @@ struct gdn_layer {
 class model_cache {
 public:
     // n_tape: the most tokens one verify pass may record (0: no verify on this cache).
-    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape,
+    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape, bool snapshots,
                 ggml_backend_buffer_type_t buft);
     ~model_cache();
     model_cache(const model_cache &) = delete;

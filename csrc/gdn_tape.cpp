@@ -59,9 +59,10 @@ void replay_token(float * __restrict M, const float * __restrict k, const float 
     }
 }
 
-// T tokens of head h on the state M (in place). With a tape, k/u/g are recorded.
+// T tokens of head h on the state M (in place). With a tape, k/u/g are recorded; with
+// snapshots, the state after every token.
 void forward_head(const gdn_inputs & in, float * M, float * o, float * u_scratch, const gdn_tape_view * tape,
-                  int64_t h, int64_t S, int64_t H_k, int64_t H_v, int64_t T) {
+                  int64_t h, int64_t S, int64_t H_k, int64_t H_v, int64_t T, float * snapshots = nullptr) {
     const int64_t hk = h % H_k;
     const float scale = 1.0f / sqrtf((float) S);
     for (int64_t t = 0; t < T; ++t) {
@@ -77,18 +78,19 @@ void forward_head(const gdn_inputs & in, float * M, float * o, float * u_scratch
         }
         forward_token(M, k, in.q + hk * in.q_s1 + t * in.q_s2, in.v + h * in.v_s1 + t * in.v_s2, u,
                       o + S * (h + H_v * t), expf(gt), in.beta[h + t * in.b_s1], scale, S);
+        if (snapshots) std::memcpy(snapshots + (t * H_v + h) * S * S, M, (size_t) S * S * sizeof(float));
     }
 }
 
 }  // namespace
 
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
-                     int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1) {
+                     int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1, float * snapshots) {
     thread_local std::vector<float> work;
     work.resize((size_t) S * S);
     for (int64_t h = h0; h < h1; ++h) {
         std::memcpy(work.data(), state0 + h * S * S, (size_t) S * S * sizeof(float));
-        forward_head(in, work.data(), o, nullptr, &tape, h, S, H_k, H_v, T);
+        forward_head(in, work.data(), o, nullptr, &tape, h, S, H_k, H_v, T, snapshots);
     }
 }
 
@@ -163,7 +165,8 @@ void record_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     gdn_tape_view tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
     int64_t h0, h1;
     head_range(H_v, ith, nth, h0, h1);
-    if (h0 < h1) gdn_tape_record(op_inputs(dst), (const float *) dst->src[5]->data, out, tape, S, H_k, H_v, T, h0, h1);
+    float * snaps = dst->src[6] ? (float *) dst->src[6]->data : nullptr;
+    if (h0 < h1) gdn_tape_record(op_inputs(dst), (const float *) dst->src[5]->data, out, tape, S, H_k, H_v, T, h0, h1, snaps);
 }
 
 }  // namespace
@@ -176,10 +179,10 @@ ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * 
 }
 
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state) {
+                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * snapshots) {
     const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
-    ggml_tensor * args[6] = {q, k, v, g, beta, state};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * S * H_v * T + H_v * T, 1, 1, 1, args, 6, record_op,
+    ggml_tensor * args[7] = {q, k, v, g, beta, state, snapshots};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * S * H_v * T + H_v * T, 1, 1, 1, args, snapshots ? 7 : 6, record_op,
                           GGML_N_TASKS_MAX, nullptr);
 }
 

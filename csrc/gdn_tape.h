@@ -36,8 +36,11 @@ struct gdn_tape_view {
 
 // Runs T tokens from state0 (read only) for value heads [h0, h1): writes outputs o
 // [S, H_v, T] (contiguous) and the tape. The state after the pass is not kept.
+// `snapshots` (optional, the snapshot-rollback baseline): the state after token t of head h at
+// snapshots + (t * H_v + h) * S * S.
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape,
-                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
+                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1,
+                     float * snapshots = nullptr);
 
 // The AR pass with the same arithmetic: state advanced in place by T tokens, outputs o.
 void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
@@ -61,7 +64,9 @@ ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * 
 // ggml CPU custom op around gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1];
 // g, beta: [1, H_v, T, 1]; state: [S, S, H_v] (not modified).
 // Returns F32 [S*H_v*T (o) | S*H_v*T (tape k) | S*H_v*T (tape u) | H_v*T (tape g)].
+// With `snapshots` (F32 [S*S*H_v, >= T]), also writes the state after every token there.
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state);
+                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state,
+                                 ggml_tensor * snapshots = nullptr);
 
 }  // namespace dfn

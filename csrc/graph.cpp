@@ -102,7 +102,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
     ggml_tensor * o = nullptr;
     if (g.record_tape) {
-        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state);
+        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.snapshots);
         // res packs [outputs | tape k | tape u | tape g]; copy the tape to the cache's tape tensors
         const int64_t n_o = S * H_v * n_tok;
         o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);

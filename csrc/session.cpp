@@ -56,7 +56,10 @@ target_session::target_session(const std::string & path, const session_params & 
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
     model_->load_weights(buft);
     DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
-    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify, buft);
+    DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
+                "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
+    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
+                                           params.rollback == "snapshot", buft);
 
     max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
@@ -138,6 +141,7 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
     }
     pending_past_ = n_past0;
     pending_n_ = n;
+    pending_tokens_.assign(tokens, tokens + n);
     return out;
 }
 
@@ -175,13 +179,31 @@ void target_session::commit(int64_t n_keep) {
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;
     if (hp.is_gdn.empty()) return;
+    if (params_.rollback == "redecode") {
+        // baseline: the GDN state is still the one before the verify; run the kept tokens again
+        cache_->n_past = pending_past_;
+        decode(pending_tokens_.data(), n_keep, false);
+        return;
+    }
 
     const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
     const int64_t kc = hp.ssm_d_conv - 1;
     for (int il = 0; il < hp.n_layer; ++il) {
         if (!hp.is_gdn[il]) continue;
         gdn_layer & L = cache_->gdn[il];
-        replay_state(L, S, H_v, n_keep);
+        if (L.snapshots) {
+            // baseline: copy the state after token n_keep - 1 back
+            const size_t bytes = ggml_nbytes(L.ssm);
+            if (ggml_backend_buffer_is_host(L.ssm->buffer)) {
+                std::memcpy(L.ssm->data, (const char *) L.snapshots->data + (n_keep - 1) * bytes, bytes);
+            } else {
+                std::vector<uint8_t> tmp(bytes);
+                ggml_backend_tensor_get(L.snapshots, tmp.data(), (n_keep - 1) * bytes, bytes);
+                ggml_backend_tensor_set(L.ssm, tmp.data(), 0, bytes);
+            }
+        } else {
+            replay_state(L, S, H_v, n_keep);
+        }
 
         // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
         std::vector<float> conv((size_t) kc * n_ch), qkv((size_t) n_ch * n_keep);

@@ -20,6 +20,10 @@ struct session_params {
     int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
     std::string device = "cpu";   // "cpu" or "gpu" (first GPU ggml was built with)
     int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
+    // GDN rollback after a verify: "tape" (replay the kept prefix of the tape), or the benchmark
+    // baselines "snapshot" (store the state after every verified token, copy one back) and
+    // "redecode" (run the kept tokens through the target again).
+    std::string rollback = "tape";
 };
 
 struct decode_result {
@@ -90,6 +94,7 @@ private:
     std::string last_shape_key_;  // see run_graph
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
+    std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)
 };
 
 }  // namespace dfn

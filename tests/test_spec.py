@@ -330,3 +330,22 @@ def test_q8_0_speculative_is_bitwise_ar(q8_pair):
     r = eng.generate(PROMPT, max_tokens=80)
     assert r.tokens == ar.tokens
     assert r.stats.mean_acceptance_length > 2  # the injected error rate leaves long accepted runs
+
+
+@x86_only
+@pytest.mark.parametrize("mode", ["tape", "snapshot", "redecode"])
+def test_rollback_baselines_are_exact_too(q8_pair, mode):
+    """The benchmark baselines (per-token snapshots, re-decode) roll back to the same bits."""
+    tg, dg = q8_pair
+    eng = dn.Engine(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
+    ar = eng.generate(PROMPT, max_tokens=40, speculative=False).tokens
+    rng = np.random.default_rng(1)
+    eng._draft_override = lambda p, out, B: [tok if rng.random() > 0.3 else (tok + 1) % 500
+                                             for tok in (ar[len(out): len(out) + B - 1] + [0] * B)[: B - 1]]
+    r = eng.generate(PROMPT, max_tokens=40)
+    assert r.tokens == ar and r.stats.mean_acceptance_length > 1.5
+
+
+def test_unknown_rollback_mode(q8_pair):
+    with pytest.raises(ValueError, match="rollback must be"):
+        dn.Engine(q8_pair[0], drafter=q8_pair[1], rollback="undo")

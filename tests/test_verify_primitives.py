@@ -99,3 +99,17 @@ def test_gdn_tape_bad_input():
     with pytest.raises(ValueError, match="outside"):
         z = np.zeros((2, 1, 4), np.float32)
         _core.gdn_tape_replay(np.zeros((1, 4, 4)), z, z, np.zeros((2, 1)), 3)
+
+
+def test_gdn_tape_object():
+    rng = np.random.default_rng(3)
+    q, k, v, g, beta, S0 = random_gdn(rng, 9, 2, 4, 16)
+    tape = dn.GdnTape()
+    o = tape.record(q, k, v, g, beta, S0)
+    o_ref, states, _ = gdn_run(q, k, v, g, beta, S0)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=1e-4)
+    assert tape.n_tokens == 9 and tape.nbytes == 9 * 4 * (16 + 16 + 1) * 4
+    for n in (0, 4, 9):
+        np.testing.assert_allclose(tape.replay(n), states[n], atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="outside"):
+        tape.replay(10)

@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 
 from . import _core
 from .engine import Engine, GenerationResult, GenerationStats, TextPiece
+from .tape import GdnTape
 
 
 def gpu_available() -> bool:
@@ -39,6 +40,7 @@ def convert_dflash_to_gguf(src_dir, dst_path, *, outtype: str = "f16", target_gg
 
 __all__ = [
     "Engine",
+    "GdnTape",
     "GenerationResult",
     "GenerationStats",
     "TextPiece",

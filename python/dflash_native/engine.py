@@ -92,7 +92,10 @@ class Engine:
         kv_type: str = "f16",
         n_batch: int = 512,
         device: str = "cpu",
+        rollback: str = "tape",
     ):
+        """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
+        benchmarks compare against (per-token state snapshots; re-running the kept tokens)."""
         path = Path(target)
         if not path.exists():
             raise ValueError(f"[load_gguf] no such file: '{path}'")
@@ -114,7 +117,8 @@ class Engine:
         if drafter is not None:
             max_verify = block_size or _drafter_block_size(drafter)
         self._core = _core.Target(str(path), n_ctx=n_ctx, n_threads=n_threads or 0, kv_type=kv_type,
-                                  n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify)
+                                  n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify,
+                                  rollback=rollback)
         self._spec = None
         if drafter is not None:
             self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
