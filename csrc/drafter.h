@@ -49,11 +49,6 @@ private:
     ggml_backend_buffer_t buf_ = nullptr;
 };
 
-struct drafter_layer {
-    ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;  // Qwen3 attention
-    ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;           // SwiGLU
-};
-
 class drafter_model {
 public:
     // Opens a drafter and checks it against the target it will draft for.
@@ -89,7 +84,7 @@ private:
     ggml_tensor * fc = nullptr;        // [n_taps * n_embd, n_embd]
     ggml_tensor * enc_norm = nullptr;  // F32 [n_embd] (HF hidden_norm)
     ggml_tensor * output_norm = nullptr;
-    std::vector<drafter_layer> layers_;
+    std::vector<layer_weights> layers_;  // Qwen3 blocks (see load_qwen3_layer)
 };
 
 }  // namespace dfn

@@ -61,4 +61,20 @@ void target_model::load_common_tensors() {
     layers.resize(hp_.n_layer);
 }
 
+void load_qwen3_layer(const gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
+                      int64_t n_ff, layer_weights & L) {
+    auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+    L.attn_norm = F.tensor(n("attn_norm"), {E});
+    L.wq = F.tensor(n("attn_q"), {E, hd * n_head});
+    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv});
+    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv});
+    L.wo = F.tensor(n("attn_output"), {hd * n_head, E});
+    L.q_norm = F.tensor(n("attn_q_norm"), {hd});
+    L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+    L.ffn_norm = F.tensor(n("ffn_norm"), {E});
+    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff});
+    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff});
+    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E});
+}
+
 }  // namespace dfn

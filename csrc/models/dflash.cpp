@@ -66,21 +66,9 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     output_norm = F.tensor("output_norm.weight", {E});
     if (F.has_tensor("token_embd.weight")) tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab});
     if (F.has_tensor("output.weight")) output = F.tensor("output.weight", {E, target.n_vocab});
+    layers_.resize(hp_.n_layer);
     for (int il = 0; il < hp_.n_layer; ++il) {
-        auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-        drafter_layer L;
-        L.attn_norm = F.tensor(n("attn_norm"), {E});
-        L.wq = F.tensor(n("attn_q"), {E, hd * hp_.n_head});
-        L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
-        L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
-        L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
-        L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-        L.k_norm = F.tensor(n("attn_k_norm"), {hd});
-        L.ffn_norm = F.tensor(n("ffn_norm"), {E});
-        L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
-        L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
-        L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
-        layers_.push_back(L);
+        load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
     }
 }
 
@@ -98,7 +86,7 @@ void drafter_model::build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tens
     const int64_t m = feats->ne[1], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     ggml_tensor * h = norm(ctx, ggml_mul_mat(ctx, fc, feats), enc_norm);  // [n_embd, m]
     for (int il = 0; il < hp_.n_layer; ++il) {
-        const drafter_layer & L = layers_[il];
+        const layer_weights & L = layers_[il];
         ggml_tensor * K = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, h), hd, n_kv, m);
         ggml_tensor * V = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, h), hd, n_kv, m);
         K = rope(ctx, norm(ctx, K, L.k_norm), pos);
@@ -116,7 +104,7 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
     ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
     for (int il = 0; il < hp_.n_layer; ++il) {
-        const drafter_layer & L = layers_[il];
+        const layer_weights & L = layers_[il];
         ggml_tensor * inp = x;
         ggml_tensor * xn = norm(ctx, x, L.attn_norm);
         ggml_tensor * Q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, xn), hd, hp_.n_head, B);

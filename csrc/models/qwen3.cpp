@@ -14,22 +14,8 @@ public:
     explicit qwen3_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
         read_common_hparams();
         load_common_tensors();
-        const gguf_file & F = *file_;
-        const int64_t E = hp_.n_embd, hd = hp_.head_dim;
         for (int il = 0; il < hp_.n_layer; ++il) {
-            layer_weights & L = layers[il];
-            auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-            L.attn_norm = F.tensor(n("attn_norm"), {E});
-            L.wq = F.tensor(n("attn_q"), {E, hd * hp_.n_head});
-            L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
-            L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
-            L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
-            L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-            L.k_norm = F.tensor(n("attn_k_norm"), {hd});
-            L.ffn_norm = F.tensor(n("ffn_norm"), {E});
-            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
-            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
-            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+            load_qwen3_layer(*file_, il, hp_.n_embd, hp_.head_dim, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers[il]);
         }
     }
 

@@ -483,24 +483,27 @@ def _check_unused(ckpt: _Checkpoint, prefix: str, out: Sequence[_SourceTensor]) 
         raise ValueError(f"[convert] {ckpt.src_dir}: unexpected tensors for this architecture: {shown}")
 
 
+# HF Qwen3 decoder-layer tensor suffix -> GGUF tensor (targets and DFlash drafters alike)
+QWEN3_LAYER_TENSORS: Mapping[str, MODEL_TENSOR] = {
+    "input_layernorm.weight": MODEL_TENSOR.ATTN_NORM,
+    "self_attn.q_proj.weight": MODEL_TENSOR.ATTN_Q,
+    "self_attn.k_proj.weight": MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj.weight": MODEL_TENSOR.ATTN_V,
+    "self_attn.o_proj.weight": MODEL_TENSOR.ATTN_OUT,
+    "self_attn.q_norm.weight": MODEL_TENSOR.ATTN_Q_NORM,
+    "self_attn.k_norm.weight": MODEL_TENSOR.ATTN_K_NORM,
+    "post_attention_layernorm.weight": MODEL_TENSOR.FFN_NORM,
+    "mlp.gate_proj.weight": MODEL_TENSOR.FFN_GATE,
+    "mlp.up_proj.weight": MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj.weight": MODEL_TENSOR.FFN_DOWN,
+}
+
+
 def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     prefix = _text_prefix(ckpt)
     out = _embedding_and_head(spec, ckpt, prefix, None)
-    per_layer = {
-        "input_layernorm.weight": MODEL_TENSOR.ATTN_NORM,
-        "self_attn.q_proj.weight": MODEL_TENSOR.ATTN_Q,
-        "self_attn.k_proj.weight": MODEL_TENSOR.ATTN_K,
-        "self_attn.v_proj.weight": MODEL_TENSOR.ATTN_V,
-        "self_attn.o_proj.weight": MODEL_TENSOR.ATTN_OUT,
-        "self_attn.q_norm.weight": MODEL_TENSOR.ATTN_Q_NORM,
-        "self_attn.k_norm.weight": MODEL_TENSOR.ATTN_K_NORM,
-        "post_attention_layernorm.weight": MODEL_TENSOR.FFN_NORM,
-        "mlp.gate_proj.weight": MODEL_TENSOR.FFN_GATE,
-        "mlp.up_proj.weight": MODEL_TENSOR.FFN_UP,
-        "mlp.down_proj.weight": MODEL_TENSOR.FFN_DOWN,
-    }
     for il in range(int(spec.require("num_hidden_layers"))):
-        for hf_suffix, key in per_layer.items():
+        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il)))
     _check_unused(ckpt, prefix, out)
     return out

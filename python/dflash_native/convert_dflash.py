@@ -41,6 +41,7 @@ import gguf
 from gguf import GGUFValueType, MODEL_TENSOR
 
 from .convert import (
+    QWEN3_LAYER_TENSORS,
     OUTTYPES,
     _add_rope_scaling,
     _add_tokenizer_kv,
@@ -72,20 +73,6 @@ _QWEN3_DEFAULTS: Mapping[str, Any] = dict(num_key_value_heads=None, head_dim=Non
                                          rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
                                          sliding_window=4096, max_window_layers=28, hidden_act="silu")
 
-# HF decoder-layer tensor suffix -> GGUF tensor
-_LAYER_TENSORS: Mapping[str, MODEL_TENSOR] = {
-    "input_layernorm.weight": MODEL_TENSOR.ATTN_NORM,
-    "self_attn.q_proj.weight": MODEL_TENSOR.ATTN_Q,
-    "self_attn.k_proj.weight": MODEL_TENSOR.ATTN_K,
-    "self_attn.v_proj.weight": MODEL_TENSOR.ATTN_V,
-    "self_attn.o_proj.weight": MODEL_TENSOR.ATTN_OUT,
-    "self_attn.q_norm.weight": MODEL_TENSOR.ATTN_Q_NORM,
-    "self_attn.k_norm.weight": MODEL_TENSOR.ATTN_K_NORM,
-    "post_attention_layernorm.weight": MODEL_TENSOR.FFN_NORM,
-    "mlp.gate_proj.weight": MODEL_TENSOR.FFN_GATE,
-    "mlp.up_proj.weight": MODEL_TENSOR.FFN_UP,
-    "mlp.down_proj.weight": MODEL_TENSOR.FFN_DOWN,
-}
 # llama.cpp's LLM_TENSOR_FC / LLM_TENSOR_ENC_OUTPUT_NORM (PyPI gguf 0.19 has no FC)
 FC_NAME = "fc.weight"
 ENC_OUTPUT_NORM_NAME = "enc.output_norm.weight"
@@ -501,7 +488,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         "mlp.down_proj.weight": (h, n_ff),
     }
     for il in range(spec.n_layer):
-        for hf_suffix, key in _LAYER_TENSORS.items():
+        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             add(f"layers.{il}.{hf_suffix}", _tensor_name(key, il), shapes[hf_suffix])
 
     used = {t.hf_name for t in out}

@@ -282,9 +282,7 @@ def _param_shapes(arch: str, cfg: Mapping[str, Any]) -> dict[str, tuple[tuple[in
     # so that deep shapes stay as well-conditioned as the tiny ones.
     depth_scale = math.sqrt(min(1.0, 4.0 / int(cfg["num_hidden_layers"])))
 
-    def lin(n_out: int, n_in: int, scale: float = 1.0) -> tuple[tuple[int, int], tuple]:
-        return (n_out, n_in), ("normal", scale * 0.5 / math.sqrt(n_in))
-
+    lin = linear_init
     p: dict[str, tuple[tuple[int, ...], tuple]] = {}
     p["model.embed_tokens.weight"] = ((n_vocab, h), ("normal", 2.0 / math.sqrt(h)))
     layer_types = cfg.get("layer_types") or ["full_attention"] * int(cfg["num_hidden_layers"])
@@ -308,21 +306,38 @@ def _param_shapes(arch: str, cfg: Mapping[str, Any]) -> dict[str, tuple[tuple[in
             p[a + "out_proj.weight"] = lin(h, nv * dv, depth_scale)
         else:
             q_out = n_head * hd * (2 if arch == "qwen3_5" else 1)  # Qwen3.5: per head [q | gate]
-            s = pre + "self_attn."
-            p[s + "q_proj.weight"] = lin(q_out, h)
-            p[s + "k_proj.weight"] = lin(n_kv * hd, h)
-            p[s + "v_proj.weight"] = lin(n_kv * hd, h)
-            p[s + "o_proj.weight"] = lin(h, n_head * hd, depth_scale)
-            p[s + "q_norm.weight"] = ((hd,), norm)
-            p[s + "k_norm.weight"] = ((hd,), norm)
-        p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
-        p[pre + "mlp.gate_proj.weight"] = lin(ff, h)
-        p[pre + "mlp.up_proj.weight"] = lin(ff, h)
-        p[pre + "mlp.down_proj.weight"] = lin(h, ff, depth_scale)
+            qwen3_attention_params(p, pre, h=h, n_head=n_head, n_kv=n_kv, hd=hd, q_out=q_out, norm=norm,
+                                   depth_scale=depth_scale)
+        swiglu_mlp_params(p, pre, h=h, ff=ff, norm=norm, depth_scale=depth_scale)
     p["model.norm.weight"] = ((h,), norm)
     if not cfg["tie_word_embeddings"]:
         p["lm_head.weight"] = ((n_vocab, h), ("normal", 2.0 / math.sqrt(h)))
     return {name: (shape, init, name) for name, (shape, init) in p.items()}
+
+
+def linear_init(n_out: int, n_in: int, scale: float = 1.0) -> tuple[tuple[int, int], tuple]:
+    """(shape, init) of a random linear layer, std 0.5 / sqrt(n_in) (times `scale`)."""
+    return (n_out, n_in), ("normal", scale * 0.5 / math.sqrt(n_in))
+
+
+def qwen3_attention_params(p: dict, pre: str, *, h: int, n_head: int, n_kv: int, hd: int, q_out: int, norm: tuple,
+                           depth_scale: float) -> None:
+    """Qwen3-style attention (q/k norms) of one layer into p: name -> (shape, init)."""
+    s = pre + "self_attn."
+    p[s + "q_proj.weight"] = linear_init(q_out, h)
+    p[s + "k_proj.weight"] = linear_init(n_kv * hd, h)
+    p[s + "v_proj.weight"] = linear_init(n_kv * hd, h)
+    p[s + "o_proj.weight"] = linear_init(h, n_head * hd, depth_scale)
+    p[s + "q_norm.weight"] = ((hd,), norm)
+    p[s + "k_norm.weight"] = ((hd,), norm)
+
+
+def swiglu_mlp_params(p: dict, pre: str, *, h: int, ff: int, norm: tuple, depth_scale: float) -> None:
+    """post_attention_layernorm + SwiGLU MLP of one layer into p."""
+    p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
+    p[pre + "mlp.gate_proj.weight"] = linear_init(ff, h)
+    p[pre + "mlp.up_proj.weight"] = linear_init(ff, h)
+    p[pre + "mlp.down_proj.weight"] = linear_init(h, ff, depth_scale)
 
 
 def _init_tensor(seed: int, seed_name: str, shape: tuple[int, ...], init: tuple) -> np.ndarray:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from .testing import _write_safetensors
+from .testing import _write_safetensors, linear_init, qwen3_attention_params, swiglu_mlp_params
 
 __all__ = ["MASK_TOKEN_TEXT", "default_target_layer_ids", "drafter_overrides_for_target",
            "make_random_drafter_checkpoint", "make_random_drafter_gguf", "mask_token_id_of"]
@@ -126,9 +126,7 @@ def _param_shapes(cfg: Mapping[str, Any], prefix: str) -> dict[str, tuple[tuple[
     norm = ("one_plus", 0.1)
     depth_scale = math.sqrt(min(1.0, 4.0 / n_layer))
 
-    def lin(n_out: int, n_in: int, scale: float = 1.0) -> tuple[tuple[int, int], tuple]:
-        return (n_out, n_in), ("normal", scale * 0.5 / math.sqrt(n_in))
-
+    lin = linear_init
     p: dict[str, tuple[tuple[int, ...], tuple]] = {
         prefix + "fc.weight": lin(h, n_taps * h),
         prefix + "hidden_norm.weight": ((h,), norm),
@@ -136,16 +134,9 @@ def _param_shapes(cfg: Mapping[str, Any], prefix: str) -> dict[str, tuple[tuple[
     for il in range(n_layer):
         pre = f"{prefix}layers.{il}."
         p[pre + "input_layernorm.weight"] = ((h,), norm)
-        p[pre + "self_attn.q_proj.weight"] = lin(n_head * hd, h)
-        p[pre + "self_attn.k_proj.weight"] = lin(n_kv * hd, h)
-        p[pre + "self_attn.v_proj.weight"] = lin(n_kv * hd, h)
-        p[pre + "self_attn.o_proj.weight"] = lin(h, n_head * hd, depth_scale)
-        p[pre + "self_attn.q_norm.weight"] = ((hd,), norm)
-        p[pre + "self_attn.k_norm.weight"] = ((hd,), norm)
-        p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
-        p[pre + "mlp.gate_proj.weight"] = lin(ff, h)
-        p[pre + "mlp.up_proj.weight"] = lin(ff, h)
-        p[pre + "mlp.down_proj.weight"] = lin(h, ff, depth_scale)
+        qwen3_attention_params(p, pre, h=h, n_head=n_head, n_kv=n_kv, hd=hd, q_out=n_head * hd, norm=norm,
+                               depth_scale=depth_scale)
+        swiglu_mlp_params(p, pre, h=h, ff=ff, norm=norm, depth_scale=depth_scale)
     p[prefix + "norm.weight"] = ((h,), norm)
     return p
 
