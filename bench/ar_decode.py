@@ -9,7 +9,6 @@ F16 KV cache and flash attention, greedy decoding of the same tokens. Ratios are
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 

@@ -70,6 +70,18 @@ def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathL
 
     arch_kv, arch_tensors = _ARCH_WRITERS[spec.gguf_arch]
     tensors = arch_tensors(spec, ckpt)
+
+    def write_kv(writer: gguf.GGUFWriter) -> None:
+        arch_kv(writer, spec)
+        _add_tokenizer_kv(writer, src, spec.vocab_size, spec.config)
+
+    return _convert_tensors(src, Path(dst_path), spec.gguf_arch, tensors, outtype, write_kv)
+
+
+def _convert_tensors(src: Path, dst: Path, arch: str, tensors: Sequence["_SourceTensor"], outtype: str,
+                     write_arch_kv: Callable[[gguf.GGUFWriter], None]) -> Path:
+    """The part every converter shares: the per-tensor type plan for `outtype`, the general
+    keys, the architecture's keys (write_arch_kv), then the tensors."""
     qtype_out, file_type = OUTTYPES[outtype]
     planned = [_PlannedTensor(t.name, t.shape, _pick_qtype(t.name, t.shape, qtype_out, t.keep_f32), t.load)
                for t in tensors]
@@ -77,12 +89,11 @@ def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathL
     def write_kv(writer: gguf.GGUFWriter) -> None:
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(src.resolve().name)
-        arch_kv(writer, spec)
+        write_arch_kv(writer)
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _add_tokenizer_kv(writer, src, spec.vocab_size, spec.config)
 
-    return _write_gguf(Path(dst_path), spec.gguf_arch, write_kv, planned)
+    return _write_gguf(dst, arch, write_kv, planned)
 
 
 # ---------------------------------------------------------------------------

@@ -45,14 +45,12 @@ from .convert import (
     OUTTYPES,
     _add_rope_scaling,
     _add_tokenizer_kv,
+    _convert_tensors,
     _Checkpoint,
     _ModelSpec,
-    _PlannedTensor,
-    _pick_qtype,
     _rope_parameters,
     _SourceTensor,
     _tensor_name,
-    _write_gguf,
 )
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
@@ -343,20 +341,13 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
         _check_layer_ids(spec, spec.num_target_layers, "target (num_target_layers in the drafter config)")
 
     tensors = _dflash_tensors(spec, _Checkpoint(src))
-    qtype_out, file_type = OUTTYPES[outtype]
-    planned = [_PlannedTensor(t.name, t.shape, _pick_qtype(t.name, t.shape, qtype_out, t.keep_f32), t.load)
-               for t in tensors]
 
     def write_kv(writer: gguf.GGUFWriter) -> None:
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(src.resolve().name)
         _dflash_kv(writer, spec, mrope_target=target is not None and target.mrope)
-        writer.add_file_type(file_type)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _dflash_tokenizer_kv(writer, spec, target_reader,
                              Path(target_dir) if target_dir is not None else None)
 
-    return _write_gguf(Path(dst_path), DFLASH_ARCH, write_kv, planned)
+    return _convert_tensors(src, Path(dst_path), DFLASH_ARCH, tensors, outtype, write_kv)
 
 
 def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool) -> None:
