@@ -127,6 +127,10 @@ def test_greedy_matches_hf_64_steps(model):
     ok, why = first_divergence_is_near_tie(r.tokens, ref[:n], ref_logits, tol=TOL_HF_F32 * 2)
     print(f"{model['name']}: {n} greedy tokens; {why}; distinct tokens {len(set(r.tokens))}")
     assert ok, why
+    # Random models with tied embeddings repeat their last token (h stays close to its own
+    # embedding); the untied ones must give a varied sequence, or this test checks little.
+    if not model["hf"].config.tie_word_embeddings:
+        assert len(set(r.tokens)) >= 8
 
 
 # (logits atol, cache atol) per weight type. F32: only summation order differs. F16: ggml's CPU

@@ -97,6 +97,23 @@ def test_cli_generate(gguf):
     assert out["tokens"] == eng.generate("def f():", max_tokens=12).tokens
 
 
+def test_cli_generate_with_drafter(gguf, tmp_path):
+    from dflash_native.testing_dflash import make_random_drafter_gguf
+
+    ckpt_cfg = {"hidden_size": 96, "num_hidden_layers": 4, "vocab_size": dn.Engine(gguf).n_vocab,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 160,
+                "mask_token_id": dn.Engine(gguf).tokenize("<|MASK|>")[0]}
+    drafter = make_random_drafter_gguf(tmp_path / "d.gguf", ckpt_cfg, outtype="f16", seed=1, block_size=4,
+                                       target_gguf=gguf)
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "generate", "--target", str(gguf), "--drafter",
+                        str(drafter), "--prompt", "def f():", "--max-tokens", "12", "--json", "--threads", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["stats"]["speculative"] and out["stats"]["rounds"] >= 1 and "mean acceptance length" in p.stderr
+    assert out["tokens"] == dn.Engine(gguf, n_ctx=256).generate("def f():", max_tokens=12).tokens
+
+
 def test_cli_bad_target_is_clean_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dflash_native", "generate", "--target", str(tmp_path / "no.gguf"),
                         "--prompt", "x"], capture_output=True, text=True, timeout=60)
@@ -108,3 +125,4 @@ def test_demo_runs():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "RANDOM weights" in p.stdout and "generated" in p.stdout
+    assert "speculative output == AR output: True" in p.stdout
