@@ -349,3 +349,19 @@ def test_rollback_baselines_are_exact_too(q8_pair, mode):
 def test_unknown_rollback_mode(q8_pair):
     with pytest.raises(ValueError, match="rollback must be"):
         dn.Engine(q8_pair[0], drafter=q8_pair[1], rollback="undo")
+
+
+def test_eos_inside_a_committed_block(tmp_path):
+    """A round that commits past the end-of-generation token stops exactly where AR stops."""
+    ckpt = make_random_checkpoint(tmp_path / "t", "qwen3_5", seed=5)
+    tg = convert_hf_to_gguf(ckpt, tmp_path / "t.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(tmp_path / "d.gguf", ckpt, outtype="f32", seed=6, block_size=8, target_gguf=tg)
+    eng = dn.Engine(tg, drafter=dg, n_ctx=256, kv_type="f32", n_threads=2)
+    prompt = [int(t) for t in np.random.default_rng(26).integers(3, 600, 11)]  # found to end with EOS after 18
+    ar = eng.generate(prompt, max_tokens=120, speculative=False)
+    assert ar.stats.stop_reason == "eos" and len(ar.tokens) < 60
+    full = ar.tokens + [eng.tokenizer.eos_token_id] + [5] * 16  # the continuation, EOS included
+    eng._draft_override = lambda p, out, B: full[len(out): len(out) + B - 1]
+    sp = eng.generate(prompt, max_tokens=120)
+    assert sp.tokens == ar.tokens and sp.text == ar.text and sp.stats.stop_reason == "eos"
+    assert sp.stats.mean_acceptance_length > 2
