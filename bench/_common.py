@@ -22,6 +22,16 @@ QWEN35_05B = dict(
 )
 
 
+# Qwen3.5-4B's shape (hidden 2560, 32 layers = 24 GDN + 8 gated attention, FFN 9216, GDN 16 key /
+# 32 value heads x 128), vocabulary cut to 151936 like the 0.5B shape above.
+QWEN35_4B = dict(
+    vocab_size=151936, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256, full_attention_interval=4,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=True,
+)
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

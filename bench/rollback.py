@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN35_05B, cached_drafter, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import QWEN35_05B, QWEN35_4B, cached_drafter, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
 
 
 def timeit(fn, reps):
@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--engine", action="store_true", help="also compare the three rollbacks inside the engine")
+    ap.add_argument("--verify-4b", action="store_true",
+                    help="time a B=16 verify forward and its rollback on a Qwen3.5-4B-shaped Q8_0 target")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -113,7 +115,41 @@ def main():
           "  whole target costs a forward pass (see spec_e2e.py for forward timings).")
     if a.engine:
         rows += engine_rollback(a)
+    if a.verify_4b:
+        rows += verify_4b(a)
     write_jsonl(a.json, rows)
+
+
+def verify_4b(a) -> list[dict]:
+    """The denominator of the replay goal at the dims it is stated for: one verify forward of
+    T = 16 tokens on a Qwen3.5-4B-shaped Q8_0 target, and the commit after it (GDN tape replay
+    of n kept tokens + conv state), in the engine with the bench's thread count."""
+    from dflash_native import _core
+
+    target = cached_gguf("qwen35-4b", "qwen3_5", "q8_0", **QWEN35_4B)
+    t = _core.Target(str(target), n_ctx=256, n_threads=a.threads, max_verify=16)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, 64)]
+    block = [int(x) for x in np.random.default_rng(1).integers(10, 600, 16)]
+    print(f"\nqwen35-4b q8_0 ({t.weights_bytes / 2**30:.2f} GiB), T = 16, threads={a.threads}")
+    print(f"{'kept n':<8}{'verify ms':>11}{'commit ms':>11}{'commit / verify':>17}")
+    rows = []
+    for n in (1, 8, 16):
+        v_ms, c_ms = [], []
+        for _ in range(a.reps if a.reps < 3 else 3):
+            t.reset()
+            t.decode(prompt)
+            t0 = time.perf_counter()
+            t.verify(block)
+            t1 = time.perf_counter()
+            t.commit(n)
+            t2 = time.perf_counter()
+            v_ms.append((t1 - t0) * 1e3)
+            c_ms.append((t2 - t1) * 1e3)
+        v, c = float(np.median(v_ms)), float(np.median(c_ms))
+        print(f"{n:<8}{v:>11.1f}{c:>11.2f}{c / v:>17.2%}")
+        rows.append({"bench": "rollback", "what": "verify_4b", "n_kept": n, "verify_ms": v, "commit_ms": c,
+                     "commit_over_verify": c / v, "threads": a.threads, "machine": machine(), "rev": git_rev()})
+    return rows
 
 
 def engine_rollback(a) -> list[dict]:
