@@ -26,57 +26,45 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.n_threads >= 0, "engine", "n_threads must be >= 0, got ", params.n_threads);
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
+    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
+    DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
+                "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
+    const bool want_gpu = params.device == "gpu" || params.device == "cuda" || params.device == "metal";
+    DFN_REQUIRE(want_gpu || params.device == "cpu", "engine", "unknown device '", params.device, "' (use 'cpu' or 'gpu')");
 
     model_ = target_model::open(path);
 
-    cpu_ = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
     params_.n_threads = n_threads;
-    ggml_backend_cpu_set_n_threads(cpu_, n_threads);
-
-    if (params.device == "cpu") {
-        backend_ = cpu_;
-    } else if (params.device == "gpu" || params.device == "cuda" || params.device == "metal") {
+    ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
+    backend_ = cpu_.get();
+    if (want_gpu) {
         ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        if (!dev) {
-            ggml_backend_free(cpu_);
-            throw input_error(cat("[engine] device='", params.device, "' asked for, but the ggml this package runs on "
-                                  "was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
-                                  "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
-                                  "llama-cpp-python==0.3.36, then reinstall dflash-native"));
-        }
-        backend_ = ggml_backend_dev_init(dev, nullptr);
-        if (!backend_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
-    } else {
-        ggml_backend_free(cpu_);
-        throw input_error(cat("[engine] unknown device '", params.device, "' (use 'cpu' or 'gpu')"));
+        DFN_REQUIRE(dev != nullptr, "engine", "device='", params.device, "' asked for, but the ggml this package runs "
+                    "on was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
+                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
+                    "llama-cpp-python==0.3.36, then reinstall dflash-native");
+        gpu_.reset(ggml_backend_dev_init(dev, nullptr));
+        if (!gpu_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
+        backend_ = gpu_.get();
     }
 
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
     model_->load_weights(buft);
-    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
-    DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
-                "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
                                            params.rollback == "snapshot", buft);
 
     max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
 
-    ggml_backend_t backends[2] = {backend_, cpu_};
-    const int n_backends = backend_ == cpu_ ? 1 : 2;
-    sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, max_nodes_, false, true);
+    ggml_backend_t backends[2] = {backend_, cpu_.get()};
+    sched_.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
     if (!sched_) throw runtime_error("[engine] cannot create the ggml scheduler");
 }
 
-target_session::~target_session() {
-    if (sched_) ggml_backend_sched_free(sched_);
-    cache_.reset();
-    model_.reset();  // frees the weight buffer before its backend
-    if (backend_ && backend_ != cpu_) ggml_backend_free(backend_);
-    if (cpu_) ggml_backend_free(cpu_);
-}
+target_session::~target_session() = default;
 
 std::string target_session::device_name() const { return ggml_backend_name(backend_); }
 
@@ -329,13 +317,13 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
     build(ctx, gf);
     if (shape_key != last_shape_key_) {
-        if (!ggml_backend_sched_reserve(sched_, gf)) throw runtime_error("[graph] cannot reserve the compute graph");
+        if (!ggml_backend_sched_reserve(sched_.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
         last_shape_key_ = shape_key;
     }
-    ggml_backend_sched_reset(sched_);
-    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    ggml_backend_sched_reset(sched_.get());
+    if (!ggml_backend_sched_alloc_graph(sched_.get(), gf)) throw runtime_error("[graph] cannot allocate the compute graph");
     set_inputs();
-    const ggml_status st = ggml_backend_sched_graph_compute(sched_, gf);
+    const ggml_status st = ggml_backend_sched_graph_compute(sched_.get(), gf);
     if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
     read_outputs();
 }

@@ -5,6 +5,7 @@
 #include "model.h"
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 
 #include <functional>
 #include <memory>
@@ -83,12 +84,15 @@ private:
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);
 
+    // Declaration order is destruction order reversed: the scheduler goes first, then the
+    // buffers (cache, weights), then the backends they live on.
     session_params params_;
+    ggml_backend_ptr cpu_;                  // CPU backend
+    ggml_backend_ptr gpu_;                  // GPU backend, when device != "cpu"
+    ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
     std::unique_ptr<target_model> model_;
     std::unique_ptr<model_cache> cache_;
-    ggml_backend_t backend_ = nullptr;      // the main compute backend (GPU or CPU)
-    ggml_backend_t cpu_ = nullptr;          // CPU backend (== backend_ on CPU)
-    ggml_backend_sched_t sched_ = nullptr;
+    ggml_backend_sched_ptr sched_;
     std::vector<uint8_t> meta_;             // graph metadata arena
     size_t max_nodes_ = 0;
     std::string last_shape_key_;  // see run_graph
