@@ -1,0 +1,650 @@
+"""Training a DFlash drafter (arXiv 2602.06036) against a frozen Hugging Face target.
+
+`DFlashDrafter` is the z-lab drafter (`DFlashDraftModel`) as a trainable
+PyTorch module with the semantics of tests/reference/dflash_ref.py: context
+features = the target's hidden states at `target_layer_ids` (HF
+`hidden_states[i + 1]`), `ctx = hidden_norm(fc(features))`; per layer the
+block's Q/K/V come from `input_layernorm(x)`, the context's K/V from `ctx`
+(no norm), q_norm / k_norm, NeoX RoPE at absolute positions, non-causal
+attention over [context; block], SwiGLU MLP; `norm` then the TARGET's frozen
+lm_head (the block embeds with the target's frozen embed_tokens).
+
+The objective (the paper's): on the target's own greedy continuations, pick
+random anchor positions a; the block is `[x_a, MASK x (B-1)]` at positions
+a .. a+B-1, it sees the context features of positions < a and itself
+(bidirectionally), and block row i (1..B-1) is trained to predict x_{a+i}
+with cross-entropy weighted by w_i = exp(-(i-1)/gamma), normalised over the
+labelled rows. All anchors of all sequences in a batch run in one forward:
+per sequence the queries are the N*B block rows, the keys are the L
+context positions (K/V computed once per layer and shared by every anchor)
+followed by the N*B block rows, under a boolean mask that is a prefix of the
+context (positions < a_j) plus the anchor's own block (block-diagonal).
+
+`train_drafter` runs the whole recipe: load the target, generate its greedy
+continuations, tap the hidden states once per sequence, train with AdamW and
+write a z-lab style checkpoint (config.json + model.safetensors, the layout
+`convert_dflash.convert_dflash_to_gguf` reads) and `recipe.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DFlashDrafter", "TrainResult", "block_batch", "dflash_loss", "greedy_continuations", "target_features",
+           "train_drafter"]
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------
+# the drafter
+# ---------------------------------------------------------------------------
+
+class _RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: x / sqrt(mean(x^2) + eps) * w (plain w, not 1 + w)."""
+
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, h: int, n_head: int, n_kv: int, head_dim: int, eps: float):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = n_head, n_kv, head_dim
+        self.q_proj = nn.Linear(h, n_head * head_dim, bias=False)
+        self.k_proj = nn.Linear(h, n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(h, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_head * head_dim, h, bias=False)
+        self.q_norm = _RMSNorm(head_dim, eps)
+        self.k_norm = _RMSNorm(head_dim, eps)
+
+
+class _MLP(nn.Module):
+    def __init__(self, h: int, ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, ff, bias=False)
+        self.up_proj = nn.Linear(h, ff, bias=False)
+        self.down_proj = nn.Linear(ff, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, h: int, ff: int, n_head: int, n_kv: int, head_dim: int, eps: float):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(h, eps)
+        self.self_attn = _Attention(h, n_head, n_kv, head_dim, eps)
+        self.post_attention_layernorm = _RMSNorm(h, eps)
+        self.mlp = _MLP(h, ff)
+
+
+def _rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] for integer positions `pos` [...] (NeoX: both halves share a frequency)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim))
+    ang = pos.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [S, T, heads, d]; cos / sin [S or 1, T, d]."""
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos[:, :, None] + torch.cat([-x2, x1], -1) * sin[:, :, None]
+
+
+class DFlashDrafter(nn.Module):
+    """A z-lab DFlash drafter over a frozen target's embed_tokens / lm_head.
+
+    `config` is the drafter's config.json (Qwen3 hparams + `dflash_config`);
+    `embed_tokens` / `lm_head` [vocab, hidden] are the target's and are kept as
+    non-persistent buffers: they are not trained and not saved.
+    """
+
+    def __init__(self, config: Mapping[str, Any], embed_tokens: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        c = json.loads(json.dumps(dict(config)))
+        dc = c.setdefault("dflash_config", {})
+        self.config = c
+        self.hidden_size = h = int(c["hidden_size"])
+        self.n_layer = int(c["num_hidden_layers"])
+        self.n_head = int(c["num_attention_heads"])
+        self.n_kv = int(c.get("num_key_value_heads") or self.n_head)
+        self.head_dim = int(c.get("head_dim") or h // self.n_head)
+        self.eps = float(c.get("rms_norm_eps", 1e-6))
+        self.target_layer_ids = [int(i) for i in dc["target_layer_ids"]]
+        self.mask_token_id = int(dc["mask_token_id"])
+        self.block_size = int(dc.get("block_size", 16))
+        rope = dict(c.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"[DFlashDrafter] rope_type {rope.get('rope_type')!r} is not supported (default only)")
+        self.rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        self.input_embedding_scale = float(dc.get("input_embedding_scale", c.get("input_embedding_scale", 1.0)))
+        self.output_multiplier = float(dc.get("output_multiplier", c.get("output_multiplier", 1.0)))
+        softcap = dc.get("final_logit_softcapping", c.get("final_logit_softcapping"))
+        self.softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
+        if c.get("use_sliding_window") or c.get("is_causal") or dc.get("causal") or any(
+                t != "full_attention" for t in c.get("layer_types") or []):
+            raise ValueError("[DFlashDrafter] only non-causal full-attention drafters are supported")
+        if self.n_head % self.n_kv:
+            raise ValueError(f"[DFlashDrafter] num_attention_heads {self.n_head} is not a multiple of "
+                             f"num_key_value_heads {self.n_kv}")
+        if tuple(embed_tokens.shape[1:]) != (h,) or tuple(lm_head.shape[1:]) != (h,):
+            raise ValueError(f"[DFlashDrafter] target embed_tokens {tuple(embed_tokens.shape)} / lm_head "
+                             f"{tuple(lm_head.shape)} do not have the drafter's hidden size {h}")
+
+        n_taps = len(self.target_layer_ids)
+        ff = int(c["intermediate_size"])
+        self.fc = nn.Linear(n_taps * h, h, bias=False)
+        self.hidden_norm = _RMSNorm(h, self.eps)
+        self.layers = nn.ModuleList(_Layer(h, ff, self.n_head, self.n_kv, self.head_dim, self.eps)
+                                    for _ in range(self.n_layer))
+        self.norm = _RMSNorm(h, self.eps)
+        self.register_buffer("embed_tokens", embed_tokens.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
+
+    # -- construction -----------------------------------------------------------
+
+    @staticmethod
+    def config_for_target(target_config: Any, *, target_layer_ids: Sequence[int], mask_token_id: int,
+                          num_layers: int = 1, block_size: int = 16, **overrides: Any) -> dict[str, Any]:
+        """A drafter config.json matching an HF target config (object or dict):
+        hidden size, vocabulary, attention shape, FFN width, eps and RoPE base
+        are the target's unless `overrides` says otherwise."""
+        t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        t = t.to_dict() if hasattr(t, "to_dict") else dict(t.get("text_config", t))
+        n_target = int(t["num_hidden_layers"])
+        bad = [i for i in target_layer_ids if not 0 <= int(i) < n_target - 1]
+        if bad or not target_layer_ids:
+            raise ValueError(f"[DFlashDrafter] target_layer_ids {list(target_layer_ids)} must be non-empty and "
+                             f"in 0..{n_target - 2} (the last layer's HF hidden state is post-norm)")
+        rope = t.get("rope_parameters") or {}
+        h = int(t["hidden_size"])
+        n_head = int(t["num_attention_heads"])
+        cfg: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "vocab_size": int(t["vocab_size"]),
+            "hidden_size": h,
+            "intermediate_size": int(t["intermediate_size"]),
+            "num_hidden_layers": int(num_layers),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": int(t.get("num_key_value_heads") or n_head),
+            "head_dim": int(t.get("head_dim") or h // n_head),
+            "hidden_act": "silu",
+            "max_position_embeddings": int(t.get("max_position_embeddings", 4096)),
+            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": int(num_layers),
+            "layer_types": ["full_attention"] * int(num_layers),
+            "num_target_layers": n_target,
+            "dflash_config": {"mask_token_id": int(mask_token_id),
+                              "target_layer_ids": [int(i) for i in target_layer_ids],
+                              "block_size": int(block_size)},
+            "dtype": "float32",
+        }
+        cfg.update(overrides)
+        if "num_hidden_layers" in overrides:
+            cfg["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"])
+            cfg["max_window_layers"] = int(cfg["num_hidden_layers"])
+        return cfg
+
+    @classmethod
+    def for_target(cls, target: nn.Module, *, target_layer_ids: Sequence[int], mask_token_id: int,
+                   num_layers: int = 1, block_size: int = 16, seed: int = 0, init_std: float = 0.02,
+                   **overrides: Any) -> "DFlashDrafter":
+        """A freshly initialised drafter for an HF causal LM `target` (linear
+        weights N(0, init_std), norms 1), sharing its embed_tokens / lm_head."""
+        cfg = cls.config_for_target(target.config, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                    num_layers=num_layers, block_size=block_size, **overrides)
+        embed, head = _target_embeddings(target)
+        model = cls(cfg, embed, head)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * init_std)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, drafter_dir: str | os.PathLike[str], target: nn.Module) -> "DFlashDrafter":
+        """Load a z-lab style checkpoint (tensor names with or without `model.`)."""
+        from safetensors.torch import load_file
+
+        d = Path(drafter_dir)
+        with open(d / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+        embed, head = _target_embeddings(target)
+        model = cls(cfg, embed, head)
+        state = load_file(str(d / "model.safetensors"))
+        state = {k[len("model."):] if k.startswith("model.") else k: v.float() for k, v in state.items()}
+        model.load_state_dict(state, strict=True)
+        return model
+
+    def save_pretrained(self, out_dir: str | os.PathLike[str]) -> Path:
+        """config.json (`DFlashDraftModel`, `dflash_config`) and model.safetensors
+        (fc, hidden_norm, norm, layers.N.*; no embed_tokens / lm_head)."""
+        from safetensors.torch import save_file
+
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "config.json", "w", encoding="utf-8") as f:
+            json.dump(self.config, f, indent=2)
+        state = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    # -- forward ----------------------------------------------------------------
+
+    def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, block_pos: torch.Tensor,
+               mask: torch.Tensor | None, ctx_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [S, M, H] of M block rows per sequence.
+
+        features [S, L, n_taps*H]: context features at positions `ctx_pos` [S, L]
+        (default 0..L-1); block_tokens / block_pos [S, M]; mask [S, M, L+M] bool
+        (True = query row may attend to that key; keys are [context; block]) or
+        None for all-visible (a single block over its whole context).
+        """
+        S, L = features.shape[:2]
+        M = block_tokens.shape[1]
+        dt = self.fc.weight.dtype
+        if ctx_pos is None:
+            ctx_pos = torch.arange(L, device=features.device).expand(S, L)
+        x = self.embed_tokens[block_tokens].to(dt) * self.input_embedding_scale     # [S, M, H]
+        ctx = self.hidden_norm(self.fc(features.to(dt)))                           # [S, L, H]
+        cos_c, sin_c = _rope_cos_sin(ctx_pos, self.head_dim, self.rope_theta, dt)
+        cos_b, sin_b = _rope_cos_sin(block_pos, self.head_dim, self.rope_theta, dt)
+        attn_mask = None if mask is None else mask[:, None]                         # [S, 1, M, L+M]
+        group = self.n_head // self.n_kv
+        for layer in self.layers:
+            a = layer.self_attn
+            hb = layer.input_layernorm(x)
+            q = _rope(a.q_norm(a.q_proj(hb).view(S, M, self.n_head, self.head_dim)), cos_b, sin_b)
+            kc = _rope(a.k_norm(a.k_proj(ctx).view(S, L, self.n_kv, self.head_dim)), cos_c, sin_c)
+            kb = _rope(a.k_norm(a.k_proj(hb).view(S, M, self.n_kv, self.head_dim)), cos_b, sin_b)
+            vc = a.v_proj(ctx).view(S, L, self.n_kv, self.head_dim)
+            vb = a.v_proj(hb).view(S, M, self.n_kv, self.head_dim)
+            k = torch.cat([kc, kb], 1).transpose(1, 2)                              # [S, n_kv, L+M, d]
+            v = torch.cat([vc, vb], 1).transpose(1, 2)
+            if group > 1:  # query head j reads KV head j // group
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=attn_mask)   # [S, n_head, M, d]
+            x = x + a.o_proj(o.transpose(1, 2).reshape(S, M, self.n_head * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = (hidden @ self.lm_head.to(hidden.dtype).T) * self.output_multiplier
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def draft_logits(self, block_tokens: Sequence[int], context_features: Any, ctx_start_pos: int = 0) -> torch.Tensor:
+        """Logits [B, vocab] of one block at positions ctx_start_pos + n_ctx ..,
+        attending to all of `context_features` [n_ctx, n_taps*H] (positions
+        ctx_start_pos ..): DFlashRef.forward's contract."""
+        f = torch.as_tensor(context_features, dtype=torch.float32)[None]
+        n_ctx = f.shape[1]
+        tokens = torch.as_tensor(list(block_tokens), dtype=torch.long)[None]
+        blk_pos = torch.arange(ctx_start_pos + n_ctx, ctx_start_pos + n_ctx + tokens.shape[1])[None]
+        ctx_pos = torch.arange(ctx_start_pos, ctx_start_pos + n_ctx)[None]
+        return self.logits(self.hidden(f, tokens, blk_pos, None, ctx_pos))[0]
+
+
+def _target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    embed = target.get_input_embeddings().weight.detach()
+    out = target.get_output_embeddings()
+    head = embed if out is None else out.weight.detach()
+    return embed, head
+
+
+# ---------------------------------------------------------------------------
+# data: greedy continuations and taps from the HF target
+# ---------------------------------------------------------------------------
+
+def greedy_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                         seed: int = 0, stop_at_eos: bool = False) -> list[list[int]]:
+    """prompt + the target's greedy continuation (max_new_tokens tokens), per
+    prompt, one prompt at a time (no padding, so hybrid/GDN targets are exact).
+    Without `stop_at_eos` the continuation runs past EOS tokens."""
+    torch.manual_seed(seed)
+    eos = getattr(target.generation_config, "eos_token_id", None) if stop_at_eos else None
+    pad = getattr(target.config.get_text_config(), "pad_token_id", None)
+    out: list[list[int]] = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([list(p)], dtype=torch.long)
+            gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  min_new_tokens=0 if stop_at_eos else max_new_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=pad if pad is not None else 0, top_k=None,
+                                  top_p=None, temperature=None)
+            out.append([int(t) for t in gen[0]])
+    return out
+
+
+def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """float32 [n_tokens, n_taps*H]: HF hidden_states[i + 1] for i in target_layer_ids, concatenated."""
+    with torch.no_grad():
+        out = target(torch.tensor([list(tokens)], dtype=torch.long), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1][0].float() for i in target_layer_ids], -1)
+
+
+# ---------------------------------------------------------------------------
+# the objective
+# ---------------------------------------------------------------------------
+
+def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]], block_size: int,
+                mask_token_id: int) -> dict[str, torch.Tensor]:
+    """The tensors of one training forward for S sequences with N anchors each
+    (a sequence with fewer anchors is padded with dummy blocks whose labels are
+    ignored).
+
+    block_tokens / block_pos / labels [S, N*B]: row j*B+i is block j's row i,
+    token x_a (i = 0) or MASK, position a+i, label x_{a+i} for i >= 1 while a+i
+    is inside the sequence (else IGNORE; row 0 is always IGNORE).
+    mask [S, N*B, L+N*B]: context key p visible iff p < a_j; block keys of the
+    same block only.
+    """
+    B = block_size
+    S = len(tokens)
+    L = max(len(t) for t in tokens)
+    N = max(1, max(len(a) for a in anchors))
+    block_tokens = torch.full((S, N * B), mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros((S, N * B), dtype=torch.long)
+    labels = torch.full((S, N * B), IGNORE, dtype=torch.long)
+    anchor_t = torch.zeros((S, N), dtype=torch.long)
+    for s, (seq, anc) in enumerate(zip(tokens, anchors)):
+        seq_t = torch.as_tensor(list(seq), dtype=torch.long)
+        for j, a in enumerate(anc):
+            if not 1 <= a < len(seq) - 1:
+                raise ValueError(f"[block_batch] anchor {a} outside 1..{len(seq) - 2} for a sequence of {len(seq)}")
+            anchor_t[s, j] = a
+            r = j * B
+            block_tokens[s, r] = seq_t[a]
+            block_pos[s, r:r + B] = torch.arange(a, a + B)
+            n_lab = min(B - 1, len(seq) - 1 - a)
+            labels[s, r + 1:r + 1 + n_lab] = seq_t[a + 1:a + 1 + n_lab]
+        for j in range(len(anc), N):  # dummy blocks: position 0, token MASK, no context, no labels
+            block_pos[s, j * B:(j + 1) * B] = torch.arange(B)
+    ctx_vis = torch.arange(L)[None, None, :] < anchor_t.repeat_interleave(B, 1)[:, :, None]   # [S, N*B, L]
+    blk = torch.arange(N * B) // B
+    blk_vis = (blk[:, None] == blk[None, :]).expand(S, N * B, N * B)
+    return {"block_tokens": block_tokens, "block_pos": block_pos, "labels": labels,
+            "mask": torch.cat([ctx_vis, blk_vis], -1)}
+
+
+def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """[B]: 0 for row 0, exp(-(i-1)/gamma) for row i >= 1 (all 1 when gamma is None)."""
+    i = torch.arange(block_size, dtype=torch.float32)
+    w = torch.ones(block_size) if gamma is None else torch.exp(-(i - 1) / float(gamma))
+    w[0] = 0.0
+    return w
+
+
+def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[str, torch.Tensor],
+                gamma: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position-weighted block cross-entropy over every labelled block row of
+    `batch` (from `block_batch`) given context `features` [S, L, n_taps*H].
+    Returns (loss, stats): stats has the unweighted mean CE and the top-1
+    accuracy over labelled rows."""
+    B = drafter.block_size
+    labels = batch["labels"]
+    hidden = drafter.hidden(features, batch["block_tokens"], batch["block_pos"], batch["mask"])
+    valid = labels != IGNORE                                                       # [S, N*B]
+    rows = hidden[valid]                                                           # [n, H]: only labelled rows
+    logits = drafter.logits(rows)
+    ce = F.cross_entropy(logits, labels[valid], reduction="none")
+    w = position_weights(B, gamma).repeat(labels.shape[1] // B)[None].expand_as(labels)[valid]
+    loss = (w * ce).sum() / w.sum()
+    with torch.no_grad():
+        acc = (logits.argmax(-1) == labels[valid]).float().mean().item()
+    return loss, {"ce": ce.mean().item(), "acc": acc, "n_rows": int(valid.sum())}
+
+
+def _anchor_range(n_tokens: int, min_anchor: int) -> range:
+    return range(max(1, min_anchor), n_tokens - 1)
+
+
+def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], features: Sequence[torch.Tensor],
+                  anchors: Sequence[Sequence[int]]) -> float:
+    """Mean acceptance length (1 + leading block rows whose argmax equals the
+    sequence's next tokens; 1..B) of the drafter's greedy blocks at `anchors`,
+    where the sequences are the target's greedy continuations."""
+    B = drafter.block_size
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for seq, f, anc in zip(tokens, features, anchors):
+            if not anc:
+                continue
+            batch = block_batch([seq], [anc], B, drafter.mask_token_id)
+            hid = drafter.hidden(f[None], batch["block_tokens"], batch["block_pos"], batch["mask"])
+            pred = drafter.logits(hid).argmax(-1)[0].view(-1, B)
+            lab = batch["labels"][0].view(-1, B)
+            for j in range(len(anc)):
+                k = 1
+                while k < B and lab[j, k] != IGNORE and pred[j, k] == lab[j, k]:
+                    k += 1
+                total += k
+                n += 1
+    return total / max(n, 1)
+
+
+# ---------------------------------------------------------------------------
+# the recipe
+# ---------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    losses: list[float]                 # weighted loss per step
+    accuracies: list[float]             # top-1 accuracy of the labelled block rows per step
+    checkpoint: Path
+    recipe: Path
+    steps_per_s: float
+    anchors_per_s: float
+    acceptance_before: float            # mean acceptance length on the training anchors, before / after
+    acceptance_after: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_target(target: str | os.PathLike[str] | nn.Module) -> nn.Module:
+    if isinstance(target, nn.Module):
+        return target.eval()
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32,
+                                                              attn_implementation="eager")
+    return model.eval()
+
+
+def _default_mask_token_id(target_dir: Path | None) -> int:
+    if target_dir is not None and (target_dir / "tokenizer.json").is_file():
+        from ..testing_dflash import mask_token_id_of
+
+        try:
+            return mask_token_id_of(target_dir)
+        except ValueError:
+            pass
+    raise ValueError("[train_drafter] mask_token_id not given and the target's tokenizer has no <|MASK|> token")
+
+
+def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str | os.PathLike[str], *,
+                  prompts: Sequence[Sequence[int] | str] | None = None,
+                  sequences: Sequence[Sequence[int]] | None = None,
+                  max_new_tokens: int = 64,
+                  target_layer_ids: Sequence[int] | None = None,
+                  num_layers: int = 1,
+                  block_size: int = 16,
+                  mask_token_id: int | None = None,
+                  anchors_per_seq: int = 8,
+                  seqs_per_step: int = 4,
+                  steps: int = 100,
+                  lr: float = 3e-3,
+                  weight_decay: float = 0.0,
+                  warmup: int = 10,
+                  grad_clip: float = 1.0,
+                  gamma: float | None = 7.0,
+                  seed: int = 0,
+                  n_threads: int | None = None,
+                  init_std: float = 0.02,
+                  drafter_overrides: Mapping[str, Any] | None = None,
+                  log_every: int = 0) -> TrainResult:
+    """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
+    causal LM) and write it to `out_dir` (config.json, model.safetensors,
+    recipe.json).
+
+    Data: `sequences` (token ids the target produced; anchors anywhere) and/or
+    `prompts` (token ids or text, tokenized with the target's tokenizer),
+    which are extended with `max_new_tokens` of the target's greedy
+    continuation (anchors only in the continuation, where the engine drafts).
+    Each step samples `seqs_per_step` sequences and `anchors_per_seq` anchors
+    per sequence, all trained in one forward. AdamW, linear warmup then cosine
+    decay. `gamma` is the decay of the position weights (None: uniform).
+    `target_layer_ids` default: z-lab's spread (testing_dflash.default_target_layer_ids).
+    Returns the loss history and throughput (TrainResult).
+    """
+    from ..testing_dflash import default_target_layer_ids
+
+    if n_threads is not None:
+        torch.set_num_threads(int(n_threads))
+    if block_size < 2:
+        raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
+    if prompts is None and sequences is None:
+        raise ValueError("[train_drafter] give prompts and/or sequences")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    target_path = None if isinstance(target_dir, nn.Module) else Path(target_dir)
+    target = _load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_target_layers = int(target.config.get_text_config().num_hidden_layers)
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n_target_layers, num_layers)
+    if mask_token_id is None:
+        mask_token_id = _default_mask_token_id(target_path)
+
+    data: list[list[int]] = []
+    min_anchor: list[int] = []
+    for s in sequences or []:
+        data.append([int(t) for t in s])
+        min_anchor.append(1)
+    if prompts:
+        ids: list[list[int]] = []
+        tok = None
+        for p in prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    import transformers
+
+                    tok = transformers.AutoTokenizer.from_pretrained(str(target_path))
+                ids.append(tok(p)["input_ids"])
+            else:
+                ids.append([int(t) for t in p])
+        for p, full in zip(ids, greedy_continuations(target, ids, max_new_tokens, seed=seed)):
+            data.append(full)
+            min_anchor.append(len(p))
+    keep = [i for i, s in enumerate(data) if len(_anchor_range(len(s), min_anchor[i])) > 0]
+    if not keep:
+        raise ValueError("[train_drafter] no sequence is long enough for an anchor")
+    data = [data[i] for i in keep]
+    min_anchor = [min_anchor[i] for i in keep]
+    feats = [target_features(target, s, target_layer_ids) for s in data]
+    t_data = time.perf_counter() - t0
+
+    drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                       num_layers=num_layers, block_size=block_size, seed=seed, init_std=init_std,
+                                       **dict(drafter_overrides or {}))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def sample_anchors(i: int) -> list[int]:
+        r = _anchor_range(len(data[i]), min_anchor[i])
+        k = min(anchors_per_seq, len(r))
+        return sorted(r[j] for j in torch.randperm(len(r), generator=gen)[:k].tolist())
+
+    # A fixed evaluation set of anchors (the training distribution) for acceptance before/after.
+    eval_anchors = [sample_anchors(i) for i in range(len(data))]
+    acc_before = acceptance_on(drafter, data, feats, eval_anchors)
+
+    losses: list[float] = []
+    accs: list[float] = []
+    n_anchors = 0
+    drafter.train()
+    t1 = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randperm(len(data), generator=gen)[:seqs_per_step].tolist()
+        anchors = [sample_anchors(i) for i in idx]
+        batch = block_batch([data[i] for i in idx], anchors, block_size, mask_token_id)
+        L = batch["mask"].shape[-1] - batch["block_tokens"].shape[1]
+        f = torch.stack([F.pad(feats[i], (0, 0, 0, L - feats[i].shape[0])) for i in idx])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss, stats = dflash_loss(drafter, f, batch, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        losses.append(float(loss.item()))
+        accs.append(stats["acc"])
+        n_anchors += sum(len(a) for a in anchors)
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"[train_drafter] step {step:5d} loss {losses[-1]:.4f} ce {stats['ce']:.4f} acc {stats['acc']:.3f}")
+    t_train = time.perf_counter() - t1
+    drafter.eval()
+    acc_after = acceptance_on(drafter, data, feats, eval_anchors)
+
+    out = drafter.save_pretrained(out_dir)
+    recipe = {
+        "objective": "dflash block CE, position weights exp(-(i-1)/gamma) normalised",
+        "target": str(target_path) if target_path is not None else type(target).__name__,
+        "target_layer_ids": list(target_layer_ids), "num_layers": num_layers, "block_size": block_size,
+        "mask_token_id": int(mask_token_id), "anchors_per_seq": anchors_per_seq, "seqs_per_step": seqs_per_step,
+        "steps": steps, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "grad_clip": grad_clip,
+        "gamma": gamma, "seed": seed, "n_threads": torch.get_num_threads(), "init_std": init_std,
+        "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
+        "n_sequences": len(data), "n_tokens": sum(len(s) for s in data),
+        "data_seconds": t_data, "train_seconds": t_train,
+        "steps_per_s": steps / t_train if t_train > 0 else 0.0,
+        "anchors_per_s": n_anchors / t_train if t_train > 0 else 0.0,
+        "acceptance_before": acc_before, "acceptance_after": acc_after,
+        "losses": losses, "accuracies": accs,
+    }
+    with open(out / "recipe.json", "w", encoding="utf-8") as f:
+        json.dump(recipe, f, indent=2)
+    return TrainResult(losses=losses, accuracies=accs, checkpoint=out, recipe=out / "recipe.json",
+                       steps_per_s=recipe["steps_per_s"], anchors_per_s=recipe["anchors_per_s"],
+                       acceptance_before=acc_before, acceptance_after=acc_after,
+                       extra={"data_seconds": t_data, "train_seconds": t_train})

@@ -1,0 +1,154 @@
+"""DFlash drafter training (python/dflash_native/train/drafter.py), smoke-sized.
+
+On a tiny random Qwen3.5 target: the trainable module equals the PyTorch
+reference drafter (tests/reference/dflash_ref.py) for one block and for the
+batched many-anchor training forward; training on the target's greedy
+continuations lowers the loss and raises the acceptance length; the saved
+checkpoint converts to GGUF, the engine's drafter logits equal the module's,
+and speculative output with the trained pair equals AR output.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import dflash_native as dn  # noqa: E402
+from dflash_native import _core  # noqa: E402
+from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
+from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
+from dflash_native.testing import make_random_checkpoint  # noqa: E402
+from dflash_native.testing_dflash import mask_token_id_of  # noqa: E402
+from dflash_native.train.drafter import (DFlashDrafter, block_batch, dflash_loss, greedy_continuations,  # noqa: E402
+                                         target_features, train_drafter)
+from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402
+
+B = 8
+TAPS = [0, 2]
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
+# The machine's cores are shared: one torch thread avoids oversubscription stalls.
+N_THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    torch.set_num_threads(N_THREADS)
+    transformers.logging.set_verbosity_error()
+    d = tmp_path_factory.mktemp("train-drafter")
+    ckpt = make_random_checkpoint(d / "target", "qwen3_5", seed=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    return {"dir": d, "ckpt": ckpt, "hf": hf, "mask": mask_token_id_of(ckpt)}
+
+
+@pytest.fixture(scope="module")
+def trained(env):
+    """The target's greedy continuations of 6 prompts (PROMPT among them), 120 training steps."""
+    rng = np.random.default_rng(1)
+    prompts = [PROMPT] + [[int(x) for x in rng.integers(3, 500, 8)] for _ in range(5)]
+    res = train_drafter(env["hf"], env["dir"] / "drafter", prompts=prompts, max_new_tokens=40,
+                        target_layer_ids=TAPS, num_layers=1, block_size=B, mask_token_id=env["mask"],
+                        anchors_per_seq=8, seqs_per_step=4, steps=120, lr=3e-3, warmup=10, gamma=4.0, seed=0,
+                        n_threads=N_THREADS)
+    tg = convert_hf_to_gguf(env["ckpt"], env["dir"] / "target.gguf", outtype="f32")
+    dg = convert_dflash_to_gguf(res.checkpoint, env["dir"] / "drafter.gguf", outtype="f32", target_gguf=tg)
+    return {"res": res, "target_gguf": tg, "drafter_gguf": dg}
+
+
+def _random_drafter(env, **kw):
+    return DFlashDrafter.for_target(env["hf"], target_layer_ids=TAPS, mask_token_id=env["mask"], block_size=B,
+                                    init_std=0.1, seed=3, **kw)
+
+
+def test_forward_matches_reference(env):
+    """One block: the module's logits equal DFlashRef's on the saved weights (2 layers, GQA)."""
+    drafter = _random_drafter(env, num_layers=2)
+    ckpt = drafter.save_pretrained(env["dir"] / "random-drafter")
+    ref = DFlashRef.from_dirs(ckpt, env["ckpt"])
+    feats = target_taps(env["hf"], PROMPT, TAPS)
+    block = [PROMPT[-1]] + [env["mask"]] * (B - 1)
+    with torch.no_grad():
+        for start in (0, 5):
+            got = drafter.draft_logits(block, feats, ctx_start_pos=start).numpy()
+            want = ref.forward(block, feats, ctx_start_pos=start)
+            assert np.abs(got - want).max() < 1e-4
+
+
+def test_batched_anchors_match_per_anchor_reference(env):
+    """The many-anchor training forward (context-prefix + block-diagonal mask, 2 sequences of
+    different lengths, one padded with a dummy block) equals one DFlashRef call per anchor."""
+    drafter = _random_drafter(env, num_layers=1)
+    ref = DFlashRef.from_dirs(drafter.save_pretrained(env["dir"] / "random-drafter-1"), env["ckpt"])
+    seqs = [PROMPT + [7, 9, 11, 13, 15, 17, 19], PROMPT[:9]]
+    anchors = [[1, 4, 10, 15], [3, 7]]  # last blocks run past the sequence end: labels cut short
+    feats = [target_features(env["hf"], s, TAPS) for s in seqs]
+    batch = block_batch(seqs, anchors, B, env["mask"])
+    L = max(len(s) for s in seqs)
+    f = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, L - x.shape[0])) for x in feats])
+    with torch.no_grad():
+        logits = drafter.logits(drafter.hidden(f, batch["block_tokens"], batch["block_pos"], batch["mask"]))
+    for s, (seq, anc) in enumerate(zip(seqs, anchors)):
+        for j, a in enumerate(anc):
+            want = ref.forward([seq[a]] + [env["mask"]] * (B - 1), feats[s][:a].numpy())
+            assert np.abs(logits[s, j * B:(j + 1) * B].numpy() - want).max() < 1e-4
+            lab = batch["labels"][s, j * B:(j + 1) * B].tolist()
+            n = min(B - 1, len(seq) - 1 - a)
+            assert lab == [-100] + seq[a + 1:a + 1 + n] + [-100] * (B - 1 - n)
+    assert (batch["labels"][1, 2 * B:] == -100).all()
+    loss, stats = dflash_loss(drafter, f, batch, gamma=4.0)
+    assert torch.isfinite(loss) and stats["n_rows"] == int((batch["labels"] != -100).sum())
+
+
+def test_greedy_continuations_are_the_targets_argmax(env):
+    seq = greedy_continuations(env["hf"], [PROMPT], 6)[0]
+    assert seq[:len(PROMPT)] == PROMPT and len(seq) == len(PROMPT) + 6
+    with torch.no_grad():
+        logits = env["hf"](torch.tensor([seq])).logits[0]
+    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == seq[len(PROMPT):]
+
+
+def test_training_lowers_loss_and_raises_acceptance(trained):
+    res = trained["res"]
+    first, last = np.mean(res.losses[:10]), np.mean(res.losses[-10:])
+    print(f"loss {first:.3f} -> {last:.3f}; acceptance on training anchors {res.acceptance_before:.2f} -> "
+          f"{res.acceptance_after:.2f}; {res.steps_per_s:.1f} steps/s, {res.anchors_per_s:.0f} anchors/s")
+    assert last < 0.75 * first
+    assert res.acceptance_after > res.acceptance_before + 0.5
+    recipe = json.loads(res.recipe.read_text())
+    assert recipe["target_layer_ids"] == TAPS and recipe["block_size"] == B and len(recipe["losses"]) == 120
+    cfg = json.loads((res.checkpoint / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": recipe["mask_token_id"], "target_layer_ids": TAPS,
+                                    "block_size": B}
+
+
+def test_engine_drafter_logits_match_module(env, trained):
+    """Engine draft logits (context = the prompt's taps from the GGUF target) equal the trained
+    module's on the HF target's taps of the same prompt."""
+    t = _core.Target(str(trained["target_gguf"]), n_ctx=128, kv_type="f32", max_verify=B, n_threads=N_THREADS)
+    s = _core.Spec(t, str(trained["drafter_gguf"]), block_size=B)
+    last = s.prefill(PROMPT)
+    ours = s.draft_logits(last, B, t)
+    drafter = DFlashDrafter.from_pretrained(trained["res"].checkpoint, env["hf"]).eval()
+    with torch.no_grad():
+        want = drafter.draft_logits([last] + [s.mask_token_id] * (B - 1), target_taps(env["hf"], PROMPT, TAPS))
+    want = want[1:].numpy()
+    assert ours.shape == want.shape
+    assert np.abs(ours - want).max() < 1e-3
+
+
+def test_engine_with_trained_drafter_is_lossless(trained):
+    eng = dn.Engine(trained["target_gguf"], drafter=trained["drafter_gguf"], block_size=B, n_ctx=256,
+                    kv_type="f32", n_threads=N_THREADS)
+    ar = eng.generate(PROMPT, max_tokens=40, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=40)
+    print(f"engine mean acceptance length with the trained drafter: {sp.stats.mean_acceptance_length:.2f} "
+          f"(B = {B}, {sp.stats.rounds} rounds)")
+    assert sp.stats.speculative and sp.stats.rounds > 0
+    assert sp.tokens == ar.tokens
+    assert sp.stats.mean_acceptance_length > 1.5
