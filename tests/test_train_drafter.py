@@ -105,8 +105,9 @@ def test_batched_anchors_match_per_anchor_reference(env):
 
 
 def test_greedy_continuations_are_the_targets_argmax(env):
-    seq = greedy_continuations(env["hf"], [PROMPT], 6)[0]
-    assert seq[:len(PROMPT)] == PROMPT and len(seq) == len(PROMPT) + 6
+    """The cached greedy loop (GDN recurrent state + KV cache) equals the argmax of one full forward."""
+    seq = greedy_continuations(env["hf"], [PROMPT], 12)[0]
+    assert seq[:len(PROMPT)] == PROMPT and len(seq) == len(PROMPT) + 12
     with torch.no_grad():
         logits = env["hf"](torch.tensor([seq])).logits[0]
     assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == seq[len(PROMPT):]

@@ -330,21 +330,31 @@ def _target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                          seed: int = 0, stop_at_eos: bool = False) -> list[list[int]]:
-    """prompt + the target's greedy continuation (max_new_tokens tokens), per
-    prompt, one prompt at a time (no padding, so hybrid/GDN targets are exact).
-    Without `stop_at_eos` the continuation runs past EOS tokens."""
-    torch.manual_seed(seed)
-    eos = getattr(target.generation_config, "eos_token_id", None) if stop_at_eos else None
-    pad = getattr(target.config.get_text_config(), "pad_token_id", None)
+    """prompt + the target's greedy continuation (argmax of its logits, with its
+    KV / recurrent cache), `max_new_tokens` tokens per prompt, one prompt at a
+    time (no padding, so hybrid GDN targets are exact). No generation_config
+    processor touches the logits; with `stop_at_eos` a continuation ends after
+    the first EOS token (the target config's eos_token_id), else it runs on."""
+    torch.manual_seed(seed)  # greedy is deterministic; the seed pins anything a target might sample
+    eos: set[int] = set()
+    if stop_at_eos:
+        e = getattr(target.config.get_text_config(), "eos_token_id", None)
+        eos = set(e) if isinstance(e, (list, tuple)) else ({int(e)} if e is not None else set())
     out: list[list[int]] = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([list(p)], dtype=torch.long)
-            gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  min_new_tokens=0 if stop_at_eos else max_new_tokens, do_sample=False,
-                                  eos_token_id=eos, pad_token_id=pad if pad is not None else 0, top_k=None,
-                                  top_p=None, temperature=None)
-            out.append([int(t) for t in gen[0]])
+            seq = [int(t) for t in p]
+            if not seq:
+                raise ValueError("[greedy_continuations] empty prompt")
+            res = target(torch.tensor([seq], dtype=torch.long), use_cache=True)
+            for _ in range(max_new_tokens):
+                nxt = int(res.logits[0, -1].argmax())
+                seq.append(nxt)
+                if nxt in eos or len(seq) - len(p) == max_new_tokens:
+                    break
+                res = target(torch.tensor([[nxt]], dtype=torch.long), past_key_values=res.past_key_values,
+                             use_cache=True)
+            out.append(seq)
     return out
 
 
@@ -496,6 +506,7 @@ def _default_mask_token_id(target_dir: Path | None) -> int:
 def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str | os.PathLike[str], *,
                   prompts: Sequence[Sequence[int] | str] | None = None,
                   sequences: Sequence[Sequence[int]] | None = None,
+                  sequence_prompt_lengths: Sequence[int] | None = None,
                   max_new_tokens: int = 64,
                   target_layer_ids: Sequence[int] | None = None,
                   num_layers: int = 1,
@@ -518,7 +529,8 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
     recipe.json).
 
-    Data: `sequences` (token ids the target produced; anchors anywhere) and/or
+    Data: `sequences` (token ids the target produced; anchors anywhere, or from
+    `sequence_prompt_lengths[i]` on when given) and/or
     `prompts` (token ids or text, tokenized with the target's tokenizer),
     which are extended with `max_new_tokens` of the target's greedy
     continuation (anchors only in the continuation, where the engine drafts).
@@ -551,9 +563,11 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
 
     data: list[list[int]] = []
     min_anchor: list[int] = []
-    for s in sequences or []:
+    if sequence_prompt_lengths is not None and len(sequence_prompt_lengths) != len(sequences or []):
+        raise ValueError("[train_drafter] sequence_prompt_lengths needs one entry per sequence")
+    for i, s in enumerate(sequences or []):
         data.append([int(t) for t in s])
-        min_anchor.append(1)
+        min_anchor.append(1 if sequence_prompt_lengths is None else int(sequence_prompt_lengths[i]))
     if prompts:
         ids: list[list[int]] = []
         tok = None
