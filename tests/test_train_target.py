@@ -46,7 +46,7 @@ def tok_dir(files, tmp_path_factory):
 def trained(tok_dir, files, tmp_path_factory):
     out = tmp_path_factory.mktemp("target")
     train_target(out, tokenizer_dir=tok_dir, root=files, steps=30, seq_len=64, batch_size=4, lr=3e-3, seed=0,
-                 n_threads=2, eval_every=1000, n_eval_batches=2, log_every=5, **TINY)
+                 n_threads=1, eval_every=1000, n_eval_batches=2, log_every=5, **TINY)
     return out
 
 

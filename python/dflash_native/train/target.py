@@ -129,8 +129,11 @@ def train_target(out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.Pat
     `config_overrides` replace `DEFAULT_CONFIG` keys (or give `layer_types`).
     `warmup` defaults to 5% of `steps`. The held-out loss (mean over
     `n_eval_batches` fixed windows of the held-out split) is measured every
-    `eval_every` steps and at the end. Raises ValueError before any work for a
-    missing or empty corpus or a missing tokenizer."""
+    `eval_every` steps and at the end. `n_threads` sets torch's thread count
+    for the run (restored after); on a machine shared with other work 1 thread
+    can be several times faster than 2 (torch's OpenMP barriers wait for the busy
+    core; bench/train_target.py measures it). Raises ValueError before any work
+    for a missing or empty corpus or a missing tokenizer."""
     import torch
     import transformers
 
@@ -142,120 +145,125 @@ def train_target(out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.Pat
         raise ValueError(f"[train_target] need steps >= 1, seq_len >= 2, batch_size >= 1; got {steps}, {seq_len}, "
                          f"{batch_size}")
     warmup = max(1, int(0.05 * steps)) if warmup is None else max(1, warmup)
+    prev_threads = torch.get_num_threads()
     if n_threads is not None:
         torch.set_num_threads(n_threads)
-    transformers.logging.set_verbosity_error()
-    t_start = time.perf_counter()
+    try:
+        transformers.logging.set_verbosity_error()
+        t_start = time.perf_counter()
 
-    special_ids = {t: tok.token_to_id(t) for t in (EOS_TOKEN,)}
-    cfg_dict = make_config(tok.get_vocab_size(), special_ids, **config_overrides)
-    train_ids = tokenize_split(tok, "train", root=root, heldout_fraction=heldout_fraction)
-    held_ids = tokenize_split(tok, "heldout", root=root, heldout_fraction=heldout_fraction)
-    for name, ids in (("train", train_ids), ("held-out", held_ids)):
-        if len(ids) < seq_len + 2:
-            raise ValueError(f"[train_target] the {name} split has {len(ids)} tokens, fewer than seq_len + 2 = "
-                             f"{seq_len + 2}")
-    t_tokenized = time.perf_counter()
-    print(f"[train_target] tokens: train {len(train_ids):,}, held-out {len(held_ids):,} "
-          f"({t_tokenized - t_start:.1f} s)", flush=True)
+        special_ids = {t: tok.token_to_id(t) for t in (EOS_TOKEN,)}
+        cfg_dict = make_config(tok.get_vocab_size(), special_ids, **config_overrides)
+        train_ids = tokenize_split(tok, "train", root=root, heldout_fraction=heldout_fraction)
+        held_ids = tokenize_split(tok, "heldout", root=root, heldout_fraction=heldout_fraction)
+        for name, ids in (("train", train_ids), ("held-out", held_ids)):
+            if len(ids) < seq_len + 2:
+                raise ValueError(f"[train_target] the {name} split has {len(ids)} tokens, fewer than seq_len + 2 = "
+                                 f"{seq_len + 2}")
+        t_tokenized = time.perf_counter()
+        print(f"[train_target] tokens: train {len(train_ids):,}, held-out {len(held_ids):,} "
+              f"({t_tokenized - t_start:.1f} s)", flush=True)
 
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                          attn_implementation="sdpa")
-    model.config.architectures = ["Qwen3_5ForCausalLM"]
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
-    print(f"[train_target] {type(model).__name__}: {n_params:,} parameters ({n_params - n_embed:,} without "
-          f"embeddings), layers {cfg_dict['layer_types']}", flush=True)
+        torch.manual_seed(seed)
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+        model.config.architectures = ["Qwen3_5ForCausalLM"]
+        n_params = sum(p.numel() for p in model.parameters())
+        n_embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
+        print(f"[train_target] {type(model).__name__}: {n_params:,} parameters ({n_params - n_embed:,} without "
+              f"embeddings), layers {cfg_dict['layer_types']}", flush=True)
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "conv1d" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "conv1d" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "conv1d" not in n]
+        no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "conv1d" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
-    train_t = torch.from_numpy(train_ids.astype(np.int64))
-    held_t = torch.from_numpy(held_ids.astype(np.int64))
-    gen = torch.Generator().manual_seed(seed)
-    n_eval = n_eval_batches * batch_size
-    eval_starts = torch.linspace(0, len(held_ids) - seq_len - 1, n_eval).long()  # fixed, spread over the split
+        train_t = torch.from_numpy(train_ids.astype(np.int64))
+        held_t = torch.from_numpy(held_ids.astype(np.int64))
+        gen = torch.Generator().manual_seed(seed)
+        n_eval = n_eval_batches * batch_size
+        eval_starts = torch.linspace(0, len(held_ids) - seq_len - 1, n_eval).long()  # fixed, spread over the split
 
-    def windows(stream: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        return torch.stack([stream[s: s + seq_len + 1] for s in starts.tolist()])
+        def windows(stream: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+            return torch.stack([stream[s: s + seq_len + 1] for s in starts.tolist()])
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch[:, :-1]).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 batch[:, 1:].reshape(-1))
+        def loss_of(batch: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=batch[:, :-1]).logits
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                     batch[:, 1:].reshape(-1))
 
-    def heldout_loss() -> float:
-        model.eval()
-        with torch.no_grad():
-            losses = [loss_of(windows(held_t, eval_starts[i: i + batch_size])).item()
-                      for i in range(0, n_eval, batch_size)]
+        def heldout_loss() -> float:
+            model.eval()
+            with torch.no_grad():
+                losses = [loss_of(windows(held_t, eval_starts[i: i + batch_size])).item()
+                          for i in range(0, n_eval, batch_size)]
+            model.train()
+            return float(np.mean(losses))
+
+        curve: list[dict[str, float]] = []
+        evals: list[dict[str, float]] = []
         model.train()
-        return float(np.mean(losses))
+        t_train = time.perf_counter()
+        loss_acc, n_acc = 0.0, 0
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, lr=lr, warmup=warmup, steps=steps, min_lr_ratio=min_lr_ratio)
+            starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch_size,), generator=gen)
+            loss = loss_of(windows(train_t, starts))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            opt.step()
+            loss_acc += loss.item()
+            n_acc += 1
+            if (step + 1) % log_every == 0 or step + 1 == steps:
+                elapsed = time.perf_counter() - t_train
+                tok_s = (step + 1) * batch_size * seq_len / elapsed
+                cur_lr = opt.param_groups[0]["lr"]
+                curve.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": cur_lr, "grad_norm": grad_norm,
+                              "elapsed_s": elapsed})
+                print(f"[train_target] step {step + 1}/{steps} loss {loss_acc / n_acc:.4f} lr {cur_lr:.2e} "
+                      f"|g| {grad_norm:.2f} {tok_s:,.0f} tok/s", flush=True)
+                loss_acc, n_acc = 0.0, 0
+            if (step + 1) % eval_every == 0 and step + 1 != steps:
+                evals.append({"step": step + 1, "heldout_loss": heldout_loss()})
+                print(f"[train_target] step {step + 1} held-out loss {evals[-1]['heldout_loss']:.4f}", flush=True)
+        train_s = time.perf_counter() - t_train
+        evals.append({"step": steps, "heldout_loss": heldout_loss()})
+        print(f"[train_target] final held-out loss {evals[-1]['heldout_loss']:.4f} "
+              f"({steps * batch_size * seq_len / train_s:,.0f} tok/s over {train_s:.0f} s)", flush=True)
 
-    curve: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
-    model.train()
-    t_train = time.perf_counter()
-    loss_acc, n_acc = 0.0, 0
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, lr=lr, warmup=warmup, steps=steps, min_lr_ratio=min_lr_ratio)
-        starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch_size,), generator=gen)
-        loss = loss_of(windows(train_t, starts))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-        opt.step()
-        loss_acc += loss.item()
-        n_acc += 1
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            elapsed = time.perf_counter() - t_train
-            tok_s = (step + 1) * batch_size * seq_len / elapsed
-            curve.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": opt.param_groups[0]["lr"],
-                          "grad_norm": grad_norm, "elapsed_s": elapsed})
-            print(f"[train_target] step {step + 1}/{steps} loss {loss_acc / n_acc:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"|g| {grad_norm:.2f} {tok_s:,.0f} tok/s", flush=True)
-            loss_acc, n_acc = 0.0, 0
-        if (step + 1) % eval_every == 0 and step + 1 != steps:
-            evals.append({"step": step + 1, "heldout_loss": heldout_loss()})
-            print(f"[train_target] step {step + 1} held-out loss {evals[-1]['heldout_loss']:.4f}", flush=True)
-    train_s = time.perf_counter() - t_train
-    evals.append({"step": steps, "heldout_loss": heldout_loss()})
-    print(f"[train_target] final held-out loss {evals[-1]['heldout_loss']:.4f} "
-          f"({steps * batch_size * seq_len / train_s:,.0f} tok/s over {train_s:.0f} s)", flush=True)
+        dst = Path(out_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        model.eval()
+        model.save_pretrained(dst, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(tokenizer_dir) / name, dst / name)
 
-    dst = Path(out_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    model.eval()
-    model.save_pretrained(dst, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(tokenizer_dir) / name, dst / name)
-
-    recipe = {
-        "model": {"config": cfg_dict, "n_params": n_params, "n_params_without_embeddings": n_params - n_embed},
-        "tokenizer": {"dir": str(tokenizer_dir), "n_tokens": tok.get_vocab_size()},
-        "corpus": {"root": "stdlib" if root is None else (str(root) if isinstance(root, (str, os.PathLike))
-                                                         else [str(r) for r in root]),
-                   "heldout_fraction": heldout_fraction, "n_train_files": len(split["train"]),
-                   "n_heldout_files": len(split["heldout"]), "n_train_tokens": int(len(train_ids)),
-                   "n_heldout_tokens": int(len(held_ids))},
-        "train": {"steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr, "warmup": warmup,
-                  "schedule": "linear warmup, cosine decay", "min_lr_ratio": min_lr_ratio,
-                  "optimizer": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay,
-                  "grad_clip": grad_clip, "seed": seed, "n_threads": torch.get_num_threads(),
-                  "dtype": "float32", "n_tokens_seen": steps * batch_size * seq_len,
-                  "eval_every": eval_every, "n_eval_windows": n_eval},
-        "results": {"final_train_loss": curve[-1]["loss"], "final_heldout_loss": evals[-1]["heldout_loss"],
-                    "loss_curve": curve, "heldout_losses": evals, "train_s": train_s,
-                    "tokens_per_s": steps * batch_size * seq_len / train_s,
-                    "wall_s": time.perf_counter() - t_start},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version(), "machine": platform.machine()},
-    }
-    with open(dst / "recipe.json", "w", encoding="utf-8") as f:
-        json.dump(recipe, f, indent=2)
-    return dst
+        recipe = {
+            "model": {"config": cfg_dict, "n_params": n_params, "n_params_without_embeddings": n_params - n_embed},
+            "tokenizer": {"dir": str(tokenizer_dir), "n_tokens": tok.get_vocab_size()},
+            "corpus": {"root": "stdlib" if root is None else (str(root) if isinstance(root, (str, os.PathLike))
+                                                             else [str(r) for r in root]),
+                       "heldout_fraction": heldout_fraction, "n_train_files": len(split["train"]),
+                       "n_heldout_files": len(split["heldout"]), "n_train_tokens": int(len(train_ids)),
+                       "n_heldout_tokens": int(len(held_ids))},
+            "train": {"steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr, "warmup": warmup,
+                      "schedule": "linear warmup, cosine decay", "min_lr_ratio": min_lr_ratio,
+                      "optimizer": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay,
+                      "grad_clip": grad_clip, "seed": seed, "n_threads": torch.get_num_threads(),
+                      "dtype": "float32", "n_tokens_seen": steps * batch_size * seq_len,
+                      "eval_every": eval_every, "n_eval_windows": n_eval},
+            "results": {"final_train_loss": curve[-1]["loss"], "final_heldout_loss": evals[-1]["heldout_loss"],
+                        "loss_curve": curve, "heldout_losses": evals, "train_s": train_s,
+                        "tokens_per_s": steps * batch_size * seq_len / train_s,
+                        "wall_s": time.perf_counter() - t_start},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version(), "machine": platform.machine()},
+        }
+        with open(dst / "recipe.json", "w", encoding="utf-8") as f:
+            json.dump(recipe, f, indent=2)
+        return dst
+    finally:
+        torch.set_num_threads(prev_threads)

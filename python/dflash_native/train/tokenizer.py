@@ -38,7 +38,7 @@ def train_tokenizer(out_dir: str | os.PathLike[str], *, vocab_size: int = 4096, 
     output depends only on the corpus files; `seed` only chooses which train
     files are read when `max_bytes` caps the text. Raises ValueError for a bad
     corpus (before any training) or a vocab_size too small for the 256 bytes."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     n_min = 256 + len(SPECIAL_TOKENS)
     if vocab_size < n_min:
@@ -61,7 +61,6 @@ def train_tokenizer(out_dir: str | os.PathLike[str], *, vocab_size: int = 4096, 
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    from tokenizers import processors
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=min_frequency,
                                   show_progress=False, special_tokens=[],
