@@ -57,6 +57,21 @@ def _cmd_convert_drafter(a) -> int:
     return 0
 
 
+def _cmd_train_drafter(a) -> int:
+    try:
+        from .train import pipeline
+    except ImportError as e:  # torch / transformers / tokenizers
+        raise ValueError(f"training needs the [train] extra (pip install torch==2.13.0, then "
+                         f"pip install 'dflash-native[train]'): {e}") from None
+    layers = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    recipe = pipeline.run(a.target, a.data, a.out, n_prompts=a.prompts, prompt_tokens=a.prompt_tokens,
+                          max_new_tokens=a.max_new_tokens, target_layer_ids=layers, target_gguf=a.target_gguf,
+                          out_gguf=a.gguf, outtype=a.outtype, num_layers=a.layers, block_size=a.block_size,
+                          steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every)
+    print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
+    return 0
+
+
 def _cmd_demo(a) -> int:
     from .engine import Engine
     from .testing import make_random_checkpoint
@@ -119,6 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
     cd.set_defaults(fn=_cmd_convert_drafter)
+
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a Hugging Face target on local text")
+    t.add_argument("--target", required=True, help="HF target checkpoint directory (config.json, safetensors, "
+                   "tokenizer.json with a <|MASK|> token)")
+    t.add_argument("--data", default=None, help="text: a directory, a file (default: the Python standard library)")
+    t.add_argument("--out", required=True, help="output directory for the drafter checkpoint")
+    t.add_argument("--gguf", default=None, help="also convert the drafter to this GGUF")
+    t.add_argument("--target-gguf", default=None, help="the target's GGUF (checks the pair, copies the tokenizer)")
+    t.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
+    t.add_argument("--layers", type=int, default=1, help="drafter layers")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--prompts", type=int, default=64)
+    t.add_argument("--prompt-tokens", type=int, default=64)
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--log-every", type=int, default=20)
+    t.set_defaults(fn=_cmd_train_drafter)
 
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default="def fibonacci(n):")

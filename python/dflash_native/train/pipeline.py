@@ -1,0 +1,90 @@
+"""`dflash-native train-drafter`: a DFlash drafter for any supported HF target, from local text.
+
+Prompts are windows of the training split of the text (train/corpus.py: a directory, a file or
+the Python standard library by default), tokenized with the target's own tokenizer; the target
+continues each greedily and the drafter learns those continuations (train/drafter.py).
+Everything that can be checked is checked before the target is loaded or any text is read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import corpus
+
+
+def _target_layers(target_dir: Path) -> int:
+    cfg_path = target_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"[train_drafter] '{target_dir}' has no config.json: give a Hugging Face target checkpoint")
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    if "num_hidden_layers" not in text:
+        raise ValueError(f"[train_drafter] '{cfg_path}' has no num_hidden_layers")
+    return int(text["num_hidden_layers"])
+
+
+def check_request(target_dir: Path, data: corpus.Root, target_layer_ids: Sequence[int] | None) -> list[tuple[str, Path]]:
+    """Fails fast: the target checkpoint, its tokenizer, the tap layers, the text."""
+    n_layers = _target_layers(target_dir)
+    if not (target_dir / "tokenizer.json").is_file():
+        raise ValueError(f"[train_drafter] '{target_dir}' has no tokenizer.json")
+    for i in target_layer_ids or ():
+        if not 0 <= int(i) < n_layers - 1:
+            raise ValueError(f"[train_drafter] target layer {i} is not a tap layer of this {n_layers}-layer target "
+                             f"(taps are layer outputs 0 .. {n_layers - 2})")
+    files = corpus.split_files(data)["train"]  # raises on a missing or empty corpus
+    if not files:
+        raise ValueError(f"[train_drafter] no training text in '{data}'")
+    return files
+
+
+def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prompt_tokens: int,
+                 seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `prompt_tokens` tokens, each from a random line of a random file."""
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    texts = [p.read_text(encoding="utf-8", errors="replace") for _, p in files]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError("[train_drafter] the training text is empty")
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
+        text = rng.choice(texts)
+        lines = text.splitlines(keepends=True)
+        start = rng.randrange(len(lines))
+        ids = tokenizer.encode("".join(lines[start:start + 200]), add_special_tokens=False).ids
+        if len(ids) >= prompt_tokens:
+            out.append(list(ids[:prompt_tokens]))
+    if len(out) < n:
+        raise ValueError(f"[train_drafter] the text yields only {len(out)} prompts of {prompt_tokens} tokens")
+    return out
+
+
+def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 64, max_new_tokens: int = 64,
+        target_layer_ids: Sequence[int] | None = None, target_gguf=None, out_gguf=None, outtype: str = "f16",
+        **train_kwargs) -> dict:
+    """Check, sample prompts, train, and (with out_gguf) convert. Returns the recipe."""
+    target_dir = Path(target_dir)
+    files = check_request(target_dir, data, target_layer_ids)
+    from tokenizers import Tokenizer
+
+    from .drafter import train_drafter
+
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    prompts = text_prompts(files, tok, n_prompts, prompt_tokens, seed=train_kwargs.get("seed", 0))
+    result = train_drafter(target_dir, out_dir, prompts=prompts, max_new_tokens=max_new_tokens,
+                           target_layer_ids=target_layer_ids, **train_kwargs)
+    recipe = json.loads(Path(result.recipe).read_text())
+    recipe.update(acceptance_before=result.acceptance_before, acceptance_after=result.acceptance_after,
+                  final_loss=result.losses[-1] if result.losses else None)
+    if out_gguf is not None:
+        from ..convert_dflash import convert_dflash_to_gguf
+
+        convert_dflash_to_gguf(out_dir, out_gguf, outtype=outtype, target_gguf=target_gguf)
+        recipe["gguf"] = str(out_gguf)
+    return recipe

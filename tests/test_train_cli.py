@@ -1,0 +1,64 @@
+"""`dflash-native train-drafter`: end to end on a tiny random target, and its up-front checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dflash_native as dn
+from dflash_native.convert import convert_hf_to_gguf
+from dflash_native.testing import make_random_checkpoint
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tcli")
+    ckpt = make_random_checkpoint(d / "target", "qwen3_5", seed=3)
+    data = d / "text"
+    data.mkdir()
+    for i in range(3):
+        (data / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40)))
+    return ckpt, convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f32"), data
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "dflash_native", "train-drafter", *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_train_drafter_cli_end_to_end(target, tmp_path):
+    ckpt, tg, data = target
+    p = cli("--target", ckpt, "--data", data, "--out", tmp_path / "d", "--gguf", tmp_path / "d.gguf",
+            "--target-gguf", tg, "--outtype", "f32", "--block-size", "4", "--steps", "8", "--prompts", "4",
+            "--prompt-tokens", "16", "--max-new-tokens", "12", "--threads", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    eng = dn.Engine(tg, drafter=tmp_path / "d.gguf", n_ctx=128, kv_type="f32", n_threads=2)
+    prompt = [5, 6, 7, 8]
+    assert eng.generate(prompt, max_tokens=16).tokens == eng.generate(prompt, max_tokens=16, speculative=False).tokens
+
+
+@pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config"])
+def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
+    ckpt, _, data = target
+    args = {"--target": ckpt, "--data": data, "--out": tmp_path / "o"}
+    if case == "no-data":
+        args["--data"] = tmp_path / "missing"
+    elif case == "empty-data":
+        (tmp_path / "empty").mkdir()
+        args["--data"] = tmp_path / "empty"
+    elif case == "deep-tap":
+        args["--target-layer-ids"] = "0,3"
+    else:
+        args["--target"] = tmp_path
+    p = cli(*[x for kv in args.items() for x in kv])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "error:" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "o").exists()  # nothing was trained or written
+    msg = {"no-data": "does not exist", "empty-data": "is empty", "deep-tap": "not a tap layer", "no-config": "no config.json"}
+    assert msg[case] in p.stderr
