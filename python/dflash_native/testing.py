@@ -554,13 +554,19 @@ def make_tokenizer_files(dst_dir: str | os.PathLike[str], *, vocab_size: int | N
     }
     with open(dst / "tokenizer.json", "w", encoding="utf-8") as f:
         json.dump(tokenizer, f, ensure_ascii=False)
+    write_tokenizer_config(dst, added, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return len(vocab) + len(added)
+
+
+def write_tokenizer_config(dst: Path, added: Sequence[Mapping[str, Any]], *, eos_token: str, pad_token: str) -> None:
+    """tokenizer_config.json of a Qwen-style byte-level BPE with a ChatML template."""
     tok_config = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
         "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "eos_token": eos_token,
+        "pad_token": pad_token,
         "unk_token": None,
         "chat_template": CHATML_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -569,6 +575,5 @@ def make_tokenizer_files(dst_dir: str | os.PathLike[str], *, vocab_size: int | N
         "split_special_tokens": False,
         "tokenizer_class": "Qwen2Tokenizer",
     }
-    with open(dst / "tokenizer_config.json", "w", encoding="utf-8") as f:
+    with open(Path(dst) / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(tok_config, f, ensure_ascii=False, indent=2)
-    return len(vocab) + len(added)

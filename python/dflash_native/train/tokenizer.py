@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from ..testing import CHATML_TEMPLATE, QWEN35_PRETOKENIZE_REGEX
+from ..testing import QWEN35_PRETOKENIZE_REGEX, write_tokenizer_config
 from . import corpus
 
 __all__ = ["SPECIAL_TOKENS", "load_tokenizer", "train_tokenizer"]
@@ -77,23 +77,7 @@ def train_tokenizer(out_dir: str | os.PathLike[str], *, vocab_size: int = 4096, 
     dst.mkdir(parents=True, exist_ok=True)
     tok.save(str(dst / "tokenizer.json"), pretty=False)
     added = json.loads(tok.to_str())["added_tokens"]
-    tok_config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "unk_token": None,
-        "chat_template": CHATML_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": 131072,
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-    }
-    with open(dst / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(tok_config, f, ensure_ascii=False, indent=2)
+    write_tokenizer_config(dst, added, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     return dst
 
 
