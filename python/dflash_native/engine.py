@@ -30,6 +30,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rollback_s: float = 0.0
+    gated_at: int = -1  # with Engine(gate=True): tokens generated when the gate switched to AR, else -1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -69,6 +70,9 @@ class TextPiece(str):
     result: GenerationResult | None = None
 
 
+GATE_MIN_ROUNDS = 4
+
+
 class Engine:
     """Runs a GGUF target model, with a DFlash drafter for speculative decoding when given one.
 
@@ -93,9 +97,14 @@ class Engine:
         n_batch: int = 512,
         device: str = "cpu",
         rollback: str = "tape",
+        gate: bool = False,
     ):
         """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
-        benchmarks compare against (per-token state snapshots; re-running the kept tokens)."""
+        benchmarks compare against (per-token state snapshots; re-running the kept tokens).
+
+        gate: measure AR speed once per request (one exact AR step) and, after GATE_MIN_ROUNDS
+        rounds, finish the request in AR when speculation commits tokens more slowly than AR
+        (output is the same either way; only speed changes)."""
         path = Path(target)
         if not path.exists():
             raise ValueError(f"[load_gguf] no such file: '{path}'")
@@ -134,6 +143,8 @@ class Engine:
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
+        self.gate = bool(gate)
+        self._gate_ar_tok_s = None  # tests: a fixed AR speed for the gate instead of measuring one
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -289,13 +300,21 @@ class Engine:
                     t_dec = 0.0
                     B = self._spec.block_size if spec else 1
                     hist = [0] * (B + 1)
+                    ar_tok_s = self._gate_ar_tok_s
+                    spec_tokens, spec_s = 0, 0.0
                     while not done:
                         room = core.n_ctx - core.n_past
                         if room <= 0:
                             stats.stop_reason = "context"
                             break
                         t0 = time.perf_counter()
-                        if spec and room >= 2:
+                        if spec and self.gate and ar_tok_s is None:
+                            # gate probe: one exact AR step, features pushed so the drafter stays in step
+                            logits, taps = core.decode([tok], taps=self._spec.tap_layers)
+                            self._spec.push_features(taps, core.n_past - 1)
+                            committed = [int(np.argmax(logits[-1]))]
+                            ar_tok_s = 1.0 / max(time.perf_counter() - t0, 1e-9)
+                        elif spec and room >= 2:
                             Bc = min(B, room)
                             forced = self._draft_override(prompt, out, Bc) if self._draft_override else None
                             r = self._spec.round(tok, Bc, forced)
@@ -304,6 +323,12 @@ class Engine:
                             stats.draft_s += r["draft_s"]
                             stats.verify_s += r["verify_s"]
                             stats.rollback_s += r["rollback_s"]
+                            spec_tokens += len(committed)
+                            spec_s += time.perf_counter() - t0
+                            if (self.gate and sum(hist) >= GATE_MIN_ROUNDS and
+                                    spec_tokens / max(spec_s, 1e-9) < ar_tok_s):
+                                spec = False  # finish this request in AR
+                                stats.gated_at = len(out) + len(committed)
                         else:
                             committed = [int(np.argmax(core.decode([tok])[-1]))]
                         t_dec += time.perf_counter() - t0
@@ -311,7 +336,7 @@ class Engine:
                         pieces, done = emit(committed)
                         yield from pieces
                     stats.decode_s = t_dec
-                    if spec:
+                    if stats.speculative:
                         stats.block_size = B
                         stats.rounds = sum(hist)
                         stats.acceptance_histogram = hist
