@@ -72,35 +72,63 @@ def _cmd_train_drafter(a) -> int:
     return 0
 
 
+def default_pair() -> tuple[Path, Path] | None:
+    """The small trained target + drafter that ship with the package (see models/*-recipe.json)."""
+    d = Path(__file__).resolve().parent / "models"
+    t, dr = d / "default-target-q8_0.gguf", d / "default-drafter-q8_0.gguf"
+    return (t, dr) if t.is_file() and dr.is_file() else None
+
+
 def _cmd_demo(a) -> int:
+    from .engine import Engine
+
+    pair = default_pair()
+    if pair is None or a.random:
+        return _demo_random(a)
+    target, drafter = pair
+    print("[dflash-native demo] The embedded default pair: a 12M-parameter Qwen3.5-architecture hybrid target\n"
+          "(GDN + attention) trained here for ~17 minutes on the Python standard library, and a 1-layer DFlash\n"
+          "drafter trained on its greedy continuations (recipes in dflash_native/models/). Greedy AR vs DFlash:",
+          flush=True)
+    eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size)
+    ar = eng.generate(a.prompt, max_tokens=a.max_tokens, speculative=False)
+    sp = eng.generate(a.prompt, max_tokens=a.max_tokens)
+    return _demo_report(eng, a.prompt, ar, sp)
+
+
+def _demo_report(eng, prompt, ar, sp) -> int:
+    print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}")
+    print(f"prompt: {prompt!r}")
+    print(f"output: {sp.text!r}")
+    s, t = ar.stats, sp.stats
+    print(f"AR:          {s.n_prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s; "
+          f"{s.n_generated} generated, decode {s.decode_tok_s:.1f} tok/s")
+    print(f"speculative: {t.rounds} rounds, mean acceptance length {t.mean_acceptance_length:.2f} of {t.block_size}, "
+          f"decode {t.decode_tok_s:.1f} tok/s ({t.decode_tok_s / max(s.decode_tok_s, 1e-9):.2f}x AR)")
+    same = sp.tokens == ar.tokens
+    print(f"speculative output == AR output: {same}")
+    return 0 if same else 1
+
+
+def _demo_random(a) -> int:
     from .engine import Engine
     from .testing import make_random_checkpoint
     from .convert import convert_hf_to_gguf
     from .testing_dflash import make_random_drafter_gguf
 
-    print("[dflash-native demo] No trained default model ships yet: this builds a tiny Qwen3.5-architecture hybrid\n"
-          "(Gated DeltaNet + attention layers) and a DFlash drafter for it, both with RANDOM weights, converts them\n"
-          "with our converters, and runs greedy AR and speculative generation. The text is gibberish and a random\n"
-          "drafter is almost never accepted; the numbers and the exactness check are real.", flush=True)
+    print("[dflash-native demo] A tiny Qwen3.5-architecture hybrid (Gated DeltaNet + attention layers) and a\n"
+          "DFlash drafter for it, both with RANDOM weights, converted with our converters; greedy AR and\n"
+          "speculative generation. The text is gibberish and a random drafter is almost never accepted; the\n"
+          "numbers and the exactness check are real.", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_random_checkpoint(Path(tmp) / "target", "qwen3_5", seed=a.seed)
         target = convert_hf_to_gguf(ckpt, Path(tmp) / "demo-qwen35.gguf", outtype=a.outtype)
         drafter = make_random_drafter_gguf(Path(tmp) / "demo-drafter.gguf", ckpt, outtype=a.outtype, seed=a.seed + 1,
                                            block_size=8, target_gguf=target)
         eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads)
-        print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}")
         ar = eng.generate(a.prompt, max_tokens=a.max_tokens, speculative=False)
         sp = eng.generate(a.prompt, max_tokens=a.max_tokens)
-        print(f"prompt: {a.prompt!r}")
-        print(f"output: {sp.text!r}")
-        s, t = ar.stats, sp.stats
-        print(f"AR:          {s.n_prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s; "
-              f"{s.n_generated} generated, decode {s.decode_tok_s:.1f} tok/s")
-        print(f"speculative: {t.rounds} rounds, mean acceptance length {t.mean_acceptance_length:.2f} of {t.block_size}, "
-              f"decode {t.decode_tok_s:.1f} tok/s ({t.decode_tok_s / max(s.decode_tok_s, 1e-9):.2f}x AR)")
-        same = sp.tokens == ar.tokens
-        print(f"speculative output == AR output: {same}")
-    return 0 if same else 1
+        return _demo_report(eng, a.prompt, ar, sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train_drafter)
 
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
-    d.add_argument("--prompt", default="def fibonacci(n):")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--prompt", default="def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split the extension from a pathname.")
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--block-size", type=int, default=4)
+    d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     d.add_argument("--seed", type=int, default=0)
