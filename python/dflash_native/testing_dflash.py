@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .testing import _write_safetensors, linear_init, qwen3_attention_params, swiglu_mlp_params
 
@@ -53,6 +53,41 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
     return out
 
 
+def drafter_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, n_head: int,
+                   n_kv: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float, rope_theta: float,
+                   n_target_layers: int, mask_token_id: int, target_layer_ids: Sequence[int], block_size: int,
+                   dtype: str) -> dict[str, Any]:
+    """config.json of a z-lab DFlash drafter (Qwen3 layers, full attention, non-causal)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "vocab_size": int(vocab_size),
+        "hidden_size": int(hidden_size),
+        "intermediate_size": int(intermediate_size),
+        "num_hidden_layers": int(num_layers),
+        "num_attention_heads": int(n_head),
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_position_embeddings),
+        "rms_norm_eps": float(rms_norm_eps),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": int(num_layers),
+        "layer_types": ["full_attention"] * int(num_layers),
+        "num_target_layers": int(n_target_layers),
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids],
+                          "block_size": int(block_size)},
+        "dtype": dtype,
+    }
+
+
 def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_size: int, n_target_layers: int,
                                    mask_token_id: int, vocab_size: int, target_layer_ids: list[int] | None = None,
                                    num_hidden_layers: int = 1, block_size: int = 16, seed: int = 0,
@@ -69,34 +104,11 @@ def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_si
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(n_target_layers, num_hidden_layers)
     h = int(hidden_size)
-    config: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "vocab_size": int(vocab_size),
-        "hidden_size": h,
-        "intermediate_size": 2 * h,
-        "num_hidden_layers": int(num_hidden_layers),
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": max(1, h // 4),
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": int(num_hidden_layers),
-        "layer_types": ["full_attention"] * int(num_hidden_layers),
-        "num_target_layers": int(n_target_layers),
-        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids),
-                          "block_size": int(block_size)},
-        "dtype": dtype,
-    }
+    config = drafter_config(vocab_size=vocab_size, hidden_size=h, intermediate_size=2 * h,
+                            num_layers=num_hidden_layers, n_head=4, n_kv=2, head_dim=max(1, h // 4),
+                            max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            n_target_layers=n_target_layers, mask_token_id=mask_token_id,
+                            target_layer_ids=target_layer_ids, block_size=block_size, dtype=dtype)
     overrides = json.loads(json.dumps(dict(overrides)))
     dflash_overrides = overrides.pop("dflash_config", None)
     config.update(overrides)

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..testing_dflash import drafter_config
+
 __all__ = ["DFlashDrafter", "TrainResult", "block_batch", "dflash_loss", "greedy_continuations", "target_features",
            "train_drafter"]
 
@@ -178,36 +180,14 @@ class DFlashDrafter(nn.Module):
         rope = t.get("rope_parameters") or {}
         h = int(t["hidden_size"])
         n_head = int(t["num_attention_heads"])
-        cfg: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-            "model_type": "qwen3",
-            "vocab_size": int(t["vocab_size"]),
-            "hidden_size": h,
-            "intermediate_size": int(t["intermediate_size"]),
-            "num_hidden_layers": int(num_layers),
-            "num_attention_heads": n_head,
-            "num_key_value_heads": int(t.get("num_key_value_heads") or n_head),
-            "head_dim": int(t.get("head_dim") or h // n_head),
-            "hidden_act": "silu",
-            "max_position_embeddings": int(t.get("max_position_embeddings", 4096)),
-            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
-            "rope_parameters": {"rope_type": "default",
-                                "rope_theta": float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))},
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": int(num_layers),
-            "layer_types": ["full_attention"] * int(num_layers),
-            "num_target_layers": n_target,
-            "dflash_config": {"mask_token_id": int(mask_token_id),
-                              "target_layer_ids": [int(i) for i in target_layer_ids],
-                              "block_size": int(block_size)},
-            "dtype": "float32",
-        }
+        cfg = drafter_config(vocab_size=t["vocab_size"], hidden_size=h, intermediate_size=t["intermediate_size"],
+                             num_layers=num_layers, n_head=n_head, n_kv=int(t.get("num_key_value_heads") or n_head),
+                             head_dim=int(t.get("head_dim") or h // n_head),
+                             max_position_embeddings=t.get("max_position_embeddings", 4096),
+                             rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+                             rope_theta=rope.get("rope_theta", t.get("rope_theta", 10000.0)),
+                             n_target_layers=n_target, mask_token_id=mask_token_id,
+                             target_layer_ids=target_layer_ids, block_size=block_size, dtype="float32")
         cfg.update(overrides)
         if "num_hidden_layers" in overrides:
             cfg["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"])
