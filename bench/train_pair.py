@@ -1,42 +1,64 @@
-"""The issue-4 pipeline end to end at a chosen budget: tokenizer -> hybrid target -> DFlash drafter
--> GGUF -> speculative decoding on held-out prompts. Prints and (with --json) records the recipe,
-the losses and the measured acceptance / speed. Every stage is seeded.
+"""The issue-4 pipeline end to end: tokenizer -> hybrid target -> DFlash drafter -> GGUF ->
+speculative decoding on held-out prompts. Every stage is seeded; the defaults are the recipe of
+the embedded default pair (dflash_native/models/), about 40 minutes on a quiet 2-core machine.
+Prints and (with --json) records the recipe, the losses and the measured acceptance / speed
+(the same held-out measurement as `spec_e2e.py --pair`).
 
-    python bench/train_pair.py --out /tmp/pair --target-steps 120 --drafter-steps 300 --json bench/results/train_pair.jsonl
+    python bench/train_pair.py --out /tmp/pair --json bench/results/train_pair.jsonl
+
+Reproducibility: torch on the CPU is deterministic for a fixed thread count, and every stage is
+seeded, so a rerun with the same --threads writes the same weights (the run records a hash of
+each GGUF) and measures the same acceptance lengths; only the tok/s figures carry noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, write_jsonl  # noqa: E402
+from _common import git_rev, heldout_eval, machine, write_jsonl  # noqa: E402
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def main():
-    import numpy as np
-
     import dflash_native as dn
-    from dflash_native.train import corpus, pipeline
+    from dflash_native.train import pipeline
     from dflash_native.train.target import train_target
     from dflash_native.train.tokenizer import train_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--target-steps", type=int, default=120)
+    ap.add_argument("--target-steps", type=int, default=320)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--drafter-steps", type=int, default=300)
-    ap.add_argument("--drafter-prompts", type=int, default=96)
+    ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--drafter-prompts", type=int, default=512)
+    ap.add_argument("--drafter-new-tokens", type=int, default=96)
+    ap.add_argument("--drafter-taps", default="1,3,5,6", help="target layers the drafter reads (HF ids)")
+    ap.add_argument("--drafter-layers", type=int, default=1)
+    ap.add_argument("--seqs-per-step", type=int, default=8)
+    ap.add_argument("--anchors-per-seq", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--eval-prompts", type=int, default=8)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
-    ap.add_argument("--engine-threads", type=int, default=2)
+    ap.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for training and engine threads")
+    ap.add_argument("--install", type=Path, default=None,
+                    help="copy the pair and its recipes here as default-{target,drafter}-OUTTYPE.gguf")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -49,52 +71,49 @@ def main():
 
     t0 = time.perf_counter()
     target_dir = train_target(a.out / "target", tokenizer_dir=tok_dir, steps=a.target_steps, seq_len=a.seq_len,
-                              batch_size=a.batch, n_threads=a.threads, eval_every=max(a.target_steps // 4, 1),
-                              log_every=10)
+                              batch_size=a.batch, lr=a.target_lr, n_threads=a.threads,
+                              eval_every=max(a.target_steps // 4, 1), log_every=10)
     times["target_s"] = time.perf_counter() - t0
     target_recipe = json.loads((Path(target_dir) / "recipe.json").read_text())
-    target_gguf = dn.convert_hf_to_gguf(target_dir, a.out / "target-q8_0.gguf", outtype="q8_0")
+    target_gguf = dn.convert_hf_to_gguf(target_dir, a.out / f"target-{a.outtype}.gguf", outtype=a.outtype)
+    drafter_gguf = a.out / f"drafter-{a.outtype}.gguf"
 
     t0 = time.perf_counter()
-    drafter_recipe = pipeline.run(target_dir, None, a.out / "drafter", n_prompts=a.drafter_prompts, prompt_tokens=64,
-                                  max_new_tokens=64, target_gguf=target_gguf, out_gguf=a.out / "drafter-q8_0.gguf",
-                                  outtype="q8_0", num_layers=1, block_size=a.block_size, steps=a.drafter_steps,
-                                  n_threads=a.threads, log_every=25)
+    drafter_recipe = pipeline.run(
+        target_dir, None, a.out / "drafter", n_prompts=a.drafter_prompts, prompt_tokens=64,
+        max_new_tokens=a.drafter_new_tokens, target_layer_ids=[int(x) for x in a.drafter_taps.split(",")],
+        target_gguf=target_gguf, out_gguf=drafter_gguf, outtype=a.outtype, num_layers=a.drafter_layers,
+        block_size=a.block_size, steps=a.drafter_steps, seqs_per_step=a.seqs_per_step,
+        anchors_per_seq=a.anchors_per_seq, n_threads=a.threads, engine_threads=a.threads, log_every=100)
     times["drafter_s"] = time.perf_counter() - t0
+    times["train_wall_s"] = time.perf_counter() - t_start
 
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
-    prompts = corpus.heldout_prompts(a.eval_prompts, 96, tok, seed=0)
-    rows = []
-    print(f"# train_pair: {machine()}; rev {git_rev()}; wall {time.perf_counter() - t_start:.0f} s so far")
     res = target_recipe.get("results", {})
+    print(f"# train_pair: {machine()}; rev {git_rev()}; training wall {times['train_wall_s']:.0f} s "
+          f"(tokenizer {times['tokenizer_s']:.0f}, target {times['target_s']:.0f}, drafter {times['drafter_s']:.0f})")
     print(f"target: final train loss {res.get('final_train_loss')}, held-out {res.get('final_heldout_loss')}")
     print(f"drafter: acceptance on its training anchors {drafter_recipe.get('acceptance_before')} -> "
           f"{drafter_recipe.get('acceptance_after')}")
-    for B in sorted({4, 8, a.block_size}):
-        eng = dn.Engine(target_gguf, drafter=a.out / "drafter-q8_0.gguf", block_size=B, n_ctx=512,
-                        n_threads=a.engine_threads)
-        acc, ar_s, sp_s, n_ar, n_sp, same = [], 0.0, 0.0, 0, 0, True
-        for p in prompts:
-            ar = eng.generate(p.text, max_tokens=a.gen, speculative=False)
-            sp = eng.generate(p.text, max_tokens=a.gen)
-            same &= sp.tokens == ar.tokens
-            acc.append(sp.stats.mean_acceptance_length)
-            ar_s += ar.stats.decode_s
-            sp_s += sp.stats.decode_s
-            n_ar += max(ar.stats.n_generated - 1, 0)
-            n_sp += max(sp.stats.n_generated - 1, 0)
-        row = {"bench": "train_pair", "B": B, "mean_acceptance_length": float(np.mean(acc)),
-               "ar_tok_s": n_ar / ar_s, "spec_tok_s": n_sp / sp_s, "speedup": (n_sp / sp_s) / (n_ar / ar_s),
-               "spec_equals_ar": bool(same), "prompts": len(prompts), "gen": a.gen, **times,
-               "target_steps": a.target_steps, "drafter_steps": a.drafter_steps,
-               "target_final_heldout_loss": res.get("final_heldout_loss"),
-               "machine": machine(), "rev": git_rev()}
-        print(f"B={B}: mean acceptance {row['mean_acceptance_length']:.2f}, AR {row['ar_tok_s']:.1f} tok/s, "
-              f"spec {row['spec_tok_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, spec == AR: {same}")
-        rows.append(row)
+    hashes = {"target_sha256": sha256(Path(target_gguf)), "drafter_sha256": sha256(drafter_gguf)}
+    print(f"target {hashes['target_sha256'][:16]}, drafter {hashes['drafter_sha256'][:16]}")
+    rows = heldout_eval(target_gguf, drafter_gguf, sorted({4, 8, a.block_size}), n_prompts=a.eval_prompts,
+                        gen=a.gen, threads=a.threads, label=str(a.out))
+    times["wall_s"] = time.perf_counter() - t_start
+    for row in rows:
+        row.update(bench="train_pair", **times, **hashes, target_steps=a.target_steps,
+                   drafter_steps=a.drafter_steps, target_final_heldout_loss=res.get("final_heldout_loss"),
+                   drafter_acceptance_train=drafter_recipe.get("acceptance_after"), args=vars(a) | {
+                       "out": str(a.out), "install": str(a.install), "json": str(a.json)})
+    print(f"whole run: {times['wall_s'] / 60:.1f} min")
     write_jsonl(a.json, rows)
+
+    if a.install is not None:
+        a.install.mkdir(parents=True, exist_ok=True)
+        shutil.copy(target_gguf, a.install / f"default-target-{a.outtype}.gguf")
+        shutil.copy(drafter_gguf, a.install / f"default-drafter-{a.outtype}.gguf")
+        shutil.copy(Path(target_dir) / "recipe.json", a.install / "default-target-recipe.json")
+        shutil.copy(a.out / "drafter" / "recipe.json", a.install / "default-drafter-recipe.json")
+        (a.install / "default-pair-eval.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

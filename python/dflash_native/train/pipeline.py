@@ -2,7 +2,10 @@
 
 Prompts are windows of the training split of the text (train/corpus.py: a directory, a file or
 the Python standard library by default), tokenized with the target's own tokenizer; the target
-continues each greedily and the drafter learns those continuations (train/drafter.py).
+continues each greedily and the drafter learns those continuations (train/drafter.py). With the
+target's GGUF given, the continuations come from our engine on that file (the target the drafter
+will serve, at its own precision, and ~10x faster than PyTorch's token-by-token decode); without
+it, from the PyTorch model.
 Everything that can be checked is checked before the target is loaded or any text is read.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,11 +69,35 @@ def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prom
     return out
 
 
+def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                         n_threads: int | None = None) -> list[list[int]]:
+    """prompt + `max_new_tokens` greedy tokens of our engine on `target_gguf` (AR, stopping early
+    only at the end-of-generation token), one prompt at a time."""
+    from ..engine import Engine
+
+    longest = max(len(p) for p in prompts)
+    eng = Engine(target_gguf, n_ctx=longest + max_new_tokens + 8, n_threads=n_threads or 0)
+    out = []
+    for p in prompts:
+        r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False)
+        out.append([int(t) for t in p] + list(r.tokens))
+    return out
+
+
 def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 64, max_new_tokens: int = 64,
         target_layer_ids: Sequence[int] | None = None, target_gguf=None, out_gguf=None, outtype: str = "f16",
-        **train_kwargs) -> dict:
-    """Check, sample prompts, train, and (with out_gguf) convert. Returns the recipe."""
+        continuations: str | None = None, engine_threads: int | None = None, **train_kwargs) -> dict:
+    """Check, sample prompts, generate the target's continuations, train, and (with out_gguf)
+    convert. `continuations`: "engine" (our engine on `target_gguf`, the default when it is
+    given) or "torch" (the PyTorch target). Returns the recipe."""
     target_dir = Path(target_dir)
+    continuations = continuations or ("engine" if target_gguf is not None else "torch")
+    if continuations not in ("engine", "torch"):
+        raise ValueError(f"[train_drafter] continuations must be 'engine' or 'torch', got {continuations!r}")
+    if continuations == "engine" and target_gguf is None:
+        raise ValueError("[train_drafter] continuations='engine' needs the target's GGUF (target_gguf)")
+    if target_gguf is not None and not Path(target_gguf).is_file():
+        raise ValueError(f"[train_drafter] target GGUF '{target_gguf}' does not exist")
     files = check_request(target_dir, data, target_layer_ids)
     from tokenizers import Tokenizer
 
@@ -77,14 +105,23 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = text_prompts(files, tok, n_prompts, prompt_tokens, seed=train_kwargs.get("seed", 0))
-    result = train_drafter(target_dir, out_dir, prompts=prompts, max_new_tokens=max_new_tokens,
-                           target_layer_ids=target_layer_ids, **train_kwargs)
+    t0 = time.perf_counter()
+    if continuations == "engine":
+        seqs = engine_continuations(target_gguf, prompts, max_new_tokens, n_threads=engine_threads)
+        result = train_drafter(target_dir, out_dir, sequences=seqs, sequence_prompt_lengths=[len(p) for p in prompts],
+                               max_new_tokens=max_new_tokens, target_layer_ids=target_layer_ids, **train_kwargs)
+    else:
+        result = train_drafter(target_dir, out_dir, prompts=prompts, max_new_tokens=max_new_tokens,
+                               target_layer_ids=target_layer_ids, **train_kwargs)
     recipe = json.loads(Path(result.recipe).read_text())
     recipe.update(acceptance_before=result.acceptance_before, acceptance_after=result.acceptance_after,
-                  final_loss=result.losses[-1] if result.losses else None)
+                  final_loss=result.losses[-1] if result.losses else None, continuations=continuations,
+                  n_prompts=n_prompts, prompt_tokens=prompt_tokens, pipeline_seconds=time.perf_counter() - t0)
     if out_gguf is not None:
         from ..convert_dflash import convert_dflash_to_gguf
 
         convert_dflash_to_gguf(out_dir, out_gguf, outtype=outtype, target_gguf=target_gguf)
         recipe["gguf"] = str(out_gguf)
+    with open(Path(out_dir) / "recipe.json", "w", encoding="utf-8") as f:
+        json.dump(recipe, f, indent=2)
     return recipe
