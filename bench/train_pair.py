@@ -45,8 +45,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--target-lr", type=float, default=2e-3)
-    ap.add_argument("--drafter-steps", type=int, default=1500)
-    ap.add_argument("--drafter-prompts", type=int, default=512)
+    ap.add_argument("--drafter-steps", type=int, default=2500)
+    ap.add_argument("--drafter-prompts", type=int, default=1536)
     ap.add_argument("--drafter-new-tokens", type=int, default=96)
     ap.add_argument("--drafter-taps", default="1,3,5,6", help="target layers the drafter reads (HF ids)")
     ap.add_argument("--drafter-layers", type=int, default=1)
@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training and engine threads")
+    ap.add_argument("--reuse-target", action="store_true",
+                    help="take the tokenizer and target already in --out (a finished run) and train only the drafter")
     ap.add_argument("--install", type=Path, default=None,
                     help="copy the pair and its recipes here as default-{target,drafter}-OUTTYPE.gguf")
     ap.add_argument("--json", type=Path, default=None)
@@ -65,16 +67,21 @@ def main():
     t_start = time.perf_counter()
     times = {}
 
-    t0 = time.perf_counter()
-    tok_dir = train_tokenizer(a.out / "tokenizer", vocab_size=4096)
-    times["tokenizer_s"] = time.perf_counter() - t0
+    if a.reuse_target:
+        target_dir = a.out / "target"
+        target_recipe = json.loads((target_dir / "recipe.json").read_text())
+        times.update(tokenizer_s=0.0, target_s=target_recipe["results"]["wall_s"])
+    else:
+        t0 = time.perf_counter()
+        tok_dir = train_tokenizer(a.out / "tokenizer", vocab_size=4096)
+        times["tokenizer_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    target_dir = train_target(a.out / "target", tokenizer_dir=tok_dir, steps=a.target_steps, seq_len=a.seq_len,
-                              batch_size=a.batch, lr=a.target_lr, n_threads=a.threads,
-                              eval_every=max(a.target_steps // 4, 1), log_every=10)
-    times["target_s"] = time.perf_counter() - t0
-    target_recipe = json.loads((Path(target_dir) / "recipe.json").read_text())
+        t0 = time.perf_counter()
+        target_dir = train_target(a.out / "target", tokenizer_dir=tok_dir, steps=a.target_steps, seq_len=a.seq_len,
+                                  batch_size=a.batch, lr=a.target_lr, n_threads=a.threads,
+                                  eval_every=max(a.target_steps // 4, 1), log_every=10)
+        times["target_s"] = time.perf_counter() - t0
+        target_recipe = json.loads((Path(target_dir) / "recipe.json").read_text())
     target_gguf = dn.convert_hf_to_gguf(target_dir, a.out / f"target-{a.outtype}.gguf", outtype=a.outtype)
     drafter_gguf = a.out / f"drafter-{a.outtype}.gguf"
 
@@ -113,7 +120,6 @@ def main():
         shutil.copy(drafter_gguf, a.install / f"default-drafter-{a.outtype}.gguf")
         shutil.copy(Path(target_dir) / "recipe.json", a.install / "default-target-recipe.json")
         shutil.copy(a.out / "drafter" / "recipe.json", a.install / "default-drafter-recipe.json")
-        (a.install / "default-pair-eval.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -275,16 +275,20 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<spec_session>(m, "Spec")
         .def(py::init([](target_session & t, const std::string & drafter, int64_t block_size, int64_t ring_capacity,
-                         int64_t window) {
+                         int64_t window, float draft_cutoff) {
                  spec_params p;
                  p.block_size = block_size;
                  p.ring_capacity = ring_capacity;
                  p.window = window;
+                 p.draft_cutoff = draft_cutoff;
                  py::gil_scoped_release release;
                  return std::make_unique<spec_session>(t, drafter, p);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("ring_capacity") = 4096,
-             py::arg("window") = 0, py::keep_alive<1, 2>())
+             py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f, py::keep_alive<1, 2>())
+        .def_property("draft_cutoff", [](spec_session & s) { return s.params().draft_cutoff; },
+                      &spec_session::set_draft_cutoff,
+                      "Verify drafts only while the product of the drafter's top-1 probabilities >= this (0: all)")
         .def_property_readonly("block_size", &spec_session::block_size)
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
@@ -357,6 +361,7 @@ PYBIND11_MODULE(_core, m) {
                 d["draft_s"] = r.draft_s;
                 d["verify_s"] = r.verify_s;
                 d["rollback_s"] = r.rollback_s;
+                d["n_verified"] = r.n_verified;
                 return d;
             },
             py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),

@@ -25,10 +25,16 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     DFN_REQUIRE(params.ring_capacity >= block_size_, "engine", "feature_ring_capacity ", params.ring_capacity,
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
+    set_draft_cutoff(params.draft_cutoff);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
     drafter_->load_weights(target.buffer_type());
     ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, target.buffer_type());
+}
+
+void spec_session::set_draft_cutoff(float c) {
+    DFN_REQUIRE(std::isfinite(c) && c >= 0.0f && c <= 1.0f, "engine", "draft_cutoff must be in [0, 1], got ", c);
+    params_.draft_cutoff = c;
 }
 
 void spec_session::reset() {
@@ -161,24 +167,45 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
         });
 }
 
+std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {
+    const int64_t n_vocab = target_.hparams().n_vocab;
+    std::vector<float> logits = draft_logits(last, B);  // [B-1, n_vocab]
+    std::vector<int32_t> out;
+    double p_all = 1.0;
+    for (int64_t i = 0; i + 1 < B; ++i) {
+        const float * row = logits.data() + i * n_vocab;
+        const int64_t a = std::max_element(row, row + n_vocab) - row;  // the first maximum, as ggml_argmax
+        double z = 0.0;
+        for (int64_t j = 0; j < n_vocab; ++j) z += std::exp((double) row[j] - row[a]);
+        p_all /= z;  // top-1 probability = 1 / sum_j exp(l_j - l_max)
+        if (p_all < params_.draft_cutoff) break;
+        out.push_back((int32_t) a);
+    }
+    return out;
+}
+
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
     round_result r;
     const double t0 = now_s();
-    r.draft = draft(last, B);
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        draft(last, B);  // the drafter runs as in a real round
         r.draft = *forced_draft;
+    } else {
+        r.draft = params_.draft_cutoff > 0.0f ? draft_with_cut(last, B) : draft(last, B);
     }
     const double t1 = now_s();
 
-    std::vector<int32_t> input(B);
+    const int64_t L = (int64_t) r.draft.size() + 1;  // verified tokens: `last` + the drafts
+    std::vector<int32_t> input(L);
     input[0] = last;
     std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
     const int64_t n_past0 = target_.n_past();
-    decode_result v = target_.verify(input.data(), B, drafter_->hparams().tap_layers, /*argmax_only=*/true);
+    decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     const double t2 = now_s();
+    r.n_verified = L;
 
-    r.committed = accept_prefix(r.draft.data(), B - 1, v.argmax.data(), B);
+    r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
     push_features(v.taps.data(), n_keep, n_past0);

@@ -14,11 +14,17 @@ struct spec_params {
     int64_t block_size = 0;           // B: verified tokens per round; 0 = the drafter's block_size
     int64_t ring_capacity = 4096;     // feature ring positions
     int64_t window = 0;               // drafter attention window in positions; 0 = whole ring
+    // Confidence cut: verify the drafts d_1..d_k only while the product of the drafter's top-1
+    // probabilities p(d_1)...p(d_k) stays >= draft_cutoff (0 = always verify all B-1). On a
+    // compute-bound device every verified token costs time, and a draft the drafter itself doubts
+    // is rarely accepted; the output is the same either way (only target tokens are committed).
+    float draft_cutoff = 0.0f;
 };
 
 struct round_result {
     std::vector<int32_t> committed;  // accepted drafts + bonus: 1..B tokens
-    std::vector<int32_t> draft;      // d_1 .. d_{B-1} as verified
+    std::vector<int32_t> draft;      // the drafts as verified: d_1 .. d_{n_verified-1}
+    int64_t n_verified = 0;          // tokens in the verify pass: `last` + the drafts kept by the cut
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
@@ -47,10 +53,13 @@ public:
     int64_t block_size() const { return block_size_; }
     feature_ring & ring() { return *ring_; }
     const spec_params & params() const { return params_; }
+    void set_draft_cutoff(float c);
     void reset();
 
 private:
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out);
+    // d_1..d_{B-1} by argmax, cut where the running product of top-1 probabilities < draft_cutoff.
+    std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
 
     target_session & target_;
     spec_params params_;

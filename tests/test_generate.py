@@ -120,32 +120,66 @@ def test_cli_bad_target_is_clean_error(tmp_path):
     assert p.returncode == 2 and "no such file" in p.stderr
 
 
-def test_demo_runs_the_embedded_pair():
-    p = subprocess.run([sys.executable, "-m", "dflash_native", "demo", "--max-tokens", "24", "--threads", "2"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "embedded default pair" in p.stdout and "mean acceptance length" in p.stdout
-    assert "speculative output == AR output: True" in p.stdout
-
-
 def test_demo_random_runs():
     p = subprocess.run([sys.executable, "-m", "dflash_native", "demo", "--random", "--max-tokens", "8",
                         "--threads", "2"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "RANDOM weights" in p.stdout and "generated" in p.stdout
-    assert "speculative output == AR output: True" in p.stdout
+    assert "speculative output == AR output: yes" in p.stdout
 
 
 def test_default_pair_ships_and_is_exact():
-    """The trained pair is package data (so `pip install .` carries it), loads, drafts better than
-    chance, and its Q8_0 speculative output is exactly its AR output."""
+    """The trained pair is package data (so `pip install .` carries it), loads, drafts far better
+    than chance on held-out code, and its speculative output is its AR output at every block size
+    (a divergence may only come at a near-tie of the AR logits: F16 batched and single-token
+    matmuls round differently)."""
+    import numpy as np
+
     from dflash_native.cli import default_pair
+    from dflash_native.train.corpus import heldout_prompts
+    from reference.lossless import first_divergence_is_near_tie
 
     pair = default_pair()
     assert pair is not None, "dflash_native/models/default-*.gguf missing from the installed package"
-    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, block_size=16)
-    prompt = "import os\n\ndef walk(top):\n    "
-    ar = eng.generate(prompt, max_tokens=64, speculative=False)
-    sp = eng.generate(prompt, max_tokens=64)
-    assert sp.tokens == ar.tokens
-    assert sp.stats.mean_acceptance_length > 2  # measured 7.4 mean over held-out prompts (bench/README.md)
+    for B in (4, 16):
+        eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, block_size=B)
+        acc = []
+        for p in heldout_prompts(3, 96, eng, seed=1):
+            ar = eng.generate(p.text, max_tokens=64, speculative=False)
+            sp = eng.generate(p.text, max_tokens=64)
+            acc.append(sp.stats.mean_acceptance_length)
+            if sp.tokens != ar.tokens:
+                prompt = eng.tokenize(p.text)
+                logits = eng.eval(prompt + ar.tokens)[len(prompt) - 1:]
+                ok, why = first_divergence_is_near_tie(sp.tokens, ar.tokens, logits, tol=1e-2)
+                assert ok, why
+        # bench/README.md has the measured figures; chance is ~1 token per round
+        assert np.mean(acc) > (2.5 if B == 4 else 5), acc
+
+
+def test_demo_runs_the_embedded_pair():
+    """The README's main command: real speculative generation on the embedded pair."""
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "demo", "--prompts", "2", "--max-tokens", "48",
+                        "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "embedded default pair" in p.stdout and "trained here" in p.stdout
+    assert "mean acceptance length" in p.stdout and "x AR)" in p.stdout
+    assert "speculative output == AR output: yes" in p.stdout
+
+
+def test_lossless_gap_is_ar_top2_gap_at_first_divergence(eng):
+    """dflash_native.lossless (what the demo and the benches report) against a direct computation."""
+    import numpy as np
+
+    from dflash_native.lossless import NEAR_TIE, first_divergence_gap, verdict
+
+    prompt = "def f(x):"
+    ar = eng.generate(prompt, max_tokens=12, speculative=False).tokens
+    assert first_divergence_gap(eng, prompt, ar, list(ar)) is None
+    k = 5
+    other = list(ar[:k]) + [(ar[k] + 1) % eng.n_vocab] + list(ar[k + 1:])
+    logits = eng.eval(eng.tokenize(prompt) + list(ar))[len(eng.tokenize(prompt)) - 1 + k]
+    top2 = np.sort(logits)[-2:]
+    assert first_divergence_gap(eng, prompt, ar, other) == pytest.approx(float(top2[1] - top2[0]), abs=1e-3)
+    assert verdict([None, None]) == (True, "yes (2/2 identical)")
+    assert verdict([None, NEAR_TIE / 2])[0] and not verdict([None, NEAR_TIE * 2])[0]

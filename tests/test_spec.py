@@ -390,3 +390,41 @@ def test_gate_probe_measures_ar_and_stays_exact(pair):
     ar = eng.generate(PROMPT, max_tokens=30, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=30)
     assert sp.tokens == ar.tokens and sp.stats.speculative
+
+
+@pytest.mark.parametrize("cutoff", [0.02, 0.5, 1.0])
+def test_draft_cutoff_is_lossless(pair, cutoff):
+    """A confidence cut shortens the verify pass (down to `last` alone at cutoff 1) and never
+    changes the output."""
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=16, n_ctx=256, kv_type="f32", n_threads=2,
+                    draft_cutoff=cutoff)
+    ar = eng.generate(PROMPT, max_tokens=48, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=48)
+    assert sp.tokens == ar.tokens
+    assert 1.0 <= sp.stats.mean_acceptance_length <= sp.stats.mean_verified_length <= 16
+    if cutoff == 1.0:  # a top-1 probability is < 1: no draft survives
+        assert sp.stats.mean_verified_length == 1.0
+    eng.draft_cutoff = 0.0
+    full = eng.generate(PROMPT, max_tokens=48)
+    assert full.tokens == ar.tokens and full.stats.mean_verified_length == 16.0
+
+
+def test_draft_cutoff_keeps_the_confident_prefix(pair):
+    """The verified drafts are the drafter's argmax while the running product of its top-1
+    probabilities (softmax of draft_logits) stays >= the cutoff."""
+    t, s = make(pair, B=16)
+    last = s.prefill(PROMPT)
+    logits = s.draft_logits(last, 16, t).astype(np.float64)                # [15, n_vocab]
+    top1 = 1.0 / np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)
+    cum = np.cumprod(top1)
+    for k in (0, 4, 15):
+        s.prefill(PROMPT)
+        s.draft_cutoff = 0.0 if k == 15 else float(np.sqrt(cum[k - 1] * cum[k]) if k else (1 + cum[0]) / 2)
+        r = s.round(last, 16)
+        assert r["n_verified"] == k + 1
+        assert r["draft"] == [int(i) for i in logits.argmax(-1)[:k]]
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="draft_cutoff"):
+            s.draft_cutoff = bad
+        with pytest.raises(ValueError, match="draft_cutoff"):
+            dn.Engine(pair["target"], drafter=pair["drafter"], n_ctx=64, draft_cutoff=bad)

@@ -43,7 +43,7 @@ def test_train_drafter_cli_end_to_end(target, tmp_path):
     assert eng.generate(prompt, max_tokens=16).tokens == eng.generate(prompt, max_tokens=16, speculative=False).tokens
 
 
-@pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config"])
+@pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config", "no-target-gguf", "engine-no-gguf"])
 def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
     ckpt, _, data = target
     args = {"--target": ckpt, "--data": data, "--out": tmp_path / "o"}
@@ -54,11 +54,16 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
         args["--data"] = tmp_path / "empty"
     elif case == "deep-tap":
         args["--target-layer-ids"] = "0,3"
+    elif case == "no-target-gguf":
+        args["--target-gguf"] = tmp_path / "missing.gguf"
+    elif case == "engine-no-gguf":
+        args["--continuations"] = "engine"
     else:
         args["--target"] = tmp_path
     p = cli(*[x for kv in args.items() for x in kv])
     assert p.returncode == 2, p.stderr[-2000:]
     assert "error:" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "o").exists()  # nothing was trained or written
-    msg = {"no-data": "does not exist", "empty-data": "is empty", "deep-tap": "not a tap layer", "no-config": "no config.json"}
+    msg = {"no-data": "does not exist", "empty-data": "is empty", "deep-tap": "not a tap layer", "no-config": "no config.json",
+           "no-target-gguf": "missing.gguf' does not exist", "engine-no-gguf": "needs the target's GGUF"}
     assert msg[case] in p.stderr

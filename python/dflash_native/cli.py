@@ -67,16 +67,39 @@ def _cmd_train_drafter(a) -> int:
     recipe = pipeline.run(a.target, a.data, a.out, n_prompts=a.prompts, prompt_tokens=a.prompt_tokens,
                           max_new_tokens=a.max_new_tokens, target_layer_ids=layers, target_gguf=a.target_gguf,
                           out_gguf=a.gguf, outtype=a.outtype, num_layers=a.layers, block_size=a.block_size,
-                          steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every)
+                          steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every,
+                          seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors_per_seq,
+                          continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
     return 0
 
 
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
 def default_pair() -> tuple[Path, Path] | None:
     """The small trained target + drafter that ship with the package (see models/*-recipe.json)."""
-    d = Path(__file__).resolve().parent / "models"
-    t, dr = d / "default-target-q8_0.gguf", d / "default-drafter-q8_0.gguf"
-    return (t, dr) if t.is_file() and dr.is_file() else None
+    for kind in ("f16", "q8_0", "f32"):
+        t, dr = MODELS_DIR / f"default-target-{kind}.gguf", MODELS_DIR / f"default-drafter-{kind}.gguf"
+        if t.is_file() and dr.is_file():
+            return t, dr
+    return None
+
+
+def _pair_description() -> str:
+    """One paragraph on the embedded pair, from its recipes."""
+    try:
+        t = json.loads((MODELS_DIR / "default-target-recipe.json").read_text())
+        d = json.loads((MODELS_DIR / "default-drafter-recipe.json").read_text())
+        n_params = t["model"]["n_params"] / 1e6
+        n_tok = t["train"]["n_tokens_seen"] / 1e6
+        minutes = t["results"]["wall_s"] / 60
+        return (f"a {n_params:.0f}M-parameter Qwen3.5-architecture hybrid target (GDN + attention layers) trained here "
+                f"from scratch for {minutes:.0f} minutes ({n_tok:.1f}M tokens of the Python standard library), and a "
+                f"{d['num_layers']}-layer DFlash drafter (block {d['block_size']}, taps {d['target_layer_ids']}) "
+                f"trained on its greedy continuations; recipes in dflash_native/models/")
+    except (OSError, KeyError, ValueError):
+        return "a small trained target and its DFlash drafter (dflash_native/models/)"
 
 
 def _cmd_demo(a) -> int:
@@ -86,28 +109,45 @@ def _cmd_demo(a) -> int:
     if pair is None or a.random:
         return _demo_random(a)
     target, drafter = pair
-    print("[dflash-native demo] The embedded default pair: a 12M-parameter Qwen3.5-architecture hybrid target\n"
-          "(GDN + attention) trained here for ~17 minutes on the Python standard library, and a 1-layer DFlash\n"
-          "drafter trained on its greedy continuations (recipes in dflash_native/models/). Greedy AR vs DFlash:",
-          flush=True)
+    print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
     eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size)
-    ar = eng.generate(a.prompt, max_tokens=a.max_tokens, speculative=False)
-    sp = eng.generate(a.prompt, max_tokens=a.max_tokens)
-    return _demo_report(eng, a.prompt, ar, sp)
+    if a.prompt is not None:
+        prompts = [a.prompt]
+    else:  # code prompts from standard-library files the pair never trained on
+        from .train.corpus import heldout_prompts
+
+        prompts = [p.text for p in heldout_prompts(a.prompts, 96, eng, seed=0)]
+    eng.generate(prompts[0], max_tokens=8)  # warm-up: graph plans
+    runs = [(eng.generate(p, max_tokens=a.max_tokens, speculative=False), eng.generate(p, max_tokens=a.max_tokens))
+            for p in prompts]
+    return _demo_report(eng, prompts, runs)
 
 
-def _demo_report(eng, prompt, ar, sp) -> int:
+def _demo_report(eng, prompts, runs) -> int:
     print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}")
-    print(f"prompt: {prompt!r}")
-    print(f"output: {sp.text!r}")
-    s, t = ar.stats, sp.stats
-    print(f"AR:          {s.n_prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s; "
-          f"{s.n_generated} generated, decode {s.decode_tok_s:.1f} tok/s")
-    print(f"speculative: {t.rounds} rounds, mean acceptance length {t.mean_acceptance_length:.2f} of {t.block_size}, "
-          f"decode {t.decode_tok_s:.1f} tok/s ({t.decode_tok_s / max(s.decode_tok_s, 1e-9):.2f}x AR)")
-    same = sp.tokens == ar.tokens
-    print(f"speculative output == AR output: {same}")
-    return 0 if same else 1
+    print(f"prompt 1 of {len(prompts)}: {prompts[0]!r}")
+    print(f"output: {runs[0][1].text!r}")
+    n_prompt = sum(ar.stats.n_prompt_tokens for ar, _ in runs)
+    prefill_s = sum(ar.stats.prefill_s for ar, _ in runs)
+    n_ar = sum(max(ar.stats.n_generated - 1, 0) for ar, _ in runs)
+    ar_s = sum(ar.stats.decode_s for ar, _ in runs)
+    n_sp = sum(max(sp.stats.n_generated - 1, 0) for _, sp in runs)
+    sp_s = sum(sp.stats.decode_s for _, sp in runs)
+    rounds = sum(sp.stats.rounds for _, sp in runs)
+    committed = sum(sum(k * c for k, c in enumerate(sp.stats.acceptance_histogram)) for _, sp in runs)
+    ar_tok_s, sp_tok_s = n_ar / max(ar_s, 1e-9), n_sp / max(sp_s, 1e-9)
+    print(f"AR:          {n_prompt} prompt tokens, prefill {n_prompt / max(prefill_s, 1e-9):.1f} tok/s; "
+          f"{sum(ar.stats.n_generated for ar, _ in runs)} generated, decode {ar_tok_s:.1f} tok/s")
+    print(f"speculative: {rounds} rounds, mean acceptance length {committed / max(rounds, 1):.2f} of "
+          f"{eng.block_size}, decode {sp_tok_s:.1f} tok/s ({sp_tok_s / max(ar_tok_s, 1e-9):.2f}x AR)")
+    from .lossless import first_divergence_gap, verdict
+
+    ok, text = verdict([first_divergence_gap(eng, p, ar.tokens, sp.tokens) for p, (ar, sp) in zip(prompts, runs)])
+    print(f"speculative output == AR output: {text}")
+    return 0 if ok else 1
+
+
+RANDOM_DEMO_PROMPT = "def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split the extension from a pathname."
 
 
 def _demo_random(a) -> int:
@@ -126,9 +166,10 @@ def _demo_random(a) -> int:
         drafter = make_random_drafter_gguf(Path(tmp) / "demo-drafter.gguf", ckpt, outtype=a.outtype, seed=a.seed + 1,
                                            block_size=8, target_gguf=target)
         eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads)
-        ar = eng.generate(a.prompt, max_tokens=a.max_tokens, speculative=False)
-        sp = eng.generate(a.prompt, max_tokens=a.max_tokens)
-        return _demo_report(eng, a.prompt, ar, sp)
+        prompt = a.prompt or RANDOM_DEMO_PROMPT
+        runs = [(eng.generate(prompt, max_tokens=a.max_tokens, speculative=False),
+                 eng.generate(prompt, max_tokens=a.max_tokens))]
+        return _demo_report(eng, [prompt], runs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,13 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, help="text: a directory, a file (default: the Python standard library)")
     t.add_argument("--out", required=True, help="output directory for the drafter checkpoint")
     t.add_argument("--gguf", default=None, help="also convert the drafter to this GGUF")
-    t.add_argument("--target-gguf", default=None, help="the target's GGUF (checks the pair, copies the tokenizer)")
+    t.add_argument("--target-gguf", default=None, help="the target's GGUF: checks the pair, copies the tokenizer, "
+                   "and generates the training continuations with our engine")
+    t.add_argument("--continuations", default=None, choices=["engine", "torch"],
+                   help="who continues the prompts greedily (default: engine when --target-gguf is given)")
     t.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
     t.add_argument("--layers", type=int, default=1, help="drafter layers")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
+    t.add_argument("--anchors-per-seq", type=int, default=16, help="random block anchors per sequence per step")
     t.add_argument("--prompts", type=int, default=64)
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--max-new-tokens", type=int, default=64)
@@ -185,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train_drafter)
 
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
-    d.add_argument("--prompt", default="def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split the extension from a pathname.")
-    d.add_argument("--max-tokens", type=int, default=96)
-    d.add_argument("--block-size", type=int, default=4)
+    d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
+    d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt)")
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])

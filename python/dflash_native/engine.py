@@ -30,6 +30,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rollback_s: float = 0.0
+    verified_tokens: int = 0  # tokens through the verify passes (B per round without a draft_cutoff)
     gated_at: int = -1  # with Engine(gate=True): tokens generated when the gate switched to AR, else -1
 
     @property
@@ -37,6 +38,12 @@ class GenerationStats:
         """Committed tokens per round (accepted drafts + bonus), 1..B."""
         n = sum(self.acceptance_histogram)
         return sum(k * c for k, c in enumerate(self.acceptance_histogram)) / n if n else 0.0
+
+    @property
+    def mean_verified_length(self) -> float:
+        """Tokens per verify pass (`last` + the drafts kept by the draft_cutoff), 1..B."""
+        n = sum(self.acceptance_histogram)
+        return self.verified_tokens / n if n else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -53,6 +60,7 @@ class GenerationStats:
         d["prefill_tok_s"] = self.prefill_tok_s
         d["decode_tok_s"] = self.decode_tok_s
         d["mean_acceptance_length"] = self.mean_acceptance_length
+        d["mean_verified_length"] = self.mean_verified_length
         return d
 
 
@@ -98,13 +106,19 @@ class Engine:
         device: str = "cpu",
         rollback: str = "tape",
         gate: bool = False,
+        draft_cutoff: float = 0.0,
     ):
         """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
         benchmarks compare against (per-token state snapshots; re-running the kept tokens).
 
         gate: measure AR speed once per request (one exact AR step) and, after GATE_MIN_ROUNDS
         rounds, finish the request in AR when speculation commits tokens more slowly than AR
-        (output is the same either way; only speed changes)."""
+        (output is the same either way; only speed changes).
+
+        draft_cutoff: verify a round's drafts d_1..d_k only while the product of the drafter's
+        top-1 probabilities stays >= draft_cutoff (0: verify all B-1). Where verify cost grows
+        with the block (CPUs), cutting doubtful drafts saves more than it loses; the output is the
+        same. Settable later as `engine.draft_cutoff`."""
         path = Path(target)
         if not path.exists():
             raise ValueError(f"[load_gguf] no such file: '{path}'")
@@ -118,6 +132,8 @@ class Engine:
             raise ValueError(f"[engine] drafter_window must be a positive int or None, got {drafter_window!r}")
         if not isinstance(feature_ring_capacity, int) or feature_ring_capacity < 1:
             raise ValueError(f"[engine] feature_ring_capacity must be a positive int, got {feature_ring_capacity!r}")
+        if not isinstance(draft_cutoff, (int, float)) or not 0.0 <= float(draft_cutoff) <= 1.0:
+            raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {draft_cutoff!r}")
         if drafter is not None and not Path(drafter).exists():
             raise ValueError(f"[load_gguf] no such drafter file: '{drafter}'")
         self.path = path
@@ -131,7 +147,8 @@ class Engine:
         self._spec = None
         if drafter is not None:
             self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
-                                    ring_capacity=feature_ring_capacity, window=drafter_window or 0)
+                                    ring_capacity=feature_ring_capacity, window=drafter_window or 0,
+                                    draft_cutoff=float(draft_cutoff))
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(path)
         except ValueError:
@@ -171,6 +188,20 @@ class Engine:
     def block_size(self) -> int:
         """Tokens verified per speculative round (0 without a drafter)."""
         return self._spec.block_size if self._spec is not None else 0
+
+    @property
+    def draft_cutoff(self) -> float:
+        """See __init__: the confidence cut on a round's drafts (0 = verify all)."""
+        return self._spec.draft_cutoff if self._spec is not None else 0.0
+
+    @draft_cutoff.setter
+    def draft_cutoff(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {value!r}")
+        if self._spec is None:
+            raise ValueError("[engine] draft_cutoff needs a drafter")
+        with self._lock:
+            self._spec.draft_cutoff = float(value)
 
     # ---- text -------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
@@ -323,6 +354,7 @@ class Engine:
                             stats.draft_s += r["draft_s"]
                             stats.verify_s += r["verify_s"]
                             stats.rollback_s += r["rollback_s"]
+                            stats.verified_tokens += r["n_verified"]
                             spec_tokens += len(committed)
                             spec_s += time.perf_counter() - t0
                             if (self.gate and sum(hist) >= GATE_MIN_ROUNDS and
