@@ -105,15 +105,16 @@ def git_rev() -> str:
         return "unknown"
 
 
-def heldout_eval(target, drafter, blocks, *, n_prompts: int = 16, prompt_tokens: int = 96, gen: int = 128,
-                 threads: int = 2, seed: int = 0, label: str = "pair") -> list[dict]:
+def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16, prompt_tokens: int = 96,
+                 gen: int = 128, threads: int = 2, seed: int = 0, label: str = "pair") -> list[dict]:
     """Greedy AR vs DFlash on held-out code prompts (train/corpus.heldout_prompts: stdlib files
-    never trained on), on one engine per block size, AR and speculative alternating per prompt.
-    Prints a table; returns one row per block size. tok/s counts the tokens after the first
-    (which comes from the prefill) over decode time. "spec == AR" is the lossless rule: the
-    prompts whose speculative output is identical to AR's, and for the others the top-2 logit gap
-    of AR's logits where they first differ (F16/F32 batched and single-token matmuls round
-    differently, so a divergence is only allowed at a near-tie: dflash_native.lossless)."""
+    never trained on), one engine per block size; per prompt AR runs, then DFlash at each
+    `cutoffs` value (Engine.draft_cutoff), side by side. Prints a table; returns one row per
+    (block size, cutoff). tok/s counts the tokens after the first (which comes from the
+    prefill) over decode time. "spec == AR" is the lossless rule: the prompts whose speculative
+    output is identical to AR's, and for the others the top-2 logit gap of AR's logits where they
+    first differ (F16/F32 batched and single-token matmuls round differently, so a divergence is
+    only allowed at a near-tie: dflash_native.lossless)."""
     import numpy as np
 
     import dflash_native as dn
@@ -121,45 +122,54 @@ def heldout_eval(target, drafter, blocks, *, n_prompts: int = 16, prompt_tokens:
     from dflash_native.train import corpus
 
     rows = []
-    print(f"| B | mean acceptance length | AR tok/s | DFlash tok/s | speedup | draft ms | verify ms | rollback ms "
-          f"| other ms | rounds | spec == AR |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| B | cutoff | mean acceptance length | mean verified | AR tok/s | DFlash tok/s | speedup | draft ms "
+          "| verify ms | rollback ms | other ms | rounds | spec == AR |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
         eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
                         n_threads=threads)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
         eng.generate(prompts[0].text, max_tokens=16, speculative=False)  # warm-up (graph plans, caches)
         eng.generate(prompts[0].text, max_tokens=16)
-        acc, gaps = [], []
-        t = dict(ar=0.0, sp=0.0, n_ar=0, n_sp=0, draft=0.0, verify=0.0, rollback=0.0, rounds=0)
+        ar_s, n_ar = 0.0, 0
+        per = {c: dict(acc=[], ver=[], gaps=[], sp=0.0, n_sp=0, draft=0.0, verify=0.0, rollback=0.0, rounds=0)
+               for c in cutoffs}
         for p in prompts:
+            eng.draft_cutoff = 0.0
             ar = eng.generate(p.text, max_tokens=gen, speculative=False)
-            sp = eng.generate(p.text, max_tokens=gen)
-            gaps.append(first_divergence_gap(eng, p.text, ar.tokens, sp.tokens))
-            s = sp.stats
-            acc.append(s.mean_acceptance_length)
-            t["ar"] += ar.stats.decode_s
-            t["n_ar"] += max(ar.stats.n_generated - 1, 0)
-            t["sp"] += s.decode_s
-            t["n_sp"] += max(s.n_generated - 1, 0)
-            t["draft"] += s.draft_s
-            t["verify"] += s.verify_s
-            t["rollback"] += s.rollback_s
-            t["rounds"] += s.rounds
-        R = max(t["rounds"], 1)
-        ar_tok_s, sp_tok_s = t["n_ar"] / t["ar"], t["n_sp"] / t["sp"]
-        other = (t["sp"] - t["draft"] - t["verify"] - t["rollback"]) / R
-        row = {"bench": "spec_e2e_heldout", "pair": label, "B": B, "mean_acceptance_length": float(np.mean(acc)),
-               "ar_tok_s": ar_tok_s, "spec_tok_s": sp_tok_s, "speedup": sp_tok_s / ar_tok_s,
-               "draft_ms_per_round": 1e3 * t["draft"] / R, "verify_ms_per_round": 1e3 * t["verify"] / R,
-               "rollback_ms_per_round": 1e3 * t["rollback"] / R, "other_ms_per_round": 1e3 * other,
-               "rounds": t["rounds"], "spec_identical_prompts": gaps.count(None), "divergence_gaps": gaps,
-               "lossless": verdict(gaps)[0], "prompts": len(prompts),
-               "prompt_tokens": prompt_tokens, "gen": gen, "threads": threads,
-               "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(), "rev": git_rev()}
-        print(f"| {B} | {row['mean_acceptance_length']:.2f} | {ar_tok_s:.1f} | {sp_tok_s:.1f} | "
-              f"{row['speedup']:.2f}x | {row['draft_ms_per_round']:.2f} | {row['verify_ms_per_round']:.2f} | "
-              f"{row['rollback_ms_per_round']:.2f} | {row['other_ms_per_round']:.2f} | {t['rounds']} | "
-              f"{verdict(gaps)[1]} |", flush=True)
-        rows.append(row)
+            ar_s += ar.stats.decode_s
+            n_ar += max(ar.stats.n_generated - 1, 0)
+            for c, t in per.items():
+                eng.draft_cutoff = c
+                sp = eng.generate(p.text, max_tokens=gen)
+                s = sp.stats
+                t["gaps"].append(first_divergence_gap(eng, p.text, ar.tokens, sp.tokens))
+                t["acc"].append(s.mean_acceptance_length)
+                t["ver"].append(s.mean_verified_length)
+                t["sp"] += s.decode_s
+                t["n_sp"] += max(s.n_generated - 1, 0)
+                for k in ("draft", "verify", "rollback"):
+                    t[k] += getattr(s, k + "_s")
+                t["rounds"] += s.rounds
+        ar_tok_s = n_ar / ar_s
+        for c, t in per.items():
+            R = max(t["rounds"], 1)
+            sp_tok_s = t["n_sp"] / t["sp"]
+            other = (t["sp"] - t["draft"] - t["verify"] - t["rollback"]) / R
+            ok, cell = verdict(t["gaps"])
+            row = {"bench": "spec_e2e_heldout", "pair": label, "B": B, "draft_cutoff": c,
+                   "mean_acceptance_length": float(np.mean(t["acc"])), "mean_verified_length": float(np.mean(t["ver"])),
+                   "ar_tok_s": ar_tok_s, "spec_tok_s": sp_tok_s, "speedup": sp_tok_s / ar_tok_s,
+                   "draft_ms_per_round": 1e3 * t["draft"] / R, "verify_ms_per_round": 1e3 * t["verify"] / R,
+                   "rollback_ms_per_round": 1e3 * t["rollback"] / R, "other_ms_per_round": 1e3 * other,
+                   "rounds": t["rounds"], "spec_identical_prompts": t["gaps"].count(None),
+                   "divergence_gaps": t["gaps"], "lossless": ok, "prompts": len(prompts),
+                   "prompt_tokens": prompt_tokens, "gen": gen, "threads": threads,
+                   "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(),
+                   "rev": git_rev()}
+            print(f"| {B} | {c:g} | {row['mean_acceptance_length']:.2f} | {row['mean_verified_length']:.2f} | "
+                  f"{ar_tok_s:.1f} | {sp_tok_s:.1f} | {row['speedup']:.2f}x | {row['draft_ms_per_round']:.2f} | "
+                  f"{row['verify_ms_per_round']:.2f} | {row['rollback_ms_per_round']:.2f} | "
+                  f"{row['other_ms_per_round']:.2f} | {t['rounds']} | {cell} |", flush=True)
+            rows.append(row)
     return rows

@@ -42,7 +42,9 @@ def main_pair(a) -> None:
     gen = a.gen if a.gen != 48 else 128
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
           f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated; rev {git_rev()}")
-    write_jsonl(a.json, heldout_eval(target, drafter, blocks, n_prompts=a.prompts, gen=gen, threads=a.threads))
+    cutoffs = [float(c) for c in a.cutoffs.split(",")]
+    write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
+                                     threads=a.threads))
 
 
 def main():
@@ -62,6 +64,7 @@ def main():
     ap.add_argument("--target", type=Path, default=None, help="--pair: target GGUF (default: the embedded one)")
     ap.add_argument("--drafter", type=Path, default=None, help="--pair: drafter GGUF (default: the embedded one)")
     ap.add_argument("--prompts", type=int, default=16, help="--pair: held-out prompts")
+    ap.add_argument("--cutoffs", default="0", help="--pair: Engine.draft_cutoff values, side by side")
     a = ap.parse_args()
     if a.pair:
         return main_pair(a)
