@@ -110,7 +110,8 @@ def _cmd_demo(a) -> int:
         return _demo_random(a)
     target, drafter = pair
     print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
-    eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size)
+    eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
+                 draft_cutoff=a.draft_cutoff)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:  # code prompts from standard-library files the pair never trained on
@@ -124,7 +125,8 @@ def _cmd_demo(a) -> int:
 
 
 def _demo_report(eng, prompts, runs) -> int:
-    print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}")
+    print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}, "
+          f"draft cutoff: {eng.draft_cutoff:g}")
     print(f"prompt 1 of {len(prompts)}: {prompts[0]!r}")
     print(f"output: {runs[0][1].text!r}")
     n_prompt = sum(ar.stats.n_prompt_tokens for ar, _ in runs)
@@ -138,8 +140,10 @@ def _demo_report(eng, prompts, runs) -> int:
     ar_tok_s, sp_tok_s = n_ar / max(ar_s, 1e-9), n_sp / max(sp_s, 1e-9)
     print(f"AR:          {n_prompt} prompt tokens, prefill {n_prompt / max(prefill_s, 1e-9):.1f} tok/s; "
           f"{sum(ar.stats.n_generated for ar, _ in runs)} generated, decode {ar_tok_s:.1f} tok/s")
+    verified = sum(sp.stats.verified_tokens for _, sp in runs)
     print(f"speculative: {rounds} rounds, mean acceptance length {committed / max(rounds, 1):.2f} of "
-          f"{eng.block_size}, decode {sp_tok_s:.1f} tok/s ({sp_tok_s / max(ar_tok_s, 1e-9):.2f}x AR)")
+          f"{eng.block_size} ({verified / max(rounds, 1):.2f} verified), decode {sp_tok_s:.1f} tok/s "
+          f"({sp_tok_s / max(ar_tok_s, 1e-9):.2f}x AR)")
     from .lossless import first_divergence_gap, verdict
 
     ok, text = verdict([first_divergence_gap(eng, p, ar.tokens, sp.tokens) for p, (ar, sp) in zip(prompts, runs)])
@@ -235,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt)")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    d.add_argument("--draft-cutoff", type=float, default=0.1,
+                   help="verify drafts while the drafter's running top-1 probability >= this (0: all); 0.1 measured "
+                        "best for the embedded pair on 2 CPU cores (bench/README.md)")
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
