@@ -135,7 +135,6 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
         per = {c: dict(acc=[], ver=[], gaps=[], sp=0.0, n_sp=0, draft=0.0, verify=0.0, rollback=0.0, rounds=0)
                for c in cutoffs}
         for p in prompts:
-            eng.draft_cutoff = 0.0
             ar = eng.generate(p.text, max_tokens=gen, speculative=False)
             ar_s += ar.stats.decode_s
             n_ar += max(ar.stats.n_generated - 1, 0)

@@ -121,7 +121,7 @@ def test_engine_continuations_match_torch_greedy(env, trained):
 
     rng = np.random.default_rng(7)
     prompts = [PROMPT] + [[int(x) for x in rng.integers(3, 500, 9)] for _ in range(3)]
-    ours = engine_continuations(trained["target_gguf"], prompts, 24, n_threads=2)
+    ours = engine_continuations(trained["target_gguf"], prompts, 24)  # default threads
     ref = greedy_continuations(env["hf"], prompts, 24)
     n_equal = 0
     for p, a, b in zip(prompts, ours, ref):

@@ -132,8 +132,7 @@ class Engine:
             raise ValueError(f"[engine] drafter_window must be a positive int or None, got {drafter_window!r}")
         if not isinstance(feature_ring_capacity, int) or feature_ring_capacity < 1:
             raise ValueError(f"[engine] feature_ring_capacity must be a positive int, got {feature_ring_capacity!r}")
-        if not isinstance(draft_cutoff, (int, float)) or not 0.0 <= float(draft_cutoff) <= 1.0:
-            raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {draft_cutoff!r}")
+        draft_cutoff = _checked_cutoff(draft_cutoff)
         if drafter is not None and not Path(drafter).exists():
             raise ValueError(f"[load_gguf] no such drafter file: '{drafter}'")
         self.path = path
@@ -148,7 +147,7 @@ class Engine:
         if drafter is not None:
             self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
                                     ring_capacity=feature_ring_capacity, window=drafter_window or 0,
-                                    draft_cutoff=float(draft_cutoff))
+                                    draft_cutoff=draft_cutoff)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(path)
         except ValueError:
@@ -196,12 +195,11 @@ class Engine:
 
     @draft_cutoff.setter
     def draft_cutoff(self, value: float) -> None:
-        if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-            raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {value!r}")
+        value = _checked_cutoff(value)
         if self._spec is None:
             raise ValueError("[engine] draft_cutoff needs a drafter")
         with self._lock:
-            self._spec.draft_cutoff = float(value)
+            self._spec.draft_cutoff = value
 
     # ---- text -------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
@@ -380,6 +378,12 @@ class Engine:
         last = TextPiece(text[emitted:])
         last.result = GenerationResult(text=text, tokens=out, stats=stats, prompt_tokens=list(prompt))
         yield last
+
+
+def _checked_cutoff(value) -> float:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _drafter_block_size(path) -> int:

@@ -76,7 +76,7 @@ def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_
     from ..engine import Engine
 
     longest = max(len(p) for p in prompts)
-    eng = Engine(target_gguf, n_ctx=longest + max_new_tokens + 8, n_threads=n_threads or 0)
+    eng = Engine(target_gguf, n_ctx=longest + max_new_tokens + 8, n_threads=n_threads)
     out = []
     for p in prompts:
         r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False)
