@@ -106,7 +106,8 @@ def git_rev() -> str:
 
 
 def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16, prompt_tokens: int = 96,
-                 gen: int = 128, threads: int = 2, seed: int = 0, label: str = "pair") -> list[dict]:
+                 gen: int = 128, threads: int = 2, seed: int = 0, label: str = "pair",
+                 matmul: str = "own") -> list[dict]:
     """Greedy AR vs DFlash on held-out code prompts (train/corpus.heldout_prompts: stdlib files
     never trained on), one engine per block size; per prompt AR runs, then DFlash at each
     `cutoffs` value (Engine.draft_cutoff), side by side. Prints a table; returns one row per
@@ -127,7 +128,7 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
         eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
-                        n_threads=threads)
+                        n_threads=threads, matmul=matmul)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
         eng.generate(prompts[0].text, max_tokens=16, speculative=False)  # warm-up (graph plans, caches)
         eng.generate(prompts[0].text, max_tokens=16)
@@ -164,7 +165,7 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
                    "rounds": t["rounds"], "spec_identical_prompts": t["gaps"].count(None),
                    "divergence_gaps": t["gaps"], "lossless": ok, "prompts": len(prompts),
                    "prompt_tokens": prompt_tokens, "gen": gen, "threads": threads,
-                   "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(),
+                   "matmul": matmul, "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(),
                    "rev": git_rev()}
             print(f"| {B} | {c:g} | {row['mean_acceptance_length']:.2f} | {row['mean_verified_length']:.2f} | "
                   f"{ar_tok_s:.1f} | {sp_tok_s:.1f} | {row['speedup']:.2f}x | {row['draft_ms_per_round']:.2f} | "

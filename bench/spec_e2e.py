@@ -43,8 +43,10 @@ def main_pair(a) -> None:
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
           f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated; rev {git_rev()}")
     cutoffs = [float(c) for c in a.cutoffs.split(",")]
-    write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
-                                     threads=a.threads))
+    for mm in a.matmul.split(","):
+        print(f"## matmul = {mm}")
+        write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
+                                         threads=a.threads, matmul=mm))
 
 
 def main():
@@ -65,6 +67,7 @@ def main():
     ap.add_argument("--drafter", type=Path, default=None, help="--pair: drafter GGUF (default: the embedded one)")
     ap.add_argument("--prompts", type=int, default=16, help="--pair: held-out prompts")
     ap.add_argument("--cutoffs", default="0", help="--pair: Engine.draft_cutoff values, side by side")
+    ap.add_argument("--matmul", default="own", help="--pair: Engine(matmul=) values, one after the other (own,ggml)")
     a = ap.parse_args()
     if a.pair:
         return main_pair(a)

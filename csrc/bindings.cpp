@@ -1,5 +1,6 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 #include "common.h"
+#include "matmul.h"
 #include "gdn_tape.h"
 #include "verify.h"
 #ifdef DFN_CUDA
@@ -11,6 +12,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <thread>
 
 namespace py = pybind11;
 using namespace dfn;
@@ -62,6 +65,36 @@ PYBIND11_MODULE(_core, m) {
 #endif
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
+
+    m.def(
+        "matmul",
+        [](py::array W, py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string & isa,
+           int n_threads) {
+            // W [M, K] float16 or float32, x [N, K] float32 -> y [N, M] float32 (matmul.h's kernel; rows split
+            // over n_threads threads as the graph op splits them)
+            DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2, "matmul", "W and x must be 2-D");
+            const bool f16 = W.dtype().is(py::dtype("float16"));
+            DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "matmul", "W must be float16 or float32");
+            DFN_REQUIRE(W.flags() & py::array::c_style, "matmul", "W must be C-contiguous");
+            const int64_t M = W.shape(0), K = W.shape(1), N = x.shape(0);
+            DFN_REQUIRE(x.shape(1) == K, "matmul", "x has ", x.shape(1), " columns, W has ", K);
+            DFN_REQUIRE(n_threads >= 1, "matmul", "n_threads must be >= 1");
+            py::array_t<float> y({N, M});
+            const void * w = W.data();
+            const float * xp = x.data();
+            float * yp = y.mutable_data();
+            py::gil_scoped_release release;
+            std::vector<std::thread> pool;
+            for (int t = 1; t < n_threads; ++t) {
+                pool.emplace_back([=] { matmul_rows(w, f16, K, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa); });
+            }
+            matmul_rows(w, f16, K, xp, K, yp, M, K, N, 0, M / n_threads, isa);
+            for (auto & th : pool) th.join();
+            return y;
+        },
+        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1);
+    m.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
+    m.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
 
     m.def(
         "accept_prefix",
@@ -169,7 +202,8 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<target_session>(m, "Target")
         .def(py::init([](const std::string & path, int64_t n_ctx, int n_threads, const std::string & kv_type,
-                         int64_t n_batch, const std::string & device, int64_t max_verify, const std::string & rollback) {
+                         int64_t n_batch, const std::string & device, int64_t max_verify, const std::string & rollback,
+                         const std::string & matmul) {
                  session_params p;
                  p.n_ctx = n_ctx;
                  p.n_threads = n_threads;
@@ -178,18 +212,20 @@ PYBIND11_MODULE(_core, m) {
                  p.device = device;
                  p.max_verify = max_verify;
                  p.rollback = rollback;
+                 p.matmul = matmul;
                  py::gil_scoped_release release;
                  return std::make_unique<target_session>(path, p);
              }),
              py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
              py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
-             py::arg("rollback") = "tape")
+             py::arg("rollback") = "tape", py::arg("matmul") = "own")
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })
         .def_property_readonly("n_layer", [](const target_session & s) { return s.hparams().n_layer; })
         .def_property_readonly("n_ctx", [](const target_session & s) { return s.params().n_ctx; })
         .def_property_readonly("n_threads", [](const target_session & s) { return s.params().n_threads; })
+        .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul; })
         .def_property_readonly("n_past", &target_session::n_past)
         .def_property_readonly("device", &target_session::device_name)
         .def_property_readonly("layer_types", [](const target_session & s) {

@@ -1,4 +1,5 @@
 #include "graph.h"
+#include "matmul.h"
 
 #include "common.h"
 #include "gdn_tape.h"
@@ -24,9 +25,9 @@ ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) {
 }
 
 ggml_tensor * ffn_swiglu(graph_inputs & g, ggml_tensor * x, const layer_weights & w) {
-    ggml_tensor * gate = ggml_mul_mat(g.ctx, w.ffn_gate, x);  // [n_ff, n_tokens]
-    ggml_tensor * up = ggml_mul_mat(g.ctx, w.ffn_up, x);      // [n_ff, n_tokens]
-    return ggml_mul_mat(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+    ggml_tensor * gate = matmul(g.ctx, w.ffn_gate, x);  // [n_ff, n_tokens]
+    ggml_tensor * up = matmul(g.ctx, w.ffn_up, x);      // [n_ff, n_tokens]
+    return matmul(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
 }
 
 ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
@@ -62,14 +63,14 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     const int64_t n_ch = hp.ssm_conv_channels();
     const int64_t d_conv = hp.ssm_d_conv;
 
-    ggml_tensor * qkv = ggml_mul_mat(ctx, w.wqkv, x);  // [n_ch, n_tok]
-    ggml_tensor * z = ggml_mul_mat(ctx, w.wgate, x);   // [S * H_v, n_tok]
+    ggml_tensor * qkv = matmul(ctx, w.wqkv, x);  // [n_ch, n_tok]
+    ggml_tensor * z = matmul(ctx, w.wgate, x);   // [S * H_v, n_tok]
 
-    ggml_tensor * beta = ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ssm_beta, x));  // [H_v, n_tok]
+    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(ctx, w.ssm_beta, x));  // [H_v, n_tok]
     beta = ggml_reshape_4d(ctx, beta, 1, H_v, n_tok, 1);
 
     // g = softplus(alpha + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
-    ggml_tensor * alpha = ggml_mul_mat(ctx, w.ssm_alpha, x);  // [H_v, n_tok]
+    ggml_tensor * alpha = matmul(ctx, w.ssm_alpha, x);  // [H_v, n_tok]
     ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
     gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
 
@@ -127,7 +128,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);
     o = ggml_mul(ctx, rms_norm(g, o, w.ssm_norm), ggml_silu(ctx, z4));
     o = ggml_reshape_2d(ctx, o, S * H_v, n_tok);
-    return ggml_mul_mat(ctx, w.ssm_out, o);  // [n_embd, n_tok]
+    return matmul(ctx, w.ssm_out, o);  // [n_embd, n_tok]
 }
 
 }  // namespace dfn

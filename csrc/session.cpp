@@ -6,6 +6,7 @@
 #include "cuda/gdn_tape_cuda.h"
 #endif
 #include "graph.h"
+#include "matmul.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
@@ -29,6 +30,8 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
     DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
                 "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
+    DFN_REQUIRE(params.matmul == "own" || params.matmul == "ggml", "engine",
+                "matmul must be 'own' or 'ggml', got '", params.matmul, "'");
     const bool want_gpu = params.device == "gpu" || params.device == "cuda" || params.device == "metal";
     DFN_REQUIRE(want_gpu || params.device == "cpu", "engine", "unknown device '", params.device, "' (use 'cpu' or 'gpu')");
 
@@ -243,7 +246,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             if (!all_logits) {
                 hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
             }
-            logits = ggml_mul_mat(ctx, model_->output, hidden);  // [n_vocab, rows]
+            logits = matmul(ctx, model_->output, hidden);  // [n_vocab, rows]
             if (argmax_only) {
                 argmax = ggml_argmax(ctx, logits);  // I32 [rows]
                 ggml_set_output(argmax);
@@ -315,7 +318,10 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    build(ctx, gf);
+    {
+        matmul_scope own(params_.matmul == "own");
+        build(ctx, gf);
+    }
     if (shape_key != last_shape_key_) {
         if (!ggml_backend_sched_reserve(sched_.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
         last_shape_key_ = shape_key;

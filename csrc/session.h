@@ -25,6 +25,9 @@ struct session_params {
     // baselines "snapshot" (store the state after every verified token, copy one back) and
     // "redecode" (run the kept tokens through the target again).
     std::string rollback = "tape";
+    // Weight matmuls on the CPU: "own" (matmul.h: batch-invariant, so a verify pass computes
+    // each token as the AR step does; F16/F32 weights) or "ggml" (ggml_mul_mat).
+    std::string matmul = "own";
 };
 
 struct decode_result {

@@ -1,6 +1,8 @@
 #include "spec.h"
+#include "matmul.h"
 
 #include "common.h"
+#include "top1.h"
 #include "verify.h"
 
 #include <algorithm>
@@ -88,17 +90,17 @@ int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
     std::vector<int32_t> out(B - 1);
-    run_draft(last, B, out.data(), nullptr);
+    run_draft(last, B, out.data(), nullptr, nullptr);
     return out;
 }
 
 std::vector<float> spec_session::draft_logits(int32_t last, int64_t B) {
     std::vector<float> out((size_t) (B - 1) * target_.hparams().n_vocab);
-    run_draft(last, B, nullptr, out.data());
+    run_draft(last, B, nullptr, out.data(), nullptr);
     return out;
 }
 
-void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out) {
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out) {
     const drafter_hparams & dh = drafter_->hparams();
     DFN_REQUIRE(last >= 0 && last < target_.hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
     DFN_REQUIRE(B >= 2 && target_.n_past() + B <= target_.params().n_ctx, "draft", "block of ", B, " at position ",
@@ -114,9 +116,9 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     const int64_t w = dh.sliding_window;
 
     ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
-    ggml_tensor * logits = nullptr;
+    ggml_tensor * logits = nullptr, * top1 = nullptr;
     target_.run_graph(
-        cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : ":argmax"),
+        cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax"),
         [&](ggml_context * ctx, ggml_cgraph * gf) {
             tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
             pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
@@ -130,8 +132,8 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
             }
             ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
             h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
-            logits = ggml_mul_mat(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
-            ggml_tensor * res = logits_out ? logits : (am = ggml_argmax(ctx, logits));
+            logits = matmul(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
+            ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = ggml_argmax(ctx, logits));
             ggml_set_output(res);
             ggml_build_forward_expand(gf, res);
         },
@@ -164,22 +166,19 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
         [&] {
             if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
             if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
+            if (top1_out) ggml_backend_tensor_get(top1, top1_out, 0, ggml_nbytes(top1));
         });
 }
 
 std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {
-    const int64_t n_vocab = target_.hparams().n_vocab;
-    std::vector<float> logits = draft_logits(last, B);  // [B-1, n_vocab]
+    std::vector<float> top1((size_t) (B - 1) * 2);  // [B-1, (argmax, p)]
+    run_draft(last, B, nullptr, nullptr, top1.data());
     std::vector<int32_t> out;
     double p_all = 1.0;
     for (int64_t i = 0; i + 1 < B; ++i) {
-        const float * row = logits.data() + i * n_vocab;
-        const int64_t a = std::max_element(row, row + n_vocab) - row;  // the first maximum, as ggml_argmax
-        double z = 0.0;
-        for (int64_t j = 0; j < n_vocab; ++j) z += std::exp((double) row[j] - row[a]);
-        p_all /= z;  // top-1 probability = 1 / sum_j exp(l_j - l_max)
+        p_all *= top1[2 * i + 1];
         if (p_all < params_.draft_cutoff) break;
-        out.push_back((int32_t) a);
+        out.push_back((int32_t) top1[2 * i]);
     }
     return out;
 }

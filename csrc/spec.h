@@ -57,7 +57,9 @@ public:
     void reset();
 
 private:
-    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out);
+    // One drafter pass; fills whichever outputs are given: argmax_out [B-1], logits_out
+    // [B-1, n_vocab], top1_out [B-1, 2] (top1.h: argmax and its probability).
+    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr);
     // d_1..d_{B-1} by argmax, cut where the running product of top-1 probabilities < draft_cutoff.
     std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
 

@@ -2,6 +2,7 @@
 // block itself, context K/V made from fused target hidden states: RMSNorm(fc([h_l1; h_l2; ...])).
 // The block [last, MASK x (B-1)] attends to context + block without a causal mask.
 #include "../common.h"
+#include "../matmul.h"
 #include "../drafter.h"
 
 #include <cmath>
@@ -84,11 +85,11 @@ ggml_tensor * drafter_model::rope(ggml_context * ctx, ggml_tensor * x, ggml_tens
 void drafter_model::build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * feats, ggml_tensor * pos,
                                  feature_ring & ring, int64_t slot0) const {
     const int64_t m = feats->ne[1], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
-    ggml_tensor * h = norm(ctx, ggml_mul_mat(ctx, fc, feats), enc_norm);  // [n_embd, m]
+    ggml_tensor * h = norm(ctx, matmul(ctx, fc, feats), enc_norm);  // [n_embd, m]
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        ggml_tensor * K = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, h), hd, n_kv, m);
-        ggml_tensor * V = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, h), hd, n_kv, m);
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(ctx, L.wk, h), hd, n_kv, m);
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(ctx, L.wv, h), hd, n_kv, m);
         K = rope(ctx, norm(ctx, K, L.k_norm), pos);
         ggml_tensor * kd = ring.k[il], * vd = ring.v[il];
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, kd, hd, n_kv, m, kd->nb[1], kd->nb[2], slot0 * kd->nb[2])));
@@ -107,9 +108,9 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         const layer_weights & L = layers_[il];
         ggml_tensor * inp = x;
         ggml_tensor * xn = norm(ctx, x, L.attn_norm);
-        ggml_tensor * Q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, xn), hd, hp_.n_head, B);
-        ggml_tensor * K = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, xn), hd, n_kv, B);
-        ggml_tensor * V = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, xn), hd, n_kv, B);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, xn), hd, hp_.n_head, B);
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(ctx, L.wk, xn), hd, n_kv, B);
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(ctx, L.wv, xn), hd, n_kv, B);
         Q = rope(ctx, norm(ctx, Q, L.q_norm), pos);
         K = rope(ctx, norm(ctx, K, L.k_norm), pos);
 
@@ -124,10 +125,10 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
                                               layer_is_swa(il) ? mask_swa : mask, scale, 0.0f, 0.0f);
         ggml_prec_set_acc(a, GGML_PREC_F32);
         a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, B);
-        x = ggml_add(ctx, ggml_mul_mat(ctx, L.wo, a), inp);
+        x = ggml_add(ctx, matmul(ctx, L.wo, a), inp);
 
         ggml_tensor * f = norm(ctx, x, L.ffn_norm);
-        f = ggml_mul_mat(ctx, L.ffn_down, ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, f), ggml_mul_mat(ctx, L.ffn_up, f)));
+        f = matmul(ctx, L.ffn_down, ggml_swiglu_split(ctx, matmul(ctx, L.ffn_gate, f), matmul(ctx, L.ffn_up, f)));
         x = ggml_add(ctx, f, x);
     }
     (void) gf;

@@ -1,5 +1,6 @@
 // Qwen3 dense target (GGUF arch "qwen3"): pre-norm attention with q/k RMSNorm, NeoX RoPE, SwiGLU FFN.
 #include "../common.h"
+#include "../matmul.h"
 #include "../graph.h"
 #include "../model.h"
 
@@ -30,12 +31,12 @@ public:
             ggml_tensor * inp = cur;
 
             ggml_tensor * x = rms_norm(g, cur, L.attn_norm);
-            ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, x), hd, hp_.n_head, n_tok);
-            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
-            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+            ggml_tensor * q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, x), hd, hp_.n_head, n_tok);
+            ggml_tensor * k = ggml_reshape_3d(ctx, matmul(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
+            ggml_tensor * v = ggml_reshape_3d(ctx, matmul(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
             q = rope(g, rms_norm(g, q, L.q_norm));
             k = rope(g, rms_norm(g, k, L.k_norm));
-            x = ggml_mul_mat(ctx, L.wo, attention_kv(g, il, q, k, v, scale));
+            x = matmul(ctx, L.wo, attention_kv(g, il, q, k, v, scale));
             cur = ggml_add(ctx, x, inp);
 
             ggml_tensor * ffn_inp = cur;

@@ -107,6 +107,7 @@ class Engine:
         rollback: str = "tape",
         gate: bool = False,
         draft_cutoff: float = 0.0,
+        matmul: str = "own",
     ):
         """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
         benchmarks compare against (per-token state snapshots; re-running the kept tokens).
@@ -118,7 +119,11 @@ class Engine:
         draft_cutoff: verify a round's drafts d_1..d_k only while the product of the drafter's
         top-1 probabilities stays >= draft_cutoff (0: verify all B-1). Where verify cost grows
         with the block (CPUs), cutting doubtful drafts saves more than it loses; the output is the
-        same. Settable later as `engine.draft_cutoff`."""
+        same. Settable later as `engine.draft_cutoff`.
+
+        matmul: weight matmuls on the CPU. "own": the package's batch-invariant kernel (F16/F32
+        weights; other types fall back to ggml), under which a verify pass computes every token
+        bit for bit as the AR step does. "ggml": ggml_mul_mat everywhere (benchmark baseline)."""
         path = Path(target)
         if not path.exists():
             raise ValueError(f"[load_gguf] no such file: '{path}'")
@@ -142,7 +147,7 @@ class Engine:
             max_verify = block_size or _drafter_block_size(drafter)
         self._core = _core.Target(str(path), n_ctx=n_ctx, n_threads=n_threads or 0, kv_type=kv_type,
                                   n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify,
-                                  rollback=rollback)
+                                  rollback=rollback, matmul=matmul)
         self._spec = None
         if drafter is not None:
             self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,

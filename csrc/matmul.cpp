@@ -1,0 +1,229 @@
+#include "matmul.h"
+
+#include "common.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DFN_MATMUL_X86 1
+#include <immintrin.h>
+#else
+#define DFN_MATMUL_X86 0
+#endif
+
+namespace dfn {
+
+// ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
+namespace isa_portable {
+struct vec {
+    float l[16];
+};
+static inline vec vzero() { return vec{}; }
+static inline vec vload(const float * p) {
+    vec v;
+    std::memcpy(v.l, p, sizeof(v.l));
+    return v;
+}
+static inline vec vload(const uint16_t * p) {
+    vec v;
+    for (int i = 0; i < 16; ++i) v.l[i] = ggml_fp16_to_fp32(p[i]);
+    return v;
+}
+static inline vec vfma(const vec & a, const vec & b, const vec & c) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.l[i] = std::fmaf(a.l[i], b.l[i], c.l[i]);
+    return r;
+}
+static inline float vsum(const vec & v) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = v.l[i] + v.l[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+    return s2a + s2b;
+}
+#define TILE_RM 2
+#define TILE_RN 4
+#define TILE_RM1 4
+#include "matmul_tile.inc"
+#undef TILE_RM
+#undef TILE_RN
+#undef TILE_RM1
+}  // namespace isa_portable
+
+#if DFN_MATMUL_X86
+// The lane sum shared by the x86 paths: 8 + 8 lanes in, the portable tree from there.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline float sum_halves(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);                                                // i + (i + 8)
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  // i + (i + 4)
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                 // i + (i + 2)
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                         // 0 + 1
+}
+
+// ---- AVX2: two 8-lane halves per accumulator (16 ymm registers) -----------------------------
+namespace isa_avx2 {
+struct vec {
+    __m256 lo, hi;
+};
+static inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vec vload(const float * p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline vec vload(const uint16_t * p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 8)))};
+}
+static inline vec vfma(const vec & a, const vec & b, const vec & c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
+#define TILE_RM 1
+#define TILE_RN 4
+#define TILE_RM1 4
+#include "matmul_tile.inc"
+#undef TILE_RM
+#undef TILE_RN
+#undef TILE_RM1
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+// ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+// GCC 12 flags the undefined upper half inside _mm512_castps512_ps256 / _mm512_castps_pd.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace isa_avx512 {
+typedef __m512 vec;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float * p) { return _mm512_loadu_ps(p); }
+static inline vec vload(const uint16_t * p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p)); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    return sum_halves(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#define TILE_RM 3
+#define TILE_RN 8
+#define TILE_RM1 8
+#include "matmul_tile.inc"
+#undef TILE_RM
+#undef TILE_RN
+#undef TILE_RM1
+}  // namespace isa_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif  // DFN_MATMUL_X86
+
+namespace {
+
+enum class isa { portable, avx2, avx512 };
+
+isa detect() {
+#if DFN_MATMUL_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return isa::avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return isa::avx2;
+#endif
+    return isa::portable;
+}
+
+const isa k_isa = detect();
+
+template <typename TW>
+void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t K,
+              int64_t N, int64_t r0, int64_t r1) {
+    switch (which) {
+#if DFN_MATMUL_X86
+        case isa::avx512: isa_avx512::rows(W, ldw, x, ldx, y, ldy, K, N, r0, r1); return;
+        case isa::avx2: isa_avx2::rows(W, ldw, x, ldx, y, ldy, K, N, r0, r1); return;
+#endif
+        default: isa_portable::rows(W, ldw, x, ldx, y, ldy, K, N, r0, r1); return;
+    }
+}
+
+void rows_on(isa which, const void * W, bool w_f16, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy,
+             int64_t K, int64_t N, int64_t r0, int64_t r1) {
+    if (w_f16) run_rows(which, (const uint16_t *) W, ldw, x, ldx, y, ldy, K, N, r0, r1);
+    else run_rows(which, (const float *) W, ldw, x, ldx, y, ldy, K, N, r0, r1);
+}
+
+// Rows handed to a thread come in multiples of 24 (a whole number of tiles on every path), so
+// only the last thread runs single-row tails.
+constexpr int64_t k_row_unit = 24;
+
+void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * W = dst->src[0];
+    const ggml_tensor * x = dst->src[1];
+    const int64_t K = W->ne[0], M = W->ne[1], N = x->ne[1];
+    const int64_t units = (M + k_row_unit - 1) / k_row_unit;
+    const int64_t r0 = std::min(M, units * ith / nth * k_row_unit);
+    const int64_t r1 = std::min(M, units * (ith + 1) / nth * k_row_unit);
+    if (r0 >= r1) return;
+    const size_t w_el = ggml_type_size(W->type);
+    rows_on(k_isa, W->data, W->type == GGML_TYPE_F16, (int64_t) (W->nb[1] / w_el), (const float *) x->data,
+            (int64_t) (x->nb[1] / sizeof(float)), (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K, N, r0,
+            r1);
+}
+
+thread_local bool t_own_matmul = false;
+
+const char * isa_name(isa which) {
+    switch (which) {
+        case isa::avx512: return "avx512f";
+        case isa::avx2: return "avx2";
+        default: return "portable";
+    }
+}
+
+}  // namespace
+
+void matmul_rows(const void * W, bool w_f16, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy,
+                 int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which) {
+    isa use = k_isa;
+    if (!which.empty()) {
+        const std::vector<std::string> ok = matmul_isas();
+        DFN_REQUIRE(std::find(ok.begin(), ok.end(), which) != ok.end(), "matmul", "instruction set '", which,
+                    "' is not available here");
+        use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
+    }
+    rows_on(use, W, w_f16, ldw, x, ldx, y, ldy, K, N, r0, r1);
+}
+
+const char * matmul_isa() { return isa_name(k_isa); }
+
+std::vector<std::string> matmul_isas() {
+    std::vector<std::string> out;
+    for (isa i : {isa::avx512, isa::avx2, isa::portable}) {
+        if (i <= k_isa) out.push_back(isa_name(i));
+    }
+    return out;
+}
+
+bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x) {
+    if (W->type != GGML_TYPE_F16 && W->type != GGML_TYPE_F32) return false;
+    if (x->type != GGML_TYPE_F32) return false;
+    if (W->ne[0] != x->ne[0] || W->ne[2] != 1 || W->ne[3] != 1 || x->ne[2] != 1 || x->ne[3] != 1) return false;
+    if (W->nb[0] != ggml_type_size(W->type) || x->nb[0] != sizeof(float)) return false;
+    if (W->nb[1] % ggml_type_size(W->type) != 0 || x->nb[1] % sizeof(float) != 0) return false;
+    // weights in a device buffer stay with ggml (the custom op runs on the CPU)
+    if (W->buffer && !ggml_backend_buffer_is_host(W->buffer)) return false;
+    return true;
+}
+
+ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
+    ggml_tensor * args[2] = {W, x};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, args, 2, matmul_fn, GGML_N_TASKS_MAX, nullptr);
+}
+
+ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
+    if (t_own_matmul && matmul_op_supported(W, x)) return matmul_op(ctx, W, x);
+    return ggml_mul_mat(ctx, W, x);
+}
+
+matmul_scope::matmul_scope(bool own) : prev_(t_own_matmul) { t_own_matmul = own; }
+matmul_scope::~matmul_scope() { t_own_matmul = prev_; }
+
+}  // namespace dfn

@@ -1,0 +1,56 @@
+// Batch-invariant CPU matmul: y = W x for F16 / F32 weights and F32 activations.
+//
+// Every output y[n, r] is one 16-lane accumulator over k = 0, 16, 32, ... (fused multiply-add,
+// the tail zero-padded) followed by a fixed pairwise sum of the lanes. Its bits therefore do not
+// depend on the number of columns N, on the tile the output falls in, on the thread that
+// computes it, or on the instruction set (AVX-512, AVX2 and the portable path round alike).
+// That makes a verify pass over L tokens compute each token's matmuls exactly as the AR step
+// over that token alone does.
+//
+// Speed: W is converted F16 -> F32 once per tile and reused for up to 8 columns, so the cost
+// of a verify pass grows with its FLOPs, not with re-converting the weights per column (ggml's
+// small-N F16 paths convert W for every column block and round x to F16).
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+// True when matmul_op can compute W x: W F16/F32 2-D with contiguous rows in a host buffer
+// (or not yet allocated), x F32 2-D with contiguous rows, W->ne[0] == x->ne[0].
+bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x);
+
+// ggml CPU custom op: W [K, M], x [K, N] -> F32 [M, N].
+ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
+
+// What every graph builder calls for a weight matmul: matmul_op where supported and enabled,
+// else ggml_mul_mat. Enabled per thread by a matmul_scope (the session's `matmul` setting).
+ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
+
+struct matmul_scope {
+    explicit matmul_scope(bool own);
+    ~matmul_scope();
+    matmul_scope(const matmul_scope &) = delete;
+    matmul_scope & operator=(const matmul_scope &) = delete;
+
+  private:
+    bool prev_;
+};
+
+// The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
+// sum_k W[r * ldw + k] x[n * ldx + k], n < N. w_f16: W is ggml_fp16_t, else float.
+// isa: one of matmul_isas(), or empty for the one matmul_op uses.
+void matmul_rows(const void * W, bool w_f16, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy,
+                 int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "");
+
+// The instruction set matmul_op runs on this machine: "avx512f", "avx2" or "portable".
+const char * matmul_isa();
+
+// Those this machine can run, best first (tests compare them bit for bit).
+std::vector<std::string> matmul_isas();
+
+}  // namespace dfn

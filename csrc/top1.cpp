@@ -1,0 +1,69 @@
+#include "top1.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace dfn {
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define DFN_MULTIVERSION
+#endif
+
+// exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, f in [0, 1), 2^f by a degree-5 polynomial
+// (relative error ~2e-7); x below -87 gives 0.
+inline float exp_neg(float x) {
+    const float y = std::fmax(x, -87.0f) * 1.44269504f;
+    const float n = std::floor(y);
+    const float f = y - n;
+    const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
+                    f * 0.00133335581f))));
+    int32_t bits;
+    std::memcpy(&bits, &p, sizeof(bits));
+    bits += (int32_t) n * (1 << 23);
+    float r;
+    std::memcpy(&r, &bits, sizeof(r));
+    return x < -87.0f ? 0.0f : r;
+}
+
+DFN_MULTIVERSION
+float sum_exp(const float * l, int64_t n, float mx) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < n; ++j) s += exp_neg(l[j] - mx);
+    return s;
+}
+
+void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * lg = dst->src[0];
+    const int64_t V = lg->ne[0], n = lg->ne[1];
+    for (int64_t r = ith; r < n; r += nth) {
+        int64_t a;
+        float p;
+        top1_row((const float *) ((const char *) lg->data + r * lg->nb[1]), V, a, p);
+        float * out = (float *) ((char *) dst->data + r * dst->nb[1]);
+        out[0] = (float) a;
+        out[1] = p;
+    }
+}
+
+}  // namespace
+
+void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
+    int64_t a = 0;
+    for (int64_t j = 1; j < n; ++j) {
+        if (l[j] > l[a]) a = j;  // the first maximum
+    }
+    arg = a;
+    p = 1.0f / sum_exp(l, n, l[a]);
+}
+
+ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {
+    ggml_tensor * args[1] = {logits};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, 2, logits->ne[1], 1, 1, args, 1, top1_fn, GGML_N_TASKS_MAX, nullptr);
+}
+
+}  // namespace dfn

@@ -1,0 +1,19 @@
+// Top-1 of each row of logits, with its softmax probability: what draft_cutoff reads from the
+// drafter, computed in the graph instead of copying B-1 rows of n_vocab logits out.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+
+namespace dfn {
+
+// logits [n_vocab, n] -> F32 [2, n]: (argmax as a float, exactly as ggml_argmax picks it: the
+// first maximum; p = 1 / sum_j exp(l_j - l_max)). p comes from a fast exp (relative error
+// < 1e-5): it only decides how many drafts to verify, never which tokens are committed.
+ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits);
+
+// The same for one row (tests compare it against a float64 softmax).
+void top1_row(const float * l, int64_t n, int64_t & arg, float & p);
+
+}  // namespace dfn
