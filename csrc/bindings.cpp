@@ -1,6 +1,7 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 #include "common.h"
 #include "matmul.h"
+#include "top1.h"
 #include "gdn_tape.h"
 #include "verify.h"
 #ifdef DFN_CUDA
@@ -93,6 +94,18 @@ PYBIND11_MODULE(_core, m) {
             return y;
         },
         py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1);
+    m.def(
+        "top1",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
+            // logits [n, V] -> (argmax int64 [n], p float32 [n]) by top1.h's row kernel
+            DFN_REQUIRE(logits.ndim() == 2 && logits.shape(1) >= 1, "top1", "logits must be 2-D with >= 1 column");
+            const int64_t n = logits.shape(0), V = logits.shape(1);
+            py::array_t<int64_t> arg(n);
+            py::array_t<float> p(n);
+            for (int64_t r = 0; r < n; ++r) top1_row(logits.data() + r * V, V, arg.mutable_data()[r], p.mutable_data()[r]);
+            return py::make_tuple(arg, p);
+        },
+        py::arg("logits"));
     m.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     m.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
 

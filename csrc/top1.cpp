@@ -13,11 +13,11 @@ namespace {
 #define DFN_MULTIVERSION
 #endif
 
-// exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, f in [0, 1), 2^f by a degree-5 polynomial
-// (relative error ~2e-7); x below -87 gives 0.
+// exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, n the nearest integer, f in [-1/2, 1/2], 2^f by
+// its degree-5 Taylor polynomial (relative error < 3e-6); x below -87 gives 0.
 inline float exp_neg(float x) {
-    const float y = std::fmax(x, -87.0f) * 1.44269504f;
-    const float n = std::floor(y);
+    const float y = (x > -87.0f ? x : -87.0f) * 1.44269504f;
+    const float n = (y + 12582912.0f) - 12582912.0f;  // nearest integer (1.5 * 2^23 trick: vectorises)
     const float f = y - n;
     const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
                     f * 0.00133335581f))));
@@ -27,6 +27,14 @@ inline float exp_neg(float x) {
     float r;
     std::memcpy(&r, &bits, sizeof(r));
     return x < -87.0f ? 0.0f : r;
+}
+
+DFN_MULTIVERSION
+float max_of(const float * l, int64_t n) {
+    float mx = l[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < n; ++j) mx = l[j] > mx ? l[j] : mx;
+    return mx;
 }
 
 DFN_MULTIVERSION
@@ -53,12 +61,11 @@ void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
 }  // namespace
 
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
+    const float mx = max_of(l, n);
     int64_t a = 0;
-    for (int64_t j = 1; j < n; ++j) {
-        if (l[j] > l[a]) a = j;  // the first maximum
-    }
+    while (a + 1 < n && !(l[a] == mx)) ++a;  // the first maximum
     arg = a;
-    p = 1.0f / sum_exp(l, n, l[a]);
+    p = 1.0f / sum_exp(l, n, mx);
 }
 
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {

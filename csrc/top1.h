@@ -9,8 +9,8 @@
 namespace dfn {
 
 // logits [n_vocab, n] -> F32 [2, n]: (argmax as a float, exactly as ggml_argmax picks it: the
-// first maximum; p = 1 / sum_j exp(l_j - l_max)). p comes from a fast exp (relative error
-// < 1e-5): it only decides how many drafts to verify, never which tokens are committed.
+// first maximum; p = 1 / sum_j exp(l_j - l_max)). p comes from a fast exp (p within 2e-5
+// relative): it only decides how many drafts to verify, never which tokens are committed.
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits);
 
 // The same for one row (tests compare it against a float64 softmax).

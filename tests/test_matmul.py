@@ -1,0 +1,124 @@
+"""The engine's own CPU matmul (csrc/matmul.h) and top-1 op (csrc/top1.h).
+
+The matmul's contract is batch invariance: every output's bits are the same whatever the number
+of columns, the tile, the thread split and the instruction set. The engine-level consequence is
+checked too: a batch of tokens gives bit-identical logits and caches to one-token steps, so a
+verify pass computes exactly what AR decoding computes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+
+ISAS = _core.matmul_isas()
+
+
+def _case(M, K, N, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((M, K)).astype(dtype)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    return W, x
+
+
+def test_isas_listed():
+    assert _core.matmul_isa() == ISAS[0]
+    assert ISAS[-1] == "portable"
+    assert set(ISAS) <= {"avx512f", "avx2", "portable"}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("M,K", [(1, 5), (3, 16), (25, 37), (320, 320), (47, 896)])
+def test_matches_float64(dtype, M, K):
+    W, x = _case(M, K, 11, dtype)
+    ref = x.astype(np.float64) @ W.astype(np.float64).T
+    for isa in ISAS:
+        y = _core.matmul(W, x, isa)
+        assert y.shape == (11, M) and y.dtype == np.float32
+        # F32 accumulation of K products: a few ulps of the terms' magnitudes
+        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(ref).max() + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("M,K", [(29, 37), (320, 320), (100, 896)])
+def test_batch_invariant_bitwise(dtype, M, K):
+    """Any number of columns, any instruction set, any thread split: the same bits."""
+    W, x = _case(M, K, 17, dtype, seed=1)
+    full = _core.matmul(W, x, ISAS[-1])
+    for isa in ISAS:
+        for n in range(1, 18):
+            np.testing.assert_array_equal(_core.matmul(W, x[:n], isa), full[:n], err_msg=f"{isa} N={n}")
+        for i in (0, 7, 16):  # one column alone, as an AR step computes it
+            np.testing.assert_array_equal(_core.matmul(W, x[i:i + 1], isa)[0], full[i])
+        for nt in (2, 3):
+            np.testing.assert_array_equal(_core.matmul(W, x, isa, nt), full)
+
+
+def test_matmul_bad_input():
+    W, x = _case(4, 8, 2, np.float32)
+    with pytest.raises(ValueError, match="columns"):
+        _core.matmul(W, x[:, :5])
+    with pytest.raises(ValueError, match="float16 or float32"):
+        _core.matmul(W.astype(np.float64), x)
+    with pytest.raises(ValueError, match="not available|instruction set"):
+        _core.matmul(W, x, "sse9")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_batch_equals_steps_bitwise(gguf_model, arch, outtype):
+    """matmul='own': one batch of N tokens gives the same logits and caches, bit for bit, as N
+    single-token steps (attention, norms and the GDN kernel are per-token already)."""
+    eng = dn.Engine(gguf_model(arch, outtype=outtype), n_ctx=64, n_threads=2,
+                    kv_type="f32" if outtype == "f32" else "f16")
+    core = eng._core
+    assert core.matmul == "own"
+    toks = [int(t) for t in np.random.default_rng(3).integers(0, 500, 19)]
+
+    def caches():
+        return [core.gdn_state(i) if t == "gdn" else core.kv(i) for i, t in enumerate(core.layer_types)]
+
+    core.reset()
+    batch = core.decode(toks, all_logits=True)
+    c_batch = caches()
+    core.reset()
+    steps = np.concatenate([core.decode([t]) for t in toks])
+    c_steps = caches()
+    np.testing.assert_array_equal(steps, batch)
+    for a, b in zip(c_batch, c_steps):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_own_and_ggml_agree(gguf_model):
+    """The two matmul settings compute the same model (ggml rounds activations to F16 for F16
+    weights, hence the tolerance)."""
+    path = gguf_model("qwen3_5", outtype="f16")
+    toks = [int(t) for t in np.random.default_rng(4).integers(0, 500, 12)]
+    own = dn.Engine(path, n_ctx=32, n_threads=2).eval(toks)
+    ggml = dn.Engine(path, n_ctx=32, n_threads=2, matmul="ggml").eval(toks)
+    np.testing.assert_allclose(own, ggml, atol=2e-2 * np.abs(ggml).max(), rtol=0)
+
+
+def test_engine_rejects_unknown_matmul(gguf_model):
+    with pytest.raises(ValueError, match="matmul must be 'own' or 'ggml'"):
+        dn.Engine(gguf_model("qwen3"), matmul="blas")
+
+
+def test_top1_matches_float64_softmax():
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(4096) * s for s in (0.1, 1.0, 5.0, 30.0)]
+    rows.append(np.zeros(4096))                       # uniform: p = 1 / V
+    spike = np.full(4096, -50.0); spike[123] = 50.0   # one certain token: p = 1
+    rows.append(spike)
+    tie = rng.standard_normal(4096); tie[[7, 900]] = tie.max() + 1.0  # first maximum wins, as ggml_argmax
+    rows.append(tie)
+    logits = np.stack(rows).astype(np.float32)
+    arg, p = _core.top1(logits)
+    l64 = logits.astype(np.float64)
+    ref_p = 1.0 / np.exp(l64 - l64.max(axis=1, keepdims=True)).sum(axis=1)
+    np.testing.assert_array_equal(arg, np.argmax(logits, axis=1))
+    assert arg[-1] == 7
+    np.testing.assert_allclose(p, ref_p, rtol=2e-5, atol=0)
+    assert abs(p[4] - 1 / 4096) < 1e-9 and p[5] == pytest.approx(1.0, abs=1e-6)
