@@ -270,6 +270,14 @@ PYBIND11_MODULE(_core, m) {
             "[n_rows, n_vocab] (all tokens or the last), and with taps=[layers] also the hidden states "
             "after those layers, float32 [n_tokens, n_taps, n_embd].")
         .def(
+            "decode_greedy",
+            [](target_session & s, const py::object & tokens) {
+                std::vector<int32_t> toks = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.decode(toks.data(), (int64_t) toks.size(), false, {}, true).argmax[0];
+            },
+            py::arg("tokens"), "decode() that returns only the greedy next token (argmax of the last row, in the graph)")
+        .def(
             "verify",
             [](target_session & s, const py::object & tokens, const std::vector<int> & taps) -> py::object {
                 std::vector<int32_t> toks = to_tokens(tokens);

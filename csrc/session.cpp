@@ -86,20 +86,22 @@ void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::
     }
 }
 
-decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers) {
+decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
+                                     bool argmax_only) {
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
 
     decode_result out;
     out.n_rows = all_logits ? n : 1;
-    out.logits.resize((size_t) out.n_rows * hp.n_vocab);
+    if (argmax_only) out.argmax.resize(out.n_rows);
+    else out.logits.resize((size_t) out.n_rows * hp.n_vocab);
     if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
 
     const int64_t n_past0 = cache_->n_past;
     try {
         for (int64_t off = 0; off < n; off += params_.n_batch) {
             const int64_t m = std::min(params_.n_batch, n - off);
-            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n, false, false);
+            run_chunk(tokens + off, m, all_logits, tap_layers, out, off, n, false, argmax_only);
         }
     } catch (...) {
         // K/V rows past the old cursor are dead; GDN state cannot be restored here, so the caller
@@ -281,7 +283,8 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     auto read_outputs = [&] {
         cache_->n_past += n;
         if (argmax) {
-            ggml_backend_tensor_get(argmax, out.argmax.data() + tok_offset, 0, ggml_nelements(argmax) * sizeof(int32_t));
+            ggml_backend_tensor_get(argmax, out.argmax.data() + (all_logits ? tok_offset : 0), 0,
+                                    ggml_nelements(argmax) * sizeof(int32_t));
         } else if (want_logits) {
             const int64_t rows = all_logits ? n : 1;
             float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);

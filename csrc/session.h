@@ -45,7 +45,10 @@ public:
     target_session & operator=(const target_session &) = delete;
 
     // Runs tokens at positions n_past .. n_past + n - 1 and appends them to the cache.
-    decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {});
+    // argmax_only: the greedy token of each returned row instead of its logits (computed in the
+    // graph: the AR loop's step).
+    decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {},
+                         bool argmax_only = false);
 
     // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
     // updating their state. Must be followed by commit(n_keep) before the next decode or verify.

@@ -122,3 +122,19 @@ def test_top1_matches_float64_softmax():
     assert arg[-1] == 7
     np.testing.assert_allclose(p, ref_p, rtol=2e-5, atol=0)
     assert abs(p[4] - 1 / 4096) < 1e-9 and p[5] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_decode_greedy_is_argmax_of_decode(gguf_model):
+    """The AR loop's step (argmax in the graph) picks the token the logits' argmax picks."""
+    eng = dn.Engine(gguf_model("qwen3_5", outtype="f16"), n_ctx=64, n_threads=2)
+    core = eng._core
+    toks = [int(t) for t in np.random.default_rng(6).integers(0, 500, 9)]
+    core.reset()
+    ref = [int(np.argmax(core.decode(toks)[-1]))]
+    for _ in range(6):
+        ref.append(int(np.argmax(core.decode([ref[-1]])[-1])))
+    core.reset()
+    got = [core.decode_greedy(toks)]
+    for _ in range(6):
+        got.append(core.decode_greedy([got[-1]]))
+    assert got == ref

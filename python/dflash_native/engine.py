@@ -327,7 +327,7 @@ class Engine:
                     if spec:
                         tok = int(self._spec.prefill(prompt))
                     else:
-                        tok = int(np.argmax(core.decode(prompt)[-1]))
+                        tok = int(core.decode_greedy(prompt))
                     stats.prefill_s = time.perf_counter() - t0
                     pieces, done = emit([tok])
                     yield from pieces
@@ -365,7 +365,7 @@ class Engine:
                                 spec = False  # finish this request in AR
                                 stats.gated_at = len(out) + len(committed)
                         else:
-                            committed = [int(np.argmax(core.decode([tok])[-1]))]
+                            committed = [int(core.decode_greedy([tok]))]
                         t_dec += time.perf_counter() - t0
                         tok = committed[-1]
                         pieces, done = emit(committed)
