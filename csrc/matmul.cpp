@@ -219,7 +219,7 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
 }
 
 ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
-    if (t_own_matmul && matmul_op_supported(W, x)) return matmul_op(ctx, W, x);
+    if (t_own_matmul && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(ctx, W, x);
     return ggml_mul_mat(ctx, W, x);
 }
 

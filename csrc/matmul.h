@@ -27,8 +27,14 @@ bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x);
 // ggml CPU custom op: W [K, M], x [K, N] -> F32 [M, N].
 ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 
-// What every graph builder calls for a weight matmul: matmul_op where supported and enabled,
-// else ggml_mul_mat. Enabled per thread by a matmul_scope (the session's `matmul` setting).
+// Columns up to which matmul() takes matmul_op: decode steps, verify blocks and draft blocks.
+// Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster
+// (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns).
+constexpr int64_t k_matmul_max_cols = 32;
+
+// What every graph builder calls for a weight matmul: matmul_op where supported, enabled and
+// x has at most k_matmul_max_cols columns, else ggml_mul_mat. Enabled per thread by a
+// matmul_scope (the session's `matmul` setting).
 ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 
 struct matmul_scope {
