@@ -31,6 +31,16 @@ void install_ggml_log();  // keeps ggml quiet unless DFLASH_NATIVE_VERBOSE is se
 
 }  // namespace dfn
 
+// GCC on x86-64: where the CPU kernels pick AVX-512 / AVX2 / baseline code at load time (the
+// package is built once for every x86-64 machine, so -march=native is not an option).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DFN_X86_GCC 1
+#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define DFN_X86_GCC 0
+#define DFN_MULTIVERSION
+#endif
+
 // Throw input_error with "[where] message" when cond is false.
 #define DFN_REQUIRE(cond, where, ...) \
     do { if (!(cond)) throw ::dfn::input_error(::dfn::cat("[", where, "] ", __VA_ARGS__)); } while (0)

@@ -1,5 +1,7 @@
 #include "gdn_tape.h"
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,13 +12,7 @@ namespace dfn {
 
 namespace {
 
-// Hot loops, compiled for AVX-512 / AVX2 / baseline and picked at load time: the package is
-// built once for every x86-64 machine, so -march=native is not an option.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
-#else
-#define DFN_MULTIVERSION
-#endif
+// Hot loops: DFN_MULTIVERSION (common.h) compiles them for AVX-512 / AVX2 / baseline.
 
 // The state update of one token, shared word for word by the forward kernels and replay: an
 // explicit fmaf so every build and clone rounds it the same way. This is what makes a replayed

@@ -8,11 +8,8 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DFN_MATMUL_X86 1
+#if DFN_X86_GCC
 #include <immintrin.h>
-#else
-#define DFN_MATMUL_X86 0
 #endif
 
 namespace dfn {
@@ -54,7 +51,7 @@ static inline float vsum(const vec & v) {
 #undef TILE_RM1
 }  // namespace isa_portable
 
-#if DFN_MATMUL_X86
+#if DFN_X86_GCC
 // The lane sum shared by the x86 paths: 8 + 8 lanes in, the portable tree from there.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -115,14 +112,14 @@ static inline float vsum(vec v) {
 }  // namespace isa_avx512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
-#endif  // DFN_MATMUL_X86
+#endif  // DFN_X86_GCC
 
 namespace {
 
 enum class isa { portable, avx2, avx512 };
 
 isa detect() {
-#if DFN_MATMUL_X86
+#if DFN_X86_GCC
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return isa::avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return isa::avx2;
@@ -136,7 +133,7 @@ template <typename TW>
 void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t K,
               int64_t N, int64_t r0, int64_t r1) {
     switch (which) {
-#if DFN_MATMUL_X86
+#if DFN_X86_GCC
         case isa::avx512: isa_avx512::rows(W, ldw, x, ldx, y, ldy, K, N, r0, r1); return;
         case isa::avx2: isa_avx2::rows(W, ldw, x, ldx, y, ldy, K, N, r0, r1); return;
 #endif

@@ -1,17 +1,13 @@
 #include "top1.h"
 
+#include "common.h"
+
 #include <cmath>
 #include <cstring>
 
 namespace dfn {
 
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
-#else
-#define DFN_MULTIVERSION
-#endif
 
 // exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, n the nearest integer, f in [-1/2, 1/2], 2^f by
 // its degree-5 Taylor polynomial (relative error < 3e-6); x below -87 gives 0.

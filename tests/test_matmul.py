@@ -2,8 +2,9 @@
 
 The matmul's contract is batch invariance: every output's bits are the same whatever the number
 of columns, the tile, the thread split and the instruction set. The engine-level consequence is
-checked too: a batch of tokens gives bit-identical logits and caches to one-token steps, so a
-verify pass computes exactly what AR decoding computes."""
+checked in test_engine.py (test_batch_equals_single_steps, matmul='own'): a batch of tokens gives
+bit-identical logits and caches to one-token steps, so a verify pass computes exactly what AR
+decoding computes."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,32 +64,6 @@ def test_matmul_bad_input():
         _core.matmul(W.astype(np.float64), x)
     with pytest.raises(ValueError, match="not available|instruction set"):
         _core.matmul(W, x, "sse9")
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("outtype", ["f32", "f16"])
-def test_batch_equals_steps_bitwise(gguf_model, arch, outtype):
-    """matmul='own': one batch of N tokens gives the same logits and caches, bit for bit, as N
-    single-token steps (attention, norms and the GDN kernel are per-token already)."""
-    eng = dn.Engine(gguf_model(arch, outtype=outtype), n_ctx=64, n_threads=2,
-                    kv_type="f32" if outtype == "f32" else "f16")
-    core = eng._core
-    assert core.matmul == "own"
-    toks = [int(t) for t in np.random.default_rng(3).integers(0, 500, 19)]
-
-    def caches():
-        return [core.gdn_state(i) if t == "gdn" else core.kv(i) for i, t in enumerate(core.layer_types)]
-
-    core.reset()
-    batch = core.decode(toks, all_logits=True)
-    c_batch = caches()
-    core.reset()
-    steps = np.concatenate([core.decode([t]) for t in toks])
-    c_steps = caches()
-    np.testing.assert_array_equal(steps, batch)
-    for a, b in zip(c_batch, c_steps):
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(x, y)
 
 
 def test_own_and_ggml_agree(gguf_model):
