@@ -1,6 +1,7 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 #include "common.h"
 #include "matmul.h"
+#include "profile.h"
 #include "top1.h"
 #include "gdn_tape.h"
 #include "verify.h"
@@ -108,6 +109,23 @@ PYBIND11_MODULE(_core, m) {
         py::arg("logits"));
     m.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     m.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
+    m.def(
+        "profile",
+        [](int level) {
+            DFN_REQUIRE(level >= 0 && level <= 2, "profile", "level must be 0, 1 or 2, got ", level);
+            profile_set_level(level);
+            profile_reset();
+        },
+        py::arg("level"),
+        "Start op timing (profile.h): 0 off, 1 graph phases, 2 also every node (computed one at a time). Clears totals.");
+    m.def(
+        "profile_report",
+        [] {
+            py::dict out;
+            for (const profile_entry & e : profile_report()) out[py::str(e.key)] = py::make_tuple(e.calls, e.seconds);
+            return out;
+        },
+        "Totals since profile(): {'<graph>/<op or :phase>': (calls, seconds)}");
 
     m.def(
         "accept_prefix",
@@ -248,6 +266,8 @@ PYBIND11_MODULE(_core, m) {
         })
         .def_property_readonly("weights_bytes", [](const target_session & s) { return s.model().file().weights_bytes(); })
         .def_property_readonly("cache_bytes", [](target_session & s) { return s.cache().bytes(); })
+        .def_property_readonly("n_graph_plans", &target_session::n_graph_plans,
+                               "Graph shapes holding a scheduler and allocation plan (see run_graph)")
         .def("reset", &target_session::reset, "Empty the sequence: n_past = 0, GDN state zeroed")
         .def(
             "decode",

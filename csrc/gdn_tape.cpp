@@ -171,15 +171,19 @@ ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * 
                              ggml_tensor * beta, ggml_tensor * state) {
     const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
     ggml_tensor * args[6] = {q, k, v, g, beta, state};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, S, H_v, T, 1, args, 6, forward_op, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, S, H_v, T, 1, args, 6, forward_op, GGML_N_TASKS_MAX, nullptr);
+    ggml_set_name(out, "gdn_forward");
+    return out;
 }
 
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * snapshots) {
     const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
     ggml_tensor * args[7] = {q, k, v, g, beta, state, snapshots};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * S * H_v * T + H_v * T, 1, 1, 1, args, snapshots ? 7 : 6, record_op,
-                          GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * S * H_v * T + H_v * T, 1, 1, 1, args,
+                                       snapshots ? 7 : 6, record_op, GGML_N_TASKS_MAX, nullptr);
+    ggml_set_name(out, "gdn_record");
+    return out;
 }
 
 }  // namespace dfn

@@ -212,7 +212,9 @@ bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x) {
 
 ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
     ggml_tensor * args[2] = {W, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, args, 2, matmul_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, args, 2, matmul_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_set_name(y, "matmul");
+    return y;
 }
 
 ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {

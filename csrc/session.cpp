@@ -7,6 +7,7 @@
 #endif
 #include "graph.h"
 #include "matmul.h"
+#include "profile.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
@@ -61,10 +62,39 @@ target_session::target_session(const std::string & path, const session_params & 
 
     max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
+}
 
-    ggml_backend_t backends[2] = {backend_, cpu_.get()};
-    sched_.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
-    if (!sched_) throw runtime_error("[engine] cannot create the ggml scheduler");
+ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
+    auto it = plans_.find(shape_key);
+    if (it == plans_.end()) {
+        ggml_backend_t backends[2] = {backend_, cpu_.get()};
+        graph_plan p;
+        p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
+        if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
+        if (!ggml_backend_sched_reserve(p.sched.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
+        it = plans_.emplace(shape_key, std::move(p)).first;
+        // drop the least recently used plans beyond the limits (never the one just made)
+        auto bytes = [&](const graph_plan & q) {
+            size_t b = 0;
+            for (ggml_backend_t be : backends) {
+                if (be) b += ggml_backend_sched_get_buffer_size(q.sched.get(), be);
+                if (!gpu_) break;
+            }
+            return b;
+        };
+        for (;;) {
+            size_t total = 0;
+            auto lru = plans_.end();
+            for (auto jt = plans_.begin(); jt != plans_.end(); ++jt) {
+                total += bytes(jt->second);
+                if (jt != it && (lru == plans_.end() || jt->second.last_use < lru->second.last_use)) lru = jt;
+            }
+            if (lru == plans_.end() || (plans_.size() <= k_max_plans && total <= k_max_plan_bytes)) break;
+            plans_.erase(lru);
+        }
+    }
+    it->second.last_use = ++plan_clock_;
+    return it->second.sched.get();
 }
 
 target_session::~target_session() = default;
@@ -316,6 +346,14 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
 
 void target_session::run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
                                const std::function<void()> & set_inputs, const std::function<void()> & read_outputs) {
+    const int prof = profile_level();
+    profile_graph pg{shape_key.substr(0, shape_key.find(':')), prof ? profile_now() : 0.0};
+    auto phase = [&](const char * what) {
+        if (!prof) return;
+        const double now = profile_now();
+        profile_add(pg.graph, what, now - pg.last);
+        pg.last = now;
+    };
     ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
@@ -325,16 +363,20 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
         matmul_scope own(params_.matmul == "own");
         build(ctx, gf);
     }
-    if (shape_key != last_shape_key_) {
-        if (!ggml_backend_sched_reserve(sched_.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
-        last_shape_key_ = shape_key;
-    }
-    ggml_backend_sched_reset(sched_.get());
-    if (!ggml_backend_sched_alloc_graph(sched_.get(), gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    phase(":build");
+    ggml_backend_sched_t sched = plan_for(shape_key, gf);
+    phase(":plan");
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    phase(":alloc");
     set_inputs();
-    const ggml_status st = ggml_backend_sched_graph_compute(sched_.get(), gf);
+    phase(":inputs");
+    ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
+    const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
     if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
+    phase(":compute");
     read_outputs();
+    phase(":read");
 }
 
 std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {

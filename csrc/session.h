@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace dfn {
@@ -68,15 +69,18 @@ public:
     const target_model & model() const { return *model_; }
     model_cache & cache() { return *cache_; }
     const session_params & params() const { return params_; }
+    size_t n_graph_plans() const { return plans_.size(); }
     std::string device_name() const;
 
     // Builds a graph with `build` in this session's metadata arena, allocates it on this
     // session's backends, calls `set_inputs`, computes, then `read_outputs`. Used by the drafter,
     // which shares the target's embeddings, lm_head and backends.
     //
-    // `shape_key` names the graph's structure apart from its sizes (which op sequence, which
-    // outputs). ggml's allocator reuses its last plan whenever node count and sizes match, which
-    // is wrong for a different graph of the same size (e.g. with taps), so a new key re-plans.
+    // `shape_key` names the graph's structure (which op sequence, which outputs, how many tokens).
+    // Each key keeps its own scheduler and allocation plan, so a speculative round, which
+    // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
+    // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
+    // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
     void run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
                    const std::function<void()> & set_inputs, const std::function<void()> & read_outputs);
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
@@ -98,10 +102,17 @@ private:
     ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
     std::unique_ptr<target_model> model_;
     std::unique_ptr<model_cache> cache_;
-    ggml_backend_sched_ptr sched_;
+    struct graph_plan {
+        ggml_backend_sched_ptr sched;
+        uint64_t last_use = 0;
+    };
+    static constexpr size_t k_max_plans = 32;
+    static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
+    ggml_backend_sched_t plan_for(const std::string & shape_key, ggml_cgraph * gf);
+    std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run_graph)
+    uint64_t plan_clock_ = 0;
     std::vector<uint8_t> meta_;             // graph metadata arena
     size_t max_nodes_ = 0;
-    std::string last_shape_key_;  // see run_graph
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
     std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)

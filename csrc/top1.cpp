@@ -66,7 +66,9 @@ void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
 
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {
     ggml_tensor * args[1] = {logits};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, 2, logits->ne[1], 1, 1, args, 1, top1_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 2, logits->ne[1], 1, 1, args, 1, top1_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_set_name(out, "top1");
+    return out;
 }
 
 }  // namespace dfn
