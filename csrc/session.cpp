@@ -198,6 +198,13 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
 void target_session::commit(int64_t n_keep) {
     DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
     DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
+    const double t0 = profile_level() > 0 ? profile_now() : 0.0;
+    struct timed {
+        double t0;
+        ~timed() {
+            if (t0 > 0.0) profile_add("target", ":commit", profile_now() - t0);
+        }
+    } timer{t0};
     const target_hparams & hp = model_->hparams();
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;

@@ -42,43 +42,72 @@ void spec_session::set_draft_cutoff(float c) {
 void spec_session::reset() {
     target_.reset();
     ring_->clear();
+    pending_m_ = 0;
 }
 
-void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
-    DFN_REQUIRE(pos0 == ring_->n_pushed, "feature_ring", "positions must be pushed in order: got ", pos0,
-                ", expected ", ring_->n_pushed);
-    const drafter_hparams & dh = drafter_->hparams();
-    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
     const int64_t cap = ring_->capacity;
     // Positions older than the last `cap` would be overwritten within this push: skip them.
     const int64_t skip = std::max<int64_t>(0, m - cap);
-    int64_t p = pos0 + skip, left = m - skip;
-    const float * src = feats + skip * row;
-    while (left > 0) {
+    std::vector<ring_segment> out;
+    for (int64_t p = pos0 + skip, row = skip; row < m;) {
         const int64_t slot0 = p % cap;
-        const int64_t k = std::min(left, cap - slot0);  // contiguous slots before the wrap
-        ggml_tensor * f_in = nullptr, * pos_in = nullptr;
-        target_.run_graph(
-            cat("encode:", k),
-            [&](ggml_context * ctx, ggml_cgraph * gf) {
-                f_in = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, k);
-                pos_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, k);
-                ggml_set_input(f_in);
-                ggml_set_input(pos_in);
-                drafter_->build_encode(ctx, gf, f_in, pos_in, *ring_, slot0);
-            },
-            [&] {
-                ggml_backend_tensor_set(f_in, src, 0, (size_t) row * k * sizeof(float));
-                std::vector<int32_t> pos(k);
-                for (int64_t i = 0; i < k; ++i) pos[i] = (int32_t) (p + i);
-                ggml_backend_tensor_set(pos_in, pos.data(), 0, k * sizeof(int32_t));
-            },
-            [] {});
+        const int64_t k = std::min(m - row, cap - slot0);  // contiguous slots before the wrap
+        out.push_back({slot0, k, p, row});
         p += k;
-        left -= k;
-        src += k * row;
+        row += k;
+    }
+    return out;
+}
+
+void spec_session::build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+                              std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
+    const drafter_hparams & dh = drafter_->hparams();
+    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+    f_in.clear();
+    pos_in.clear();
+    for (const ring_segment & sg : segs) {
+        f_in.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, sg.k));
+        pos_in.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, sg.k));
+        ggml_set_input(f_in.back());
+        ggml_set_input(pos_in.back());
+        drafter_->build_encode(ctx, gf, f_in.back(), pos_in.back(), *ring_, sg.slot0);
+    }
+}
+
+void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const float * feats,
+                                   const std::vector<ggml_tensor *> & f_in, const std::vector<ggml_tensor *> & pos_in) const {
+    const drafter_hparams & dh = drafter_->hparams();
+    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+    for (size_t i = 0; i < segs.size(); ++i) {
+        const ring_segment & sg = segs[i];
+        ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));
+        std::vector<int32_t> pos(sg.k);
+        for (int64_t j = 0; j < sg.k; ++j) pos[j] = (int32_t) (sg.pos0 + j);
+        ggml_backend_tensor_set(pos_in[i], pos.data(), 0, sg.k * sizeof(int32_t));
+    }
+}
+
+void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
+    flush_features();
+    DFN_REQUIRE(pos0 == ring_->n_pushed, "feature_ring", "positions must be pushed in order: got ", pos0,
+                ", expected ", ring_->n_pushed);
+    for (const ring_segment & sg : ring_segments(m, pos0)) {
+        // one graph per segment: a prompt's push can be as long as the ring
+        const std::vector<ring_segment> one = {sg};
+        std::vector<ggml_tensor *> f_in, pos_in;
+        target_.run_graph(
+            cat("encode:", sg.k), [&](ggml_context * ctx, ggml_cgraph * gf) { build_push(ctx, gf, one, f_in, pos_in); },
+            [&] { set_push_inputs(one, feats, f_in, pos_in); }, [] {});
     }
     ring_->n_pushed = pos0 + m;
+}
+
+void spec_session::flush_features() {
+    if (pending_m_ == 0) return;
+    const int64_t m = pending_m_;
+    pending_m_ = 0;
+    push_features(pending_feats_.data(), m, pending_pos0_);
 }
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
@@ -107,8 +136,14 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 target_.n_past(), " does not fit n_ctx = ", target_.params().n_ctx);
     const target_model & tm = target_.model();
     const int64_t n_past = target_.n_past();
-    DFN_REQUIRE(ring_->n_pushed == n_past, "draft", "feature ring holds ", ring_->n_pushed,
-                " positions but the target has ", n_past);
+    // The features the last round committed are written into the ring by this graph, ahead of
+    // the block (ggml computes nodes in order); the ring counts them from here on.
+    const std::vector<ring_segment> push = pending_m_ > 0 ? ring_segments(pending_m_, pending_pos0_)
+                                                           : std::vector<ring_segment>{};
+    const int64_t n_pushed_before = ring_->n_pushed;
+    const int64_t n_pushed = pending_m_ > 0 ? pending_pos0_ + pending_m_ : n_pushed_before;
+    DFN_REQUIRE(n_pushed == n_past, "draft", "feature ring holds ", n_pushed, " positions but the target has ", n_past);
+    ring_->n_pushed = n_pushed;
     const int64_t n_ctx = ring_->n_valid();
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
@@ -117,57 +152,68 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 
     ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
     ggml_tensor * logits = nullptr, * top1 = nullptr;
-    target_.run_graph(
-        cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax"),
-        [&](ggml_context * ctx, ggml_cgraph * gf) {
-            tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-            pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-            mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
-            ggml_set_input(tok);
-            ggml_set_input(pos);
-            ggml_set_input(mask);
-            if (w > 0) {
-                mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
-                ggml_set_input(mask_swa);
-            }
-            ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
-            h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
-            logits = matmul(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
-            ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = ggml_argmax(ctx, logits));
-            ggml_set_output(res);
-            ggml_build_forward_expand(gf, res);
-        },
-        [&] {
-            std::vector<int32_t> t(B, (int32_t) dh.mask_token_id), p(B);
-            t[0] = last;
-            for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (n_past + i);
-            ggml_backend_tensor_set(tok, t.data(), 0, B * sizeof(int32_t));
-            ggml_backend_tensor_set(pos, p.data(), 0, B * sizeof(int32_t));
-            const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-            std::vector<int64_t> slot_pos(n_ctx);
-            for (int64_t s = 0; s < n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
-            for (int swa = 0; swa < (w > 0 ? 2 : 1); ++swa) {
-                std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
-                for (int64_t i = 0; i < B; ++i) {
-                    const int64_t q = n_past + i;
-                    ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
-                    for (int64_t s = 0; s < n_ctx; ++s) {
-                        const int64_t k = slot_pos[s];
-                        row[s] = (k >= lo && (!swa || q - k < w)) ? zero : ninf;
-                    }
-                    for (int64_t j = 0; j < B; ++j) {
-                        const bool ok = (!dh.causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
-                        row[n_ctx + j] = ok ? zero : ninf;
-                    }
+    std::vector<ggml_tensor *> push_f, push_pos;
+    std::string key = cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax");
+    for (const ring_segment & sg : push) key += cat(":push", sg.k);
+    try {
+        target_.run_graph(
+            key,
+            [&](ggml_context * ctx, ggml_cgraph * gf) {
+                build_push(ctx, gf, push, push_f, push_pos);
+                tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+                pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+                mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+                ggml_set_input(tok);
+                ggml_set_input(pos);
+                ggml_set_input(mask);
+                if (w > 0) {
+                    mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+                    ggml_set_input(mask_swa);
                 }
-                ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
-            }
-        },
-        [&] {
-            if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
-            if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
-            if (top1_out) ggml_backend_tensor_get(top1, top1_out, 0, ggml_nbytes(top1));
-        });
+                ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
+                h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
+                logits = matmul(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
+                ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = ggml_argmax(ctx, logits));
+                ggml_set_output(res);
+                ggml_build_forward_expand(gf, res);
+            },
+            [&] {
+                set_push_inputs(push, pending_feats_.data(), push_f, push_pos);
+                std::vector<int32_t> t(B, (int32_t) dh.mask_token_id), p(B);
+                t[0] = last;
+                for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (n_past + i);
+                ggml_backend_tensor_set(tok, t.data(), 0, B * sizeof(int32_t));
+                ggml_backend_tensor_set(pos, p.data(), 0, B * sizeof(int32_t));
+                const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+                std::vector<int64_t> slot_pos(n_ctx);
+                for (int64_t s = 0; s < n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
+                for (int swa = 0; swa < (w > 0 ? 2 : 1); ++swa) {
+                    std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
+                    for (int64_t i = 0; i < B; ++i) {
+                        const int64_t q = n_past + i;
+                        ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
+                        for (int64_t s = 0; s < n_ctx; ++s) {
+                            const int64_t k = slot_pos[s];
+                            row[s] = (k >= lo && (!swa || q - k < w)) ? zero : ninf;
+                        }
+                        for (int64_t j = 0; j < B; ++j) {
+                            const bool ok = (!dh.causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
+                            row[n_ctx + j] = ok ? zero : ninf;
+                        }
+                    }
+                    ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+                }
+            },
+            [&] {
+                if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
+                if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
+                if (top1_out) ggml_backend_tensor_get(top1, top1_out, 0, ggml_nbytes(top1));
+            });
+    } catch (...) {
+        ring_->n_pushed = n_pushed_before;  // the pending features stay pending
+        throw;
+    }
+    pending_m_ = 0;
 }
 
 std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {
@@ -207,7 +253,11 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
-    push_features(v.taps.data(), n_keep, n_past0);
+    // pushed into the ring by the next draft graph (see flush_features)
+    const int64_t row = (int64_t) drafter_->hparams().tap_layers.size() * drafter_->hparams().n_embd;
+    pending_feats_.assign(v.taps.begin(), v.taps.begin() + n_keep * row);
+    pending_pos0_ = n_past0;
+    pending_m_ = n_keep;
     const double t3 = now_s();
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;

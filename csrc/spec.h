@@ -51,12 +51,32 @@ public:
 
     const drafter_hparams & drafter_hparams_() const { return drafter_->hparams(); }
     int64_t block_size() const { return block_size_; }
-    feature_ring & ring() { return *ring_; }
+    // The ring, with the features a round left pending pushed first.
+    feature_ring & ring() {
+        flush_features();
+        return *ring_;
+    }
     const spec_params & params() const { return params_; }
     void set_draft_cutoff(float c);
     void reset();
 
 private:
+    // A run of ring slots [slot0, slot0 + k) taking positions [pos0, pos0 + k): no wrap inside.
+    struct ring_segment {
+        int64_t slot0, k, pos0, row0;  // row0: the first of the pushed rows it takes
+    };
+    // The segments that pushing m positions from pos0 writes (the oldest skipped when m > capacity).
+    std::vector<ring_segment> ring_segments(int64_t m, int64_t pos0) const;
+    // Builds the ring writes of `segs` into a graph; inputs: per segment features F32
+    // [n_taps * n_embd, k] and positions I32 [k].
+    void build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+                    std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
+    void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
+                         const std::vector<ggml_tensor *> & pos_in) const;
+    // The features a round committed are pushed by the next draft graph (one graph per round
+    // fewer); anything that reads the ring or pushes out of a round flushes them first.
+    void flush_features();
+
     // One drafter pass; fills whichever outputs are given: argmax_out [B-1], logits_out
     // [B-1, n_vocab], top1_out [B-1, 2] (top1.h: argmax and its probability).
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr);
@@ -68,6 +88,8 @@ private:
     std::unique_ptr<drafter_model> drafter_;
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
+    std::vector<float> pending_feats_;  // [pending_m_, n_taps * n_embd]
+    int64_t pending_m_ = 0, pending_pos0_ = 0;
 };
 
 }  // namespace dfn

@@ -183,6 +183,39 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     assert r1["committed"] == r2["committed"]
 
 
+@pytest.mark.parametrize("reject_at", [1, 3, 8])
+def test_fused_ring_push_equals_a_separate_push(pair, reject_at):
+    """A round's committed features are pushed into the ring by the next draft graph. Drafts and
+    ring contents then equal those of a separate push (forced by reading the ring) bit for bit,
+    also across the ring's wrap (capacity 12)."""
+    B = 8
+    runs = []
+    for flush in (True, False):
+        t, s = make(pair, B=B, capacity=12)
+        ref = ar_tokens(t, PROMPT, 5 * B)
+        last = s.prefill(PROMPT)
+        n, logits = 1, []
+        for _ in range(4):
+            forced = ref[n: n + B - 1]
+            if reject_at < B:
+                forced[reject_at - 1] = (forced[reject_at - 1] + 1) % 500
+            r = s.round(last, B, forced)
+            n += len(r["committed"])
+            last = r["committed"][-1]
+            if flush:
+                s.ring_slot_positions()
+            logits.append(s.draft_logits(last, B, t))
+        assert t.n_past == len(PROMPT) + n - 1
+        runs.append((logits, s.ring_slot_positions(), [s.ring_kv(il, t) for il in range(s.drafter_n_layer)]))
+    (la, pa, ka), (lb, pb, kb) = runs
+    assert pa == pb
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(ka, kb):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u, v)
+
+
 class RingModel:
     def __init__(self, cap):
         self.cap, self.n, self.slots = cap, 0, [-1] * cap
