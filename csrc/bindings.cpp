@@ -385,8 +385,8 @@ PYBIND11_MODULE(_core, m) {
                 feature_ring & r = s.ring();
                 if (il < 0 || il >= (int) r.k.size()) throw input_error(cat("[feature_ring] no drafter layer ", il));
                 const ggml_tensor * k = r.k[il];
-                auto kk = to_array<float>(t.read_tensor_f32(k), {r.capacity, k->ne[1], k->ne[0]});
-                auto vv = to_array<float>(t.read_tensor_f32(r.v[il]), {r.capacity, k->ne[1], k->ne[0]});
+                auto kk = to_array<float>(t.read_tensor_f32(k, r.capacity), {r.capacity, k->ne[1], k->ne[0]});
+                auto vv = to_array<float>(t.read_tensor_f32(r.v[il], r.capacity), {r.capacity, k->ne[1], k->ne[0]});
                 return py::make_tuple(kk, vv);
             },
             py::arg("layer"), py::arg("target"), "Ring K, V of a drafter layer by slot, float32 [capacity, n_head_kv, head_dim]")

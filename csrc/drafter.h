@@ -28,8 +28,10 @@ struct drafter_hparams {
 // Drafter-context K/V per committed position, for every drafter layer. Position p lives in
 // slot p % capacity; keys carry their RoPE at p, so wrap-around changes slots, never meaning.
 // Positions are pushed in order from 0; after N pushes the ring holds the last min(N, capacity).
+// `scratch` more slots follow: a draft writes its block's K/V at [n_valid, n_valid + B), so that
+// context and block are one view (slots past n_valid hold no position yet, or are the scratch).
 struct feature_ring {
-    feature_ring(const drafter_hparams & hp, int64_t capacity, ggml_backend_buffer_type_t buft);
+    feature_ring(const drafter_hparams & hp, int64_t capacity, int64_t scratch, ggml_backend_buffer_type_t buft);
     ~feature_ring();
     feature_ring(const feature_ring &) = delete;
     feature_ring & operator=(const feature_ring &) = delete;
@@ -39,9 +41,10 @@ struct feature_ring {
     int64_t slot_position(int64_t slot) const;  // -1 when empty
 
     int64_t capacity = 0;
+    int64_t scratch = 0;
     int64_t n_pushed = 0;
-    std::vector<ggml_tensor *> k;  // per layer F32 [head_dim, n_head_kv, capacity]
-    std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity]
+    std::vector<ggml_tensor *> k;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
+    std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
     size_t bytes() const;
 
 private:
@@ -64,8 +67,9 @@ public:
                       feature_ring & ring, int64_t slot0) const;
 
     // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
-    // first n_ctx ring slots and (non-causally) to the block. mask, mask_swa: F16 [n_ctx + B, B]
-    // for full and sliding-window layers.
+    // first n_ctx ring slots and (non-causally) to the block, whose K/V go to ring slots
+    // [n_ctx, n_ctx + B) (n_ctx = ring.n_valid(), B <= ring.scratch). mask, mask_swa: F16
+    // [n_ctx + B, B] for full and sliding-window layers.
     // Returns the final hidden states after output_norm, F32 [n_embd, B].
     ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
                               ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,

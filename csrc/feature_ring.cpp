@@ -4,15 +4,16 @@
 
 namespace dfn {
 
-feature_ring::feature_ring(const drafter_hparams & hp, int64_t capacity_, ggml_backend_buffer_type_t buft)
-    : capacity(capacity_) {
+feature_ring::feature_ring(const drafter_hparams & hp, int64_t capacity_, int64_t scratch_, ggml_backend_buffer_type_t buft)
+    : capacity(capacity_), scratch(scratch_) {
     DFN_REQUIRE(capacity >= 1, "feature_ring", "capacity must be >= 1, got ", capacity);
+    DFN_REQUIRE(scratch >= 0, "feature_ring", "scratch must be >= 0, got ", scratch);
     ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t) hp.n_layer + 1), nullptr, true};
     ctx_ = ggml_init(ip);
     if (!ctx_) throw runtime_error("[feature_ring] ggml_init failed");
     for (int il = 0; il < hp.n_layer; ++il) {
-        k.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity));
-        v.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity));
+        k.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
+        v.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
         ggml_format_name(k.back(), "ring.k.%d", il);
         ggml_format_name(v.back(), "ring.v.%d", il);
     }

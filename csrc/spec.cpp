@@ -31,7 +31,7 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
     drafter_->load_weights(target.buffer_type());
-    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, target.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, target.buffer_type());
 }
 
 void spec_session::set_draft_cutoff(float c) {
@@ -134,6 +134,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     DFN_REQUIRE(last >= 0 && last < target_.hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
     DFN_REQUIRE(B >= 2 && target_.n_past() + B <= target_.params().n_ctx, "draft", "block of ", B, " at position ",
                 target_.n_past(), " does not fit n_ctx = ", target_.params().n_ctx);
+    DFN_REQUIRE(B <= block_size_, "draft", "block of ", B, " > this engine's block_size ", block_size_);
     const target_model & tm = target_.model();
     const int64_t n_past = target_.n_past();
     // The features the last round committed are written into the ring by this graph, ahead of

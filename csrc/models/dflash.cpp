@@ -114,12 +114,14 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         Q = rope(ctx, norm(ctx, Q, L.q_norm), pos);
         K = rope(ctx, norm(ctx, K, L.k_norm), pos);
 
-        // [ring slots 0 .. n_ctx-1 ; block]: slot order is irrelevant without a causal mask
-        const ggml_tensor * rk = ring.k[il], * rv = ring.v[il];
-        ggml_tensor * Kc = ggml_view_3d(ctx, ring.k[il], hd, n_kv, n_ctx, rk->nb[1], rk->nb[2], 0);
-        ggml_tensor * Vc = ggml_view_3d(ctx, ring.v[il], hd, n_kv, n_ctx, rv->nb[1], rv->nb[2], 0);
-        ggml_tensor * Ka = ggml_concat(ctx, Kc, K, 2);  // [hd, n_kv, n_ctx + B]
-        ggml_tensor * Va = ggml_concat(ctx, Vc, V, 2);
+        // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
+        // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
+        // without a causal mask
+        ggml_tensor * rk = ring.k[il], * rv = ring.v[il];
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, rk, hd, n_kv, B, rk->nb[1], rk->nb[2], n_ctx * rk->nb[2])));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, rv, hd, n_kv, B, rv->nb[1], rv->nb[2], n_ctx * rv->nb[2])));
+        ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_ctx + B, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_ctx + B]
+        ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_ctx + B, rv->nb[1], rv->nb[2], 0);
         ggml_tensor * a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
                                               ggml_permute(ctx, Va, 0, 2, 1, 3),
                                               layer_is_swa(il) ? mask_swa : mask, scale, 0.0f, 0.0f);
@@ -131,7 +133,6 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         f = matmul(ctx, L.ffn_down, ggml_swiglu_split(ctx, matmul(ctx, L.ffn_gate, f), matmul(ctx, L.ffn_up, f)));
         x = ggml_add(ctx, f, x);
     }
-    (void) gf;
     return norm(ctx, x, output_norm);
 }
 
