@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_rev, machine, write_jsonl  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--matmul", default="own")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
 
     import dflash_native as dn
@@ -52,6 +54,7 @@ def main() -> None:
         _core.profile(0)
         return stats, rep
 
+    records = []
     for mode in ("AR", "DFlash"):
         spec = mode == "DFlash"
         _, pre = profiled(spec, 1)  # the prefills alone, subtracted below
@@ -66,11 +69,19 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         total = 0.0
         rows = {k: (c - pre.get(k, (0, 0.0))[0], s - pre.get(k, (0, 0.0))[1]) for k, (c, s) in rep.items()}
+        rows = {k: v for k, v in rows.items() if v[0] > 0}  # graphs only the prefill ran
         for key, (calls, s) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             total += s
             print(f"| {key} | {calls / rounds:.2f} | {1e3 * s / rounds:.3f} | {100 * s / wall:.1f}% |")
         print(f"| (outside graphs: rollback, sampling, Python) | | {1e3 * (wall - total) / rounds:.3f} | "
               f"{100 * (wall - total) / wall:.1f}% |")
+        records.append({"bench": "profile_round", "mode": mode, "level": a.level, "B": a.block, "draft_cutoff": a.cutoff,
+                        "tokens": n_tok, "steps": rounds, "ms_per_step": 1e3 * wall / rounds,
+                        "ms_per_step_by_key": {k: 1e3 * s / rounds for k, (c, s) in rows.items()},
+                        "calls_per_step_by_key": {k: c / rounds for k, (c, s) in rows.items()},
+                        "prompts": len(prompts), "gen": a.gen, "threads": a.threads, "matmul": a.matmul,
+                        "machine": machine(), "rev": git_rev()})
+    write_jsonl(a.json, records)
 
 if __name__ == "__main__":
     main()
