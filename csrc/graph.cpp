@@ -1,4 +1,5 @@
 #include "graph.h"
+#include "attn.h"
 #include "matmul.h"
 
 #include "common.h"
@@ -45,6 +46,10 @@ ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tenso
     ggml_tensor * K = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_kv, c.k->nb[1], c.k->nb[2], 0);  // [hd, n_kv_head, n_kv]
     ggml_tensor * V = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_kv, c.v->nb[1], c.v->nb[2], 0);
 
+    if (own_kernels() && attn_op_supported(q, K, V, g.kq_mask)) {
+        ggml_tensor * out = attn_op(ctx, q, K, V, g.kq_mask, scale);  // [hd, n_head, n_tokens]
+        return ggml_reshape_2d(ctx, out, out->ne[0] * out->ne[1], out->ne[2]);
+    }
     q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n_tokens, n_head]
     K = ggml_permute(ctx, K, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]
     V = ggml_permute(ctx, V, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]

@@ -222,6 +222,8 @@ ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
     return ggml_mul_mat(ctx, W, x);
 }
 
+bool own_kernels() { return t_own_matmul; }
+
 matmul_scope::matmul_scope(bool own) : prev_(t_own_matmul) { t_own_matmul = own; }
 matmul_scope::~matmul_scope() { t_own_matmul = prev_; }
 

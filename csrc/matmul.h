@@ -37,6 +37,9 @@ constexpr int64_t k_matmul_max_cols = 32;
 // matmul_scope (the session's `matmul` setting).
 ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 
+// Whether the current matmul_scope asked for our own kernels (also attn.h's attention).
+bool own_kernels();
+
 struct matmul_scope {
     explicit matmul_scope(bool own);
     ~matmul_scope();

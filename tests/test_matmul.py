@@ -113,3 +113,19 @@ def test_decode_greedy_is_argmax_of_decode(gguf_model):
     for _ in range(6):
         got.append(core.decode_greedy([got[-1]]))
     assert got == ref
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_attention_is_batch_invariant_across_thread_splits(gguf_model, threads):
+    """The own attention op (csrc/attn.cpp) splits tokens over threads when there are more threads
+    than KV heads: a batch of tokens still equals one-token steps bit for bit."""
+    path = gguf_model("qwen3", outtype="f32")
+    toks = [int(t) for t in np.random.default_rng(7).integers(0, 500, 14)]
+    core = dn.Engine(path, n_ctx=64, n_threads=threads, kv_type="f32")._core
+    core.reset()
+    core.decode(toks[:5])
+    batch = core.decode(toks[5:], all_logits=True)
+    core.reset()
+    core.decode(toks[:5])
+    steps = np.stack([core.decode([t])[-1] for t in toks[5:]])
+    np.testing.assert_array_equal(batch, steps)

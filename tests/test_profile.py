@@ -36,7 +36,7 @@ def test_profile_levels(engine):
             assert calls >= 1 and seconds > 0.0, key
     assert not any("/" in k and not k.split("/", 1)[1].startswith(":") for k in rep1), "level 1 times no ops"
     # level 2: our custom ops by name, ggml ops by op; the verify passes record the GDN tape
-    for key in ("target/matmul", "target/gdn_record", "target/RMS_NORM", "draft/matmul", "draft/top1"
+    for key in ("target/matmul", "target/attn", "target/gdn_record", "target/RMS_NORM", "draft/matmul", "draft/top1"
                 if engine.draft_cutoff > 0 else "draft/ARGMAX"):
         assert rep2[key][0] >= 1, key
     # off: nothing accumulates

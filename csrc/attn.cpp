@@ -1,0 +1,135 @@
+#include "attn.h"
+
+#include "common.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace dfn {
+
+namespace {
+
+struct attn_args {
+    float scale;
+};
+
+// A row of F16 or F32 as F32.
+void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
+    if (t->type == GGML_TYPE_F16) ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) p, out, n);
+    else std::memcpy(out, p, n * sizeof(float));
+}
+
+// 16 partial sums over the row, then a fixed pairwise tree: the same bits for every caller.
+DFN_MULTIVERSION
+float dot(const float * __restrict a, const float * __restrict b, int64_t n) {
+    float acc[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    }
+    for (int l = 0; i + l < n; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+DFN_MULTIVERSION
+void axpy(float * __restrict y, float a, const float * __restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = fmaf(a, x[i], y[i]);
+}
+
+void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ggml_tensor * q = dst->src[0], * K = dst->src[1], * V = dst->src[2], * mask = dst->src[3];
+    const float scale = ((const attn_args *) userdata)->scale;
+    const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
+    const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
+    thread_local std::vector<float> kf, vf, s;
+    kf.resize((size_t) n_kv * hd);
+    vf.resize((size_t) n_kv * hd);
+    s.resize((size_t) n_kv);
+    // A unit is one KV head and a run of tokens: its K and V rows are converted once for those
+    // tokens and all their GQA heads. Tokens are split only as far as there are threads to use.
+    const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tok, nth / n_kv_head));
+    for (int64_t u = ith; u < n_kv_head * n_chunks; u += nth) {
+        const int64_t hk = u % n_kv_head, c = u / n_kv_head;
+        const int64_t t0 = c * n_tok / n_chunks, t1 = (c + 1) * n_tok / n_chunks;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            row_f32(K, (const char *) K->data + hk * K->nb[1] + j * K->nb[2], kf.data() + j * hd, hd);
+            row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+            const ggml_fp16_t * mrow = (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = hk * G + g;
+                const float * qr = (const float *) ((const char *) q->data + h * q->nb[1] + t * q->nb[2]);
+                float * o = (float *) ((char *) dst->data + h * dst->nb[1] + t * dst->nb[2]);
+                // scores, then a two-pass softmax and P.V, all over the keys in order
+                float m = -INFINITY;
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    const float mv = ggml_fp16_to_fp32(mrow[j]);
+                    s[j] = mv == -INFINITY ? -INFINITY : dot(qr, kf.data() + j * hd, hd) * scale + mv;
+                    m = s[j] > m ? s[j] : m;
+                }
+                float sum = 0.0f;
+                std::memset(o, 0, hd * sizeof(float));
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    if (s[j] == -INFINITY) continue;
+                    const float p = expf(s[j] - m);
+                    sum += p;
+                    axpy(o, p, vf.data() + j * hd, hd);
+                }
+                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+bool attn_op_supported(const ggml_tensor * q, const ggml_tensor * K, const ggml_tensor * V, const ggml_tensor * mask) {
+    if (q->type != GGML_TYPE_F32 || mask->type != GGML_TYPE_F16) return false;
+    if (K->type != V->type || (K->type != GGML_TYPE_F16 && K->type != GGML_TYPE_F32)) return false;
+    if (q->ne[2] > k_attn_max_tokens || q->ne[3] != 1 || K->ne[3] != 1) return false;
+    if (K->ne[1] == 0 || q->ne[1] % K->ne[1] != 0 || K->ne[0] != q->ne[0] || V->ne[0] != q->ne[0]) return false;
+    if (K->ne[1] != V->ne[1] || K->ne[2] != V->ne[2] || mask->ne[0] != K->ne[2] || mask->ne[1] < q->ne[2]) return false;
+    if (q->nb[0] != sizeof(float) || K->nb[0] != ggml_type_size(K->type) || V->nb[0] != ggml_type_size(V->type)) return false;
+    for (const ggml_tensor * t : {K, V}) {
+        const ggml_tensor * base = t->view_src ? t->view_src : t;
+        if (base->buffer && !ggml_backend_buffer_is_host(base->buffer)) return false;
+    }
+    return true;
+}
+
+ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
+                      float scale) {
+    ggml_tensor * args[4] = {q, K, V, mask};
+    // userdata must outlive the graph: one entry per distinct scale, kept for the process
+    static std::mutex mu;
+    static std::vector<std::unique_ptr<attn_args>> keep;
+    attn_args * a = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        for (auto & p : keep)
+            if (p->scale == scale) a = p.get();
+        if (!a) {
+            keep.push_back(std::make_unique<attn_args>(attn_args{scale}));
+            a = keep.back().get();
+        }
+    }
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, args, 4, attn_fn,
+                                       GGML_N_TASKS_MAX, a);
+    ggml_set_name(out, "attn");
+    return out;
+}
+
+}  // namespace dfn
