@@ -1,6 +1,7 @@
 #include "attn.h"
 
 #include "common.h"
+#include "vmath.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -26,16 +27,35 @@ void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
     else std::memcpy(out, p, n * sizeof(float));
 }
 
-// 16 partial sums over the row, then a fixed pairwise tree: the same bits for every caller.
+// s[j] = sum_d q[d] kT[d][j] for j < n (n a multiple of 64): 64 keys at a time, each key's sum
+// one fma chain over d in order, so its bits depend on nothing else.
 DFN_MULTIVERSION
-float dot(const float * __restrict a, const float * __restrict b, int64_t n) {
-    float acc[16] = {};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+void scores(const float * __restrict q, const float * __restrict kT, float * __restrict s, int64_t hd, int64_t n) {
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        float acc[64] = {};
+        for (int64_t d = 0; d < hd; ++d) {
+            const float qd = q[d];
+            const float * kr = kT + d * n + j0;
 #pragma omp simd
-        for (int l = 0; l < 16; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+            for (int l = 0; l < 64; ++l) acc[l] = fmaf(qd, kr[l], acc[l]);
+        }
+        std::memcpy(s + j0, acc, sizeof(acc));
     }
-    for (int l = 0; i + l < n; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+}
+
+// p[j] = exp(s[j] - m) (0 where s[j] = -inf); returns their sum in 16 lanes, then a fixed tree.
+DFN_MULTIVERSION
+float softmax_num(float * __restrict s, int64_t n, float m) {
+    float acc[16] = {};
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {  // n is a multiple of 16
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) {
+            const float x = s[j0 + l];
+            const float p = x == -INFINITY ? 0.0f : exp_neg(x - m);
+            s[j0 + l] = p;
+            acc[l] += p;
+        }
+    }
     for (int w = 8; w >= 1; w /= 2)
         for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
     return acc[0];
@@ -52,18 +72,21 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const float scale = ((const attn_args *) userdata)->scale;
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
-    thread_local std::vector<float> kf, vf, s;
-    kf.resize((size_t) n_kv * hd);
+    const int64_t n_pad = (n_kv + 63) / 64 * 64;
+    thread_local std::vector<float> kT, vf, row, s;
+    kT.assign((size_t) hd * n_pad, 0.0f);
     vf.resize((size_t) n_kv * hd);
-    s.resize((size_t) n_kv);
-    // A unit is one KV head and a run of tokens: its K and V rows are converted once for those
-    // tokens and all their GQA heads. Tokens are split only as far as there are threads to use.
+    row.resize(hd);
+    s.resize(n_pad);
+    // A unit is one KV head and a run of tokens: its K (transposed) and V rows are converted once
+    // for those tokens and all their GQA heads. Tokens are split only as far as there are threads.
     const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tok, nth / n_kv_head));
     for (int64_t u = ith; u < n_kv_head * n_chunks; u += nth) {
         const int64_t hk = u % n_kv_head, c = u / n_kv_head;
         const int64_t t0 = c * n_tok / n_chunks, t1 = (c + 1) * n_tok / n_chunks;
         for (int64_t j = 0; j < n_kv; ++j) {
-            row_f32(K, (const char *) K->data + hk * K->nb[1] + j * K->nb[2], kf.data() + j * hd, hd);
+            row_f32(K, (const char *) K->data + hk * K->nb[1] + j * K->nb[2], row.data(), hd);
+            for (int64_t d = 0; d < hd; ++d) kT[d * n_pad + j] = row[d];
             row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
         }
         for (int64_t t = t0; t < t1; ++t) {
@@ -72,20 +95,18 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 const int64_t h = hk * G + g;
                 const float * qr = (const float *) ((const char *) q->data + h * q->nb[1] + t * q->nb[2]);
                 float * o = (float *) ((char *) dst->data + h * dst->nb[1] + t * dst->nb[2]);
-                // scores, then a two-pass softmax and P.V, all over the keys in order
+                // scores, then softmax and P.V over the keys in order
+                scores(qr, kT.data(), s.data(), hd, n_pad);
                 float m = -INFINITY;
-                for (int64_t j = 0; j < n_kv; ++j) {
-                    const float mv = ggml_fp16_to_fp32(mrow[j]);
-                    s[j] = mv == -INFINITY ? -INFINITY : dot(qr, kf.data() + j * hd, hd) * scale + mv;
+                for (int64_t j = 0; j < n_pad; ++j) {
+                    const float mv = j < n_kv ? ggml_fp16_to_fp32(mrow[j]) : -INFINITY;
+                    s[j] = mv == -INFINITY ? -INFINITY : s[j] * scale + mv;
                     m = s[j] > m ? s[j] : m;
                 }
-                float sum = 0.0f;
+                const float sum = m == -INFINITY ? 0.0f : softmax_num(s.data(), n_pad, m);
                 std::memset(o, 0, hd * sizeof(float));
                 for (int64_t j = 0; j < n_kv; ++j) {
-                    if (s[j] == -INFINITY) continue;
-                    const float p = expf(s[j] - m);
-                    sum += p;
-                    axpy(o, p, vf.data() + j * hd, hd);
+                    if (s[j] != 0.0f) axpy(o, s[j], vf.data() + j * hd, hd);
                 }
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t i = 0; i < hd; ++i) o[i] *= inv;

@@ -1,6 +1,7 @@
 #include "top1.h"
 
 #include "common.h"
+#include "vmath.h"
 
 #include <cmath>
 #include <cstring>
@@ -8,22 +9,6 @@
 namespace dfn {
 
 namespace {
-
-// exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, n the nearest integer, f in [-1/2, 1/2], 2^f by
-// its degree-5 Taylor polynomial (relative error < 3e-6); x below -87 gives 0.
-inline float exp_neg(float x) {
-    const float y = (x > -87.0f ? x : -87.0f) * 1.44269504f;
-    const float n = (y + 12582912.0f) - 12582912.0f;  // nearest integer (1.5 * 2^23 trick: vectorises)
-    const float f = y - n;
-    const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                    f * 0.00133335581f))));
-    int32_t bits;
-    std::memcpy(&bits, &p, sizeof(bits));
-    bits += (int32_t) n * (1 << 23);
-    float r;
-    std::memcpy(&r, &bits, sizeof(r));
-    return x < -87.0f ? 0.0f : r;
-}
 
 DFN_MULTIVERSION
 float max_of(const float * l, int64_t n) {

@@ -1,0 +1,26 @@
+// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dfn {
+
+// exp(x) for x <= 0: 2^(x log2 e) = 2^n 2^f, n the nearest integer, f in [-1/2, 1/2], 2^f by
+// its degree-6 Taylor polynomial (relative error < 2e-7); x below -87 gives 0. Plain arithmetic,
+// so `#pragma omp simd` loops vectorise it, and every caller gets the same bits.
+inline float exp_neg(float x) {
+    const float y = (x > -87.0f ? x : -87.0f) * 1.44269504f;
+    const float n = (y + 12582912.0f) - 12582912.0f;  // nearest integer (1.5 * 2^23 trick: vectorises)
+    const float f = y - n;
+    const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
+                    f * (0.00133335581f + f * 0.000154035304f)))));
+    int32_t bits;
+    std::memcpy(&bits, &p, sizeof(bits));
+    bits += (int32_t) n * (1 << 23);
+    float r;
+    std::memcpy(&r, &bits, sizeof(r));
+    return x < -87.0f ? 0.0f : r;
+}
+
+}  // namespace dfn
