@@ -74,7 +74,9 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
     thread_local std::vector<float> kT, vf, row, s;
-    kT.assign((size_t) hd * n_pad, 0.0f);
+    kT.resize((size_t) hd * n_pad);
+    for (int64_t d = 0; d < hd; ++d)  // the padding keys score 0 and are dropped below
+        std::fill(kT.begin() + d * n_pad + n_kv, kT.begin() + (d + 1) * n_pad, 0.0f);
     vf.resize((size_t) n_kv * hd);
     row.resize(hd);
     s.resize(n_pad);
