@@ -69,11 +69,11 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         total = 0.0
         rows = {k: (c - pre.get(k, (0, 0.0))[0], s - pre.get(k, (0, 0.0))[1]) for k, (c, s) in rep.items()}
-        rows = {k: v for k, v in rows.items() if v[0] > 0}  # graphs only the prefill ran
+        rows = {k: v for k, v in rows.items() if v[0] > 0}  # drop what only the prefills ran
         for key, (calls, s) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             total += s
             print(f"| {key} | {calls / rounds:.2f} | {1e3 * s / rounds:.3f} | {100 * s / wall:.1f}% |")
-        print(f"| (outside graphs: rollback, sampling, Python) | | {1e3 * (wall - total) / rounds:.3f} | "
+        print(f"| (outside graphs and commit: accept, sampling, Python) | | {1e3 * (wall - total) / rounds:.3f} | "
               f"{100 * (wall - total) / wall:.1f}% |")
         records.append({"bench": "profile_round", "mode": mode, "level": a.level, "B": a.block, "draft_cutoff": a.cutoff,
                         "tokens": n_tok, "steps": rounds, "ms_per_step": 1e3 * wall / rounds,
@@ -82,6 +82,7 @@ def main() -> None:
                         "prompts": len(prompts), "gen": a.gen, "threads": a.threads, "matmul": a.matmul,
                         "machine": machine(), "rev": git_rev()})
     write_jsonl(a.json, records)
+
 
 if __name__ == "__main__":
     main()

@@ -9,17 +9,27 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
-#include <mutex>
+#include <cstdint>
 #include <vector>
 
 namespace dfn {
 
 namespace {
 
-struct attn_args {
+// The op's one parameter, the softmax scale, travels in the bits of its userdata pointer, so
+// nothing has to outlive the graph.
+void * scale_to_userdata(float scale) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    return reinterpret_cast<void *>((uintptr_t) bits);
+}
+
+float userdata_to_scale(const void * userdata) {
+    const uint32_t bits = (uint32_t) reinterpret_cast<uintptr_t>(userdata);
     float scale;
-};
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return scale;
+}
 
 // A row of F16 or F32 as F32.
 void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
@@ -69,7 +79,7 @@ void axpy(float * __restrict y, float a, const float * __restrict x, int64_t n) 
 
 void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * q = dst->src[0], * K = dst->src[1], * V = dst->src[2], * mask = dst->src[3];
-    const float scale = ((const attn_args *) userdata)->scale;
+    const float scale = userdata_to_scale(userdata);
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
@@ -136,21 +146,8 @@ bool attn_op_supported(const ggml_tensor * q, const ggml_tensor * K, const ggml_
 ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
                       float scale) {
     ggml_tensor * args[4] = {q, K, V, mask};
-    // userdata must outlive the graph: one entry per distinct scale, kept for the process
-    static std::mutex mu;
-    static std::vector<std::unique_ptr<attn_args>> keep;
-    attn_args * a = nullptr;
-    {
-        std::lock_guard<std::mutex> lock(mu);
-        for (auto & p : keep)
-            if (p->scale == scale) a = p.get();
-        if (!a) {
-            keep.push_back(std::make_unique<attn_args>(attn_args{scale}));
-            a = keep.back().get();
-        }
-    }
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, args, 4, attn_fn,
-                                       GGML_N_TASKS_MAX, a);
+                                       GGML_N_TASKS_MAX, scale_to_userdata(scale));
     ggml_set_name(out, "attn");
     return out;
 }

@@ -42,4 +42,21 @@ struct profile_graph {
 
 double profile_now();
 
+// Adds its lifetime under "<graph>/<what>" when profiling is on (level >= 1).
+class profile_scope {
+public:
+    profile_scope(const char * graph, const char * what)
+        : graph_(graph), what_(what), t0_(profile_level() > 0 ? profile_now() : 0.0) {}
+    ~profile_scope() {
+        if (t0_ > 0.0) profile_add(graph_, what_, profile_now() - t0_);
+    }
+    profile_scope(const profile_scope &) = delete;
+    profile_scope & operator=(const profile_scope &) = delete;
+
+private:
+    const char * graph_;
+    const char * what_;
+    double t0_;
+};
+
 }  // namespace dfn

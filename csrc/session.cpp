@@ -75,12 +75,8 @@ ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggm
         it = plans_.emplace(shape_key, std::move(p)).first;
         // drop the least recently used plans beyond the limits (never the one just made)
         auto bytes = [&](const graph_plan & q) {
-            size_t b = 0;
-            for (ggml_backend_t be : backends) {
-                if (be) b += ggml_backend_sched_get_buffer_size(q.sched.get(), be);
-                if (!gpu_) break;
-            }
-            return b;
+            return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
+                   (gpu_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
         };
         for (;;) {
             size_t total = 0;
@@ -198,13 +194,7 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
 void target_session::commit(int64_t n_keep) {
     DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
     DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
-    const double t0 = profile_level() > 0 ? profile_now() : 0.0;
-    struct timed {
-        double t0;
-        ~timed() {
-            if (t0 > 0.0) profile_add("target", ":commit", profile_now() - t0);
-        }
-    } timer{t0};
+    profile_scope timer("target", ":commit");
     const target_hparams & hp = model_->hparams();
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;

@@ -45,6 +45,10 @@ void spec_session::reset() {
     pending_m_ = 0;
 }
 
+int64_t spec_session::feature_row() const {
+    return (int64_t) drafter_->hparams().tap_layers.size() * drafter_->hparams().n_embd;
+}
+
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
     const int64_t cap = ring_->capacity;
     // Positions older than the last `cap` would be overwritten within this push: skip them.
@@ -62,8 +66,7 @@ std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, i
 
 void spec_session::build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
                               std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
-    const drafter_hparams & dh = drafter_->hparams();
-    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+    const int64_t row = feature_row();
     f_in.clear();
     pos_in.clear();
     for (const ring_segment & sg : segs) {
@@ -77,8 +80,7 @@ void spec_session::build_push(ggml_context * ctx, ggml_cgraph * gf, const std::v
 
 void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const float * feats,
                                    const std::vector<ggml_tensor *> & f_in, const std::vector<ggml_tensor *> & pos_in) const {
-    const drafter_hparams & dh = drafter_->hparams();
-    const int64_t row = (int64_t) dh.tap_layers.size() * dh.n_embd;
+    const int64_t row = feature_row();
     for (size_t i = 0; i < segs.size(); ++i) {
         const ring_segment & sg = segs[i];
         ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));
@@ -254,9 +256,8 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
-    // pushed into the ring by the next draft graph (see flush_features)
-    const int64_t row = (int64_t) drafter_->hparams().tap_layers.size() * drafter_->hparams().n_embd;
-    pending_feats_.assign(v.taps.begin(), v.taps.begin() + n_keep * row);
+    // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
+    pending_feats_ = std::move(v.taps);
     pending_pos0_ = n_past0;
     pending_m_ = n_keep;
     const double t3 = now_s();

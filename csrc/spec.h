@@ -73,6 +73,7 @@ private:
                     std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
     void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
                          const std::vector<ggml_tensor *> & pos_in) const;
+    int64_t feature_row() const;  // floats per position pushed: n_taps * n_embd
     // The features a round committed are pushed by the next draft graph (one graph per round
     // fewer); anything that reads the ring or pushes out of a round flushes them first.
     void flush_features();
@@ -88,7 +89,7 @@ private:
     std::unique_ptr<drafter_model> drafter_;
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
-    std::vector<float> pending_feats_;  // [pending_m_, n_taps * n_embd]
+    std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
 };
 
