@@ -2,6 +2,10 @@
 
 #include "common.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -168,11 +172,27 @@ ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> n
     return t;
 }
 
+// Weights are streamed once per forward; on 4 KiB pages every 4 KiB of them is a TLB miss, and the
+// hardware prefetchers stop at each page boundary. Ask for 2 MiB pages (transparent huge pages in
+// "madvise" mode, the common default) before the weights are written: AR decode measured ~2-7%
+// faster on this machine (bench/README.md). A no-op where the kernel says no.
+static void advise_huge_pages(void * base, size_t size) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = 2u << 20;
+    const uintptr_t b = ((uintptr_t) base + huge - 1) & ~(huge - 1), e = ((uintptr_t) base + size) & ~(huge - 1);
+    if (e > b) madvise((void *) b, e - b, MADV_HUGEPAGE);
+#else
+    (void) base;
+    (void) size;
+#endif
+}
+
 void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
     DFN_REQUIRE(buf_ == nullptr, W, "weights already loaded");
     buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
     if (!buf_) throw runtime_error(cat("[", W, "] cannot allocate ", weights_bytes(), " bytes of weights"));
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    if (ggml_backend_buffer_is_host(buf_)) advise_huge_pages(ggml_backend_buffer_get_base(buf_), ggml_backend_buffer_get_size(buf_));
 
     std::unique_ptr<FILE, int (*)(FILE *)> f(fopen(path_.c_str(), "rb"), fclose);
     DFN_REQUIRE(f != nullptr, W, "cannot open '", path_, "'");

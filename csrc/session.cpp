@@ -8,6 +8,7 @@
 #include "graph.h"
 #include "matmul.h"
 #include "profile.h"
+#include "top1.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
@@ -277,7 +278,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             }
             logits = matmul(ctx, model_->output, hidden);  // [n_vocab, rows]
             if (argmax_only) {
-                argmax = ggml_argmax(ctx, logits);  // I32 [rows]
+                argmax = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
                 ggml_set_output(argmax);
                 ggml_build_forward_expand(gf, argmax);
             } else {

@@ -176,7 +176,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
                 h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
                 logits = matmul(ctx, drafter_->output ? drafter_->output : tm.output, h);  // [n_vocab, B-1]
-                ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = ggml_argmax(ctx, logits));
+                ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits));
                 ggml_set_output(res);
                 ggml_build_forward_expand(gf, res);
             },

@@ -39,13 +39,26 @@ void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     }
 }
 
+void argmax_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * lg = dst->src[0];
+    for (int64_t r = ith; r < lg->ne[1]; r += nth) {
+        ((int32_t *) dst->data)[r] = (int32_t) argmax_row((const float *) ((const char *) lg->data + r * lg->nb[1]), lg->ne[0]);
+    }
+}
+
+int64_t first_index_of(const float * l, int64_t n, float mx) {
+    int64_t a = 0;
+    while (a + 1 < n && !(l[a] == mx)) ++a;
+    return a;
+}
+
 }  // namespace
+
+int64_t argmax_row(const float * l, int64_t n) { return first_index_of(l, n, max_of(l, n)); }
 
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
     const float mx = max_of(l, n);
-    int64_t a = 0;
-    while (a + 1 < n && !(l[a] == mx)) ++a;  // the first maximum
-    arg = a;
+    arg = first_index_of(l, n, mx);  // the first maximum
     p = 1.0f / sum_exp(l, n, mx);
 }
 
@@ -53,6 +66,13 @@ ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {
     ggml_tensor * args[1] = {logits};
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 2, logits->ne[1], 1, 1, args, 1, top1_fn, GGML_N_TASKS_MAX, nullptr);
     ggml_set_name(out, "top1");
+    return out;
+}
+
+ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits) {
+    ggml_tensor * args[1] = {logits};
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_I32, logits->ne[1], 1, 1, 1, args, 1, argmax_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_set_name(out, "argmax");
     return out;
 }
 

@@ -13,7 +13,12 @@ namespace dfn {
 // relative): it only decides how many drafts to verify, never which tokens are committed.
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits);
 
+// logits [n_vocab, n] -> I32 [n]: each row's first maximum (ggml_argmax's pick), rows split over
+// the threads and the max vectorised (ggml_argmax runs the rows on one thread, scalar).
+ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits);
+
 // The same for one row (tests compare it against a float64 softmax).
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p);
+int64_t argmax_row(const float * l, int64_t n);
 
 }  // namespace dfn
