@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--drafter-layers", type=int, default=1)
     ap.add_argument("--seqs-per-step", type=int, default=8)
     ap.add_argument("--anchors-per-seq", type=int, default=16)
+    ap.add_argument("--draft-vocab", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
     ap.add_argument("--eval-prompts", type=int, default=16)
@@ -91,7 +92,8 @@ def main():
         max_new_tokens=a.drafter_new_tokens, target_layer_ids=[int(x) for x in a.drafter_taps.split(",")],
         target_gguf=target_gguf, out_gguf=drafter_gguf, outtype=a.outtype, num_layers=a.drafter_layers,
         block_size=a.block_size, steps=a.drafter_steps, seqs_per_step=a.seqs_per_step,
-        anchors_per_seq=a.anchors_per_seq, n_threads=a.threads, engine_threads=a.threads, log_every=100)
+        anchors_per_seq=a.anchors_per_seq, draft_vocab_size=a.draft_vocab, n_threads=a.threads,
+        engine_threads=a.threads, log_every=100)
     times["drafter_s"] = time.perf_counter() - t0
     times["train_wall_s"] = time.perf_counter() - t_start
 

@@ -352,8 +352,9 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<spec_session>(m, "Spec")
         .def(py::init([](target_session & t, const std::string & drafter, int64_t block_size, int64_t ring_capacity,
-                         int64_t window, float draft_cutoff) {
+                         int64_t window, float draft_cutoff, bool draft_vocab) {
                  spec_params p;
+                 p.draft_vocab = draft_vocab;
                  p.block_size = block_size;
                  p.ring_capacity = ring_capacity;
                  p.window = window;
@@ -362,11 +363,14 @@ PYBIND11_MODULE(_core, m) {
                  return std::make_unique<spec_session>(t, drafter, p);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("ring_capacity") = 4096,
-             py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f, py::keep_alive<1, 2>())
+             py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f, py::arg("draft_vocab") = true, py::keep_alive<1, 2>())
         .def_property("draft_cutoff", [](spec_session & s) { return s.params().draft_cutoff; },
                       &spec_session::set_draft_cutoff,
                       "Verify drafts only while the product of the drafter's top-1 probabilities >= this (0: all)")
         .def_property_readonly("block_size", &spec_session::block_size)
+        .def_property_readonly("draft_vocab", [](spec_session & s) {
+            return s.params().draft_vocab ? s.drafter_hparams_().draft_vocab : std::vector<int32_t>{};
+        }, "Token ids the drafts are drawn from (the drafter GGUF's dflash.draft_vocab); empty: the whole vocabulary")
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
         .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })

@@ -23,6 +23,10 @@ struct drafter_hparams {
     std::vector<bool> is_swa;       // per layer: uses the sliding window (when sliding_window > 0)
     float embedding_scale = 0.0f;   // 0: none
     std::vector<int> tap_layers;    // target layers whose OUTPUT is fused (= GGUF target_layers - 1)
+    // GGUF dflash.draft_vocab (optional): the token ids, ascending, the drafter may propose. Drafts
+    // are argmaxes over these rows of the lm_head only (EAGLE-3's reduced draft vocabulary): a
+    // target that writes a token outside them just rejects that draft; empty = the whole vocabulary.
+    std::vector<int32_t> draft_vocab;
 };
 
 // Drafter-context K/V per committed position, for every drafter layer. Position p lives in
@@ -79,6 +83,11 @@ public:
     ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them
     ggml_tensor * output = nullptr;    // own lm_head, if the file has one
 
+    // Copies the draft vocabulary's rows of `lm_head` (the drafter's own or the target's, [n_embd,
+    // n_vocab]) into draft_head [n_embd, n_draft_vocab], same type. No-op without a draft vocabulary.
+    void gather_draft_head(const ggml_tensor * lm_head, ggml_backend_buffer_type_t buft);
+    ggml_tensor * draft_head = nullptr;
+
 private:
     ggml_tensor * norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w) const;
     ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
@@ -89,6 +98,8 @@ private:
     ggml_tensor * enc_norm = nullptr;  // F32 [n_embd] (HF hidden_norm)
     ggml_tensor * output_norm = nullptr;
     std::vector<layer_weights> layers_;  // Qwen3 blocks (see load_qwen3_layer)
+    std::unique_ptr<ggml_context, void (*)(ggml_context *)> head_ctx_{nullptr, ggml_free};
+    std::unique_ptr<ggml_backend_buffer, void (*)(ggml_backend_buffer_t)> head_buf_{nullptr, ggml_backend_buffer_free};
 };
 
 }  // namespace dfn

@@ -19,6 +19,9 @@ struct spec_params {
     // compute-bound device every verified token costs time, and a draft the drafter itself doubts
     // is rarely accepted; the output is the same either way (only target tokens are committed).
     float draft_cutoff = 0.0f;
+    // Draft over the drafter's draft vocabulary when its GGUF has one (drafter.h); false = always
+    // the whole vocabulary. Either way only target tokens are committed.
+    bool draft_vocab = true;
 };
 
 struct round_result {

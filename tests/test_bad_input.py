@@ -221,6 +221,16 @@ def test_vocab_mismatch(pair, tmp_path):
     assert "drafter vocabulary (3 tokens) != target vocabulary" in spec_error(tg, bad)
 
 
+@pytest.mark.parametrize("ids,msg", [([5, 3], "strictly ascending (3 after 5)"),
+                                     ([1, 100000], "draft_vocab id 100000 is outside the target vocabulary")])
+def test_bad_draft_vocab_in_file(pair, tmp_path, ids, msg):
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "dv.gguf", kv={"dflash.draft_vocab": (ids, GGUFValueType.ARRAY)})
+    assert msg in spec_error(tg, bad)
+
+
 def test_block_size_and_capacity(pair):
     tg, dg = pair
     assert "block_size must be an int >= 2" in spec_error(tg, dg, block_size=1)

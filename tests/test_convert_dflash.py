@@ -773,3 +773,24 @@ def test_target_taps_refuses_the_last_layer(target):
     assert taps.shape == (3, 2 * 64)
     with pytest.raises(ValueError, match="post-norm"):
         target_taps(hf, [1, 2, 3], [3])
+
+
+def test_draft_vocab_key(drafter, target, tmp_path):
+    """config.json draft_vocab becomes dflash.draft_vocab (INT32 array); a bad list is refused."""
+    ckpt, path = drafter("qwen3", draft_vocab=[1, 4, 9])
+    values, types, _ = _fields(path)
+    assert values["dflash.draft_vocab"] == [1, 4, 9]
+    assert types["dflash.draft_vocab"] == (VT.ARRAY, VT.INT32)
+    _, plain = drafter("qwen3")
+    assert "dflash.draft_vocab" not in _fields(plain)[0]
+    tckpt, tgguf = target("qwen3")
+    for bad, msg in (([4, 1], "strictly ascending"), ([], "non-empty list"), ([1, 10**6], "outside"),
+                     (["a"], "non-empty list of token ids")):
+        cfg = _config(ckpt)
+        cfg["draft_vocab"] = bad
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+        with pytest.raises(ValueError, match=msg):
+            convert_dflash_to_gguf(d, d / "x.gguf", target_gguf=tgguf)

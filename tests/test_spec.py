@@ -461,3 +461,47 @@ def test_draft_cutoff_keeps_the_confident_prefix(pair):
             s.draft_cutoff = bad
         with pytest.raises(ValueError, match="draft_cutoff"):
             dn.Engine(pair["target"], drafter=pair["drafter"], n_ctx=64, draft_cutoff=bad)
+
+
+@pytest.fixture(scope="module")
+def vocab_pair(pair, tmp_path_factory):
+    """The same drafter (same seed) with a draft vocabulary of every other token id, less the
+    tokens the whole-vocabulary drafter picks for PROMPT (so that the restriction shows)."""
+    _, _, d_over = PAIRS[pair["name"]]
+    t, s = make(pair, B=16)
+    picked = set(s.draft(s.prefill(PROMPT), 16))
+    ids = [i for i in range(3, t.n_vocab, 2) if i not in picked]
+    d = tmp_path_factory.mktemp("vocab-" + pair["name"])
+    dg = make_random_drafter_gguf(d / "drafter.gguf", pair["ckpt"], outtype="f32", seed=6, block_size=16,
+                                  target_gguf=pair["target"], draft_vocab=ids, **d_over)
+    return {**pair, "drafter": dg, "ids": ids}
+
+
+def test_draft_vocab_drafts_its_argmax(vocab_pair):
+    """With dflash.draft_vocab, a draft is the argmax over those rows of the lm_head (draft_logits
+    still gives the whole vocabulary), through the argmax and the top-1/cutoff paths alike;
+    draft_vocab=False drafts over the whole vocabulary again."""
+    ids = np.array(vocab_pair["ids"])
+    t, s = make(vocab_pair, B=16)
+    assert s.draft_vocab == vocab_pair["ids"]
+    last = s.prefill(PROMPT)
+    logits = s.draft_logits(last, 16, t)                                  # [15, n_vocab]
+    want = [int(i) for i in ids[logits[:, ids].argmax(-1)]]
+    assert not set(want) & set(int(i) for i in logits.argmax(-1))         # the restriction matters here
+    assert s.draft(last, 16) == want
+    s.prefill(PROMPT)
+    s.draft_cutoff = 1e-30                                                 # the top-1 path, every draft kept
+    assert s.round(last, 16)["draft"] == want
+    full = _core.Spec(t, str(vocab_pair["drafter"]), block_size=16, ring_capacity=64, draft_vocab=False)
+    assert full.draft_vocab == []
+    last = full.prefill(PROMPT)
+    assert full.draft(last, 16) == [int(i) for i in logits.argmax(-1)]
+
+
+@pytest.mark.parametrize("cutoff", [0.0, 0.05])
+def test_draft_vocab_is_lossless(vocab_pair, cutoff):
+    eng = dn.Engine(vocab_pair["target"], drafter=vocab_pair["drafter"], block_size=8, n_ctx=256, kv_type="f32",
+                    n_threads=2, draft_cutoff=cutoff)
+    ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=60)
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens

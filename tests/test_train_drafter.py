@@ -24,8 +24,8 @@ from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
 from dflash_native.testing import make_random_checkpoint  # noqa: E402
 from dflash_native.testing_dflash import mask_token_id_of  # noqa: E402
-from dflash_native.train.drafter import (DFlashDrafter, block_batch, dflash_loss, greedy_continuations,  # noqa: E402
-                                         target_features, train_drafter)
+from dflash_native.train.drafter import (DFlashDrafter, block_batch, dflash_loss,  # noqa: E402
+                                         draft_vocabulary, greedy_continuations, target_features, train_drafter)
 from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402
 
 B = 8
@@ -54,7 +54,7 @@ def trained(env):
     res = train_drafter(env["hf"], env["dir"] / "drafter", prompts=prompts, max_new_tokens=40,
                         target_layer_ids=TAPS, num_layers=1, block_size=B, mask_token_id=env["mask"],
                         anchors_per_seq=8, seqs_per_step=4, steps=120, lr=3e-3, warmup=10, gamma=4.0, seed=0,
-                        n_threads=N_THREADS)
+                        n_threads=N_THREADS, draft_vocab_size=64)
     tg = convert_hf_to_gguf(env["ckpt"], env["dir"] / "target.gguf", outtype="f32")
     dg = convert_dflash_to_gguf(res.checkpoint, env["dir"] / "drafter.gguf", outtype="f32", target_gguf=tg)
     return {"res": res, "target_gguf": tg, "drafter_gguf": dg}
@@ -147,6 +147,15 @@ def test_training_lowers_loss_and_raises_acceptance(trained):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"] == {"mask_token_id": recipe["mask_token_id"], "target_layer_ids": TAPS,
                                     "block_size": B}
+    ids = cfg["draft_vocab"]
+    assert recipe["n_draft_vocab"] == len(ids) and 1 < len(ids) <= 64 and ids == sorted(set(ids))
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens():
+    seqs = [[7, 7, 7, 2, 9], [9, 9, 5, 1], [4, 2]]  # counts: 7:3, 9:3, 2:2, then 1, 4, 5 once each
+    assert draft_vocabulary(seqs, 3) == [2, 7, 9]
+    assert draft_vocabulary(seqs, 4) == [1, 2, 7, 9]  # ties go to the smaller id
+    assert draft_vocabulary(seqs, 100) == [1, 2, 4, 5, 7, 9]
 
 
 def test_engine_drafter_logits_match_module(env, trained):
@@ -154,6 +163,7 @@ def test_engine_drafter_logits_match_module(env, trained):
     module's on the HF target's taps of the same prompt."""
     t = _core.Target(str(trained["target_gguf"]), n_ctx=128, kv_type="f32", max_verify=B, n_threads=N_THREADS)
     s = _core.Spec(t, str(trained["drafter_gguf"]), block_size=B)
+    assert s.draft_vocab == json.loads((trained["res"].checkpoint / "config.json").read_text())["draft_vocab"]
     last = s.prefill(PROMPT)
     ours = s.draft_logits(last, B, t)
     drafter = DFlashDrafter.from_pretrained(trained["res"].checkpoint, env["hf"]).eval()

@@ -48,6 +48,14 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
                 " is outside the target vocabulary [0, ", target.n_vocab, ")");
 
+    for (int64_t id : F.get_int_arr(key("draft_vocab"))) {
+        DFN_REQUIRE(id >= 0 && id < target.n_vocab, W, "'", path, "': draft_vocab id ", id,
+                    " is outside the target vocabulary [0, ", target.n_vocab, ")");
+        DFN_REQUIRE(hp_.draft_vocab.empty() || id > hp_.draft_vocab.back(), W, "'", path,
+                    "': draft_vocab must be strictly ascending (", id, " after ", hp_.draft_vocab.back(), ")");
+        hp_.draft_vocab.push_back((int32_t) id);
+    }
+
     const int64_t n_tok = F.arr_len("tokenizer.ggml.tokens");
     DFN_REQUIRE(n_tok < 0 || target.n_tokenizer_tokens < 0 || n_tok == target.n_tokenizer_tokens, W,
                 "drafter vocabulary (", n_tok, " tokens) != target vocabulary (", target.n_tokenizer_tokens, " tokens)");
@@ -70,6 +78,22 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     layers_.resize(hp_.n_layer);
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
+    }
+}
+
+void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_buffer_type_t buft) {
+    if (hp_.draft_vocab.empty() || draft_head) return;
+    const int64_t n = (int64_t) hp_.draft_vocab.size();
+    ggml_init_params ip = {ggml_tensor_overhead() + 64, nullptr, true};
+    head_ctx_.reset(ggml_init(ip));
+    draft_head = ggml_new_tensor_2d(head_ctx_.get(), lm_head->type, lm_head->ne[0], n);  // [n_embd, n_draft_vocab]
+    ggml_set_name(draft_head, "draft_head.weight");
+    head_buf_.reset(ggml_backend_alloc_ctx_tensors_from_buft(head_ctx_.get(), buft));
+    DFN_REQUIRE(head_buf_ != nullptr, W, "cannot allocate the draft vocabulary's lm_head");
+    std::vector<uint8_t> row(lm_head->nb[1]);
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_backend_tensor_get(lm_head, row.data(), (size_t) hp_.draft_vocab[i] * lm_head->nb[1], row.size());
+        ggml_backend_tensor_set(draft_head, row.data(), (size_t) i * draft_head->nb[1], row.size());
     }
 }
 

@@ -69,6 +69,7 @@ def _cmd_train_drafter(a) -> int:
                           out_gguf=a.gguf, outtype=a.outtype, num_layers=a.layers, block_size=a.block_size,
                           steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every,
                           seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors_per_seq,
+                          draft_vocab_size=a.draft_vocab,
                           continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
     return 0
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
     t.add_argument("--anchors-per-seq", type=int, default=16, help="random block anchors per sequence per step")
+    t.add_argument("--draft-vocab", type=int, default=1024,
+                   help="draft over at most this many tokens: the most frequent of the target's continuations "
+                        "(GGUF dflash.draft_vocab; 0 = the whole vocabulary)")
     t.add_argument("--prompts", type=int, default=64)
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--max-new-tokens", type=int, default=64)

@@ -375,6 +375,11 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
         writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern", spec.is_swa)
 
+    draft_vocab = _draft_vocab(spec)
+    if draft_vocab:
+        # ours (llama.cpp ignores it): the token ids drafts are drawn from; see drafter.h
+        writer.add_key_value(f"{arch}.draft_vocab", draft_vocab, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+
     # What z-lab's compute_logits / noise embedding apply; llama.cpp reads the
     # same keys (LLM_KV_LOGIT_SCALE, _FINAL_LOGIT_SOFTCAPPING, _EMBEDDING_SCALE).
     dc, cfg = spec.dflash_config, spec.config
@@ -387,6 +392,23 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     embedding_scale = dc.get("input_embedding_scale", cfg.get("input_embedding_scale"))
     if embedding_scale is not None:
         writer.add_float32(f"{arch}.embedding_scale", float(embedding_scale))
+
+
+def _draft_vocab(spec: DflashSpec) -> list[int]:
+    """config.json "draft_vocab" (dflash_native.train: the tokens of the target continuations the
+    drafter learned): strictly ascending ids inside the vocabulary; [] when absent."""
+    ids = spec.config.get("draft_vocab", spec.dflash_config.get("draft_vocab"))
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"[convert_dflash] {spec.where}: draft_vocab must be a non-empty list of token ids")
+    n_vocab = spec.config.get("vocab_size")
+    for a, b in zip(ids, ids[1:]):
+        if b <= a:
+            raise ValueError(f"[convert_dflash] {spec.where}: draft_vocab must be strictly ascending ({b} after {a})")
+    if ids[0] < 0 or (n_vocab is not None and ids[-1] >= int(n_vocab)):
+        raise ValueError(f"[convert_dflash] {spec.where}: draft_vocab id outside [0, {n_vocab})")
+    return [int(i) for i in ids]
 
 
 _MASK_KEY = gguf.Keys.Tokenizer.MASK_ID

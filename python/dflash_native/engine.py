@@ -108,6 +108,7 @@ class Engine:
         gate: bool = False,
         draft_cutoff: float = 0.0,
         matmul: str = "own",
+        draft_vocab: bool = True,
     ):
         """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
         benchmarks compare against (per-token state snapshots; re-running the kept tokens).
@@ -120,6 +121,11 @@ class Engine:
         top-1 probabilities stays >= draft_cutoff (0: verify all B-1). Where verify cost grows
         with the block (CPUs), cutting doubtful drafts saves more than it loses; the output is the
         same. Settable later as `engine.draft_cutoff`.
+
+        draft_vocab: when the drafter's GGUF names a draft vocabulary (dflash.draft_vocab: the
+        tokens its training data's target continuations used), draft over those rows of the
+        lm_head only, as EAGLE-3 does: a cheaper draft, and a target token outside them only
+        ends that round's accepted run. False: always the whole vocabulary. Output is the same.
 
         matmul: weight matmuls on the CPU. "own": the package's batch-invariant kernel (F16/F32
         weights; other types fall back to ggml), under which a verify pass computes every token
@@ -152,7 +158,7 @@ class Engine:
         if drafter is not None:
             self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
                                     ring_capacity=feature_ring_capacity, window=drafter_window or 0,
-                                    draft_cutoff=draft_cutoff)
+                                    draft_cutoff=draft_cutoff, draft_vocab=bool(draft_vocab))
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(path)
         except ValueError:

@@ -417,6 +417,17 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
     return loss, {"ce": ce.mean().item(), "acc": acc, "n_rows": int(valid.sum())}
 
 
+def draft_vocabulary(continuations: Sequence[Sequence[int]], size: int) -> list[int]:
+    """The `size` most frequent tokens of `continuations` (ties: the smaller id), ascending: what
+    the target writes where the drafter drafts. Fewer when fewer distinct tokens occur."""
+    counts: dict[int, int] = {}
+    for seq in continuations:
+        for t in seq:
+            counts[int(t)] = counts.get(int(t), 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return sorted(top)
+
+
 def _anchor_range(n_tokens: int, min_anchor: int) -> range:
     return range(max(1, min_anchor), n_tokens - 1)
 
@@ -504,6 +515,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                   n_threads: int | None = None,
                   init_std: float = 0.02,
                   drafter_overrides: Mapping[str, Any] | None = None,
+                  draft_vocab_size: int = 0,
                   log_every: int = 0) -> TrainResult:
     """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
@@ -518,6 +530,8 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     per sequence, all trained in one forward. AdamW, linear warmup then cosine
     decay. `gamma` is the decay of the position weights (None: uniform).
     `target_layer_ids` default: z-lab's spread (testing_dflash.default_target_layer_ids).
+    `draft_vocab_size` > 0: config.json also gets "draft_vocab", the (at most) that many most
+    frequent tokens of the continuations (`draft_vocabulary`), which the engine drafts over.
     Returns the loss history and throughput (TrainResult).
     """
     from ..testing_dflash import default_target_layer_ids
@@ -528,6 +542,8 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
     if prompts is None and sequences is None:
         raise ValueError("[train_drafter] give prompts and/or sequences")
+    if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
+        raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
@@ -620,6 +636,10 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     drafter.eval()
     acc_after = acceptance_on(drafter, data, feats, eval_anchors)
 
+    draft_vocab: list[int] = []
+    if draft_vocab_size:
+        draft_vocab = draft_vocabulary([s[m:] for s, m in zip(data, min_anchor)], draft_vocab_size)
+        drafter.config["draft_vocab"] = draft_vocab
     out = drafter.save_pretrained(out_dir)
     recipe = {
         "objective": "dflash block CE, position weights exp(-(i-1)/gamma) normalised",
@@ -629,6 +649,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         "steps": steps, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "grad_clip": grad_clip,
         "gamma": gamma, "seed": seed, "n_threads": torch.get_num_threads(), "init_std": init_std,
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
+        "draft_vocab_size": draft_vocab_size, "n_draft_vocab": len(draft_vocab),
         "n_sequences": len(data), "n_tokens": sum(len(s) for s in data),
         "data_seconds": t_data, "train_seconds": t_train,
         "steps_per_s": steps / t_train if t_train > 0 else 0.0,
