@@ -107,11 +107,11 @@ def git_rev() -> str:
 
 def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16, prompt_tokens: int = 96,
                  gen: int = 128, threads: int = 2, seed: int = 0, label: str = "pair",
-                 matmul: str = "own") -> list[dict]:
+                 matmul: str = "own", draft_vocabs=(True,)) -> list[dict]:
     """Greedy AR vs DFlash on held-out code prompts (train/corpus.heldout_prompts: stdlib files
     never trained on), one engine per block size; per prompt AR runs, then DFlash at each
     `cutoffs` value (Engine.draft_cutoff), side by side. Prints a table; returns one row per
-    (block size, cutoff). tok/s counts the tokens after the first (which comes from the
+    (block size, cutoff, draft vocabulary on/off: `draft_vocabs`). tok/s counts the tokens after the first (which comes from the
     prefill) over decode time. "spec == AR" is the lossless rule: the prompts whose speculative
     output is identical to AR's, and for the others the top-2 logit gap of AR's logits where they
     first differ (F16/F32 batched and single-token matmuls round differently, so a divergence is
@@ -123,24 +123,28 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
     from dflash_native.train import corpus
 
     rows = []
-    print("| B | cutoff | mean acceptance length (pooled) | per-prompt mean | mean verified | AR tok/s | DFlash tok/s | speedup | draft ms "
+    print("| B | cutoff | draft vocab | mean acceptance length (pooled) | per-prompt mean | mean verified | AR tok/s | DFlash tok/s | speedup | draft ms "
           "| verify ms | rollback ms | other ms | rounds | spec == AR |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
         eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
                         n_threads=threads, matmul=matmul)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
+        eng.draft_vocab = True
+        n_dv = len(eng._spec.draft_vocab)  # tokens in the drafter's draft vocabulary (0: it has none)
         eng.generate(prompts[0].text, max_tokens=16, speculative=False)  # warm-up (graph plans, caches)
         eng.generate(prompts[0].text, max_tokens=16)
         ar_s, n_ar = 0.0, 0
-        per = {c: dict(acc=[], committed=0, verified=0, gaps=[], sp=0.0, n_sp=0, draft=0.0, verify=0.0, rollback=0.0, rounds=0)
-               for c in cutoffs}
+        per = {(c, dv): dict(acc=[], committed=0, verified=0, gaps=[], sp=0.0, n_sp=0, draft=0.0, verify=0.0,
+                             rollback=0.0, rounds=0)
+               for dv in draft_vocabs for c in cutoffs}
         for p in prompts:
             ar = eng.generate(p.text, max_tokens=gen, speculative=False)
             ar_s += ar.stats.decode_s
             n_ar += max(ar.stats.n_generated - 1, 0)
-            for c, t in per.items():
+            for (c, dv), t in per.items():
                 eng.draft_cutoff = c
+                eng.draft_vocab = dv
                 sp = eng.generate(p.text, max_tokens=gen)
                 s = sp.stats
                 t["gaps"].append(first_divergence_gap(eng, p.text, ar.tokens, sp.tokens))
@@ -153,12 +157,13 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
                     t[k] += getattr(s, k + "_s")
                 t["rounds"] += s.rounds
         ar_tok_s = n_ar / ar_s
-        for c, t in per.items():
+        for (c, dv), t in per.items():
             R = max(t["rounds"], 1)
             sp_tok_s = t["n_sp"] / t["sp"]
             other = (t["sp"] - t["draft"] - t["verify"] - t["rollback"]) / R
             ok, cell = verdict(t["gaps"])
             row = {"bench": "spec_e2e_heldout", "pair": label, "B": B, "draft_cutoff": c,
+                   "draft_vocab": n_dv if dv else 0,
                    # pooled over all rounds of all prompts (what the speedup sees); the per-prompt mean
                    # weights a short-round prompt like a long one and reads higher
                    "mean_acceptance_length": t["committed"] / R, "mean_verified_length": t["verified"] / R,
@@ -171,7 +176,7 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
                    "prompt_tokens": prompt_tokens, "gen": gen, "threads": threads,
                    "matmul": matmul, "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(),
                    "rev": git_rev()}
-            print(f"| {B} | {c:g} | {row['mean_acceptance_length']:.2f} | {row['mean_acceptance_length_per_prompt']:.2f} | "
+            print(f"| {B} | {c:g} | {row['draft_vocab'] or 'all'} | {row['mean_acceptance_length']:.2f} | {row['mean_acceptance_length_per_prompt']:.2f} | "
                   f"{row['mean_verified_length']:.2f} | "
                   f"{ar_tok_s:.1f} | {sp_tok_s:.1f} | {row['speedup']:.2f}x | {row['draft_ms_per_round']:.2f} | "
                   f"{row['verify_ms_per_round']:.2f} | {row['rollback_ms_per_round']:.2f} | "

@@ -371,6 +371,8 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("draft_vocab", [](spec_session & s) {
             return s.params().draft_vocab ? s.drafter_hparams_().draft_vocab : std::vector<int32_t>{};
         }, "Token ids the drafts are drawn from (the drafter GGUF's dflash.draft_vocab); empty: the whole vocabulary")
+        .def_property("use_draft_vocab", [](spec_session & s) { return s.params().draft_vocab; }, &spec_session::set_draft_vocab,
+                      "Draft over the drafter's draft vocabulary when it has one (False: the whole vocabulary)")
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
         .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })

@@ -32,10 +32,10 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
     drafter_->load_weights(target.buffer_type());
     ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, target.buffer_type());
-    if (params.draft_vocab) {
-        drafter_->gather_draft_head(drafter_->output ? drafter_->output : target.model().output, target.buffer_type());
-    }
+    drafter_->gather_draft_head(drafter_->output ? drafter_->output : target.model().output, target.buffer_type());
 }
+
+void spec_session::set_draft_vocab(bool on) { params_.draft_vocab = on; }
 
 void spec_session::set_draft_cutoff(float c) {
     DFN_REQUIRE(std::isfinite(c) && c >= 0.0f && c <= 1.0f, "engine", "draft_cutoff must be in [0, 1], got ", c);
@@ -159,7 +159,13 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
     ggml_tensor * logits = nullptr, * top1 = nullptr;
     std::vector<ggml_tensor *> push_f, push_pos;
-    std::string key = cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax");
+    // the drafts come from the draft vocabulary's rows when there is one (logits_out: always the
+    // whole vocabulary, for tests)
+    ggml_tensor * head = drafter_->output ? drafter_->output : target_.model().output;  // [n_embd, n_vocab]
+    const bool sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
+    if (sub) head = drafter_->draft_head;  // [n_embd, n_draft_vocab]
+    std::string key = cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
+                          sub ? ":dv" : "");
     for (const ring_segment & sg : push) key += cat(":push", sg.k);
     try {
         target_.run_graph(
@@ -178,11 +184,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 }
                 ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
                 h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
-                // [n_vocab, B-1], or [n_draft_vocab, B-1] for the drafts themselves (logits_out: the whole
-                // vocabulary, for tests)
-                ggml_tensor * head = drafter_->output ? drafter_->output : tm.output;
-                if (!logits_out && drafter_->draft_head) head = drafter_->draft_head;
-                logits = matmul(ctx, head, h);
+                logits = matmul(ctx, head, h);  // [n_vocab or n_draft_vocab, B-1]
                 ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits));
                 ggml_set_output(res);
                 ggml_build_forward_expand(gf, res);
@@ -218,7 +220,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
                 if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
                 if (top1_out) ggml_backend_tensor_get(top1, top1_out, 0, ggml_nbytes(top1));
-                if (!logits_out && drafter_->draft_head) {  // rows of the draft head -> token ids
+                if (sub) {  // rows of the draft head -> token ids
                     const std::vector<int32_t> & ids = dh.draft_vocab;
                     for (int64_t i = 0; i + 1 < B; ++i) {
                         if (argmax_out) argmax_out[i] = ids[argmax_out[i]];

@@ -61,6 +61,7 @@ public:
     }
     const spec_params & params() const { return params_; }
     void set_draft_cutoff(float c);
+    void set_draft_vocab(bool on);
     void reset();
 
 private:

@@ -126,6 +126,7 @@ class Engine:
         tokens its training data's target continuations used), draft over those rows of the
         lm_head only, as EAGLE-3 does: a cheaper draft, and a target token outside them only
         ends that round's accepted run. False: always the whole vocabulary. Output is the same.
+        Settable later as `engine.draft_vocab`.
 
         matmul: weight matmuls on the CPU. "own": the package's batch-invariant kernel (F16/F32
         weights; other types fall back to ggml), under which a verify pass computes every token
@@ -211,6 +212,18 @@ class Engine:
             raise ValueError("[engine] draft_cutoff needs a drafter")
         with self._lock:
             self._spec.draft_cutoff = value
+
+    @property
+    def draft_vocab(self) -> bool:
+        """See __init__: drafts over the drafter's draft vocabulary (when its GGUF has one)."""
+        return bool(self._spec is not None and self._spec.use_draft_vocab)
+
+    @draft_vocab.setter
+    def draft_vocab(self, value: bool) -> None:
+        if self._spec is None:
+            raise ValueError("[engine] draft_vocab needs a drafter")
+        with self._lock:
+            self._spec.use_draft_vocab = bool(value)
 
     # ---- text -------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
