@@ -50,6 +50,7 @@ void model_cache::clear() {
     // comparisons of cache contents deterministic.
     ggml_backend_buffer_clear(buf_, 0);
     n_past = 0;
+    replay_n = 0;
 }
 
 size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }

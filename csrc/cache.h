@@ -44,6 +44,9 @@ public:
     int64_t n_ctx = 0;
     int64_t n_past = 0;
     int64_t n_tape = 0;
+    // Tape tokens the GDN states (host buffers) have yet to take: commit() leaves the replay to
+    // the next graph's GDN op, which does it per head on its own threads before its own tokens.
+    int64_t replay_n = 0;
     ggml_type kv_type;
     std::vector<kv_layer> kv;    // per layer; null tensors on GDN layers
     std::vector<gdn_layer> gdn;  // per layer; null tensors on attention layers

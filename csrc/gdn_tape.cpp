@@ -144,46 +144,75 @@ void head_range(int64_t H_v, int ith, int nth, int64_t & h0, int64_t & h1) {
     h1 = std::min(H_v, h0 + per);
 }
 
-// The AR pass: the state (src 5) is advanced in place; each thread owns whole heads.
-void forward_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
-    const ggml_tensor * v = dst->src[2];
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
-    int64_t h0, h1;
-    head_range(H_v, ith, nth, h0, h1);
-    if (h0 < h1) gdn_forward(op_inputs(dst), (float *) dst->src[5]->data, (float *) dst->data, S, H_k, H_v, T, h0, h1);
+// srcs: q, k, v, g, beta, state, then either tape_k, tape_u, tape_g (the cache's tape) or, for a
+// packed recording, [snapshots] (ggml allows a custom op 9 sources); the deferred replay count
+// travels in the userdata bits.
+gdn_tape_view cache_tape(const ggml_tensor * dst) {
+    if (!dst->src[8]) return {nullptr, nullptr, nullptr};  // no tape tensors: nothing to replay
+    return {(float *) dst->src[6]->data, (float *) dst->src[7]->data, (float *) dst->src[8]->data};
 }
 
-void record_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+void * replay_to_userdata(int64_t n) { return reinterpret_cast<void *>((uintptr_t) n); }
+int64_t userdata_to_replay(const void * userdata) { return (int64_t) reinterpret_cast<uintptr_t>(userdata); }
+
+// The AR pass: the state (src 5) is advanced in place; each thread owns whole heads.
+void forward_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * v = dst->src[2];
     const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
-    float * out = (float *) dst->data;
-    const int64_t n_o = S * H_v * T;
-    gdn_tape_view tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
     int64_t h0, h1;
     head_range(H_v, ith, nth, h0, h1);
-    float * snaps = dst->src[6] ? (float *) dst->src[6]->data : nullptr;
-    if (h0 < h1) gdn_tape_record(op_inputs(dst), (const float *) dst->src[5]->data, out, tape, S, H_k, H_v, T, h0, h1, snaps);
+    if (h0 >= h1) return;
+    float * state = (float *) dst->src[5]->data;
+    gdn_tape_replay(state, cache_tape(dst), S, H_v, userdata_to_replay(userdata), h0, h1);
+    gdn_forward(op_inputs(dst), state, (float *) dst->data, S, H_k, H_v, T, h0, h1);
+}
+
+void record_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ggml_tensor * v = dst->src[2];
+    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
+    int64_t h0, h1;
+    head_range(H_v, ith, nth, h0, h1);
+    if (h0 >= h1) return;
+    float * state = (float *) dst->src[5]->data;
+    float * out = (float *) dst->data;
+    gdn_tape_view tape = cache_tape(dst);
+    if (tape.k) {
+        gdn_tape_replay(state, tape, S, H_v, userdata_to_replay(userdata), h0, h1);  // reads the old tape first
+    } else {  // packed after the outputs (a cache off the host: the graph copies it there)
+        const int64_t n_o = S * H_v * T;
+        tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
+    }
+    float * snaps = !dst->src[8] && dst->src[6] ? (float *) dst->src[6]->data : nullptr;
+    gdn_tape_record(op_inputs(dst), state, out, tape, S, H_k, H_v, T, h0, h1, snaps);
+}
+
+ggml_tensor * gdn_op(ggml_context * ctx, ggml_custom_op_t fn, const char * name, ggml_tensor * q, ggml_tensor * k,
+                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
+                     ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n, ggml_tensor * snapshots) {
+    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
+    GGML_ASSERT(!(tape_k && snapshots));  // graph.cpp: the snapshot baseline records packed
+    ggml_tensor * args[9] = {q, k, v, g, beta, state, tape_k ? tape_k : snapshots, tape_u, tape_g};
+    const int n_args = tape_k ? 9 : snapshots ? 7 : 6;
+    // without tape tensors the recording packs the tape after the outputs
+    const int64_t n = fn == record_op && !tape_k ? 3 * S * H_v * T + H_v * T : S * H_v * T;
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n, 1, 1, 1, args, n_args, fn, GGML_N_TASKS_MAX,
+                                       replay_to_userdata(replay_n));
+    ggml_set_name(out, name);
+    return out;
 }
 
 }  // namespace
 
 ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
-                             ggml_tensor * beta, ggml_tensor * state) {
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
-    ggml_tensor * args[6] = {q, k, v, g, beta, state};
-    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, S, H_v, T, 1, args, 6, forward_op, GGML_N_TASKS_MAX, nullptr);
-    ggml_set_name(out, "gdn_forward");
-    return out;
+                             ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k, ggml_tensor * tape_u,
+                             ggml_tensor * tape_g, int64_t replay_n) {
+    return gdn_op(ctx, forward_op, "gdn_forward", q, k, v, g, beta, state, tape_k, tape_u, tape_g, replay_n, nullptr);
 }
 
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * snapshots) {
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2];
-    ggml_tensor * args[7] = {q, k, v, g, beta, state, snapshots};
-    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * S * H_v * T + H_v * T, 1, 1, 1, args,
-                                       snapshots ? 7 : 6, record_op, GGML_N_TASKS_MAX, nullptr);
-    ggml_set_name(out, "gdn_record");
-    return out;
+                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
+                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n, ggml_tensor * snapshots) {
+    return gdn_op(ctx, record_op, "gdn_record", q, k, v, g, beta, state, tape_k, tape_u, tape_g, replay_n, snapshots);
 }
 
 }  // namespace dfn

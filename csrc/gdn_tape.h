@@ -57,16 +57,24 @@ void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64
 // Same, spread over n_threads threads.
 void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int n_threads);
 
-// ggml CPU custom op around gdn_forward: returns o F32 [S, H_v, T]; advances `state` in place.
-ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
-                             ggml_tensor * beta, ggml_tensor * state);
+// The ggml CPU custom ops below first replay `replay_n` tokens of the cache's tape (tape_k,
+// tape_u, tape_g: gdn_tape_view layout) into `state`, head by head on the thread that then runs
+// that head (the deferred end of a commit; 0 = nothing pending).
 
-// ggml CPU custom op around gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1];
-// g, beta: [1, H_v, T, 1]; state: [S, S, H_v] (not modified).
-// Returns F32 [S*H_v*T (o) | S*H_v*T (tape k) | S*H_v*T (tape u) | H_v*T (tape g)].
-// With `snapshots` (F32 [S*S*H_v, >= T]), also writes the state after every token there.
+// gdn_forward: returns o F32 [S*H_v*T]; advances `state` in place.
+ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
+                             ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k, ggml_tensor * tape_u,
+                             ggml_tensor * tape_g, int64_t replay_n);
+
+// gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1]; g, beta: [1, H_v, T, 1]; state:
+// [S, S, H_v] (not modified by the recording). Returns o F32 [S*H_v*T] and writes the tape of
+// these T tokens to tape_k, tape_u, tape_g (after the replay has read the old one). With null
+// tape tensors (a cache in device memory, which a CPU op cannot write, or the snapshot
+// baseline): no replay, and the result packs [o S*H_v*T | tape k S*H_v*T | tape u S*H_v*T |
+// tape g H_v*T]; then `snapshots` (F32 [S*S*H_v, >= T]) may take the state after every token.
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state,
+                                 ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
+                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n,
                                  ggml_tensor * snapshots = nullptr);
 
 }  // namespace dfn

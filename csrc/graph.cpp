@@ -107,10 +107,17 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
 
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
     ggml_tensor * o = nullptr;
-    if (g.record_tape) {
-        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.snapshots);
-        // res packs [outputs | tape k | tape u | tape g]; copy the tape to the cache's tape tensors
-        const int64_t n_o = S * H_v * n_tok;
+    const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
+    const int64_t n_o = S * H_v * n_tok;
+    if (g.record_tape && host && !st.snapshots) {
+        // the tape goes straight to the cache's tape tensors
+        o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g, g.cache->replay_n);
+        o = ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
+    } else if (g.record_tape) {
+        // device cache or snapshot baseline: the op packs [outputs | tape k | tape u | tape g];
+        // copy the tape to the cache
+        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
+                                               st.snapshots);
         o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
         auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
             ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
@@ -118,9 +125,10 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
         to_tape(st.tape_k, n_o, n_o);
         to_tape(st.tape_u, n_o, 2 * n_o);
         to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
-    } else if (ggml_backend_buffer_is_host(st.ssm->buffer)) {
+    } else if (host) {
         // CPU: the same kernel as the verify pass, so AR and speculative states agree bitwise
-        o = gdn_forward_op(ctx, q, k, v, gate, beta, state);  // [S, H_v, n_tok]; state advanced in place
+        o = gdn_forward_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g, g.cache->replay_n);
+        o = ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);  // state advanced in place
     } else {
         ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
         // res packs [outputs S*H_v*n_tok | final state S*S*H_v]

@@ -209,6 +209,7 @@ void target_session::commit(int64_t n_keep) {
 
     const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
     const int64_t kc = hp.ssm_d_conv - 1;
+    bool defer = false;
     for (int il = 0; il < hp.n_layer; ++il) {
         if (!hp.is_gdn[il]) continue;
         gdn_layer & L = cache_->gdn[il];
@@ -222,6 +223,8 @@ void target_session::commit(int64_t n_keep) {
                 ggml_backend_tensor_get(L.snapshots, tmp.data(), (n_keep - 1) * bytes, bytes);
                 ggml_backend_tensor_set(L.ssm, tmp.data(), 0, bytes);
             }
+        } else if (ggml_backend_buffer_is_host(L.ssm->buffer)) {
+            defer = true;  // the next graph's GDN op replays it (cache.h: replay_n)
         } else {
             replay_state(L, S, H_v, n_keep);
         }
@@ -239,6 +242,16 @@ void target_session::commit(int64_t n_keep) {
         }
         ggml_backend_tensor_set(L.conv, out.data(), 0, out.size() * sizeof(float));
     }
+    if (defer) cache_->replay_n = n_keep;
+}
+
+void target_session::flush_replay() {
+    if (cache_->replay_n == 0) return;
+    const target_hparams & hp = model_->hparams();
+    for (int il = 0; il < hp.n_layer; ++il) {
+        if (hp.is_gdn[il]) replay_state(cache_->gdn[il], hp.ssm_head_dim, hp.ssm_n_v_heads, cache_->replay_n);
+    }
+    cache_->replay_n = 0;
 }
 
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
@@ -310,6 +323,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
 
     auto read_outputs = [&] {
         cache_->n_past += n;
+        cache_->replay_n = 0;  // the GDN ops of this graph took the replay commit() deferred
         if (argmax) {
             ggml_backend_tensor_get(argmax, out.argmax.data() + (all_logits ? tok_offset : 0), 0,
                                     ggml_nelements(argmax) * sizeof(int32_t));

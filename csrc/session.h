@@ -67,7 +67,11 @@ public:
 
     const target_hparams & hparams() const { return model_->hparams(); }
     const target_model & model() const { return *model_; }
-    model_cache & cache() { return *cache_; }
+    // The cache as it stands, for inspection: a replay commit() deferred is done first.
+    model_cache & cache() {
+        flush_replay();
+        return *cache_;
+    }
     const session_params & params() const { return params_; }
     size_t n_graph_plans() const { return plans_.size(); }
     std::string device_name() const;
@@ -90,6 +94,7 @@ public:
 
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
+    void flush_replay();  // the replay commit() left to the next graph, done now on the host
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);

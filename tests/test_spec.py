@@ -183,6 +183,38 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     assert r1["committed"] == r2["committed"]
 
 
+@pytest.mark.parametrize("n_keep", [1, 4, 8])
+def test_deferred_replay_equals_an_immediate_one(pair, n_keep):
+    """commit() leaves the GDN replay to the next graph's GDN op (the verify's record op, or the
+    decode's forward op), which does it per head on its own threads. Bit for bit, that equals the
+    replay done at once on the host (which reading the cache forces)."""
+    B = 8
+    runs = []
+    for flush in (False, True):
+        t, s = make(pair, B=B)
+        ref = ar_tokens(t, PROMPT, B + 2)
+        last = s.prefill(PROMPT)
+        forced = ref[1:B]
+        if n_keep < B:
+            forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500
+        r = s.round(last, B, forced)
+        if flush:
+            caches(t)
+        nxt = [r["committed"][-1]] + ref[:5]
+        v = t.verify(nxt)                       # replays inside the record op, or nothing left
+        t.commit(3)
+        if flush:
+            caches(t)
+        d = t.decode([ref[6]])                  # replays inside the forward op, or nothing left
+        runs.append((v, d, caches(t)))
+    (v1, d1, c1), (v2, d2, c2) = runs
+    np.testing.assert_array_equal(v1, v2)
+    np.testing.assert_array_equal(d1, d2)
+    for a, b in zip(c1, c2):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.parametrize("reject_at", [1, 3, 8])
 def test_fused_ring_push_equals_a_separate_push(pair, reject_at):
     """A round's committed features are pushed into the ring by the next draft graph. Drafts and
