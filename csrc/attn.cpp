@@ -71,10 +71,17 @@ float softmax_num(float * __restrict s, int64_t n, float m) {
     return acc[0];
 }
 
+// o = sum_j p[j] v[j] over the keys in order (o zeroed first; keys with p = 0 skipped).
 DFN_MULTIVERSION
-void axpy(float * __restrict y, float a, const float * __restrict x, int64_t n) {
+void pv(float * __restrict o, const float * __restrict p, const float * __restrict v, int64_t n_kv, int64_t hd) {
+    std::memset(o, 0, hd * sizeof(float));
+    for (int64_t j = 0; j < n_kv; ++j) {
+        const float a = p[j];
+        if (a == 0.0f) continue;
+        const float * __restrict x = v + j * hd;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] = fmaf(a, x[i], y[i]);
+        for (int64_t i = 0; i < hd; ++i) o[i] = fmaf(a, x[i], o[i]);
+    }
 }
 
 void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -83,13 +90,14 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
-    thread_local std::vector<float> kT, vf, row, s;
+    thread_local std::vector<float> kT, vf, row, s, mf;
     kT.resize((size_t) hd * n_pad);
     for (int64_t d = 0; d < hd; ++d)  // the padding keys score 0 and are dropped below
         std::fill(kT.begin() + d * n_pad + n_kv, kT.begin() + (d + 1) * n_pad, 0.0f);
     vf.resize((size_t) n_kv * hd);
     row.resize(hd);
     s.resize(n_pad);
+    mf.resize(n_kv);
     // A unit is one KV head and a run of tokens: its K (transposed) and V rows are converted once
     // for those tokens and all their GQA heads. Tokens are split only as far as there are threads.
     const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tok, nth / n_kv_head));
@@ -102,7 +110,7 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
             row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
         }
         for (int64_t t = t0; t < t1; ++t) {
-            const ggml_fp16_t * mrow = (const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]);
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]), mf.data(), n_kv);
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = hk * G + g;
                 const float * qr = (const float *) ((const char *) q->data + h * q->nb[1] + t * q->nb[2]);
@@ -111,15 +119,12 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 scores(qr, kT.data(), s.data(), hd, n_pad);
                 float m = -INFINITY;
                 for (int64_t j = 0; j < n_pad; ++j) {
-                    const float mv = j < n_kv ? ggml_fp16_to_fp32(mrow[j]) : -INFINITY;
+                    const float mv = j < n_kv ? mf[j] : -INFINITY;
                     s[j] = mv == -INFINITY ? -INFINITY : s[j] * scale + mv;
                     m = s[j] > m ? s[j] : m;
                 }
                 const float sum = m == -INFINITY ? 0.0f : softmax_num(s.data(), n_pad, m);
-                std::memset(o, 0, hd * sizeof(float));
-                for (int64_t j = 0; j < n_kv; ++j) {
-                    if (s[j] != 0.0f) axpy(o, s[j], vf.data() + j * hd, hd);
-                }
+                pv(o, s.data(), vf.data(), n_kv, hd);
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
             }

@@ -20,11 +20,11 @@ struct graph_inputs {
 
     int64_t n_tokens = 0;
     int64_t n_past = 0;
-    int64_t n_kv = 0;  // n_past + n_tokens: attention spans the whole live prefix
+    int64_t n_kv = 0;  // >= n_past + n_tokens: attention spans the live prefix (padded, masked)
 
     ggml_tensor * tokens = nullptr;   // I32 [n_tokens]
     ggml_tensor * pos = nullptr;      // I32 [n_tokens] (x4 for multi-section RoPE)
-    ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tokens]: 0 or -inf, causal
+    ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tokens]: 0 or -inf, causal (-inf past the live rows)
 
     // Verify pass: GDN layers record their tape and leave their state alone (see gdn_tape.h);
     // the caller commits the accepted prefix afterwards.

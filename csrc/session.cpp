@@ -266,7 +266,10 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     g.cache = cache_.get();
     g.n_tokens = n;
     g.n_past = cache_->n_past;
-    g.n_kv = g.n_past + n;
+    // Attention spans the live prefix rounded up to k_kv_pad rows (the mask hides the rest), so
+    // the graph's tensor sizes, and with them its allocation plan, hold for k_kv_pad tokens
+    // instead of being re-planned every step. The padded keys change no bits (attn.h).
+    g.n_kv = std::min(cache_->n_ctx, (g.n_past + n + k_kv_pad - 1) / k_kv_pad * k_kv_pad);
     g.record_tape = record_tape;
     g.tap_layers = tap_layers;
     g.taps.assign(tap_layers.size(), nullptr);

@@ -38,6 +38,9 @@ struct decode_result {
     std::vector<int32_t> argmax;  // [n_rows] when only the greedy tokens were asked for (logits empty)
 };
 
+// Attention's key range is padded to a multiple of this many cache rows (session.cpp, run_chunk).
+constexpr int64_t k_kv_pad = 64;
+
 class target_session {
 public:
     target_session(const std::string & path, const session_params & params);
