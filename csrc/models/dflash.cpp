@@ -2,6 +2,7 @@
 // block itself, context K/V made from fused target hidden states: RMSNorm(fc([h_l1; h_l2; ...])).
 // The block [last, MASK x (B-1)] attends to context + block without a causal mask.
 #include "../common.h"
+#include "../attn.h"
 #include "../matmul.h"
 #include "../drafter.h"
 
@@ -146,10 +147,16 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, rv, hd, n_kv, B, rv->nb[1], rv->nb[2], n_ctx * rv->nb[2])));
         ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_ctx + B, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_ctx + B]
         ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_ctx + B, rv->nb[1], rv->nb[2], 0);
-        ggml_tensor * a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
-                                              ggml_permute(ctx, Va, 0, 2, 1, 3),
-                                              layer_is_swa(il) ? mask_swa : mask, scale, 0.0f, 0.0f);
-        ggml_prec_set_acc(a, GGML_PREC_F32);
+        ggml_tensor * m = layer_is_swa(il) ? mask_swa : mask;
+        ggml_tensor * a = nullptr;
+        if (own_kernels() && attn_op_supported(Q, Ka, Va, m)) {
+            // each query row alone (attn.h); converts the ring's K/V once per KV head for the block
+            a = attn_op(ctx, Q, Ka, Va, m, scale);  // [hd, n_head, B]
+        } else {
+            a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
+                                    ggml_permute(ctx, Va, 0, 2, 1, 3), m, scale, 0.0f, 0.0f);
+            ggml_prec_set_acc(a, GGML_PREC_F32);
+        }
         a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, B);
         x = ggml_add(ctx, matmul(ctx, L.wo, a), inp);
 
