@@ -73,7 +73,8 @@ public:
     // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
     // first n_ctx ring slots and (non-causally) to the block, whose K/V go to ring slots
     // [n_ctx, n_ctx + B) (n_ctx = ring.n_valid(), B <= ring.scratch). mask, mask_swa: F16
-    // [n_ctx + B, B] for full and sliding-window layers.
+    // [n_att, B] for full and sliding-window layers, over ring slots [0, n_att), n_att >= n_ctx + B
+    // (-inf past the block: padding keeps the graph's sizes, and its plan, for many rounds).
     // Returns the final hidden states after output_norm, F32 [n_embd, B].
     ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
                               ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,

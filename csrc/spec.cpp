@@ -151,6 +151,8 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     DFN_REQUIRE(n_pushed == n_past, "draft", "feature ring holds ", n_pushed, " positions but the target has ", n_past);
     ring_->n_pushed = n_pushed;
     const int64_t n_ctx = ring_->n_valid();
+    // attention over ring slots [0, n_att): the context, the block, and padding the mask hides
+    const int64_t n_att = std::min(ring_->capacity + ring_->scratch, (n_ctx + B + k_kv_pad - 1) / k_kv_pad * k_kv_pad);
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
     const int64_t lo = params_.window > 0 ? n_past - params_.window : 0;
@@ -174,12 +176,12 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 build_push(ctx, gf, push, push_f, push_pos);
                 tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
                 pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-                mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+                mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
                 ggml_set_input(tok);
                 ggml_set_input(pos);
                 ggml_set_input(mask);
                 if (w > 0) {
-                    mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_ctx + B, B);
+                    mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
                     ggml_set_input(mask_swa);
                 }
                 ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
@@ -200,10 +202,10 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 std::vector<int64_t> slot_pos(n_ctx);
                 for (int64_t s = 0; s < n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
                 for (int swa = 0; swa < (w > 0 ? 2 : 1); ++swa) {
-                    std::vector<ggml_fp16_t> m((size_t) (n_ctx + B) * B);
+                    std::vector<ggml_fp16_t> m((size_t) n_att * B, ninf);
                     for (int64_t i = 0; i < B; ++i) {
                         const int64_t q = n_past + i;
-                        ggml_fp16_t * row = m.data() + (size_t) i * (n_ctx + B);
+                        ggml_fp16_t * row = m.data() + (size_t) i * n_att;
                         for (int64_t s = 0; s < n_ctx; ++s) {
                             const int64_t k = slot_pos[s];
                             row[s] = (k >= lo && (!swa || q - k < w)) ? zero : ninf;

@@ -145,8 +145,9 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         ggml_tensor * rk = ring.k[il], * rv = ring.v[il];
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, rk, hd, n_kv, B, rk->nb[1], rk->nb[2], n_ctx * rk->nb[2])));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, rv, hd, n_kv, B, rv->nb[1], rv->nb[2], n_ctx * rv->nb[2])));
-        ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_ctx + B, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_ctx + B]
-        ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_ctx + B, rv->nb[1], rv->nb[2], 0);
+        const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
+        ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_att, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_att]
+        ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_att, rv->nb[1], rv->nb[2], 0);
         ggml_tensor * m = layer_is_swa(il) ? mask_swa : mask;
         ggml_tensor * a = nullptr;
         if (own_kernels() && attn_op_supported(Q, Ka, Va, m)) {
