@@ -75,7 +75,8 @@ public:
     // [n_ctx, n_ctx + B) (n_ctx = ring.n_valid(), B <= ring.scratch). mask, mask_swa: F16
     // [n_att, B] for full and sliding-window layers, over ring slots [0, n_att), n_att >= n_ctx + B
     // (-inf past the block: padding keeps the graph's sizes, and its plan, for many rounds).
-    // Returns the final hidden states after output_norm, F32 [n_embd, B].
+    // Returns the final hidden states after output_norm of rows 1 .. B-1 (those that predict
+    // d_1 .. d_{B-1}), F32 [n_embd, B-1].
     ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
                               ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
                               int64_t n_ctx, ggml_tensor * tok_embd) const;

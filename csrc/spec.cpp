@@ -184,8 +184,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                     mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
                     ggml_set_input(mask_swa);
                 }
-                ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B]
-                h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);  // rows 1 .. B-1 predict d_1 .. d_{B-1}
+                ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B-1]
                 logits = matmul(ctx, head, h);  // [n_vocab or n_draft_vocab, B-1]
                 ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits));
                 ggml_set_output(res);

@@ -131,12 +131,18 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        ggml_tensor * inp = x;
+        // In the last layer, row 0 (`last`) only lends its K/V: its query, attention output and
+        // FFN would feed nothing, so those run on rows 1 .. B-1 (Bq of them).
+        const int64_t r0 = il + 1 == hp_.n_layer ? 1 : 0, Bq = B - r0;
+        auto rows = [&](ggml_tensor * t) {  // rows r0.. of a 2-D [n, B] tensor
+            return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
+        };
+        ggml_tensor * inp = rows(x);
         ggml_tensor * xn = norm(ctx, x, L.attn_norm);
-        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, xn), hd, hp_.n_head, B);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, rows(xn)), hd, hp_.n_head, Bq);
         ggml_tensor * K = ggml_reshape_3d(ctx, matmul(ctx, L.wk, xn), hd, n_kv, B);
         ggml_tensor * V = ggml_reshape_3d(ctx, matmul(ctx, L.wv, xn), hd, n_kv, B);
-        Q = rope(ctx, norm(ctx, Q, L.q_norm), pos);
+        Q = rope(ctx, norm(ctx, Q, L.q_norm), r0 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : pos);
         K = rope(ctx, norm(ctx, K, L.k_norm), pos);
 
         // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
@@ -148,17 +154,17 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
         ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_att, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_att]
         ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_att, rv->nb[1], rv->nb[2], 0);
-        ggml_tensor * m = layer_is_swa(il) ? mask_swa : mask;
+        ggml_tensor * m = rows(layer_is_swa(il) ? mask_swa : mask);
         ggml_tensor * a = nullptr;
         if (own_kernels() && attn_op_supported(Q, Ka, Va, m)) {
             // each query row alone (attn.h); converts the ring's K/V once per KV head for the block
-            a = attn_op(ctx, Q, Ka, Va, m, scale);  // [hd, n_head, B]
+            a = attn_op(ctx, Q, Ka, Va, m, scale);  // [hd, n_head, Bq]
         } else {
             a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
                                     ggml_permute(ctx, Va, 0, 2, 1, 3), m, scale, 0.0f, 0.0f);
             ggml_prec_set_acc(a, GGML_PREC_F32);
         }
-        a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, B);
+        a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, Bq);
         x = ggml_add(ctx, matmul(ctx, L.wo, a), inp);
 
         ggml_tensor * f = norm(ctx, x, L.ffn_norm);
