@@ -47,7 +47,7 @@ def main_pair(a) -> None:
         print(f"## matmul = {mm}")
         write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
                                          threads=a.threads, matmul=mm,
-                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")]))
+                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps))
 
 
 def main():
@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=16, help="--pair: held-out prompts")
     ap.add_argument("--cutoffs", default="0", help="--pair: Engine.draft_cutoff values, side by side")
     ap.add_argument("--matmul", default="own", help="--pair: Engine(matmul=) values, one after the other (own,ggml)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="--pair: interleaved passes per prompt and setting; each one's fastest counts")
     ap.add_argument("--draft-vocab", default="on", help="--pair: Engine.draft_vocab settings, side by side (on,off)")
     a = ap.parse_args()
     if a.pair:
