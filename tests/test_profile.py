@@ -37,7 +37,7 @@ def test_profile_levels(engine):
     assert not any("/" in k and not k.split("/", 1)[1].startswith(":") for k in rep1), "level 1 times no ops"
     # level 2: our custom ops by name, ggml ops by op; the verify passes record the GDN tape
     for key in ("target/matmul", "target/attn", "target/gdn_record", "target/RMS_NORM", "draft/matmul", "draft/top1"
-                if engine.draft_cutoff > 0 else "draft/ARGMAX"):
+                if engine.draft_cutoff > 0 else "draft/argmax"):
         assert rep2[key][0] >= 1, key
     # off: nothing accumulates
     engine.generate(PROMPT, max_tokens=8)
