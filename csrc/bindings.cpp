@@ -1,5 +1,6 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 #include "common.h"
+#include "conv.h"
 #include "matmul.h"
 #include "profile.h"
 #include "top1.h"
@@ -107,6 +108,24 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(arg, p);
         },
         py::arg("logits"));
+    m.def(
+        "conv_silu",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> state,
+           py::array_t<float, py::array::c_style | py::array::forcecast> x,
+           py::array_t<float, py::array::c_style | py::array::forcecast> w) {
+            // state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv] -> (out [n_tok, n_ch], new state):
+            // conv.h's kernel, as a decode step runs it
+            DFN_REQUIRE(state.ndim() == 2 && x.ndim() == 2 && w.ndim() == 2, "conv_silu", "state, x and w must be 2-D");
+            const int64_t n_ch = w.shape(0), d_conv = w.shape(1), n_tok = x.shape(0);
+            DFN_REQUIRE(d_conv >= 2 && state.shape(0) == n_ch && state.shape(1) == d_conv - 1 && x.shape(1) == n_ch,
+                        "conv_silu", "shapes do not match: state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv]");
+            py::array_t<float> st({n_ch, d_conv - 1}), out({n_tok, n_ch});
+            std::memcpy(st.mutable_data(), state.data(), sizeof(float) * n_ch * (d_conv - 1));
+            conv_silu_channels(st.mutable_data(), true, x.data(), n_ch, w.data(), out.mutable_data(), d_conv, n_ch, n_tok,
+                               0, n_ch);
+            return py::make_tuple(out, st);
+        },
+        py::arg("state"), py::arg("x"), py::arg("w"));
     m.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     m.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
     m.def(

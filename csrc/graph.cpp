@@ -1,5 +1,6 @@
 #include "graph.h"
 #include "attn.h"
+#include "conv.h"
 #include "matmul.h"
 
 #include "common.h"
@@ -79,21 +80,26 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
     gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
 
-    // Causal depthwise conv over [conv state; this batch], then keep the last d_conv-1 inputs.
-    ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
-    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
-    // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
+    // Causal depthwise conv over [conv state; this batch], then keep the last d_conv-1 inputs
+    // (a verify keeps its inputs on the tape instead: the conv state moves when commit() says).
     if (g.record_tape) {
-        // the conv inputs go to the tape; the conv state moves only when the prefix is committed
         ggml_tensor * dst = ggml_view_2d(ctx, st.tape_qkv, n_ch, n_tok, st.tape_qkv->nb[1], 0);
         ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
-    } else {
-        ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
-                                               n_tok * ggml_element_size(conv_in));
-        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
     }
-
-    ggml_tensor * conv_out = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
+    ggml_tensor * conv_out = nullptr;  // [n_ch, n_tok]
+    if (own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
+        conv_out = conv_silu_op(ctx, st.conv, qkv, w.ssm_conv1d, /*update_state=*/!g.record_tape);
+    } else {
+        ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
+        ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
+        // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
+        if (!g.record_tape) {
+            ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
+                                                   n_tok * ggml_element_size(conv_in));
+            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
+        }
+        conv_out = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
+    }
 
     const size_t es = ggml_element_size(conv_out);
     const size_t row = conv_out->nb[1];

@@ -1,4 +1,5 @@
-// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp).
+// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp, conv.cpp). Inline, so
+// each multiversioned caller compiles it for its own instruction set and vectorises it.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,12 @@ inline float exp_neg(float x) {
     float r;
     std::memcpy(&r, &bits, sizeof(r));
     return x < -87.0f ? 0.0f : r;
+}
+
+// silu(x) = x / (1 + exp(-x)), through exp_neg(-|x|) (no overflow for large |x|).
+inline float silu_fast(float x) {
+    const float e = exp_neg(x >= 0.0f ? -x : x);
+    return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
 
 }  // namespace dfn

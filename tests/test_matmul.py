@@ -129,3 +129,21 @@ def test_attention_is_batch_invariant_across_thread_splits(gguf_model, threads):
     core.decode(toks[:5])
     steps = np.stack([core.decode([t])[-1] for t in toks[5:]])
     np.testing.assert_array_equal(batch, steps)
+
+
+@pytest.mark.parametrize("n_tok,n_ch,d_conv", [(1, 512, 4), (6, 37, 4), (32, 16, 2), (3, 8, 5)])
+def test_conv_silu_matches_float64(n_tok, n_ch, d_conv):
+    """The GDN conv op (conv.h): silu of the causal depthwise conv over [state; x], and the state
+    moved to the last d_conv-1 inputs, against float64."""
+    rng = np.random.default_rng(n_tok + n_ch)
+    state = rng.standard_normal((n_ch, d_conv - 1)).astype(np.float32) * 3
+    x = rng.standard_normal((n_tok, n_ch)).astype(np.float32) * 3
+    w = rng.standard_normal((n_ch, d_conv)).astype(np.float32)
+    out, new_state = _core.conv_silu(state, x, w)
+    seq = np.concatenate([state.astype(np.float64), x.T.astype(np.float64)], axis=1)  # [n_ch, d_conv-1+n_tok]
+    pre = np.stack([(seq[:, t:t + d_conv] * w).sum(1) for t in range(n_tok)])       # [n_tok, n_ch]
+    want = pre / (1 + np.exp(-pre))
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(new_state, seq[:, -(d_conv - 1):].astype(np.float32))
+    with pytest.raises(ValueError, match="conv_silu"):
+        _core.conv_silu(state, x[:, :-1], w)
