@@ -111,8 +111,8 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
     """Greedy AR vs DFlash on held-out code prompts (train/corpus.heldout_prompts: stdlib files
     never trained on), one engine per block size; per prompt AR runs, then DFlash at each
     `cutoffs` value (Engine.draft_cutoff), side by side. Prints a table; returns one row per
-    (block size, cutoff, draft vocabulary on/off: `draft_vocabs`). tok/s counts the tokens after the first (which comes from the
-    prefill) over decode time; with reps > 1, each prompt runs AR and every DFlash setting reps
+    (block size, cutoff, draft vocabulary on/off: `draft_vocabs`). tok/s counts the tokens after
+    the first (which comes from the prefill) over decode time; with reps > 1, each prompt runs AR and every DFlash setting reps
     times, interleaved, and each one's fastest pass counts (its tokens are the same every pass).
     "spec == AR" is the lossless rule: the prompts whose speculative
     output is identical to AR's, and for the others the top-2 logit gap of AR's logits where they
@@ -125,8 +125,8 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
     from dflash_native.train import corpus
 
     rows = []
-    print("| B | cutoff | draft vocab | mean acceptance length (pooled) | per-prompt mean | mean verified | AR tok/s | DFlash tok/s | speedup | draft ms "
-          "| verify ms | rollback ms | other ms | rounds | spec == AR |")
+    print("| B | cutoff | draft vocab | mean acceptance length (pooled) | per-prompt mean | mean verified | AR tok/s "
+          "| DFlash tok/s | speedup | draft ms | verify ms | rollback ms | other ms | rounds | spec == AR |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
         eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
@@ -186,7 +186,8 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
                    "prompt_tokens": prompt_tokens, "gen": gen, "threads": threads,
                    "matmul": matmul, "target": Path(target).name, "drafter": Path(drafter).name, "machine": machine(),
                    "rev": git_rev()}
-            print(f"| {B} | {c:g} | {row['draft_vocab'] or 'all'} | {row['mean_acceptance_length']:.2f} | {row['mean_acceptance_length_per_prompt']:.2f} | "
+            print(f"| {B} | {c:g} | {row['draft_vocab'] or 'all'} | {row['mean_acceptance_length']:.2f} | "
+                  f"{row['mean_acceptance_length_per_prompt']:.2f} | "
                   f"{row['mean_verified_length']:.2f} | "
                   f"{ar_tok_s:.1f} | {sp_tok_s:.1f} | {row['speedup']:.2f}x | {row['draft_ms_per_round']:.2f} | "
                   f"{row['verify_ms_per_round']:.2f} | {row['rollback_ms_per_round']:.2f} | "

@@ -192,7 +192,9 @@ void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
     buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
     if (!buf_) throw runtime_error(cat("[", W, "] cannot allocate ", weights_bytes(), " bytes of weights"));
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    if (ggml_backend_buffer_is_host(buf_)) advise_huge_pages(ggml_backend_buffer_get_base(buf_), ggml_backend_buffer_get_size(buf_));
+    if (ggml_backend_buffer_is_host(buf_)) {
+        advise_huge_pages(ggml_backend_buffer_get_base(buf_), ggml_backend_buffer_get_size(buf_));
+    }
 
     std::unique_ptr<FILE, int (*)(FILE *)> f(fopen(path_.c_str(), "rb"), fclose);
     DFN_REQUIRE(f != nullptr, W, "cannot open '", path_, "'");

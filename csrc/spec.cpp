@@ -186,7 +186,12 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                 }
                 ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B-1]
                 logits = matmul(ctx, head, h);  // [n_vocab or n_draft_vocab, B-1]
-                ggml_tensor * res = logits_out ? logits : top1_out ? (top1 = top1_op(ctx, logits)) : (am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits));
+                ggml_tensor * res = logits;
+                if (top1_out) {
+                    res = top1 = top1_op(ctx, logits);
+                } else if (!logits_out) {
+                    res = am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);
+                }
                 ggml_set_output(res);
                 ggml_build_forward_expand(gf, res);
             },

@@ -42,7 +42,8 @@ void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
 void argmax_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const ggml_tensor * lg = dst->src[0];
     for (int64_t r = ith; r < lg->ne[1]; r += nth) {
-        ((int32_t *) dst->data)[r] = (int32_t) argmax_row((const float *) ((const char *) lg->data + r * lg->nb[1]), lg->ne[0]);
+        const float * row = (const float *) ((const char *) lg->data + r * lg->nb[1]);
+        ((int32_t *) dst->data)[r] = (int32_t) argmax_row(row, lg->ne[0]);
     }
 }
 
@@ -71,7 +72,8 @@ ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {
 
 ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits) {
     ggml_tensor * args[1] = {logits};
-    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_I32, logits->ne[1], 1, 1, 1, args, 1, argmax_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_I32, logits->ne[1], 1, 1, 1, args, 1, argmax_fn, GGML_N_TASKS_MAX,
+                                       nullptr);
     ggml_set_name(out, "argmax");
     return out;
 }
