@@ -1,6 +1,7 @@
 #include "attn.h"
 
 #include "common.h"
+#include "matmul.h"
 #include "vmath.h"
 
 #include "ggml-backend.h"
@@ -155,6 +156,20 @@ ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml
                                        GGML_N_TASKS_MAX, scale_to_userdata(scale));
     ggml_set_name(out, "attn");
     return out;
+}
+
+ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
+                        float scale) {
+    ggml_tensor * out = nullptr;  // [hd, n_head, n_tokens]
+    if (own_kernels() && attn_op_supported(q, K, V, mask)) {
+        out = attn_op(ctx, q, K, V, mask, scale);
+    } else {
+        out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3),  // [hd, n_tokens, n_head]
+                                  ggml_permute(ctx, K, 0, 2, 1, 3),       // [hd, n_kv, n_kv_head]
+                                  ggml_permute(ctx, V, 0, 2, 1, 3), mask, scale, 0.0f, 0.0f);
+        ggml_prec_set_acc(out, GGML_PREC_F32);
+    }
+    return ggml_reshape_2d(ctx, out, out->ne[0] * out->ne[1], out->ne[2] * out->ne[3]);
 }
 
 }  // namespace dfn

@@ -22,4 +22,10 @@ bool attn_op_supported(const ggml_tensor * q, const ggml_tensor * K, const ggml_
 ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
                       float scale);
 
+// What the graph builders call (target KV-cache attention, the drafter's ring attention): attn_op
+// under the session's own kernels (matmul.h) where supported, else ggml_flash_attn_ext with F32
+// accumulation. Same arguments; returns F32 [hd * n_head, n_tokens].
+ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
+                        float scale);
+
 }  // namespace dfn

@@ -47,17 +47,7 @@ ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tenso
     ggml_tensor * K = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_kv, c.k->nb[1], c.k->nb[2], 0);  // [hd, n_kv_head, n_kv]
     ggml_tensor * V = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_kv, c.v->nb[1], c.v->nb[2], 0);
 
-    if (own_kernels() && attn_op_supported(q, K, V, g.kq_mask)) {
-        ggml_tensor * out = attn_op(ctx, q, K, V, g.kq_mask, scale);  // [hd, n_head, n_tokens]
-        return ggml_reshape_2d(ctx, out, out->ne[0] * out->ne[1], out->ne[2]);
-    }
-    q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n_tokens, n_head]
-    K = ggml_permute(ctx, K, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]
-    V = ggml_permute(ctx, V, 0, 2, 1, 3);  // [hd, n_kv, n_kv_head]
-
-    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, K, V, g.kq_mask, scale, 0.0f, 0.0f);  // [hd, n_head, n_tokens]
-    ggml_prec_set_acc(out, GGML_PREC_F32);
-    return ggml_reshape_2d(ctx, out, out->ne[0] * out->ne[1], out->ne[2] * out->ne[3]);
+    return attention(ctx, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
 }
 
 ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
@@ -114,7 +104,6 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
     ggml_tensor * o = nullptr;
     const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
-    const int64_t n_o = S * H_v * n_tok;
     if (g.record_tape && host && !st.snapshots) {
         // the tape goes straight to the cache's tape tensors
         o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g, g.cache->replay_n);
@@ -124,6 +113,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
         // copy the tape to the cache
         ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
                                                st.snapshots);
+        const int64_t n_o = S * H_v * n_tok;
         o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
         auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
             ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));

@@ -40,7 +40,7 @@ struct profile_graph {
     double last = 0.0;  // time the previous node finished (or the compute began)
 };
 
-double profile_now();
+double profile_now();  // seconds on the steady clock (also the round timings in spec.cpp)
 
 // Adds its lifetime under "<graph>/<what>" when profiling is on (level >= 1).
 class profile_scope {

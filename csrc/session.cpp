@@ -266,10 +266,8 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     g.cache = cache_.get();
     g.n_tokens = n;
     g.n_past = cache_->n_past;
-    // Attention spans the live prefix rounded up to k_kv_pad rows (the mask hides the rest), so
-    // the graph's tensor sizes, and with them its allocation plan, hold for k_kv_pad tokens
-    // instead of being re-planned every step. The padded keys change no bits (attn.h).
-    g.n_kv = std::min(cache_->n_ctx, (g.n_past + n + k_kv_pad - 1) / k_kv_pad * k_kv_pad);
+    // the live prefix, padded (session.h; the mask hides the rest, and padded keys change no bits)
+    g.n_kv = std::min(cache_->n_ctx, kv_padded(g.n_past + n));
     g.record_tape = record_tape;
     g.tap_layers = tap_layers;
     g.taps.assign(tap_layers.size(), nullptr);

@@ -38,8 +38,11 @@ struct decode_result {
     std::vector<int32_t> argmax;  // [n_rows] when only the greedy tokens were asked for (logits empty)
 };
 
-// Attention's key range is padded to a multiple of this many cache rows (session.cpp, run_chunk).
+// Attention's key range (the target's KV cache, the drafter's ring) is padded to a multiple of
+// this many rows, masked: the graph's sizes, and with them its allocation plan, hold for that
+// many tokens instead of changing every step.
 constexpr int64_t k_kv_pad = 64;
+inline int64_t kv_padded(int64_t n) { return (n + k_kv_pad - 1) / k_kv_pad * k_kv_pad; }
 
 class target_session {
 public:

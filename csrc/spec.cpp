@@ -2,21 +2,15 @@
 #include "matmul.h"
 
 #include "common.h"
+#include "profile.h"
 #include "top1.h"
 #include "verify.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 
 namespace dfn {
-
-namespace {
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-}  // namespace
 
 spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
     : target_(target), params_(params) {
@@ -32,8 +26,10 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
     drafter_->load_weights(target.buffer_type());
     ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, target.buffer_type());
-    drafter_->gather_draft_head(drafter_->output ? drafter_->output : target.model().output, target.buffer_type());
+    drafter_->gather_draft_head(lm_head(), target.buffer_type());
 }
+
+ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : target_.model().output; }
 
 void spec_session::set_draft_vocab(bool on) { params_.draft_vocab = on; }
 
@@ -152,7 +148,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     ring_->n_pushed = n_pushed;
     const int64_t n_ctx = ring_->n_valid();
     // attention over ring slots [0, n_att): the context, the block, and padding the mask hides
-    const int64_t n_att = std::min(ring_->capacity + ring_->scratch, (n_ctx + B + k_kv_pad - 1) / k_kv_pad * k_kv_pad);
+    const int64_t n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(n_ctx + B));
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
     const int64_t lo = params_.window > 0 ? n_past - params_.window : 0;
@@ -163,7 +159,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     std::vector<ggml_tensor *> push_f, push_pos;
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: always the
     // whole vocabulary, for tests)
-    ggml_tensor * head = drafter_->output ? drafter_->output : target_.model().output;  // [n_embd, n_vocab]
+    ggml_tensor * head = lm_head();  // [n_embd, n_vocab]
     const bool sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
     if (sub) head = drafter_->draft_head;  // [n_embd, n_draft_vocab]
     std::string key = cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
@@ -256,7 +252,7 @@ std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {
 
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
     round_result r;
-    const double t0 = now_s();
+    const double t0 = profile_now();
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         draft(last, B);  // the drafter runs as in a real round
@@ -264,7 +260,7 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     } else {
         r.draft = params_.draft_cutoff > 0.0f ? draft_with_cut(last, B) : draft(last, B);
     }
-    const double t1 = now_s();
+    const double t1 = profile_now();
 
     const int64_t L = (int64_t) r.draft.size() + 1;  // verified tokens: `last` + the drafts
     std::vector<int32_t> input(L);
@@ -272,7 +268,7 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
     const int64_t n_past0 = target_.n_past();
     decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers, /*argmax_only=*/true);
-    const double t2 = now_s();
+    const double t2 = profile_now();
     r.n_verified = L;
 
     r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
@@ -282,7 +278,7 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     pending_feats_ = std::move(v.taps);
     pending_pos0_ = n_past0;
     pending_m_ = n_keep;
-    const double t3 = now_s();
+    const double t3 = profile_now();
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;
     r.rollback_s = t3 - t2;

@@ -154,17 +154,7 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
         const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
         ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_att, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_att]
         ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_att, rv->nb[1], rv->nb[2], 0);
-        ggml_tensor * m = rows(layer_is_swa(il) ? mask_swa : mask);
-        ggml_tensor * a = nullptr;
-        if (own_kernels() && attn_op_supported(Q, Ka, Va, m)) {
-            // each query row alone (attn.h); converts the ring's K/V once per KV head for the block
-            a = attn_op(ctx, Q, Ka, Va, m, scale);  // [hd, n_head, Bq]
-        } else {
-            a = ggml_flash_attn_ext(ctx, ggml_permute(ctx, Q, 0, 2, 1, 3), ggml_permute(ctx, Ka, 0, 2, 1, 3),
-                                    ggml_permute(ctx, Va, 0, 2, 1, 3), m, scale, 0.0f, 0.0f);
-            ggml_prec_set_acc(a, GGML_PREC_F32);
-        }
-        a = ggml_reshape_2d(ctx, a, hd * hp_.n_head, Bq);
+        ggml_tensor * a = attention(ctx, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
         x = ggml_add(ctx, matmul(ctx, L.wo, a), inp);
 
         ggml_tensor * f = norm(ctx, x, L.ffn_norm);
