@@ -28,6 +28,7 @@ write a z-lab style checkpoint (config.json + model.safetensors, the layout
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -420,10 +421,7 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
 def draft_vocabulary(continuations: Sequence[Sequence[int]], size: int) -> list[int]:
     """The `size` most frequent tokens of `continuations` (ties: the smaller id), ascending: what
     the target writes where the drafter drafts. Fewer when fewer distinct tokens occur."""
-    counts: dict[int, int] = {}
-    for seq in continuations:
-        for t in seq:
-            counts[int(t)] = counts.get(int(t), 0) + 1
+    counts = collections.Counter(int(t) for seq in continuations for t in seq)
     top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     return sorted(top)
 
