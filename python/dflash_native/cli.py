@@ -156,10 +156,9 @@ RANDOM_DEMO_PROMPT = "def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split th
 
 
 def _demo_random(a) -> int:
-    from .engine import Engine
-    from .testing import make_random_checkpoint
     from .convert import convert_hf_to_gguf
-    from .testing_dflash import make_random_drafter_gguf
+    from .engine import Engine
+    from .random_models import make_random_checkpoint, make_random_drafter_gguf
 
     print("[dflash-native demo] A tiny Qwen3.5-architecture hybrid (Gated DeltaNet + attention layers) and a\n"
           "DFlash drafter for it, both with RANDOM weights, converted with our converters; greedy AR and\n"

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..testing_dflash import drafter_config
+from ..hf_formats import MASK_TOKEN_TEXT, default_target_layer_ids, drafter_config, mask_token_id_of
 
 __all__ = ["DFlashDrafter", "TrainResult", "block_batch", "dflash_loss", "greedy_continuations", "target_features",
            "train_drafter"]
@@ -483,13 +483,12 @@ def _load_target(target: str | os.PathLike[str] | nn.Module) -> nn.Module:
 
 def _default_mask_token_id(target_dir: Path | None) -> int:
     if target_dir is not None and (target_dir / "tokenizer.json").is_file():
-        from ..testing_dflash import mask_token_id_of
-
         try:
             return mask_token_id_of(target_dir)
         except ValueError:
             pass
-    raise ValueError("[train_drafter] mask_token_id not given and the target's tokenizer has no <|MASK|> token")
+    raise ValueError(f"[train_drafter] mask_token_id not given and the target's tokenizer has no {MASK_TOKEN_TEXT} "
+                     f"token")
 
 
 def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str | os.PathLike[str], *,
@@ -527,13 +526,11 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     Each step samples `seqs_per_step` sequences and `anchors_per_seq` anchors
     per sequence, all trained in one forward. AdamW, linear warmup then cosine
     decay. `gamma` is the decay of the position weights (None: uniform).
-    `target_layer_ids` default: z-lab's spread (testing_dflash.default_target_layer_ids).
+    `target_layer_ids` default: z-lab's spread (hf_formats.default_target_layer_ids).
     `draft_vocab_size` > 0: config.json also gets "draft_vocab", the (at most) that many most
     frequent tokens of the continuations (`draft_vocabulary`), which the engine drafts over.
     Returns the loss history and throughput (TrainResult).
     """
-    from ..testing_dflash import default_target_layer_ids
-
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
     if block_size < 2:
