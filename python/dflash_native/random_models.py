@@ -14,7 +14,8 @@ Defaults are tiny (hidden 64, 2-4 layers). Every config key can be
 overridden, and `vocab_size` may exceed the tokenizer's size (the extra ids
 are unused padding), so a benchmark can build a full-size shape. The
 tokenizer is a byte-level BPE in the Qwen layout (hf_formats) over the 256
-byte symbols plus the merges given (none by default), then SPECIAL_TOKENS.
+byte symbols plus merges learned from a text (`learn_bpe`; by default the
+Python source of the standard library's posixpath module), then SPECIAL_TOKENS.
 
 Weights depend only on (seed, tensor name, shape): linear weights
 N(0, 0.5/sqrt(fan_in)), the residual output projections shrinking with depth,
@@ -23,11 +24,14 @@ embeddings N(0, 1) / sqrt(hidden) * 2, norm weights near their neutral value.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import tempfile
 import zlib
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -54,6 +58,8 @@ from .hf_formats import (
 __all__ = [
     "SPECIAL_TOKENS",
     "drafter_overrides_for_target",
+    "default_merges",
+    "learn_bpe",
     "make_random_checkpoint",
     "make_random_drafter_checkpoint",
     "make_random_drafter_gguf",
@@ -146,15 +152,18 @@ def canonical_arch(arch: str) -> str:
 
 
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
-                           dtype: str = "float32", merges: Sequence[tuple[str, str]] = (),
+                           dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
     """Write a random HF checkpoint of `arch` ("qwen3_5" or "qwen3") to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
-    merges in priority order, as many as fit the vocabulary.
+    merges in priority order, as many as fit the vocabulary (default:
+    `default_merges()`; llama.cpp's BPE loader needs at least one).
     """
     arch = canonical_arch(arch)
+    if merges is None:
+        merges = default_merges()
     if dtype not in ST_DTYPES:
         raise ValueError(f"[make_random_checkpoint] unknown dtype {dtype!r}; expected one of {sorted(ST_DTYPES)}")
     cfg = target_config(arch, config_overrides)
@@ -292,6 +301,72 @@ def write_tokenizer(dst: Path, *, vocab_size: int | None, regex: str,
         json.dump(byte_level_bpe_tokenizer(vocab, merges, added, regex), f, ensure_ascii=False)
     write_tokenizer_config(dst, added, eos_token=IM_END_TOKEN, pad_token=ENDOFTEXT_TOKEN)
     return {a["content"]: a["id"] for a in added}
+
+
+# An approximation of the Qwen split with the stdlib `re`: it only shapes the
+# training words; encoding uses the exact regex in tokenizer.json.
+_TRAIN_SPLIT = re.compile(r"""'(?:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]+|\d| ?[^\s\w]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+DEFAULT_MERGES = 300
+
+
+@functools.lru_cache(maxsize=1)
+def default_merges() -> tuple[tuple[str, str], ...]:
+    """DEFAULT_MERGES merges learned from the source of the standard library's posixpath
+    (what the random demo's prompt comes from): any text gives a working tokenizer."""
+    import posixpath
+
+    return learn_bpe(Path(posixpath.__file__).read_text(encoding="utf-8"), DEFAULT_MERGES)
+
+
+def learn_bpe(text: str, n_merges: int) -> tuple[tuple[str, str], ...]:
+    """The first `n_merges` byte-level BPE merges of `text`, in priority order (fewer
+    if no pair occurs twice); ties go to the larger pair. Greedy, so the first k
+    merges are the merges of n_merges = k."""
+    byte_map = bytes_to_unicode()
+    word_counts = Counter(_TRAIN_SPLIT.findall(text))
+    words: list[list[str]] = [[byte_map[b] for b in w.encode("utf-8")] for w in word_counts]
+    freqs: list[int] = list(word_counts.values())
+    pair_counts: Counter[tuple[str, str]] = Counter()
+    where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)  # pair -> words it occurs in
+    for wi, w in enumerate(words):
+        for pair in zip(w, w[1:]):
+            pair_counts[pair] += freqs[wi]
+            where[pair].add(wi)
+
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges and pair_counts:
+        best, count = max(pair_counts.items(), key=lambda kv: (kv[1], kv[0]))
+        if count < 2:
+            break
+        merges.append(best)
+        for wi in sorted(where.pop(best, ())):
+            _merge_in_word(words, wi, freqs[wi], best, pair_counts, where)
+        pair_counts.pop(best, None)
+    return tuple(merges)
+
+
+def _merge_in_word(words: list[list[str]], wi: int, freq: int, best: tuple[str, str],
+                   pair_counts: Counter[tuple[str, str]], where: defaultdict[tuple[str, str], set[int]]) -> None:
+    """Apply merge `best` to word `wi`, moving its pair counts from the old symbols to the new."""
+    w = words[wi]
+    for pair in zip(w, w[1:]):
+        pair_counts[pair] -= freq
+        if pair_counts[pair] <= 0:
+            del pair_counts[pair]
+    merged = best[0] + best[1]
+    out: list[str] = []
+    i = 0
+    while i < len(w):
+        if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+            out.append(merged)
+            i += 2
+        else:
+            out.append(w[i])
+            i += 1
+    words[wi] = out
+    for pair in zip(out, out[1:]):
+        pair_counts[pair] += freq
+        where[pair].add(wi)
 
 
 # ---------------------------------------------------------------------------
