@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import dflash_native as dn
-from dflash_native.testing import make_random_gguf
+from fixtures import make_random_gguf
 from reference.gguf_edit import rewrite_gguf
 
 
@@ -174,8 +174,7 @@ def test_generation_stops_at_context_end(eng):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from dflash_native.convert import convert_hf_to_gguf
-    from dflash_native.testing import make_random_checkpoint
-    from dflash_native.testing_dflash import make_random_drafter_gguf
+    from fixtures import make_random_checkpoint, make_random_drafter_gguf
 
     d = tmp_path_factory.mktemp("badpair")
     ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=1)

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from dflash_native.testing import make_random_checkpoint
-from dflash_native.testing_dflash import make_random_drafter_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
