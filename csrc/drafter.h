@@ -49,7 +49,6 @@ struct feature_ring {
     int64_t n_pushed = 0;
     std::vector<ggml_tensor *> k;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
     std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
-    size_t bytes() const;
 
 private:
     ggml_context * ctx_ = nullptr;

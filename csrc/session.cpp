@@ -96,8 +96,6 @@ ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggm
 
 target_session::~target_session() = default;
 
-std::string target_session::device_name() const { return ggml_backend_name(backend_); }
-
 void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
     DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
@@ -390,25 +388,6 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
     phase(":compute");
     read_outputs();
     phase(":read");
-}
-
-std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {
-    // Reads t (or its first n_rows_dim2 slices along dim 2) as F32.
-    const int64_t ne2 = n_rows_dim2 >= 0 ? n_rows_dim2 : t->ne[2];
-    const size_t n_el = (size_t) t->ne[0] * t->ne[1] * ne2 * t->ne[3];
-    std::vector<float> out(n_el);
-    if (n_el == 0) return out;
-    const size_t bytes = n_el * ggml_type_size(t->type) / ggml_blck_size(t->type);
-    std::vector<uint8_t> raw(bytes);
-    ggml_backend_tensor_get(t, raw.data(), 0, bytes);
-    if (t->type == GGML_TYPE_F32) {
-        std::memcpy(out.data(), raw.data(), bytes);
-    } else if (t->type == GGML_TYPE_F16) {
-        ggml_fp16_to_fp32_row((const ggml_fp16_t *) raw.data(), out.data(), (int64_t) n_el);
-    } else {
-        throw runtime_error(cat("[cache] cannot read tensor of type ", ggml_type_name(t->type)));
-    }
-    return out;
 }
 
 }  // namespace dfn

@@ -80,7 +80,6 @@ public:
     }
     const session_params & params() const { return params_; }
     size_t n_graph_plans() const { return plans_.size(); }
-    std::string device_name() const;
 
     // Builds a graph with `build` in this session's metadata arena, allocates it on this
     // session's backends, calls `set_inputs`, computes, then `read_outputs`. Used by the drafter,
@@ -94,9 +93,6 @@ public:
     void run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
                    const std::function<void()> & set_inputs, const std::function<void()> & read_outputs);
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
-
-    // Copies of cache contents as F32 for inspection and tests.
-    std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) const;
 
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
