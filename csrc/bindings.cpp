@@ -36,6 +36,26 @@ ggml_type parse_kv_type(const std::string & s) {
     throw input_error(cat("[engine] kv_type must be 'f16' or 'f32', got '", s, "'"));
 }
 
+// The mode strings of Engine / Target, parsed once here: the core sees only the enums.
+device_kind parse_device(const std::string & s) {
+    if (s == "cpu") return DEVICE_CPU;
+    if (s == "gpu" || s == "cuda" || s == "metal") return DEVICE_GPU;
+    throw input_error(cat("[engine] unknown device '", s, "' (use 'cpu' or 'gpu')"));
+}
+
+rollback_kind parse_rollback(const std::string & s) {
+    if (s == "tape") return ROLLBACK_TAPE;
+    if (s == "snapshot") return ROLLBACK_SNAPSHOT;
+    if (s == "redecode") return ROLLBACK_REDECODE;
+    throw input_error(cat("[engine] rollback must be 'tape', 'snapshot' or 'redecode', got '", s, "'"));
+}
+
+matmul_kind parse_matmul(const std::string & s) {
+    if (s == "own") return MATMUL_OWN;
+    if (s == "ggml") return MATMUL_GGML;
+    throw input_error(cat("[engine] matmul must be 'own' or 'ggml', got '", s, "'"));
+}
+
 std::vector<int32_t> to_tokens(const py::handle & obj) {
     py::array_t<int64_t, py::array::c_style | py::array::forcecast> a;
     try {
@@ -216,10 +236,10 @@ std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_
     p.n_threads = n_threads;
     p.kv_type = parse_kv_type(kv_type);
     p.n_batch = n_batch;
-    p.device = device;
+    p.device = parse_device(device);
     p.max_verify = max_verify;
-    p.rollback = rollback;
-    p.matmul = matmul;
+    p.rollback = parse_rollback(rollback);
+    p.matmul = parse_matmul(matmul);
     py::gil_scoped_release release;
     return std::make_unique<target_session>(path, p);
 }
@@ -255,7 +275,7 @@ void bind_target(py::module_ & m) {
         .def_property_readonly("n_layer", [](const target_session & s) { return s.hparams().n_layer; })
         .def_property_readonly("n_ctx", [](const target_session & s) { return s.params().n_ctx; })
         .def_property_readonly("n_threads", [](const target_session & s) { return s.params().n_threads; })
-        .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul; })
+        .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul == MATMUL_OWN ? "own" : "ggml"; })
         .def_property_readonly("n_past", &target_session::n_past)
         .def_property_readonly("layer_types", [](const target_session & s) {
             std::vector<std::string> out;

@@ -20,6 +20,10 @@
 
 namespace dfn {
 
+// Which kernels the graph builders use for weight matmuls (and attention, the conv and the
+// argmax): MATMUL_OWN, this package's batch-invariant CPU ops where they apply, or MATMUL_GGML.
+enum matmul_kind { MATMUL_OWN, MATMUL_GGML };
+
 // True when matmul_op can compute W x: W F16/F32 2-D with contiguous rows in a host buffer
 // (or not yet allocated), x F32 2-D with contiguous rows, W->ne[0] == x->ne[0].
 bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x);

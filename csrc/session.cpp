@@ -30,12 +30,6 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
     DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
-    DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
-                "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
-    DFN_REQUIRE(params.matmul == "own" || params.matmul == "ggml", "engine",
-                "matmul must be 'own' or 'ggml', got '", params.matmul, "'");
-    const bool want_gpu = params.device == "gpu" || params.device == "cuda" || params.device == "metal";
-    DFN_REQUIRE(want_gpu || params.device == "cpu", "engine", "unknown device '", params.device, "' (use 'cpu' or 'gpu')");
 
     model_ = target_model::open(path);
 
@@ -45,9 +39,9 @@ target_session::target_session(const std::string & path, const session_params & 
     params_.n_threads = n_threads;
     ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
     backend_ = cpu_.get();
-    if (want_gpu) {
+    if (params.device == DEVICE_GPU) {
         ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        DFN_REQUIRE(dev != nullptr, "engine", "device='", params.device, "' asked for, but the ggml this package runs "
+        DFN_REQUIRE(dev != nullptr, "engine", "device='gpu' asked for, but the ggml this package runs "
                     "on was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
                     "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
                     "llama-cpp-python==0.3.36, then reinstall dflash-native");
@@ -59,7 +53,7 @@ target_session::target_session(const std::string & path, const session_params & 
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
     model_->load_weights(buft);
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           params.rollback == "snapshot", buft);
+                                           params.rollback == ROLLBACK_SNAPSHOT, buft);
 
     max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
@@ -198,7 +192,7 @@ void target_session::commit(int64_t n_keep) {
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;
     if (hp.is_gdn.empty()) return;
-    if (params_.rollback == "redecode") {
+    if (params_.rollback == ROLLBACK_REDECODE) {
         // baseline: the GDN state is still the one before the verify; run the kept tokens again
         cache_->n_past = pending_past_;
         decode(pending_tokens_.data(), n_keep, false);
@@ -371,7 +365,7 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
     {
-        matmul_scope own(params_.matmul == "own");
+        matmul_scope own(params_.matmul == MATMUL_OWN);
         build(ctx, gf);
     }
     phase(":build");

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cache.h"
+#include "matmul.h"
 #include "model.h"
 
 #include "ggml-backend.h"
@@ -15,20 +16,26 @@
 
 namespace dfn {
 
+// Where the weights, caches and compute live: the CPU, or the first GPU ggml was built with.
+enum device_kind { DEVICE_CPU, DEVICE_GPU };
+
+// GDN rollback after a verify: ROLLBACK_TAPE replays the kept prefix of the tape; the benchmark
+// baselines ROLLBACK_SNAPSHOT store the state after every verified token and copy one back, and
+// ROLLBACK_REDECODE runs the kept tokens through the target again.
+enum rollback_kind { ROLLBACK_TAPE, ROLLBACK_SNAPSHOT, ROLLBACK_REDECODE };
+
+// The bindings parse the Python strings ("cpu"/"gpu", "tape"/..., "own"/"ggml") into these fields.
 struct session_params {
     int64_t n_ctx = 4096;
     int n_threads = 0;            // 0: all cores
     ggml_type kv_type = GGML_TYPE_F16;
     int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
-    std::string device = "cpu";   // "cpu" or "gpu" (first GPU ggml was built with)
+    device_kind device = DEVICE_CPU;
     int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
-    // GDN rollback after a verify: "tape" (replay the kept prefix of the tape), or the benchmark
-    // baselines "snapshot" (store the state after every verified token, copy one back) and
-    // "redecode" (run the kept tokens through the target again).
-    std::string rollback = "tape";
-    // Weight matmuls on the CPU: "own" (matmul.h: batch-invariant, so a verify pass computes
-    // each token as the AR step does; F16/F32 weights) or "ggml" (ggml_mul_mat).
-    std::string matmul = "own";
+    rollback_kind rollback = ROLLBACK_TAPE;
+    // Weight matmuls on the CPU: MATMUL_OWN (matmul.h: batch-invariant, so a verify pass computes
+    // each token as the AR step does; F16/F32 weights) or MATMUL_GGML (ggml_mul_mat).
+    matmul_kind matmul = MATMUL_OWN;
 };
 
 struct decode_result {
@@ -105,7 +112,7 @@ private:
     // buffers (cache, weights), then the backends they live on.
     session_params params_;
     ggml_backend_ptr cpu_;                  // CPU backend
-    ggml_backend_ptr gpu_;                  // GPU backend, when device != "cpu"
+    ggml_backend_ptr gpu_;                  // GPU backend, when device == DEVICE_GPU
     ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
     std::unique_ptr<target_model> model_;
     std::unique_ptr<model_cache> cache_;
