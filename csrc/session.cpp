@@ -10,9 +10,6 @@
 #include "profile.h"
 #include "top1.h"
 
-#include "ggml-alloc.h"
-#include "ggml-cpu.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,60 +29,15 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
 
     model_ = target_model::open(path);
-
-    cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
-    if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
     params_.n_threads = n_threads;
-    ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
-    backend_ = cpu_.get();
-    if (params.device == DEVICE_GPU) {
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        DFN_REQUIRE(dev != nullptr, "engine", "device='gpu' asked for, but the ggml this package runs "
-                    "on was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
-                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
-                    "llama-cpp-python==0.3.36, then reinstall dflash-native");
-        gpu_.reset(ggml_backend_dev_init(dev, nullptr));
-        if (!gpu_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
-        backend_ = gpu_.get();
-    }
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
+    runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
-    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
+    ggml_backend_buffer_type_t buft = runner_->buffer_type();
     model_->load_weights(buft);
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
                                            params.rollback == ROLLBACK_SNAPSHOT, buft);
-
-    max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
-    meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
-}
-
-ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
-    auto it = plans_.find(shape_key);
-    if (it == plans_.end()) {
-        ggml_backend_t backends[2] = {backend_, cpu_.get()};
-        graph_plan p;
-        p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
-        if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
-        if (!ggml_backend_sched_reserve(p.sched.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
-        it = plans_.emplace(shape_key, std::move(p)).first;
-        // drop the least recently used plans beyond the limits (never the one just made)
-        auto bytes = [&](const graph_plan & q) {
-            return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
-                   (gpu_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
-        };
-        for (;;) {
-            size_t total = 0;
-            auto lru = plans_.end();
-            for (auto jt = plans_.begin(); jt != plans_.end(); ++jt) {
-                total += bytes(jt->second);
-                if (jt != it && (lru == plans_.end() || jt->second.last_use < lru->second.last_use)) lru = jt;
-            }
-            if (lru == plans_.end() || (plans_.size() <= k_max_plans && total <= k_max_plan_bytes)) break;
-            plans_.erase(lru);
-        }
-    }
-    it->second.last_use = ++plan_clock_;
-    return it->second.sched.get();
 }
 
 target_session::~target_session() = default;
@@ -165,12 +117,12 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
         return;
     }
 #ifdef DFN_CUDA
-    if (std::string(ggml_backend_buffer_name(L.ssm->buffer)).rfind("CUDA", 0) == 0) {
+    if (runner_->on_cuda(L.ssm->buffer)) {
         // device buffers: replay in place with csrc/cuda/gdn_tape.cu
-        ggml_backend_synchronize(backend_);
+        ggml_backend_synchronize(runner_->backend());
         cuda::gdn_tape_replay((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
                               (float *) L.tape_g->data}, S, H_v, n_keep, nullptr);
-        ggml_backend_synchronize(backend_);
+        ggml_backend_synchronize(runner_->backend());
         return;
     }
 #endif
@@ -346,42 +298,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     std::string key = cat("target:", n, all_logits ? ":all" : ":last", want_logits ? ":logits" : ":hidden",
                           record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", ":taps");
     for (int il : tap_layers) key += cat(",", il);
-    run_graph(key, build, set_inputs, read_outputs);
-}
-
-void target_session::run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
-                               const std::function<void()> & set_inputs, const std::function<void()> & read_outputs) {
-    const int prof = profile_level();
-    profile_graph pg{shape_key.substr(0, shape_key.find(':')), prof ? profile_now() : 0.0};
-    auto phase = [&](const char * what) {
-        if (!prof) return;
-        const double now = profile_now();
-        profile_add(pg.graph, what, now - pg.last);
-        pg.last = now;
-    };
-    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
-    ggml_context * ctx = ggml_init(ip);
-    if (!ctx) throw runtime_error("[graph] ggml_init failed");
-    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    {
-        matmul_scope own(params_.matmul == MATMUL_OWN);
-        build(ctx, gf);
-    }
-    phase(":build");
-    ggml_backend_sched_t sched = plan_for(shape_key, gf);
-    phase(":plan");
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
-    phase(":alloc");
-    set_inputs();
-    phase(":inputs");
-    ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
-    const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
-    if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
-    phase(":compute");
-    read_outputs();
-    phase(":read");
+    runner_->run(key, build, set_inputs, read_outputs);
 }
 
 }  // namespace dfn

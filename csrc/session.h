@@ -2,22 +2,17 @@
 #pragma once
 
 #include "cache.h"
+#include "graph_runner.h"
 #include "matmul.h"
 #include "model.h"
 
 #include "ggml-backend.h"
-#include "ggml-cpp.h"
 
-#include <functional>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace dfn {
-
-// Where the weights, caches and compute live: the CPU, or the first GPU ggml was built with.
-enum device_kind { DEVICE_CPU, DEVICE_GPU };
 
 // GDN rollback after a verify: ROLLBACK_TAPE replays the kept prefix of the tape; the benchmark
 // baselines ROLLBACK_SNAPSHOT store the state after every verified token and copy one back, and
@@ -86,20 +81,12 @@ public:
         return *cache_;
     }
     const session_params & params() const { return params_; }
-    size_t n_graph_plans() const { return plans_.size(); }
+    size_t n_graph_plans() const { return runner_->n_plans(); }
 
-    // Builds a graph with `build` in this session's metadata arena, allocates it on this
-    // session's backends, calls `set_inputs`, computes, then `read_outputs`. Used by the drafter,
-    // which shares the target's embeddings, lm_head and backends.
-    //
-    // `shape_key` names the graph's structure (which op sequence, which outputs, how many tokens).
-    // Each key keeps its own scheduler and allocation plan, so a speculative round, which
-    // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
-    // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
-    // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
-    void run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
-                   const std::function<void()> & set_inputs, const std::function<void()> & read_outputs);
-    ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
+    // The backends, plans and metadata arena this session's graphs run on; the drafter runs its
+    // graphs on the same runner (it shares the target's embeddings, lm_head and buffers).
+    graph_runner & runner() { return *runner_; }
+    ggml_backend_buffer_type_t buffer_type() const { return runner_->buffer_type(); }
 
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
@@ -108,25 +95,12 @@ private:
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);
 
-    // Declaration order is destruction order reversed: the scheduler goes first, then the
-    // buffers (cache, weights), then the backends they live on.
+    // Declaration order is destruction order reversed: the buffers (cache, weights) go before
+    // the runner's backends they live on.
     session_params params_;
-    ggml_backend_ptr cpu_;                  // CPU backend
-    ggml_backend_ptr gpu_;                  // GPU backend, when device == DEVICE_GPU
-    ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
+    std::unique_ptr<graph_runner> runner_;
     std::unique_ptr<target_model> model_;
     std::unique_ptr<model_cache> cache_;
-    struct graph_plan {
-        ggml_backend_sched_ptr sched;
-        uint64_t last_use = 0;
-    };
-    static constexpr size_t k_max_plans = 32;
-    static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
-    ggml_backend_sched_t plan_for(const std::string & shape_key, ggml_cgraph * gf);
-    std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run_graph)
-    uint64_t plan_clock_ = 0;
-    std::vector<uint8_t> meta_;             // graph metadata arena
-    size_t max_nodes_ = 0;
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
     std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)

@@ -13,7 +13,7 @@
 namespace dfn {
 
 spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
-    : target_(target), params_(params) {
+    : target_(target), runner_(target.runner()), params_(params) {
     drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
@@ -24,9 +24,9 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     set_draft_cutoff(params.draft_cutoff);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
-    drafter_->load_weights(target.buffer_type());
-    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, target.buffer_type());
-    drafter_->gather_draft_head(lm_head(), target.buffer_type());
+    drafter_->load_weights(runner_.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, runner_.buffer_type());
+    drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
 }
 
 ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : target_.model().output; }
@@ -97,7 +97,7 @@ void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
         // one graph per segment: a prompt's push can be as long as the ring
         const std::vector<ring_segment> one = {sg};
         std::vector<ggml_tensor *> f_in, pos_in;
-        target_.run_graph(
+        runner_.run(
             cat("encode:", sg.k), [&](ggml_context * ctx, ggml_cgraph * gf) { build_push(ctx, gf, one, f_in, pos_in); },
             [&] { set_push_inputs(one, feats, f_in, pos_in); }, [] {});
     }
@@ -166,7 +166,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                           sub ? ":dv" : "");
     for (const ring_segment & sg : push) key += cat(":push", sg.k);
     try {
-        target_.run_graph(
+        runner_.run(
             key,
             [&](ggml_context * ctx, ggml_cgraph * gf) {
                 build_push(ctx, gf, push, push_f, push_pos);

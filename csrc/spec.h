@@ -90,6 +90,7 @@ private:
     std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
 
     target_session & target_;
+    graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
     spec_params params_;
     std::unique_ptr<drafter_model> drafter_;
     std::unique_ptr<feature_ring> ring_;
