@@ -22,32 +22,42 @@ void graph_inputs::tap(int il, ggml_tensor * cur) {
     }
 }
 
-ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) {
-    return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, g.hp->rms_eps), w);
+ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(b.ctx, ggml_rms_norm(b.ctx, x, eps), w);
 }
 
-ggml_tensor * ffn_swiglu(graph_inputs & g, ggml_tensor * x, const layer_weights & w) {
-    ggml_tensor * gate = matmul(g.ctx, w.ffn_gate, x);  // [n_ff, n_tokens]
-    ggml_tensor * up = matmul(g.ctx, w.ffn_up, x);      // [n_ff, n_tokens]
-    return matmul(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot, int64_t n_ctx_train,
+                        float base) {
+    return ggml_rope_ext(b.ctx, x, pos, nullptr, (int) n_rot, GGML_ROPE_TYPE_NEOX, (int) n_ctx_train, base, 1.0f, 0.0f,
+                         1.0f, 32.0f, 1.0f);
+}
+
+ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w) {
+    ggml_tensor * gate = matmul(b, w.ffn_gate, x);  // [n_ff, n_tokens]
+    ggml_tensor * up = matmul(b, w.ffn_up, x);      // [n_ff, n_tokens]
+    return matmul(b, w.ffn_down, ggml_swiglu_split(b.ctx, gate, up));
+}
+
+ggml_tensor * kv_rows(const build_context & b, ggml_tensor * t, int64_t row0, int64_t n) {
+    return ggml_view_3d(b.ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], row0 * t->nb[2]);
+}
+
+void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, int64_t row0) {
+    ggml_build_forward_expand(b.gf, ggml_cpy(b.ctx, src, kv_rows(b, t, row0, src->ne[2])));
 }
 
 ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
-    ggml_context * ctx = g.ctx;
     const kv_layer & c = g.cache->kv[il];
-    const int64_t hd = c.k->ne[0], n_kv_head = c.k->ne[1];
 
     // Append this batch's K/V at rows n_past .. n_past + n_tokens - 1.
-    ggml_tensor * k_dst = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_tokens, c.k->nb[1], c.k->nb[2], g.n_past * c.k->nb[2]);
-    ggml_tensor * v_dst = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_tokens, c.v->nb[1], c.v->nb[2], g.n_past * c.v->nb[2]);
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, k, k_dst));
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, v, v_dst));
+    write_kv_rows(g, c.k, k, g.n_past);
+    write_kv_rows(g, c.v, v, g.n_past);
 
     // The live prefix, rows 0 .. n_kv - 1 (this batch included).
-    ggml_tensor * K = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_kv, c.k->nb[1], c.k->nb[2], 0);  // [hd, n_kv_head, n_kv]
-    ggml_tensor * V = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_kv, c.v->nb[1], c.v->nb[2], 0);
+    ggml_tensor * K = kv_rows(g, c.k, 0, g.n_kv);  // [hd, n_kv_head, n_kv]
+    ggml_tensor * V = kv_rows(g, c.v, 0, g.n_kv);
 
-    return attention(ctx, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
+    return attention(g, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
 }
 
 ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
@@ -59,14 +69,14 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     const int64_t n_ch = hp.ssm_conv_channels();
     const int64_t d_conv = hp.ssm_d_conv;
 
-    ggml_tensor * qkv = matmul(ctx, w.wqkv, x);  // [n_ch, n_tok]
-    ggml_tensor * z = matmul(ctx, w.wgate, x);   // [S * H_v, n_tok]
+    ggml_tensor * qkv = matmul(g, w.wqkv, x);  // [n_ch, n_tok]
+    ggml_tensor * z = matmul(g, w.wgate, x);   // [S * H_v, n_tok]
 
-    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(ctx, w.ssm_beta, x));  // [H_v, n_tok]
+    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(g, w.ssm_beta, x));  // [H_v, n_tok]
     beta = ggml_reshape_4d(ctx, beta, 1, H_v, n_tok, 1);
 
     // g = softplus(alpha + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
-    ggml_tensor * alpha = matmul(ctx, w.ssm_alpha, x);  // [H_v, n_tok]
+    ggml_tensor * alpha = matmul(g, w.ssm_alpha, x);  // [H_v, n_tok]
     ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
     gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
 
@@ -77,7 +87,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
         ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
     }
     ggml_tensor * conv_out = nullptr;  // [n_ch, n_tok]
-    if (own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
+    if (g.own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
         conv_out = conv_silu_op(ctx, st.conv, qkv, w.ssm_conv1d, /*update_state=*/!g.record_tape);
     } else {
         ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
@@ -137,7 +147,7 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);
     o = ggml_mul(ctx, rms_norm(g, o, w.ssm_norm), ggml_silu(ctx, z4));
     o = ggml_reshape_2d(ctx, o, S * H_v, n_tok);
-    return matmul(ctx, w.ssm_out, o);  // [n_embd, n_tok]
+    return matmul(g, w.ssm_out, o);  // [n_embd, n_tok]
 }
 
 }  // namespace dfn

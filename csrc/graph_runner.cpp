@@ -87,10 +87,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    {
-        matmul_scope own(kernels_ == MATMUL_OWN);
-        build(ctx, gf);
-    }
+    build(build_context{ctx, gf, kernels_});
     phase(":build");
     ggml_backend_sched_t sched = plan_for(shape_key, gf);
     phase(":plan");

@@ -4,7 +4,7 @@
 // weights, the feature ring and the target's tensors share buffers and plans.
 #pragma once
 
-#include "matmul.h"
+#include "build_context.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -26,9 +26,10 @@ public:
     graph_runner(const graph_runner &) = delete;
     graph_runner & operator=(const graph_runner &) = delete;
 
-    using build_fn = std::function<void(ggml_context *, ggml_cgraph *)>;
+    using build_fn = std::function<void(const build_context &)>;
 
-    // Builds a graph with `build` in the metadata arena, allocates it on the backends, calls
+    // Builds a graph with `build` (given the metadata arena, the graph and this runner's kernel
+    // choice), allocates it on the backends, calls
     // `set_inputs`, computes, then `read_outputs`.
     //
     // `shape_key` names the graph's structure (which op sequence, which outputs, how many tokens).

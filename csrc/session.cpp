@@ -219,9 +219,9 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     ggml_tensor * logits = nullptr;
     ggml_tensor * argmax = nullptr;
 
-    auto build = [&](ggml_context * ctx, ggml_cgraph * gf) {
-        g.ctx = ctx;
-        g.gf = gf;
+    auto build = [&](const build_context & b) {
+        static_cast<build_context &>(g) = b;
+        ggml_context * ctx = b.ctx;
         g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
         g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
         g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
@@ -234,17 +234,17 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             if (!all_logits) {
                 hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
             }
-            logits = matmul(ctx, model_->output, hidden);  // [n_vocab, rows]
+            logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
             if (argmax_only) {
-                argmax = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
+                argmax = g.own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
                 ggml_set_output(argmax);
-                ggml_build_forward_expand(gf, argmax);
+                ggml_build_forward_expand(g.gf, argmax);
             } else {
                 ggml_set_output(logits);
-                ggml_build_forward_expand(gf, logits);
+                ggml_build_forward_expand(g.gf, logits);
             }
         } else {
-            ggml_build_forward_expand(gf, hidden);
+            ggml_build_forward_expand(g.gf, hidden);
         }
     };
 

@@ -63,17 +63,17 @@ std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, i
     return out;
 }
 
-void spec_session::build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+void spec_session::build_push(const build_context & b, const std::vector<ring_segment> & segs,
                               std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
     const int64_t row = feature_row();
     f_in.clear();
     pos_in.clear();
     for (const ring_segment & sg : segs) {
-        f_in.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, sg.k));
-        pos_in.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, sg.k));
+        f_in.push_back(ggml_new_tensor_2d(b.ctx, GGML_TYPE_F32, row, sg.k));
+        pos_in.push_back(ggml_new_tensor_1d(b.ctx, GGML_TYPE_I32, sg.k));
         ggml_set_input(f_in.back());
         ggml_set_input(pos_in.back());
-        drafter_->build_encode(ctx, gf, f_in.back(), pos_in.back(), *ring_, sg.slot0);
+        drafter_->build_encode(b, f_in.back(), pos_in.back(), *ring_, sg.slot0);
     }
 }
 
@@ -98,7 +98,7 @@ void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
         const std::vector<ring_segment> one = {sg};
         std::vector<ggml_tensor *> f_in, pos_in;
         runner_.run(
-            cat("encode:", sg.k), [&](ggml_context * ctx, ggml_cgraph * gf) { build_push(ctx, gf, one, f_in, pos_in); },
+            cat("encode:", sg.k), [&](const build_context & b) { build_push(b, one, f_in, pos_in); },
             [&] { set_push_inputs(one, feats, f_in, pos_in); }, [] {});
     }
     ring_->n_pushed = pos0 + m;
@@ -168,8 +168,9 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     try {
         runner_.run(
             key,
-            [&](ggml_context * ctx, ggml_cgraph * gf) {
-                build_push(ctx, gf, push, push_f, push_pos);
+            [&](const build_context & b) {
+                ggml_context * ctx = b.ctx;
+                build_push(b, push, push_f, push_pos);
                 tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
                 pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
                 mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
@@ -180,16 +181,16 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                     mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
                     ggml_set_input(mask_swa);
                 }
-                ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B-1]
-                logits = matmul(ctx, head, h);  // [n_vocab or n_draft_vocab, B-1]
+                ggml_tensor * h = drafter_->build_block(b, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B-1]
+                logits = matmul(b, head, h);  // [n_vocab or n_draft_vocab, B-1]
                 ggml_tensor * res = logits;
                 if (top1_out) {
                     res = top1 = top1_op(ctx, logits);
                 } else if (!logits_out) {
-                    res = am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);
+                    res = am = b.own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);
                 }
                 ggml_set_output(res);
-                ggml_build_forward_expand(gf, res);
+                ggml_build_forward_expand(b.gf, res);
             },
             [&] {
                 set_push_inputs(push, pending_feats_.data(), push_f, push_pos);

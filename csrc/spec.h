@@ -73,7 +73,7 @@ private:
     std::vector<ring_segment> ring_segments(int64_t m, int64_t pos0) const;
     // Builds the ring writes of `segs` into a graph; inputs: per segment features F32
     // [n_taps * n_embd, k] and positions I32 [k].
-    void build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+    void build_push(const build_context & b, const std::vector<ring_segment> & segs,
                     std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
     void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
                          const std::vector<ggml_tensor *> & pos_in) const;
