@@ -198,15 +198,91 @@ void target_session::flush_replay() {
     cache_->replay_n = 0;
 }
 
+void target_session::build_chunk(const build_context & b, chunk_graph & c) const {
+    graph_inputs & g = c.g;
+    static_cast<build_context &>(g) = b;
+    ggml_context * ctx = b.ctx;
+    const int64_t n = g.n_tokens;
+    g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * model_->n_pos_per_token());
+    g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
+    ggml_set_input(g.tokens);
+    ggml_set_input(g.pos);
+    ggml_set_input(g.kq_mask);
+
+    ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+    if (!c.want_logits) {
+        ggml_build_forward_expand(g.gf, hidden);
+        return;
+    }
+    if (!c.all_logits) hidden = ggml_view_2d(ctx, hidden, hidden->ne[0], 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
+    c.logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
+    ggml_tensor * res = c.logits;
+    if (c.argmax_only) res = c.argmax = g.own_kernels() ? argmax_op(ctx, c.logits) : ggml_argmax(ctx, c.logits);  // I32 [rows]
+    ggml_set_output(res);
+    ggml_build_forward_expand(g.gf, res);
+}
+
+void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const {
+    const graph_inputs & g = c.g;
+    const int64_t n = g.n_tokens;
+    const int n_pos = model_->n_pos_per_token();
+    ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
+    std::vector<int32_t> pos(n * n_pos, 0);
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t p = (int32_t) (g.n_past + i);
+        for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
+    }
+    ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = g.n_past + i;
+        ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
+        for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
+    }
+    ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+}
+
+void target_session::read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const {
+    const target_hparams & hp = model_->hparams();
+    const graph_inputs & g = c.g;
+    const int64_t n = g.n_tokens;
+    if (c.argmax) {
+        ggml_backend_tensor_get(c.argmax, out.argmax.data() + (c.all_logits ? tok_offset : 0), 0,
+                                ggml_nelements(c.argmax) * sizeof(int32_t));
+    } else if (c.want_logits) {
+        const int64_t rows = c.all_logits ? n : 1;
+        float * dst = out.logits.data() + (c.all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
+        ggml_backend_tensor_get(c.logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
+        for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
+            if (!std::isfinite(dst[i])) {
+                throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
+                                        ": the model weights or inputs produce NaN/inf"));
+            }
+        }
+    }
+    const size_t n_taps = g.tap_layers.size();
+    for (size_t t = 0; t < n_taps; ++t) {
+        // taps[t]: [n_embd, n] -> out.taps[token][t][:]
+        std::vector<float> buf((size_t) hp.n_embd * n);
+        ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
+                        buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
+        }
+    }
+}
+
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                                decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape,
                                bool argmax_only) {
-    const target_hparams & hp = model_->hparams();
-    const bool last_chunk = tok_offset + n == n_total;
-    const bool want_logits = all_logits || last_chunk;
-
-    graph_inputs g;
-    g.hp = &hp;
+    chunk_graph c;
+    c.all_logits = all_logits;
+    c.want_logits = all_logits || tok_offset + n == n_total;  // the last chunk gives the last row
+    c.argmax_only = argmax_only;
+    graph_inputs & g = c.g;
+    g.hp = &model_->hparams();
     g.cache = cache_.get();
     g.n_tokens = n;
     g.n_past = cache_->n_past;
@@ -215,90 +291,17 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     g.record_tape = record_tape;
     g.tap_layers = tap_layers;
     g.taps.assign(tap_layers.size(), nullptr);
-    const int n_pos = model_->n_pos_per_token();
-    ggml_tensor * logits = nullptr;
-    ggml_tensor * argmax = nullptr;
-
-    auto build = [&](const build_context & b) {
-        static_cast<build_context &>(g) = b;
-        ggml_context * ctx = b.ctx;
-        g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-        g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
-        g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
-        ggml_set_input(g.tokens);
-        ggml_set_input(g.pos);
-        ggml_set_input(g.kq_mask);
-
-        ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
-        if (want_logits) {
-            if (!all_logits) {
-                hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
-            }
-            logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
-            if (argmax_only) {
-                argmax = g.own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
-                ggml_set_output(argmax);
-                ggml_build_forward_expand(g.gf, argmax);
-            } else {
-                ggml_set_output(logits);
-                ggml_build_forward_expand(g.gf, logits);
-            }
-        } else {
-            ggml_build_forward_expand(g.gf, hidden);
-        }
-    };
-
-    auto set_inputs = [&] {
-        ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
-        std::vector<int32_t> pos(n * n_pos, 0);
-        for (int64_t i = 0; i < n; ++i) {
-            const int32_t p = (int32_t) (g.n_past + i);
-            for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
-        }
-        ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t p = g.n_past + i;
-            ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
-            for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
-        }
-        ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    };
 
     auto read_outputs = [&] {
         cache_->n_past += n;
         cache_->replay_n = 0;  // the GDN ops of this graph took the replay commit() deferred
-        if (argmax) {
-            ggml_backend_tensor_get(argmax, out.argmax.data() + (all_logits ? tok_offset : 0), 0,
-                                    ggml_nelements(argmax) * sizeof(int32_t));
-        } else if (want_logits) {
-            const int64_t rows = all_logits ? n : 1;
-            float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
-            ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
-            for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-                if (!std::isfinite(dst[i])) {
-                    throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
-                                            ": the model weights or inputs produce NaN/inf"));
-                }
-            }
-        }
-        const size_t n_taps = tap_layers.size();
-        for (size_t t = 0; t < n_taps; ++t) {
-            // taps[t]: [n_embd, n] -> out.taps[token][t][:]
-            std::vector<float> buf((size_t) hp.n_embd * n);
-            ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
-            for (int64_t i = 0; i < n; ++i) {
-                std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
-                            buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
-            }
-        }
+        read_chunk(c, out, tok_offset);
     };
-
-    std::string key = cat("target:", n, all_logits ? ":all" : ":last", want_logits ? ":logits" : ":hidden",
+    std::string key = cat("target:", n, all_logits ? ":all" : ":last", c.want_logits ? ":logits" : ":hidden",
                           record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", ":taps");
     for (int il : tap_layers) key += cat(",", il);
-    runner_->run(key, build, set_inputs, read_outputs);
+    runner_->run(
+        key, [&](const build_context & b) { build_chunk(b, c); }, [&] { set_chunk_inputs(c, tokens); }, read_outputs);
 }
 
 }  // namespace dfn

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cache.h"
+#include "graph.h"
 #include "graph_runner.h"
 #include "matmul.h"
 #include "model.h"
@@ -94,6 +95,19 @@ private:
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);
+    // One forward graph of run_chunk: the target's inputs and which outputs it gives.
+    struct chunk_graph {
+        graph_inputs g;
+        bool all_logits = false;   // every row (else the last)
+        bool want_logits = false;  // logits at all (a prompt chunk before the last: only the caches)
+        bool argmax_only = false;  // the greedy token per row instead of the logits
+        ggml_tensor * logits = nullptr;  // F32 [n_vocab, rows]
+        ggml_tensor * argmax = nullptr;  // I32 [rows], when argmax_only
+    };
+    void build_chunk(const build_context & b, chunk_graph & c) const;
+    void set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const;
+    // logits or argmax rows and taps into out at token tok_offset; throws on non-finite logits
+    void read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const;
 
     // Declaration order is destruction order reversed: the buffers (cache, weights) go before
     // the runner's backends they live on.
