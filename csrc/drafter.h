@@ -28,6 +28,9 @@ struct drafter_hparams {
     // are argmaxes over these rows of the lm_head only (EAGLE-3's reduced draft vocabulary): a
     // target that writes a token outside them just rejects that draft; empty = the whole vocabulary.
     std::vector<int32_t> draft_vocab;
+
+    // Floats of fused target features per position (fc's input, a ring push's row): n_taps * n_embd.
+    int64_t n_feature_row() const { return (int64_t) tap_layers.size() * n_embd; }
 };
 
 // Drafter-context K/V per committed position, for every drafter layer. Position p lives in

@@ -226,13 +226,9 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
 void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const {
     const graph_inputs & g = c.g;
     const int64_t n = g.n_tokens;
-    const int n_pos = model_->n_pos_per_token();
     ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
-    std::vector<int32_t> pos(n * n_pos, 0);
-    for (int64_t i = 0; i < n; ++i) {
-        const int32_t p = (int32_t) (g.n_past + i);
-        for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
-    }
+    std::vector<int32_t> pos(n * model_->n_pos_per_token());
+    model_->fill_positions(g.n_past, n, pos.data());
     ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);

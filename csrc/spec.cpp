@@ -44,10 +44,6 @@ void spec_session::reset() {
     pending_m_ = 0;
 }
 
-int64_t spec_session::feature_row() const {
-    return (int64_t) drafter_->hparams().tap_layers.size() * drafter_->hparams().n_embd;
-}
-
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
     const int64_t cap = ring_->capacity;
     // Positions older than the last `cap` would be overwritten within this push: skip them.
@@ -65,7 +61,7 @@ std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, i
 
 void spec_session::build_push(const build_context & b, const std::vector<ring_segment> & segs,
                               std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
-    const int64_t row = feature_row();
+    const int64_t row = drafter_->hparams().n_feature_row();
     f_in.clear();
     pos_in.clear();
     for (const ring_segment & sg : segs) {
@@ -79,7 +75,7 @@ void spec_session::build_push(const build_context & b, const std::vector<ring_se
 
 void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const float * feats,
                                    const std::vector<ggml_tensor *> & f_in, const std::vector<ggml_tensor *> & pos_in) const {
-    const int64_t row = feature_row();
+    const int64_t row = drafter_->hparams().n_feature_row();
     for (size_t i = 0; i < segs.size(); ++i) {
         const ring_segment & sg = segs[i];
         ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));

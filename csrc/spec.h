@@ -77,7 +77,6 @@ private:
                     std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
     void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
                          const std::vector<ggml_tensor *> & pos_in) const;
-    int64_t feature_row() const;  // floats per position pushed: n_taps * n_embd
     ggml_tensor * lm_head() const;  // the drafter's own lm_head, else the target's
     // The features a round committed are pushed by the next draft graph (one graph per round
     // fewer); anything that reads the ring or pushes out of a round flushes them first.

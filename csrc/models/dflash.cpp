@@ -35,7 +35,7 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
     if (hp_.sliding_window > 0) {
         const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
-        hp_.is_swa.assign(F.get_u32(key("block_count")), pattern.empty());  // no pattern: every layer slides
+        hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides
         for (size_t i = 0; i < pattern.size() && i < hp_.is_swa.size(); ++i) hp_.is_swa[i] = pattern[i] != 0;
     }
     DFN_REQUIRE(F.has_key("tokenizer.ggml.mask_token_id"), W, "'", path, "': missing key 'tokenizer.ggml.mask_token_id'");
@@ -71,8 +71,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         hp_.tap_layers.push_back((int) l - 1);
     }
 
-    const int64_t E = hp_.n_embd, hd = hp_.head_dim, n_taps = (int64_t) hp_.tap_layers.size();
-    fc = F.tensor("fc.weight", {n_taps * E, E});
+    const int64_t E = hp_.n_embd, hd = hp_.head_dim;
+    fc = F.tensor("fc.weight", {hp_.n_feature_row(), E});
     enc_norm = F.tensor("enc.output_norm.weight", {E});
     output_norm = F.tensor("output_norm.weight", {E});
     if (F.has_tensor("token_embd.weight")) tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab});

@@ -90,7 +90,14 @@ public:
         }
     }
 
+    // Multi-section RoPE takes 4 sections of n positions each; text uses its position in the
+    // first three and 0 in the fourth.
     int n_pos_per_token() const override { return 4; }
+    void fill_positions(int64_t n_past, int64_t n, int32_t * pos) const override {
+        for (int64_t i = 0; i < n; ++i) {
+            for (int s = 0; s < 4; ++s) pos[s * n + i] = s < 3 ? (int32_t) (n_past + i) : 0;
+        }
+    }
 
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;
