@@ -4,7 +4,6 @@
 #include "cache.h"
 #include "graph.h"
 #include "graph_runner.h"
-#include "matmul.h"
 #include "model.h"
 
 #include "ggml-backend.h"
@@ -69,7 +68,6 @@ public:
     // Keep the first n_keep (1..n) tokens of the pending verify: attention K/V cursor to
     // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
     void commit(int64_t n_keep);
-    bool verify_pending() const { return pending_n_ > 0; }
 
     void reset() { cache_->clear(); pending_n_ = 0; }
     int64_t n_past() const { return cache_->n_past; }
