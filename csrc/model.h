@@ -90,9 +90,12 @@ public:
     // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.
     virtual ggml_tensor * build_forward(graph_inputs & g) const = 0;
 
-    // Positions per token in the `pos` input: 4 for multi-section RoPE (text uses one position
-    // in the first three sections), else 1.
+    // Positions per token in the `pos` input, I32 [n_tokens * n_pos_per_token()].
     virtual int n_pos_per_token() const { return 1; }
+    // That input for tokens at positions n_past .. n_past + n - 1.
+    virtual void fill_positions(int64_t n_past, int64_t n, int32_t * pos) const {
+        for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (n_past + i);
+    }
 
     const target_hparams & hparams() const { return hp_; }
     const gguf_file & file() const { return *file_; }

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import dflash_native as dn
+from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint
 from reference.lossless import first_divergence_is_near_tie
@@ -154,7 +155,8 @@ def test_batch_equals_single_steps(model, matmul, outtype):
     assert core.matmul == matmul
 
     def caches():
-        return [core.gdn_state(i) if t == "gdn" else core.kv(i) for i, t in enumerate(core.layer_types)]
+        return [_core.testing.gdn_state(core, i) if t == "gdn" else _core.testing.kv(core, i)
+                for i, t in enumerate(core.layer_types)]
 
     core.reset()
     batch = core.decode(toks, all_logits=True)

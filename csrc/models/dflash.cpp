@@ -3,8 +3,9 @@
 // The block [last, MASK x (B-1)] attends to context + block without a causal mask.
 #include "../common.h"
 #include "../attn.h"
-#include "../matmul.h"
 #include "../drafter.h"
+#include "../graph.h"
+#include "../matmul.h"
 
 #include <cmath>
 
@@ -34,7 +35,7 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
     if (hp_.sliding_window > 0) {
         const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
-        hp_.is_swa.assign(F.get_u32(key("block_count")), pattern.empty());  // no pattern: every layer slides
+        hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides
         for (size_t i = 0; i < pattern.size() && i < hp_.is_swa.size(); ++i) hp_.is_swa[i] = pattern[i] != 0;
     }
     DFN_REQUIRE(F.has_key("tokenizer.ggml.mask_token_id"), W, "'", path, "': missing key 'tokenizer.ggml.mask_token_id'");
@@ -70,8 +71,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         hp_.tap_layers.push_back((int) l - 1);
     }
 
-    const int64_t E = hp_.n_embd, hd = hp_.head_dim, n_taps = (int64_t) hp_.tap_layers.size();
-    fc = F.tensor("fc.weight", {n_taps * E, E});
+    const int64_t E = hp_.n_embd, hd = hp_.head_dim;
+    fc = F.tensor("fc.weight", {hp_.n_feature_row(), E});
     enc_norm = F.tensor("enc.output_norm.weight", {E});
     output_norm = F.tensor("output_norm.weight", {E});
     if (F.has_tensor("token_embd.weight")) tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab});
@@ -98,33 +99,33 @@ void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_
     }
 }
 
-ggml_tensor * drafter_model::norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w) const {
-    return ggml_mul(ctx, ggml_rms_norm(ctx, x, hp_.rms_eps), w);
+ggml_tensor * drafter_model::norm(const build_context & b, ggml_tensor * x, ggml_tensor * w) const {
+    return rms_norm(b, x, w, hp_.rms_eps);
 }
 
-ggml_tensor * drafter_model::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
-    return ggml_rope_ext(ctx, x, pos, nullptr, (int) hp_.head_dim, GGML_ROPE_TYPE_NEOX, (int) hp_.n_ctx_train,
-                         hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+ggml_tensor * drafter_model::rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const {
+    return rope_neox(b, x, pos, hp_.head_dim, hp_.n_ctx_train, hp_.rope_base);
 }
 
-void drafter_model::build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * feats, ggml_tensor * pos,
-                                 feature_ring & ring, int64_t slot0) const {
+void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,
+                                 int64_t slot0) const {
+    ggml_context * ctx = b.ctx;
     const int64_t m = feats->ne[1], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
-    ggml_tensor * h = norm(ctx, matmul(ctx, fc, feats), enc_norm);  // [n_embd, m]
+    ggml_tensor * h = norm(b, matmul(b, fc, feats), enc_norm);  // [n_embd, m]
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(ctx, L.wk, h), hd, n_kv, m);
-        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(ctx, L.wv, h), hd, n_kv, m);
-        K = rope(ctx, norm(ctx, K, L.k_norm), pos);
-        ggml_tensor * kd = ring.k[il], * vd = ring.v[il];
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, kd, hd, n_kv, m, kd->nb[1], kd->nb[2], slot0 * kd->nb[2])));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, vd, hd, n_kv, m, vd->nb[1], vd->nb[2], slot0 * vd->nb[2])));
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, h), hd, n_kv, m);  // [hd, n_kv, m]
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, h), hd, n_kv, m);
+        K = rope(b, norm(b, K, L.k_norm), pos);
+        write_kv_rows(b, ring.k[il], K, slot0);
+        write_kv_rows(b, ring.v[il], V, slot0);
     }
 }
 
-ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
+ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
                                          ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
                                          int64_t n_ctx, ggml_tensor * target_tok_embd) const {
+    ggml_context * ctx = b.ctx;
     const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     const float scale = 1.0f / sqrtf((float) hd);
     ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
@@ -138,30 +139,27 @@ ggml_tensor * drafter_model::build_block(ggml_context * ctx, ggml_cgraph * gf, g
             return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
         };
         ggml_tensor * inp = rows(x);
-        ggml_tensor * xn = norm(ctx, x, L.attn_norm);
-        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, rows(xn)), hd, hp_.n_head, Bq);
-        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(ctx, L.wk, xn), hd, n_kv, B);
-        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(ctx, L.wv, xn), hd, n_kv, B);
-        Q = rope(ctx, norm(ctx, Q, L.q_norm), r0 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : pos);
-        K = rope(ctx, norm(ctx, K, L.k_norm), pos);
+        ggml_tensor * xn = norm(b, x, L.attn_norm);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, Bq);  // [hd, n_head, Bq]
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, B);              // [hd, n_kv, B]
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, B);
+        Q = rope(b, norm(b, Q, L.q_norm), r0 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : pos);
+        K = rope(b, norm(b, K, L.k_norm), pos);
 
         // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
         // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
         // without a causal mask
-        ggml_tensor * rk = ring.k[il], * rv = ring.v[il];
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, ggml_view_3d(ctx, rk, hd, n_kv, B, rk->nb[1], rk->nb[2], n_ctx * rk->nb[2])));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, ggml_view_3d(ctx, rv, hd, n_kv, B, rv->nb[1], rv->nb[2], n_ctx * rv->nb[2])));
+        write_kv_rows(b, ring.k[il], K, n_ctx);
+        write_kv_rows(b, ring.v[il], V, n_ctx);
         const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
-        ggml_tensor * Ka = ggml_view_3d(ctx, rk, hd, n_kv, n_att, rk->nb[1], rk->nb[2], 0);  // [hd, n_kv, n_att]
-        ggml_tensor * Va = ggml_view_3d(ctx, rv, hd, n_kv, n_att, rv->nb[1], rv->nb[2], 0);
-        ggml_tensor * a = attention(ctx, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
-        x = ggml_add(ctx, matmul(ctx, L.wo, a), inp);
+        ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
+        ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
+        ggml_tensor * a = attention(b, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
+        x = ggml_add(ctx, matmul(b, L.wo, a), inp);
 
-        ggml_tensor * f = norm(ctx, x, L.ffn_norm);
-        f = matmul(ctx, L.ffn_down, ggml_swiglu_split(ctx, matmul(ctx, L.ffn_gate, f), matmul(ctx, L.ffn_up, f)));
-        x = ggml_add(ctx, f, x);
+        x = ggml_add(ctx, ffn_swiglu(b, norm(b, x, L.ffn_norm), L), x);
     }
-    return norm(ctx, x, output_norm);
+    return norm(b, x, output_norm);
 }
 
 }  // namespace dfn

@@ -90,7 +90,14 @@ public:
         }
     }
 
+    // Multi-section RoPE takes 4 sections of n positions each; text uses its position in the
+    // first three and 0 in the fourth.
     int n_pos_per_token() const override { return 4; }
+    void fill_positions(int64_t n_past, int64_t n, int32_t * pos) const override {
+        for (int64_t i = 0; i < n; ++i) {
+            for (int s = 0; s < 4; ++s) pos[s * n + i] = s < 3 ? (int32_t) (n_past + i) : 0;
+        }
+    }
 
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;
@@ -114,19 +121,19 @@ private:
     ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x) const {
         ggml_context * ctx = g.ctx;
         const int64_t hd = hp_.head_dim, n_tok = g.n_tokens, n_head = hp_.n_head;
-        ggml_tensor * qg = matmul(ctx, L.wq, x);  // [2 * hd * n_head, n_tok]
+        ggml_tensor * qg = matmul(g, L.wq, x);  // [2 * hd * n_head, n_tok]
         const size_t es = ggml_element_size(qg);
         ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
         ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
         gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
 
-        ggml_tensor * k = ggml_reshape_3d(ctx, matmul(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
-        ggml_tensor * v = ggml_reshape_3d(ctx, matmul(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, hp_.n_head_kv, n_tok);
         q = rope(g, rms_norm(g, q, L.q_norm));
         k = rope(g, rms_norm(g, k, L.k_norm));
 
         ggml_tensor * a = attention_kv(g, il, q, k, v, 1.0f / sqrtf((float) hd));  // [hd * n_head, n_tok]
-        return matmul(ctx, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
+        return matmul(g, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
     }
 
     ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
