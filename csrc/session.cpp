@@ -311,7 +311,9 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             const int32_t p = (int32_t) (g.n_past + i);
             for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
         }
-        ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+        // Positions and mask feed attention layers only: in a model without any (all GDN) no node
+        // reads them, the scheduler gives them no buffer, and there is nothing to set.
+        if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
         const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
         std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
         for (int64_t i = 0; i < n; ++i) {
@@ -319,7 +321,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
             for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
         }
-        ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+        if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
     };
 
     auto read_outputs = [&] {

@@ -215,7 +215,10 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
                             row[n_ctx + j] = ok ? zero : ninf;
                         }
                     }
-                    ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+                    // a drafter whose layers all slide reads no full mask (and one with none, no
+                    // sliding mask): the scheduler gave it no buffer
+                    ggml_tensor * dst = swa ? mask_swa : mask;
+                    if (dst->buffer) ggml_backend_tensor_set(dst, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
                 }
             },
             [&] {
