@@ -158,6 +158,16 @@ def pair(tmp_path_factory) -> dict:
     return {"dir": d, "target": tg, "drafter": dg}
 
 
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("qwen3")
+    return convert_hf_to_gguf(make_random_checkpoint(d / "t", "qwen3", seed=15), d / "t.gguf", outtype="f32")
+
+
+def target_of(arch: str, pair: dict, qwen3_target: Path) -> Path:
+    return pair["target"] if arch == "qwen35" else qwen3_target
+
+
 # ---- refused types --------------------------------------------------------------------------
 
 BAD_TARGET_TYPES = [
@@ -183,6 +193,14 @@ def assert_refused(out: str, path: Path, name: str, qtype: Q) -> None:
 @pytest.mark.parametrize("name,qtype", BAD_TARGET_TYPES, ids=[f"{n}-{q.name}" for n, q in BAD_TARGET_TYPES])
 def test_target_tensor_of_unusable_type_is_refused_at_load(pair, tmp_path, name, qtype):
     bad = rewrite_gguf(pair["target"], tmp_path / "bad.gguf",
+                       tensor_fn=lambda n, a: stored_as(a, qtype) if n == name else a)
+    assert_refused(isolated(_load, bad, None), bad, name, qtype)
+
+
+@pytest.mark.parametrize("name,qtype", [("blk.1.ffn_norm.weight", Q.I32), ("blk.0.attn_k.weight", Q.I16)],
+                         ids=["norm-I32", "matmul-I16"])
+def test_qwen3_tensor_of_unusable_type_is_refused_at_load(qwen3_target, tmp_path, name, qtype):
+    bad = rewrite_gguf(qwen3_target, tmp_path / "bad.gguf",
                        tensor_fn=lambda n, a: stored_as(a, qtype) if n == name else a)
     assert_refused(isolated(_load, bad, None), bad, name, qtype)
 
@@ -239,16 +257,18 @@ def f32_role_rewrites(src: Path, d: Path, qtype: Q) -> tuple[Path, Path, int]:
     return typed, ref, n
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0], ids=lambda q: q.name)
-def test_target_f32_role_tensors_in_other_types_give_exact_logits(pair, tmp_path, qtype):
+@pytest.mark.parametrize("arch,qtype", [("qwen35", Q.F16), ("qwen35", Q.BF16), ("qwen35", Q.Q8_0), ("qwen3", Q.F16)],
+                         ids=lambda x: x if isinstance(x, str) else x.name)
+def test_target_f32_role_tensors_in_other_types_give_exact_logits(pair, qwen3_target, tmp_path, arch, qtype):
     """Norms, ssm_a, ssm_dt and ssm_conv1d stored as F16 / BF16 / Q8_0 (where the rows fit its
     blocks) are converted to F32 at load: logits equal, bit for bit, those of the F32 file that
     holds the same rounded values. The rounding itself changes the logits (the check has teeth)."""
-    typed, ref, n = f32_role_rewrites(pair["target"], tmp_path, qtype)
-    assert n >= (4 if qtype == Q.Q8_0 else 20)
+    target = target_of(arch, pair, qwen3_target)
+    typed, ref, n = f32_role_rewrites(target, tmp_path, qtype)
+    assert n >= 4
     got, want = np.array(isolated(_logits, typed, PROMPT)), np.array(isolated(_logits, ref, PROMPT))
     np.testing.assert_array_equal(got, want)
-    assert not np.array_equal(want, np.array(isolated(_logits, pair["target"], PROMPT)))
+    assert not np.array_equal(want, np.array(isolated(_logits, target, PROMPT)))
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
