@@ -225,7 +225,8 @@ def test_activation_only_type_is_refused_at_load(wide_target, tmp_path):
     """Q8_K (rows of 256) is what ggml quantizes activations to: no CPU dot product takes it as a
     weight. (Q8_1 likewise, but gguf-py's Q8_1 block size disagrees with ggml's: it cannot write one.)"""
     name = "blk.0.ffn_up.weight"
-    bad = rewrite_gguf(wide_target, tmp_path / "bad.gguf", tensor_fn=lambda n, a: stored_as(a, Q.Q8_K) if n == name else a)
+    bad = rewrite_gguf(wide_target, tmp_path / "bad.gguf",
+                       tensor_fn=lambda n, a: stored_as(a, Q.Q8_K) if n == name else a)
     assert_refused(isolated(_load, bad, None), bad, name, Q.Q8_K)
 
 
@@ -252,8 +253,10 @@ def f32_role_rewrites(src: Path, d: Path, qtype: Q) -> tuple[Path, Path, int]:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     pick = lambda n, a: is_f32_role(n) and a.shape[-1] % block == 0  # noqa: E731
     n = sum(pick(t.name, t.data) for t in GGUFReader(src).tensors)
-    typed = rewrite_gguf(src, d / f"{qtype.name}.gguf", tensor_fn=lambda nm, a: stored_as(a, qtype) if pick(nm, a) else a)
-    ref = rewrite_gguf(src, d / f"{qtype.name}-ref.gguf", tensor_fn=lambda nm, a: rounded(a, qtype) if pick(nm, a) else a)
+    typed = rewrite_gguf(src, d / f"{qtype.name}.gguf",
+                         tensor_fn=lambda nm, a: stored_as(a, qtype) if pick(nm, a) else a)
+    ref = rewrite_gguf(src, d / f"{qtype.name}-ref.gguf",
+                       tensor_fn=lambda nm, a: rounded(a, qtype) if pick(nm, a) else a)
     return typed, ref, n
 
 
@@ -310,7 +313,8 @@ def check_against_dequantized(path: Path, d: Path) -> str:
     assert np.isfinite(ours).all()
     assert diff <= err_llama + 1e-3, (diff, err_llama)
     assert err_ours <= 1.5 * err_llama + 1e-3, (err_ours, err_llama)
-    return f"|ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, |ours - llama.cpp| {diff:.2e}"
+    return (f"|ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
+            f"|ours - llama.cpp| {diff:.2e}")
 
 
 def test_f16_matmul_weights_are_exact(pair, tmp_path):
@@ -412,12 +416,8 @@ def test_layer_mix_speculative_equals_ar(mix, block_size):
 def test_drafter_whose_layers_all_slide(pair, tmp_path):
     """A drafter with a sliding window on every layer reads no full-attention mask (and the
     scheduler gives that input no buffer): it drafts, and speculative output is AR output."""
-    import dflash_native.testing_dflash as td
-
-    ckpt = pair["dir"] / "t"
-    dg = td.make_random_drafter_gguf(tmp_path / "swa.gguf", ckpt, outtype="f32", seed=14, block_size=8,
-                                     target_gguf=pair["target"], target_layer_ids=[0, 2], num_hidden_layers=2,
-                                     use_sliding_window=True, sliding_window=5,
-                                     layer_types=["sliding_attention"] * 2)
+    dg = make_random_drafter_gguf(tmp_path / "swa.gguf", pair["dir"] / "t", outtype="f32", seed=14, block_size=8,
+                                  target_gguf=pair["target"], target_layer_ids=[0, 2], num_hidden_layers=2,
+                                  use_sliding_window=True, sliding_window=5, layer_types=["sliding_attention"] * 2)
     r = isolated(_spec_vs_ar, pair["target"], dg, 8)
     assert r["spec"] == r["ar"] and r["forced"] == r["ref"]
