@@ -45,36 +45,37 @@ void target_model::read_common_hparams() {
 }
 
 void target_model::load_common_tensors() {
-    const gguf_file & f = *file_;
+    gguf_file & f = *file_;
     // n_vocab comes from the embedding's shape; every other tensor is checked against hparams.
     {
-        ggml_tensor * t = f.tensor("token_embd.weight", {}, false);
+        ggml_tensor * t = f.tensor("token_embd.weight", {}, TENSOR_ROLE_EMBEDDING, false);
         hp_.n_vocab = t ? t->ne[1] : 0;
         DFN_REQUIRE(t && t->ne[0] == hp_.n_embd && t->ne[2] == 1 && hp_.n_vocab > 0, W, "'", f.path(),
                     "': token_embd.weight has shape [", t ? t->ne[0] : 0, ", ", hp_.n_vocab,
                     "], expected [", hp_.n_embd, ", n_vocab]");
     }
-    tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab});
-    output_norm = f.tensor("output_norm.weight", {hp_.n_embd});
-    output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, false);
-    if (!output) output = tok_embd;  // tied embeddings
+    tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_EMBEDDING);
+    output_norm = f.tensor("output_norm.weight", {hp_.n_embd}, TENSOR_ROLE_F32);
+    output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_MATMUL, false);
+    if (!output) output = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_MATMUL);  // tied
     layers.resize(hp_.n_layer);
 }
 
-void load_qwen3_layer(const gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
+void load_qwen3_layer(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
                       int64_t n_ff, layer_weights & L) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-    L.attn_norm = F.tensor(n("attn_norm"), {E});
-    L.wq = F.tensor(n("attn_q"), {E, hd * n_head});
-    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv});
-    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv});
-    L.wo = F.tensor(n("attn_output"), {hd * n_head, E});
-    L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-    L.k_norm = F.tensor(n("attn_k_norm"), {hd});
-    L.ffn_norm = F.tensor(n("ffn_norm"), {E});
-    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff});
-    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff});
-    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E});
+    const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
+    L.attn_norm = F.tensor(n("attn_norm"), {E}, V32);
+    L.wq = F.tensor(n("attn_q"), {E, hd * n_head}, MM);
+    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, MM);
+    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, MM);
+    L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, MM);
+    L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
+    L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
+    L.ffn_norm = F.tensor(n("ffn_norm"), {E}, V32);
+    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff}, MM);
+    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff}, MM);
+    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E}, MM);
 }
 
 }  // namespace dfn

@@ -72,7 +72,7 @@ struct layer_weights {
 
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.
-void load_qwen3_layer(const gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,
+void load_qwen3_layer(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,
                       int64_t n_head_kv, int64_t n_ff, layer_weights & L);
 
 struct graph_inputs;  // graph.h

@@ -229,7 +229,9 @@ void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tok
     ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
     std::vector<int32_t> pos(n * model_->n_pos_per_token());
     model_->fill_positions(g.n_past, n, pos.data());
-    ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    // Positions and mask feed attention layers only: in a model without any (all GDN) no node
+    // reads them, the scheduler gives them no buffer, and there is nothing to set.
+    if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
     for (int64_t i = 0; i < n; ++i) {
@@ -237,7 +239,7 @@ void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tok
         ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
         for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
     }
-    ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
 }
 
 void target_session::read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const {

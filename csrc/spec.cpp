@@ -192,7 +192,10 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
     std::vector<ggml_fp16_t> m;
     for (int swa = 0; swa < (d.w > 0 ? 2 : 1); ++swa) {
         fill_draft_mask(d, swa, m);
-        ggml_backend_tensor_set(swa ? d.mask_swa : d.mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+        // a drafter whose layers all slide reads no full mask (and one with none, no sliding
+        // mask): the scheduler gave it no buffer
+        ggml_tensor * dst = swa ? d.mask_swa : d.mask;
+        if (dst->buffer) ggml_backend_tensor_set(dst, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
     }
 }
 

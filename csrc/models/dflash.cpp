@@ -15,7 +15,7 @@ static const char * W = "load_gguf";
 
 drafter_model::drafter_model(const std::string & path, const target_hparams & target) {
     file_ = std::make_unique<gguf_file>(path);
-    const gguf_file & F = *file_;
+    gguf_file & F = *file_;
     const std::string arch = F.arch();
     DFN_REQUIRE(arch == "dflash", W, "'", path, "' is a '", arch, "' model, not a DFlash drafter (arch 'dflash')");
     auto key = [](const char * s) { return std::string("dflash.") + s; };
@@ -72,11 +72,11 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     }
 
     const int64_t E = hp_.n_embd, hd = hp_.head_dim;
-    fc = F.tensor("fc.weight", {hp_.n_feature_row(), E});
-    enc_norm = F.tensor("enc.output_norm.weight", {E});
-    output_norm = F.tensor("output_norm.weight", {E});
-    if (F.has_tensor("token_embd.weight")) tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab});
-    if (F.has_tensor("output.weight")) output = F.tensor("output.weight", {E, target.n_vocab});
+    fc = F.tensor("fc.weight", {hp_.n_feature_row(), E}, TENSOR_ROLE_MATMUL);
+    enc_norm = F.tensor("enc.output_norm.weight", {E}, TENSOR_ROLE_F32);
+    output_norm = F.tensor("output_norm.weight", {E}, TENSOR_ROLE_F32);
+    tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab}, TENSOR_ROLE_EMBEDDING, false);  // own, optional
+    output = F.tensor("output.weight", {E, target.n_vocab}, TENSOR_ROLE_MATMUL, false);
     layers_.resize(hp_.n_layer);
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);

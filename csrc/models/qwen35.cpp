@@ -18,7 +18,7 @@ class qwen35_model : public target_model {
 public:
     explicit qwen35_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
         read_common_hparams();
-        const gguf_file & F = *file_;
+        gguf_file & F = *file_;
         const std::string & P = F.path();
 
         const auto sections = F.get_int_arr(key("rope.dimension_sections"));
@@ -61,32 +61,33 @@ public:
         load_common_tensors();
         const int64_t E = hp_.n_embd, hd = hp_.head_dim;
         const int64_t S = hp_.ssm_head_dim, n_ch = hp_.ssm_conv_channels(), H_v = hp_.ssm_n_v_heads;
+        const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
         for (int il = 0; il < hp_.n_layer; ++il) {
             layer_weights & L = layers[il];
             auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-            L.attn_norm = F.tensor(n("attn_norm"), {E});
-            L.post_attn_norm = F.tensor(n("post_attention_norm"), {E});
+            L.attn_norm = F.tensor(n("attn_norm"), {E}, V32);
+            L.post_attn_norm = F.tensor(n("post_attention_norm"), {E}, V32);
             if (hp_.is_gdn[il]) {
-                L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch});
-                L.wgate = F.tensor(n("attn_gate"), {E, S * H_v});
-                L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp_.ssm_d_conv, n_ch});
-                L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v});
-                L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v});
-                L.ssm_beta = F.tensor(n("ssm_beta"), {E, H_v});
-                L.ssm_alpha = F.tensor(n("ssm_alpha"), {E, H_v});
-                L.ssm_norm = F.tensor(n("ssm_norm"), {S});
-                L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E});
+                L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch}, MM);
+                L.wgate = F.tensor(n("attn_gate"), {E, S * H_v}, MM);
+                L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp_.ssm_d_conv, n_ch}, V32);
+                L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v}, V32);
+                L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v}, V32);
+                L.ssm_beta = F.tensor(n("ssm_beta"), {E, H_v}, MM);
+                L.ssm_alpha = F.tensor(n("ssm_alpha"), {E, H_v}, MM);
+                L.ssm_norm = F.tensor(n("ssm_norm"), {S}, V32);
+                L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E}, MM);
             } else {
-                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head});  // [q | gate] per head
-                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
-                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
-                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
-                L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-                L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head}, MM);  // [q | gate] per head
+                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv}, MM);
+                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv}, MM);
+                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E}, MM);
+                L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
+                L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
             }
-            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
-            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
-            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff}, MM);
+            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff}, MM);
+            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E}, MM);
         }
     }
 
