@@ -28,8 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 from dflash_native.convert import convert_hf_to_gguf
-from dflash_native.testing import make_random_checkpoint
-from dflash_native.testing_dflash import make_random_drafter_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
 from reference.gguf_edit import rewrite_gguf
 
 TESTS = Path(__file__).resolve().parent
