@@ -241,7 +241,16 @@ def test_block_size_and_capacity(pair):
 def test_drafter_block_size_below_2_in_file(pair, tmp_path):
     tg, dg = pair
     bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": 1})
-    assert "block_size 1 must be >= 2" in spec_error(tg, bad, block_size=4)
+    assert "block_size 1 must be in [2, 1024]" in spec_error(tg, bad, block_size=4)
+
+
+@pytest.mark.parametrize("value", [0, 2**31, 2**32 - 1])
+def test_drafter_block_size_out_of_range_in_file(pair, tmp_path, value):
+    """The engine reads the drafter's block size first (to size the target's verify batch): through
+    the core's parser, range-checked, before anything is allocated from it."""
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": value})
+    assert f"block_size {value} must be in [2, 1024]" in spec_error(tg, bad)
 
 
 def test_target_given_as_drafter(pair):
