@@ -1,6 +1,7 @@
 #include "gguf_file.h"
 
 #include "common.h"
+#include "gguf_layout.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -30,6 +31,8 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
         fclose(f);
         DFN_REQUIRE(n == 4 && memcmp(magic, "GGUF", 4) == 0, W, "'", path, "' is not a GGUF file (bad magic)");
     }
+
+    check_gguf_layout(path, (uint64_t) st.st_size);
 
     gguf_init_params params = {/*no_alloc =*/ true, /*ctx =*/ &ctx_};
     gguf_ = gguf_init_from_file(path.c_str(), params);

@@ -210,7 +210,14 @@ def data_flips(lay: G.Layout, base: bytes):
     return byte_flips(lay.data_start, lay.size, "data")
 
 
+def path(lay: G.Layout, base: bytes):
+    """Paths that are not regular files, given where the file goes."""
+    kinds = ["fifo", "symlink_to_fifo", "directory", "empty", "/dev/zero", "/dev/null", "/dev/urandom"]
+    return st.sampled_from(kinds).map(lambda k: (f"path is {k}", [["path", k]]))
+
+
 PROBES = {
+    "path": path,
     "truncate": truncate,
     "header": header,
     "meta_flips": meta_flips,

@@ -49,6 +49,27 @@ def run_one(dn, job: dict, path: str) -> None:
             eng.chat([{"role": "user", "content": "hi"}], max_tokens=2)
 
 
+def special_path(kind: str, tmp: Path) -> Path:
+    """Not a regular file: something that must be refused before it is opened for reading."""
+    if kind == "fifo":  # nobody ever writes: reading it would block forever
+        p = tmp / f"fifo-{os.getpid()}"
+        if not p.exists():
+            os.mkfifo(p)
+        return p
+    if kind == "symlink_to_fifo":
+        p = tmp / f"link-{os.getpid()}"
+        if not p.is_symlink():
+            p.symlink_to(special_path("fifo", tmp))
+        return p
+    if kind == "directory":
+        return tmp
+    if kind == "empty":
+        p = tmp / f"empty-{os.getpid()}.gguf"
+        p.write_bytes(b"")
+        return p
+    return Path(kind)  # a device: /dev/zero, /dev/null, /dev/urandom
+
+
 def main() -> None:
     global _events
     job = json.loads(Path(sys.argv[1]).read_text())
@@ -64,11 +85,16 @@ def main() -> None:
     out = Path(job["tmpdir"]) / f"mutant-{os.getpid()}.gguf"
     for mid, edits in job["mutants"]:
         emit({"start": mid})
-        out.write_bytes(G.apply(base, lay, edits) if edits else base)
+        special = next((e[1] for e in edits if e[0] == "path"), None)
+        if special is None:
+            out.write_bytes(G.apply(base, lay, edits) if edits else base)
         try:
-            run_one(dn, job, str(out))
+            run_one(dn, job, str(special_path(special, Path(job["tmpdir"])) if special else out))
         except CLEAN as e:
-            emit({"id": mid, "outcome": "clean", "error": f"{type(e).__name__}: {e}"[:400]})
+            # the project's form is "[where] what"; a UnicodeDecodeError (a ValueError) says nothing
+            text = f"{type(e).__name__}: {e}"[:400]
+            clear = not isinstance(e, UnicodeError) and (isinstance(e, MemoryError) or str(e).startswith("["))
+            emit({"id": mid, "outcome": "clean" if clear else "other", "error": text})
         except BaseException as e:  # noqa: BLE001 - any other exception is a finding
             tb = traceback.format_exc(limit=4)
             emit({"id": mid, "outcome": "other", "error": f"{type(e).__name__}: {e}"[:400] + "\n" + tb[-1200:]})
