@@ -25,22 +25,27 @@ struct reader {
     [[noreturn]] void fail(const std::string & where, const std::string & what) const {
         throw input_error(cat("[", W, "] '", path, "': ", where, ": ", what, " (at byte ", pos, " of ", size, ")"));
     }
+    // A field that does not fit in the file: a cut-off file, or a corrupt length before it.
+    [[noreturn]] void past_end(const std::string & where, const std::string & what) const {
+        throw input_error(cat("[", W, "] '", path, "' is truncated or corrupt: ", where, ": ", what,
+                              " runs past the end of the file (at byte ", pos, " of ", size, ")"));
+    }
     uint64_t left() const { return size - pos; }
 
     template <typename T> T get(const std::string & where, const char * field) {
         T v;
-        if (left() < sizeof(T) || fread(&v, sizeof(T), 1, f) != 1) fail(where, cat(field, " runs past the end of the file"));
+        if (left() < sizeof(T) || fread(&v, sizeof(T), 1, f) != 1) past_end(where, field);
         pos += sizeof(T);
         return v;
     }
     void skip(uint64_t n, const std::string & where, const char * field) {
-        if (n > left()) fail(where, cat(field, " of ", n, " bytes runs past the end of the file"));
+        if (n > left()) past_end(where, cat(field, " of ", n, " bytes"));
         if (fseeko(f, (off_t) n, SEEK_CUR) != 0) fail(where, "seek failed");
         pos += n;
     }
     std::string str(const std::string & where, const char * field, uint64_t max_len) {
         const uint64_t n = get<uint64_t>(where, field);
-        if (n > left()) fail(where, cat(field, " length ", n, " runs past the end of the file"));
+        if (n > left()) past_end(where, cat(field, " of length ", n));
         if (n > max_len) fail(where, cat(field, " length ", n, " exceeds ", max_len));
         std::string s(n, '\0');
         if (n && fread(&s[0], 1, n, f) != n) fail(where, cat(field, " cannot be read"));
@@ -74,7 +79,7 @@ std::string check_kv(reader & r, int64_t i, uint64_t & alignment) {
         n = r.get<uint64_t>(where, "array length");
     }
     if (type == GGUF_TYPE_STRING) {
-        if (n > r.left() / 8) r.fail(where, cat("array of ", n, " strings needs more than the ", r.left(), " bytes left"));
+        if (n > r.left() / 8) r.past_end(where, cat("array of ", n, " strings"));
         for (uint64_t k = 0; k < n; ++k) {
             const uint64_t len = r.get<uint64_t>(where, "string length");
             r.skip(len, is_array ? cat(where, " [", k, "]") : where, "string");
@@ -83,7 +88,7 @@ std::string check_kv(reader & r, int64_t i, uint64_t & alignment) {
     }
     const size_t es = gguf_scalar_size(type);
     if (es == 0) r.fail(where, cat("unknown ", is_array ? "array element" : "value", " type ", type));
-    if (n > r.left() / es) r.fail(where, cat("array of ", n, " x ", es, "-byte values needs more than the ", r.left(), " bytes left"));
+    if (n > r.left() / es) r.past_end(where, cat("array of ", n, " x ", es, "-byte values"));
     if (key == "general.alignment") {
         if (is_array || type != GGUF_TYPE_UINT32) r.fail(where, "must be a uint32");
         alignment = r.get<uint32_t>(where, "value");
@@ -139,8 +144,10 @@ void check_gguf_layout(const std::string & path, uint64_t file_size) {
     // file could hold are corrupt before anything is read for them.
     const int64_t n_tensors = r.get<int64_t>("header", "tensor count");
     const int64_t n_kv = r.get<int64_t>("header", "metadata count");
-    if (n_tensors < 0 || (uint64_t) n_tensors > r.left() / 24) r.fail("header", cat("tensor count ", n_tensors, " is impossible"));
-    if (n_kv < 0 || (uint64_t) n_kv > r.left() / 14) r.fail("header", cat("metadata count ", n_kv, " is impossible"));
+    if (n_tensors < 0) r.fail("header", cat("tensor count ", n_tensors));
+    if (n_kv < 0) r.fail("header", cat("metadata count ", n_kv));
+    if ((uint64_t) n_tensors > r.left() / 24) r.past_end("header", cat(n_tensors, " tensor infos of >= 24 bytes"));
+    if ((uint64_t) n_kv > r.left() / 14) r.past_end("header", cat(n_kv, " metadata pairs of >= 14 bytes"));
 
     uint64_t alignment = GGUF_DEFAULT_ALIGNMENT;
     std::set<std::string> seen;

@@ -235,3 +235,28 @@ PROBES = {
     "data_special": data_special,
     "data_flips": data_flips,
 }
+
+
+# ---- single named mutations (regression cases) ---------------------------------------------
+
+def set_kv(lay: G.Layout, base: bytes, key: str, value) -> list:
+    """Edits that give `key` a new value of its own type (numbers keep their width; strings and
+    bytes are spliced in, the data section re-aligned)."""
+    k = lay.kv(key)
+    if k.sval is not None:
+        data = value if isinstance(value, bytes) else value.encode("utf-8")
+        return _splice(k.sval.len_off, k.val_end, G.str_bytes(data))
+    fmt = G.SCALAR_FMT[k.vtype]
+    return _write(k.val_off, struct.pack(fmt, value) if k.vtype in G.FLOAT_TYPES else _pack_int(fmt, value))
+
+
+def set_tensor_type(lay: G.Layout, name: str, ggml_type: int) -> list:
+    t = next(t for t in lay.tensors if t.name == name)
+    return _write(t.type_off, _pack_int("<i", ggml_type))
+
+
+def copy_token(lay: G.Layout, base: bytes, src: int, dst: int) -> list:
+    """Token dst gets token src's text: a duplicate."""
+    toks = lay.kv("tokenizer.ggml.tokens")
+    s, d = toks.elems[src], toks.elems[dst]
+    return _splice(d.len_off, d.off + d.n, G.str_bytes(base[s.off:s.off + s.n]))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from .fixtures import build_pair
-from .probes import PROBES
+from . import gguf_layout as G
+from .probes import PROBES, copy_token, set_kv, set_tensor_type
 from .runner import FAILURES, Files, Mutant, draw_mutants, run_mutants, table
 
 N_PER_CLASS = 24
@@ -22,8 +23,12 @@ PENDING: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[tuple[str, str], list[Mutant]]:
-    files = Files(*build_pair(tmp_path_factory.mktemp("fuzz")))
+def files(tmp_path_factory) -> Files:
+    return Files(*build_pair(tmp_path_factory.mktemp("fuzz")))
+
+
+@pytest.fixture(scope="module")
+def outcomes(files) -> dict[tuple[str, str], list[Mutant]]:
     mutants = [Mutant(f"{role}/base/0", role, "base", "the unmutated file", []) for role in ROLES]
     for role in ROLES:
         for i, probe in enumerate(PROBES):
@@ -52,3 +57,38 @@ def test_mutants_fail_cleanly(outcomes, role, probe, request):
     assert ms, "no mutants drawn"
     bad = [m for m in ms if m.outcome in FAILURES]
     assert not bad, "\n".join(f"{m.outcome.upper()} {m.id}: {m.desc}\n    {m.error.strip()[-500:]}" for m in bad)
+
+
+# Mutants that killed, hung or confused the process before the loader fixes of issue 12 (items 5
+# and 6), by name: each must now end in a clear error. `pending`: fixed on another branch.
+KNOWN = [
+    ("target", "rms_eps NaN (ggml_rms_norm asserts eps >= 0)",
+     lambda lay, b: set_kv(lay, b, "qwen35.attention.layer_norm_rms_epsilon", float("nan")), None),
+    ("drafter", "rms_eps -1e-6", lambda lay, b: set_kv(lay, b, "dflash.attention.layer_norm_rms_epsilon", -1e-6), None),
+    ("target", "duplicate token (llama.cpp's vocab loader asserts, stderr hidden)",
+     lambda lay, b: copy_token(lay, b, 53, 97), None),
+    ("target", "pre-tokenizer 'whitespace' (BPE merge lookup asserts on a raw space)",
+     lambda lay, b: set_kv(lay, b, "tokenizer.ggml.pre", "whitespace"), None),
+    ("target", "tokenizer model 'llama' (std::out_of_range through llama.cpp's C API: terminate)",
+     lambda lay, b: set_kv(lay, b, "tokenizer.ggml.model", "llama"), None),
+    ("target", "bos id outside the vocabulary (llama.cpp silently used token 11 as BOS)",
+     lambda lay, b: set_kv(lay, b, "tokenizer.ggml.bos_token_id", 100000), None),
+    ("target", "architecture name not UTF-8 (UnicodeDecodeError instead of ValueError)",
+     lambda lay, b: set_kv(lay, b, "general.architecture", b"qwen\xff"), None),
+    ("drafter", "drafter path is a FIFO (gguf-py's reader blocked on it)", lambda lay, b: [["path", "fifo"]], None),
+    ("drafter", "dflash.block_size = 2^31 (sized the target's verify batch)",
+     lambda lay, b: set_kv(lay, b, "dflash.block_size", 2**31), None),
+    ("target", "norm weight typed I32 (binary op aborts on the type)",
+     lambda lay, b: set_tensor_type(lay, "blk.0.attn_norm.weight", 26), "issue 12 item 2: tensor type validation"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(KNOWN)), ids=[k[1].split(" (")[0] for k in KNOWN])
+def test_known_crashers(files, case, request):
+    role, desc, make, pending = KNOWN[case]
+    if pending:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=pending))
+    base = (files.target if role == "target" else files.drafter).read_bytes()
+    m = Mutant(f"{role}/known/{case}", role, "known", desc, make(G.parse(base), base))
+    run_mutants(files, [m], timeout=60.0)
+    assert m.outcome == "clean", f"{m.outcome}: {m.error}"
