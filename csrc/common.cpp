@@ -26,7 +26,7 @@ static void log_callback(ggml_log_level level, const char * text, void * /*user*
     }
 }
 
-std::string valid_utf8(const std::string & s) {
+std::string printable_text(const std::string & s) {
     std::string out;
     out.reserve(s.size());
     for (size_t i = 0; i < s.size();) {
@@ -41,7 +41,8 @@ std::string valid_utf8(const std::string & s) {
             cp = (cp << 6) | (d & 0x3F);
         }
         static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
-        ok = ok && cp >= min_cp[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
+        ok = ok && cp >= min_cp[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF) && (cp >= 0x20 || cp == '\n') &&
+             cp != 0x7F;
         if (ok) {
             out.append(s, i, n);
             i += n;

@@ -59,7 +59,7 @@ def test_mutants_fail_cleanly(outcomes, role, probe, request):
     assert not bad, "\n".join(f"{m.outcome.upper()} {m.id}: {m.desc}\n    {m.error.strip()[-500:]}" for m in bad)
 
 
-# Mutants that killed, hung or confused the process before the loader fixes of issue 12 (items 5
+# Mutants that killed, hung or misled the process before the loader fixes of issue 12 (items 5
 # and 6), by name: each must now end in a clear error. `pending`: fixed on another branch.
 KNOWN = [
     ("target", "rms_eps NaN (ggml_rms_norm asserts eps >= 0)",
@@ -76,7 +76,7 @@ KNOWN = [
     ("target", "architecture name not UTF-8 (UnicodeDecodeError instead of ValueError)",
      lambda lay, b: set_kv(lay, b, "general.architecture", b"qwen\xff"), None),
     ("drafter", "drafter path is a FIFO (gguf-py's reader blocked on it)", lambda lay, b: [["path", "fifo"]], None),
-    ("drafter", "dflash.block_size = 2^31 (sized the target's verify batch)",
+    ("drafter", "dflash.block_size = 2^31 (was read unchecked into the target's verify batch: '[cache] cannot allocate')",
      lambda lay, b: set_kv(lay, b, "dflash.block_size", 2**31), None),
     ("target", "norm weight typed I32 (binary op aborts on the type)",
      lambda lay, b: set_tensor_type(lay, "blk.0.attn_norm.weight", 26), "issue 12 item 2: tensor type validation"),
