@@ -10,6 +10,7 @@
 #include "top1.h"
 #include "gdn_tape.h"
 #include "verify.h"
+#include "vocab.h"
 #ifdef DFN_CUDA
 #include "cuda/gdn_tape_cuda.h"
 #endif
@@ -119,6 +120,23 @@ void bind_module_info(py::module_ & m) {
     }, "CUDA kernels compiled in and a device usable");
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
+
+    // What Python reads from a GGUF before (or besides) loading it, through the same checked parser.
+    m.def(
+        "check_vocab", [](const std::string & path) { return check_vocab(gguf_file(path)); }, py::arg("path"),
+        "Validate tokenizer.ggml.* (vocab.h); False when the file has no vocabulary, ValueError when it is broken");
+    m.def(
+        "drafter_block_size", [](const std::string & path) { return drafter_block_size(gguf_file(path)); },
+        py::arg("path"), "dflash.block_size of a drafter GGUF (16 when absent), range-checked");
+    m.def(
+        "gguf_string",
+        [](const std::string & path, const std::string & key) -> py::object {
+            gguf_file f(path);
+            if (!f.has_key(key)) return py::none();
+            const std::string v = f.get_str(key);
+            return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v.data(), (py::ssize_t) v.size(), "replace"));
+        },
+        py::arg("path"), py::arg("key"), "A string value of a GGUF's metadata (None when absent)");
     m.def(
         "profile",
         [](int level) {

@@ -1,6 +1,7 @@
 #include "gguf_file.h"
 
 #include "common.h"
+#include "gguf_layout.h"
 
 #include "ggml-cpu.h"
 
@@ -8,6 +9,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -31,6 +33,8 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
         fclose(f);
         DFN_REQUIRE(n == 4 && memcmp(magic, "GGUF", 4) == 0, W, "'", path, "' is not a GGUF file (bad magic)");
     }
+
+    check_gguf_layout(path, (uint64_t) st.st_size);
 
     gguf_init_params params = {/*no_alloc =*/ true, /*ctx =*/ &ctx_};
     gguf_ = gguf_init_from_file(path.c_str(), params);
@@ -63,6 +67,16 @@ int64_t gguf_file::key_id(const std::string & key) const { return gguf_find_key(
 
 bool gguf_file::has_key(const std::string & key) const { return key_id(key) >= 0; }
 
+gguf_type gguf_file::kv_type(const std::string & key) const {
+    const int64_t id = key_id(key);
+    return id < 0 ? GGUF_TYPE_COUNT : gguf_get_kv_type(gguf_, id);
+}
+
+gguf_type gguf_file::arr_type(const std::string & key) const {
+    const int64_t id = key_id(key);
+    return id < 0 || gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY ? GGUF_TYPE_COUNT : gguf_get_arr_type(gguf_, id);
+}
+
 static bool read_int(const gguf_context * g, int64_t id, int64_t & out) {
     switch (gguf_get_kv_type(g, id)) {
         case GGUF_TYPE_UINT8:  out = gguf_get_val_u8(g, id);  return true;
@@ -94,11 +108,20 @@ float gguf_file::get_f32(const std::string & key) const {
     const int64_t id = key_id(key);
     DFN_REQUIRE(id >= 0, W, "'", path_, "': missing key '", key, "'");
     const auto t = gguf_get_kv_type(gguf_, id);
-    if (t == GGUF_TYPE_FLOAT32) return gguf_get_val_f32(gguf_, id);
-    if (t == GGUF_TYPE_FLOAT64) return (float) gguf_get_val_f64(gguf_, id);
-    int64_t v = 0;
-    DFN_REQUIRE(read_int(gguf_, id, v), W, "'", path_, "': key '", key, "' is not a number");
-    return (float) v;
+    float v = 0.0f;
+    int64_t iv = 0;
+    if (t == GGUF_TYPE_FLOAT32) {
+        v = gguf_get_val_f32(gguf_, id);
+    } else if (t == GGUF_TYPE_FLOAT64) {
+        v = (float) gguf_get_val_f64(gguf_, id);
+    } else {
+        DFN_REQUIRE(read_int(gguf_, id, iv), W, "'", path_, "': key '", key, "' is not a number");
+        v = (float) iv;
+    }
+    // No hparam of ours means anything as NaN or infinity; they would only surface later as
+    // NaN logits or as a ggml assert.
+    DFN_REQUIRE(std::isfinite(v), W, "'", path_, "': key '", key, "' = ", v, " is not a finite number");
+    return v;
 }
 
 float gguf_file::get_f32(const std::string & key, float def) const {
@@ -133,9 +156,12 @@ std::vector<int64_t> gguf_file::get_int_arr(const std::string & key) const {
         out.push_back(v);
         return out;
     }
+    const gguf_type type = gguf_get_arr_type(gguf_, id);
+    // gguf_get_arr_data asserts on string arrays: look at the element type first.
+    DFN_REQUIRE(type != GGUF_TYPE_STRING, W, "'", path_, "': key '", key, "' is not an integer array");
     const size_t n = gguf_get_arr_n(gguf_, id);
     const void * data = gguf_get_arr_data(gguf_, id);
-    switch (gguf_get_arr_type(gguf_, id)) {
+    switch (type) {
         case GGUF_TYPE_INT32:  for (size_t i = 0; i < n; ++i) out.push_back(((const int32_t *) data)[i]); break;
         case GGUF_TYPE_UINT32: for (size_t i = 0; i < n; ++i) out.push_back(((const uint32_t *) data)[i]); break;
         case GGUF_TYPE_INT64:  for (size_t i = 0; i < n; ++i) out.push_back(((const int64_t *) data)[i]); break;
@@ -143,6 +169,16 @@ std::vector<int64_t> gguf_file::get_int_arr(const std::string & key) const {
         case GGUF_TYPE_BOOL:   for (size_t i = 0; i < n; ++i) out.push_back(((const int8_t *) data)[i] ? 1 : 0); break;
         default: throw input_error(cat("[", W, "] '", path_, "': key '", key, "' is not an integer array"));
     }
+    return out;
+}
+
+std::vector<std::string> gguf_file::get_str_arr(const std::string & key) const {
+    const int64_t id = key_id(key);
+    DFN_REQUIRE(id >= 0, W, "'", path_, "': missing key '", key, "'");
+    DFN_REQUIRE(arr_type(key) == GGUF_TYPE_STRING, W, "'", path_, "': key '", key, "' is not a string array");
+    const size_t n = gguf_get_arr_n(gguf_, id);
+    std::vector<std::string> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = gguf_get_arr_str(gguf_, id, i);
     return out;
 }
 

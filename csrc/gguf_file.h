@@ -37,14 +37,17 @@ public:
     std::string arch() const { return get_str("general.architecture"); }
 
     bool has_key(const std::string & key) const;
+    gguf_type kv_type(const std::string & key) const;   // GGUF_TYPE_COUNT if absent
+    gguf_type arr_type(const std::string & key) const;  // element type; GGUF_TYPE_COUNT if absent or not an array
     uint32_t get_u32(const std::string & key) const;            // any integer type, range-checked
     uint32_t get_u32(const std::string & key, uint32_t def) const;
-    float get_f32(const std::string & key) const;
+    float get_f32(const std::string & key) const;               // finite values only
     float get_f32(const std::string & key, float def) const;
     bool get_bool(const std::string & key, bool def) const;
     std::string get_str(const std::string & key) const;
     std::string get_str(const std::string & key, const std::string & def) const;
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
+    std::vector<std::string> get_str_arr(const std::string & key) const;  // throws unless a string array
     int64_t arr_len(const std::string & key) const;                    // -1 if absent or not an array
 
     // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape

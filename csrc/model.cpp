@@ -32,16 +32,27 @@ void target_model::read_common_hparams() {
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
 
     DFN_REQUIRE(hp_.n_layer > 0 && hp_.n_layer <= 1024, W, "'", f.path(), "': bad block_count ", hp_.n_layer);
-    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0, W, "'", f.path(), "': embedding_length and feed_forward_length must be > 0");
-    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head % hp_.n_head_kv == 0, W, "'", f.path(),
-                "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv);
-    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ", hp_.head_dim, " must be even and > 0");
+    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0 && hp_.n_embd <= k_max_dim && hp_.n_ff <= k_max_dim, W, "'", f.path(),
+                "': embedding_length ", hp_.n_embd, " and feed_forward_length ", hp_.n_ff, " must be in [1, ", k_max_dim, "]");
+    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head <= k_max_heads && hp_.n_head % hp_.n_head_kv == 0, W,
+                "'", f.path(), "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ",
+                hp_.n_head_kv, " and at most ", k_max_heads);
+    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ",
+                hp_.head_dim, " must be even and in [2, ", k_max_dim, "]");
+    check_norm_rope_hparams(f.path(), hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
     DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", f.path(),
                 "': rope.dimension_count ", hp_.n_rot, " must be even and within head dim ", hp_.head_dim);
 
     DFN_REQUIRE(f.has_tensor("token_embd.weight"), W, "'", f.path(), "': missing tensor 'token_embd.weight'");
+}
+
+void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train) {
+    DFN_REQUIRE(rms_eps >= 0.0f, W, "'", path, "': attention.layer_norm_rms_epsilon ", rms_eps, " must be >= 0");
+    DFN_REQUIRE(rope_base > 0.0f, W, "'", path, "': rope.freq_base ", rope_base, " must be > 0");
+    DFN_REQUIRE(n_ctx_train >= 1 && n_ctx_train <= INT32_MAX, W, "'", path, "': context_length ", n_ctx_train,
+                " must be in [1, 2^31)");
 }
 
 void target_model::load_common_tensors() {

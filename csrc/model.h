@@ -70,6 +70,15 @@ struct layer_weights {
     ggml_tensor * ffn_down = nullptr;  // [n_ff, n_embd]
 };
 
+// Upper bounds on hparams read from a file: far above any real model, low enough that products
+// like head_dim * n_head stay exact in int64 and in ggml's int32 op parameters.
+constexpr int64_t k_max_dim = 1 << 20;    // n_embd, n_ff, head_dim, ssm sizes
+constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
+
+// RMSNorm epsilon >= 0 (ggml's rms_norm asserts it), RoPE base > 0, training context in [1, 2^31):
+// throws input_error naming `path` otherwise.
+void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train);
+
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.
 void load_qwen3_layer(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,

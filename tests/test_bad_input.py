@@ -95,6 +95,56 @@ def test_bad_hparams(good, tmp_path):
     assert out.startswith("VALUEERROR:") and "head_count" in out, out
 
 
+def test_file_without_vocabulary_runs_on_token_ids(good, tmp_path):
+    """tokenizer.ggml.model "none" with a vocab_size (what the converter writes without a
+    tokenizer.json): llama.cpp loads it with dummy tokens but asserts when asked to tokenize; the
+    engine runs on token ids and refuses text with a ValueError."""
+    from gguf import GGUFValueType
+
+    p = rewrite_gguf(good, tmp_path / "novocab.gguf",
+                     kv={"tokenizer.ggml.model": ("none", GGUFValueType.STRING), "qwen35.vocab_size": 640},
+                     drop_keys=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                                "tokenizer.ggml.pre"))
+    code = textwrap.dedent(f"""
+        import dflash_native as dn
+        eng = dn.Engine({str(p)!r}, n_ctx=64)
+        assert eng.tokenizer is None
+        print(len(eng.generate([1, 2, 3], max_tokens=3).tokens))
+        try:
+            eng.generate("some text", max_tokens=3)
+        except ValueError as e:
+            print("VALUEERROR:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0] == "3" and "has no tokenizer" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kv,msg", [
+    ({"tokenizer.ggml.eos_token_id": 640}, "tokenizer.ggml.eos_token_id: must be a token id in [0, 640)"),
+    ({"tokenizer.ggml.pre": ("gemma4", "str")}, "tokenizer.ggml.pre: 'gemma4' is not a byte-level BPE pre-tokenizer"),
+    ({"tokenizer.ggml.model": ("bert", "str")}, "tokenizer.ggml.model: 'bert' is not supported"),
+])
+def test_broken_vocabulary_names_the_key(good, tmp_path, kv, msg):
+    from gguf import GGUFValueType
+
+    kv = {k: (v[0], GGUFValueType.STRING) if isinstance(v, tuple) else v for k, v in kv.items()}
+    out = load_in_subprocess(rewrite_gguf(good, tmp_path / "vocab.gguf", kv=kv))
+    assert out.startswith("VALUEERROR: [tokenizer]") and msg in out, out
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_fifo_is_refused_before_it_is_opened(pair, tmp_path, which):
+    """Opening a FIFO for reading blocks until a writer comes: it must be refused from its type."""
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    tg, dg = pair
+    out = load_in_subprocess(fifo, drafter=str(dg)) if which == "target" else spec_error(tg, fifo)
+    assert "not a regular file" in out, out
+
+
 @pytest.fixture(scope="module")
 def eng(good):
     return dn.Engine(good, n_ctx=32, n_threads=2)
@@ -240,7 +290,16 @@ def test_block_size_and_capacity(pair):
 def test_drafter_block_size_below_2_in_file(pair, tmp_path):
     tg, dg = pair
     bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": 1})
-    assert "block_size 1 must be >= 2" in spec_error(tg, bad, block_size=4)
+    assert "block_size 1 must be in [2, 1024]" in spec_error(tg, bad, block_size=4)
+
+
+@pytest.mark.parametrize("value", [0, 2**31, 2**32 - 1])
+def test_drafter_block_size_out_of_range_in_file(pair, tmp_path, value):
+    """The engine reads the drafter's block size first (to size the target's verify batch): through
+    the core's parser, range-checked, before anything is allocated from it."""
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": value})
+    assert f"block_size {value} must be in [2, 1024]" in spec_error(tg, bad)
 
 
 def test_target_given_as_drafter(pair):

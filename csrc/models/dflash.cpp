@@ -29,10 +29,12 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.rms_eps = F.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
     hp_.rope_base = F.get_f32(key("rope.freq_base"), 10000.0f);
     hp_.n_ctx_train = F.get_u32(key("context_length"), 4096);
-    hp_.block_size = F.get_u32(key("block_size"), 16);
+    hp_.block_size = drafter_block_size(F);
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
+    DFN_REQUIRE(hp_.n_layer >= 1 && hp_.n_layer <= 256, W, "'", path, "': bad block_count ", hp_.n_layer);
+    check_norm_rope_hparams(path, hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
     if (hp_.sliding_window > 0) {
         const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
         hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides
@@ -41,12 +43,14 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     DFN_REQUIRE(F.has_key("tokenizer.ggml.mask_token_id"), W, "'", path, "': missing key 'tokenizer.ggml.mask_token_id'");
     hp_.mask_token_id = F.get_u32("tokenizer.ggml.mask_token_id");
 
-    DFN_REQUIRE(hp_.n_layer >= 1 && hp_.n_layer <= 256, W, "'", path, "': bad block_count ", hp_.n_layer);
     DFN_REQUIRE(hp_.n_embd == target.n_embd, W, "drafter hidden size ", hp_.n_embd, " != target hidden size ", target.n_embd);
-    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head % hp_.n_head_kv == 0, W, "'", path,
-                "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv);
-    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim % 2 == 0, W, "'", path, "': key_length must be even and > 0");
-    DFN_REQUIRE(hp_.block_size >= 2, W, "'", path, "': block_size ", hp_.block_size, " must be >= 2");
+    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head <= k_max_heads && hp_.n_head % hp_.n_head_kv == 0, W,
+                "'", path, "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv,
+                " and at most ", k_max_heads);
+    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", path,
+                "': key_length must be even and in [2, ", k_max_dim, "]");
+    DFN_REQUIRE(hp_.n_ff > 0 && hp_.n_ff <= k_max_dim, W, "'", path, "': feed_forward_length ", hp_.n_ff,
+                " must be in [1, ", k_max_dim, "]");
     DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
                 " is outside the target vocabulary [0, ", target.n_vocab, ")");
 
@@ -81,6 +85,14 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
     }
+}
+
+int64_t drafter_block_size(const gguf_file & F) {
+    DFN_REQUIRE(F.arch() == "dflash", W, "'", F.path(), "' is a '", F.arch(), "' model, not a DFlash drafter (arch 'dflash')");
+    const int64_t b = F.get_u32("dflash.block_size", 16);
+    DFN_REQUIRE(b >= 2 && b <= k_max_block_size, W, "'", F.path(), "': block_size ", b, " must be in [2, ",
+                k_max_block_size, "]");
+    return b;
 }
 
 void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_buffer_type_t buft) {

@@ -24,6 +24,8 @@ public:
         const auto sections = F.get_int_arr(key("rope.dimension_sections"));
         int64_t sum = 0;
         for (size_t i = 0; i < sections.size() && i < 4; ++i) {
+            DFN_REQUIRE(sections[i] >= 0 && sections[i] <= hp_.n_rot, W, "'", P, "': rope.dimension_sections[", i,
+                        "] = ", sections[i], " is outside [0, rope.dimension_count]");
             hp_.rope_sections[i] = (int) sections[i];
             sum += sections[i];
         }
@@ -37,8 +39,11 @@ public:
         hp_.ssm_n_v_heads = F.get_u32(key("ssm.time_step_rank"));
         hp_.ssm_n_k_heads = F.get_u32(key("ssm.group_count"));
         DFN_REQUIRE(hp_.ssm_d_conv >= 2, W, "'", P, "': ssm.conv_kernel ", hp_.ssm_d_conv, " must be >= 2");
-        DFN_REQUIRE(hp_.ssm_head_dim > 0 && hp_.ssm_n_v_heads > 0 && hp_.ssm_n_k_heads > 0, W, "'", P,
-                    "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0");
+        DFN_REQUIRE(hp_.ssm_d_conv <= 1024, W, "'", P, "': ssm.conv_kernel ", hp_.ssm_d_conv, " must be <= 1024");
+        DFN_REQUIRE(hp_.ssm_head_dim > 0 && hp_.ssm_n_v_heads > 0 && hp_.ssm_n_k_heads > 0 && hp_.ssm_head_dim <= k_max_dim &&
+                    hp_.ssm_n_v_heads <= k_max_heads && hp_.ssm_n_k_heads <= k_max_heads, W, "'", P,
+                    "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0 (and at most ", k_max_dim,
+                    ", ", k_max_heads, ", ", k_max_heads, ")");
         DFN_REQUIRE(hp_.ssm_n_v_heads % hp_.ssm_n_k_heads == 0, W, "'", P, "': value heads ", hp_.ssm_n_v_heads,
                     " must be a multiple of key heads ", hp_.ssm_n_k_heads);
         DFN_REQUIRE(d_inner == hp_.ssm_head_dim * hp_.ssm_n_v_heads, W, "'", P, "': ssm.inner_size ", d_inner,

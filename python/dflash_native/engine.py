@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _core
-from ._tokenizer import Tokenizer
+from ._tokenizer import NoVocabulary, Tokenizer
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Engine:
         self.drafter_path = Path(drafter) if drafter is not None else None
         max_verify = 0
         if drafter is not None:
-            max_verify = block_size or _drafter_block_size(drafter)
+            max_verify = block_size or _core.drafter_block_size(str(drafter))
         self._core = _core.Target(str(path), n_ctx=n_ctx, n_threads=n_threads or 0, kv_type=kv_type,
                                   n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify,
                                   rollback=rollback, matmul=matmul)
@@ -162,8 +162,8 @@ class Engine:
                                     draft_cutoff=draft_cutoff, draft_vocab=bool(draft_vocab))
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(path)
-        except ValueError:
-            self.tokenizer = None  # token ids still work; text does not
+        except NoVocabulary:
+            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
         if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
             raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                              f"embedding has only {self._core.n_vocab} rows")
@@ -408,15 +408,3 @@ def _checked_cutoff(value) -> float:
     if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {value!r}")
     return float(value)
-
-
-def _drafter_block_size(path) -> int:
-    """dflash.block_size of a drafter GGUF (16 when absent), read before the engine is built."""
-    from gguf import GGUFReader
-
-    try:
-        r = GGUFReader(str(path))
-    except Exception as e:
-        raise ValueError(f"[load_gguf] '{path}' is not a readable GGUF drafter: {e}") from None
-    f = r.fields.get("dflash.block_size")
-    return int(f.parts[-1][0]) if f is not None else 16
