@@ -26,10 +26,14 @@ target_session::target_session(const std::string & path, const session_params & 
     install_ggml_log();
     DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
     DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
-    DFN_REQUIRE(params.n_threads >= 0, "engine", "n_threads must be >= 0, got ", params.n_threads);
+    DFN_REQUIRE(params.n_threads >= 0 && params.n_threads <= GGML_MAX_N_THREADS, "engine",
+                "n_threads must be in [1, ", GGML_MAX_N_THREADS, "] (or 0: all cores), got ", params.n_threads);
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
-    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
+    DFN_REQUIRE(params.max_verify >= 0 && params.max_verify <= k_max_block_size, "engine", "block_size (max_verify) must be in [0, ",
+                k_max_block_size, "], the most tokens one round may verify; got ", params.max_verify);
+    // a verify pass is one graph: n_batch covers the block whatever the prompt chunk size
+    params_.n_batch = std::max(params.n_batch, params.max_verify);
     DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
                 "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
     DFN_REQUIRE(params.matmul == "own" || params.matmul == "ggml", "engine",
@@ -101,7 +105,7 @@ std::string target_session::device_name() const { return ggml_backend_name(backe
 void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
     DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
-    DFN_REQUIRE(n > 0, W, "no tokens to decode");
+    DFN_REQUIRE(n > 0, W, "empty input: no tokens to decode");
     DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
                 " new tokens > n_ctx = ", cache_->n_ctx);
     for (int64_t i = 0; i < n; ++i) {
@@ -292,7 +296,8 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             }
             logits = matmul(ctx, model_->output, hidden);  // [n_vocab, rows]
             if (argmax_only) {
-                argmax = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
+                // our op under every matmul setting: it flags non-finite rows (ggml_argmax cannot)
+                argmax = argmax_op(ctx, logits);  // I32 [rows]
                 ggml_set_output(argmax);
                 ggml_build_forward_expand(gf, argmax);
             } else {
@@ -325,18 +330,20 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     auto read_outputs = [&] {
         cache_->n_past += n;
         cache_->replay_n = 0;  // the GDN ops of this graph took the replay commit() deferred
+        // position of logits row r: the rows are the chunk's tokens, or its last token only
+        const int64_t row_pos0 = all_logits ? g.n_past : g.n_past + n - 1;
         if (argmax) {
-            ggml_backend_tensor_get(argmax, out.argmax.data() + (all_logits ? tok_offset : 0), 0,
-                                    ggml_nelements(argmax) * sizeof(int32_t));
+            int32_t * dst = out.argmax.data() + (all_logits ? tok_offset : 0);
+            ggml_backend_tensor_get(argmax, dst, 0, ggml_nelements(argmax) * sizeof(int32_t));
+            for (int64_t r = 0; r < ggml_nelements(argmax); ++r) {
+                if (dst[r] < 0) throw_non_finite_logits(record_tape ? "verify" : W, row_pos0 + r);  // top1.h
+            }
         } else if (want_logits) {
             const int64_t rows = all_logits ? n : 1;
             float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
             ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
             for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-                if (!std::isfinite(dst[i])) {
-                    throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
-                                            ": the model weights or inputs produce NaN/inf"));
-                }
+                if (!std::isfinite(dst[i])) throw_non_finite_logits(record_tape ? "verify" : W, row_pos0 + i / hp.n_vocab);
             }
         }
         const size_t n_taps = tap_layers.size();
