@@ -101,17 +101,19 @@ def eng(good):
 
 
 def test_prompt_longer_than_ctx(eng):
-    with pytest.raises(ValueError, match="longer than n_ctx = 32"):
+    with pytest.raises(ValueError, match="context overflow: 0 cached [+] 40 new tokens > n_ctx = 32"):
         eng.generate(list(range(5, 45)), max_tokens=4)
-    with pytest.raises(ValueError, match="longer than n_ctx"):
+    with pytest.raises(ValueError, match="context overflow"):
         eng.eval(list(range(5, 45)))
 
 
 def test_empty_prompt(eng):
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="empty input"):
         eng.generate([], max_tokens=4)
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="empty input"):
         eng.generate("", max_tokens=4)
+    with pytest.raises(ValueError, match="empty input"):
+        eng.generate([], max_tokens=0)  # the core checks the prompt even when nothing is generated
 
 
 def test_token_outside_vocab(eng):
@@ -129,7 +131,7 @@ def test_bad_arguments(good, eng):
     with pytest.raises(ValueError, match="n_ctx"):
         dn.Engine(good, n_ctx=0)
     with pytest.raises(ValueError, match="n_threads"):
-        dn.Engine(good, n_threads=0)
+        dn.Engine(good, n_threads=-1)
     with pytest.raises(ValueError, match="unknown device"):
         dn.Engine(good, device="tpu")
     with pytest.raises(ValueError, match="tokens must be a 1-D"):
@@ -233,7 +235,7 @@ def test_bad_draft_vocab_in_file(pair, tmp_path, ids, msg):
 
 def test_block_size_and_capacity(pair):
     tg, dg = pair
-    assert "block_size must be an int >= 2" in spec_error(tg, dg, block_size=1)
+    assert "block_size must be in [2, 64]" in spec_error(tg, dg, block_size=1)
     assert "feature_ring_capacity 4 must be >= block_size 8" in spec_error(tg, dg, feature_ring_capacity=4)
     assert "drafter_window" in spec_error(tg, dg, drafter_window=0)
 

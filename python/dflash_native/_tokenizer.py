@@ -47,17 +47,20 @@ class Tokenizer:
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not isinstance(text, str):
-            raise TypeError(f"[tokenizer] text must be str, got {type(text).__name__}")
+            raise ValueError(f"[tokenizer] text must be a str, got {type(text).__name__}")
         return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special))
 
     def token_bytes(self, token: int) -> bytes:
-        return self._llama.detokenize([int(token)], special=True)
+        token = int(token)
+        if not 0 <= token < self.n_vocab:  # llama.cpp would abort the process (std::out_of_range)
+            raise ValueError(f"[tokenizer] token id {token} is outside the vocabulary [0, {self.n_vocab})")
+        return self._llama.detokenize([token], special=True)
 
     def detokenize(self, tokens: Iterable[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._lc.llama_vocab_is_eog(self._vocab, int(token)))
+        return 0 <= token < self.n_vocab and bool(self._lc.llama_vocab_is_eog(self._vocab, int(token)))
 
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
@@ -66,8 +69,17 @@ class Tokenizer:
         return StreamDecoder(self)
 
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"[chat] messages must be a list of dicts, got {type(messages).__name__}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"[chat] message {i} must be a dict with 'role' and 'content'")
+            for key in ("role", "content"):
+                if not isinstance(m[key], str):
+                    raise ValueError(f"[chat] message {i}: '{key}' must be a str, got {type(m[key]).__name__}")
         if not self.chat_template:
             raise ValueError("[chat] the model has no tokenizer.chat_template in its GGUF metadata")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -76,14 +88,14 @@ class Tokenizer:
             raise ValueError(f"[chat] template error: {msg}")
 
         env.globals["raise_exception"] = raise_exception
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"[chat] message {i} must be a dict with 'role' and 'content'")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id >= 0 else ""
         eos = self.token_text(self.eos_token_id) if self.eos_token_id >= 0 else ""
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            )
+        except TemplateError as e:
+            raise ValueError(f"[chat] the GGUF's chat template failed: {e}") from None
 
 
 class StreamDecoder:
@@ -94,6 +106,8 @@ class StreamDecoder:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
+        if not 0 <= token < self._tok.n_vocab:
+            return ""  # an embedding row past the tokenizer's vocabulary (padding) has no text
         return self._dec.decode(self._tok.token_bytes(token))
 
     def flush(self) -> str:
