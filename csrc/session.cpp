@@ -30,8 +30,9 @@ target_session::target_session(const std::string & path, const session_params & 
                 "n_threads must be in [1, ", GGML_MAX_N_THREADS, "] (or 0: all cores), got ", params.n_threads);
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
-    DFN_REQUIRE(params.max_verify >= 0 && params.max_verify <= k_max_block_size, "engine", "block_size (max_verify) must be in [0, ",
-                k_max_block_size, "], the most tokens one round may verify; got ", params.max_verify);
+    DFN_REQUIRE(params.max_verify >= 0 && params.max_verify <= k_max_block_size, "engine",
+                "block_size (max_verify) must be in [0, ", k_max_block_size,
+                "], the most tokens one round may verify; got ", params.max_verify);
     // a verify pass is one graph: n_batch covers the block whatever the prompt chunk size
     params_.n_batch = std::max(params.n_batch, params.max_verify);
     DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
@@ -343,7 +344,9 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
             float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
             ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
             for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-                if (!std::isfinite(dst[i])) throw_non_finite_logits(record_tape ? "verify" : W, row_pos0 + i / hp.n_vocab);
+                if (!std::isfinite(dst[i])) {
+                    throw_non_finite_logits(record_tape ? "verify" : W, row_pos0 + i / hp.n_vocab);
+                }
             }
         }
         const size_t n_taps = tap_layers.size();

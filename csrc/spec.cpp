@@ -17,7 +17,8 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
-    DFN_REQUIRE(params.block_size >= 0, "engine", "block_size must be >= 2 (or 0: the drafter's), got ", params.block_size);
+    DFN_REQUIRE(params.block_size >= 0, "engine", "block_size must be >= 2 (or 0: the drafter's), got ",
+                params.block_size);
     DFN_REQUIRE(block_size_ >= 2 && block_size_ <= k_max_block_size, "engine", "block_size must be in [2, ",
                 k_max_block_size, "] (the most tokens one round may verify), got ", block_size_,
                 params.block_size > 0 ? "" : " from the drafter's dflash.block_size");

@@ -491,7 +491,8 @@ def test_detokenize_outside_vocab_does_not_abort(good):
 
 def test_setter_arguments(pair):
     eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=64)
-    for bad, msg in [("0.1", "must be a number"), (float("nan"), "got nan"), (2, r"in \[0, 1\]"), (None, "must be a number")]:
+    for bad, msg in [("0.1", "must be a number"), (float("nan"), "got nan"), (2, r"in \[0, 1\]"),
+                     (None, "must be a number")]:
         with pytest.raises(ValueError, match=msg):
             eng.draft_cutoff = bad
     for bad in (1, "no", None):

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import weakref
-from pathlib import Path
 
 import pytest
 

@@ -585,8 +585,8 @@ def _str(where: str, name: str, value) -> str:
 
 
 def _path(where: str, name: str, value) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise ValueError(f"[{where}] {name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise ValueError(f"[{where}] {name} must be a path (str, bytes or os.PathLike), got {type(value).__name__}")
     return os.fsdecode(os.fspath(value))
 
 
