@@ -229,10 +229,10 @@ def test_close_timeout_refuses_clearly(pair, ref):
 
 def test_close_frees_the_core_now(pair):
     eng = new_engine(pair)
-    core, spec = weakref.ref(eng._core), weakref.ref(eng._spec)
+    core, spec, tok = weakref.ref(eng._core), weakref.ref(eng._spec), weakref.ref(eng.tokenizer)
     eng.generate(PROMPT, max_tokens=4)
     eng.close()
-    assert core() is None and spec() is None  # freed by close, not left to the garbage collector
+    assert core() is None and spec() is None and tok() is None  # freed by close, not left to the GC
     eng.close()  # idempotent
     assert eng.closed
 

@@ -45,6 +45,10 @@ class Tokenizer:
         self.bos_token_id = int(llama_cpp.llama_vocab_bos(self._vocab))
         self.chat_template: str | None = self.metadata.get("tokenizer.chat_template")
 
+    def close(self) -> None:
+        """Free llama.cpp's vocabulary now (Engine.close)."""
+        self._llama.close()
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"[tokenizer] text must be a str, got {type(text).__name__}")

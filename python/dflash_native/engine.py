@@ -204,6 +204,9 @@ class Engine:
             self._owner = None
             self._spec = None  # first: the Spec keeps its Target alive
             self._core = None
+            tok, self.tokenizer = self.tokenizer, None
+            if tok is not None:
+                tok.close()
             self._cv.notify_all()  # waiting calls wake up and raise "closed"
 
     @property
