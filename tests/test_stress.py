@@ -150,7 +150,9 @@ class Checker:
 
 def setup(target, drafter, seed):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 600) for _ in range(rng.randrange(1, 12))] for _ in range(N_PROMPTS)]
+    # token ids, and text (tokenized by each call, on whichever thread makes it)
+    prompts = [[rng.randrange(1, 600) for _ in range(rng.randrange(1, 12))] for _ in range(N_PROMPTS - 2)]
+    prompts += ["def f(x):\n    return", "Once upon a time"]
     return rng, prompts, references(target, drafter, prompts)
 
 
