@@ -23,10 +23,15 @@ target_session::target_session(const std::string & path, const session_params & 
     install_ggml_log();
     DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
     DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
-    DFN_REQUIRE(params.n_threads >= 0, "engine", "n_threads must be >= 0, got ", params.n_threads);
+    DFN_REQUIRE(params.n_threads >= 0 && params.n_threads <= GGML_MAX_N_THREADS, "engine",
+                "n_threads must be in [1, ", GGML_MAX_N_THREADS, "] (or 0: all cores), got ", params.n_threads);
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
-    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
+    DFN_REQUIRE(params.max_verify >= 0 && params.max_verify <= k_max_block_size, "engine",
+                "block_size (max_verify) must be in [0, ", k_max_block_size,
+                "], the most tokens one round may verify; got ", params.max_verify);
+    // a verify pass is one graph: n_batch covers the block whatever the prompt chunk size
+    params_.n_batch = std::max(params.n_batch, params.max_verify);
 
     model_ = target_model::open(path);
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
@@ -45,7 +50,7 @@ target_session::~target_session() = default;
 void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
     DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
-    DFN_REQUIRE(n > 0, W, "no tokens to decode");
+    DFN_REQUIRE(n > 0, W, "empty input: no tokens to decode");
     DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
                 " new tokens > n_ctx = ", cache_->n_ctx);
     for (int64_t i = 0; i < n; ++i) {
@@ -218,7 +223,8 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     if (!c.all_logits) hidden = ggml_view_2d(ctx, hidden, hidden->ne[0], 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
     c.logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
     ggml_tensor * res = c.logits;
-    if (c.argmax_only) res = c.argmax = g.own_kernels() ? argmax_op(ctx, c.logits) : ggml_argmax(ctx, c.logits);  // I32 [rows]
+    // our argmax op under every matmul setting: it flags non-finite rows (ggml_argmax cannot)
+    if (c.argmax_only) res = c.argmax = argmax_op(ctx, c.logits);  // I32 [rows]
     ggml_set_output(res);
     ggml_build_forward_expand(g.gf, res);
 }
@@ -246,18 +252,21 @@ void target_session::read_chunk(const chunk_graph & c, decode_result & out, int6
     const target_hparams & hp = model_->hparams();
     const graph_inputs & g = c.g;
     const int64_t n = g.n_tokens;
+    const char * where = g.record_tape ? "verify" : W;
+    // position of logits row r: the rows are the chunk's tokens, or its last token only
+    const int64_t row_pos0 = c.all_logits ? g.n_past : g.n_past + n - 1;
     if (c.argmax) {
-        ggml_backend_tensor_get(c.argmax, out.argmax.data() + (c.all_logits ? tok_offset : 0), 0,
-                                ggml_nelements(c.argmax) * sizeof(int32_t));
+        int32_t * dst = out.argmax.data() + (c.all_logits ? tok_offset : 0);
+        ggml_backend_tensor_get(c.argmax, dst, 0, ggml_nelements(c.argmax) * sizeof(int32_t));
+        for (int64_t r = 0; r < ggml_nelements(c.argmax); ++r) {
+            if (dst[r] < 0) throw_non_finite_logits(where, row_pos0 + r);  // top1.h
+        }
     } else if (c.want_logits) {
         const int64_t rows = c.all_logits ? n : 1;
         float * dst = out.logits.data() + (c.all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
         ggml_backend_tensor_get(c.logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
         for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-            if (!std::isfinite(dst[i])) {
-                throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
-                                        ": the model weights or inputs produce NaN/inf"));
-            }
+            if (!std::isfinite(dst[i])) throw_non_finite_logits(where, row_pos0 + i / hp.n_vocab);
         }
     }
     const size_t n_taps = g.tap_layers.size();

@@ -46,6 +46,11 @@ struct decode_result {
 constexpr int64_t k_kv_pad = 64;
 inline int64_t kv_padded(int64_t n) { return (n + k_kv_pad - 1) / k_kv_pad * k_kv_pad; }
 
+// Most tokens one speculative round may verify (Engine(block_size=...)): the GDN tape, the
+// verify graph and the drafter's block scale with it, and a drafter gains nothing past its
+// trained block size (DFlash drafters train with 16), so larger values only waste time and memory.
+constexpr int64_t k_max_block_size = 64;
+
 class target_session {
 public:
     target_session(const std::string & path, const session_params & params);

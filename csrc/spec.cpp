@@ -17,7 +17,11 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
-    DFN_REQUIRE(block_size_ >= 2, "engine", "block_size must be >= 2, got ", block_size_);
+    DFN_REQUIRE(params.block_size >= 0, "engine", "block_size must be >= 2 (or 0: the drafter's), got ",
+                params.block_size);
+    DFN_REQUIRE(block_size_ >= 2 && block_size_ <= k_max_block_size, "engine", "block_size must be in [2, ",
+                k_max_block_size, "] (the most tokens one round may verify), got ", block_size_,
+                params.block_size > 0 ? "" : " from the drafter's dflash.block_size");
     DFN_REQUIRE(params.ring_capacity >= block_size_, "engine", "feature_ring_capacity ", params.ring_capacity,
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
@@ -109,9 +113,10 @@ void spec_session::flush_features() {
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
     reset();
-    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers);
+    // the next token by the in-graph argmax, as AR's decode_greedy takes it (and checked there)
+    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     push_features(r.taps.data(), n, 0);
-    return (int32_t) (std::max_element(r.logits.begin(), r.logits.end()) - r.logits.begin());
+    return r.argmax[0];
 }
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
@@ -154,7 +159,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     if (d.what == draft_graph::TOP1) {
         d.out = top1_op(ctx, d.out);  // F32 [2, B-1]
     } else if (d.what == draft_graph::ARGMAX) {
-        d.out = b.own_kernels() ? argmax_op(ctx, d.out) : ggml_argmax(ctx, d.out);  // I32 [B-1]
+        d.out = argmax_op(ctx, d.out);  // I32 [B-1]; flags non-finite rows (top1.h)
     }
     ggml_set_output(d.out);
     ggml_build_forward_expand(b.gf, d.out);
@@ -239,6 +244,10 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
     if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
     if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
+    for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
+        if ((argmax_out && argmax_out[i] < 0) || (d.what == draft_graph::TOP1 && f32_out[2 * i] < 0))
+            throw_non_finite_logits("draft", d.n_past + i + 1);
+    }
     if (!d.sub) return;
     const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;  // rows of the draft head -> token ids
     for (int64_t i = 0; i + 1 < d.B; ++i) {

@@ -60,9 +60,13 @@ class Tokenizer:
         if model:
             self._lc.llama_model_free(model)
 
+    def close(self) -> None:
+        """Free llama.cpp's vocabulary now (Engine.close); idempotent."""
+        self.__del__()
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not isinstance(text, str):
-            raise TypeError(f"[tokenizer] text must be str, got {type(text).__name__}")
+            raise ValueError(f"[tokenizer] text must be a str, got {type(text).__name__}")
         data = text.encode("utf-8")
         n = len(data) + 8
         while True:
@@ -94,7 +98,7 @@ class Tokenizer:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._lc.llama_vocab_is_eog(self._vocab, int(token)))
+        return 0 <= token < self.n_vocab and bool(self._lc.llama_vocab_is_eog(self._vocab, int(token)))
 
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
@@ -103,6 +107,14 @@ class Tokenizer:
         return StreamDecoder(self)
 
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"[chat] messages must be a list of dicts, got {type(messages).__name__}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"[chat] message {i} must be a dict with 'role' and 'content'")
+            for key in ("role", "content"):
+                if not isinstance(m[key], str):
+                    raise ValueError(f"[chat] message {i}: '{key}' must be a str, got {type(m[key]).__name__}")
         if not self.chat_template:
             raise ValueError("[chat] the model has no tokenizer.chat_template in its GGUF metadata")
         from jinja2 import TemplateError
@@ -114,9 +126,6 @@ class Tokenizer:
             raise ValueError(f"[chat] template error: {msg}")
 
         env.globals["raise_exception"] = raise_exception
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"[chat] message {i} must be a dict with 'role' and 'content'")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id >= 0 else ""
         eos = self.token_text(self.eos_token_id) if self.eos_token_id >= 0 else ""
         try:
@@ -135,6 +144,8 @@ class StreamDecoder:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
+        if not 0 <= token < self._tok.n_vocab:
+            return ""  # an embedding row past the tokenizer's vocabulary (padding) has no text
         return self._dec.decode(self._tok.token_bytes(token))
 
     def flush(self) -> str:

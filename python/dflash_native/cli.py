@@ -271,7 +271,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, MemoryError, OSError) as e:
+        # the engine's errors name where they come from; a traceback would add nothing
         print(f"dflash-native: error: {e}", file=sys.stderr)
         return 2
 
