@@ -61,7 +61,7 @@ private:
 
 // dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the
 // target's verify batch from it before the drafter itself is loaded.
-constexpr int64_t k_max_block_size = 1024;
+constexpr int64_t k_max_gguf_block_size = 1024;
 int64_t drafter_block_size(const gguf_file & F);
 
 class drafter_model {

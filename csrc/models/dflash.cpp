@@ -90,8 +90,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
 int64_t drafter_block_size(const gguf_file & F) {
     DFN_REQUIRE(F.arch() == "dflash", W, "'", F.path(), "' is a '", F.arch(), "' model, not a DFlash drafter (arch 'dflash')");
     const int64_t b = F.get_u32("dflash.block_size", 16);
-    DFN_REQUIRE(b >= 2 && b <= k_max_block_size, W, "'", F.path(), "': block_size ", b, " must be in [2, ",
-                k_max_block_size, "]");
+    DFN_REQUIRE(b >= 2 && b <= k_max_gguf_block_size, W, "'", F.path(), "': block_size ", b, " must be in [2, ",
+                k_max_gguf_block_size, "]");
     return b;
 }
 
