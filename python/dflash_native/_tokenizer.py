@@ -81,7 +81,7 @@ class Tokenizer:
         piece = self._pieces.get(token)
         if piece is None:
             if token < 0:
-                raise ValueError(f"[tokenizer] token id {token} is negative")
+                raise ValueError(f"[tokenizer] token id {token} is outside the vocabulary (negative)")
             if token >= self.n_vocab:
                 return b""  # an embedding row past the tokenizer's vocabulary (padding): no text
             n = 64
