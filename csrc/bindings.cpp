@@ -396,6 +396,11 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
         .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })
         .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.ring().k.size(); })
+        .def_property_readonly("window", &spec_session::effective_window,
+                               "Committed positions a draft attends to at most: drafter_window if given, else the "
+                               "drafter's trained context, else the whole ring (and never more than the ring)")
+        .def_property_readonly("trained_context_length", [](spec_session & s) { return s.drafter_hparams_().trained_context; },
+                               "The drafter GGUF's dflash.trained_context_length (0: not recorded)")
         .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; })
         .def_property_readonly("ring_n_pushed", [](spec_session & s) { return s.ring().n_pushed; })
         .def_property_readonly("ring_bytes", [](spec_session & s) { return s.ring().bytes(); })
