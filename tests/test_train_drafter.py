@@ -236,6 +236,7 @@ def test_text_prompts_spread_up_to_the_context_length(tmp_path):
     from dflash_native.train.pipeline import text_prompts
     from fixtures import make_tokenizer_files
 
+    (tmp_path / "tok").mkdir()
     make_tokenizer_files(tmp_path / "tok")
     tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
     text = tmp_path / "t.py"
