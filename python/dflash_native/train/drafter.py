@@ -18,7 +18,10 @@ labelled rows. All anchors of all sequences in a batch run in one forward:
 per sequence the queries are the N*B block rows, the keys are the L
 context positions (K/V computed once per layer and shared by every anchor)
 followed by the N*B block rows, under a boolean mask that is a prefix of the
-context (positions < a_j) plus the anchor's own block (block-diagonal).
+context (positions < a_j; with `context_length` W only a_j - W <= p < a_j, the
+engine's drafter window) plus the anchor's own block (block-diagonal). The
+checkpoint records the most context positions a block attended to
+(dflash_config.trained_context_length): the engine's default drafter window.
 
 `train_drafter` runs the whole recipe: load the target, generate its greedy
 continuations, tap the hidden states once per sequence, train with AdamW and

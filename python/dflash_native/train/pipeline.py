@@ -64,7 +64,8 @@ def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prom
         text = rng.choice(texts)
         lines = text.splitlines(keepends=True)
         start = rng.randrange(len(lines))
-        want = rng.randint(prompt_tokens, longest)
+        # no draw without a range: the recipe's prompts (and so the shipped pair) stay reproducible
+        want = rng.randint(prompt_tokens, longest) if longest > prompt_tokens else prompt_tokens
         ids = tokenizer.encode("".join(lines[start:start + max(200, want)]), add_special_tokens=False).ids
         if len(ids) >= want:
             out.append(list(ids[:want]))
