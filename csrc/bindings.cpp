@@ -424,7 +424,14 @@ void bind_spec(py::module_ & m) {
                       "Draft over the drafter's draft vocabulary when it has one (False: the whole vocabulary)")
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
-        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.drafter_hparams_().n_layer; });
+        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.drafter_hparams_().n_layer; })
+        .def_property_readonly("window", &spec_session::effective_window,
+                               "Committed positions a draft attends to at most: drafter_window if given, else the "
+                               "drafter's trained context, else the whole ring (and never more than the ring)")
+        .def_property_readonly("trained_context_length", [](spec_session & s) { return s.drafter_hparams_().trained_context; },
+                               "The drafter GGUF's dflash.trained_context_length (0: not recorded)")
+        .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; },
+                               "Ring slots (feature_ring_capacity, cut to the window when one is set)");
     def_spec_drafting(c);
 }
 

@@ -28,8 +28,15 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     set_draft_cutoff(params.draft_cutoff);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
+    // The drafter attends to the user's window, else to the context it was trained with (an
+    // untouched engine never shows it more than it learned from), else to the whole ring.
+    if (params_.window == 0) params_.window = dh.trained_context;
+    // Ring positions older than the window are never read: a ring of the window (at least a block)
+    // drafts the same and masks fewer slots each round. A smaller ring than that still wins.
+    const int64_t capacity = params_.window > 0 ? std::min(params.ring_capacity, std::max(params_.window, block_size_))
+                                                : params.ring_capacity;
     drafter_->load_weights(runner_.buffer_type());
-    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, runner_.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
     drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
 }
 

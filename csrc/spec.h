@@ -4,6 +4,7 @@
 #include "drafter.h"
 #include "session.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,7 +14,9 @@ namespace dfn {
 struct spec_params {
     int64_t block_size = 0;           // B: verified tokens per round; 0 = the drafter's block_size
     int64_t ring_capacity = 4096;     // feature ring positions
-    int64_t window = 0;               // drafter attention window in positions; 0 = whole ring
+    // drafter attention window in committed positions before the block; 0 = the drafter's
+    // trained context (GGUF dflash.trained_context_length), or the whole ring when it has none
+    int64_t window = 0;
     // Confidence cut: verify the drafts d_1..d_k only while the product of the drafter's top-1
     // probabilities p(d_1)...p(d_k) stays >= draft_cutoff (0 = always verify all B-1). On a
     // compute-bound device every verified token costs time, and a draft the drafter itself doubts
@@ -59,7 +62,11 @@ public:
         flush_features();
         return *ring_;
     }
-    const spec_params & params() const { return params_; }
+    const spec_params & params() const { return params_; }  // window: as resolved at construction
+    // Committed positions a draft attends to at most: the window, bounded by the ring.
+    int64_t effective_window() const {
+        return params_.window > 0 ? std::min(params_.window, ring_->capacity) : ring_->capacity;
+    }
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
     void reset();

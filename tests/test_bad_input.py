@@ -283,6 +283,17 @@ def test_bad_draft_vocab_in_file(pair, tmp_path, ids, msg):
     assert msg in spec_error(tg, bad)
 
 
+@pytest.mark.parametrize("value,msg", [(0, "dflash.trained_context_length 0 must be in [1, 1048576]"),
+                                       (1 << 21, "dflash.trained_context_length 2097152 must be in [1, 1048576]"),
+                                       (-5, "'dflash.trained_context_length' = -5 is out of range")])
+def test_bad_trained_context_length_in_file(pair, tmp_path, value, msg):
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "tc.gguf", kv={"dflash.trained_context_length": (value, GGUFValueType.INT32)})
+    assert msg in spec_error(tg, bad)
+
+
 def test_block_size_and_capacity(pair):
     tg, dg = pair
     assert "block_size must be in [2, 64]" in spec_error(tg, dg, block_size=1)

@@ -319,6 +319,75 @@ def test_window_limits_what_the_drafter_sees(pair):
     np.testing.assert_allclose(s2.draft_logits(last, 4, t2), windowed, atol=1e-5, rtol=0)
 
 
+TRAINED = 12  # a trained context shorter than the generations below
+
+
+@pytest.fixture(scope="module")
+def trained_pair(pair, tmp_path_factory):
+    """The pair's target with a drafter whose config.json records a trained context of TRAINED."""
+    d = tmp_path_factory.mktemp("trained-" + pair["name"])
+    arch, t_over, d_over = PAIRS[pair["name"]]
+    dg = make_random_drafter_gguf(d / "drafter.gguf", pair["ckpt"], outtype="f32", seed=6, block_size=16,
+                                  target_gguf=pair["target"], ckpt_dir=d / "drafter",
+                                  dflash_config={"trained_context_length": TRAINED}, **d_over)
+    return {**pair, "drafter": dg, "drafter_ckpt": d / "drafter"}
+
+
+def test_trained_context_round_trips_to_the_engine(trained_pair):
+    """config.json dflash_config.trained_context_length -> GGUF key -> the engine's default window;
+    an explicit window overrides it, and the ring holds no more than the window."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(trained_pair["drafter"]).fields["dflash.trained_context_length"]
+    assert field.contents() == TRAINED
+    t, s = make(trained_pair, B=4, capacity=64)
+    assert s.trained_context_length == TRAINED and s.window == TRAINED and s.ring_capacity == TRAINED
+    t, s = make(trained_pair, B=4, capacity=64, window=30)
+    assert s.window == 30 and s.ring_capacity == 30
+    t, s = make(trained_pair, B=4, capacity=8)  # a smaller ring still bounds what a draft sees
+    assert s.window == 8 and s.ring_capacity == 8
+    t, s = make(trained_pair, B=4, capacity=64, window=3)
+    assert s.window == 3 and s.ring_capacity == 4  # the ring still holds a block
+
+
+def test_untrained_drafter_attends_to_the_whole_ring(pair):
+    t, s = make(pair, B=4, capacity=64)
+    assert s.trained_context_length == 0 and s.window == 64 and s.ring_capacity == 64
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_windowed_draft_matches_reference_on_the_window(trained_pair, window):
+    """Default window (the trained context: a ring of TRAINED) and an explicit window below the
+    block size (the ring holds a block, the mask hides the rest): the draft equals the reference
+    drafter given only the window's last W target taps, at their positions."""
+    prompt = PROMPT + PROMPT[:7]  # 18 positions > TRAINED
+    t, s = make(trained_pair, B=4, capacity=64, window=window)
+    W = window or TRAINED
+    assert s.window == W
+    last = s.prefill(prompt)
+    ours = s.draft_logits(last, 4, t)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(trained_pair["ckpt"]), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ref = DFlashRef.from_dirs(trained_pair["drafter_ckpt"], trained_pair["ckpt"])
+    feats = target_taps(hf, prompt, trained_pair["taps"])
+    lo = len(prompt) - W
+    want = ref.forward([last] + [s.mask_token_id] * 3, feats[lo:], ctx_start_pos=lo)[1:]
+    assert np.abs(ours - want).max() < 1e-3
+    whole = ref.forward([last] + [s.mask_token_id] * 3, feats)[1:]
+    assert np.abs(whole - want).max() > 1e-3  # the older positions would have changed the draft
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_lossless_with_the_trained_window(trained_pair, window):
+    """Speculative == AR with a window (trained or explicit) far smaller than the generation."""
+    eng = dn.Engine(trained_pair["target"], drafter=trained_pair["drafter"], block_size=4, drafter_window=window,
+                    n_ctx=256, kv_type="f32", n_threads=2)
+    ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=60)
+    assert sp.stats.speculative and sp.stats.rounds > 0
+    assert sp.tokens == ar.tokens
+
+
 def test_stop_and_length_inside_a_committed_block(pair):
     """Rounds that commit many tokens at once still stop exactly where AR stops: max_tokens and
     stop strings cut inside the block (drafts forced to the AR continuation: full acceptance)."""
