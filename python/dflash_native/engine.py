@@ -165,23 +165,11 @@ class Engine:
 
         self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
-        max_verify = 0
-        if drafter is not None:
-            max_verify = block_size or _core.drafter_block_size(drafter)
-        self._core = _core.Target(target, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch,
-                                  device=device, max_verify=max_verify, rollback=rollback, matmul=matmul)
-        self._spec = None
-        if drafter is not None:
-            self._spec = _core.Spec(self._core, drafter, block_size=block_size,
-                                    ring_capacity=feature_ring_capacity, window=drafter_window or 0,
-                                    draft_cutoff=draft_cutoff, draft_vocab=draft_vocab)
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
-        except NoVocabulary:
-            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
-        if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
-            raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
-                             f"embedding has only {self._core.n_vocab} rows")
+        self._load(target, drafter, block_size,
+                   dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
+                        rollback=rollback, matmul=matmul),
+                   dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
+                        draft_vocab=draft_vocab))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
@@ -191,6 +179,23 @@ class Engine:
         self._draft_override = None
         self.gate = gate
         self._gate_ar_tok_s = None  # tests: a fixed AR speed for the gate instead of measuring one
+
+    def _load(self, target: str, drafter: str | None, block_size: int, target_kw: dict, spec_kw: dict) -> None:
+        """The core's Target, its Spec when there is a drafter, and the tokenizer (checked args)."""
+        max_verify = 0
+        if drafter is not None:
+            max_verify = block_size or _core.drafter_block_size(drafter)
+        self._core = _core.Target(target, max_verify=max_verify, **target_kw)
+        self._spec = None
+        if drafter is not None:
+            self._spec = _core.Spec(self._core, drafter, block_size=block_size, **spec_kw)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
+        except NoVocabulary:
+            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
+        if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
+            raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
+                             f"embedding has only {self._core.n_vocab} rows")
 
     @classmethod
     def for_benchmark(cls, target: str | os.PathLike, *, rollback: str = "tape", matmul: str = "own",
@@ -524,6 +529,8 @@ class _Run:
         elif self.spec and room >= 2:
             committed = self._round(min(self.B, room), t0)
         else:
+            # AR (also a gated request's tail, which drafts no more: its ring is left behind, and
+            # the next request's prefill resets it)
             committed = [int(core.decode_greedy([self.last]))]
         self.t_dec += time.perf_counter() - t0
         self.last = committed[-1]
