@@ -196,7 +196,7 @@ def test_ar_step_keeps_the_ring_in_step(pair):
     forced = ref[2:B + 1]
     forced[2] = (forced[2] + 1) % 500  # reject from the third draft on: commits 3
     r = s.round(out[-1], B, forced)
-    assert len(r.committed) == 3
+    assert isinstance(r, dn.RoundResult) and len(r.committed) == 3 and r.n_verified == B
     out += r.committed
     out.append(s.ar_step(out[-1]))
     out.append(s.ar_step(out[-1]))
