@@ -134,8 +134,8 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
           "| DFlash tok/s | speedup | draft ms | verify ms | rollback ms | other ms | rounds | spec == AR |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
-        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
-                        n_threads=threads, matmul=matmul)
+        eng = dn.Engine.for_benchmark(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
+                                      n_threads=threads, matmul=matmul)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
         eng.draft_vocab = True
         n_dv = len(eng._spec.draft_vocab)  # tokens in the drafter's draft vocabulary (0: it has none)

@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--drafter", type=Path, default=None, help="--pair: drafter GGUF (default: the embedded one)")
     ap.add_argument("--prompts", type=int, default=16, help="--pair: held-out prompts")
     ap.add_argument("--cutoffs", default="0", help="--pair: Engine.draft_cutoff values, side by side")
-    ap.add_argument("--matmul", default="own", help="--pair: Engine(matmul=) values, one after the other (own,ggml)")
+    ap.add_argument("--matmul", default="own", help="--pair: Engine.for_benchmark(matmul=) values, one after the other (own,ggml)")
     ap.add_argument("--reps", type=int, default=1,
                     help="--pair: interleaved passes per prompt and setting; each one's fastest counts")
     ap.add_argument("--draft-vocab", default="on", help="--pair: Engine.draft_vocab settings, side by side (on,off)")

@@ -51,6 +51,12 @@ public:
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
     round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
 
+    // One exact AR step from the last committed token (the gate's probe: Engine(gate=True)):
+    // decodes `last` with the taps, queues its features for the ring as a round's commit does,
+    // and returns the greedy next token (taken in the graph, as the AR loop's decode_greedy).
+    // Rounds may follow: the ring stays in step with the target.
+    int32_t ar_step(int32_t last);
+
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
     // feats: [m, n_taps, n_embd] row-major.
     void push_features(const float * feats, int64_t m, int64_t pos0);
@@ -88,6 +94,8 @@ private:
     // The features a round committed are pushed by the next draft graph (one graph per round
     // fewer); anything that reads the ring or pushes out of a round flushes them first.
     void flush_features();
+    // Queue m rows of features [m, n_taps * n_embd] at positions pos0.. after those pending.
+    void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
 
     // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
     // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).

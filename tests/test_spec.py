@@ -117,9 +117,9 @@ def test_lossless_with_forced_acceptance(pair_qwen35, B, seed):
         good = ref[len(out): len(out) + B - 1]
         forced = [tok if rng.random() > 0.25 else (tok + 1) % 500 for tok in good]
         r = s.round(out[-1], B, forced)
-        assert 1 <= len(r["committed"]) <= B
-        lengths.add(len(r["committed"]))
-        out += r["committed"]
+        assert 1 <= len(r.committed) <= B
+        lengths.add(len(r.committed))
+        out += r.committed
         if out[: len(ref)] != ref[: len(out)]:
             break
     ok, why = first_divergence_is_near_tie(out[:70], ref[:70], ref_logits, NEAR_TIE_F16)
@@ -159,7 +159,7 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     if n_keep < B:
         forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500  # reject from draft n_keep on
     r = s.round(last, B, forced)
-    assert len(r["committed"]) == n_keep
+    assert len(r.committed) == n_keep
     got = caches(t)
     got_ring = [_core.testing.ring_kv(s, il) for il in range(s.drafter_n_layer)]
     got_pos = _core.testing.ring_slot_positions(s)
@@ -178,9 +178,52 @@ def test_rollback_every_acceptance_length(pair, n_keep):
         for x, y in zip(got_ring[il], _core.testing.ring_kv(s2, il)):
             np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
     # and the next round behaves identically
-    r1 = s.round(r["committed"][-1], B, ref[n_keep + 1: n_keep + B])
-    r2 = s2.round(r["committed"][-1], B, ref[n_keep + 1: n_keep + B])
-    assert r1["committed"] == r2["committed"]
+    r1 = s.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    r2 = s2.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    assert r1.committed == r2.committed
+
+
+def test_ar_step_keeps_the_ring_in_step(pair):
+    """Spec.ar_step (the gate's probe) commits the AR token and queues its features as a round's
+    commit does, before a round (nothing pending) and after one (appended to the round's rows):
+    the tokens are AR's, and the caches, the ring and the next draft equal a fresh prefill of the
+    same tokens. Tolerance: batch vs single-token rounding in F32."""
+    B = 8
+    t, s = make(pair, B=B, capacity=12)
+    ref = ar_tokens(t, PROMPT, 2 * B + 4)
+    out = [s.prefill(PROMPT)]
+    out.append(s.ar_step(out[-1]))
+    forced = ref[2:B + 1]
+    forced[2] = (forced[2] + 1) % 500  # reject from the third draft on: commits 3
+    r = s.round(out[-1], B, forced)
+    assert isinstance(r, dn.RoundResult) and len(r.committed) == 3 and r.n_verified == B
+    out += r.committed
+    out.append(s.ar_step(out[-1]))
+    out.append(s.ar_step(out[-1]))
+    assert out == ref[:len(out)]
+    n_past = len(PROMPT) + len(out) - 1
+    assert t.n_past == n_past
+
+    t2, s2 = make(pair, B=B, capacity=12)
+    assert s2.prefill(PROMPT + out[:-1]) == out[-1]
+    for a, b in zip(caches(t), caches(t2)):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    d1 = s.draft_logits(out[-1], B, t)  # pushes the pending features first
+    d2 = s2.draft_logits(out[-1], B, t2)
+    assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    for il in range(s.drafter_n_layer):
+        for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
+
+
+def test_ar_step_bad_token_is_an_error(pair):
+    t, s = make(pair)
+    s.prefill(PROMPT)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.ar_step(10**6)
+    assert t.n_past == len(PROMPT)
 
 
 @pytest.mark.parametrize("n_keep", [1, 4, 8])
@@ -200,7 +243,7 @@ def test_deferred_replay_equals_an_immediate_one(pair, n_keep):
         r = s.round(last, B, forced)
         if flush:
             caches(t)
-        nxt = [r["committed"][-1]] + ref[:5]
+        nxt = [r.committed[-1]] + ref[:5]
         v = t.verify(nxt)                       # replays inside the record op, or nothing left
         t.commit(3)
         if flush:
@@ -232,8 +275,8 @@ def test_fused_ring_push_equals_a_separate_push(pair, reject_at):
             if reject_at < B:
                 forced[reject_at - 1] = (forced[reject_at - 1] + 1) % 500
             r = s.round(last, B, forced)
-            n += len(r["committed"])
-            last = r["committed"][-1]
+            n += len(r.committed)
+            last = r.committed[-1]
             if flush:
                 _core.testing.ring_slot_positions(s)
             logits.append(s.draft_logits(last, B, t))
@@ -472,7 +515,7 @@ def test_q8_0_speculative_is_bitwise_ar(q8_pair):
 def test_rollback_baselines_are_exact_too(q8_pair, mode):
     """The benchmark baselines (per-token snapshots, re-decode) roll back to the same bits."""
     tg, dg = q8_pair
-    eng = dn.Engine(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
+    eng = dn.Engine.for_benchmark(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
     ar = eng.generate(PROMPT, max_tokens=40, speculative=False).tokens
     rng = np.random.default_rng(1)
     eng._draft_override = lambda p, out, B: [tok if rng.random() > 0.3 else (tok + 1) % 500
@@ -483,7 +526,16 @@ def test_rollback_baselines_are_exact_too(q8_pair, mode):
 
 def test_unknown_rollback_mode(q8_pair):
     with pytest.raises(ValueError, match="rollback must be"):
-        dn.Engine(q8_pair[0], drafter=q8_pair[1], rollback="undo")
+        dn.Engine.for_benchmark(q8_pair[0], drafter=q8_pair[1], rollback="undo")
+
+
+def test_baselines_are_not_engine_arguments(q8_pair):
+    """The baselines are reached through Engine.for_benchmark only, not the documented constructor."""
+    for kw in (dict(rollback="snapshot"), dict(matmul="ggml")):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            dn.Engine(q8_pair[0], drafter=q8_pair[1], **kw)
+    with pytest.raises(ValueError, match=r"unknown baseline setting\(s\) \['undo'\]"):
+        dn.Engine(q8_pair[0], _baselines={"undo": 1})
 
 
 def test_eos_inside_a_committed_block(tmp_path):
@@ -556,8 +608,8 @@ def test_draft_cutoff_keeps_the_confident_prefix(pair):
         s.prefill(PROMPT)
         s.draft_cutoff = 0.0 if k == 15 else float(np.sqrt(cum[k - 1] * cum[k]) if k else (1 + cum[0]) / 2)
         r = s.round(last, 16)
-        assert r["n_verified"] == k + 1
-        assert r["draft"] == [int(i) for i in logits.argmax(-1)[:k]]
+        assert r.n_verified == k + 1
+        assert r.draft == [int(i) for i in logits.argmax(-1)[:k]]
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="draft_cutoff"):
             s.draft_cutoff = bad
@@ -593,7 +645,7 @@ def test_draft_vocab_drafts_its_argmax(vocab_pair):
     assert s.draft(last, 16) == want
     s.prefill(PROMPT)
     s.draft_cutoff = 1e-30                                                 # the top-1 path, every draft kept
-    assert s.round(last, 16)["draft"] == want
+    assert s.round(last, 16).draft == want
     full = _core.Spec(t, str(vocab_pair["drafter"]), block_size=16, ring_capacity=64, draft_vocab=False)
     assert full.draft_vocab == []
     last = full.prefill(PROMPT)

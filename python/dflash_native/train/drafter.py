@@ -556,29 +556,12 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
-    if block_size < 2:
-        raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
-    if prompts is None and sequences is None:
-        raise ValueError("[train_drafter] give prompts and/or sequences")
-    if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
-        raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
-    if context_length is not None and (not isinstance(context_length, int) or isinstance(context_length, bool)
-                                       or not 1 <= context_length <= MAX_TRAINED_CONTEXT):
-        raise ValueError(f"[train_drafter] context_length must be an int in [1, {MAX_TRAINED_CONTEXT}] or None, "
-                         f"got {context_length!r}")
+    _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    target_path = None if isinstance(target_dir, nn.Module) else Path(target_dir)
-    target = _load_target(target_dir)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    n_target_layers = int(target.config.get_text_config().num_hidden_layers)
-    if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(n_target_layers, num_layers)
-    if mask_token_id is None:
-        mask_token_id = _default_mask_token_id(target_path)
-
+    target, target_path, target_layer_ids, mask_token_id = _frozen_target(target_dir, num_layers, target_layer_ids,
+                                                                          mask_token_id)
     data, min_anchor = _training_sequences(target, target_path, prompts, sequences, sequence_prompt_lengths,
                                            max_new_tokens, seed)
     feats = [target_features(target, s, target_layer_ids) for s in data]
@@ -618,6 +601,35 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     }
     return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
                          n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
+
+
+def _check_train_args(block_size: int, prompts, sequences, draft_vocab_size, context_length) -> None:
+    if block_size < 2:
+        raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
+    if prompts is None and sequences is None:
+        raise ValueError("[train_drafter] give prompts and/or sequences")
+    if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
+        raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
+    if context_length is not None and (not isinstance(context_length, int) or isinstance(context_length, bool)
+                                       or not 1 <= context_length <= MAX_TRAINED_CONTEXT):
+        raise ValueError(f"[train_drafter] context_length must be an int in [1, {MAX_TRAINED_CONTEXT}] or None, "
+                         f"got {context_length!r}")
+
+
+def _frozen_target(target_dir, num_layers: int, target_layer_ids: Sequence[int] | None,
+                   mask_token_id: int | None) -> tuple[nn.Module, Path | None, Sequence[int], int]:
+    """The target (no gradients), its directory (None for a loaded module), and the tap layers and
+    mask token id, defaulted from it where not given."""
+    target_path = None if isinstance(target_dir, nn.Module) else Path(target_dir)
+    target = _load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_target_layers = int(target.config.get_text_config().num_hidden_layers)
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n_target_layers, num_layers)
+    if mask_token_id is None:
+        mask_token_id = _default_mask_token_id(target_path)
+    return target, target_path, target_layer_ids, mask_token_id
 
 
 def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int, data: Sequence[Sequence[int]],
