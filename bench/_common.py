@@ -37,6 +37,18 @@ QWEN35_4B = dict(
 )
 
 
+def resolve_pair(target, drafter) -> tuple[Path, Path]:
+    """--target/--drafter, each defaulting to the embedded pair's file."""
+    from dflash_native.cli import default_pair
+
+    if target is None or drafter is None:
+        pair = default_pair()
+        if pair is None:
+            raise SystemExit("no embedded pair in this install: give --target and --drafter")
+        target, drafter = target or pair[0], drafter or pair[1]
+    return target, drafter
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

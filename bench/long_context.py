@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, write_jsonl  # noqa: E402
+from _common import git_rev, machine, resolve_pair, write_jsonl  # noqa: E402
 
 RING = 4096
 
@@ -95,7 +95,6 @@ def run_length(engines: dict, prompts, gen: int, reps: int = 1) -> dict[str, dic
 
 def main() -> None:
     import dflash_native as dn
-    from dflash_native.cli import default_pair
     from dflash_native.lossless import verdict
     from dflash_native.train import corpus
 
@@ -113,12 +112,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="recorded in every line (e.g. 'machine loaded by other jobs')")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    target, drafter = a.target, a.drafter
-    if target is None or drafter is None:
-        pair = default_pair()
-        if pair is None:
-            raise SystemExit("no embedded pair in this install: give --target and --drafter")
-        target, drafter = target or pair[0], drafter or pair[1]
+    target, drafter = resolve_pair(a.target, a.drafter)
     gens = [int(g) for g in a.gens.split(",")]
     n_ctx = a.prompt_tokens + max(gens) + 2 * a.block_size + 8
     engines = {name: dn.Engine(target, drafter=drafter, n_ctx=n_ctx, n_threads=a.threads, **kw)

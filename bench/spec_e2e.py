@@ -26,18 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (QWEN35_05B, cached_drafter, cached_gguf, git_rev, heldout_eval, machine,  # noqa: E402
-                     write_jsonl)
+                     resolve_pair, write_jsonl)
 
 
 def main_pair(a) -> None:
-    from dflash_native.cli import default_pair
-
-    target, drafter = a.target, a.drafter
-    if target is None or drafter is None:
-        pair = default_pair()
-        if pair is None:
-            raise SystemExit("no embedded pair in this install: give --target and --drafter")
-        target, drafter = target or pair[0], drafter or pair[1]
+    target, drafter = resolve_pair(a.target, a.drafter)
     blocks = [int(b) for b in a.blocks.split(",")]
     gen = a.gen if a.gen != 48 else 128
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "

@@ -226,14 +226,9 @@ def test_generation_stops_at_context_end(eng):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflash_native.convert import convert_hf_to_gguf
-    from fixtures import make_random_checkpoint, make_random_drafter_gguf
+    from fixtures import make_random_pair
 
-    d = tmp_path_factory.mktemp("badpair")
-    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=1)
-    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f16")
-    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f16", seed=2, block_size=8, target_gguf=tg)
-    return tg, dg
+    return make_random_pair(tmp_path_factory.mktemp("badpair"), seed=1, block_size=8)
 
 
 def spec_error(tg, dg, **kw) -> str:
