@@ -13,10 +13,7 @@
 
 namespace dfn {
 
-struct drafter_hparams {
-    int64_t n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_ctx_train = 0;
-    float rms_eps = 1e-6f;
-    float rope_base = 10000.0f;
+struct drafter_hparams : block_hparams {
     int64_t block_size = 16;
     int64_t mask_token_id = -1;
     bool causal = false;

@@ -16,43 +16,47 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
                           "' (supported: qwen3, qwen35)"));
 }
 
+block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers) {
+    auto key = [&](const char * suffix) { return arch + "." + suffix; };
+    block_hparams hp;
+    hp.n_layer = f.get_u32(key("block_count"));
+    hp.n_embd = f.get_u32(key("embedding_length"));
+    hp.n_ff = f.get_u32(key("feed_forward_length"));
+    hp.n_head = f.get_u32(key("attention.head_count"));
+    hp.n_head_kv = f.get_u32(key("attention.head_count_kv"), (uint32_t) hp.n_head);
+    hp.head_dim = f.get_u32(key("attention.key_length"), hp.n_head ? (uint32_t) (hp.n_embd / hp.n_head) : 0);
+    hp.n_ctx_train = f.get_u32(key("context_length"), 4096);
+    hp.rms_eps = f.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
+    hp.rope_base = f.get_f32(key("rope.freq_base"), 10000.0f);
+
+    const std::string & path = f.path();
+    DFN_REQUIRE(hp.n_layer > 0 && hp.n_layer <= max_layers, W, "'", path, "': bad block_count ", hp.n_layer);
+    DFN_REQUIRE(hp.n_embd > 0 && hp.n_ff > 0 && hp.n_embd <= k_max_dim && hp.n_ff <= k_max_dim, W, "'", path,
+                "': embedding_length ", hp.n_embd, " and feed_forward_length ", hp.n_ff, " must be in [1, ", k_max_dim, "]");
+    DFN_REQUIRE(hp.n_head > 0 && hp.n_head_kv > 0 && hp.n_head <= k_max_heads && hp.n_head % hp.n_head_kv == 0, W,
+                "'", path, "': head_count ", hp.n_head, " must be a positive multiple of head_count_kv ",
+                hp.n_head_kv, " and at most ", k_max_heads);
+    DFN_REQUIRE(hp.head_dim > 0 && hp.head_dim <= k_max_dim && hp.head_dim % 2 == 0, W, "'", path, "': key_length ",
+                hp.head_dim, " must be even and in [2, ", k_max_dim, "]");
+    DFN_REQUIRE(hp.rms_eps >= 0.0f, W, "'", path, "': attention.layer_norm_rms_epsilon ", hp.rms_eps, " must be >= 0");
+    DFN_REQUIRE(hp.rope_base > 0.0f, W, "'", path, "': rope.freq_base ", hp.rope_base, " must be > 0");
+    DFN_REQUIRE(hp.n_ctx_train >= 1 && hp.n_ctx_train <= INT32_MAX, W, "'", path, "': context_length ", hp.n_ctx_train,
+                " must be in [1, 2^31)");
+    return hp;
+}
+
 void target_model::read_common_hparams() {
     const gguf_file & f = *file_;
     hp_.arch = f.arch();
     hp_.n_tokenizer_tokens = f.arr_len("tokenizer.ggml.tokens");
-    hp_.n_layer = f.get_u32(key("block_count"));
-    hp_.n_embd = f.get_u32(key("embedding_length"));
-    hp_.n_ff = f.get_u32(key("feed_forward_length"));
-    hp_.n_head = f.get_u32(key("attention.head_count"));
-    hp_.n_head_kv = f.get_u32(key("attention.head_count_kv"), (uint32_t) hp_.n_head);
-    hp_.head_dim = f.get_u32(key("attention.key_length"), hp_.n_head ? (uint32_t) (hp_.n_embd / hp_.n_head) : 0);
-    hp_.n_ctx_train = f.get_u32(key("context_length"), 4096);
-    hp_.rms_eps = f.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
-    hp_.rope_base = f.get_f32(key("rope.freq_base"), 10000.0f);
+    static_cast<block_hparams &>(hp_) = read_block_hparams(f, hp_.arch, 1024);
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
-
-    DFN_REQUIRE(hp_.n_layer > 0 && hp_.n_layer <= 1024, W, "'", f.path(), "': bad block_count ", hp_.n_layer);
-    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0 && hp_.n_embd <= k_max_dim && hp_.n_ff <= k_max_dim, W, "'", f.path(),
-                "': embedding_length ", hp_.n_embd, " and feed_forward_length ", hp_.n_ff, " must be in [1, ", k_max_dim, "]");
-    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head <= k_max_heads && hp_.n_head % hp_.n_head_kv == 0, W,
-                "'", f.path(), "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ",
-                hp_.n_head_kv, " and at most ", k_max_heads);
-    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ",
-                hp_.head_dim, " must be even and in [2, ", k_max_dim, "]");
-    check_norm_rope_hparams(f.path(), hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
     DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", f.path(),
                 "': rope.dimension_count ", hp_.n_rot, " must be even and within head dim ", hp_.head_dim);
 
     DFN_REQUIRE(f.has_tensor("token_embd.weight"), W, "'", f.path(), "': missing tensor 'token_embd.weight'");
-}
-
-void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train) {
-    DFN_REQUIRE(rms_eps >= 0.0f, W, "'", path, "': attention.layer_norm_rms_epsilon ", rms_eps, " must be >= 0");
-    DFN_REQUIRE(rope_base > 0.0f, W, "'", path, "': rope.freq_base ", rope_base, " must be > 0");
-    DFN_REQUIRE(n_ctx_train >= 1 && n_ctx_train <= INT32_MAX, W, "'", path, "': context_length ", n_ctx_train,
-                " must be in [1, 2^31)");
 }
 
 void target_model::load_common_tensors() {

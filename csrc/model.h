@@ -11,19 +11,24 @@
 
 namespace dfn {
 
-struct target_hparams {
-    std::string arch;
-    int64_t n_vocab = 0;
-    int64_t n_tokenizer_tokens = -1;  // tokenizer.ggml.tokens entries; -1 without a tokenizer
-    int64_t n_embd = 0;
+// The transformer-block keys every architecture, the DFlash drafter included, stores under
+// "<arch>.": read and range-checked once (read_block_hparams).
+struct block_hparams {
     int64_t n_layer = 0;
+    int64_t n_embd = 0;
     int64_t n_ff = 0;
     int64_t n_head = 0;
     int64_t n_head_kv = 0;
-    int64_t head_dim = 0;
+    int64_t head_dim = 0;     // attention.key_length (n_embd / n_head when absent)
     int64_t n_ctx_train = 0;
     float rms_eps = 1e-6f;
     float rope_base = 10000.0f;
+};
+
+struct target_hparams : block_hparams {
+    std::string arch;
+    int64_t n_vocab = 0;
+    int64_t n_tokenizer_tokens = -1;  // tokenizer.ggml.tokens entries; -1 without a tokenizer
     int64_t n_rot = 0;
     int rope_sections[4] = {0, 0, 0, 0};
 
@@ -75,9 +80,11 @@ struct layer_weights {
 constexpr int64_t k_max_dim = 1 << 20;    // n_embd, n_ff, head_dim, ssm sizes
 constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
 
-// RMSNorm epsilon >= 0 (ggml's rms_norm asserts it), RoPE base > 0, training context in [1, 2^31):
-// throws input_error naming `path` otherwise.
-void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train);
+// Reads `<arch>.block_count`, embedding / feed-forward / head sizes, context_length, the RMSNorm
+// epsilon and the RoPE base, and checks them (sizes within k_max_*, heads a multiple of the KV
+// heads, head_dim even, epsilon >= 0 as ggml's rms_norm asserts, RoPE base > 0, training context in
+// [1, 2^31)); throws input_error naming the file otherwise. max_layers bounds block_count.
+block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers);
 
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.

@@ -23,21 +23,11 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     DFN_REQUIRE(arch == "dflash", W, "'", path, "' is a '", arch, "' model, not a DFlash drafter (arch 'dflash')");
     auto key = [](const char * s) { return std::string("dflash.") + s; };
 
-    hp_.n_layer = F.get_u32(key("block_count"));
-    hp_.n_embd = F.get_u32(key("embedding_length"));
-    hp_.n_ff = F.get_u32(key("feed_forward_length"));
-    hp_.n_head = F.get_u32(key("attention.head_count"));
-    hp_.n_head_kv = F.get_u32(key("attention.head_count_kv"), (uint32_t) hp_.n_head);
-    hp_.head_dim = F.get_u32(key("attention.key_length"), hp_.n_head ? (uint32_t) (hp_.n_embd / hp_.n_head) : 0);
-    hp_.rms_eps = F.get_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
-    hp_.rope_base = F.get_f32(key("rope.freq_base"), 10000.0f);
-    hp_.n_ctx_train = F.get_u32(key("context_length"), 4096);
+    static_cast<block_hparams &>(hp_) = read_block_hparams(F, "dflash", 256);
     hp_.block_size = drafter_block_size(F);
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
-    DFN_REQUIRE(hp_.n_layer >= 1 && hp_.n_layer <= 256, W, "'", path, "': bad block_count ", hp_.n_layer);
-    check_norm_rope_hparams(path, hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
     if (F.has_key(key("trained_context_length"))) {
         hp_.trained_context = F.get_u32(key("trained_context_length"));  // negatives: out of range
         DFN_REQUIRE(hp_.trained_context >= 1 && hp_.trained_context <= kMaxTrainedContext, W, "'", path,
