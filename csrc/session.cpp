@@ -1,5 +1,6 @@
 #include "session.h"
 
+#include "alloc.h"
 #include "common.h"
 #include "gdn_tape.h"
 #ifdef DFN_CUDA
@@ -65,14 +66,46 @@ target_session::target_session(const std::string & path, const session_params & 
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
 }
 
-ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
-    auto it = plans_.find(shape_key);
-    if (it == plans_.end()) {
+// What ggml_backend_sched_new mallocs without checking (ggml-backend.cpp): an arena of graph_size *
+// GGML_SCHED_MAX_SPLIT_INPUTS (30) * 2 tensors plus a graph, four id arrays as long, hash tables.
+static size_t sched_bytes(size_t graph_size) {
+    const size_t n = graph_size * 30 * 2;
+    return n * (sizeof(ggml_tensor) + 4 * sizeof(int)) + ggml_graph_overhead_custom(graph_size, false) +
+           graph_size * 64 + (size_t(1) << 20);
+}
+
+void target_session::make_room(size_t bytes, const std::string & what, const std::string & keep_key) {
+    try {
+        require_headroom(bytes, "graph", what);
+    } catch (const memory_error &) {
+        // the other plans' schedulers and compute buffers are only a cache: drop them and retry
+        for (auto it = plans_.begin(); it != plans_.end();) it = it->first == keep_key ? std::next(it) : plans_.erase(it);
+        require_headroom(bytes, "graph", what);
+    }
+}
+
+target_session::graph_plan target_session::new_plan(const std::string & shape_key, ggml_cgraph * gf) {
+    for (int attempt = 0;; ++attempt) {
+        make_room(sched_bytes(max_nodes_), cat("the scheduler of graph '", shape_key, "'"), "");
         ggml_backend_t backends[2] = {backend_, cpu_.get()};
         graph_plan p;
         p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
         if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
-        if (!ggml_backend_sched_reserve(p.sched.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
+        if (ggml_backend_sched_reserve(p.sched.get(), gf)) return p;
+        const std::string why = last_ggml_error();  // names the buffer and its size
+        if (attempt == 0 && !plans_.empty()) {
+            plans_.clear();  // their compute buffers are only a cache; try again without them
+            continue;
+        }
+        throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key, "'",
+                               why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+    }
+}
+
+ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
+    auto it = plans_.find(shape_key);
+    if (it == plans_.end()) {
+        graph_plan p = new_plan(shape_key, gf);
         it = plans_.emplace(shape_key, std::move(p)).first;
         // drop the least recently used plans beyond the limits (never the one just made)
         auto bytes = [&](const graph_plan & q) {
@@ -367,6 +400,7 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
         profile_add(pg.graph, what, now - pg.last);
         pg.last = now;
     };
+    if (!broken_.empty()) throw runtime_error(cat("[graph] ", broken_, ": this engine cannot run any more, create a new one"));
     ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
@@ -377,19 +411,46 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
         build(ctx, gf);
     }
     phase(":build");
-    ggml_backend_sched_t sched = plan_for(shape_key, gf);
-    phase(":plan");
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    ggml_backend_sched_t sched = alloc_graph(shape_key, gf);
     phase(":alloc");
     set_inputs();
     phase(":inputs");
+    // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
+    // that survives failure (a failed work buffer leaves a dangling pointer behind): make room first
+    const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, params_.n_threads, nullptr).work_size : 0;
+    make_room(graph_headroom(params_.n_threads) + work, cat("running graph '", shape_key, "'"), shape_key);
     ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
-    const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
+    ggml_status st;
+    try {
+        st = ggml_backend_sched_graph_compute(sched, gf);
+    } catch (const std::bad_alloc &) {
+        // thrown by a backend's allocation inside ggml: its state may be inconsistent
+        broken_ = cat("out of memory inside ggml while running graph '", shape_key, "'");
+        (void) cpu_.release();  // may hold a freed work buffer: never free it again
+        throw memory_error(cat("[graph] ", broken_, "; this engine cannot run any more, create a new one"));
+    }
+    throw_kernel_oom("graph");
+    if (st == GGML_STATUS_ALLOC_FAILED) throw memory_error(cat("[graph] out of memory running graph '", shape_key, "'"));
     if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
     phase(":compute");
     read_outputs();
     phase(":read");
+}
+
+ggml_backend_sched_t target_session::alloc_graph(const std::string & shape_key, ggml_cgraph * gf) {
+    for (int attempt = 0;; ++attempt) {
+        ggml_backend_sched_t sched = plan_for(shape_key, gf);
+        ggml_backend_sched_reset(sched);
+        if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
+        // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
+        const std::string why = last_ggml_error();
+        plans_.erase(shape_key);
+        if (attempt > 0) {
+            throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key,
+                                   "'", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+        }
+        plans_.clear();  // only a cache: plan again without the others
+    }
 }
 
 std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {

@@ -120,6 +120,12 @@ private:
     static constexpr size_t k_max_plans = 32;
     static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
     ggml_backend_sched_t plan_for(const std::string & shape_key, ggml_cgraph * gf);
+    // Out of memory these throw memory_error (Python MemoryError), after one retry without the
+    // other plans (a cache of compute buffers): a new plan, a graph's buffers, room to compute.
+    graph_plan new_plan(const std::string & shape_key, ggml_cgraph * gf);
+    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf);
+    void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
+    std::string broken_;  // set when ggml failed mid-compute in a way that cannot be undone
     std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run_graph)
     uint64_t plan_clock_ = 0;
     std::vector<uint8_t> meta_;             // graph metadata arena
