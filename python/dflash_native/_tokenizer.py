@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from ._memory import out_of_memory
 
 
 @contextlib.contextmanager
@@ -27,31 +28,12 @@ def _quiet_stderr():
         os.close(fd)
 
 
-# llama.cpp's vocab-only load still builds a context: what it may need beside the vocabulary.
-_LOAD_HEADROOM = 128 << 20
-
-
-def _out_of_memory(error: BaseException | None = None) -> bool:
-    """Whether a failure was (most likely) memory running out: a MemoryError, a shared library
-    that cannot be mapped, or too little address space left for a load. llama.cpp reports a failed
-    load only as NULL, and its log may not get through when memory is short, so look."""
-    if isinstance(error, MemoryError):
-        return True
-    if error is not None and any(s in str(error).lower() for s in ("failed to map segment", "cannot allocate memory")):
-        return True
-    try:
-        mmap.mmap(-1, _LOAD_HEADROOM).close()  # address space only: the pages are never touched
-    except (OSError, ValueError):
-        return True
-    return False
-
-
 class Tokenizer:
     def __init__(self, gguf_path: str | Path):
         try:
             import llama_cpp
         except (ImportError, OSError, RuntimeError) as e:  # a shared library that cannot be mapped
-            if _out_of_memory(e):
+            if out_of_memory(e):
                 raise MemoryError(f"[tokenizer] out of memory loading llama-cpp-python: {e}") from None
             raise
 
@@ -60,7 +42,7 @@ class Tokenizer:
             try:
                 self._llama = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
             except Exception as e:  # llama-cpp-python raises ValueError("Failed to load model from file")
-                if _out_of_memory(e):
+                if out_of_memory(e):
                     raise MemoryError(f"[tokenizer] out of memory loading the vocabulary of '{gguf_path}' "
                                       f"(llama.cpp: {e})") from None
                 raise ValueError(f"[tokenizer] llama.cpp could not load the vocabulary of '{gguf_path}': {e}") from None

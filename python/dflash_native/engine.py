@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _core
+from ._memory import out_of_memory
 from ._tokenizer import Tokenizer
 
 
@@ -417,6 +418,8 @@ def _drafter_block_size(path) -> int:
     try:
         r = GGUFReader(str(path))
     except Exception as e:
+        if out_of_memory(e):
+            raise MemoryError(f"[load_gguf] out of memory reading the drafter '{path}': {e}") from None
         raise ValueError(f"[load_gguf] '{path}' is not a readable GGUF drafter: {e}") from None
     f = r.fields.get("dflash.block_size")
     return int(f.parts[-1][0]) if f is not None else 16
