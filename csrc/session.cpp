@@ -411,7 +411,9 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
         build(ctx, gf);
     }
     phase(":build");
-    ggml_backend_sched_t sched = alloc_graph(shape_key, gf);
+    ggml_backend_sched_t sched = plan_for(shape_key, gf);
+    phase(":plan");
+    sched = alloc_graph(shape_key, gf, sched);
     phase(":alloc");
     set_inputs();
     phase(":inputs");
@@ -437,9 +439,11 @@ void target_session::run_graph(const std::string & shape_key, const std::functio
     phase(":read");
 }
 
-ggml_backend_sched_t target_session::alloc_graph(const std::string & shape_key, ggml_cgraph * gf) {
+ggml_backend_sched_t target_session::alloc_graph(const std::string & shape_key, ggml_cgraph * gf,
+                                                 ggml_backend_sched_t sched) {
     for (int attempt = 0;; ++attempt) {
-        ggml_backend_sched_t sched = plan_for(shape_key, gf);
+        // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
+        make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
         ggml_backend_sched_reset(sched);
         if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
         // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
@@ -450,6 +454,7 @@ ggml_backend_sched_t target_session::alloc_graph(const std::string & shape_key, 
                                    "'", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
         }
         plans_.clear();  // only a cache: plan again without the others
+        sched = plan_for(shape_key, gf);
     }
 }
 

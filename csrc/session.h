@@ -123,7 +123,7 @@ private:
     // Out of memory these throw memory_error (Python MemoryError), after one retry without the
     // other plans (a cache of compute buffers): a new plan, a graph's buffers, room to compute.
     graph_plan new_plan(const std::string & shape_key, ggml_cgraph * gf);
-    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf);
+    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
     void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
     std::string broken_;  // set when ggml failed mid-compute in a way that cannot be undone
     std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run_graph)
