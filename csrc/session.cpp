@@ -40,6 +40,7 @@ target_session::target_session(const std::string & path, const session_params & 
 
     model_ = target_model::open(path);
 
+    require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
     cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
