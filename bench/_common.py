@@ -7,8 +7,13 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+# The random test models (tests/fixtures: the package's random_models with the fixture
+# tokenizer) are imported as the tests import them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache" / "dflash-native-bench"))
 
@@ -46,7 +51,7 @@ def machine() -> str:
 
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:
     """Build (once) a random model with the package's own converter."""
-    from dflash_native.testing import make_random_gguf
+    from fixtures import make_random_gguf
 
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"{name}-{outtype}-s{seed}.gguf"
@@ -59,7 +64,7 @@ def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) 
 
 def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
     """A random DFlash drafter for a cached random target (only the shape matters for speed)."""
-    from dflash_native.testing_dflash import make_random_drafter_gguf
+    from dflash_native.random_models import make_random_drafter_gguf
 
     path = CACHE / f"{target_name}-drafter{n_layers}-{outtype}-s{seed}.gguf"
     if not path.exists():

@@ -100,7 +100,7 @@ def main():
 
     print(f"\n{'accepted n':<12}{'tape replay':>14}{'snapshot':>14}{'re-decode*':>14}   (ms per verify, {L} layers)")
     for n in (1, T // 2, T):
-        t_replay = timeit(lambda: _core.gdn_tape_replay_inplace(work, tk, tu, tg, n, n_threads=1), a.reps)
+        t_replay = timeit(lambda: _core.testing.gdn_tape_replay_inplace(work, tk, tu, tg, n, n_threads=1), a.reps)
         t_snap_rb = timeit(lambda: np.copyto(work, snaps[n - 1]), a.reps)
         t_snap_rec = timeit(snapshot_verify, a.reps)
         t_redecode = timeit(lambda: _core.gdn_tape_record(q[:n], k[:n], v[:n], g[:n], beta[:n], S0), a.reps)

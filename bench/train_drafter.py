@@ -28,8 +28,8 @@ def main():
     import torch
     import transformers
 
-    from dflash_native.testing import make_random_checkpoint
-    from dflash_native.testing_dflash import mask_token_id_of
+    from dflash_native.hf_formats import mask_token_id_of
+    from fixtures import make_random_checkpoint
     from dflash_native.train.drafter import greedy_continuations, train_drafter
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -159,10 +159,11 @@ ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml
     return out;
 }
 
-ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
+ggml_tensor * attention(const build_context & b, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
                         float scale) {
+    ggml_context * ctx = b.ctx;
     ggml_tensor * out = nullptr;  // [hd, n_head, n_tokens]
-    if (own_kernels() && attn_op_supported(q, K, V, mask)) {
+    if (b.own_kernels() && attn_op_supported(q, K, V, mask)) {
         out = attn_op(ctx, q, K, V, mask, scale);
     } else {
         out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3),  // [hd, n_tokens, n_head]

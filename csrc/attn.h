@@ -8,6 +8,8 @@
 // on the other tokens in the batch or on the thread split: verify equals the AR step bitwise.
 #pragma once
 
+#include "build_context.h"
+
 #include "ggml.h"
 
 namespace dfn {
@@ -23,9 +25,9 @@ ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml
                       float scale);
 
 // What the graph builders call (target KV-cache attention, the drafter's ring attention): attn_op
-// under the session's own kernels (matmul.h) where supported, else ggml_flash_attn_ext with F32
-// accumulation. Same arguments; returns F32 [hd * n_head, n_tokens].
-ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
+// when b asks for our own kernels (build_context.h) and it applies, else ggml_flash_attn_ext with
+// F32 accumulation. Same arguments; returns F32 [hd * n_head, n_tokens].
+ggml_tensor * attention(const build_context & b, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
                         float scale);
 
 }  // namespace dfn

@@ -1,4 +1,8 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
+//
+// One binder per area: module information (bind_module_info), verify primitives (bind_verify),
+// the GDN tape (bind_tape), the Target and Spec sessions (bind_target, bind_spec), and the hooks
+// only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
 #include "common.h"
 #include "conv.h"
 #include "matmul.h"
@@ -6,6 +10,7 @@
 #include "top1.h"
 #include "gdn_tape.h"
 #include "verify.h"
+#include "vocab.h"
 #ifdef DFN_CUDA
 #include "cuda/gdn_tape_cuda.h"
 #endif
@@ -16,6 +21,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <thread>
 
 namespace py = pybind11;
@@ -23,10 +29,32 @@ using namespace dfn;
 
 namespace {
 
+using farr = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
 ggml_type parse_kv_type(const std::string & s) {
     if (s == "f16") return GGML_TYPE_F16;
     if (s == "f32") return GGML_TYPE_F32;
     throw input_error(cat("[engine] kv_type must be 'f16' or 'f32', got '", s, "'"));
+}
+
+// The mode strings of Engine / Target, parsed once here: the core sees only the enums.
+device_kind parse_device(const std::string & s) {
+    if (s == "cpu") return DEVICE_CPU;
+    if (s == "gpu" || s == "cuda" || s == "metal") return DEVICE_GPU;
+    throw input_error(cat("[engine] unknown device '", s, "' (use 'cpu' or 'gpu')"));
+}
+
+rollback_kind parse_rollback(const std::string & s) {
+    if (s == "tape") return ROLLBACK_TAPE;
+    if (s == "snapshot") return ROLLBACK_SNAPSHOT;
+    if (s == "redecode") return ROLLBACK_REDECODE;
+    throw input_error(cat("[engine] rollback must be 'tape', 'snapshot' or 'redecode', got '", s, "'"));
+}
+
+matmul_kind parse_matmul(const std::string & s) {
+    if (s == "own") return MATMUL_OWN;
+    if (s == "ggml") return MATMUL_GGML;
+    throw input_error(cat("[engine] matmul must be 'own' or 'ggml', got '", s, "'"));
 }
 
 std::vector<int32_t> to_tokens(const py::handle & obj) {
@@ -46,88 +74,69 @@ std::vector<int32_t> to_tokens(const py::handle & obj) {
     return out;
 }
 
-template <typename T>
 py::array_t<float> to_array(std::vector<float> && v, std::vector<py::ssize_t> shape) {
     auto * heap = new std::vector<float>(std::move(v));
     py::capsule owner(heap, [](void * p) { delete static_cast<std::vector<float> *>(p); });
     return py::array_t<float>(shape, heap->data(), owner);  // zero-copy: the array owns the vector
 }
 
-}  // namespace
+// decode_result -> Python: logits float32 [n_rows, n_vocab], and with taps the tuple (logits,
+// taps float32 [n_tokens, n_taps, n_embd]).
+py::object result_to_py(decode_result && r, int64_t n_tokens, size_t n_taps, const target_hparams & hp) {
+    py::array_t<float> logits = to_array(std::move(r.logits), {r.n_rows, hp.n_vocab});
+    if (n_taps == 0) return logits;
+    py::array_t<float> t = to_array(std::move(r.taps), {n_tokens, (py::ssize_t) n_taps, hp.n_embd});
+    return py::make_tuple(logits, t);
+}
 
-PYBIND11_MODULE(_core, m) {
-    m.doc() = "dflash-native C++ core over ggml";
+// A cache or ring tensor (or its first n_rows_dim2 slices along dim 2) as F32, for inspection.
+std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = -1) {
+    const int64_t ne2 = n_rows_dim2 >= 0 ? n_rows_dim2 : t->ne[2];
+    const size_t n_el = (size_t) t->ne[0] * t->ne[1] * ne2 * t->ne[3];
+    std::vector<float> out(n_el);
+    if (n_el == 0) return out;
+    const size_t bytes = n_el * ggml_type_size(t->type) / ggml_blck_size(t->type);
+    std::vector<uint8_t> raw(bytes);
+    ggml_backend_tensor_get(t, raw.data(), 0, bytes);
+    if (t->type == GGML_TYPE_F32) {
+        std::memcpy(out.data(), raw.data(), bytes);
+    } else if (t->type == GGML_TYPE_F16) {
+        ggml_fp16_to_fp32_row((const ggml_fp16_t *) raw.data(), out.data(), (int64_t) n_el);
+    } else {
+        throw runtime_error(cat("[cache] cannot read tensor of type ", ggml_type_name(t->type)));
+    }
+    return out;
+}
 
-    m.def("ggml_version", [] { return std::string(ggml_version()); });
+// ---- module information -----------------------------------------------------------------------
+
+void bind_module_info(py::module_ & m) {
+    m.def("cuda_available", [] {
 #ifdef DFN_CUDA
-    m.def("cuda_built", [] { return true; }, "True when the CUDA GDN tape kernels were compiled in");
-    m.def("cuda_available", [] { return cuda::available(); }, "CUDA kernels compiled in and a device usable");
+        return cuda::available();
 #else
-    m.def("cuda_built", [] { return false; }, "True when the CUDA GDN tape kernels were compiled in");
-    m.def("cuda_available", [] { return false; }, "CUDA kernels compiled in and a device usable");
+        return false;
 #endif
+    }, "CUDA kernels compiled in and a device usable");
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
 
+    // What Python reads from a GGUF before (or besides) loading it, through the same checked parser.
     m.def(
-        "matmul",
-        [](py::array W, py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string & isa,
-           int n_threads) {
-            // W [M, K] float16 or float32, x [N, K] float32 -> y [N, M] float32 (matmul.h's kernel; rows split
-            // over n_threads threads as the graph op splits them)
-            DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2, "matmul", "W and x must be 2-D");
-            const bool f16 = W.dtype().is(py::dtype("float16"));
-            DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "matmul", "W must be float16 or float32");
-            DFN_REQUIRE(W.flags() & py::array::c_style, "matmul", "W must be C-contiguous");
-            const int64_t M = W.shape(0), K = W.shape(1), N = x.shape(0);
-            DFN_REQUIRE(x.shape(1) == K, "matmul", "x has ", x.shape(1), " columns, W has ", K);
-            DFN_REQUIRE(n_threads >= 1, "matmul", "n_threads must be >= 1");
-            py::array_t<float> y({N, M});
-            const void * w = W.data();
-            const float * xp = x.data();
-            float * yp = y.mutable_data();
-            py::gil_scoped_release release;
-            std::vector<std::thread> pool;
-            for (int t = 1; t < n_threads; ++t) {
-                pool.emplace_back([=] { matmul_rows(w, f16, K, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa); });
-            }
-            matmul_rows(w, f16, K, xp, K, yp, M, K, N, 0, M / n_threads, isa);
-            for (auto & th : pool) th.join();
-            return y;
-        },
-        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1);
+        "check_vocab", [](const std::string & path) { return check_vocab(gguf_file(path)); }, py::arg("path"),
+        "Validate tokenizer.ggml.* (vocab.h); False when the file has no vocabulary, ValueError when it is broken");
     m.def(
-        "top1",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
-            // logits [n, V] -> (argmax int64 [n], p float32 [n]) by top1.h's row kernel
-            DFN_REQUIRE(logits.ndim() == 2 && logits.shape(1) >= 1, "top1", "logits must be 2-D with >= 1 column");
-            const int64_t n = logits.shape(0), V = logits.shape(1);
-            py::array_t<int64_t> arg(n);
-            py::array_t<float> p(n);
-            for (int64_t r = 0; r < n; ++r) top1_row(logits.data() + r * V, V, arg.mutable_data()[r], p.mutable_data()[r]);
-            return py::make_tuple(arg, p);
-        },
-        py::arg("logits"));
+        "drafter_block_size", [](const std::string & path) { return drafter_block_size(gguf_file(path)); },
+        py::arg("path"), "dflash.block_size of a drafter GGUF (16 when absent), range-checked");
     m.def(
-        "conv_silu",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> state,
-           py::array_t<float, py::array::c_style | py::array::forcecast> x,
-           py::array_t<float, py::array::c_style | py::array::forcecast> w) {
-            // state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv] -> (out [n_tok, n_ch], new state):
-            // conv.h's kernel, as a decode step runs it
-            DFN_REQUIRE(state.ndim() == 2 && x.ndim() == 2 && w.ndim() == 2, "conv_silu", "state, x and w must be 2-D");
-            const int64_t n_ch = w.shape(0), d_conv = w.shape(1), n_tok = x.shape(0);
-            DFN_REQUIRE(d_conv >= 2 && state.shape(0) == n_ch && state.shape(1) == d_conv - 1 && x.shape(1) == n_ch,
-                        "conv_silu", "shapes do not match: state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv]");
-            py::array_t<float> st({n_ch, d_conv - 1}), out({n_tok, n_ch});
-            std::memcpy(st.mutable_data(), state.data(), sizeof(float) * n_ch * (d_conv - 1));
-            conv_silu_channels(st.mutable_data(), true, x.data(), n_ch, w.data(), out.mutable_data(), d_conv, n_ch, n_tok,
-                               0, n_ch);
-            return py::make_tuple(out, st);
+        "gguf_string",
+        [](const std::string & path, const std::string & key) -> py::object {
+            gguf_file f(path);
+            if (!f.has_key(key)) return py::none();
+            const std::string v = f.get_str(key);
+            return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v.data(), (py::ssize_t) v.size(), "replace"));
         },
-        py::arg("state"), py::arg("x"), py::arg("w"));
-    m.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
-    m.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
+        py::arg("path"), py::arg("key"), "A string value of a GGUF's metadata (None when absent)");
     m.def(
         "profile",
         [](int level) {
@@ -145,7 +154,11 @@ PYBIND11_MODULE(_core, m) {
             return out;
         },
         "Totals since profile(): {'<graph>/<op or :phase>': (calls, seconds)}");
+}
 
+// ---- verify primitives ------------------------------------------------------------------------
+
+void bind_verify(py::module_ & m) {
     m.def(
         "accept_prefix",
         [](const py::object & draft, const py::object & target) {
@@ -155,119 +168,124 @@ PYBIND11_MODULE(_core, m) {
         py::arg("draft"), py::arg("target"),
         "Committed tokens of one chain-verify round: the longest prefix of draft (d_1..d_{B-1}) equal to "
         "target (t_0..t_{B-1}), plus the bonus token.");
+}
 
-    using farr = py::array_t<float, py::array::c_style | py::array::forcecast>;
+// ---- GDN tape ---------------------------------------------------------------------------------
+
+struct tape_dims {
+    int64_t T, H_k, H_v, S;
+};
+
+// q, k: [T, H_k, S]; v: [T, H_v, S]; g, beta: [T, H_v]; state0: [H_v, S(v), S(k)] (S^T per head)
+tape_dims check_record_shapes(const farr & q, const farr & k, const farr & v, const farr & g, const farr & beta,
+                              const farr & state0) {
+    if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || g.ndim() != 2 || beta.ndim() != 2 || state0.ndim() != 3)
+        throw input_error("[gdn_tape] expected q, k, v 3-D; g, beta 2-D; state0 3-D");
+    const int64_t T = v.shape(0), H_v = v.shape(1), S = v.shape(2), H_k = q.shape(1);
+    if (H_k < 1 || H_v % H_k != 0 || q.shape(0) != T || q.shape(2) != S || k.shape(0) != T || k.shape(1) != H_k ||
+        k.shape(2) != S || g.shape(0) != T || g.shape(1) != H_v || beta.shape(0) != T || beta.shape(1) != H_v ||
+        state0.shape(0) != H_v || state0.shape(1) != S || state0.shape(2) != S)
+        throw input_error("[gdn_tape] inconsistent shapes");
+    return {T, H_k, H_v, S};
+}
+
+// state: [H_v, S, S]; tape_k, tape_u: [T, H_v, S]; tape_g: [T, H_v]; 0 <= n <= T
+template <typename State>
+tape_dims check_replay_shapes(const State & state, const farr & tk, const farr & tu, const farr & tg, int64_t n) {
+    if (state.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)
+        throw input_error("[gdn_tape] expected state, tape_k, tape_u 3-D and tape_g 2-D");
+    const int64_t H_v = state.shape(0), S = state.shape(1), T = tk.shape(0);
+    if (state.shape(2) != S || tk.shape(1) != H_v || tk.shape(2) != S || tu.shape(0) != T || tu.shape(1) != H_v ||
+        tu.shape(2) != S || tg.shape(0) != T || tg.shape(1) != H_v)
+        throw input_error("[gdn_tape] inconsistent shapes");
+    if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
+    return {T, 0, H_v, S};
+}
+
+gdn_tape_view tape_view(const farr & tk, const farr & tu, const farr & tg) {
+    return {const_cast<float *>(tk.data()), const_cast<float *>(tu.data()), const_cast<float *>(tg.data())};
+}
+
+// (o, tape_k, tape_u, tape_g) -> Python, shaped as the inputs
+py::tuple record_to_py(const tape_dims & d, std::vector<float> && o, std::vector<float> && tk, std::vector<float> && tu,
+                       std::vector<float> && tg) {
+    return py::make_tuple(to_array(std::move(o), {d.T, d.H_v, d.S}), to_array(std::move(tk), {d.T, d.H_v, d.S}),
+                          to_array(std::move(tu), {d.T, d.H_v, d.S}), to_array(std::move(tg), {d.T, d.H_v}));
+}
+
+void bind_tape(py::module_ & m) {
     m.def(
         "gdn_tape_record",
         [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
-            // q, k: [T, H_k, S]; v: [T, H_v, S]; g, beta: [T, H_v]; state0: [H_v, S(v), S(k)] (S^T per head)
-            if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || g.ndim() != 2 || beta.ndim() != 2 || state0.ndim() != 3)
-                throw input_error("[gdn_tape] expected q, k, v 3-D; g, beta 2-D; state0 3-D");
-            const int64_t T = v.shape(0), H_v = v.shape(1), S = v.shape(2), H_k = q.shape(1);
-            if (H_k < 1 || H_v % H_k != 0 || q.shape(0) != T || q.shape(2) != S || k.shape(0) != T || k.shape(1) != H_k ||
-                k.shape(2) != S || g.shape(0) != T || g.shape(1) != H_v || beta.shape(0) != T || beta.shape(1) != H_v ||
-                state0.shape(0) != H_v || state0.shape(1) != S || state0.shape(2) != S)
-                throw input_error("[gdn_tape] inconsistent shapes");
+            const tape_dims d = check_record_shapes(q, k, v, g, beta, state0);
+            const int64_t S = d.S, H_k = d.H_k, H_v = d.H_v, T = d.T;
             gdn_inputs in{q.data(), S, S * H_k, k.data(), S, S * H_k, v.data(), S, S * H_v, g.data(), H_v, beta.data(), H_v};
             std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
             {
                 py::gil_scoped_release release;
                 gdn_tape_record(in, state0.data(), o.data(), {tk.data(), tu.data(), tg.data()}, S, H_k, H_v, T, 0, H_v);
             }
-            return py::make_tuple(to_array<float>(std::move(o), {T, H_v, S}), to_array<float>(std::move(tk), {T, H_v, S}),
-                                  to_array<float>(std::move(tu), {T, H_v, S}), to_array<float>(std::move(tg), {T, H_v}));
+            return record_to_py(d, std::move(o), std::move(tk), std::move(tu), std::move(tg));
         },
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"),
         "Run the GDN recurrence from state0 recording the tape: returns (o, tape_k, tape_u, tape_g).");
     m.def(
-        "gdn_tape_replay_inplace",
-        [](py::array_t<float, py::array::c_style> state, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
-            if (state.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)
-                throw input_error("[gdn_tape] expected state, tape_k, tape_u 3-D and tape_g 2-D");
-            const int64_t H_v = state.shape(0), S = state.shape(1), T = tk.shape(0);
-            if (state.shape(2) != S || tk.shape(1) != H_v || tk.shape(2) != S || tu.shape(0) != T || tu.shape(1) != H_v ||
-                tu.shape(2) != S || tg.shape(0) != T || tg.shape(1) != H_v)
-                throw input_error("[gdn_tape] inconsistent shapes");
-            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
-            float * st = state.mutable_data();
-            gdn_tape_view tape{const_cast<float *>(tk.data()), const_cast<float *>(tu.data()), const_cast<float *>(tg.data())};
-            py::gil_scoped_release release;
-            gdn_tape_replay_mt(st, tape, S, H_v, n, n_threads);
-        },
-        py::arg("state"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
-        "gdn_tape_replay writing into `state` (float32, C-contiguous, [H_v, S, S]) without copies.");
-    m.def(
         "gdn_tape_replay",
         [](farr state0, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
-            if (state0.ndim() != 3 || tk.ndim() != 3 || tu.ndim() != 3 || tg.ndim() != 2)
-                throw input_error("[gdn_tape] expected state0, tape_k, tape_u 3-D and tape_g 2-D");
-            const int64_t H_v = state0.shape(0), S = state0.shape(1), T = tk.shape(0);
-            if (state0.shape(2) != S || tk.shape(1) != H_v || tk.shape(2) != S || tu.shape(0) != T || tu.shape(1) != H_v ||
-                tu.shape(2) != S || tg.shape(0) != T || tg.shape(1) != H_v)
-                throw input_error("[gdn_tape] inconsistent shapes");
-            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
+            const tape_dims d = check_replay_shapes(state0, tk, tu, tg, n);
             std::vector<float> st(state0.data(), state0.data() + state0.size());
-            gdn_tape_view tape{const_cast<float *>(tk.data()), const_cast<float *>(tu.data()), const_cast<float *>(tg.data())};
             {
                 py::gil_scoped_release release;
-                gdn_tape_replay_mt(st.data(), tape, S, H_v, n, n_threads);
+                gdn_tape_replay_mt(st.data(), tape_view(tk, tu, tg), d.S, d.H_v, n, n_threads);
             }
-            return to_array<float>(std::move(st), {H_v, S, S});
+            return to_array(std::move(st), {d.H_v, d.S, d.S});
         },
         py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
         "State after the first n tokens of a tape, from state0 ([H_v, S, S], S^T per head).");
+}
 
-#ifdef DFN_CUDA
-    m.def(
-        "cuda_gdn_tape_record",
-        [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
-            const int64_t T = v.shape(0), H_v = v.shape(1), S = v.shape(2), H_k = q.shape(1);
-            if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || state0.ndim() != 3 || H_k < 1 || H_v % H_k != 0 ||
-                state0.shape(0) != H_v || state0.shape(1) != S || state0.shape(2) != S)
-                throw input_error("[gdn_tape] inconsistent shapes");
-            std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
-            {
-                py::gil_scoped_release release;
-                cuda::gdn_tape_record_host(q.data(), k.data(), v.data(), g.data(), beta.data(), state0.data(), o.data(),
-                                           tk.data(), tu.data(), tg.data(), S, H_k, H_v, T);
-            }
-            return py::make_tuple(to_array<float>(std::move(o), {T, H_v, S}), to_array<float>(std::move(tk), {T, H_v, S}),
-                                  to_array<float>(std::move(tu), {T, H_v, S}), to_array<float>(std::move(tg), {T, H_v}));
-        },
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"));
-    m.def(
-        "cuda_gdn_tape_replay",
-        [](farr state0, farr tk, farr tu, farr tg, int64_t n) {
-            const int64_t H_v = state0.shape(0), S = state0.shape(1), T = tk.shape(0);
-            if (n < 0 || n > T) throw input_error(cat("[gdn_tape] n = ", n, " outside [0, ", T, "]"));
-            std::vector<float> st(state0.data(), state0.data() + state0.size());
-            {
-                py::gil_scoped_release release;
-                cuda::gdn_tape_replay_host(st.data(), tk.data(), tu.data(), tg.data(), S, H_v, T, n);
-            }
-            return to_array<float>(std::move(st), {H_v, S, S});
-        },
-        py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"));
-#endif
+// ---- Target -----------------------------------------------------------------------------------
 
+std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
+                                            const std::string & kv_type, int64_t n_batch, const std::string & device,
+                                            int64_t max_verify, const std::string & rollback, const std::string & matmul) {
+    session_params p;
+    p.n_ctx = n_ctx;
+    p.n_threads = n_threads;
+    p.kv_type = parse_kv_type(kv_type);
+    p.n_batch = n_batch;
+    p.device = parse_device(device);
+    p.max_verify = max_verify;
+    p.rollback = parse_rollback(rollback);
+    p.matmul = parse_matmul(matmul);
+    py::gil_scoped_release release;
+    return std::make_unique<target_session>(path, p);
+}
+
+py::object target_decode(target_session & s, const py::object & tokens, bool all_logits, const std::vector<int> & taps) {
+    std::vector<int32_t> toks = to_tokens(tokens);
+    decode_result r;
+    {
+        py::gil_scoped_release release;
+        r = s.decode(toks.data(), (int64_t) toks.size(), all_logits, taps);
+    }
+    return result_to_py(std::move(r), (int64_t) toks.size(), taps.size(), s.hparams());
+}
+
+py::object target_verify(target_session & s, const py::object & tokens, const std::vector<int> & taps) {
+    std::vector<int32_t> toks = to_tokens(tokens);
+    decode_result r;
+    {
+        py::gil_scoped_release release;
+        r = s.verify(toks.data(), (int64_t) toks.size(), taps);
+    }
+    return result_to_py(std::move(r), (int64_t) toks.size(), taps.size(), s.hparams());
+}
+
+void bind_target(py::module_ & m) {
     py::class_<target_session>(m, "Target")
-        .def(py::init([](const std::string & path, int64_t n_ctx, int n_threads, const std::string & kv_type,
-                         int64_t n_batch, const std::string & device, int64_t max_verify, const std::string & rollback,
-                         const std::string & matmul) {
-                 session_params p;
-                 p.n_ctx = n_ctx;
-                 p.n_threads = n_threads;
-                 p.kv_type = parse_kv_type(kv_type);
-                 p.n_batch = n_batch;
-                 p.device = device;
-                 p.max_verify = max_verify;
-                 p.rollback = rollback;
-                 p.matmul = matmul;
-                 py::gil_scoped_release release;
-                 return std::make_unique<target_session>(path, p);
-             }),
-             py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
-             py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
+        .def(py::init(&make_target), py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0,
+             py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
              py::arg("rollback") = "tape", py::arg("matmul") = "own")
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
@@ -275,9 +293,8 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_layer", [](const target_session & s) { return s.hparams().n_layer; })
         .def_property_readonly("n_ctx", [](const target_session & s) { return s.params().n_ctx; })
         .def_property_readonly("n_threads", [](const target_session & s) { return s.params().n_threads; })
-        .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul; })
+        .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul == MATMUL_OWN ? "own" : "ggml"; })
         .def_property_readonly("n_past", &target_session::n_past)
-        .def_property_readonly("device", &target_session::device_name)
         .def_property_readonly("layer_types", [](const target_session & s) {
             std::vector<std::string> out;
             for (int il = 0; il < s.hparams().n_layer; ++il) out.push_back(s.hparams().layer_is_gdn(il) ? "gdn" : "attention");
@@ -286,28 +303,13 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("weights_bytes", [](const target_session & s) { return s.model().file().weights_bytes(); })
         .def_property_readonly("cache_bytes", [](target_session & s) { return s.cache().bytes(); })
         .def_property_readonly("n_graph_plans", &target_session::n_graph_plans,
-                               "Graph shapes holding a scheduler and allocation plan (see run_graph)")
+                               "Graph shapes holding a scheduler and allocation plan (see graph_runner.h)")
         .def("reset", &target_session::reset, "Empty the sequence: n_past = 0, GDN state zeroed")
-        .def(
-            "decode",
-            [](target_session & s, const py::object & tokens, bool all_logits, const std::vector<int> & taps) -> py::object {
-                std::vector<int32_t> toks = to_tokens(tokens);
-                decode_result r;
-                {
-                    py::gil_scoped_release release;
-                    r = s.decode(toks.data(), (int64_t) toks.size(), all_logits, taps);
-                }
-                const int64_t n_vocab = s.hparams().n_vocab;
-                py::array_t<float> logits = to_array<float>(std::move(r.logits), {r.n_rows, n_vocab});
-                if (taps.empty()) return logits;
-                py::array_t<float> t = to_array<float>(std::move(r.taps),
-                    {(py::ssize_t) toks.size(), (py::ssize_t) taps.size(), (py::ssize_t) s.hparams().n_embd});
-                return py::make_tuple(logits, t);
-            },
-            py::arg("tokens"), py::arg("all_logits") = false, py::arg("taps") = std::vector<int>{},
-            "Run tokens at positions n_past.. and append them to the cache. Returns logits float32 "
-            "[n_rows, n_vocab] (all tokens or the last), and with taps=[layers] also the hidden states "
-            "after those layers, float32 [n_tokens, n_taps, n_embd].")
+        .def("decode", &target_decode, py::arg("tokens"), py::arg("all_logits") = false,
+             py::arg("taps") = std::vector<int>{},
+             "Run tokens at positions n_past.. and append them to the cache. Returns logits float32 "
+             "[n_rows, n_vocab] (all tokens or the last), and with taps=[layers] also the hidden states "
+             "after those layers, float32 [n_tokens, n_taps, n_embd].")
         .def(
             "decode_greedy",
             [](target_session & s, const py::object & tokens) {
@@ -316,106 +318,62 @@ PYBIND11_MODULE(_core, m) {
                 return s.decode(toks.data(), (int64_t) toks.size(), false, {}, true).argmax[0];
             },
             py::arg("tokens"), "decode() that returns only the greedy next token (argmax of the last row, in the graph)")
-        .def(
-            "verify",
-            [](target_session & s, const py::object & tokens, const std::vector<int> & taps) -> py::object {
-                std::vector<int32_t> toks = to_tokens(tokens);
-                decode_result r;
-                {
-                    py::gil_scoped_release release;
-                    r = s.verify(toks.data(), (int64_t) toks.size(), taps);
-                }
-                py::array_t<float> logits = to_array<float>(std::move(r.logits), {r.n_rows, s.hparams().n_vocab});
-                if (taps.empty()) return logits;
-                py::array_t<float> t = to_array<float>(std::move(r.taps),
-                    {(py::ssize_t) toks.size(), (py::ssize_t) taps.size(), (py::ssize_t) s.hparams().n_embd});
-                return py::make_tuple(logits, t);
-            },
-            py::arg("tokens"), py::arg("taps") = std::vector<int>{},
-            "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
+        .def("verify", &target_verify, py::arg("tokens"), py::arg("taps") = std::vector<int>{},
+             "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
         .def(
             "commit",
             [](target_session & s, int64_t n_keep) {
                 py::gil_scoped_release release;
                 s.commit(n_keep);
             },
-            py::arg("n_keep"), "Keep the first n_keep tokens of the pending verify (rollback of the rest)")
-        .def_property_readonly("verify_pending", &target_session::verify_pending)
-        .def_property_readonly("tape_bytes_per_token", [](target_session & s) { return s.cache().tape_bytes_per_token(); })
-        .def(
-            "kv",
-            [](target_session & s, int il) {
-                const auto & hp = s.hparams();
-                if (il < 0 || il >= hp.n_layer || hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " has no K/V"));
-                const kv_layer & c = s.cache().kv[il];
-                const int64_t n = s.n_past();
-                auto k = to_array<float>(s.read_tensor_f32(c.k, n), {n, hp.n_head_kv, hp.head_dim});
-                auto v = to_array<float>(s.read_tensor_f32(c.v, n), {n, hp.n_head_kv, hp.head_dim});
-                return py::make_tuple(k, v);
-            },
-            py::arg("layer"), "Cached K and V of an attention layer, float32 [n_past, n_head_kv, head_dim] each")
-        .def(
-            "gdn_state",
-            [](target_session & s, int il) {
-                const auto & hp = s.hparams();
-                if (il < 0 || il >= hp.n_layer || !hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " is not a GDN layer"));
-                const gdn_layer & c = s.cache().gdn[il];
-                const int64_t S = hp.ssm_head_dim;
-                // ggml stores S^T per head (k index fastest): numpy [H_v, v, k] -> transpose to [H_v, k, v] in Python
-                auto ssm = to_array<float>(s.read_tensor_f32(c.ssm), {hp.ssm_n_v_heads, S, S});
-                auto conv = to_array<float>(s.read_tensor_f32(c.conv), {hp.ssm_conv_channels(), hp.ssm_d_conv - 1});
-                return py::make_tuple(ssm, conv);
-            },
-            py::arg("layer"),
-            "GDN state of a layer: (ssm float32 [n_v_heads, d_v, d_k] i.e. S^T per head, conv float32 [channels, d_conv-1])");
+            py::arg("n_keep"), "Keep the first n_keep tokens of the pending verify (rollback of the rest)");
+}
 
-    py::class_<spec_session>(m, "Spec")
-        .def(py::init([](target_session & t, const std::string & drafter, int64_t block_size, int64_t ring_capacity,
-                         int64_t window, float draft_cutoff, bool draft_vocab) {
-                 spec_params p;
-                 p.draft_vocab = draft_vocab;
-                 p.block_size = block_size;
-                 p.ring_capacity = ring_capacity;
-                 p.window = window;
-                 p.draft_cutoff = draft_cutoff;
-                 py::gil_scoped_release release;
-                 return std::make_unique<spec_session>(t, drafter, p);
-             }),
-             py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("ring_capacity") = 4096,
-             py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f, py::arg("draft_vocab") = true, py::keep_alive<1, 2>())
-        .def_property("draft_cutoff", [](spec_session & s) { return s.params().draft_cutoff; },
-                      &spec_session::set_draft_cutoff,
-                      "Verify drafts only while the product of the drafter's top-1 probabilities >= this (0: all)")
-        .def_property_readonly("block_size", &spec_session::block_size)
-        .def_property_readonly("draft_vocab", [](spec_session & s) {
-            return s.params().draft_vocab ? s.drafter_hparams_().draft_vocab : std::vector<int32_t>{};
-        }, "Token ids the drafts are drawn from (the drafter GGUF's dflash.draft_vocab); empty: the whole vocabulary")
-        .def_property("use_draft_vocab", [](spec_session & s) { return s.params().draft_vocab; }, &spec_session::set_draft_vocab,
-                      "Draft over the drafter's draft vocabulary when it has one (False: the whole vocabulary)")
-        .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
-        .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
-        .def_property_readonly("drafter_block_size", [](spec_session & s) { return s.drafter_hparams_().block_size; })
-        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.ring().k.size(); })
-        .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; })
-        .def_property_readonly("ring_n_pushed", [](spec_session & s) { return s.ring().n_pushed; })
-        .def_property_readonly("ring_bytes", [](spec_session & s) { return s.ring().bytes(); })
-        .def("ring_slot_positions", [](spec_session & s) {
-            std::vector<int64_t> out;
-            for (int64_t i = 0; i < s.ring().capacity; ++i) out.push_back(s.ring().slot_position(i));
-            return out;
-        })
-        .def(
-            "ring_kv",
-            [](spec_session & s, int il, const target_session & t) {
-                feature_ring & r = s.ring();
-                if (il < 0 || il >= (int) r.k.size()) throw input_error(cat("[feature_ring] no drafter layer ", il));
-                const ggml_tensor * k = r.k[il];
-                auto kk = to_array<float>(t.read_tensor_f32(k, r.capacity), {r.capacity, k->ne[1], k->ne[0]});
-                auto vv = to_array<float>(t.read_tensor_f32(r.v[il], r.capacity), {r.capacity, k->ne[1], k->ne[0]});
-                return py::make_tuple(kk, vv);
-            },
-            py::arg("layer"), py::arg("target"), "Ring K, V of a drafter layer by slot, float32 [capacity, n_head_kv, head_dim]")
-        .def("reset", &spec_session::reset)
+// ---- Spec -------------------------------------------------------------------------------------
+
+std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & drafter, int64_t block_size,
+                                        int64_t ring_capacity, int64_t window, float draft_cutoff, bool draft_vocab) {
+    spec_params p;
+    p.draft_vocab = draft_vocab;
+    p.block_size = block_size;
+    p.ring_capacity = ring_capacity;
+    p.window = window;
+    p.draft_cutoff = draft_cutoff;
+    py::gil_scoped_release release;
+    return std::make_unique<spec_session>(t, drafter, p);
+}
+
+py::dict spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced) {
+    if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+    std::vector<int32_t> f;
+    const bool has_forced = !forced.is_none();
+    if (has_forced) f = to_tokens(forced);
+    round_result r;
+    {
+        py::gil_scoped_release release;
+        r = s.round(last, B, has_forced ? &f : nullptr);
+    }
+    py::dict d;
+    d["committed"] = r.committed;
+    d["draft"] = r.draft;
+    d["draft_s"] = r.draft_s;
+    d["verify_s"] = r.verify_s;
+    d["rollback_s"] = r.rollback_s;
+    d["n_verified"] = r.n_verified;
+    return d;
+}
+
+void spec_push_features(spec_session & s, farr feats, int64_t pos0) {
+    if (feats.ndim() != 3) throw input_error("[feature_ring] features must be [m, n_taps, n_embd]");
+    const auto & dh = s.drafter_hparams_();
+    if (feats.shape(1) != (py::ssize_t) dh.tap_layers.size() || feats.shape(2) != dh.n_embd)
+        throw input_error("[feature_ring] features must be [m, n_taps, n_embd] for this drafter");
+    py::gil_scoped_release release;
+    s.push_features(feats.data(), feats.shape(0), pos0);
+}
+
+void def_spec_drafting(py::class_<spec_session> & c) {
+    c.def("reset", &spec_session::reset)
         .def(
             "prefill",
             [](spec_session & s, const py::object & tokens) {
@@ -441,42 +399,197 @@ PYBIND11_MODULE(_core, m) {
                     py::gil_scoped_release release;
                     l = s.draft_logits(last, B);
                 }
-                return to_array<float>(std::move(l), {B - 1, t.hparams().n_vocab});
+                return to_array(std::move(l), {B - 1, t.hparams().n_vocab});
             },
             py::arg("last"), py::arg("block_size"), py::arg("target"),
             "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
-        .def(
-            "round",
-            [](spec_session & s, int32_t last, int64_t B, const py::object & forced) {
-                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-                std::vector<int32_t> f;
-                const bool has_forced = !forced.is_none();
-                if (has_forced) f = to_tokens(forced);
-                round_result r;
-                {
-                    py::gil_scoped_release release;
-                    r = s.round(last, B, has_forced ? &f : nullptr);
-                }
-                py::dict d;
-                d["committed"] = r.committed;
-                d["draft"] = r.draft;
-                d["draft_s"] = r.draft_s;
-                d["verify_s"] = r.verify_s;
-                d["rollback_s"] = r.rollback_s;
-                d["n_verified"] = r.n_verified;
-                return d;
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
-            "One round: draft, verify, accept, roll back, push features. Returns a dict with the committed tokens.")
-        .def(
-            "push_features",
-            [](spec_session & s, farr feats, int64_t pos0) {
-                if (feats.ndim() != 3) throw input_error("[feature_ring] features must be [m, n_taps, n_embd]");
-                const auto & dh = s.drafter_hparams_();
-                if (feats.shape(1) != (py::ssize_t) dh.tap_layers.size() || feats.shape(2) != dh.n_embd)
-                    throw input_error("[feature_ring] features must be [m, n_taps, n_embd] for this drafter");
+        .def("round", &spec_round, py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
+             "One round: draft, verify, accept, roll back, push features. Returns a dict with the committed tokens.")
+        .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
+}
+
+void bind_spec(py::module_ & m) {
+    py::class_<spec_session> c(m, "Spec");
+    c.def(py::init(&make_spec), py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0,
+          py::arg("ring_capacity") = 4096, py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f,
+          py::arg("draft_vocab") = true, py::keep_alive<1, 2>())
+        .def_property("draft_cutoff", [](spec_session & s) { return s.params().draft_cutoff; },
+                      &spec_session::set_draft_cutoff,
+                      "Verify drafts only while the product of the drafter's top-1 probabilities >= this (0: all)")
+        .def_property_readonly("block_size", &spec_session::block_size)
+        .def_property_readonly("draft_vocab", [](spec_session & s) {
+            return s.params().draft_vocab ? s.drafter_hparams_().draft_vocab : std::vector<int32_t>{};
+        }, "Token ids the drafts are drawn from (the drafter GGUF's dflash.draft_vocab); empty: the whole vocabulary")
+        .def_property("use_draft_vocab", [](spec_session & s) { return s.params().draft_vocab; }, &spec_session::set_draft_vocab,
+                      "Draft over the drafter's draft vocabulary when it has one (False: the whole vocabulary)")
+        .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
+        .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
+        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.drafter_hparams_().n_layer; });
+    def_spec_drafting(c);
+}
+
+// ---- _core.testing: kernels, tape and caches as tests and benchmarks reach them -----------------
+
+void bind_testing_kernels(py::module_ & t) {
+    t.def(
+        "matmul",
+        [](py::array W, farr x, const std::string & isa, int n_threads) {
+            // W [M, K] float16 or float32, x [N, K] float32 -> y [N, M] float32 (matmul.h's kernel; rows split
+            // over n_threads threads as the graph op splits them)
+            DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2, "matmul", "W and x must be 2-D");
+            const bool f16 = W.dtype().is(py::dtype("float16"));
+            DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "matmul", "W must be float16 or float32");
+            DFN_REQUIRE(W.flags() & py::array::c_style, "matmul", "W must be C-contiguous");
+            const int64_t M = W.shape(0), K = W.shape(1), N = x.shape(0);
+            DFN_REQUIRE(x.shape(1) == K, "matmul", "x has ", x.shape(1), " columns, W has ", K);
+            DFN_REQUIRE(n_threads >= 1, "matmul", "n_threads must be >= 1");
+            py::array_t<float> y({N, M});
+            const void * w = W.data();
+            const float * xp = x.data();
+            float * yp = y.mutable_data();
+            py::gil_scoped_release release;
+            std::vector<std::thread> pool;
+            for (int t = 1; t < n_threads; ++t) {
+                pool.emplace_back([=] { matmul_rows(w, f16, K, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa); });
+            }
+            matmul_rows(w, f16, K, xp, K, yp, M, K, N, 0, M / n_threads, isa);
+            for (auto & th : pool) th.join();
+            return y;
+        },
+        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1);
+    t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
+    t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
+    t.def(
+        "top1",
+        [](farr logits) {
+            // logits [n, V] -> (argmax int64 [n], p float32 [n]) by top1.h's row kernel
+            DFN_REQUIRE(logits.ndim() == 2 && logits.shape(1) >= 1, "top1", "logits must be 2-D with >= 1 column");
+            const int64_t n = logits.shape(0), V = logits.shape(1);
+            py::array_t<int64_t> arg(n);
+            py::array_t<float> p(n);
+            for (int64_t r = 0; r < n; ++r) top1_row(logits.data() + r * V, V, arg.mutable_data()[r], p.mutable_data()[r]);
+            return py::make_tuple(arg, p);
+        },
+        py::arg("logits"));
+    t.def(
+        "conv_silu",
+        [](farr state, farr x, farr w) {
+            // state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv] -> (out [n_tok, n_ch], new state):
+            // conv.h's kernel, as a decode step runs it
+            DFN_REQUIRE(state.ndim() == 2 && x.ndim() == 2 && w.ndim() == 2, "conv_silu", "state, x and w must be 2-D");
+            const int64_t n_ch = w.shape(0), d_conv = w.shape(1), n_tok = x.shape(0);
+            DFN_REQUIRE(d_conv >= 2 && state.shape(0) == n_ch && state.shape(1) == d_conv - 1 && x.shape(1) == n_ch,
+                        "conv_silu", "shapes do not match: state [n_ch, d_conv-1], x [n_tok, n_ch], w [n_ch, d_conv]");
+            py::array_t<float> st({n_ch, d_conv - 1}), out({n_tok, n_ch});
+            std::memcpy(st.mutable_data(), state.data(), sizeof(float) * n_ch * (d_conv - 1));
+            conv_silu_channels(st.mutable_data(), true, x.data(), n_ch, w.data(), out.mutable_data(), d_conv, n_ch, n_tok,
+                               0, n_ch);
+            return py::make_tuple(out, st);
+        },
+        py::arg("state"), py::arg("x"), py::arg("w"));
+}
+
+void bind_testing_tape(py::module_ & t) {
+    t.def(
+        "gdn_tape_replay_inplace",
+        [](py::array_t<float, py::array::c_style> state, farr tk, farr tu, farr tg, int64_t n, int n_threads) {
+            const tape_dims d = check_replay_shapes(state, tk, tu, tg, n);
+            float * st = state.mutable_data();
+            py::gil_scoped_release release;
+            gdn_tape_replay_mt(st, tape_view(tk, tu, tg), d.S, d.H_v, n, n_threads);
+        },
+        py::arg("state"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
+        "gdn_tape_replay writing into `state` (float32, C-contiguous, [H_v, S, S]) without copies.");
+#ifdef DFN_CUDA
+    t.def(
+        "cuda_gdn_tape_record",
+        [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
+            const tape_dims d = check_record_shapes(q, k, v, g, beta, state0);
+            const int64_t S = d.S, H_v = d.H_v, T = d.T;
+            std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
+            {
                 py::gil_scoped_release release;
-                s.push_features(feats.data(), feats.shape(0), pos0);
-            },
-            py::arg("features"), py::arg("pos0"));
+                cuda::gdn_tape_record_host(q.data(), k.data(), v.data(), g.data(), beta.data(), state0.data(), o.data(),
+                                           tk.data(), tu.data(), tg.data(), S, d.H_k, H_v, T);
+            }
+            return record_to_py(d, std::move(o), std::move(tk), std::move(tu), std::move(tg));
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"));
+    t.def(
+        "cuda_gdn_tape_replay",
+        [](farr state0, farr tk, farr tu, farr tg, int64_t n) {
+            const tape_dims d = check_replay_shapes(state0, tk, tu, tg, n);
+            std::vector<float> st(state0.data(), state0.data() + state0.size());
+            {
+                py::gil_scoped_release release;
+                cuda::gdn_tape_replay_host(st.data(), tk.data(), tu.data(), tg.data(), d.S, d.H_v, d.T, n);
+            }
+            return to_array(std::move(st), {d.H_v, d.S, d.S});
+        },
+        py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"));
+#endif
+}
+
+void bind_testing_caches(py::module_ & t) {
+    t.def(
+        "kv",
+        [](target_session & s, int il) {
+            const auto & hp = s.hparams();
+            if (il < 0 || il >= hp.n_layer || hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " has no K/V"));
+            const kv_layer & c = s.cache().kv[il];
+            const int64_t n = s.n_past();
+            auto k = to_array(read_tensor_f32(c.k, n), {n, hp.n_head_kv, hp.head_dim});
+            auto v = to_array(read_tensor_f32(c.v, n), {n, hp.n_head_kv, hp.head_dim});
+            return py::make_tuple(k, v);
+        },
+        py::arg("target"), py::arg("layer"),
+        "Cached K and V of an attention layer, float32 [n_past, n_head_kv, head_dim] each");
+    t.def(
+        "gdn_state",
+        [](target_session & s, int il) {
+            const auto & hp = s.hparams();
+            if (il < 0 || il >= hp.n_layer || !hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " is not a GDN layer"));
+            const gdn_layer & c = s.cache().gdn[il];
+            const int64_t S = hp.ssm_head_dim;
+            // ggml stores S^T per head (k index fastest): numpy [H_v, v, k] -> transpose to [H_v, k, v] in Python
+            auto ssm = to_array(read_tensor_f32(c.ssm), {hp.ssm_n_v_heads, S, S});
+            auto conv = to_array(read_tensor_f32(c.conv), {hp.ssm_conv_channels(), hp.ssm_d_conv - 1});
+            return py::make_tuple(ssm, conv);
+        },
+        py::arg("target"), py::arg("layer"),
+        "GDN state of a layer: (ssm float32 [n_v_heads, d_v, d_k] i.e. S^T per head, conv float32 [channels, d_conv-1])");
+    t.def(
+        "ring_kv",
+        [](spec_session & s, int il) {
+            feature_ring & r = s.ring();
+            if (il < 0 || il >= (int) r.k.size()) throw input_error(cat("[feature_ring] no drafter layer ", il));
+            const ggml_tensor * k = r.k[il];
+            auto kk = to_array(read_tensor_f32(k, r.capacity), {r.capacity, k->ne[1], k->ne[0]});
+            auto vv = to_array(read_tensor_f32(r.v[il], r.capacity), {r.capacity, k->ne[1], k->ne[0]});
+            return py::make_tuple(kk, vv);
+        },
+        py::arg("spec"), py::arg("layer"), "Ring K, V of a drafter layer by slot, float32 [capacity, n_head_kv, head_dim]");
+    t.def(
+        "ring_slot_positions",
+        [](spec_session & s) {
+            std::vector<int64_t> out;
+            for (int64_t i = 0; i < s.ring().capacity; ++i) out.push_back(s.ring().slot_position(i));
+            return out;
+        },
+        py::arg("spec"), "The position each ring slot holds (-1: empty)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "dflash-native C++ core over ggml";
+    bind_module_info(m);
+    bind_verify(m);
+    bind_tape(m);
+    bind_target(m);
+    bind_spec(m);
+    py::module_ t = m.def_submodule("testing", "Kernels, tape and cache inspection for tests and benchmarks");
+    bind_testing_kernels(t);
+    bind_testing_tape(t);
+    bind_testing_caches(t);
 }

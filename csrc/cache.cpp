@@ -59,12 +59,4 @@ void model_cache::clear() {
 
 size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
 
-size_t model_cache::tape_bytes_per_token() const {
-    size_t n = 0;
-    for (const auto & l : gdn) {
-        if (l.tape_k) n += (ggml_nbytes(l.tape_k) + ggml_nbytes(l.tape_u) + ggml_nbytes(l.tape_g) + ggml_nbytes(l.tape_qkv)) / n_tape;
-    }
-    return n;
-}
-
 }  // namespace dfn

@@ -51,7 +51,6 @@ public:
     std::vector<kv_layer> kv;    // per layer; null tensors on GDN layers
     std::vector<gdn_layer> gdn;  // per layer; null tensors on attention layers
     size_t bytes() const;
-    size_t tape_bytes_per_token() const;  // GDN tape bytes one verified token costs, all layers
 
 private:
     ggml_context * ctx_ = nullptr;

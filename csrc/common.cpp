@@ -2,6 +2,7 @@
 
 #include "ggml.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -23,6 +24,37 @@ static void log_callback(ggml_log_level level, const char * text, void * /*user*
     if (g_verbose && text) {
         fputs(text, stderr);
     }
+}
+
+std::string printable_text(const std::string & s) {
+    std::string out;
+    out.reserve(s.size());
+    for (size_t i = 0; i < s.size();) {
+        const unsigned char c = (unsigned char) s[i];
+        // length of the sequence c starts, and the smallest code point it may encode (no overlongs)
+        const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+        bool ok = n > 0 && i + n <= s.size();
+        uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
+        for (size_t k = 1; ok && k < n; ++k) {
+            const unsigned char d = (unsigned char) s[i + k];
+            ok = (d & 0xC0) == 0x80;
+            cp = (cp << 6) | (d & 0x3F);
+        }
+        static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+        ok = ok && cp >= min_cp[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF) && (cp >= 0x20 || cp == '\n') &&
+             cp != 0x7F;
+        if (ok) {
+            out.append(s, i, n);
+            i += n;
+        } else {
+            static const char * hex = "0123456789abcdef";
+            out += "\\x";
+            out += hex[c >> 4];
+            out += hex[c & 15];
+            i += 1;
+        }
+    }
+    return out;
 }
 
 std::string last_ggml_error() {

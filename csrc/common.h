@@ -7,14 +7,20 @@
 
 namespace dfn {
 
+// `s` with control characters and every byte that is not part of valid UTF-8 written as \xNN.
+// Messages quote names and values from files: Python decodes an exception's text as UTF-8 (one
+// bad byte would turn the ValueError into a UnicodeDecodeError that says nothing about the file),
+// and the text ends at its first NUL.
+std::string printable_text(const std::string & s);
+
 // Bad user input (a file, a shape, an argument): maps to Python ValueError.
 struct input_error : std::invalid_argument {
-    using std::invalid_argument::invalid_argument;
+    explicit input_error(const std::string & what) : std::invalid_argument(printable_text(what)) {}
 };
 
 // A failure while running (allocation, backend): maps to Python RuntimeError.
 struct runtime_error : std::runtime_error {
-    using std::runtime_error::runtime_error;
+    explicit runtime_error(const std::string & what) : std::runtime_error(printable_text(what)) {}
 };
 
 template <typename... Args>

@@ -1,6 +1,7 @@
 // The DFlash drafter (GGUF arch "dflash") and its feature ring.
 #pragma once
 
+#include "build_context.h"
 #include "gguf_file.h"
 #include "model.h"
 
@@ -27,6 +28,9 @@ struct drafter_hparams {
     // are argmaxes over these rows of the lm_head only (EAGLE-3's reduced draft vocabulary): a
     // target that writes a token outside them just rejects that draft; empty = the whole vocabulary.
     std::vector<int32_t> draft_vocab;
+
+    // Floats of fused target features per position (fc's input, a ring push's row): n_taps * n_embd.
+    int64_t n_feature_row() const { return (int64_t) tap_layers.size() * n_embd; }
 };
 
 // Drafter-context K/V per committed position, for every drafter layer. Position p lives in
@@ -49,12 +53,16 @@ struct feature_ring {
     int64_t n_pushed = 0;
     std::vector<ggml_tensor *> k;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
     std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
-    size_t bytes() const;
 
 private:
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
 };
+
+// dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the
+// target's verify batch from it before the drafter itself is loaded.
+constexpr int64_t k_max_gguf_block_size = 1024;
+int64_t drafter_block_size(const gguf_file & F);
 
 class drafter_model {
 public:
@@ -67,8 +75,8 @@ public:
 
     // Context K/V of m positions into ring slots [slot0, slot0 + m) (no wrap inside one call).
     // feats: F32 [n_taps * n_embd, m]; pos: I32 [m].
-    void build_encode(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * feats, ggml_tensor * pos,
-                      feature_ring & ring, int64_t slot0) const;
+    void build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,
+                      int64_t slot0) const;
 
     // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
     // first n_ctx ring slots and (non-causally) to the block, whose K/V go to ring slots
@@ -77,9 +85,9 @@ public:
     // (-inf past the block: padding keeps the graph's sizes, and its plan, for many rounds).
     // Returns the final hidden states after output_norm of rows 1 .. B-1 (those that predict
     // d_1 .. d_{B-1}), F32 [n_embd, B-1].
-    ggml_tensor * build_block(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * tokens, ggml_tensor * pos,
-                              ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
-                              int64_t n_ctx, ggml_tensor * tok_embd) const;
+    ggml_tensor * build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * mask,
+                              ggml_tensor * mask_swa, const feature_ring & ring, int64_t n_ctx,
+                              ggml_tensor * tok_embd) const;
     bool layer_is_swa(int il) const { return hp_.sliding_window > 0 && il < (int) hp_.is_swa.size() && hp_.is_swa[il]; }
 
     ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them
@@ -91,8 +99,8 @@ public:
     ggml_tensor * draft_head = nullptr;
 
 private:
-    ggml_tensor * norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w) const;
-    ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
+    ggml_tensor * norm(const build_context & b, ggml_tensor * x, ggml_tensor * w) const;
+    ggml_tensor * rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const;
 
     std::unique_ptr<gguf_file> file_;
     drafter_hparams hp_;

@@ -44,6 +44,4 @@ int64_t feature_ring::slot_position(int64_t slot) const {
     return p <= last ? p : p - capacity;
 }
 
-size_t feature_ring::bytes() const { return ggml_backend_buffer_get_size(buf_); }
-
 }  // namespace dfn

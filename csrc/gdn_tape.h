@@ -1,5 +1,5 @@
 // GDN tape: record (k_t, u_t, g_t) per token per value head during a verify pass, and replay
-// the accepted prefix onto the saved state. See ARCHITECTURE.md, "GDN tape".
+// the accepted prefix onto the saved state. See docs/architecture.md, "GDN tape".
 //
 // Per value head h (key head h % H_k: tiled broadcast, as ggml_gated_delta_net), state S (d_k x d_v):
 //   S'  = exp(g_t) S

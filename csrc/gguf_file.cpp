@@ -2,11 +2,15 @@
 
 #include "alloc.h"
 #include "common.h"
+#include "gguf_layout.h"
+
+#include "ggml-cpu.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -30,6 +34,8 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
         fclose(f);
         DFN_REQUIRE(n == 4 && memcmp(magic, "GGUF", 4) == 0, W, "'", path, "' is not a GGUF file (bad magic)");
     }
+
+    check_gguf_layout(path, (uint64_t) st.st_size);
 
     require_headroom(size_t(4) << 20, W, "reading the GGUF metadata");  // gguf's ggml_init aborts on failure
     gguf_init_params params = {/*no_alloc =*/ true, /*ctx =*/ &ctx_};
@@ -65,6 +71,16 @@ int64_t gguf_file::key_id(const std::string & key) const { return gguf_find_key(
 
 bool gguf_file::has_key(const std::string & key) const { return key_id(key) >= 0; }
 
+gguf_type gguf_file::kv_type(const std::string & key) const {
+    const int64_t id = key_id(key);
+    return id < 0 ? GGUF_TYPE_COUNT : gguf_get_kv_type(gguf_, id);
+}
+
+gguf_type gguf_file::arr_type(const std::string & key) const {
+    const int64_t id = key_id(key);
+    return id < 0 || gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY ? GGUF_TYPE_COUNT : gguf_get_arr_type(gguf_, id);
+}
+
 static bool read_int(const gguf_context * g, int64_t id, int64_t & out) {
     switch (gguf_get_kv_type(g, id)) {
         case GGUF_TYPE_UINT8:  out = gguf_get_val_u8(g, id);  return true;
@@ -96,11 +112,20 @@ float gguf_file::get_f32(const std::string & key) const {
     const int64_t id = key_id(key);
     DFN_REQUIRE(id >= 0, W, "'", path_, "': missing key '", key, "'");
     const auto t = gguf_get_kv_type(gguf_, id);
-    if (t == GGUF_TYPE_FLOAT32) return gguf_get_val_f32(gguf_, id);
-    if (t == GGUF_TYPE_FLOAT64) return (float) gguf_get_val_f64(gguf_, id);
-    int64_t v = 0;
-    DFN_REQUIRE(read_int(gguf_, id, v), W, "'", path_, "': key '", key, "' is not a number");
-    return (float) v;
+    float v = 0.0f;
+    int64_t iv = 0;
+    if (t == GGUF_TYPE_FLOAT32) {
+        v = gguf_get_val_f32(gguf_, id);
+    } else if (t == GGUF_TYPE_FLOAT64) {
+        v = (float) gguf_get_val_f64(gguf_, id);
+    } else {
+        DFN_REQUIRE(read_int(gguf_, id, iv), W, "'", path_, "': key '", key, "' is not a number");
+        v = (float) iv;
+    }
+    // No hparam of ours means anything as NaN or infinity; they would only surface later as
+    // NaN logits or as a ggml assert.
+    DFN_REQUIRE(std::isfinite(v), W, "'", path_, "': key '", key, "' = ", v, " is not a finite number");
+    return v;
 }
 
 float gguf_file::get_f32(const std::string & key, float def) const {
@@ -135,9 +160,12 @@ std::vector<int64_t> gguf_file::get_int_arr(const std::string & key) const {
         out.push_back(v);
         return out;
     }
+    const gguf_type type = gguf_get_arr_type(gguf_, id);
+    // gguf_get_arr_data asserts on string arrays: look at the element type first.
+    DFN_REQUIRE(type != GGUF_TYPE_STRING, W, "'", path_, "': key '", key, "' is not an integer array");
     const size_t n = gguf_get_arr_n(gguf_, id);
     const void * data = gguf_get_arr_data(gguf_, id);
-    switch (gguf_get_arr_type(gguf_, id)) {
+    switch (type) {
         case GGUF_TYPE_INT32:  for (size_t i = 0; i < n; ++i) out.push_back(((const int32_t *) data)[i]); break;
         case GGUF_TYPE_UINT32: for (size_t i = 0; i < n; ++i) out.push_back(((const uint32_t *) data)[i]); break;
         case GGUF_TYPE_INT64:  for (size_t i = 0; i < n; ++i) out.push_back(((const int64_t *) data)[i]); break;
@@ -148,19 +176,59 @@ std::vector<int64_t> gguf_file::get_int_arr(const std::string & key) const {
     return out;
 }
 
+std::vector<std::string> gguf_file::get_str_arr(const std::string & key) const {
+    const int64_t id = key_id(key);
+    DFN_REQUIRE(id >= 0, W, "'", path_, "': missing key '", key, "'");
+    DFN_REQUIRE(arr_type(key) == GGUF_TYPE_STRING, W, "'", path_, "': key '", key, "' is not a string array");
+    const size_t n = gguf_get_arr_n(gguf_, id);
+    std::vector<std::string> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = gguf_get_arr_str(gguf_, id, i);
+    return out;
+}
+
 int64_t gguf_file::arr_len(const std::string & key) const {
     const int64_t id = key_id(key);
     if (id < 0 || gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY) return -1;
     return (int64_t) gguf_get_arr_n(gguf_, id);
 }
 
-ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> ne, bool required) const {
+// The rule of tensor_role (gguf_file.h): F32, or a type with both a dequantization and a CPU dot
+// product. Every role needs both: ggml_get_rows dequantizes rows, ggml_mul_mat multiplies
+// (activations quantized to the type's vec_dot_type), and F32 roles convert at load.
+static bool cpu_weight_type(ggml_type type) {
+    if (type == GGML_TYPE_F32) return true;
+    if ((int) type < 0 || (int) type >= GGML_TYPE_COUNT || ggml_blck_size(type) == 0) return false;  // removed ids
+    return ggml_get_type_traits(type)->to_float != nullptr && ggml_get_type_traits_cpu(type)->vec_dot != nullptr;
+}
+
+static std::string type_str(ggml_type type) {
+    const bool known = (int) type >= 0 && (int) type < GGML_TYPE_COUNT && ggml_blck_size(type) != 0;
+    return known ? std::string(ggml_type_name(type)) : cat("id ", (int) type, " (not a ggml type)");
+}
+
+void gguf_file::check_type(ggml_tensor * t, tensor_role role) {
+    auto conv = to_f32_.find(t->name);
+    const ggml_type type = conv != to_f32_.end() ? conv->second : t->type;  // as stored in the file
+    static const char * what[] = {"a matmul weight", "an embedding", "a norm or vector weight"};
+    DFN_REQUIRE(cpu_weight_type(type), W, "'", path_, "': tensor '", t->name, "' has type ", type_str(type),
+                ", which ", what[role], " cannot have: it must be f32 or a float or quantized type that ggml's CPU",
+                " backend can dequantize and multiply (f16, bf16, q4_0 .. q8_0, k-quants, ...)");
+    if (role != TENSOR_ROLE_F32 || t->type == GGML_TYPE_F32) return;
+    DFN_REQUIRE(buf_ == nullptr, W, "tensor '", t->name, "' given a role after its data was loaded");
+    to_f32_[t->name] = t->type;
+    t->type = GGML_TYPE_F32;
+    t->nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; ++i) t->nb[i] = t->nb[i - 1] * t->ne[i - 1];
+}
+
+ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> ne, tensor_role role, bool required) {
     auto it = tensors_.find(name);
     if (it == tensors_.end()) {
         DFN_REQUIRE(!required, W, "'", path_, "': missing tensor '", name, "'");
         return nullptr;
     }
     ggml_tensor * t = it->second;
+    check_type(t, role);
     if (ne.empty()) return t;  // shape checked by the caller
     bool ok = true;
     for (int i = 0; i < GGML_MAX_DIMS; ++i) {
@@ -204,16 +272,27 @@ void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
     const size_t data_off = gguf_get_data_offset(gguf_);
     const bool host = ggml_backend_buffer_is_host(buf_);
     std::vector<uint8_t> staging;
+    std::vector<float> f32;
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     for (int64_t i = 0; i < n_tensors; ++i) {
         ggml_tensor * t = tensors_.at(gguf_get_tensor_name(gguf_, i));
-        const size_t n = ggml_nbytes(t);
+        auto conv = to_f32_.find(t->name);
+        const ggml_type file_type = conv != to_f32_.end() ? conv->second : t->type;
+        const size_t n = ggml_row_size(file_type, t->ne[0]) * ggml_nrows(t);  // bytes in the file
         DFN_REQUIRE(fseeko(f.get(), (off_t) (data_off + gguf_get_tensor_offset(gguf_, i)), SEEK_SET) == 0, W,
                     "seek failed in '", path_, "'");
+        const bool direct = host && file_type == t->type;
         void * dst = t->data;
-        if (!host) { staging.resize(n); dst = staging.data(); }
+        if (!direct) { staging.resize(n); dst = staging.data(); }
         DFN_REQUIRE(fread(dst, 1, n, f.get()) == n, W, "'", path_, "' is truncated at tensor '", t->name, "'");
-        if (!host) ggml_backend_tensor_set(t, staging.data(), 0, n);
+        if (direct) continue;
+        const void * src = staging.data();
+        if (file_type != t->type) {  // a TENSOR_ROLE_F32 tensor stored as F16, BF16, ...
+            f32.resize((size_t) ggml_nelements(t));
+            ggml_get_type_traits(file_type)->to_float(staging.data(), f32.data(), ggml_nelements(t));
+            src = f32.data();
+        }
+        ggml_backend_tensor_set(t, src, 0, ggml_nbytes(t));
     }
 }
 

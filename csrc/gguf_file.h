@@ -12,6 +12,18 @@
 
 namespace dfn {
 
+// What the graph does with a weight tensor; it decides the types the tensor may be stored as.
+// One rule for every CPU role (gguf_file::tensor): F32, or a float / quantized type that ggml's
+// CPU backend can both dequantize (to_float) and multiply (vec_dot) -- F16, BF16, Q4_0 .. Q8_0,
+// the K- and IQ-quants, TQ, MXFP4, ... Integer types (I8 .. I64), F64, the activation-only
+// formats (Q8_1, Q8_K) and removed or unknown type ids are refused at load.
+enum tensor_role {
+    TENSOR_ROLE_MATMUL,     // weight of a matrix product (ggml_mul_mat, or matmul.h's kernel for F16/F32)
+    TENSOR_ROLE_EMBEDDING,  // rows gathered by token id (ggml_get_rows)
+    TENSOR_ROLE_F32,        // small operand that element-wise ops and our CPU ops (conv.cpp) read as
+                            // F32: norm weights, ssm_a, ssm_dt, ssm_conv1d; converted to F32 at load
+};
+
 // One opened GGUF file: metadata parsed, tensors described in a no_alloc ggml context.
 // Tensor data is read by load_weights() into a backend buffer that this object owns.
 class gguf_file {
@@ -25,19 +37,24 @@ public:
     std::string arch() const { return get_str("general.architecture"); }
 
     bool has_key(const std::string & key) const;
+    gguf_type kv_type(const std::string & key) const;   // GGUF_TYPE_COUNT if absent
+    gguf_type arr_type(const std::string & key) const;  // element type; GGUF_TYPE_COUNT if absent or not an array
     uint32_t get_u32(const std::string & key) const;            // any integer type, range-checked
     uint32_t get_u32(const std::string & key, uint32_t def) const;
-    float get_f32(const std::string & key) const;
+    float get_f32(const std::string & key) const;               // finite values only
     float get_f32(const std::string & key, float def) const;
     bool get_bool(const std::string & key, bool def) const;
     std::string get_str(const std::string & key) const;
     std::string get_str(const std::string & key, const std::string & def) const;
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
+    std::vector<std::string> get_str_arr(const std::string & key) const;  // throws unless a string array
     int64_t arr_len(const std::string & key) const;                    // -1 if absent or not an array
 
     // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape
-    // differs from `ne` (an empty `ne` skips the shape check).
-    ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, bool required = true) const;
+    // differs from `ne` (an empty `ne` skips the shape check) or its type does not suit `role`.
+    // A TENSOR_ROLE_F32 tensor stored in another type becomes F32 here, and load_weights()
+    // converts its data; so roles must be given before load_weights().
+    ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, tensor_role role, bool required = true);
     bool has_tensor(const std::string & name) const { return tensors_.count(name) != 0; }
 
     // Allocate every tensor in `buft` and read its data from the file.
@@ -50,6 +67,8 @@ private:
     ggml_context * ctx_ = nullptr;      // tensor metadata (no_alloc)
     ggml_backend_buffer_t buf_ = nullptr;
     std::map<std::string, ggml_tensor *> tensors_;
+    std::map<std::string, ggml_type> to_f32_;  // tensors load_weights() converts: name -> type in the file
+    void check_type(ggml_tensor * t, tensor_role role);
     int64_t key_id(const std::string & key) const;  // -1 if absent
 };
 

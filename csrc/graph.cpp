@@ -22,33 +22,116 @@ void graph_inputs::tap(int il, ggml_tensor * cur) {
     }
 }
 
-ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) {
-    return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, g.hp->rms_eps), w);
+ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(b.ctx, ggml_rms_norm(b.ctx, x, eps), w);
 }
 
-ggml_tensor * ffn_swiglu(graph_inputs & g, ggml_tensor * x, const layer_weights & w) {
-    ggml_tensor * gate = matmul(g.ctx, w.ffn_gate, x);  // [n_ff, n_tokens]
-    ggml_tensor * up = matmul(g.ctx, w.ffn_up, x);      // [n_ff, n_tokens]
-    return matmul(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot, int64_t n_ctx_train,
+                        float base) {
+    return ggml_rope_ext(b.ctx, x, pos, nullptr, (int) n_rot, GGML_ROPE_TYPE_NEOX, (int) n_ctx_train, base, 1.0f, 0.0f,
+                         1.0f, 32.0f, 1.0f);
+}
+
+ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w) {
+    ggml_tensor * gate = matmul(b, w.ffn_gate, x);  // [n_ff, n_tokens]
+    ggml_tensor * up = matmul(b, w.ffn_up, x);      // [n_ff, n_tokens]
+    return matmul(b, w.ffn_down, ggml_swiglu_split(b.ctx, gate, up));
+}
+
+ggml_tensor * kv_rows(const build_context & b, ggml_tensor * t, int64_t row0, int64_t n) {
+    return ggml_view_3d(b.ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], row0 * t->nb[2]);
+}
+
+void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, int64_t row0) {
+    ggml_build_forward_expand(b.gf, ggml_cpy(b.ctx, src, kv_rows(b, t, row0, src->ne[2])));
 }
 
 ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
-    ggml_context * ctx = g.ctx;
     const kv_layer & c = g.cache->kv[il];
-    const int64_t hd = c.k->ne[0], n_kv_head = c.k->ne[1];
 
     // Append this batch's K/V at rows n_past .. n_past + n_tokens - 1.
-    ggml_tensor * k_dst = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_tokens, c.k->nb[1], c.k->nb[2], g.n_past * c.k->nb[2]);
-    ggml_tensor * v_dst = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_tokens, c.v->nb[1], c.v->nb[2], g.n_past * c.v->nb[2]);
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, k, k_dst));
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, v, v_dst));
+    write_kv_rows(g, c.k, k, g.n_past);
+    write_kv_rows(g, c.v, v, g.n_past);
 
     // The live prefix, rows 0 .. n_kv - 1 (this batch included).
-    ggml_tensor * K = ggml_view_3d(ctx, c.k, hd, n_kv_head, g.n_kv, c.k->nb[1], c.k->nb[2], 0);  // [hd, n_kv_head, n_kv]
-    ggml_tensor * V = ggml_view_3d(ctx, c.v, hd, n_kv_head, g.n_kv, c.v->nb[1], c.v->nb[2], 0);
+    ggml_tensor * K = kv_rows(g, c.k, 0, g.n_kv);  // [hd, n_kv_head, n_kv]
+    ggml_tensor * V = kv_rows(g, c.v, 0, g.n_kv);
 
-    return attention(ctx, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
+    return attention(g, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
 }
+
+namespace {
+
+// Causal depthwise conv + SiLU over [conv state; this batch], then keep the last d_conv-1 inputs
+// (a verify keeps its inputs on the tape instead: the conv state moves when commit() says).
+// qkv: F32 [n_ch, n_tok]. Returns F32 [n_ch, n_tok] (ggml path: [n_ch, n_tok, 1]).
+ggml_tensor * gdn_conv(graph_inputs & g, const gdn_layer & st, const layer_weights & w, ggml_tensor * qkv) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_tok = g.n_tokens, n_ch = g.hp->ssm_conv_channels(), d_conv = g.hp->ssm_d_conv;
+    if (g.record_tape) {
+        ggml_tensor * dst = ggml_view_2d(ctx, st.tape_qkv, n_ch, n_tok, st.tape_qkv->nb[1], 0);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
+    }
+    if (g.own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
+        return conv_silu_op(ctx, st.conv, qkv, w.ssm_conv1d, /*update_state=*/!g.record_tape);
+    }
+    ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
+    // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
+    if (!g.record_tape) {
+        ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
+                                               n_tok * ggml_element_size(conv_in));
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
+    }
+    return ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
+}
+
+// The delta rule over the batch from the layer's state: q, k F32 [S, H_k, n_tok, 1], v F32
+// [S, H_v, n_tok, 1], gate, beta F32 [1, H_v, n_tok, 1]. Advances the state, or on a verify
+// records the tape and leaves the state alone. Returns o F32 [S, H_v, n_tok, 1].
+ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                             ggml_tensor * gate, ggml_tensor * beta) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_tok = g.n_tokens, S = g.hp->ssm_head_dim, H_v = g.hp->ssm_n_v_heads;
+    const size_t es = sizeof(float);
+    ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
+    const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
+    if (g.record_tape && host && !st.snapshots) {
+        // the tape goes straight to the cache's tape tensors
+        ggml_tensor * o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,
+                                             g.cache->replay_n);
+        return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
+    }
+    if (g.record_tape) {
+        // device cache or snapshot baseline: the op packs [outputs | tape k | tape u | tape g];
+        // copy the tape to the cache
+        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
+                                               st.snapshots);
+        const int64_t n_o = S * H_v * n_tok;
+        ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
+        auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
+            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
+        };
+        to_tape(st.tape_k, n_o, n_o);
+        to_tape(st.tape_u, n_o, 2 * n_o);
+        to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
+        return o;
+    }
+    if (host) {
+        // CPU: the same kernel as the verify pass, so AR and speculative states agree bitwise
+        ggml_tensor * o = gdn_forward_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,
+                                         g.cache->replay_n);
+        return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);  // state advanced in place
+    }
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
+    // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
+    ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
+    ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
+    return o;
+}
+
+}  // namespace
 
 ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
     ggml_context * ctx = g.ctx;
@@ -56,41 +139,19 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     const gdn_layer & st = g.cache->gdn[il];
     const int64_t n_tok = g.n_tokens;
     const int64_t S = hp.ssm_head_dim, H_k = hp.ssm_n_k_heads, H_v = hp.ssm_n_v_heads;
-    const int64_t n_ch = hp.ssm_conv_channels();
-    const int64_t d_conv = hp.ssm_d_conv;
 
-    ggml_tensor * qkv = matmul(ctx, w.wqkv, x);  // [n_ch, n_tok]
-    ggml_tensor * z = matmul(ctx, w.wgate, x);   // [S * H_v, n_tok]
+    ggml_tensor * qkv = matmul(g, w.wqkv, x);  // [n_ch, n_tok]
+    ggml_tensor * z = matmul(g, w.wgate, x);   // [S * H_v, n_tok]
 
-    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(ctx, w.ssm_beta, x));  // [H_v, n_tok]
+    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(g, w.ssm_beta, x));  // [H_v, n_tok]
     beta = ggml_reshape_4d(ctx, beta, 1, H_v, n_tok, 1);
 
     // g = softplus(alpha + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
-    ggml_tensor * alpha = matmul(ctx, w.ssm_alpha, x);  // [H_v, n_tok]
+    ggml_tensor * alpha = matmul(g, w.ssm_alpha, x);  // [H_v, n_tok]
     ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
     gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
 
-    // Causal depthwise conv over [conv state; this batch], then keep the last d_conv-1 inputs
-    // (a verify keeps its inputs on the tape instead: the conv state moves when commit() says).
-    if (g.record_tape) {
-        ggml_tensor * dst = ggml_view_2d(ctx, st.tape_qkv, n_ch, n_tok, st.tape_qkv->nb[1], 0);
-        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
-    }
-    ggml_tensor * conv_out = nullptr;  // [n_ch, n_tok]
-    if (own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
-        conv_out = conv_silu_op(ctx, st.conv, qkv, w.ssm_conv1d, /*update_state=*/!g.record_tape);
-    } else {
-        ggml_tensor * conv_state = ggml_reshape_3d(ctx, st.conv, d_conv - 1, n_ch, 1);
-        ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, ggml_reshape_3d(ctx, qkv, n_ch, n_tok, 1)), 0);
-        // conv_in: [d_conv - 1 + n_tok, n_ch, 1]
-        if (!g.record_tape) {
-            ggml_tensor * conv_last = ggml_view_3d(ctx, conv_in, d_conv - 1, n_ch, 1, conv_in->nb[1], conv_in->nb[2],
-                                                   n_tok * ggml_element_size(conv_in));
-            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, conv_last, conv_state));
-        }
-        conv_out = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
-    }
-
+    ggml_tensor * conv_out = gdn_conv(g, st, w, qkv);  // [n_ch, n_tok]
     const size_t es = ggml_element_size(conv_out);
     const size_t row = conv_out->nb[1];
     ggml_tensor * q = ggml_view_4d(ctx, conv_out, S, H_k, n_tok, 1, S * es, row, row * n_tok, 0);
@@ -101,43 +162,13 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     q = ggml_scale(ctx, ggml_rms_norm(ctx, q, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
     k = ggml_scale(ctx, ggml_rms_norm(ctx, k, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
 
-    ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
-    ggml_tensor * o = nullptr;
-    const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
-    if (g.record_tape && host && !st.snapshots) {
-        // the tape goes straight to the cache's tape tensors
-        o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g, g.cache->replay_n);
-        o = ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
-    } else if (g.record_tape) {
-        // device cache or snapshot baseline: the op packs [outputs | tape k | tape u | tape g];
-        // copy the tape to the cache
-        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
-                                               st.snapshots);
-        const int64_t n_o = S * H_v * n_tok;
-        o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
-        auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
-            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
-        };
-        to_tape(st.tape_k, n_o, n_o);
-        to_tape(st.tape_u, n_o, 2 * n_o);
-        to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
-    } else if (host) {
-        // CPU: the same kernel as the verify pass, so AR and speculative states agree bitwise
-        o = gdn_forward_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g, g.cache->replay_n);
-        o = ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);  // state advanced in place
-    } else {
-        ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
-        // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
-        o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
-        ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
-        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
-    }
+    ggml_tensor * o = gdn_recurrence(g, st, q, k, v, gate, beta);  // [S, H_v, n_tok, 1]
 
     // Per-head RMSNorm of the output, gated by SiLU(z).
     ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);
     o = ggml_mul(ctx, rms_norm(g, o, w.ssm_norm), ggml_silu(ctx, z4));
     o = ggml_reshape_2d(ctx, o, S * H_v, n_tok);
-    return matmul(ctx, w.ssm_out, o);  // [n_embd, n_tok]
+    return matmul(g, w.ssm_out, o);  // [n_embd, n_tok]
 }
 
 }  // namespace dfn

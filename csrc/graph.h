@@ -1,6 +1,7 @@
 // Graph-building context shared by all architectures, and the blocks they share.
 #pragma once
 
+#include "build_context.h"
 #include "cache.h"
 #include "model.h"
 
@@ -10,11 +11,10 @@
 
 namespace dfn {
 
-// Everything one forward pass needs: the ggml context it builds in, its inputs and the
-// cache it reads and appends to. Positions are n_past .. n_past + n_tokens - 1.
-struct graph_inputs {
-    ggml_context * ctx = nullptr;
-    ggml_cgraph * gf = nullptr;
+// Everything one forward pass of a target needs: the build context (ggml context, graph, kernel
+// choice), the target's hparams, its inputs and the cache it reads and appends to. Positions are
+// n_past .. n_past + n_tokens - 1.
+struct graph_inputs : build_context {
     const target_hparams * hp = nullptr;
     model_cache * cache = nullptr;
 
@@ -37,10 +37,27 @@ struct graph_inputs {
     void tap(int il, ggml_tensor * cur);
 };
 
-ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w);
+// ---- blocks shared by the targets and the drafter ----
 
-// SwiGLU: down( silu(gate x) * (up x) )
-ggml_tensor * ffn_swiglu(graph_inputs & g, ggml_tensor * x, const layer_weights & w);
+// RMSNorm of each column of x, times w: F32 [n, n_tokens] for x [n, n_tokens], w F32 [n].
+ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w, float eps);
+inline ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) { return rms_norm(g, x, w, g.hp->rms_eps); }
+
+// NeoX RoPE (no scaling) of the first n_rot dims of each head: x F32 [head_dim, n_head, n_tokens],
+// pos I32 [n_tokens].
+ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot, int64_t n_ctx_train,
+                        float base);
+
+// SwiGLU: down( silu(gate x) * (up x) ). x: F32 [n_embd, n_tokens] -> F32 [n_embd, n_tokens].
+ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w);
+
+// Rows [row0, row0 + n) of a K/V store (cache or ring) t [head_dim, n_head_kv, rows], as a view.
+ggml_tensor * kv_rows(const build_context & b, ggml_tensor * t, int64_t row0, int64_t n);
+// Writes src F32 [head_dim, n_head_kv, n] into rows [row0, row0 + n) of t, ordered in the graph
+// before anything added after it (ggml computes nodes in order).
+void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, int64_t row0);
+
+// ---- target blocks ----
 
 // Causal attention over the cache of layer il after appending k/v at n_past.
 // q: F32 [head_dim, n_head, n_tokens], k/v: F32 [head_dim, n_head_kv, n_tokens].

@@ -180,8 +180,6 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
             (int64_t) (dst->nb[1] / sizeof(float)), K, N, r0, r1);
 }
 
-thread_local bool t_own_matmul = false;
-
 const char * isa_name(isa which) {
     switch (which) {
         case isa::avx512: return "avx512f";
@@ -232,14 +230,9 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
     return y;
 }
 
-ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
-    if (t_own_matmul && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(ctx, W, x);
-    return ggml_mul_mat(ctx, W, x);
+ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
+    if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x);
+    return ggml_mul_mat(b.ctx, W, x);
 }
-
-bool own_kernels() { return t_own_matmul; }
-
-matmul_scope::matmul_scope(bool own) : prev_(t_own_matmul) { t_own_matmul = own; }
-matmul_scope::~matmul_scope() { t_own_matmul = prev_; }
 
 }  // namespace dfn

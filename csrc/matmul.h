@@ -12,6 +12,8 @@
 // small-N F16 paths convert W for every column block and round x to F16).
 #pragma once
 
+#include "build_context.h"
+
 #include "ggml.h"
 
 #include <cstdint>
@@ -32,23 +34,10 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 // (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns).
 constexpr int64_t k_matmul_max_cols = 32;
 
-// What every graph builder calls for a weight matmul: matmul_op where supported, enabled and
-// x has at most k_matmul_max_cols columns, else ggml_mul_mat. Enabled per thread by a
-// matmul_scope (the session's `matmul` setting).
-ggml_tensor * matmul(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
-
-// Whether the current matmul_scope asked for our own kernels (also attn.h's attention).
-bool own_kernels();
-
-struct matmul_scope {
-    explicit matmul_scope(bool own);
-    ~matmul_scope();
-    matmul_scope(const matmul_scope &) = delete;
-    matmul_scope & operator=(const matmul_scope &) = delete;
-
-  private:
-    bool prev_;
-};
+// What every graph builder calls for a weight matmul: matmul_op where supported, b asks for
+// our own kernels (the session's `matmul` setting) and x has at most k_matmul_max_cols
+// columns, else ggml_mul_mat.
+ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 
 // The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
 // sum_k W[r * ldw + k] x[n * ldx + k], n < N. w_f16: W is ggml_fp16_t, else float.

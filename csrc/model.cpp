@@ -32,10 +32,14 @@ void target_model::read_common_hparams() {
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
 
     DFN_REQUIRE(hp_.n_layer > 0 && hp_.n_layer <= 1024, W, "'", f.path(), "': bad block_count ", hp_.n_layer);
-    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0, W, "'", f.path(), "': embedding_length and feed_forward_length must be > 0");
-    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head % hp_.n_head_kv == 0, W, "'", f.path(),
-                "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ", hp_.n_head_kv);
-    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ", hp_.head_dim, " must be even and > 0");
+    DFN_REQUIRE(hp_.n_embd > 0 && hp_.n_ff > 0 && hp_.n_embd <= k_max_dim && hp_.n_ff <= k_max_dim, W, "'", f.path(),
+                "': embedding_length ", hp_.n_embd, " and feed_forward_length ", hp_.n_ff, " must be in [1, ", k_max_dim, "]");
+    DFN_REQUIRE(hp_.n_head > 0 && hp_.n_head_kv > 0 && hp_.n_head <= k_max_heads && hp_.n_head % hp_.n_head_kv == 0, W,
+                "'", f.path(), "': head_count ", hp_.n_head, " must be a positive multiple of head_count_kv ",
+                hp_.n_head_kv, " and at most ", k_max_heads);
+    DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", f.path(), "': key_length ",
+                hp_.head_dim, " must be even and in [2, ", k_max_dim, "]");
+    check_norm_rope_hparams(f.path(), hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
     DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", f.path(),
@@ -44,37 +48,45 @@ void target_model::read_common_hparams() {
     DFN_REQUIRE(f.has_tensor("token_embd.weight"), W, "'", f.path(), "': missing tensor 'token_embd.weight'");
 }
 
+void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train) {
+    DFN_REQUIRE(rms_eps >= 0.0f, W, "'", path, "': attention.layer_norm_rms_epsilon ", rms_eps, " must be >= 0");
+    DFN_REQUIRE(rope_base > 0.0f, W, "'", path, "': rope.freq_base ", rope_base, " must be > 0");
+    DFN_REQUIRE(n_ctx_train >= 1 && n_ctx_train <= INT32_MAX, W, "'", path, "': context_length ", n_ctx_train,
+                " must be in [1, 2^31)");
+}
+
 void target_model::load_common_tensors() {
-    const gguf_file & f = *file_;
+    gguf_file & f = *file_;
     // n_vocab comes from the embedding's shape; every other tensor is checked against hparams.
     {
-        ggml_tensor * t = f.tensor("token_embd.weight", {}, false);
+        ggml_tensor * t = f.tensor("token_embd.weight", {}, TENSOR_ROLE_EMBEDDING, false);
         hp_.n_vocab = t ? t->ne[1] : 0;
         DFN_REQUIRE(t && t->ne[0] == hp_.n_embd && t->ne[2] == 1 && hp_.n_vocab > 0, W, "'", f.path(),
                     "': token_embd.weight has shape [", t ? t->ne[0] : 0, ", ", hp_.n_vocab,
                     "], expected [", hp_.n_embd, ", n_vocab]");
     }
-    tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab});
-    output_norm = f.tensor("output_norm.weight", {hp_.n_embd});
-    output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, false);
-    if (!output) output = tok_embd;  // tied embeddings
+    tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_EMBEDDING);
+    output_norm = f.tensor("output_norm.weight", {hp_.n_embd}, TENSOR_ROLE_F32);
+    output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_MATMUL, false);
+    if (!output) output = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_MATMUL);  // tied
     layers.resize(hp_.n_layer);
 }
 
-void load_qwen3_layer(const gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
+void load_qwen3_layer(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
                       int64_t n_ff, layer_weights & L) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-    L.attn_norm = F.tensor(n("attn_norm"), {E});
-    L.wq = F.tensor(n("attn_q"), {E, hd * n_head});
-    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv});
-    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv});
-    L.wo = F.tensor(n("attn_output"), {hd * n_head, E});
-    L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-    L.k_norm = F.tensor(n("attn_k_norm"), {hd});
-    L.ffn_norm = F.tensor(n("ffn_norm"), {E});
-    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff});
-    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff});
-    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E});
+    const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
+    L.attn_norm = F.tensor(n("attn_norm"), {E}, V32);
+    L.wq = F.tensor(n("attn_q"), {E, hd * n_head}, MM);
+    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, MM);
+    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, MM);
+    L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, MM);
+    L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
+    L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
+    L.ffn_norm = F.tensor(n("ffn_norm"), {E}, V32);
+    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff}, MM);
+    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff}, MM);
+    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E}, MM);
 }
 
 }  // namespace dfn

@@ -70,9 +70,18 @@ struct layer_weights {
     ggml_tensor * ffn_down = nullptr;  // [n_ff, n_embd]
 };
 
+// Upper bounds on hparams read from a file: far above any real model, low enough that products
+// like head_dim * n_head stay exact in int64 and in ggml's int32 op parameters.
+constexpr int64_t k_max_dim = 1 << 20;    // n_embd, n_ff, head_dim, ssm sizes
+constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
+
+// RMSNorm epsilon >= 0 (ggml's rms_norm asserts it), RoPE base > 0, training context in [1, 2^31):
+// throws input_error naming `path` otherwise.
+void check_norm_rope_hparams(const std::string & path, float rms_eps, float rope_base, int64_t n_ctx_train);
+
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.
-void load_qwen3_layer(const gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,
+void load_qwen3_layer(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,
                       int64_t n_head_kv, int64_t n_ff, layer_weights & L);
 
 struct graph_inputs;  // graph.h
@@ -90,9 +99,12 @@ public:
     // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.
     virtual ggml_tensor * build_forward(graph_inputs & g) const = 0;
 
-    // Positions per token in the `pos` input: 4 for multi-section RoPE (text uses one position
-    // in the first three sections), else 1.
+    // Positions per token in the `pos` input, I32 [n_tokens * n_pos_per_token()].
     virtual int n_pos_per_token() const { return 1; }
+    // That input for tokens at positions n_past .. n_past + n - 1.
+    virtual void fill_positions(int64_t n_past, int64_t n, int32_t * pos) const {
+        for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (n_past + i);
+    }
 
     const target_hparams & hparams() const { return hp_; }
     const gguf_file & file() const { return *file_; }

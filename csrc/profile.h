@@ -1,7 +1,7 @@
 // Op-level timing of the forward graphs, for finding where a round's time goes.
 //
 // Off by default. Level 1 (profile_set_level(1), or DFLASH_NATIVE_PROFILE=1 at load) times the
-// phases of every graph that target_session::run_graph runs: graph build, allocation, input
+// phases of every graph that graph_runner::run runs: graph build, allocation, input
 // upload, compute, output read-back, keyed "<graph>/:build" etc. (graph: the shape key's first
 // field, e.g. "target" or "draft"). Level 2 also computes each graph one node at a time through
 // the scheduler's eval callback and adds each node's wall time to "<graph>/<op>" (op: the ggml
@@ -30,7 +30,7 @@ int profile_level();
 void profile_reset();
 std::vector<profile_entry> profile_report();  // sorted by key
 
-// Used by run_graph: adds `seconds` under "<graph>/<what>".
+// Used by graph_runner::run: adds `seconds` under "<graph>/<what>".
 void profile_add(const std::string & graph, const std::string & what, double seconds);
 // The scheduler eval callback; user_data: a profile_graph.
 bool profile_eval_cb(ggml_tensor * t, bool ask, void * user_data);

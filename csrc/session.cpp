@@ -1,6 +1,5 @@
 #include "session.h"
 
-#include "alloc.h"
 #include "common.h"
 #include "gdn_tape.h"
 #ifdef DFN_CUDA
@@ -10,9 +9,6 @@
 #include "matmul.h"
 #include "profile.h"
 #include "top1.h"
-
-#include "ggml-alloc.h"
-#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,115 +23,34 @@ target_session::target_session(const std::string & path, const session_params & 
     install_ggml_log();
     DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
     DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
-    DFN_REQUIRE(params.n_threads >= 0, "engine", "n_threads must be >= 0, got ", params.n_threads);
+    DFN_REQUIRE(params.n_threads >= 0 && params.n_threads <= GGML_MAX_N_THREADS, "engine",
+                "n_threads must be in [1, ", GGML_MAX_N_THREADS, "] (or 0: all cores), got ", params.n_threads);
     DFN_REQUIRE(params.kv_type == GGML_TYPE_F16 || params.kv_type == GGML_TYPE_F32, "engine",
                 "kv_type must be f16 or f32");
-    DFN_REQUIRE(params.max_verify >= 0, "engine", "max_verify must be >= 0");
-    DFN_REQUIRE(params.rollback == "tape" || params.rollback == "snapshot" || params.rollback == "redecode", "engine",
-                "rollback must be 'tape', 'snapshot' or 'redecode', got '", params.rollback, "'");
-    DFN_REQUIRE(params.matmul == "own" || params.matmul == "ggml", "engine",
-                "matmul must be 'own' or 'ggml', got '", params.matmul, "'");
-    const bool want_gpu = params.device == "gpu" || params.device == "cuda" || params.device == "metal";
-    DFN_REQUIRE(want_gpu || params.device == "cpu", "engine", "unknown device '", params.device, "' (use 'cpu' or 'gpu')");
+    DFN_REQUIRE(params.max_verify >= 0 && params.max_verify <= k_max_block_size, "engine",
+                "block_size (max_verify) must be in [0, ", k_max_block_size,
+                "], the most tokens one round may verify; got ", params.max_verify);
+    // a verify pass is one graph: n_batch covers the block whatever the prompt chunk size
+    params_.n_batch = std::max(params.n_batch, params.max_verify);
 
     model_ = target_model::open(path);
-
-    require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
-    cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
-    if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
     params_.n_threads = n_threads;
-    ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
-    backend_ = cpu_.get();
-    if (want_gpu) {
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        DFN_REQUIRE(dev != nullptr, "engine", "device='", params.device, "' asked for, but the ggml this package runs "
-                    "on was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
-                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
-                    "llama-cpp-python==0.3.36, then reinstall dflash-native");
-        gpu_.reset(ggml_backend_dev_init(dev, nullptr));
-        if (!gpu_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
-        backend_ = gpu_.get();
-    }
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
+    runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
-    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend_);
+    ggml_backend_buffer_type_t buft = runner_->buffer_type();
     model_->load_weights(buft);
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           params.rollback == "snapshot", buft);
-
-    max_nodes_ = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
-    meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
-}
-
-// What ggml_backend_sched_new mallocs without checking (ggml-backend.cpp): an arena of graph_size *
-// GGML_SCHED_MAX_SPLIT_INPUTS (30) * 2 tensors plus a graph, four id arrays as long, hash tables.
-static size_t sched_bytes(size_t graph_size) {
-    const size_t n = graph_size * 30 * 2;
-    return n * (sizeof(ggml_tensor) + 4 * sizeof(int)) + ggml_graph_overhead_custom(graph_size, false) +
-           graph_size * 64 + (size_t(1) << 20);
-}
-
-void target_session::make_room(size_t bytes, const std::string & what, const std::string & keep_key) {
-    try {
-        require_headroom(bytes, "graph", what);
-    } catch (const memory_error &) {
-        // the other plans' schedulers and compute buffers are only a cache: drop them and retry
-        for (auto it = plans_.begin(); it != plans_.end();) it = it->first == keep_key ? std::next(it) : plans_.erase(it);
-        require_headroom(bytes, "graph", what);
-    }
-}
-
-target_session::graph_plan target_session::new_plan(const std::string & shape_key, ggml_cgraph * gf) {
-    for (int attempt = 0;; ++attempt) {
-        make_room(sched_bytes(max_nodes_), cat("the scheduler of graph '", shape_key, "'"), "");
-        ggml_backend_t backends[2] = {backend_, cpu_.get()};
-        graph_plan p;
-        p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
-        if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
-        if (ggml_backend_sched_reserve(p.sched.get(), gf)) return p;
-        const std::string why = last_ggml_error();  // names the buffer and its size
-        if (attempt == 0 && !plans_.empty()) {
-            plans_.clear();  // their compute buffers are only a cache; try again without them
-            continue;
-        }
-        throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key, "'",
-                               why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
-    }
-}
-
-ggml_backend_sched_t target_session::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
-    auto it = plans_.find(shape_key);
-    if (it == plans_.end()) {
-        graph_plan p = new_plan(shape_key, gf);
-        it = plans_.emplace(shape_key, std::move(p)).first;
-        // drop the least recently used plans beyond the limits (never the one just made)
-        auto bytes = [&](const graph_plan & q) {
-            return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
-                   (gpu_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
-        };
-        for (;;) {
-            size_t total = 0;
-            auto lru = plans_.end();
-            for (auto jt = plans_.begin(); jt != plans_.end(); ++jt) {
-                total += bytes(jt->second);
-                if (jt != it && (lru == plans_.end() || jt->second.last_use < lru->second.last_use)) lru = jt;
-            }
-            if (lru == plans_.end() || (plans_.size() <= k_max_plans && total <= k_max_plan_bytes)) break;
-            plans_.erase(lru);
-        }
-    }
-    it->second.last_use = ++plan_clock_;
-    return it->second.sched.get();
+                                           params.rollback == ROLLBACK_SNAPSHOT, buft);
 }
 
 target_session::~target_session() = default;
 
-std::string target_session::device_name() const { return ggml_backend_name(backend_); }
-
 void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
     DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
-    DFN_REQUIRE(n > 0, W, "no tokens to decode");
+    DFN_REQUIRE(n > 0, W, "empty input: no tokens to decode");
     DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
                 " new tokens > n_ctx = ", cache_->n_ctx);
     for (int64_t i = 0; i < n; ++i) {
@@ -207,12 +122,12 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
         return;
     }
 #ifdef DFN_CUDA
-    if (std::string(ggml_backend_buffer_name(L.ssm->buffer)).rfind("CUDA", 0) == 0) {
+    if (runner_->on_cuda(L.ssm->buffer)) {
         // device buffers: replay in place with csrc/cuda/gdn_tape.cu
-        ggml_backend_synchronize(backend_);
+        ggml_backend_synchronize(runner_->backend());
         cuda::gdn_tape_replay((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
                               (float *) L.tape_g->data}, S, H_v, n_keep, nullptr);
-        ggml_backend_synchronize(backend_);
+        ggml_backend_synchronize(runner_->backend());
         return;
     }
 #endif
@@ -234,7 +149,7 @@ void target_session::commit(int64_t n_keep) {
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;
     if (hp.is_gdn.empty()) return;
-    if (params_.rollback == "redecode") {
+    if (params_.rollback == ROLLBACK_REDECODE) {
         // baseline: the GDN state is still the one before the verify; run the kept tokens again
         cache_->n_past = pending_past_;
         decode(pending_tokens_.data(), n_keep, false);
@@ -288,15 +203,93 @@ void target_session::flush_replay() {
     cache_->replay_n = 0;
 }
 
+void target_session::build_chunk(const build_context & b, chunk_graph & c) const {
+    graph_inputs & g = c.g;
+    static_cast<build_context &>(g) = b;
+    ggml_context * ctx = b.ctx;
+    const int64_t n = g.n_tokens;
+    g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * model_->n_pos_per_token());
+    g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
+    ggml_set_input(g.tokens);
+    ggml_set_input(g.pos);
+    ggml_set_input(g.kq_mask);
+
+    ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+    if (!c.want_logits) {
+        ggml_build_forward_expand(g.gf, hidden);
+        return;
+    }
+    if (!c.all_logits) hidden = ggml_view_2d(ctx, hidden, hidden->ne[0], 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
+    c.logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
+    ggml_tensor * res = c.logits;
+    // our argmax op under every matmul setting: it flags non-finite rows (ggml_argmax cannot)
+    if (c.argmax_only) res = c.argmax = argmax_op(ctx, c.logits);  // I32 [rows]
+    ggml_set_output(res);
+    ggml_build_forward_expand(g.gf, res);
+}
+
+void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const {
+    const graph_inputs & g = c.g;
+    const int64_t n = g.n_tokens;
+    ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
+    std::vector<int32_t> pos(n * model_->n_pos_per_token());
+    model_->fill_positions(g.n_past, n, pos.data());
+    // Positions and mask feed attention layers only: in a model without any (all GDN) no node
+    // reads them, the scheduler gives them no buffer, and there is nothing to set.
+    if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = g.n_past + i;
+        ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
+        for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
+    }
+    if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+}
+
+void target_session::read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const {
+    const target_hparams & hp = model_->hparams();
+    const graph_inputs & g = c.g;
+    const int64_t n = g.n_tokens;
+    const char * where = g.record_tape ? "verify" : W;
+    // position of logits row r: the rows are the chunk's tokens, or its last token only
+    const int64_t row_pos0 = c.all_logits ? g.n_past : g.n_past + n - 1;
+    if (c.argmax) {
+        int32_t * dst = out.argmax.data() + (c.all_logits ? tok_offset : 0);
+        ggml_backend_tensor_get(c.argmax, dst, 0, ggml_nelements(c.argmax) * sizeof(int32_t));
+        for (int64_t r = 0; r < ggml_nelements(c.argmax); ++r) {
+            if (dst[r] < 0) throw_non_finite_logits(where, row_pos0 + r);  // top1.h
+        }
+    } else if (c.want_logits) {
+        const int64_t rows = c.all_logits ? n : 1;
+        float * dst = out.logits.data() + (c.all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
+        ggml_backend_tensor_get(c.logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
+        for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
+            if (!std::isfinite(dst[i])) throw_non_finite_logits(where, row_pos0 + i / hp.n_vocab);
+        }
+    }
+    const size_t n_taps = g.tap_layers.size();
+    for (size_t t = 0; t < n_taps; ++t) {
+        // taps[t]: [n_embd, n] -> out.taps[token][t][:]
+        std::vector<float> buf((size_t) hp.n_embd * n);
+        ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
+                        buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
+        }
+    }
+}
+
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                                decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape,
                                bool argmax_only) {
-    const target_hparams & hp = model_->hparams();
-    const bool last_chunk = tok_offset + n == n_total;
-    const bool want_logits = all_logits || last_chunk;
-
-    graph_inputs g;
-    g.hp = &hp;
+    chunk_graph c;
+    c.all_logits = all_logits;
+    c.want_logits = all_logits || tok_offset + n == n_total;  // the last chunk gives the last row
+    c.argmax_only = argmax_only;
+    graph_inputs & g = c.g;
+    g.hp = &model_->hparams();
     g.cache = cache_.get();
     g.n_tokens = n;
     g.n_past = cache_->n_past;
@@ -305,177 +298,17 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     g.record_tape = record_tape;
     g.tap_layers = tap_layers;
     g.taps.assign(tap_layers.size(), nullptr);
-    const int n_pos = model_->n_pos_per_token();
-    ggml_tensor * logits = nullptr;
-    ggml_tensor * argmax = nullptr;
-
-    auto build = [&](ggml_context * ctx, ggml_cgraph * gf) {
-        g.ctx = ctx;
-        g.gf = gf;
-        g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-        g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n * n_pos);
-        g.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_kv, n);
-        ggml_set_input(g.tokens);
-        ggml_set_input(g.pos);
-        ggml_set_input(g.kq_mask);
-
-        ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
-        if (want_logits) {
-            if (!all_logits) {
-                hidden = ggml_view_2d(ctx, hidden, hp.n_embd, 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
-            }
-            logits = matmul(ctx, model_->output, hidden);  // [n_vocab, rows]
-            if (argmax_only) {
-                argmax = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);  // I32 [rows]
-                ggml_set_output(argmax);
-                ggml_build_forward_expand(gf, argmax);
-            } else {
-                ggml_set_output(logits);
-                ggml_build_forward_expand(gf, logits);
-            }
-        } else {
-            ggml_build_forward_expand(gf, hidden);
-        }
-    };
-
-    auto set_inputs = [&] {
-        ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
-        std::vector<int32_t> pos(n * n_pos, 0);
-        for (int64_t i = 0; i < n; ++i) {
-            const int32_t p = (int32_t) (g.n_past + i);
-            for (int s = 0; s < std::min(n_pos, 3); ++s) pos[s * n + i] = p;  // 4th section (if any) stays 0
-        }
-        ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t p = g.n_past + i;
-            ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
-            for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
-        }
-        ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
-    };
 
     auto read_outputs = [&] {
         cache_->n_past += n;
         cache_->replay_n = 0;  // the GDN ops of this graph took the replay commit() deferred
-        if (argmax) {
-            ggml_backend_tensor_get(argmax, out.argmax.data() + (all_logits ? tok_offset : 0), 0,
-                                    ggml_nelements(argmax) * sizeof(int32_t));
-        } else if (want_logits) {
-            const int64_t rows = all_logits ? n : 1;
-            float * dst = out.logits.data() + (all_logits ? (size_t) tok_offset * hp.n_vocab : 0);
-            ggml_backend_tensor_get(logits, dst, 0, (size_t) rows * hp.n_vocab * sizeof(float));
-            for (int64_t i = 0; i < rows * hp.n_vocab; ++i) {
-                if (!std::isfinite(dst[i])) {
-                    throw runtime_error(cat("[decode] non-finite logits (", dst[i], ") at token ", tok_offset + i / hp.n_vocab,
-                                            ": the model weights or inputs produce NaN/inf"));
-                }
-            }
-        }
-        const size_t n_taps = tap_layers.size();
-        for (size_t t = 0; t < n_taps; ++t) {
-            // taps[t]: [n_embd, n] -> out.taps[token][t][:]
-            std::vector<float> buf((size_t) hp.n_embd * n);
-            ggml_backend_tensor_get(g.taps[t], buf.data(), 0, buf.size() * sizeof(float));
-            for (int64_t i = 0; i < n; ++i) {
-                std::memcpy(out.taps.data() + (((size_t) (tok_offset + i)) * n_taps + t) * hp.n_embd,
-                            buf.data() + (size_t) i * hp.n_embd, hp.n_embd * sizeof(float));
-            }
-        }
+        read_chunk(c, out, tok_offset);
     };
-
-    std::string key = cat("target:", n, all_logits ? ":all" : ":last", want_logits ? ":logits" : ":hidden",
+    std::string key = cat("target:", n, all_logits ? ":all" : ":last", c.want_logits ? ":logits" : ":hidden",
                           record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", ":taps");
     for (int il : tap_layers) key += cat(",", il);
-    run_graph(key, build, set_inputs, read_outputs);
-}
-
-void target_session::run_graph(const std::string & shape_key, const std::function<void(ggml_context *, ggml_cgraph *)> & build,
-                               const std::function<void()> & set_inputs, const std::function<void()> & read_outputs) {
-    const int prof = profile_level();
-    profile_graph pg{shape_key.substr(0, shape_key.find(':')), prof ? profile_now() : 0.0};
-    auto phase = [&](const char * what) {
-        if (!prof) return;
-        const double now = profile_now();
-        profile_add(pg.graph, what, now - pg.last);
-        pg.last = now;
-    };
-    if (!broken_.empty()) throw runtime_error(cat("[graph] ", broken_, ": this engine cannot run any more, create a new one"));
-    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
-    ggml_context * ctx = ggml_init(ip);
-    if (!ctx) throw runtime_error("[graph] ggml_init failed");
-    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    {
-        matmul_scope own(params_.matmul == "own");
-        build(ctx, gf);
-    }
-    phase(":build");
-    ggml_backend_sched_t sched = plan_for(shape_key, gf);
-    phase(":plan");
-    sched = alloc_graph(shape_key, gf, sched);
-    phase(":alloc");
-    set_inputs();
-    phase(":inputs");
-    // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
-    // that survives failure (a failed work buffer leaves a dangling pointer behind): make room first
-    const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, params_.n_threads, nullptr).work_size : 0;
-    make_room(graph_headroom(params_.n_threads) + work, cat("running graph '", shape_key, "'"), shape_key);
-    ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
-    ggml_status st;
-    try {
-        st = ggml_backend_sched_graph_compute(sched, gf);
-    } catch (const std::bad_alloc &) {
-        // thrown by a backend's allocation inside ggml: its state may be inconsistent
-        broken_ = cat("out of memory inside ggml while running graph '", shape_key, "'");
-        (void) cpu_.release();  // may hold a freed work buffer: never free it again
-        throw memory_error(cat("[graph] ", broken_, "; this engine cannot run any more, create a new one"));
-    }
-    throw_kernel_oom("graph");
-    if (st == GGML_STATUS_ALLOC_FAILED) throw memory_error(cat("[graph] out of memory running graph '", shape_key, "'"));
-    if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
-    phase(":compute");
-    read_outputs();
-    phase(":read");
-}
-
-ggml_backend_sched_t target_session::alloc_graph(const std::string & shape_key, ggml_cgraph * gf,
-                                                 ggml_backend_sched_t sched) {
-    for (int attempt = 0;; ++attempt) {
-        // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
-        make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
-        ggml_backend_sched_reset(sched);
-        if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
-        // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
-        const std::string why = last_ggml_error();
-        plans_.erase(shape_key);
-        if (attempt > 0) {
-            throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key,
-                                   "'", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
-        }
-        plans_.clear();  // only a cache: plan again without the others
-        sched = plan_for(shape_key, gf);
-    }
-}
-
-std::vector<float> target_session::read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2) const {
-    // Reads t (or its first n_rows_dim2 slices along dim 2) as F32.
-    const int64_t ne2 = n_rows_dim2 >= 0 ? n_rows_dim2 : t->ne[2];
-    const size_t n_el = (size_t) t->ne[0] * t->ne[1] * ne2 * t->ne[3];
-    std::vector<float> out(n_el);
-    if (n_el == 0) return out;
-    const size_t bytes = n_el * ggml_type_size(t->type) / ggml_blck_size(t->type);
-    std::vector<uint8_t> raw(bytes);
-    ggml_backend_tensor_get(t, raw.data(), 0, bytes);
-    if (t->type == GGML_TYPE_F32) {
-        std::memcpy(out.data(), raw.data(), bytes);
-    } else if (t->type == GGML_TYPE_F16) {
-        ggml_fp16_to_fp32_row((const ggml_fp16_t *) raw.data(), out.data(), (int64_t) n_el);
-    } else {
-        throw runtime_error(cat("[cache] cannot read tensor of type ", ggml_type_name(t->type)));
-    }
-    return out;
+    runner_->run(
+        key, [&](const build_context & b) { build_chunk(b, c); }, [&] { set_chunk_inputs(c, tokens); }, read_outputs);
 }
 
 }  // namespace dfn

@@ -13,20 +13,24 @@
 namespace dfn {
 
 spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
-    : target_(target), params_(params) {
+    : target_(target), runner_(target.runner()), params_(params) {
     drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
-    DFN_REQUIRE(block_size_ >= 2, "engine", "block_size must be >= 2, got ", block_size_);
+    DFN_REQUIRE(params.block_size >= 0, "engine", "block_size must be >= 2 (or 0: the drafter's), got ",
+                params.block_size);
+    DFN_REQUIRE(block_size_ >= 2 && block_size_ <= k_max_block_size, "engine", "block_size must be in [2, ",
+                k_max_block_size, "] (the most tokens one round may verify), got ", block_size_,
+                params.block_size > 0 ? "" : " from the drafter's dflash.block_size");
     DFN_REQUIRE(params.ring_capacity >= block_size_, "engine", "feature_ring_capacity ", params.ring_capacity,
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
     set_draft_cutoff(params.draft_cutoff);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
-    drafter_->load_weights(target.buffer_type());
-    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, target.buffer_type());
-    drafter_->gather_draft_head(lm_head(), target.buffer_type());
+    drafter_->load_weights(runner_.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, runner_.buffer_type());
+    drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
 }
 
 ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : target_.model().output; }
@@ -44,10 +48,6 @@ void spec_session::reset() {
     pending_m_ = 0;
 }
 
-int64_t spec_session::feature_row() const {
-    return (int64_t) drafter_->hparams().tap_layers.size() * drafter_->hparams().n_embd;
-}
-
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
     const int64_t cap = ring_->capacity;
     // Positions older than the last `cap` would be overwritten within this push: skip them.
@@ -63,23 +63,23 @@ std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, i
     return out;
 }
 
-void spec_session::build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+void spec_session::build_push(const build_context & b, const std::vector<ring_segment> & segs,
                               std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
-    const int64_t row = feature_row();
+    const int64_t row = drafter_->hparams().n_feature_row();
     f_in.clear();
     pos_in.clear();
     for (const ring_segment & sg : segs) {
-        f_in.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, row, sg.k));
-        pos_in.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, sg.k));
+        f_in.push_back(ggml_new_tensor_2d(b.ctx, GGML_TYPE_F32, row, sg.k));
+        pos_in.push_back(ggml_new_tensor_1d(b.ctx, GGML_TYPE_I32, sg.k));
         ggml_set_input(f_in.back());
         ggml_set_input(pos_in.back());
-        drafter_->build_encode(ctx, gf, f_in.back(), pos_in.back(), *ring_, sg.slot0);
+        drafter_->build_encode(b, f_in.back(), pos_in.back(), *ring_, sg.slot0);
     }
 }
 
 void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const float * feats,
                                    const std::vector<ggml_tensor *> & f_in, const std::vector<ggml_tensor *> & pos_in) const {
-    const int64_t row = feature_row();
+    const int64_t row = drafter_->hparams().n_feature_row();
     for (size_t i = 0; i < segs.size(); ++i) {
         const ring_segment & sg = segs[i];
         ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));
@@ -97,8 +97,8 @@ void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
         // one graph per segment: a prompt's push can be as long as the ring
         const std::vector<ring_segment> one = {sg};
         std::vector<ggml_tensor *> f_in, pos_in;
-        target_.run_graph(
-            cat("encode:", sg.k), [&](ggml_context * ctx, ggml_cgraph * gf) { build_push(ctx, gf, one, f_in, pos_in); },
+        runner_.run(
+            cat("encode:", sg.k), [&](const build_context & b) { build_push(b, one, f_in, pos_in); },
             [&] { set_push_inputs(one, feats, f_in, pos_in); }, [] {});
     }
     ring_->n_pushed = pos0 + m;
@@ -113,9 +113,10 @@ void spec_session::flush_features() {
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
     reset();
-    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers);
+    // the next token by the in-graph argmax, as AR's decode_greedy takes it (and checked there)
+    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     push_features(r.taps.data(), n, 0);
-    return (int32_t) (std::max_element(r.logits.begin(), r.logits.end()) - r.logits.begin());
+    return r.argmax[0];
 }
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
@@ -130,111 +131,129 @@ std::vector<float> spec_session::draft_logits(int32_t last, int64_t B) {
     return out;
 }
 
-void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out) {
-    const drafter_hparams & dh = drafter_->hparams();
+void spec_session::check_draft(int32_t last, int64_t B) const {
     DFN_REQUIRE(last >= 0 && last < target_.hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
     DFN_REQUIRE(B >= 2 && target_.n_past() + B <= target_.params().n_ctx, "draft", "block of ", B, " at position ",
                 target_.n_past(), " does not fit n_ctx = ", target_.params().n_ctx);
     DFN_REQUIRE(B <= block_size_, "draft", "block of ", B, " > this engine's block_size ", block_size_);
-    const target_model & tm = target_.model();
-    const int64_t n_past = target_.n_past();
+}
+
+void spec_session::build_draft(const build_context & b, draft_graph & d) const {
+    ggml_context * ctx = b.ctx;
+    const int64_t B = d.B;
+    build_push(b, d.push, d.push_f, d.push_pos);
+    d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+    d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+    d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+    ggml_set_input(d.tok);
+    ggml_set_input(d.pos);
+    ggml_set_input(d.mask);
+    if (d.w > 0) {
+        d.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+        ggml_set_input(d.mask_swa);
+    }
+    ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
+                                           target_.model().tok_embd);  // [n_embd, B-1]
+    ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
+    d.out = matmul(b, head, h);                                     // logits [n_draft_vocab or n_vocab, B-1]
+    if (d.what == draft_graph::TOP1) {
+        d.out = top1_op(ctx, d.out);  // F32 [2, B-1]
+    } else if (d.what == draft_graph::ARGMAX) {
+        d.out = argmax_op(ctx, d.out);  // I32 [B-1]; flags non-finite rows (top1.h)
+    }
+    ggml_set_output(d.out);
+    ggml_build_forward_expand(b.gf, d.out);
+}
+
+void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    const int64_t B = d.B, w = d.w;
+    const bool causal = drafter_->hparams().causal;
+    m.assign((size_t) d.n_att * B, ninf);
+    std::vector<int64_t> slot_pos(d.n_ctx);
+    for (int64_t s = 0; s < d.n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
+    for (int64_t i = 0; i < B; ++i) {
+        const int64_t q = d.n_past + i;
+        ggml_fp16_t * row = m.data() + (size_t) i * d.n_att;
+        for (int64_t s = 0; s < d.n_ctx; ++s) {
+            const int64_t k = slot_pos[s];
+            row[s] = (k >= d.lo && (!swa || q - k < w)) ? zero : ninf;
+        }
+        for (int64_t j = 0; j < B; ++j) {
+            const bool ok = (!causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
+            row[d.n_ctx + j] = ok ? zero : ninf;
+        }
+    }
+}
+
+void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
+    const int64_t B = d.B;
+    set_push_inputs(d.push, pending_feats_.data(), d.push_f, d.push_pos);
+    std::vector<int32_t> t(B, (int32_t) drafter_->hparams().mask_token_id), p(B);
+    t[0] = last;
+    for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (d.n_past + i);
+    ggml_backend_tensor_set(d.tok, t.data(), 0, B * sizeof(int32_t));
+    ggml_backend_tensor_set(d.pos, p.data(), 0, B * sizeof(int32_t));
+    std::vector<ggml_fp16_t> m;
+    for (int swa = 0; swa < (d.w > 0 ? 2 : 1); ++swa) {
+        fill_draft_mask(d, swa, m);
+        // a drafter whose layers all slide reads no full mask (and one with none, no sliding
+        // mask): the scheduler gave it no buffer
+        ggml_tensor * dst = swa ? d.mask_swa : d.mask;
+        if (dst->buffer) ggml_backend_tensor_set(dst, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+    }
+}
+
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out) {
+    check_draft(last, B);
+    draft_graph d;
+    d.B = B;
+    d.n_past = target_.n_past();
+    d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : draft_graph::ARGMAX;
     // The features the last round committed are written into the ring by this graph, ahead of
     // the block (ggml computes nodes in order); the ring counts them from here on.
-    const std::vector<ring_segment> push = pending_m_ > 0 ? ring_segments(pending_m_, pending_pos0_)
-                                                           : std::vector<ring_segment>{};
+    if (pending_m_ > 0) d.push = ring_segments(pending_m_, pending_pos0_);
     const int64_t n_pushed_before = ring_->n_pushed;
     const int64_t n_pushed = pending_m_ > 0 ? pending_pos0_ + pending_m_ : n_pushed_before;
-    DFN_REQUIRE(n_pushed == n_past, "draft", "feature ring holds ", n_pushed, " positions but the target has ", n_past);
+    DFN_REQUIRE(n_pushed == d.n_past, "draft", "feature ring holds ", n_pushed, " positions but the target has ", d.n_past);
     ring_->n_pushed = n_pushed;
-    const int64_t n_ctx = ring_->n_valid();
+    d.n_ctx = ring_->n_valid();
     // attention over ring slots [0, n_att): the context, the block, and padding the mask hides
-    const int64_t n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(n_ctx + B));
+    d.n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(d.n_ctx + B));
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
-    const int64_t lo = params_.window > 0 ? n_past - params_.window : 0;
-    const int64_t w = dh.sliding_window;
-
-    ggml_tensor * tok = nullptr, * pos = nullptr, * mask = nullptr, * mask_swa = nullptr, * am = nullptr;
-    ggml_tensor * logits = nullptr, * top1 = nullptr;
-    std::vector<ggml_tensor *> push_f, push_pos;
+    d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
+    d.w = drafter_->hparams().sliding_window;
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: always the
     // whole vocabulary, for tests)
-    ggml_tensor * head = lm_head();  // [n_embd, n_vocab]
-    const bool sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
-    if (sub) head = drafter_->draft_head;  // [n_embd, n_draft_vocab]
-    std::string key = cat("draft:", B, w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
-                          sub ? ":dv" : "");
-    for (const ring_segment & sg : push) key += cat(":push", sg.k);
+    d.sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
+    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
+                          d.sub ? ":dv" : "");
+    for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
     try {
-        target_.run_graph(
-            key,
-            [&](ggml_context * ctx, ggml_cgraph * gf) {
-                build_push(ctx, gf, push, push_f, push_pos);
-                tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-                pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-                mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
-                ggml_set_input(tok);
-                ggml_set_input(pos);
-                ggml_set_input(mask);
-                if (w > 0) {
-                    mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_att, B);
-                    ggml_set_input(mask_swa);
-                }
-                ggml_tensor * h = drafter_->build_block(ctx, gf, tok, pos, mask, mask_swa, *ring_, n_ctx, tm.tok_embd);  // [E, B-1]
-                logits = matmul(ctx, head, h);  // [n_vocab or n_draft_vocab, B-1]
-                ggml_tensor * res = logits;
-                if (top1_out) {
-                    res = top1 = top1_op(ctx, logits);
-                } else if (!logits_out) {
-                    res = am = own_kernels() ? argmax_op(ctx, logits) : ggml_argmax(ctx, logits);
-                }
-                ggml_set_output(res);
-                ggml_build_forward_expand(gf, res);
-            },
-            [&] {
-                set_push_inputs(push, pending_feats_.data(), push_f, push_pos);
-                std::vector<int32_t> t(B, (int32_t) dh.mask_token_id), p(B);
-                t[0] = last;
-                for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (n_past + i);
-                ggml_backend_tensor_set(tok, t.data(), 0, B * sizeof(int32_t));
-                ggml_backend_tensor_set(pos, p.data(), 0, B * sizeof(int32_t));
-                const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-                std::vector<int64_t> slot_pos(n_ctx);
-                for (int64_t s = 0; s < n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
-                for (int swa = 0; swa < (w > 0 ? 2 : 1); ++swa) {
-                    std::vector<ggml_fp16_t> m((size_t) n_att * B, ninf);
-                    for (int64_t i = 0; i < B; ++i) {
-                        const int64_t q = n_past + i;
-                        ggml_fp16_t * row = m.data() + (size_t) i * n_att;
-                        for (int64_t s = 0; s < n_ctx; ++s) {
-                            const int64_t k = slot_pos[s];
-                            row[s] = (k >= lo && (!swa || q - k < w)) ? zero : ninf;
-                        }
-                        for (int64_t j = 0; j < B; ++j) {
-                            const bool ok = (!dh.causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
-                            row[n_ctx + j] = ok ? zero : ninf;
-                        }
-                    }
-                    ggml_backend_tensor_set(swa ? mask_swa : mask, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
-                }
-            },
-            [&] {
-                if (argmax_out) ggml_backend_tensor_get(am, argmax_out, 0, (B - 1) * sizeof(int32_t));
-                if (logits_out) ggml_backend_tensor_get(logits, logits_out, 0, ggml_nbytes(logits));
-                if (top1_out) ggml_backend_tensor_get(top1, top1_out, 0, ggml_nbytes(top1));
-                if (sub) {  // rows of the draft head -> token ids
-                    const std::vector<int32_t> & ids = dh.draft_vocab;
-                    for (int64_t i = 0; i + 1 < B; ++i) {
-                        if (argmax_out) argmax_out[i] = ids[argmax_out[i]];
-                        if (top1_out) top1_out[2 * i] = (float) ids[(size_t) top1_out[2 * i]];
-                    }
-                }
-            });
+        runner_.run(
+            key, [&](const build_context & b) { build_draft(b, d); }, [&] { set_draft_inputs(d, last); },
+            [&] { read_draft(d, argmax_out, logits_out ? logits_out : top1_out); });
     } catch (...) {
         ring_->n_pushed = n_pushed_before;  // the pending features stay pending
         throw;
     }
     pending_m_ = 0;
+}
+
+void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
+    if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
+    if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
+    for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
+        if ((argmax_out && argmax_out[i] < 0) || (d.what == draft_graph::TOP1 && f32_out[2 * i] < 0))
+            throw_non_finite_logits("draft", d.n_past + i + 1);
+    }
+    if (!d.sub) return;
+    const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;  // rows of the draft head -> token ids
+    for (int64_t i = 0; i + 1 < d.B; ++i) {
+        if (argmax_out) argmax_out[i] = ids[argmax_out[i]];
+        if (d.what == draft_graph::TOP1) f32_out[2 * i] = (float) ids[(size_t) f32_out[2 * i]];
+    }
 }
 
 std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {

@@ -73,23 +73,47 @@ private:
     std::vector<ring_segment> ring_segments(int64_t m, int64_t pos0) const;
     // Builds the ring writes of `segs` into a graph; inputs: per segment features F32
     // [n_taps * n_embd, k] and positions I32 [k].
-    void build_push(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ring_segment> & segs,
+    void build_push(const build_context & b, const std::vector<ring_segment> & segs,
                     std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
     void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
                          const std::vector<ggml_tensor *> & pos_in) const;
-    int64_t feature_row() const;  // floats per position pushed: n_taps * n_embd
     ggml_tensor * lm_head() const;  // the drafter's own lm_head, else the target's
     // The features a round committed are pushed by the next draft graph (one graph per round
     // fewer); anything that reads the ring or pushes out of a round flushes them first.
     void flush_features();
 
-    // One drafter pass; fills whichever outputs are given: argmax_out [B-1], logits_out
-    // [B-1, n_vocab], top1_out [B-1, 2] (top1.h: argmax and its probability).
+    // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
+    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr);
+    // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
+    struct draft_graph {
+        enum output { ARGMAX, LOGITS, TOP1 } what = ARGMAX;
+        int64_t B = 0, n_past = 0;
+        int64_t n_ctx = 0;  // ring slots holding context
+        int64_t n_att = 0;  // ring slots attended to: context, block, masked padding
+        int64_t lo = 0;     // oldest position any layer sees (the user's window)
+        int64_t w = 0;      // the GGUF sliding window of its layers (0: none)
+        bool sub = false;   // over the draft vocabulary's rows of the lm_head
+        std::vector<ring_segment> push;  // pending features this graph writes into the ring first
+        std::vector<ggml_tensor *> push_f, push_pos;
+        ggml_tensor * tok = nullptr;       // I32 [B]: last, MASK x (B-1)
+        ggml_tensor * pos = nullptr;       // I32 [B]
+        ggml_tensor * mask = nullptr;      // F16 [n_att, B]
+        ggml_tensor * mask_swa = nullptr;  // F16 [n_att, B], when w > 0
+        ggml_tensor * out = nullptr;       // I32 [B-1] argmax, F32 [n_vocab, B-1] logits or F32 [2, B-1] top1
+    };
+    void check_draft(int32_t last, int64_t B) const;
+    void build_draft(const build_context & b, draft_graph & d) const;
+    void set_draft_inputs(const draft_graph & d, int32_t last) const;
+    // mask (swa: mask_swa) over ring slots [0, n_att) for each block row, [B, n_att] row-major
+    void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
+    // argmax_out: the argmax output; f32_out: the logits or top1 output
+    void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
     // d_1..d_{B-1} by argmax, cut where the running product of top-1 probabilities < draft_cutoff.
     std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
 
     target_session & target_;
+    graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
     spec_params params_;
     std::unique_ptr<drafter_model> drafter_;
     std::unique_ptr<feature_ring> ring_;

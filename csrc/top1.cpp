@@ -10,11 +10,19 @@ namespace dfn {
 
 namespace {
 
+// The row's maximum, and in the same pass whether every element is finite: l - l is 0 for a
+// finite l and NaN for inf or NaN, so the sum stays 0 exactly when the row is finite (the max
+// alone would skip a NaN).
 DFN_MULTIVERSION
-float max_of(const float * l, int64_t n) {
+float max_of(const float * l, int64_t n, bool & finite) {
     float mx = l[0];
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = l[j] > mx ? l[j] : mx;
+    float z = 0.0f;
+#pragma omp simd reduction(max : mx) reduction(+ : z)
+    for (int64_t j = 0; j < n; ++j) {
+        mx = l[j] > mx ? l[j] : mx;
+        z += l[j] - l[j];
+    }
+    finite = z == 0.0f;
     return mx;
 }
 
@@ -55,12 +63,27 @@ int64_t first_index_of(const float * l, int64_t n, float mx) {
 
 }  // namespace
 
-int64_t argmax_row(const float * l, int64_t n) { return first_index_of(l, n, max_of(l, n)); }
+int64_t argmax_row(const float * l, int64_t n) {
+    bool finite;
+    const float mx = max_of(l, n, finite);
+    return finite ? first_index_of(l, n, mx) : -1;
+}
 
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
-    const float mx = max_of(l, n);
+    bool finite;
+    const float mx = max_of(l, n, finite);
+    if (!finite) {
+        arg = -1;
+        p = NAN;
+        return;
+    }
     arg = first_index_of(l, n, mx);  // the first maximum
     p = 1.0f / sum_exp(l, n, mx);
+}
+
+void throw_non_finite_logits(const char * where, int64_t pos) {
+    throw runtime_error(cat("[", where, "] non-finite logits (NaN or inf) at position ", pos,
+                            ": the model's weights or inputs produce NaN/inf"));
 }
 
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {

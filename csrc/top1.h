@@ -8,6 +8,10 @@
 
 namespace dfn {
 
+// Every row op below marks a row holding a NaN or an inf with the index -1 (found in the pass
+// that finds the maximum, so it costs no extra read of the logits); callers turn it into
+// throw_non_finite_logits instead of committing a meaningless token.
+
 // logits [n_vocab, n] -> F32 [2, n]: (argmax as a float, exactly as ggml_argmax picks it: the
 // first maximum; p = 1 / sum_j exp(l_j - l_max)). p comes from a fast exp (p within 2e-5
 // relative): it only decides how many drafts to verify, never which tokens are committed.
@@ -20,5 +24,9 @@ ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits);
 // The same for one row (tests compare it against a float64 softmax).
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p);
 int64_t argmax_row(const float * l, int64_t n);
+
+// RuntimeError "[where] non-finite logits (NaN or inf) at position pos: ...": one message for
+// every path that reads logits (decode, verify, draft, eval).
+[[noreturn]] void throw_non_finite_logits(const char * where, int64_t pos);
 
 }  // namespace dfn

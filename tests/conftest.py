@@ -29,7 +29,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _import_package() -> None:
-    """Make `dflash_native.convert` / `.testing` importable from a source checkout.
+    """Make `dflash_native.convert` importable from a source checkout.
 
     Without an installed package we fall back to python/ on sys.path. When the
     package's __init__ cannot import the compiled `_core` (not built yet), the
@@ -57,7 +57,7 @@ def _import_package() -> None:
 _import_package()
 
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
-from dflash_native.testing import TINY_VARIANTS, make_random_checkpoint  # noqa: E402
+from fixtures import TINY_VARIANTS, make_random_checkpoint  # noqa: E402
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 N_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -66,7 +66,7 @@ N_THREADS = max(1, min(4, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
     """hf_checkpoint(arch, variant="default") -> directory of a random HF checkpoint
-    with the shape `testing.TINY_VARIANTS[arch][variant]` (seed 0)."""
+    with the shape `fixtures.TINY_VARIANTS[arch][variant]` (seed 0)."""
     cache: dict[tuple[str, str], Path] = {}
 
     def get(arch: str, variant: str = "default") -> Path:

@@ -7,10 +7,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dflash_native as dn
-from dflash_native.testing import make_random_gguf
+from fixtures import make_random_gguf
 from reference.gguf_edit import rewrite_gguf
 
 
@@ -95,23 +96,75 @@ def test_bad_hparams(good, tmp_path):
     assert out.startswith("VALUEERROR:") and "head_count" in out, out
 
 
+def test_file_without_vocabulary_runs_on_token_ids(good, tmp_path):
+    """tokenizer.ggml.model "none" with a vocab_size (what the converter writes without a
+    tokenizer.json): llama.cpp loads it with dummy tokens but asserts when asked to tokenize; the
+    engine runs on token ids and refuses text with a ValueError."""
+    from gguf import GGUFValueType
+
+    p = rewrite_gguf(good, tmp_path / "novocab.gguf",
+                     kv={"tokenizer.ggml.model": ("none", GGUFValueType.STRING), "qwen35.vocab_size": 640},
+                     drop_keys=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                                "tokenizer.ggml.pre"))
+    code = textwrap.dedent(f"""
+        import dflash_native as dn
+        eng = dn.Engine({str(p)!r}, n_ctx=64)
+        assert eng.tokenizer is None
+        print(len(eng.generate([1, 2, 3], max_tokens=3).tokens))
+        try:
+            eng.generate("some text", max_tokens=3)
+        except ValueError as e:
+            print("VALUEERROR:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0] == "3" and "has no tokenizer" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kv,msg", [
+    ({"tokenizer.ggml.eos_token_id": 640}, "tokenizer.ggml.eos_token_id: must be a token id in [0, 640)"),
+    ({"tokenizer.ggml.pre": ("gemma4", "str")}, "tokenizer.ggml.pre: 'gemma4' is not a byte-level BPE pre-tokenizer"),
+    ({"tokenizer.ggml.model": ("bert", "str")}, "tokenizer.ggml.model: 'bert' is not supported"),
+])
+def test_broken_vocabulary_names_the_key(good, tmp_path, kv, msg):
+    from gguf import GGUFValueType
+
+    kv = {k: (v[0], GGUFValueType.STRING) if isinstance(v, tuple) else v for k, v in kv.items()}
+    out = load_in_subprocess(rewrite_gguf(good, tmp_path / "vocab.gguf", kv=kv))
+    assert out.startswith("VALUEERROR: [tokenizer]") and msg in out, out
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_fifo_is_refused_before_it_is_opened(pair, tmp_path, which):
+    """Opening a FIFO for reading blocks until a writer comes: it must be refused from its type."""
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    tg, dg = pair
+    out = load_in_subprocess(fifo, drafter=str(dg)) if which == "target" else spec_error(tg, fifo)
+    assert "not a regular file" in out, out
+
+
 @pytest.fixture(scope="module")
 def eng(good):
     return dn.Engine(good, n_ctx=32, n_threads=2)
 
 
 def test_prompt_longer_than_ctx(eng):
-    with pytest.raises(ValueError, match="longer than n_ctx = 32"):
+    with pytest.raises(ValueError, match="context overflow: 0 cached [+] 40 new tokens > n_ctx = 32"):
         eng.generate(list(range(5, 45)), max_tokens=4)
-    with pytest.raises(ValueError, match="longer than n_ctx"):
+    with pytest.raises(ValueError, match="context overflow"):
         eng.eval(list(range(5, 45)))
 
 
 def test_empty_prompt(eng):
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="empty input"):
         eng.generate([], max_tokens=4)
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="empty input"):
         eng.generate("", max_tokens=4)
+    with pytest.raises(ValueError, match="empty input"):
+        eng.generate([], max_tokens=0)  # the core checks the prompt even when nothing is generated
 
 
 def test_token_outside_vocab(eng):
@@ -129,7 +182,7 @@ def test_bad_arguments(good, eng):
     with pytest.raises(ValueError, match="n_ctx"):
         dn.Engine(good, n_ctx=0)
     with pytest.raises(ValueError, match="n_threads"):
-        dn.Engine(good, n_threads=0)
+        dn.Engine(good, n_threads=-1)
     with pytest.raises(ValueError, match="unknown device"):
         dn.Engine(good, device="tpu")
     with pytest.raises(ValueError, match="tokens must be a 1-D"):
@@ -174,8 +227,7 @@ def test_generation_stops_at_context_end(eng):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from dflash_native.convert import convert_hf_to_gguf
-    from dflash_native.testing import make_random_checkpoint
-    from dflash_native.testing_dflash import make_random_drafter_gguf
+    from fixtures import make_random_checkpoint, make_random_drafter_gguf
 
     d = tmp_path_factory.mktemp("badpair")
     ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=1)
@@ -233,7 +285,7 @@ def test_bad_draft_vocab_in_file(pair, tmp_path, ids, msg):
 
 def test_block_size_and_capacity(pair):
     tg, dg = pair
-    assert "block_size must be an int >= 2" in spec_error(tg, dg, block_size=1)
+    assert "block_size must be in [2, 64]" in spec_error(tg, dg, block_size=1)
     assert "feature_ring_capacity 4 must be >= block_size 8" in spec_error(tg, dg, feature_ring_capacity=4)
     assert "drafter_window" in spec_error(tg, dg, drafter_window=0)
 
@@ -241,7 +293,16 @@ def test_block_size_and_capacity(pair):
 def test_drafter_block_size_below_2_in_file(pair, tmp_path):
     tg, dg = pair
     bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": 1})
-    assert "block_size 1 must be >= 2" in spec_error(tg, bad, block_size=4)
+    assert "block_size 1 must be in [2, 1024]" in spec_error(tg, bad, block_size=4)
+
+
+@pytest.mark.parametrize("value", [0, 2**31, 2**32 - 1])
+def test_drafter_block_size_out_of_range_in_file(pair, tmp_path, value):
+    """The engine reads the drafter's block size first (to size the target's verify batch): through
+    the core's parser, range-checked, before anything is allocated from it."""
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "b.gguf", kv={"dflash.block_size": value})
+    assert f"block_size {value} must be in [2, 1024]" in spec_error(tg, bad)
 
 
 def test_target_given_as_drafter(pair):
@@ -253,3 +314,265 @@ def test_speculative_without_drafter(pair):
     eng = dn.Engine(pair[0], n_ctx=64)
     with pytest.raises(ValueError, match="needs an Engine created with a drafter"):
         eng.generate([1, 2], max_tokens=2, speculative=True)
+
+
+# ---- non-finite logits: the same clear error on every path -----------------------------
+
+def _nan_where(names, row=None, value=np.nan):
+    def fn(name, a):
+        if name in names:
+            a = a.copy()
+            if row is None:
+                a[...] = value
+            else:
+                a[row] = value
+        return a
+    return fn
+
+
+@pytest.fixture(scope="module")
+def nan_files(pair, tmp_path_factory):
+    """Targets whose logits are NaN everywhere, NaN in one column, inf in one column, or NaN
+    only after token 99 is fed; a drafter whose logits are NaN (with a draft vocabulary, so the
+    row -> id mapping sees the flag too)."""
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    d = tmp_path_factory.mktemp("nan")
+    return {
+        "all_nan": rewrite_gguf(tg, d / "all.gguf", tensor_fn=_nan_where({"output_norm.weight"})),
+        "one_nan": rewrite_gguf(tg, d / "row.gguf", tensor_fn=_nan_where({"output.weight"}, row=17)),
+        "one_inf": rewrite_gguf(tg, d / "inf.gguf", tensor_fn=_nan_where({"output.weight"}, row=17, value=np.inf)),
+        "token_99": rewrite_gguf(tg, d / "emb.gguf", tensor_fn=_nan_where({"token_embd.weight"}, row=99)),
+        "drafter": rewrite_gguf(dg, d / "dnan.gguf", tensor_fn=_nan_where({"output_norm.weight"}),
+                                kv={"dflash.draft_vocab": (list(range(0, 600, 3)), GGUFValueType.ARRAY)}),
+    }
+
+
+NON_FINITE = r"non-finite logits \(NaN or inf\) at position"
+
+
+@pytest.mark.parametrize("kind", ["all_nan", "one_nan", "one_inf"])
+def test_non_finite_logits_raise_on_every_path(pair, nan_files, kind):
+    """AR greedy used to commit the argmax of NaN rows (<|MASK|> x 8, stop 'length')."""
+    eng = dn.Engine(nan_files[kind], drafter=pair[1], n_ctx=64, n_threads=2)
+    for matmul_eng in (eng, dn.Engine(nan_files[kind], n_ctx=64, n_threads=2, matmul="ggml")):
+        with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
+            matmul_eng.generate([5, 6, 7], max_tokens=8, speculative=False)
+    with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
+        eng.generate([5, 6, 7], max_tokens=8)  # speculative: the prefill
+    with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 0"):
+        eng.eval([5, 6, 7])
+    stream = eng.generate([5, 6, 7], max_tokens=8, stream=True)
+    with pytest.raises(RuntimeError, match=NON_FINITE):
+        next(stream)
+
+
+def test_non_finite_logits_in_verify_and_ar_step(pair, nan_files):
+    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
+    fresh = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
+    want = fresh.generate([5, 6, 7], max_tokens=10).tokens
+    eng._draft_override = lambda prompt, out, B: [99] * (B - 1)  # the target verifies token 99 at position 4
+    with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
+        eng.generate([5, 6, 7], max_tokens=10)
+    eng._draft_override = None
+    assert eng.generate([5, 6, 7], max_tokens=10).tokens == want  # state reset: the engine goes on
+    core = eng._core
+    core.reset()
+    core.decode_greedy([5, 6])
+    with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
+        core.decode_greedy([99])  # one AR step
+
+
+@pytest.mark.parametrize("cutoff", [0.0, 0.5])  # argmax op / top1 op
+def test_non_finite_logits_in_draft(pair, nan_files, cutoff):
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], n_ctx=64, n_threads=2, draft_cutoff=cutoff)
+    assert len(eng._spec.draft_vocab) == 200
+    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
+        eng.generate([5, 6, 7], max_tokens=10)
+    eng.draft_vocab = False
+    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
+        eng.generate([5, 6, 7], max_tokens=10)
+    want = dn.Engine(pair[0], n_ctx=64, n_threads=2).generate([5, 6, 7], max_tokens=10).tokens
+    assert eng.generate([5, 6, 7], max_tokens=10, speculative=False).tokens == want
+
+
+def test_top1_flags_non_finite_rows():
+    from dflash_native import _core
+
+    logits = np.array([[1, np.nan, 3], [1, 2, 3], [np.inf, 0, 0], [-np.inf, 0, 0]], dtype=np.float32)
+    arg, p = _core.testing.top1(logits)
+    assert arg.tolist() == [-1, 2, -1, -1]
+    assert np.isnan(p[[0, 2, 3]]).all() and 0 < p[1] < 1
+
+
+# ---- arguments: a clear ValueError for every wrong type or value ------------------------
+
+ENGINE_BAD = [
+    (dict(block_size=True), "block_size must be an int, got bool"),
+    (dict(block_size=2.5), "block_size must be an int, got float"),
+    (dict(block_size=1000), r"block_size \(max_verify\) must be in \[0, 64\]"),
+    (dict(block_size=65), r"block_size \(max_verify\) must be in \[0, 64\]"),
+    (dict(block_size=-2), r"block_size \(max_verify\) must be in \[0, 64\]"),
+    (dict(n_batch=-3), "n_batch must be >= 1, got -3"),
+    (dict(n_ctx=True), "n_ctx must be an int"),
+    (dict(n_ctx="64"), "n_ctx must be an int"),
+    (dict(n_ctx=2**70), "n_ctx = 1180591620717411303424 is out of range"),
+    (dict(n_threads=2**40), "n_threads = 1099511627776 is out of range"),
+    (dict(n_threads=100000), r"n_threads must be in \[1, 512\]"),
+    (dict(drafter_window=2**63), "drafter_window = 9223372036854775808 is out of range"),
+    (dict(drafter_window=0), "drafter_window must be a positive int or None"),
+    (dict(feature_ring_capacity=None), "feature_ring_capacity must be an int"),
+    (dict(feature_ring_capacity=-1), "feature_ring_capacity -1 must be >= block_size"),
+    (dict(kv_type=16), "kv_type must be a str"),
+    (dict(device=None), "device must be a str"),
+    (dict(rollback="undo"), "rollback must be 'tape'"),
+    (dict(matmul=b"own"), "matmul must be a str"),
+    (dict(gate=1), "gate must be True or False"),
+    (dict(draft_vocab="yes"), "draft_vocab must be True or False"),
+    (dict(draft_cutoff="0.1"), "draft_cutoff must be a number"),
+    (dict(draft_cutoff=True), "draft_cutoff must be a number"),
+    (dict(draft_cutoff=float("nan")), r"draft_cutoff must be in \[0, 1\], got nan"),
+    (dict(draft_cutoff=1.5), r"draft_cutoff must be in \[0, 1\]"),
+    (dict(drafter=3), "drafter must be a path"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", ENGINE_BAD, ids=[str(k) for k, _ in ENGINE_BAD])
+def test_engine_argument(pair, kw, msg):
+    tg, dg = pair
+    kw = {"drafter": dg, "n_ctx": 64, **kw}
+    with pytest.raises(ValueError, match=msg):
+        dn.Engine(tg, **kw)
+
+
+def test_engine_target_argument(tmp_path):
+    with pytest.raises(ValueError, match="target must be a path"):
+        dn.Engine(None)
+    with pytest.raises(ValueError, match="no such file"):
+        dn.Engine(str(tmp_path / "nope.gguf").encode())  # a bytes path is a path
+
+
+def test_numpy_ints_work(pair):
+    tg, dg = pair
+    eng = dn.Engine(tg, drafter=dg, n_ctx=np.int64(64), n_threads=np.int32(2), block_size=np.int64(4),
+                    feature_ring_capacity=np.uint16(64), draft_cutoff=np.float32(0.25), draft_vocab=np.bool_(True))
+    assert (eng.n_ctx, eng.block_size, eng.draft_cutoff) == (64, 4, 0.25)
+    want = eng.generate([5, 6, 7], max_tokens=6).tokens
+    assert eng.generate(np.array([5, 6, 7], dtype=np.int32), max_tokens=np.int64(6)).tokens == want
+    assert eng.generate([np.int64(5), np.uint8(6), 7], max_tokens=6, stream=np.bool_(False)).tokens == want
+    assert eng.eval(np.array([5, 6, 7])).shape == (3, eng.n_vocab)
+    eng.draft_cutoff = np.float64(0.5)
+    eng.draft_vocab = np.bool_(False)
+    assert (eng.draft_cutoff, eng.draft_vocab) == (0.5, False)
+
+
+GENERATE_BAD = [
+    (dict(prompt=b"\x05\x06"), "got bytes: pass text as a str"),
+    (dict(prompt=bytearray(b"ab")), "got bytearray"),
+    (dict(prompt=[5.0, 6.7]), "token ids must be ints, got float 5.0 at index 0"),
+    (dict(prompt=np.array([5.0, 6.0])), "1-D integer array, got float64"),
+    (dict(prompt=[[5, 6]]), "token ids must be ints, got list"),
+    (dict(prompt=[True, 5]), "token ids must be ints, got bool"),
+    (dict(prompt=None), "expected a str or a sequence of token ids, got NoneType"),
+    (dict(prompt=5), "expected a str or a sequence of token ids, got int"),
+    (dict(max_tokens=True), "max_tokens must be an int, got bool"),
+    (dict(max_tokens=4.0), "max_tokens must be an int, got float"),
+    (dict(max_tokens=-1), "max_tokens must be >= 0, got -1"),
+    (dict(stop=[1]), "stop strings must be str, got int"),
+    (dict(stop=b"x"), "stop must be a str, a sequence of str or None, got bytes"),
+    (dict(stop=5), "stop must be a str, a sequence of str or None, got int"),
+    (dict(stream="yes"), "stream must be True or False"),
+    (dict(speculative=1), "speculative must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", GENERATE_BAD, ids=[str(k) for k, _ in GENERATE_BAD])
+def test_generate_argument(eng, kw, msg):
+    kw = {"prompt": [5, 6, 7], "max_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=msg):
+        eng.generate(kw.pop("prompt"), **kw)
+
+
+def test_token_ids_past_int32(eng):
+    for bad in ([5, 2**40], [5, 2**70], np.array([5, 2**40])):
+        with pytest.raises(ValueError, match="token id|1-D sequence of integers"):
+            eng.generate(bad, max_tokens=2)
+        with pytest.raises(ValueError, match="token id|1-D sequence of integers"):
+            eng.eval(bad)
+
+
+def test_stop_none_means_no_stop_strings(eng):
+    assert eng.generate([5, 6, 7], max_tokens=6, stop=None).tokens == eng.generate([5, 6, 7], max_tokens=6).tokens
+
+
+def test_chat_arguments(eng):
+    for messages, msg in [([{"role": "user", "content": None}], "message 0: 'content' must be a str, got NoneType"),
+                          ([{"role": 3, "content": "hi"}], "message 0: 'role' must be a str, got int"),
+                          ([{"role": "user"}], "message 0 must be a dict with 'role' and 'content'"),
+                          ("hi", "messages must be a list of dicts, got str"),
+                          (None, "messages must be a list of dicts, got NoneType")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.chat(messages, max_tokens=2)
+    with pytest.raises(ValueError, match="max_tokens must be an int"):
+        eng.chat([{"role": "user", "content": "hi"}], max_tokens="2")
+
+
+def test_eval_and_text_arguments(eng):
+    for bad, msg in [(b"ab", "got bytes"), ([1.5], "token ids must be ints"), (None, "got NoneType")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.eval(bad)
+    for bad in (b"hi", None, 5):
+        with pytest.raises(ValueError, match="text must be a str"):
+            eng.tokenize(bad)
+    for bad, msg in [(b"ab", "got bytes"), ([1.5], "token ids must be ints"), ([-1], "outside the vocabulary")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.detokenize(bad)
+    assert eng.detokenize(np.array([5, 6])) == eng.detokenize([5, 6])
+
+
+def test_detokenize_outside_vocab_does_not_abort(good):
+    """llama.cpp threw std::out_of_range through ctypes: the process aborted."""
+    code = textwrap.dedent(f"""
+        import dflash_native as dn
+        eng = dn.Engine({str(good)!r}, n_ctx=32)
+        for bad in ([eng.tokenizer.n_vocab], [5, 10**6]):
+            try:
+                eng.detokenize(bad)
+            except ValueError as e:
+                print("VALUEERROR:", e)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"process died with {p.returncode}: {p.stderr[-2000:]}"
+    assert p.stdout.count("VALUEERROR: [tokenizer] token id") == 2, p.stdout
+
+
+def test_setter_arguments(pair):
+    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=64)
+    for bad, msg in [("0.1", "must be a number"), (float("nan"), "got nan"), (2, r"in \[0, 1\]"),
+                     (None, "must be a number")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.draft_cutoff = bad
+    for bad in (1, "no", None):
+        with pytest.raises(ValueError, match="draft_vocab must be True or False"):
+            eng.draft_vocab = bad
+    assert (eng.draft_cutoff, eng.draft_vocab) == (0.0, True)  # unchanged by the refused values
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--max-tokens", "-1"], "max_tokens must be >= 0"),
+    (["--block-size", "1000"], "block_size"),
+    (["--n-ctx", "0"], "n_ctx must be >= 1"),
+    (["--threads", "-2"], "n_threads"),
+    (["--prompt-file", "."], "Is a directory"),
+    (["--prompt", ""], "empty input"),
+])
+def test_cli_errors(pair, capsys, args, msg):
+    from dflash_native.cli import main
+
+    base = ["generate", "--target", str(pair[0]), "--drafter", str(pair[1]), "--n-ctx", "64"]
+    if "--prompt" not in args and "--prompt-file" not in args:
+        base += ["--prompt", "def f"]
+    assert main(base + args) == 2
+    err = capsys.readouterr().err
+    assert "dflash-native: error:" in err and msg in err, err

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType as QT, TokenType
 
 from dflash_native import convert
 from dflash_native.convert import convert_hf_to_gguf
-from dflash_native.testing import SPECIAL_TOKENS, TINY_VARIANTS, make_random_checkpoint, make_random_gguf
+from fixtures import SPECIAL_TOKENS, TINY_VARIANTS, make_random_checkpoint, make_random_gguf
 
 # outtype -> (max |logit diff|, ||diff|| / ||logits||)
 TOLERANCE = {

@@ -30,10 +30,10 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
-from dflash_native.testing import make_random_checkpoint
-from dflash_native.testing_dflash import (
+from fixtures import (
     default_target_layer_ids,
     drafter_overrides_for_target,
+    make_random_checkpoint,
     make_random_drafter_checkpoint,
     make_random_drafter_gguf,
     mask_token_id_of,

@@ -41,9 +41,9 @@ def test_cuda_matches_cpu(T, H_k, H_v, d):
     rng = np.random.default_rng(T * 1000 + d)
     q, k, v, g, beta, S0 = random_gdn(rng, T, H_k, H_v, d)
     cpu = _core.gdn_tape_record(q, k, v, g, beta, S0)
-    gpu = _core.cuda_gdn_tape_record(q, k, v, g, beta, S0)
+    gpu = _core.testing.cuda_gdn_tape_record(q, k, v, g, beta, S0)
     for a, b in zip(gpu, cpu):  # F32: different summation order only
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     for n in (0, 1, T // 2, T):
-        np.testing.assert_allclose(_core.cuda_gdn_tape_replay(S0, *cpu[1:], n),
+        np.testing.assert_allclose(_core.testing.cuda_gdn_tape_replay(S0, *cpu[1:], n),
                                    _core.gdn_tape_replay(S0, *cpu[1:], n), atol=1e-4, rtol=1e-4)

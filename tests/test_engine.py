@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 import dflash_native as dn
-from dflash_native.testing import make_random_checkpoint
+from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
+from fixtures import make_random_checkpoint
 from reference.lossless import first_divergence_is_near_tie
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# Configs: the defaults of testing.py plus odd sizes (head dims 24/40, GQA, n_v = 2 x n_k GDN heads).
+# Configs: the fixtures' defaults plus odd sizes (head dims 24/40, GQA, n_v = 2 x n_k GDN heads).
 CONFIGS = {
     "qwen3": ("qwen3", {}),
     "qwen3-odd": ("qwen3", dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
@@ -154,7 +155,8 @@ def test_batch_equals_single_steps(model, matmul, outtype):
     assert core.matmul == matmul
 
     def caches():
-        return [core.gdn_state(i) if t == "gdn" else core.kv(i) for i, t in enumerate(core.layer_types)]
+        return [_core.testing.gdn_state(core, i) if t == "gdn" else _core.testing.kv(core, i)
+                for i, t in enumerate(core.layer_types)]
 
     core.reset()
     batch = core.decode(toks, all_logits=True)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import dflash_native as dn
-from dflash_native.testing import make_random_gguf
+from fixtures import make_random_gguf
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_cli_generate(gguf):
 
 
 def test_cli_generate_with_drafter(gguf, tmp_path):
-    from dflash_native.testing_dflash import make_random_drafter_gguf
+    from fixtures import make_random_drafter_gguf
 
     ckpt_cfg = {"hidden_size": 96, "num_hidden_layers": 4, "vocab_size": dn.Engine(gguf).n_vocab,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 160,

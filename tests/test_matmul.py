@@ -13,7 +13,7 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 
-ISAS = _core.matmul_isas()
+ISAS = _core.testing.matmul_isas()
 
 
 def _case(M, K, N, dtype, seed=0):
@@ -24,7 +24,7 @@ def _case(M, K, N, dtype, seed=0):
 
 
 def test_isas_listed():
-    assert _core.matmul_isa() == ISAS[0]
+    assert _core.testing.matmul_isa() == ISAS[0]
     assert ISAS[-1] == "portable"
     assert set(ISAS) <= {"avx512f", "avx2", "portable"}
 
@@ -35,7 +35,7 @@ def test_matches_float64(dtype, M, K):
     W, x = _case(M, K, 11, dtype)
     ref = x.astype(np.float64) @ W.astype(np.float64).T
     for isa in ISAS:
-        y = _core.matmul(W, x, isa)
+        y = _core.testing.matmul(W, x, isa)
         assert y.shape == (11, M) and y.dtype == np.float32
         # F32 accumulation of K products: a few ulps of the terms' magnitudes
         np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(ref).max() + 1e-6)
@@ -46,24 +46,24 @@ def test_matches_float64(dtype, M, K):
 def test_batch_invariant_bitwise(dtype, M, K):
     """Any number of columns, any instruction set, any thread split: the same bits."""
     W, x = _case(M, K, 17, dtype, seed=1)
-    full = _core.matmul(W, x, ISAS[-1])
+    full = _core.testing.matmul(W, x, ISAS[-1])
     for isa in ISAS:
         for n in range(1, 18):
-            np.testing.assert_array_equal(_core.matmul(W, x[:n], isa), full[:n], err_msg=f"{isa} N={n}")
+            np.testing.assert_array_equal(_core.testing.matmul(W, x[:n], isa), full[:n], err_msg=f"{isa} N={n}")
         for i in (0, 7, 16):  # one column alone, as an AR step computes it
-            np.testing.assert_array_equal(_core.matmul(W, x[i:i + 1], isa)[0], full[i])
+            np.testing.assert_array_equal(_core.testing.matmul(W, x[i:i + 1], isa)[0], full[i])
         for nt in (2, 3):
-            np.testing.assert_array_equal(_core.matmul(W, x, isa, nt), full)
+            np.testing.assert_array_equal(_core.testing.matmul(W, x, isa, nt), full)
 
 
 def test_matmul_bad_input():
     W, x = _case(4, 8, 2, np.float32)
     with pytest.raises(ValueError, match="columns"):
-        _core.matmul(W, x[:, :5])
+        _core.testing.matmul(W, x[:, :5])
     with pytest.raises(ValueError, match="float16 or float32"):
-        _core.matmul(W.astype(np.float64), x)
+        _core.testing.matmul(W.astype(np.float64), x)
     with pytest.raises(ValueError, match="not available|instruction set"):
-        _core.matmul(W, x, "sse9")
+        _core.testing.matmul(W, x, "sse9")
 
 
 def test_own_and_ggml_agree(gguf_model):
@@ -90,7 +90,7 @@ def test_top1_matches_float64_softmax():
     tie = rng.standard_normal(4096); tie[[7, 900]] = tie.max() + 1.0  # first maximum wins, as ggml_argmax
     rows.append(tie)
     logits = np.stack(rows).astype(np.float32)
-    arg, p = _core.top1(logits)
+    arg, p = _core.testing.top1(logits)
     l64 = logits.astype(np.float64)
     ref_p = 1.0 / np.exp(l64 - l64.max(axis=1, keepdims=True)).sum(axis=1)
     np.testing.assert_array_equal(arg, np.argmax(logits, axis=1))
@@ -139,11 +139,11 @@ def test_conv_silu_matches_float64(n_tok, n_ch, d_conv):
     state = rng.standard_normal((n_ch, d_conv - 1)).astype(np.float32) * 3
     x = rng.standard_normal((n_tok, n_ch)).astype(np.float32) * 3
     w = rng.standard_normal((n_ch, d_conv)).astype(np.float32)
-    out, new_state = _core.conv_silu(state, x, w)
+    out, new_state = _core.testing.conv_silu(state, x, w)
     seq = np.concatenate([state.astype(np.float64), x.T.astype(np.float64)], axis=1)  # [n_ch, d_conv-1+n_tok]
     pre = np.stack([(seq[:, t:t + d_conv] * w).sum(1) for t in range(n_tok)])       # [n_tok, n_ch]
     want = pre / (1 + np.exp(-pre))
     np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(new_state, seq[:, -(d_conv - 1):].astype(np.float32))
     with pytest.raises(ValueError, match="conv_silu"):
-        _core.conv_silu(state, x[:, :-1], w)
+        _core.testing.conv_silu(state, x[:, :-1], w)

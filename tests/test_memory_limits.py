@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import dflash_native
-from dflash_native.testing_dflash import make_random_drafter_gguf
+from fixtures import make_random_drafter_gguf
 
 MiB = 1 << 20
 PROMPT = list(range(3, 40))  # token ids: the tokenizer is not under test here

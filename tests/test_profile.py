@@ -1,4 +1,4 @@
-"""The op profiler (csrc/profile.h) and the per-shape graph plans of target_session::run_graph."""
+"""The op profiler (csrc/profile.h) and the per-shape graph plans of graph_runner::run."""
 from __future__ import annotations
 
 import pytest

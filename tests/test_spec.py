@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from dflash_native.testing import make_random_checkpoint
-from dflash_native.testing_dflash import make_random_drafter_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -143,7 +142,8 @@ def pair_qwen35(tmp_path_factory):
 
 
 def caches(t):
-    return [t.gdn_state(i) if ty == "gdn" else t.kv(i) for i, ty in enumerate(t.layer_types)]
+    return [_core.testing.gdn_state(t, i) if ty == "gdn" else _core.testing.kv(t, i)
+            for i, ty in enumerate(t.layer_types)]
 
 
 @pytest.mark.parametrize("n_keep", range(1, 9))
@@ -161,8 +161,8 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     r = s.round(last, B, forced)
     assert len(r["committed"]) == n_keep
     got = caches(t)
-    got_ring = [s.ring_kv(il, t) for il in range(s.drafter_n_layer)]
-    got_pos = s.ring_slot_positions()
+    got_ring = [_core.testing.ring_kv(s, il) for il in range(s.drafter_n_layer)]
+    got_pos = _core.testing.ring_slot_positions(s)
     n_past = t.n_past
     assert n_past == len(PROMPT) + n_keep
 
@@ -173,9 +173,9 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     for a, b in zip(got, caches(t2)):
         for x, y in zip(a, b):
             np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
-    assert s2.ring_slot_positions() == got_pos
+    assert _core.testing.ring_slot_positions(s2) == got_pos
     for il in range(s.drafter_n_layer):
-        for x, y in zip(got_ring[il], s2.ring_kv(il, t2)):
+        for x, y in zip(got_ring[il], _core.testing.ring_kv(s2, il)):
             np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
     # and the next round behaves identically
     r1 = s.round(r["committed"][-1], B, ref[n_keep + 1: n_keep + B])
@@ -235,10 +235,11 @@ def test_fused_ring_push_equals_a_separate_push(pair, reject_at):
             n += len(r["committed"])
             last = r["committed"][-1]
             if flush:
-                s.ring_slot_positions()
+                _core.testing.ring_slot_positions(s)
             logits.append(s.draft_logits(last, B, t))
         assert t.n_past == len(PROMPT) + n - 1
-        runs.append((logits, s.ring_slot_positions(), [s.ring_kv(il, t) for il in range(s.drafter_n_layer)]))
+        runs.append((logits, _core.testing.ring_slot_positions(s),
+                     [_core.testing.ring_kv(s, il) for il in range(s.drafter_n_layer)]))
     (la, pa, ka), (lb, pb, kb) = runs
     assert pa == pb
     for x, y in zip(la, lb):
@@ -277,10 +278,10 @@ def test_ring_wraparound(ring_pair, cap_off, pushes, seed):
         s.push_features(feats[pos: pos + m], pos)
         model.push(m)
         pos += m
-        assert s.ring_slot_positions() == model.slots
+        assert _core.testing.ring_slot_positions(s) == model.slots
     kv_ref = ref.context_kv(feats.reshape(total, n_taps * H), 0)
     for il, (k_ref, v_ref) in enumerate(kv_ref):
-        k, v = s.ring_kv(il, t)
+        k, v = _core.testing.ring_kv(s, il)
         for slot, p in enumerate(model.slots):
             if p >= 0:
                 np.testing.assert_allclose(k[slot], k_ref[p], atol=1e-4, rtol=1e-4)

@@ -10,7 +10,7 @@ import pytest
 
 import dflash_native as dn
 from dflash_native.convert import convert_hf_to_gguf
-from dflash_native.testing import make_random_checkpoint
+from fixtures import make_random_checkpoint
 
 pytest.importorskip("torch")
 

@@ -22,8 +22,7 @@ import dflash_native as dn  # noqa: E402
 from dflash_native import _core  # noqa: E402
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
-from dflash_native.testing import make_random_checkpoint  # noqa: E402
-from dflash_native.testing_dflash import mask_token_id_of  # noqa: E402
+from fixtures import make_random_checkpoint, mask_token_id_of  # noqa: E402
 from dflash_native.train.drafter import (DFlashDrafter, block_batch, dflash_loss,  # noqa: E402
                                          draft_vocabulary, greedy_continuations, target_features, train_drafter)
 from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402

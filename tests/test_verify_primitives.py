@@ -72,7 +72,7 @@ def test_gdn_tape_replay_equals_state_after_n_tokens(shape, data):
     got = _core.gdn_tape_replay(S0t, tk, tu, tg, n, n_threads=2).transpose(0, 2, 1)
     _, states, _ = gdn_run(q, k, v, g, beta, S0)
     np.testing.assert_allclose(got, states[n], atol=2e-5, rtol=1e-4)
-    # the closed form of ARCHITECTURE.md on the same tape agrees too
+    # the closed form of docs/architecture.md ("GDN tape") on the same tape agrees too
     np.testing.assert_allclose(gdn_replay_closed_form(S0, tk, tu, tg, n), states[n], atol=2e-5, rtol=1e-4)
     # recording only the first n tokens gives the same tape prefix, bitwise (no look-ahead)
     if n:

@@ -31,12 +31,12 @@ public:
             ggml_tensor * inp = cur;
 
             ggml_tensor * x = rms_norm(g, cur, L.attn_norm);
-            ggml_tensor * q = ggml_reshape_3d(ctx, matmul(ctx, L.wq, x), hd, hp_.n_head, n_tok);
-            ggml_tensor * k = ggml_reshape_3d(ctx, matmul(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
-            ggml_tensor * v = ggml_reshape_3d(ctx, matmul(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+            ggml_tensor * q = ggml_reshape_3d(ctx, matmul(g, L.wq, x), hd, hp_.n_head, n_tok);
+            ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, hp_.n_head_kv, n_tok);
+            ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, hp_.n_head_kv, n_tok);
             q = rope(g, rms_norm(g, q, L.q_norm));
             k = rope(g, rms_norm(g, k, L.k_norm));
-            x = matmul(ctx, L.wo, attention_kv(g, il, q, k, v, scale));
+            x = matmul(g, L.wo, attention_kv(g, il, q, k, v, scale));
             cur = ggml_add(ctx, x, inp);
 
             ggml_tensor * ffn_inp = cur;
@@ -48,8 +48,7 @@ public:
 
 private:
     ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
-        return ggml_rope_ext(g.ctx, x, g.pos, nullptr, (int) hp_.n_rot, GGML_ROPE_TYPE_NEOX, (int) hp_.n_ctx_train,
-                             hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+        return rope_neox(g, x, g.pos, hp_.n_rot, hp_.n_ctx_train, hp_.rope_base);
     }
 };
 

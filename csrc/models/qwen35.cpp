@@ -18,12 +18,14 @@ class qwen35_model : public target_model {
 public:
     explicit qwen35_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
         read_common_hparams();
-        const gguf_file & F = *file_;
+        gguf_file & F = *file_;
         const std::string & P = F.path();
 
         const auto sections = F.get_int_arr(key("rope.dimension_sections"));
         int64_t sum = 0;
         for (size_t i = 0; i < sections.size() && i < 4; ++i) {
+            DFN_REQUIRE(sections[i] >= 0 && sections[i] <= hp_.n_rot, W, "'", P, "': rope.dimension_sections[", i,
+                        "] = ", sections[i], " is outside [0, rope.dimension_count]");
             hp_.rope_sections[i] = (int) sections[i];
             sum += sections[i];
         }
@@ -37,8 +39,11 @@ public:
         hp_.ssm_n_v_heads = F.get_u32(key("ssm.time_step_rank"));
         hp_.ssm_n_k_heads = F.get_u32(key("ssm.group_count"));
         DFN_REQUIRE(hp_.ssm_d_conv >= 2, W, "'", P, "': ssm.conv_kernel ", hp_.ssm_d_conv, " must be >= 2");
-        DFN_REQUIRE(hp_.ssm_head_dim > 0 && hp_.ssm_n_v_heads > 0 && hp_.ssm_n_k_heads > 0, W, "'", P,
-                    "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0");
+        DFN_REQUIRE(hp_.ssm_d_conv <= 1024, W, "'", P, "': ssm.conv_kernel ", hp_.ssm_d_conv, " must be <= 1024");
+        DFN_REQUIRE(hp_.ssm_head_dim > 0 && hp_.ssm_n_v_heads > 0 && hp_.ssm_n_k_heads > 0 && hp_.ssm_head_dim <= k_max_dim &&
+                    hp_.ssm_n_v_heads <= k_max_heads && hp_.ssm_n_k_heads <= k_max_heads, W, "'", P,
+                    "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0 (and at most ", k_max_dim,
+                    ", ", k_max_heads, ", ", k_max_heads, ")");
         DFN_REQUIRE(hp_.ssm_n_v_heads % hp_.ssm_n_k_heads == 0, W, "'", P, "': value heads ", hp_.ssm_n_v_heads,
                     " must be a multiple of key heads ", hp_.ssm_n_k_heads);
         DFN_REQUIRE(d_inner == hp_.ssm_head_dim * hp_.ssm_n_v_heads, W, "'", P, "': ssm.inner_size ", d_inner,
@@ -61,36 +66,44 @@ public:
         load_common_tensors();
         const int64_t E = hp_.n_embd, hd = hp_.head_dim;
         const int64_t S = hp_.ssm_head_dim, n_ch = hp_.ssm_conv_channels(), H_v = hp_.ssm_n_v_heads;
+        const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
         for (int il = 0; il < hp_.n_layer; ++il) {
             layer_weights & L = layers[il];
             auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-            L.attn_norm = F.tensor(n("attn_norm"), {E});
-            L.post_attn_norm = F.tensor(n("post_attention_norm"), {E});
+            L.attn_norm = F.tensor(n("attn_norm"), {E}, V32);
+            L.post_attn_norm = F.tensor(n("post_attention_norm"), {E}, V32);
             if (hp_.is_gdn[il]) {
-                L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch});
-                L.wgate = F.tensor(n("attn_gate"), {E, S * H_v});
-                L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp_.ssm_d_conv, n_ch});
-                L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v});
-                L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v});
-                L.ssm_beta = F.tensor(n("ssm_beta"), {E, H_v});
-                L.ssm_alpha = F.tensor(n("ssm_alpha"), {E, H_v});
-                L.ssm_norm = F.tensor(n("ssm_norm"), {S});
-                L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E});
+                L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch}, MM);
+                L.wgate = F.tensor(n("attn_gate"), {E, S * H_v}, MM);
+                L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp_.ssm_d_conv, n_ch}, V32);
+                L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v}, V32);
+                L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v}, V32);
+                L.ssm_beta = F.tensor(n("ssm_beta"), {E, H_v}, MM);
+                L.ssm_alpha = F.tensor(n("ssm_alpha"), {E, H_v}, MM);
+                L.ssm_norm = F.tensor(n("ssm_norm"), {S}, V32);
+                L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E}, MM);
             } else {
-                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head});  // [q | gate] per head
-                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv});
-                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv});
-                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E});
-                L.q_norm = F.tensor(n("attn_q_norm"), {hd});
-                L.k_norm = F.tensor(n("attn_k_norm"), {hd});
+                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head}, MM);  // [q | gate] per head
+                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv}, MM);
+                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv}, MM);
+                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E}, MM);
+                L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
+                L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
             }
-            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff});
-            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff});
-            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E});
+            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff}, MM);
+            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff}, MM);
+            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E}, MM);
         }
     }
 
+    // Multi-section RoPE takes 4 sections of n positions each; text uses its position in the
+    // first three and 0 in the fourth.
     int n_pos_per_token() const override { return 4; }
+    void fill_positions(int64_t n_past, int64_t n, int32_t * pos) const override {
+        for (int64_t i = 0; i < n; ++i) {
+            for (int s = 0; s < 4; ++s) pos[s * n + i] = s < 3 ? (int32_t) (n_past + i) : 0;
+        }
+    }
 
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;
@@ -114,19 +127,19 @@ private:
     ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x) const {
         ggml_context * ctx = g.ctx;
         const int64_t hd = hp_.head_dim, n_tok = g.n_tokens, n_head = hp_.n_head;
-        ggml_tensor * qg = matmul(ctx, L.wq, x);  // [2 * hd * n_head, n_tok]
+        ggml_tensor * qg = matmul(g, L.wq, x);  // [2 * hd * n_head, n_tok]
         const size_t es = ggml_element_size(qg);
         ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
         ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
         gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
 
-        ggml_tensor * k = ggml_reshape_3d(ctx, matmul(ctx, L.wk, x), hd, hp_.n_head_kv, n_tok);
-        ggml_tensor * v = ggml_reshape_3d(ctx, matmul(ctx, L.wv, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, hp_.n_head_kv, n_tok);
         q = rope(g, rms_norm(g, q, L.q_norm));
         k = rope(g, rms_norm(g, k, L.k_norm));
 
         ggml_tensor * a = attention_kv(g, il, q, k, v, 1.0f / sqrtf((float) hd));  // [hd * n_head, n_tok]
-        return matmul(ctx, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
+        return matmul(g, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
     }
 
     ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {

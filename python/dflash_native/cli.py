@@ -156,10 +156,9 @@ RANDOM_DEMO_PROMPT = "def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split th
 
 
 def _demo_random(a) -> int:
-    from .engine import Engine
-    from .testing import make_random_checkpoint
     from .convert import convert_hf_to_gguf
-    from .testing_dflash import make_random_drafter_gguf
+    from .engine import Engine
+    from .random_models import make_random_checkpoint, make_random_drafter_gguf
 
     print("[dflash-native demo] A tiny Qwen3.5-architecture hybrid (Gated DeltaNet + attention layers) and a\n"
           "DFlash drafter for it, both with RANDOM weights, converted with our converters; greedy AR and\n"
@@ -180,7 +179,15 @@ def _demo_random(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-native", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_generate_parser(sub)
+    _add_convert_parser(sub)
+    _add_convert_drafter_parser(sub)
+    _add_train_drafter_parser(sub)
+    _add_demo_parser(sub)
+    return p
 
+
+def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text with a GGUF target")
     g.add_argument("--target", required=True, help="target model GGUF")
     g.add_argument("--drafter", default=None, help="DFlash drafter GGUF: speculative decoding")
@@ -196,12 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the result as JSON after the text")
     g.set_defaults(fn=_cmd_generate)
 
+
+def _add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF")
     c.add_argument("src", help="directory with config.json and *.safetensors")
     c.add_argument("dst", help="output .gguf path")
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     c.set_defaults(fn=_cmd_convert)
 
+
+def _add_convert_drafter_parser(sub) -> None:
     cd = sub.add_parser("convert-drafter", help="convert a z-lab DFlash drafter checkpoint to GGUF")
     cd.add_argument("src", help="directory with the drafter's config.json and *.safetensors")
     cd.add_argument("dst", help="output .gguf path")
@@ -209,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
     cd.set_defaults(fn=_cmd_convert_drafter)
 
+
+def _add_train_drafter_parser(sub) -> None:
     t = sub.add_parser("train-drafter", help="train a DFlash drafter for a Hugging Face target on local text")
     t.add_argument("--target", required=True, help="HF target checkpoint directory (config.json, safetensors, "
                    "tokenizer.json with a <|MASK|> token)")
@@ -238,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=20)
     t.set_defaults(fn=_cmd_train_drafter)
 
+
+def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
     d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt)")
@@ -251,14 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_cmd_demo)
-    return p
-
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, MemoryError, OSError) as e:
+        # the engine's errors name where they come from; a traceback would add nothing
         print(f"dflash-native: error: {e}", file=sys.stderr)
         return 2
 

@@ -36,6 +36,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, LlamaFileType, MODEL_TENSOR, TokenType
 
+from .hf_formats import MASK_TOKEN_TEXTS, PRE_TOKENIZERS, default_mrope_section, hybrid_layer_types
+
 __all__ = ["OUTTYPES", "convert_hf_to_gguf"]
 
 logger = logging.getLogger(__name__)
@@ -528,8 +530,7 @@ def _qwen35_layer_types(spec: _ModelSpec) -> list[str]:
     n_layer = int(spec.require("num_hidden_layers"))
     layer_types = spec.get("layer_types")
     if layer_types is None:
-        interval = int(spec.get("full_attention_interval", 4))
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layer)]
+        return hybrid_layer_types(n_layer, int(spec.get("full_attention_interval", 4)))
     if len(layer_types) != n_layer:
         raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: layer_types has {len(layer_types)} "
                          f"entries, num_hidden_layers is {n_layer}")
@@ -542,7 +543,7 @@ def _qwen35_layer_types(spec: _ModelSpec) -> list[str]:
 def _full_attention_interval(layer_types: Sequence[str]) -> int | None:
     """The interval k with layer i full iff (i+1) % k == 0, if the pattern has one."""
     for k in range(1, len(layer_types) + 2):
-        if all((t == "full_attention") == ((i + 1) % k == 0) for i, t in enumerate(layer_types)):
+        if hybrid_layer_types(len(layer_types), k) == list(layer_types):
             return k
     return None
 
@@ -573,7 +574,7 @@ def _text_mrope_sections(n_rot: int, head_dim: int, given: Sequence[int] | None)
         sections += [0] * (4 - len(sections))
         if text_safe(sections[:3]) and sections[3] == 0:
             return sections
-    derived = [(n_pairs - j + 2) // 3 for j in range(3)] + [0]  # ceil((n_pairs - j) / 3)
+    derived = default_mrope_section(n_rot) + [0]
     if not text_safe(derived[:3]):
         derived = [max(1, derived[0]), derived[1], derived[2], 0]
     return derived
@@ -743,16 +744,7 @@ _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
 # tokenizer metadata
 # ---------------------------------------------------------------------------
 
-# Split regexes of the Qwen byte-level BPE tokenizers, as written in their
-# tokenizer.json, and the llama.cpp pre-tokenizer names that implement them.
-_PRE_TOKENIZERS = {
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
-        "qwen2",
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
-        "qwen35",
-}
 _SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
-_MASK_TOKEN_TEXTS = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
 
 def _iter_pre_tokenizers(node: Any) -> Iterator[dict[str, Any]]:
@@ -774,7 +766,7 @@ def _tokenizer_pre(tok: dict[str, Any], where: Path) -> str:
     if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}):
         raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer, found {len(splits)}")
     regex = splits[0]["pattern"]["Regex"]
-    name = _PRE_TOKENIZERS.get(regex)
+    name = PRE_TOKENIZERS.get(regex)
     if name is None:
         raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; "
                          f"supported: the Qwen2 and Qwen3.5 ones")
@@ -803,6 +795,8 @@ def _merge_strings(merges: Sequence[Any], where: Path) -> list[str]:
 
 
 def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, config: Mapping[str, Any]) -> None:
+    """The `tokenizer.*` keys of `src`'s tokenizer.json / tokenizer_config.json, as
+    llama.cpp's converter writes them for a byte-level BPE (`gpt2` model)."""
     tok_path = src / "tokenizer.json"
     if not tok_path.is_file():
         logger.warning("[convert] %s: no tokenizer.json; writing a GGUF without a vocabulary", src)
@@ -815,14 +809,41 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
     if model.get("type") != "BPE":
         raise ValueError(f"[convert] {tok_path}: tokenizer model {model.get('type')!r} is not supported (BPE only)")
     pre = _tokenizer_pre(tok, tok_path)
-
-    id_to_text: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
     added = {int(a["id"]): a for a in tok.get("added_tokens", [])}
+    tokens, types = _token_list(model, added, vocab_size, tok_path)
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(_merge_strings(model.get("merges", []), tok_path))
+
+    tok_config = _read_json_object(src / "tokenizer_config.json")
+    for typ, tid in _special_token_ids(tok_config, config, added, vocab_size).items():
+        getattr(writer, f"add_{typ}_token_id")(tid)
+    for typ, value in _add_special_flags(tok, tok_config).items():
+        getattr(writer, f"add_add_{typ}_token")(value)
+    template = _chat_template(src, tok_config)
+    if isinstance(template, (str, list)):
+        writer.add_chat_template(template)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_list(model: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]], vocab_size: int,
+                tok_path: Path) -> tuple[list[str], list[int]]:
+    """Token texts and types for ids 0 .. vocab_size-1: BPE vocabulary, added tokens
+    (CONTROL when special or special-looking, else USER_DEFINED), `[PAD<i>]` for unused ids."""
+    id_to_text: dict[int, str] = {int(i): t for t, i in model.get("vocab", {}).items()}
     for i, a in added.items():
         id_to_text[i] = a["content"]
     if id_to_text and max(id_to_text) >= vocab_size:
         raise ValueError(f"[convert] {tok_path}: token id {max(id_to_text)} >= vocab_size {vocab_size} of config.json")
-
     tokens: list[str] = []
     types: list[int] = []
     for i in range(vocab_size):
@@ -840,22 +861,15 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
         else:
             tokens.append(text)
             types.append(TokenType.NORMAL)
+    return tokens, types
 
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(_merge_strings(model.get("merges", []), tok_path))
 
-    tok_config: dict[str, Any] = {}
-    tok_config_path = src / "tokenizer_config.json"
-    if tok_config_path.is_file():
-        with open(tok_config_path, encoding="utf-8") as f:
-            tok_config = json.load(f)
-
-    # Special ids as gguf's SpecialVocab resolves them: tokenizer_config.json's
-    # `<typ>_token` text looked up among the added tokens, then config.json's
-    # `<typ>_token_id` (also under text_config); the first valid one wins.
+def _special_token_ids(tok_config: Mapping[str, Any], config: Mapping[str, Any],
+                       added: Mapping[int, Mapping[str, Any]], vocab_size: int) -> dict[str, int]:
+    """Special ids as gguf's SpecialVocab resolves them: tokenizer_config.json's
+    `<typ>_token` text looked up among the added tokens, then config.json's
+    `<typ>_token_id` (also under text_config); the first valid one wins. A mask
+    token with one of the usual spellings is found without either."""
     content_to_id = {a["content"]: i for i, a in sorted(added.items())}
     special_ids: dict[str, int] = {}
     for typ in _SPECIAL_TYPES:
@@ -869,12 +883,14 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
         if typ not in special_ids and isinstance(tid, int) and 0 <= tid < vocab_size:
             special_ids[typ] = tid
     if "mask" not in special_ids:
-        mask = next((content_to_id[t] for t in _MASK_TOKEN_TEXTS if t in content_to_id), None)
+        mask = next((content_to_id[t] for t in MASK_TOKEN_TEXTS if t in content_to_id), None)
         if mask is not None:
             special_ids["mask"] = mask
-    for typ, tid in special_ids.items():
-        getattr(writer, f"add_{typ}_token_id")(tid)
-    # add_bos/add_eos: a ByteLevel post-processor adds nothing; tokenizer_config.json overrides.
+    return special_ids
+
+
+def _add_special_flags(tok: Mapping[str, Any], tok_config: Mapping[str, Any]) -> dict[str, bool]:
+    """add_bos/add_eos/add_sep: a ByteLevel post-processor adds nothing; tokenizer_config.json overrides."""
     add_special: dict[str, bool] = {}
     post = tok.get("post_processor") or {}
     if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
@@ -883,14 +899,14 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
         value = tok_config.get(f"add_{typ}_token")
         if isinstance(value, bool):
             add_special[typ] = value
-    for typ, value in add_special.items():
-        getattr(writer, f"add_add_{typ}_token")(value)
+    return add_special
 
+
+def _chat_template(src: Path, tok_config: Mapping[str, Any]) -> Any:
+    """tokenizer_config.json's chat_template, else chat_template.jinja, else chat_template.json."""
     template = tok_config.get("chat_template")
     if template is None and (src / "chat_template.jinja").is_file():
         template = (src / "chat_template.jinja").read_text(encoding="utf-8")
     if template is None and (src / "chat_template.json").is_file():
-        with open(src / "chat_template.json", encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    if isinstance(template, (str, list)):
-        writer.add_chat_template(template)
+        template = _read_json_object(src / "chat_template.json").get("chat_template")
+    return template

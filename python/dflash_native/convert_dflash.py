@@ -52,6 +52,7 @@ from .convert import (
     _SourceTensor,
     _tensor_name,
 )
+from .hf_formats import drafter_tensor_shapes
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
            "target_layer_ids_from_gguf"]
@@ -83,8 +84,21 @@ class DflashSpec:
     def __init__(self, src_dir: Path, config: dict[str, Any]):
         self.src_dir = src_dir
         self.config = config
-        where = src_dir / "config.json"
-        self.where = where
+        self.where = src_dir / "config.json"
+        self.hp: dict[str, Any] = self._qwen3_hparams()
+        self.dflash_config: dict[str, Any] = self._dflash_config()
+        self.target_layer_ids: list[int] = self._target_layer_ids()
+        self.mask_token_id: int = self._mask_token_id()
+        self.block_size: int = self._block_size()
+        n_target = config.get("num_target_layers")
+        self.num_target_layers: int | None = int(n_target) if n_target is not None else None
+        self._check_layer_options()
+        self.rope: dict[str, Any] = self._rope()
+        self._resolve_attention_layout()
+
+    def _qwen3_hparams(self) -> dict[str, Any]:
+        """The config with Qwen3Config's defaults, after checking it is a DFlashDraftModel over Qwen3."""
+        config, where = self.config, self.where
         archs = config.get("architectures") or []
         if "DFlashDraftModel" not in archs:
             extra = (" (DFlash2 drafters with dynamic convs and a candidate selector are not supported)"
@@ -94,68 +108,76 @@ class DflashSpec:
         if model_type not in (None, "qwen3"):
             raise ValueError(f"[convert_dflash] {where}: model_type {model_type!r}; a DFlash drafter is a "
                              f"Qwen3 model (model_type 'qwen3')")
-        self.hp: dict[str, Any] = {**_QWEN3_DEFAULTS, **config}
+        hp: dict[str, Any] = {**_QWEN3_DEFAULTS, **config}
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"[convert_dflash] {where}: missing key {key!r}")
-        if self.hp["num_key_value_heads"] is None:
-            self.hp["num_key_value_heads"] = self.hp["num_attention_heads"]
-        if self.hp["head_dim"] is None:
-            self.hp["head_dim"] = int(self.hp["hidden_size"]) // int(self.hp["num_attention_heads"])
+        if hp["num_key_value_heads"] is None:
+            hp["num_key_value_heads"] = hp["num_attention_heads"]
+        if hp["head_dim"] is None:
+            hp["head_dim"] = int(hp["hidden_size"]) // int(hp["num_attention_heads"])
+        return hp
 
-        dc = config.get("dflash_config")
+    def _dflash_config(self) -> dict[str, Any]:
+        dc = self.config.get("dflash_config")
         if not isinstance(dc, dict):
-            raise ValueError(f"[convert_dflash] {where}: missing 'dflash_config' (target_layer_ids, "
+            raise ValueError(f"[convert_dflash] {self.where}: missing 'dflash_config' (target_layer_ids, "
                              f"mask_token_id, block_size)")
-        self.dflash_config = dc
-        bad = [k for k in _UNSUPPORTED_DFLASH_KEYS if k in dc or k in config]
+        bad = [k for k in _UNSUPPORTED_DFLASH_KEYS if k in dc or k in self.config]
         if bad:
-            raise ValueError(f"[convert_dflash] {where}: unsupported DFlash options {bad}")
+            raise ValueError(f"[convert_dflash] {self.where}: unsupported DFlash options {bad}")
+        return dc
 
-        ids = dc.get("target_layer_ids")
+    def _target_layer_ids(self) -> list[int]:
+        ids = self.dflash_config.get("target_layer_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
                                                             for i in ids):
-            raise ValueError(f"[convert_dflash] {where}: dflash_config.target_layer_ids must be a non-empty "
+            raise ValueError(f"[convert_dflash] {self.where}: dflash_config.target_layer_ids must be a non-empty "
                              f"list of ints, got {ids!r}")
         if min(ids) < 0:
-            raise ValueError(f"[convert_dflash] {where}: negative target layer id in {ids}")
+            raise ValueError(f"[convert_dflash] {self.where}: negative target layer id in {ids}")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"[convert_dflash] {where}: repeated target layer id in {ids}")
-        self.target_layer_ids: list[int] = list(ids)
+            raise ValueError(f"[convert_dflash] {self.where}: repeated target layer id in {ids}")
+        return list(ids)
 
-        mask = dc.get("mask_token_id", config.get("mask_token_id"))
+    def _mask_token_id(self) -> int:
+        config, where = self.config, self.where
+        mask = self.dflash_config.get("mask_token_id", config.get("mask_token_id"))
         if mask is None:
             raise ValueError(f"[convert_dflash] {where}: missing dflash_config.mask_token_id")
         if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
             raise ValueError(f"[convert_dflash] {where}: mask_token_id must be a non-negative int, got {mask!r}")
         if "vocab_size" in config and mask >= int(config["vocab_size"]):
             raise ValueError(f"[convert_dflash] {where}: mask_token_id {mask} >= vocab_size {config['vocab_size']}")
-        self.mask_token_id: int = mask
+        return mask
 
-        block_size = dc.get("block_size", config.get("block_size", 16))
+    def _block_size(self) -> int:
+        block_size = self.dflash_config.get("block_size", self.config.get("block_size", 16))
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-            raise ValueError(f"[convert_dflash] {where}: block_size must be an int >= 2 (the last committed "
+            raise ValueError(f"[convert_dflash] {self.where}: block_size must be an int >= 2 (the last committed "
                              f"token plus at least one mask), got {block_size!r}")
-        self.block_size: int = block_size
+        return block_size
 
-        n_target = config.get("num_target_layers")
-        self.num_target_layers: int | None = int(n_target) if n_target is not None else None
-
+    def _check_layer_options(self) -> None:
+        """Refuse Qwen3 options the dflash graph does not have."""
+        where = self.where
         if self.hp.get("attention_bias"):
             raise ValueError(f"[convert_dflash] {where}: attention_bias=true is not supported (llama.cpp's "
                              f"dflash graph has no attention biases)")
         if self.hp.get("hidden_act") != "silu":
             raise ValueError(f"[convert_dflash] {where}: hidden_act {self.hp.get('hidden_act')!r} is not "
                              f"supported (SwiGLU with silu only)")
-        if config.get("rope_is_neox_style", True) is not True:
+        if self.config.get("rope_is_neox_style", True) is not True:
             raise ValueError(f"[convert_dflash] {where}: rope_is_neox_style=false (interleaved RoPE) is not "
                              f"supported")
-        self.rope = _rope_parameters(self._model_spec())
-        prf = float(self.rope.get("partial_rotary_factor", 1.0))
+
+    def _rope(self) -> dict[str, Any]:
+        rope = _rope_parameters(self._model_spec())
+        prf = float(rope.get("partial_rotary_factor", 1.0))
         if prf != 1.0:
-            raise ValueError(f"[convert_dflash] {where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
+            raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
                              f"drafter ropes the whole head)")
-        self._resolve_attention_layout()
+        return rope
 
     def _model_spec(self) -> _ModelSpec:
         return _ModelSpec(self.src_dir, DFLASH_ARCH, self.config, self.hp, False)
@@ -461,48 +483,41 @@ def _copy_tokenizer_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> None
             writer.add_key_value(key, value, vtype)
 
 
+def _hf_tensor_shapes(spec: DflashSpec) -> dict[str, tuple[int, ...]]:
+    return drafter_tensor_shapes(hidden=spec.hidden_size, n_taps=len(spec.target_layer_ids), n_layer=spec.n_layer,
+                                 n_head=int(spec.hp["num_attention_heads"]), n_kv=int(spec.hp["num_key_value_heads"]),
+                                 head_dim=spec.head_dim, n_ff=int(spec.hp["intermediate_size"]))
+
+
+def _gguf_names(n_layer: int) -> dict[str, str]:
+    """HF tensor name (no `model.` prefix) -> GGUF name, in llama.cpp's order (globals, then layers)."""
+    names = {"fc.weight": FC_NAME, "hidden_norm.weight": ENC_OUTPUT_NORM_NAME,
+             "norm.weight": _tensor_name(MODEL_TENSOR.OUTPUT_NORM)}
+    for il in range(n_layer):
+        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
+            names[f"layers.{il}.{hf_suffix}"] = _tensor_name(key, il)
+    return names
+
+
 def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     """GGUF tensors in llama.cpp's order (globals, then layers), with shapes
     checked against config.json. Checkpoints name tensors `fc.weight` (z-lab)
     or `model.fc.weight`; both are accepted."""
     prefix = "model." if any(n.startswith("model.") for n in ckpt.tensors) else ""
-    h, hd = spec.hidden_size, spec.head_dim
-    n_head, n_kv, n_ff = (int(spec.hp["num_attention_heads"]), int(spec.hp["num_key_value_heads"]),
-                          int(spec.hp["intermediate_size"]))
-    n_taps = len(spec.target_layer_ids)
-
+    shapes = _hf_tensor_shapes(spec)
+    dims = (f"n_taps={len(spec.target_layer_ids)}, hidden={spec.hidden_size}, heads="
+            f"{int(spec.hp['num_attention_heads'])}/{int(spec.hp['num_key_value_heads'])}, head_dim={spec.head_dim}, "
+            f"ffn={int(spec.hp['intermediate_size'])}")
     out: list[_SourceTensor] = []
-
-    def add(hf_suffix: str, gguf_name: str, shape: tuple[int, ...]) -> None:
-        name = prefix + hf_suffix
+    for hf_name, gguf_name in _gguf_names(spec.n_layer).items():
+        name, shape = prefix + hf_name, shapes[hf_name]
         if name not in ckpt:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
         src = ckpt.get(name)
         if src.shape != shape:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
-                             f"{list(shape)} from config.json (n_taps={n_taps}, hidden={h}, heads={n_head}/{n_kv}, "
-                             f"head_dim={hd}, ffn={n_ff})")
+                             f"{list(shape)} from config.json ({dims})")
         out.append(_SourceTensor(gguf_name, shape, src.load, False, name))
-
-    add("fc.weight", FC_NAME, (h, n_taps * h))
-    add("hidden_norm.weight", ENC_OUTPUT_NORM_NAME, (h,))
-    add("norm.weight", _tensor_name(MODEL_TENSOR.OUTPUT_NORM), (h,))
-    shapes = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (n_head * hd, h),
-        "self_attn.k_proj.weight": (n_kv * hd, h),
-        "self_attn.v_proj.weight": (n_kv * hd, h),
-        "self_attn.o_proj.weight": (h, n_head * hd),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (n_ff, h),
-        "mlp.up_proj.weight": (n_ff, h),
-        "mlp.down_proj.weight": (h, n_ff),
-    }
-    for il in range(spec.n_layer):
-        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
-            add(f"layers.{il}.{hf_suffix}", _tensor_name(key, il), shapes[hf_suffix])
 
     used = {t.hf_name for t in out}
     extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))
@@ -514,31 +529,11 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
 
 def gguf_tensor_plan(spec: DflashSpec) -> dict[str, tuple[tuple[int, ...], bool]]:
     """GGUF tensor name -> (ggml ne, always F32) that a drafter with `spec` has.
-    The contract the native loader and the tests check a file against."""
-    h, hd = spec.hidden_size, spec.head_dim
-    n_head, n_kv, n_ff = (int(spec.hp["num_attention_heads"]), int(spec.hp["num_key_value_heads"]),
-                          int(spec.hp["intermediate_size"]))
-    plan: dict[str, tuple[tuple[int, ...], bool]] = {
-        FC_NAME: ((len(spec.target_layer_ids) * h, h), False),
-        ENC_OUTPUT_NORM_NAME: ((h,), True),
-        "output_norm.weight": ((h,), True),
-    }
-    for il in range(spec.n_layer):
-        b = f"blk.{il}."
-        plan.update({
-            b + "attn_norm.weight": ((h,), True),
-            b + "attn_q.weight": ((h, n_head * hd), False),
-            b + "attn_k.weight": ((h, n_kv * hd), False),
-            b + "attn_v.weight": ((h, n_kv * hd), False),
-            b + "attn_output.weight": ((n_head * hd, h), False),
-            b + "attn_q_norm.weight": ((hd,), True),
-            b + "attn_k_norm.weight": ((hd,), True),
-            b + "ffn_norm.weight": ((h,), True),
-            b + "ffn_gate.weight": ((h, n_ff), False),
-            b + "ffn_up.weight": ((h, n_ff), False),
-            b + "ffn_down.weight": ((n_ff, h), False),
-        })
-    return plan
+    The contract the native loader and the tests check a file against: ne is
+    the HF shape reversed, and 1-D tensors (the norms) always stay F32."""
+    shapes = _hf_tensor_shapes(spec)
+    return {gguf_name: (tuple(reversed(shapes[hf_name])), len(shapes[hf_name]) == 1)
+            for hf_name, gguf_name in _gguf_names(spec.n_layer).items()}
 
 
 def target_layer_ids_from_gguf(values: Sequence[int]) -> list[int]:

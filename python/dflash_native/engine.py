@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from . import _core
-from ._memory import out_of_memory
-from ._tokenizer import Tokenizer
+from ._tokenizer import NoVocabulary, Tokenizer
 
 
 @dataclass
@@ -85,11 +85,16 @@ GATE_MIN_ROUNDS = 4
 class Engine:
     """Runs a GGUF target model, with a DFlash drafter for speculative decoding when given one.
 
-    >>> eng = Engine("target.gguf", drafter="drafter.gguf", n_ctx=2048)
-    >>> eng.generate("def fib(n):", max_tokens=32).text
+    >>> with Engine("target.gguf", drafter="drafter.gguf", n_ctx=2048) as eng:
+    ...     eng.generate("def fib(n):", max_tokens=32).text
 
     Greedy speculative output equals the AR output of the same engine (generate(...,
     speculative=False)), token for token.
+
+    Threads: one engine runs one request at a time. A call from another thread waits until the
+    running call or stream is finished (or closed); a new call from the thread that left a stream
+    unfinished supersedes that stream (resuming it raises RuntimeError). close() (or leaving a
+    `with` block) frees the model and its buffers at once.
     """
 
     def __init__(
@@ -111,7 +116,10 @@ class Engine:
         matmul: str = "own",
         draft_vocab: bool = True,
     ):
-        """rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
+        """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
+        n_threads: None (or 0) uses every core.
+
+        rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
         benchmarks compare against (per-token state snapshots; re-running the kept tokens).
 
         gate: measure AR speed once per request (one exact AR step) and, after GATE_MIN_ROUNDS
@@ -131,123 +139,182 @@ class Engine:
 
         matmul: weight matmuls on the CPU. "own": the package's batch-invariant kernel (F16/F32
         weights; other types fall back to ggml), under which a verify pass computes every token
-        bit for bit as the AR step does. "ggml": ggml_mul_mat everywhere (benchmark baseline)."""
-        path = Path(target)
-        if not path.exists():
-            raise ValueError(f"[load_gguf] no such file: '{path}'")
-        if not isinstance(n_ctx, int) or n_ctx < 1:
-            raise ValueError(f"[engine] n_ctx must be a positive int, got {n_ctx!r}")
-        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise ValueError(f"[engine] n_threads must be a positive int or None, got {n_threads!r}")
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 2):
-            raise ValueError(f"[engine] block_size must be an int >= 2, got {block_size!r}")
-        if drafter_window is not None and (not isinstance(drafter_window, int) or drafter_window < 1):
-            raise ValueError(f"[engine] drafter_window must be a positive int or None, got {drafter_window!r}")
-        if not isinstance(feature_ring_capacity, int) or feature_ring_capacity < 1:
-            raise ValueError(f"[engine] feature_ring_capacity must be a positive int, got {feature_ring_capacity!r}")
-        draft_cutoff = _checked_cutoff(draft_cutoff)
-        if drafter is not None and not Path(drafter).exists():
-            raise ValueError(f"[load_gguf] no such drafter file: '{drafter}'")
-        self.path = path
+        bit for bit as the AR step does. "ggml": ggml_mul_mat everywhere (benchmark baseline).
+
+        Arguments are type-checked here (so that none reaches the core as a raw TypeError);
+        what their values may be (ranges, files, names) the C++ core checks, raising ValueError."""
+        w = "engine"
+        target = _path(w, "target", target)
+        drafter = None if drafter is None else _path(w, "drafter", drafter)
+        block_size = _opt_int(w, "block_size", block_size) or 0  # 0: the drafter's
+        feature_ring_capacity = _int(w, "feature_ring_capacity", feature_ring_capacity)
+        drafter_window = _opt_int(w, "drafter_window", drafter_window)
+        if drafter_window is not None and drafter_window < 1:  # the core reads 0 as "no window"
+            raise ValueError(f"[engine] drafter_window must be a positive int or None, got {drafter_window}")
+        n_ctx = _int(w, "n_ctx", n_ctx)
+        n_threads = _opt_int(w, "n_threads", n_threads, bits=32) or 0  # 0: all cores
+        n_batch = _int(w, "n_batch", n_batch)
+        kv_type, device, rollback, matmul = (_str(w, k, v) for k, v in (
+            ("kv_type", kv_type), ("device", device), ("rollback", rollback), ("matmul", matmul)))
+        gate = _bool(w, "gate", gate)
+        draft_cutoff = _real(w, "draft_cutoff", draft_cutoff)
+        draft_vocab = _bool(w, "draft_vocab", draft_vocab)
+
+        self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
         max_verify = 0
         if drafter is not None:
-            max_verify = block_size or _drafter_block_size(drafter)
-        self._core = _core.Target(str(path), n_ctx=n_ctx, n_threads=n_threads or 0, kv_type=kv_type,
-                                  n_batch=max(n_batch, max_verify), device=device, max_verify=max_verify,
-                                  rollback=rollback, matmul=matmul)
+            max_verify = block_size or _core.drafter_block_size(drafter)
+        self._core = _core.Target(target, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch,
+                                  device=device, max_verify=max_verify, rollback=rollback, matmul=matmul)
         self._spec = None
         if drafter is not None:
-            self._spec = _core.Spec(self._core, str(drafter), block_size=block_size or 0,
+            self._spec = _core.Spec(self._core, drafter, block_size=block_size,
                                     ring_capacity=feature_ring_capacity, window=drafter_window or 0,
-                                    draft_cutoff=draft_cutoff, draft_vocab=bool(draft_vocab))
+                                    draft_cutoff=draft_cutoff, draft_vocab=draft_vocab)
         try:
-            self.tokenizer: Tokenizer | None = Tokenizer(path)
-        except ValueError:
-            self.tokenizer = None  # token ids still work; text does not
+            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
+        except NoVocabulary:
+            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
         if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
             raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                              f"embedding has only {self._core.n_vocab} rows")
-        self._lock = threading.Lock()
+        # _cv guards the core: held while the core computes, never across a yield. _owner is the
+        # call or stream whose sequence is in the core (see _claim).
+        self._cv = threading.Condition(threading.RLock())
+        self._owner: _Claim | None = None
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
-        self.gate = bool(gate)
+        self.gate = gate
         self._gate_ar_tok_s = None  # tests: a fixed AR speed for the gate instead of measuring one
+
+    # ---- lifetime ---------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Free the model, its caches and the drafter now (not when the garbage collector gets to
+        them). Waits for another thread's running call or stream to finish (RuntimeError after
+        `timeout` seconds, when given); a stream this thread left unfinished is ended. Using the
+        engine afterwards raises RuntimeError; closing again does nothing."""
+        if timeout is not None:
+            timeout = _real("close", "timeout", timeout)
+        with self._cv:
+            if self._core is None:
+                return
+            self._claim("close()", timeout)
+            self._owner = None
+            self._spec = None  # first: the Spec keeps its Target alive
+            self._core = None
+            tok, self.tokenizer = self.tokenizer, None
+            if tok is not None:
+                tok.close()
+            self._cv.notify_all()  # waiting calls wake up and raise "closed"
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None
+
+    def __enter__(self) -> "Engine":
+        self._live()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _live(self):
+        """The core, or RuntimeError when the engine is closed."""
+        core = self._core
+        if core is None:
+            raise RuntimeError("[engine] this Engine is closed")
+        return core
 
     # ---- properties -------------------------------------------------------------------
     @property
     def arch(self) -> str:
-        return self._core.arch
+        return self._live().arch
 
     @property
     def n_ctx(self) -> int:
-        return self._core.n_ctx
+        return self._live().n_ctx
 
     @property
     def n_vocab(self) -> int:
-        return self._core.n_vocab
+        return self._live().n_vocab
 
     @property
     def n_threads(self) -> int:
-        return self._core.n_threads
+        return self._live().n_threads
 
     @property
     def layer_types(self) -> list[str]:
-        return list(self._core.layer_types)
+        return list(self._live().layer_types)
 
     @property
     def block_size(self) -> int:
         """Tokens verified per speculative round (0 without a drafter)."""
-        return self._spec.block_size if self._spec is not None else 0
+        self._live()
+        spec = self._spec
+        return spec.block_size if spec is not None else 0
 
     @property
     def draft_cutoff(self) -> float:
         """See __init__: the confidence cut on a round's drafts (0 = verify all)."""
-        return self._spec.draft_cutoff if self._spec is not None else 0.0
+        self._live()
+        spec = self._spec
+        return spec.draft_cutoff if spec is not None else 0.0
 
     @draft_cutoff.setter
     def draft_cutoff(self, value: float) -> None:
-        value = _checked_cutoff(value)
-        if self._spec is None:
-            raise ValueError("[engine] draft_cutoff needs a drafter")
-        with self._lock:
+        # A setting, not a request: it waits only for a running step, and a paused stream goes on
+        # under the new value from its next round (the output is the same under any value).
+        value = _real("engine", "draft_cutoff", value)
+        with self._cv:
+            self._live()
+            if self._spec is None:
+                raise ValueError("[engine] draft_cutoff needs a drafter")
             self._spec.draft_cutoff = value
 
     @property
     def draft_vocab(self) -> bool:
         """See __init__: drafts over the drafter's draft vocabulary (when its GGUF has one)."""
-        return bool(self._spec is not None and self._spec.use_draft_vocab)
+        self._live()
+        spec = self._spec
+        return bool(spec is not None and spec.use_draft_vocab)
 
     @draft_vocab.setter
     def draft_vocab(self, value: bool) -> None:
-        if self._spec is None:
-            raise ValueError("[engine] draft_vocab needs a drafter")
-        with self._lock:
-            self._spec.use_draft_vocab = bool(value)
+        value = _bool("engine", "draft_vocab", value)
+        with self._cv:  # as draft_cutoff's setter
+            self._live()
+            if self._spec is None:
+                raise ValueError("[engine] draft_vocab needs a drafter")
+            self._spec.use_draft_vocab = value
 
     # ---- text -------------------------------------------------------------------------
     def _tok(self) -> Tokenizer:
+        self._live()
         if self.tokenizer is None:
             raise ValueError(f"[tokenizer] '{self.path}' has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tok().tokenize(text)
+        tok = self._tok()
+        if not isinstance(text, str):
+            raise ValueError(f"[tokenize] text must be a str, got {type(text).__name__}")
+        return tok.tokenize(text)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self._tok().detokenize(tokens)
+        return self._tok().detokenize(_token_ids("detokenize", tokens))  # the tokenizer checks the range
 
     # ---- scoring ----------------------------------------------------------------------
-    def eval(self, tokens: Sequence[int]) -> np.ndarray:
+    def eval(self, tokens: str | Sequence[int]) -> np.ndarray:
         """Logits float32 [n_tokens, n_vocab] of a fresh sequence; no state is kept."""
-        toks = self._prompt_ids(tokens)
-        with self._lock:
-            self._core.reset()
+        toks = self._prompt_ids(tokens, "eval")
+        with self._cv:
+            claim = self._claim("eval()")
             try:
-                return self._core.decode(toks, all_logits=True)
+                return self._live().decode(toks, all_logits=True)
             finally:
-                self._core.reset()
+                self._release(claim)
 
     # ---- generation -------------------------------------------------------------------
     def generate(
@@ -255,24 +322,30 @@ class Engine:
         prompt: str | Sequence[int],
         *,
         max_tokens: int = 256,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] | None = (),
         stream: bool = False,
         speculative: bool | None = None,
     ) -> GenerationResult | Iterator[TextPiece]:
         """Greedy generation. speculative=None uses the drafter when there is one;
-        speculative=False runs plain AR on the same engine (the lossless baseline)."""
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"[generate] max_tokens must be an int >= 0, got {max_tokens!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        stop = tuple(s for s in stop if s)
-        toks = self._prompt_ids(prompt)
+        speculative=False runs plain AR on the same engine (the lossless baseline).
+
+        stream=True returns an iterator of TextPiece; the request starts at its first next(),
+        where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises."""
+        self._live()
+        max_tokens = _int("generate", "max_tokens", max_tokens)
+        if max_tokens < 0:
+            raise ValueError(f"[generate] max_tokens must be >= 0, got {max_tokens}")
+        stop = _stop_strings(stop)
+        stream = _bool("generate", "stream", stream)
+        if speculative is not None:
+            speculative = _bool("generate", "speculative", speculative)
+        toks = self._prompt_ids(prompt, "generate")
         if stop and self.tokenizer is None:
             raise ValueError("[generate] stop strings need a tokenizer; the model has none")
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
-        spec = self._spec is not None if speculative is None else bool(speculative)
-        gen = self._generate_iter(toks, max_tokens, stop, spec)
+        spec = self._spec is not None if speculative is None else speculative
+        gen = self._stream(_Run(self, toks, max_tokens, stop, spec))
         if stream:
             return gen
         last = None
@@ -281,145 +354,278 @@ class Engine:
         return last.result
 
     def chat(self, messages: Sequence[dict], **generate_kwargs):
+        """generate() on the messages rendered by the GGUF's chat template: a list of
+        {"role": str, "content": str}."""
         prompt = self._tok().apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(prompt, **generate_kwargs)
 
     # ---- internals --------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> list[int]:
+    def _prompt_ids(self, prompt, where: str) -> list[int]:
+        """Token ids of a str or of a sequence of ints. What the ids may be (non-empty, in the
+        vocabulary, within n_ctx) the core checks when it runs them."""
         if isinstance(prompt, str):
-            toks = self.tokenize(prompt)
+            return self.tokenize(prompt)
+        return _token_ids(where, prompt)
+
+    def _claim(self, what: str, timeout: float | None = None) -> "_Claim":
+        """Makes a new call the owner of the core's sequence (caller holds _cv) and resets it.
+        Another thread's call or stream is waited for; a stream this thread left unfinished (or
+        one whose thread has ended) is superseded: resuming it raises."""
+        me = threading.current_thread()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            core = self._live()
+            owner = self._owner
+            if owner is None:
+                break
+            if owner.thread is me or not owner.thread.is_alive():
+                owner.superseded_by = what
+                break
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if wait <= 0:
+                raise RuntimeError(f"[engine] {what}: another thread is still using this Engine after {timeout:g} s")
+            self._cv.wait(wait)  # woken by _release; the timeout re-checks the owner's thread
+        claim = _Claim(me)
+        self._owner = claim
+        core.reset()
+        return claim
+
+    def _resume(self, claim: "_Claim"):
+        """Before a stream's step (caller holds _cv): its core, or RuntimeError when it lost it."""
+        core = self._live()
+        if claim.superseded_by is not None:
+            raise RuntimeError(f"[generate] this stream was superseded by a later {claim.superseded_by} on the same "
+                               f"Engine from the same thread; finish or close() a stream before the next call")
+        claim.thread = threading.current_thread()
+        return core
+
+    def _release(self, claim: "_Claim") -> None:
+        with self._cv:
+            if self._owner is claim:
+                self._owner = None
+                self._cv.notify_all()
+
+    def _stream(self, run: "_Run") -> Iterator[TextPiece]:
+        # The core is locked while a step computes and free while the pieces are yielded, so a
+        # caller that abandons the stream (break, an exception) cannot lock the engine up.
+        claim = None
+        try:
+            with self._cv:
+                claim = self._claim("generate()")
+                pieces = run.start()
+            while True:
+                for piece in pieces:
+                    if claim.superseded_by is not None:
+                        break  # _resume below raises
+                    yield piece
+                if run.done and claim.superseded_by is None:
+                    break
+                with self._cv:
+                    self._resume(claim)
+                    pieces = run.step()
+        finally:
+            if claim is not None:
+                self._release(claim)
+        yield run.final_piece()
+
+
+class _Claim:
+    """A call's or a stream's hold on the engine's sequence (Engine._claim)."""
+
+    __slots__ = ("thread", "superseded_by")
+
+    def __init__(self, thread: threading.Thread):
+        self.thread = thread  # the thread that ran its last step
+        self.superseded_by: str | None = None
+
+
+class _Run:
+    """One greedy request between the engine's steps: the prefill, then AR steps or speculative
+    rounds, each committing tokens that become text pieces. Every step runs under Engine._cv."""
+
+    def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool):
+        self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
+        self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec)
+        self.out: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.dec = eng.tokenizer.decoder() if eng.tokenizer is not None else None
+        self.hold = max((len(s) for s in stop), default=0)
+        self.done = False
+        self.last = -1  # the last committed token: the next step's input
+        self.B = eng._spec.block_size if spec else 1
+        self.hist = [0] * (self.B + 1)
+        self.ar_tok_s = eng._gate_ar_tok_s
+        self.spec_tokens, self.spec_s, self.t_dec = 0, 0.0, 0.0
+
+    def emit(self, tokens: list[int]) -> list[TextPiece]:
+        """Appends committed tokens; returns the text pieces now safe to show (sets done)."""
+        stats, tok = self.stats, self.eng.tokenizer
+        pieces = []
+        for t in tokens:
+            if tok is not None and tok.is_eog(t):
+                stats.stop_reason, self.done = "eos", True
+                return pieces
+            self.out.append(t)
+            if self.dec is not None:
+                self.text += self.dec.push(t)
+                if self.stop:
+                    cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+                    if cut >= 0:
+                        self.text = self.text[:cut]
+                        stats.stop_reason, self.done = "stop", True
+                        return pieces
+                safe = len(self.text) - self.hold
+                if safe > self.emitted:
+                    pieces.append(TextPiece(self.text[self.emitted:safe]))
+                    self.emitted = safe
+            if len(self.out) >= self.max_tokens:
+                stats.stop_reason, self.done = "length", True
+                return pieces
+        return pieces
+
+    def start(self) -> list[TextPiece]:
+        """The prefill (also for max_tokens=0: the core checks the prompt)."""
+        eng = self.eng
+        t0 = time.perf_counter()
+        tok = int(eng._spec.prefill(self.prompt)) if self.spec else int(eng._core.decode_greedy(self.prompt))
+        self.stats.prefill_s = time.perf_counter() - t0
+        if self.max_tokens == 0:
+            self.stats.stop_reason, self.done = "length", True
+            return []
+        self.last = tok
+        return self.emit([tok])
+
+    def step(self) -> list[TextPiece]:
+        """One AR step or one speculative round."""
+        eng, core = self.eng, self.eng._core
+        room = core.n_ctx - core.n_past
+        if room <= 0:
+            self.stats.stop_reason, self.done = "context", True
+            return []
+        t0 = time.perf_counter()
+        if self.spec and eng.gate and self.ar_tok_s is None:
+            # gate probe: one exact AR step, features pushed so the drafter stays in step
+            logits, taps = core.decode([self.last], taps=eng._spec.tap_layers)
+            eng._spec.push_features(taps, core.n_past - 1)
+            committed = [int(np.argmax(logits[-1]))]
+            self.ar_tok_s = 1.0 / max(time.perf_counter() - t0, 1e-9)
+        elif self.spec and room >= 2:
+            committed = self._round(min(self.B, room), t0)
         else:
-            try:
-                toks = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError("[generate] prompt must be a str or a sequence of token ids") from None
-        if not toks:
-            raise ValueError("[generate] empty prompt: give at least one token")
-        if len(toks) > self.n_ctx:
-            raise ValueError(f"[generate] prompt of {len(toks)} tokens is longer than n_ctx = {self.n_ctx}")
-        bad = [t for t in toks if t < 0 or t >= self.n_vocab]
-        if bad:
-            raise ValueError(f"[generate] token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})")
-        return toks
+            committed = [int(core.decode_greedy([self.last]))]
+        self.t_dec += time.perf_counter() - t0
+        self.last = committed[-1]
+        return self.emit(committed)
 
-    def _generate_iter(self, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool) -> Iterator[TextPiece]:
-        stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec)
-        out: list[int] = []
-        text = ""
-        emitted = 0
-        dec = self.tokenizer.decoder() if self.tokenizer is not None else None
-        hold = max((len(s) for s in stop), default=0)
+    def _round(self, Bc: int, t0: float) -> list[int]:
+        eng, stats = self.eng, self.stats
+        forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
+        r = eng._spec.round(self.last, Bc, forced)
+        committed = r["committed"]
+        self.hist[len(committed)] += 1
+        stats.draft_s += r["draft_s"]
+        stats.verify_s += r["verify_s"]
+        stats.rollback_s += r["rollback_s"]
+        stats.verified_tokens += r["n_verified"]
+        self.spec_tokens += len(committed)
+        self.spec_s += time.perf_counter() - t0
+        if (eng.gate and sum(self.hist) >= GATE_MIN_ROUNDS and
+                self.spec_tokens / max(self.spec_s, 1e-9) < self.ar_tok_s):
+            self.spec = False  # finish this request in AR
+            stats.gated_at = len(self.out) + len(committed)
+        return committed
 
-        def emit(tokens):
-            """Appends committed tokens; returns (pieces to yield, finished)."""
-            nonlocal text, emitted
-            pieces = []
-            for tok in tokens:
-                if self.tokenizer is not None and self.tokenizer.is_eog(tok):
-                    stats.stop_reason = "eos"
-                    return pieces, True
-                out.append(tok)
-                if dec is not None:
-                    text += dec.push(tok)
-                    if stop:
-                        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                        if cut >= 0:
-                            text = text[:cut]
-                            stats.stop_reason = "stop"
-                            return pieces, True
-                    safe = len(text) - hold
-                    if safe > emitted:
-                        pieces.append(TextPiece(text[emitted:safe]))
-                        emitted = safe
-                if len(out) >= max_tokens:
-                    stats.stop_reason = "length"
-                    return pieces, True
-            return pieces, False
-
-        with self._lock:
-            core = self._core
-            core.reset()
-            try:
-                if max_tokens == 0:
-                    stats.stop_reason = "length"
-                else:
-                    t0 = time.perf_counter()
-                    if spec:
-                        tok = int(self._spec.prefill(prompt))
-                    else:
-                        tok = int(core.decode_greedy(prompt))
-                    stats.prefill_s = time.perf_counter() - t0
-                    pieces, done = emit([tok])
-                    yield from pieces
-                    t_dec = 0.0
-                    B = self._spec.block_size if spec else 1
-                    hist = [0] * (B + 1)
-                    ar_tok_s = self._gate_ar_tok_s
-                    spec_tokens, spec_s = 0, 0.0
-                    while not done:
-                        room = core.n_ctx - core.n_past
-                        if room <= 0:
-                            stats.stop_reason = "context"
-                            break
-                        t0 = time.perf_counter()
-                        if spec and self.gate and ar_tok_s is None:
-                            # gate probe: one exact AR step, features pushed so the drafter stays in step
-                            logits, taps = core.decode([tok], taps=self._spec.tap_layers)
-                            self._spec.push_features(taps, core.n_past - 1)
-                            committed = [int(np.argmax(logits[-1]))]
-                            ar_tok_s = 1.0 / max(time.perf_counter() - t0, 1e-9)
-                        elif spec and room >= 2:
-                            Bc = min(B, room)
-                            forced = self._draft_override(prompt, out, Bc) if self._draft_override else None
-                            r = self._spec.round(tok, Bc, forced)
-                            committed = r["committed"]
-                            hist[len(committed)] += 1
-                            stats.draft_s += r["draft_s"]
-                            stats.verify_s += r["verify_s"]
-                            stats.rollback_s += r["rollback_s"]
-                            stats.verified_tokens += r["n_verified"]
-                            spec_tokens += len(committed)
-                            spec_s += time.perf_counter() - t0
-                            if (self.gate and sum(hist) >= GATE_MIN_ROUNDS and
-                                    spec_tokens / max(spec_s, 1e-9) < ar_tok_s):
-                                spec = False  # finish this request in AR
-                                stats.gated_at = len(out) + len(committed)
-                        else:
-                            committed = [int(core.decode_greedy([tok]))]
-                        t_dec += time.perf_counter() - t0
-                        tok = committed[-1]
-                        pieces, done = emit(committed)
-                        yield from pieces
-                    stats.decode_s = t_dec
-                    if stats.speculative:
-                        stats.block_size = B
-                        stats.rounds = sum(hist)
-                        stats.acceptance_histogram = hist
-            finally:
-                core.reset()
-        if dec is not None and stats.stop_reason != "stop":
-            text += dec.flush()
-        stats.n_generated = len(out)
-        last = TextPiece(text[emitted:])
-        last.result = GenerationResult(text=text, tokens=out, stats=stats, prompt_tokens=list(prompt))
-        yield last
+    def final_piece(self) -> TextPiece:
+        """The rest of the text, carrying the GenerationResult."""
+        stats = self.stats
+        stats.decode_s = self.t_dec
+        if stats.speculative:
+            stats.block_size = self.B
+            stats.rounds = sum(self.hist)
+            stats.acceptance_histogram = self.hist
+        if self.dec is not None and stats.stop_reason != "stop":
+            self.text += self.dec.flush()
+        stats.n_generated = len(self.out)
+        last = TextPiece(self.text[self.emitted:])
+        last.result = GenerationResult(text=self.text, tokens=self.out, stats=stats, prompt_tokens=list(self.prompt))
+        return last
 
 
-def _checked_cutoff(value) -> float:
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"[engine] draft_cutoff must be a number in [0, 1], got {value!r}")
+# ---- argument checks: types at the boundary, so none reaches pybind11 as a raw TypeError ----
+
+def _int(where: str, name: str, value, *, bits: int = 64) -> int:
+    """An int or numpy integer (not a bool, not a float) that fits the core's `bits`-bit int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"[{where}] {name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    lim = 1 << (bits - 1)
+    if not -lim <= v < lim:
+        raise ValueError(f"[{where}] {name} = {v} is out of range (a {bits}-bit int)")
+    return v
+
+
+def _opt_int(where: str, name: str, value, *, bits: int = 64) -> int | None:
+    return None if value is None else _int(where, name, value, bits=bits)
+
+
+def _bool(where: str, name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"[{where}] {name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _real(where: str, name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"[{where}] {name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
 
 
-def _drafter_block_size(path) -> int:
-    """dflash.block_size of a drafter GGUF (16 when absent), read before the engine is built."""
-    from gguf import GGUFReader
+def _str(where: str, name: str, value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"[{where}] {name} must be a str, got {type(value).__name__} {value!r}")
+    return value
 
+
+def _path(where: str, name: str, value) -> str:
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise ValueError(f"[{where}] {name} must be a path (str, bytes or os.PathLike), got {type(value).__name__}")
+    return os.fsdecode(os.fspath(value))
+
+
+def _token_ids(where: str, tokens) -> list[int]:
+    """A sequence (or 1-D integer array) of ints as a list; bytes and floats are refused rather
+    than read as ids."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raise ValueError(f"[{where}] got {type(tokens).__name__}: pass text as a str (decode the bytes first) "
+                         f"or token ids as a sequence of ints")
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"[{where}] token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        return tokens.tolist()
     try:
-        r = GGUFReader(str(path))
-    except Exception as e:
-        if out_of_memory(e):
-            raise MemoryError(f"[load_gguf] out of memory reading the drafter '{path}': {e}") from None
-        raise ValueError(f"[load_gguf] '{path}' is not a readable GGUF drafter: {e}") from None
-    f = r.fields.get("dflash.block_size")
-    return int(f.parts[-1][0]) if f is not None else 16
+        items = list(tokens)
+    except TypeError:
+        raise ValueError(f"[{where}] expected a str or a sequence of token ids, got {type(tokens).__name__}") from None
+    for i, t in enumerate(items):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"[{where}] token ids must be ints, got {type(t).__name__} {t!r} at index {i}")
+    return [int(t) for t in items]
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """None, a str, or a sequence of str -> the non-empty stop strings."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Iterable):
+        raise ValueError(f"[generate] stop must be a str, a sequence of str or None, got {type(stop).__name__}")
+    out = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"[generate] stop strings must be str, got {type(s).__name__} {s!r}")
+        if s:
+            out.append(s)
+    return tuple(out)
+

@@ -1,4 +1,4 @@
-"""The lossless rule (ARCHITECTURE.md): greedy speculative output equals AR output, except that
+"""The lossless rule (docs/architecture.md, "Exactness contract"): greedy speculative output equals AR output, except that
 batched and single-token matmuls may round differently (F16/F32 weights), so a divergence is
 allowed only where AR's own top-2 logits are a near-tie."""
 

@@ -1,6 +1,6 @@
 """NumPy reference of the Gated DeltaNet recurrence, its conv state and accept_prefix.
 
-Float64 throughout, written from the math in ARCHITECTURE.md, independent of the C++ code.
+Float64 throughout, written from the math in docs/architecture.md ("GDN tape"), independent of the C++ code.
 State S is [H_v, d_k, d_v] here (the C++ and ggml keep S^T per head).
 """
 

@@ -9,7 +9,11 @@ from gguf import GGUFReader, GGUFWriter
 
 
 def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), tensor_fn=None) -> Path:
-    """Copy a GGUF with some keys changed or dropped, and tensors passed through tensor_fn(name, array)."""
+    """Copy a GGUF with some keys changed or dropped, and tensors passed through tensor_fn(name, array).
+
+    tensor_fn returns the new array (same type), None (drop the tensor), or (array, type) to store
+    it as another GGMLQuantizationType (the array then holds that type's raw data, e.g.
+    gguf.quants.quantize's bytes)."""
     r = GGUFReader(src)
     arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
     arch = (kv or {}).get("general.architecture", arch)
@@ -30,7 +34,8 @@ def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), 
             data = tensor_fn(t.name, data)
             if data is None:
                 continue
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        data, ttype = data if isinstance(data, tuple) else (data, t.tensor_type)
+        w.add_tensor(t.name, data, raw_dtype=ttype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

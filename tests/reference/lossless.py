@@ -1,4 +1,4 @@
-"""The lossless rule of ARCHITECTURE.md: greedy speculative output equals AR output, except
+"""The lossless rule of docs/architecture.md ("Exactness contract"): greedy speculative output equals AR output, except
 that batched and single-token kernels may round differently, so the first divergence, if
 any, must be at a near-tie of the reference (top-2 logit gap below a stated tolerance)."""
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..testing_dflash import drafter_config
+from ..hf_formats import MASK_TOKEN_TEXT, default_target_layer_ids, drafter_config, mask_token_id_of
+from .schedule import warmup_cosine_lr
 
 __all__ = ["DFlashDrafter", "TrainResult", "block_batch", "dflash_loss", "greedy_continuations", "target_features",
            "train_drafter"]
@@ -483,13 +483,12 @@ def _load_target(target: str | os.PathLike[str] | nn.Module) -> nn.Module:
 
 def _default_mask_token_id(target_dir: Path | None) -> int:
     if target_dir is not None and (target_dir / "tokenizer.json").is_file():
-        from ..testing_dflash import mask_token_id_of
-
         try:
             return mask_token_id_of(target_dir)
         except ValueError:
             pass
-    raise ValueError("[train_drafter] mask_token_id not given and the target's tokenizer has no <|MASK|> token")
+    raise ValueError(f"[train_drafter] mask_token_id not given and the target's tokenizer has no {MASK_TOKEN_TEXT} "
+                     f"token")
 
 
 def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str | os.PathLike[str], *,
@@ -527,13 +526,11 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     Each step samples `seqs_per_step` sequences and `anchors_per_seq` anchors
     per sequence, all trained in one forward. AdamW, linear warmup then cosine
     decay. `gamma` is the decay of the position weights (None: uniform).
-    `target_layer_ids` default: z-lab's spread (testing_dflash.default_target_layer_ids).
+    `target_layer_ids` default: z-lab's spread (hf_formats.default_target_layer_ids).
     `draft_vocab_size` > 0: config.json also gets "draft_vocab", the (at most) that many most
     frequent tokens of the continuations (`draft_vocabulary`), which the engine drafts over.
     Returns the loss history and throughput (TrainResult).
     """
-    from ..testing_dflash import default_target_layer_ids
-
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
     if block_size < 2:
@@ -555,82 +552,22 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     if mask_token_id is None:
         mask_token_id = _default_mask_token_id(target_path)
 
-    data: list[list[int]] = []
-    min_anchor: list[int] = []
-    if sequence_prompt_lengths is not None and len(sequence_prompt_lengths) != len(sequences or []):
-        raise ValueError("[train_drafter] sequence_prompt_lengths needs one entry per sequence")
-    for i, s in enumerate(sequences or []):
-        data.append([int(t) for t in s])
-        min_anchor.append(1 if sequence_prompt_lengths is None else int(sequence_prompt_lengths[i]))
-    if prompts:
-        ids: list[list[int]] = []
-        tok = None
-        for p in prompts:
-            if isinstance(p, str):
-                if tok is None:
-                    import transformers
-
-                    tok = transformers.AutoTokenizer.from_pretrained(str(target_path))
-                ids.append(tok(p)["input_ids"])
-            else:
-                ids.append([int(t) for t in p])
-        for p, full in zip(ids, greedy_continuations(target, ids, max_new_tokens, seed=seed)):
-            data.append(full)
-            min_anchor.append(len(p))
-    keep = [i for i, s in enumerate(data) if len(_anchor_range(len(s), min_anchor[i])) > 0]
-    if not keep:
-        raise ValueError("[train_drafter] no sequence is long enough for an anchor")
-    data = [data[i] for i in keep]
-    min_anchor = [min_anchor[i] for i in keep]
+    data, min_anchor = _training_sequences(target, target_path, prompts, sequences, sequence_prompt_lengths,
+                                           max_new_tokens, seed)
     feats = [target_features(target, s, target_layer_ids) for s in data]
     t_data = time.perf_counter() - t0
 
     drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
                                        num_layers=num_layers, block_size=block_size, seed=seed, init_std=init_std,
                                        **dict(drafter_overrides or {}))
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    def sample_anchors(i: int) -> list[int]:
-        r = _anchor_range(len(data[i]), min_anchor[i])
-        k = min(anchors_per_seq, len(r))
-        return sorted(r[j] for j in torch.randperm(len(r), generator=gen)[:k].tolist())
-
+    anchors = _AnchorSampler(data, min_anchor, anchors_per_seq, gen)
     # A fixed evaluation set of anchors (the training distribution) for acceptance before/after.
-    eval_anchors = [sample_anchors(i) for i in range(len(data))]
+    eval_anchors = [anchors.sample(i) for i in range(len(data))]
     acc_before = acceptance_on(drafter, data, feats, eval_anchors)
-
-    losses: list[float] = []
-    accs: list[float] = []
-    n_anchors = 0
-    drafter.train()
-    t1 = time.perf_counter()
-    for step in range(steps):
-        idx = torch.randperm(len(data), generator=gen)[:seqs_per_step].tolist()
-        anchors = [sample_anchors(i) for i in idx]
-        batch = block_batch([data[i] for i in idx], anchors, block_size, mask_token_id)
-        L = batch["mask"].shape[-1] - batch["block_tokens"].shape[1]
-        f = torch.stack([F.pad(feats[i], (0, 0, 0, L - feats[i].shape[0])) for i in idx])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        loss, stats = dflash_loss(drafter, f, batch, gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
-        losses.append(float(loss.item()))
-        accs.append(stats["acc"])
-        n_anchors += sum(len(a) for a in anchors)
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"[train_drafter] step {step:5d} loss {losses[-1]:.4f} ce {stats['ce']:.4f} acc {stats['acc']:.3f}")
-    t_train = time.perf_counter() - t1
+    losses, accs, n_anchors, t_train = _train_steps(drafter, data, feats, anchors, steps=steps,
+                                                    seqs_per_step=seqs_per_step, lr=lr, weight_decay=weight_decay,
+                                                    warmup=warmup, grad_clip=grad_clip, gamma=gamma,
+                                                    log_every=log_every)
     drafter.eval()
     acc_after = acceptance_on(drafter, data, feats, eval_anchors)
 
@@ -639,15 +576,28 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         draft_vocab = draft_vocabulary([s[m:] for s, m in zip(data, min_anchor)], draft_vocab_size)
         drafter.config["draft_vocab"] = draft_vocab
     out = drafter.save_pretrained(out_dir)
-    recipe = {
-        "objective": "dflash block CE, position weights exp(-(i-1)/gamma) normalised",
+    settings = {
         "target": str(target_path) if target_path is not None else type(target).__name__,
         "target_layer_ids": list(target_layer_ids), "num_layers": num_layers, "block_size": block_size,
         "mask_token_id": int(mask_token_id), "anchors_per_seq": anchors_per_seq, "seqs_per_step": seqs_per_step,
         "steps": steps, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "grad_clip": grad_clip,
         "gamma": gamma, "seed": seed, "n_threads": torch.get_num_threads(), "init_std": init_std,
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
-        "draft_vocab_size": draft_vocab_size, "n_draft_vocab": len(draft_vocab),
+        "draft_vocab_size": draft_vocab_size,
+    }
+    return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
+                         n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
+
+
+def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int, data: Sequence[Sequence[int]],
+                  t_data: float, t_train: float, n_anchors: int, acc_before: float, acc_after: float,
+                  losses: list[float], accs: list[float]) -> TrainResult:
+    """out/recipe.json: the settings, the data, the throughput, acceptance and loss history."""
+    steps = settings["steps"]
+    recipe = {
+        "objective": "dflash block CE, position weights exp(-(i-1)/gamma) normalised",
+        **settings,
+        "n_draft_vocab": n_draft_vocab,
         "n_sequences": len(data), "n_tokens": sum(len(s) for s in data),
         "data_seconds": t_data, "train_seconds": t_train,
         "steps_per_s": steps / t_train if t_train > 0 else 0.0,
@@ -661,3 +611,94 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                        steps_per_s=recipe["steps_per_s"], anchors_per_s=recipe["anchors_per_s"],
                        acceptance_before=acc_before, acceptance_after=acc_after,
                        extra={"data_seconds": t_data, "train_seconds": t_train})
+
+
+def _training_sequences(target: nn.Module, target_path: Path | None,
+                        prompts: Sequence[Sequence[int] | str] | None, sequences: Sequence[Sequence[int]] | None,
+                        sequence_prompt_lengths: Sequence[int] | None, max_new_tokens: int,
+                        seed: int) -> tuple[list[list[int]], list[int]]:
+    """The training sequences and, per sequence, its first allowed anchor: `sequences` as given
+    (from `sequence_prompt_lengths[i]`, else 1), then each prompt + the target's greedy
+    continuation (from the prompt's end). Sequences too short for any anchor are dropped."""
+    data: list[list[int]] = []
+    min_anchor: list[int] = []
+    if sequence_prompt_lengths is not None and len(sequence_prompt_lengths) != len(sequences or []):
+        raise ValueError("[train_drafter] sequence_prompt_lengths needs one entry per sequence")
+    for i, s in enumerate(sequences or []):
+        data.append([int(t) for t in s])
+        min_anchor.append(1 if sequence_prompt_lengths is None else int(sequence_prompt_lengths[i]))
+    if prompts:
+        ids = _prompt_ids(prompts, target_path)
+        for p, full in zip(ids, greedy_continuations(target, ids, max_new_tokens, seed=seed)):
+            data.append(full)
+            min_anchor.append(len(p))
+    keep = [i for i, s in enumerate(data) if len(_anchor_range(len(s), min_anchor[i])) > 0]
+    if not keep:
+        raise ValueError("[train_drafter] no sequence is long enough for an anchor")
+    return [data[i] for i in keep], [min_anchor[i] for i in keep]
+
+
+def _prompt_ids(prompts: Sequence[Sequence[int] | str], target_path: Path | None) -> list[list[int]]:
+    """Token ids of each prompt; text is tokenized with the target's tokenizer (loaded on first use)."""
+    ids: list[list[int]] = []
+    tok = None
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                import transformers
+
+                tok = transformers.AutoTokenizer.from_pretrained(str(target_path))
+            ids.append(tok(p)["input_ids"])
+        else:
+            ids.append([int(t) for t in p])
+    return ids
+
+
+class _AnchorSampler:
+    """Random anchors of sequence i: up to `anchors_per_seq` distinct positions of its anchor
+    range, sorted, drawn from the run's generator."""
+
+    def __init__(self, data: Sequence[Sequence[int]], min_anchor: Sequence[int], anchors_per_seq: int,
+                 gen: torch.Generator):
+        self.data, self.min_anchor, self.anchors_per_seq, self.gen = data, min_anchor, anchors_per_seq, gen
+
+    def sample(self, i: int) -> list[int]:
+        r = _anchor_range(len(self.data[i]), self.min_anchor[i])
+        k = min(self.anchors_per_seq, len(r))
+        return sorted(r[j] for j in torch.randperm(len(r), generator=self.gen)[:k].tolist())
+
+
+def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: Sequence[torch.Tensor],
+                 anchors: _AnchorSampler, *, steps: int, seqs_per_step: int, lr: float, weight_decay: float,
+                 warmup: int, grad_clip: float, gamma: float | None,
+                 log_every: int) -> tuple[list[float], list[float], int, float]:
+    """AdamW over `steps` steps of `seqs_per_step` random sequences with their random anchors, all
+    in one forward per step. Returns (losses, accuracies, anchors trained, seconds)."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    block_size = drafter.block_size
+    losses: list[float] = []
+    accs: list[float] = []
+    n_anchors = 0
+    drafter.train()
+    t1 = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randperm(len(data), generator=anchors.gen)[:seqs_per_step].tolist()
+        step_anchors = [anchors.sample(i) for i in idx]
+        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id)
+        L = batch["mask"].shape[-1] - batch["block_tokens"].shape[1]
+        f = torch.stack([F.pad(feats[i], (0, 0, 0, L - feats[i].shape[0])) for i in idx])
+        for g in opt.param_groups:
+            g["lr"] = warmup_cosine_lr(step, lr=lr, warmup=warmup, steps=steps)
+        loss, stats = dflash_loss(drafter, f, batch, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        losses.append(float(loss.item()))
+        accs.append(stats["acc"])
+        n_anchors += sum(len(a) for a in step_anchors)
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"[train_drafter] step {step:5d} loss {losses[-1]:.4f} ce {stats['ce']:.4f} acc {stats['acc']:.3f}")
+    return losses, accs, n_anchors, time.perf_counter() - t1

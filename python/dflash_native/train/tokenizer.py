@@ -1,6 +1,6 @@
 """A byte-level BPE tokenizer in the Qwen3.5 layout, trained on the corpus's train split.
 
-Layout as in `dflash_native.testing.make_tokenizer_files` (what our converter
+Layout as in `dflash_native.hf_formats.byte_level_bpe_tokenizer` (what our converter
 reads): NFC normaliser, the Qwen3.5 regex Split (the converter maps exactly this
 regex to llama.cpp's `qwen35` pre-tokenizer), ByteLevel without its own regex,
 BPE over the 256 byte symbols plus learned merges, then the added special tokens
@@ -17,14 +17,20 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from ..testing import QWEN35_PRETOKENIZE_REGEX, write_tokenizer_config
+from ..hf_formats import (
+    ENDOFTEXT_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    MASK_TOKEN_TEXT,
+    QWEN35_PRETOKENIZE_REGEX,
+    write_tokenizer_config,
+)
 from . import corpus
 
 __all__ = ["SPECIAL_TOKENS", "load_tokenizer", "train_tokenizer"]
 
-SPECIAL_TOKENS: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
-EOS_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|MASK|>"
+SPECIAL_TOKENS: Sequence[str] = (ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, MASK_TOKEN_TEXT)
+EOS_TOKEN = ENDOFTEXT_TOKEN  # a base model: documents end with <|endoftext|>
 
 
 def train_tokenizer(out_dir: str | os.PathLike[str], *, vocab_size: int = 4096, root: corpus.Root = None,

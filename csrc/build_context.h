@@ -1,0 +1,22 @@
+// What every graph builder builds with, passed down explicitly from graph_runner::run to each
+// block and op choice (no per-thread switch).
+#pragma once
+
+#include "ggml.h"
+
+namespace dfn {
+
+// Which kernels the graph builders use for weight matmuls (and attention, the conv and the
+// argmax): MATMUL_OWN, this package's batch-invariant CPU ops where they apply, or MATMUL_GGML.
+enum matmul_kind { MATMUL_OWN, MATMUL_GGML };
+
+// The target's builders get it inside graph_inputs (graph.h), which adds the target's hparams,
+// cache and inputs; the drafter's builders take it alone and read their own hparams.
+struct build_context {
+    ggml_context * ctx = nullptr;  // the runner's metadata arena (no_alloc)
+    ggml_cgraph * gf = nullptr;
+    matmul_kind kernels = MATMUL_OWN;
+    bool own_kernels() const { return kernels == MATMUL_OWN; }
+};
+
+}  // namespace dfn

@@ -1,0 +1,86 @@
+// Runs ggml graphs on one set of backends: the schedulers and allocation plans per graph shape,
+// the backends (CPU, and the GPU when asked for), and the graph metadata arena. The target
+// session owns one; the drafter (spec_session) runs its graphs on the same one, so that its
+// weights, the feature ring and the target's tensors share buffers and plans.
+#pragma once
+
+#include "build_context.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dfn {
+
+// Where the weights, caches and compute live: the CPU, or the first GPU ggml was built with.
+enum device_kind { DEVICE_CPU, DEVICE_GPU };
+
+class graph_runner {
+public:
+    // max_nodes: the most nodes one graph may have (the target's forward pass sizes it).
+    graph_runner(device_kind device, int n_threads, matmul_kind kernels, size_t max_nodes);
+    graph_runner(const graph_runner &) = delete;
+    graph_runner & operator=(const graph_runner &) = delete;
+
+    using build_fn = std::function<void(const build_context &)>;
+
+    // Builds a graph with `build` (given the metadata arena, the graph and this runner's kernel
+    // choice), allocates it on the backends, calls
+    // `set_inputs`, computes, then `read_outputs`.
+    //
+    // `shape_key` names the graph's structure (which op sequence, which outputs, how many tokens).
+    // Each key keeps its own scheduler and allocation plan, so a speculative round, which
+    // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
+    // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
+    // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
+    // Out of memory it throws memory_error naming the graph (after dropping the other plans and
+    // trying once more); the runner stays usable, except after a failure inside ggml's compute
+    // that leaves the CPU backend inconsistent: then every later run throws.
+    void run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
+             const std::function<void()> & read_outputs);
+
+    // Where weights, caches and the ring are allocated: the main backend's buffers.
+    ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
+    ggml_backend_t backend() const { return backend_; }
+    // True when `buf` lives on the GPU this runner computes on and that GPU is ggml's CUDA device
+    // (csrc/cuda/ kernels can work on it in place).
+    bool on_cuda(ggml_backend_buffer_t buf) const;
+    int n_threads() const { return n_threads_; }
+    matmul_kind kernels() const { return kernels_; }
+    size_t n_plans() const { return plans_.size(); }
+
+private:
+    struct graph_plan {
+        ggml_backend_sched_ptr sched;
+        uint64_t last_use = 0;
+    };
+    static constexpr size_t k_max_plans = 32;
+    static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
+    ggml_backend_sched_t plan_for(const std::string & shape_key, ggml_cgraph * gf);
+    void drop_old_plans(const std::string & keep);
+    // Out of memory these throw memory_error (Python MemoryError), after one retry without the
+    // other plans (a cache of compute buffers): a new plan, a graph's buffers, room to compute.
+    graph_plan new_plan(const std::string & shape_key, ggml_cgraph * gf);
+    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
+    void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
+    ggml_status compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
+
+    // Declaration order is destruction order reversed: the plans go before the backends.
+    ggml_backend_ptr cpu_;                  // CPU backend
+    ggml_backend_ptr gpu_;                  // GPU backend, when device == DEVICE_GPU
+    ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
+    bool gpu_is_cuda_ = false;
+    int n_threads_ = 0;
+    matmul_kind kernels_ = MATMUL_OWN;
+    size_t max_nodes_ = 0;
+    std::vector<uint8_t> meta_;             // graph metadata arena
+    std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run)
+    uint64_t plan_clock_ = 0;
+    std::string broken_;  // set when ggml failed mid-compute in a way that cannot be undone
+};
+
+}  // namespace dfn

@@ -1,0 +1,250 @@
+"""The Hugging Face file formats this package reads and writes, stated once.
+
+The converters read these facts, the training code writes checkpoints with
+them, and the random models of `random_models` (and the test fixtures built
+on it) follow them:
+
+- the Qwen byte-level BPE tokenizer: its pre-tokenizer Split regexes (and the
+  llama.cpp pre-tokenizer that implements each), its tokenizer.json layout,
+  its tokenizer_config.json with the ChatML template, its special tokens;
+- the DFlash mask token (`<|MASK|>`) and how a tokenizer.json names it;
+- the Qwen3.5 text config: its layer pattern and default M-RoPE sections;
+- the z-lab DFlash drafter: its config.json, its default tap layers and the
+  shapes of its tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "ENDOFTEXT_TOKEN",
+    "IM_END_TOKEN",
+    "IM_START_TOKEN",
+    "MASK_TOKEN_TEXT",
+    "MASK_TOKEN_TEXTS",
+    "PRE_TOKENIZERS",
+    "QWEN2_PRETOKENIZE_REGEX",
+    "QWEN35_PRETOKENIZE_REGEX",
+    "byte_level_bpe_tokenizer",
+    "bytes_to_unicode",
+    "default_mrope_section",
+    "default_target_layer_ids",
+    "drafter_config",
+    "drafter_tensor_shapes",
+    "hybrid_layer_types",
+    "mask_token_id_of",
+    "write_tokenizer_config",
+]
+
+# ---------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------
+
+ENDOFTEXT_TOKEN = "<|endoftext|>"   # document separator (EOS of a base model)
+IM_START_TOKEN = "<|im_start|>"     # ChatML
+IM_END_TOKEN = "<|im_end|>"
+# The DFlash drafter's mask token as our tokenizers spell it; the converter also
+# accepts the other spellings of MASK_TOKEN_TEXTS when the tokenizer names no mask.
+MASK_TOKEN_TEXT = "<|MASK|>"
+MASK_TOKEN_TEXTS = (MASK_TOKEN_TEXT, "<|mask|>", "<mask>", "[MASK]")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The Split regexes of Qwen's tokenizer.json files (Qwen2/Qwen3 and Qwen3.5).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN35_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Split regex -> the llama.cpp pre-tokenizer (tokenizer.ggml.pre) that implements it.
+PRE_TOKENIZERS: Mapping[str, str] = {
+    QWEN2_PRETOKENIZE_REGEX: "qwen2",
+    QWEN35_PRETOKENIZE_REGEX: "qwen35",
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, in GPT-2 vocab order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def byte_level_bpe_tokenizer(vocab: Sequence[str], merges: Sequence[tuple[str, str]],
+                             added: Sequence[Mapping[str, Any]], regex: str) -> dict[str, Any]:
+    """tokenizer.json of a Qwen-layout byte-level BPE: NFC, the regex Split,
+    ByteLevel without its own regex; `vocab` in id order, `added` tokens after it."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": list(added),
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            byte_level,
+        ]},
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(vocab)}, "merges": [list(m) for m in merges]},
+    }
+
+
+def write_tokenizer_config(dst: str | os.PathLike[str], added: Sequence[Mapping[str, Any]], *, eos_token: str,
+                           pad_token: str) -> None:
+    """tokenizer_config.json of a Qwen-style byte-level BPE with a ChatML template."""
+    tok_config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+        "bos_token": None,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
+        "unk_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 131072,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+    }
+    with open(Path(dst) / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, ensure_ascii=False, indent=2)
+
+
+def mask_token_id_of(tokenizer_dir: str | os.PathLike[str]) -> int:
+    """The id of `<|MASK|>` among the added tokens of `tokenizer_dir/tokenizer.json`."""
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"[mask_token_id_of] {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        tok = json.load(f)
+    for a in tok.get("added_tokens", []):
+        if a.get("content") == MASK_TOKEN_TEXT:
+            return int(a["id"])
+    raise ValueError(f"[mask_token_id_of] {path} has no {MASK_TOKEN_TEXT} token")
+
+
+# ---------------------------------------------------------------------------
+# Qwen3.5 text config
+# ---------------------------------------------------------------------------
+
+def hybrid_layer_types(n_layer: int, full_attention_interval: int) -> list[str]:
+    """Qwen3.5's `layer_types` for an interval k: layer i is full attention iff (i + 1) % k == 0."""
+    k = int(full_attention_interval)
+    return ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(int(n_layer))]
+
+
+def default_mrope_section(n_rot: int) -> list[int]:
+    """Qwen3.5's `mrope_section`: the n_rot/2 rotated pairs split into interleaved
+    (t, h, w) sections, ceil((n_pairs - j) / 3) each: [11, 11, 10] for n_rot 64."""
+    n_pairs = n_rot // 2
+    return [(n_pairs - j + 2) // 3 for j in range(3)]
+
+
+# ---------------------------------------------------------------------------
+# z-lab DFlash drafter
+# ---------------------------------------------------------------------------
+
+def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
+    """z-lab's `build_target_layer_ids` (one tap per drafter layer, spread
+    from layer 1 to layer n-3; the middle layer for a one-layer drafter),
+    clamped so that no id taps the target's last layer, whose HF hidden state
+    is the final-normed one, and deduplicated. Tiny targets get fewer taps."""
+    if n_target_layers < 2:
+        raise ValueError(f"[default_target_layer_ids] a target needs >= 2 layers to be tapped, got {n_target_layers}")
+    if n_draft_layers == 1:
+        ids = [n_target_layers // 2]
+    else:
+        start, end = 1, n_target_layers - 3
+        span = end - start
+        ids = [int(round(start + (i * span) / (n_draft_layers - 1))) for i in range(n_draft_layers)]
+    out: list[int] = []
+    for i in ids:
+        i = min(max(i, 0), n_target_layers - 2)
+        if i not in out:
+            out.append(i)
+    return out
+
+
+def drafter_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, n_head: int,
+                   n_kv: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float, rope_theta: float,
+                   n_target_layers: int, mask_token_id: int, target_layer_ids: Sequence[int], block_size: int,
+                   dtype: str) -> dict[str, Any]:
+    """config.json of a z-lab DFlash drafter (Qwen3 layers, full attention, non-causal)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "vocab_size": int(vocab_size),
+        "hidden_size": int(hidden_size),
+        "intermediate_size": int(intermediate_size),
+        "num_hidden_layers": int(num_layers),
+        "num_attention_heads": int(n_head),
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(max_position_embeddings),
+        "rms_norm_eps": float(rms_norm_eps),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": int(num_layers),
+        "layer_types": ["full_attention"] * int(num_layers),
+        "num_target_layers": int(n_target_layers),
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids],
+                          "block_size": int(block_size)},
+        "dtype": dtype,
+    }
+
+
+def drafter_tensor_shapes(*, hidden: int, n_taps: int, n_layer: int, n_head: int, n_kv: int, head_dim: int,
+                          n_ff: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor name (no `model.` prefix) -> shape (row-major, PyTorch's) of every
+    tensor of a z-lab DFlash drafter, in checkpoint order: `fc` (the taps'
+    concatenated hidden states -> hidden), `hidden_norm`, the Qwen3 decoder
+    layers, `norm`. No embed_tokens / lm_head: those are the target's."""
+    h, hd = hidden, head_dim
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, n_taps * h), "hidden_norm.weight": (h,)}
+    for il in range(n_layer):
+        p = f"layers.{il}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (n_head * hd, h),
+            p + "self_attn.k_proj.weight": (n_kv * hd, h),
+            p + "self_attn.v_proj.weight": (n_kv * hd, h),
+            p + "self_attn.o_proj.weight": (h, n_head * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (n_ff, h),
+            p + "mlp.up_proj.weight": (n_ff, h),
+            p + "mlp.down_proj.weight": (h, n_ff),
+        })
+    shapes["norm.weight"] = (h,)
+    return shapes
