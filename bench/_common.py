@@ -37,6 +37,18 @@ QWEN35_4B = dict(
 )
 
 
+def resolve_pair(target, drafter) -> tuple[Path, Path]:
+    """--target/--drafter, each defaulting to the embedded pair's file."""
+    from dflash_native.cli import default_pair
+
+    if target is None or drafter is None:
+        pair = default_pair()
+        if pair is None:
+            raise SystemExit("no embedded pair in this install: give --target and --drafter")
+        target, drafter = target or pair[0], drafter or pair[1]
+    return target, drafter
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -134,8 +146,8 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
           "| DFlash tok/s | speedup | draft ms | verify ms | rollback ms | other ms | rounds | spec == AR |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
-        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
-                        n_threads=threads, matmul=matmul)
+        eng = dn.Engine.for_benchmark(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
+                                      n_threads=threads, matmul=matmul)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
         eng.draft_vocab = True
         n_dv = len(eng._spec.draft_vocab)  # tokens in the drafter's draft vocabulary (0: it has none)

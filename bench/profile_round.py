@@ -41,8 +41,8 @@ def main() -> None:
     from dflash_native.train import corpus
 
     target, drafter = (a.target, a.drafter) if a.target else default_pair()
-    eng = dn.Engine(target, drafter=drafter, block_size=a.block, n_ctx=96 + a.gen + 2 * a.block + 8,
-                    n_threads=a.threads, matmul=a.matmul, draft_cutoff=a.cutoff)
+    eng = dn.Engine.for_benchmark(target, drafter=drafter, block_size=a.block, n_ctx=96 + a.gen + 2 * a.block + 8,
+                                  n_threads=a.threads, matmul=a.matmul, draft_cutoff=a.cutoff)
     prompts = corpus.heldout_prompts(a.prompts, 96, eng, seed=0)
     eng.generate(prompts[0].text, max_tokens=16, speculative=False)  # warm-up
     eng.generate(prompts[0].text, max_tokens=16)

@@ -166,7 +166,8 @@ def engine_rollback(a) -> list[dict]:
     print(f"{'mode':<10}{'tau':>5}{'rollback ms/round':>19}{'verify ms':>11}{'tok/s':>8}")
     rows, ref = [], None
     for mode in ("tape", "snapshot", "redecode"):
-        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=256, n_threads=a.threads, rollback=mode)
+        eng = dn.Engine.for_benchmark(target, drafter=drafter, block_size=B, n_ctx=256, n_threads=a.threads,
+                                      rollback=mode)
         if ref is None:
             ref = eng.generate(prompt, max_tokens=gen + B, speculative=False).tokens
         for tau in (1, 8, 16):

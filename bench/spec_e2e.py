@@ -26,18 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (QWEN35_05B, cached_drafter, cached_gguf, git_rev, heldout_eval, machine,  # noqa: E402
-                     write_jsonl)
+                     resolve_pair, write_jsonl)
 
 
 def main_pair(a) -> None:
-    from dflash_native.cli import default_pair
-
-    target, drafter = a.target, a.drafter
-    if target is None or drafter is None:
-        pair = default_pair()
-        if pair is None:
-            raise SystemExit("no embedded pair in this install: give --target and --drafter")
-        target, drafter = target or pair[0], drafter or pair[1]
+    target, drafter = resolve_pair(a.target, a.drafter)
     blocks = [int(b) for b in a.blocks.split(",")]
     gen = a.gen if a.gen != 48 else 128
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
@@ -68,7 +61,7 @@ def main():
     ap.add_argument("--drafter", type=Path, default=None, help="--pair: drafter GGUF (default: the embedded one)")
     ap.add_argument("--prompts", type=int, default=16, help="--pair: held-out prompts")
     ap.add_argument("--cutoffs", default="0", help="--pair: Engine.draft_cutoff values, side by side")
-    ap.add_argument("--matmul", default="own", help="--pair: Engine(matmul=) values, one after the other (own,ggml)")
+    ap.add_argument("--matmul", default="own", help="--pair: Engine.for_benchmark(matmul=) values, one after the other (own,ggml)")
     ap.add_argument("--reps", type=int, default=1,
                     help="--pair: interleaved passes per prompt and setting; each one's fastest counts")
     ap.add_argument("--draft-vocab", default="on", help="--pair: Engine.draft_vocab settings, side by side (on,off)")

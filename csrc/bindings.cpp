@@ -343,24 +343,27 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
     return std::make_unique<spec_session>(t, drafter, p);
 }
 
-py::dict spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced) {
+round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
     std::vector<int32_t> f;
     const bool has_forced = !forced.is_none();
     if (has_forced) f = to_tokens(forced);
-    round_result r;
-    {
-        py::gil_scoped_release release;
-        r = s.round(last, B, has_forced ? &f : nullptr);
-    }
-    py::dict d;
-    d["committed"] = r.committed;
-    d["draft"] = r.draft;
-    d["draft_s"] = r.draft_s;
-    d["verify_s"] = r.verify_s;
-    d["rollback_s"] = r.rollback_s;
-    d["n_verified"] = r.n_verified;
-    return d;
+    py::gil_scoped_release release;
+    return s.round(last, B, has_forced ? &f : nullptr);
+}
+
+// What Spec.round returns: spec.h's round_result, its fields read-only.
+void bind_round_result(py::module_ & m) {
+    py::class_<round_result>(m, "RoundResult", "One speculative round's outcome (Spec.round)")
+        .def_readonly("committed", &round_result::committed, "accepted drafts + bonus: 1..B token ids")
+        .def_readonly("draft", &round_result::draft, "the drafts as verified: d_1 .. d_{n_verified-1}")
+        .def_readonly("n_verified", &round_result::n_verified, "tokens in the verify pass: last + the drafts kept")
+        .def_readonly("draft_s", &round_result::draft_s, "seconds drafting")
+        .def_readonly("verify_s", &round_result::verify_s, "seconds in the verify pass")
+        .def_readonly("rollback_s", &round_result::rollback_s, "seconds accepting and rolling back")
+        .def("__repr__", [](const round_result & r) {
+            return cat("RoundResult(committed=", r.committed.size(), " tokens, n_verified=", r.n_verified, ")");
+        });
 }
 
 void spec_push_features(spec_session & s, farr feats, int64_t pos0) {
@@ -404,11 +407,21 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             py::arg("last"), py::arg("block_size"), py::arg("target"),
             "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
         .def("round", &spec_round, py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
-             "One round: draft, verify, accept, roll back, push features. Returns a dict with the committed tokens.")
+             "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult.")
+        .def(
+            "ar_step",
+            [](spec_session & s, int32_t last) {
+                py::gil_scoped_release release;
+                return s.ar_step(last);
+            },
+            py::arg("last"),
+            "One exact AR step from `last` (the gate's probe), its features queued for the ring as a round's "
+            "are; returns the greedy next token")
         .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
 }
 
 void bind_spec(py::module_ & m) {
+    bind_round_result(m);
     py::class_<spec_session> c(m, "Spec");
     c.def(py::init(&make_spec), py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0,
           py::arg("ring_capacity") = 4096, py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f,
@@ -424,7 +437,14 @@ void bind_spec(py::module_ & m) {
                       "Draft over the drafter's draft vocabulary when it has one (False: the whole vocabulary)")
         .def_property_readonly("tap_layers", [](spec_session & s) { return s.drafter_hparams_().tap_layers; })
         .def_property_readonly("mask_token_id", [](spec_session & s) { return s.drafter_hparams_().mask_token_id; })
-        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.drafter_hparams_().n_layer; });
+        .def_property_readonly("drafter_n_layer", [](spec_session & s) { return s.drafter_hparams_().n_layer; })
+        .def_property_readonly("window", &spec_session::effective_window,
+                               "Committed positions a draft attends to at most: drafter_window if given, else the "
+                               "drafter's trained context, else the whole ring (and never more than the ring)")
+        .def_property_readonly("trained_context_length", [](spec_session & s) { return s.drafter_hparams_().trained_context; },
+                               "The drafter GGUF's dflash.trained_context_length (0: not recorded)")
+        .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; },
+                               "Ring slots (feature_ring_capacity, cut to the window when one is set)");
     def_spec_drafting(c);
 }
 

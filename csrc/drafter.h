@@ -22,6 +22,11 @@ struct drafter_hparams {
     bool causal = false;
     int64_t sliding_window = 0;     // 0: attend to the whole ring
     std::vector<bool> is_swa;       // per layer: uses the sliding window (when sliding_window > 0)
+    // GGUF dflash.trained_context_length (optional): the most committed positions before its block
+    // the drafter attended to in training. The runtime's default drafter window (spec.h); 0: none
+    // recorded (attend to the whole ring). Unlike sliding_window it is anchored at the block: every
+    // block row sees the same last N positions, as the ring window does.
+    int64_t trained_context = 0;
     float embedding_scale = 0.0f;   // 0: none
     std::vector<int> tap_layers;    // target layers whose OUTPUT is fused (= GGUF target_layers - 1)
     // GGUF dflash.draft_vocab (optional): the token ids, ascending, the drafter may propose. Drafts

@@ -28,8 +28,15 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     set_draft_cutoff(params.draft_cutoff);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
+    // The drafter attends to the user's window, else to the context it was trained with (an
+    // untouched engine never shows it more than it learned from), else to the whole ring.
+    if (params_.window == 0) params_.window = dh.trained_context;
+    // Ring positions older than the window are never read: a ring of the window (at least a block)
+    // drafts the same and masks fewer slots each round. A smaller ring than that still wins.
+    const int64_t capacity = params_.window > 0 ? std::min(params.ring_capacity, std::max(params_.window, block_size_))
+                                                : params.ring_capacity;
     drafter_->load_weights(runner_.buffer_type());
-    ring_ = std::make_unique<feature_ring>(dh, params.ring_capacity, block_size_, runner_.buffer_type());
+    ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
     drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
 }
 
@@ -109,6 +116,30 @@ void spec_session::flush_features() {
     const int64_t m = pending_m_;
     pending_m_ = 0;
     push_features(pending_feats_.data(), m, pending_pos0_);
+}
+
+void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_t pos0) {
+    if (pending_m_ == 0) {
+        pending_feats_ = std::move(feats);
+        pending_pos0_ = pos0;
+        pending_m_ = m;
+        return;
+    }
+    // after a round's rows (the AR probe follows a round): append, so one draft graph writes both
+    DFN_REQUIRE(pos0 == pending_pos0_ + pending_m_, "feature_ring", "features queued out of order: got position ",
+                pos0, ", expected ", pending_pos0_ + pending_m_);
+    const size_t row = (size_t) drafter_->hparams().n_feature_row();
+    pending_feats_.resize((size_t) (pending_m_ + m) * row);  // drops the verify's rejected rows
+    std::copy(feats.begin(), feats.begin() + (size_t) m * row, pending_feats_.begin() + (size_t) pending_m_ * row);
+    pending_m_ += m;
+}
+
+int32_t spec_session::ar_step(int32_t last) {
+    const int64_t pos = target_.n_past();
+    // the target checks the token and n_ctx; like decode_greedy, plus the taps
+    decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
+    queue_features(std::move(r.taps), 1, pos);
+    return r.argmax[0];
 }
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
@@ -294,9 +325,7 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
     // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
-    pending_feats_ = std::move(v.taps);
-    pending_pos0_ = n_past0;
-    pending_m_ = n_keep;
+    queue_features(std::move(v.taps), n_keep, n_past0);
     const double t3 = profile_now();
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;

@@ -4,6 +4,7 @@
 #include "drafter.h"
 #include "session.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,7 +14,9 @@ namespace dfn {
 struct spec_params {
     int64_t block_size = 0;           // B: verified tokens per round; 0 = the drafter's block_size
     int64_t ring_capacity = 4096;     // feature ring positions
-    int64_t window = 0;               // drafter attention window in positions; 0 = whole ring
+    // drafter attention window in committed positions before the block; 0 = the drafter's
+    // trained context (GGUF dflash.trained_context_length), or the whole ring when it has none
+    int64_t window = 0;
     // Confidence cut: verify the drafts d_1..d_k only while the product of the drafter's top-1
     // probabilities p(d_1)...p(d_k) stays >= draft_cutoff (0 = always verify all B-1). On a
     // compute-bound device every verified token costs time, and a draft the drafter itself doubts
@@ -48,6 +51,12 @@ public:
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
     round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
 
+    // One exact AR step from the last committed token (the gate's probe: Engine(gate=True)):
+    // decodes `last` with the taps, queues its features for the ring as a round's commit does,
+    // and returns the greedy next token (taken in the graph, as the AR loop's decode_greedy).
+    // Rounds may follow: the ring stays in step with the target.
+    int32_t ar_step(int32_t last);
+
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
     // feats: [m, n_taps, n_embd] row-major.
     void push_features(const float * feats, int64_t m, int64_t pos0);
@@ -59,7 +68,11 @@ public:
         flush_features();
         return *ring_;
     }
-    const spec_params & params() const { return params_; }
+    const spec_params & params() const { return params_; }  // window: as resolved at construction
+    // Committed positions a draft attends to at most: the window, bounded by the ring.
+    int64_t effective_window() const {
+        return params_.window > 0 ? std::min(params_.window, ring_->capacity) : ring_->capacity;
+    }
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
     void reset();
@@ -81,6 +94,8 @@ private:
     // The features a round committed are pushed by the next draft graph (one graph per round
     // fewer); anything that reads the ring or pushes out of a round flushes them first.
     void flush_features();
+    // Queue m rows of features [m, n_taps * n_embd] at positions pos0.. after those pending.
+    void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
 
     // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
     // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).

@@ -226,14 +226,9 @@ def test_generation_stops_at_context_end(eng):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflash_native.convert import convert_hf_to_gguf
-    from fixtures import make_random_checkpoint, make_random_drafter_gguf
+    from fixtures import make_random_pair
 
-    d = tmp_path_factory.mktemp("badpair")
-    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=1)
-    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f16")
-    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f16", seed=2, block_size=8, target_gguf=tg)
-    return tg, dg
+    return make_random_pair(tmp_path_factory.mktemp("badpair"), seed=1, block_size=8)
 
 
 def spec_error(tg, dg, **kw) -> str:
@@ -280,6 +275,17 @@ def test_bad_draft_vocab_in_file(pair, tmp_path, ids, msg):
 
     tg, dg = pair
     bad = rewrite_gguf(dg, tmp_path / "dv.gguf", kv={"dflash.draft_vocab": (ids, GGUFValueType.ARRAY)})
+    assert msg in spec_error(tg, bad)
+
+
+@pytest.mark.parametrize("value,msg", [(0, "dflash.trained_context_length 0 must be in [1, 1048576]"),
+                                       (1 << 21, "dflash.trained_context_length 2097152 must be in [1, 1048576]"),
+                                       (-5, "'dflash.trained_context_length' = -5 is out of range")])
+def test_bad_trained_context_length_in_file(pair, tmp_path, value, msg):
+    from gguf import GGUFValueType
+
+    tg, dg = pair
+    bad = rewrite_gguf(dg, tmp_path / "tc.gguf", kv={"dflash.trained_context_length": (value, GGUFValueType.INT32)})
     assert msg in spec_error(tg, bad)
 
 
@@ -356,7 +362,7 @@ NON_FINITE = r"non-finite logits \(NaN or inf\) at position"
 def test_non_finite_logits_raise_on_every_path(pair, nan_files, kind):
     """AR greedy used to commit the argmax of NaN rows (<|MASK|> x 8, stop 'length')."""
     eng = dn.Engine(nan_files[kind], drafter=pair[1], n_ctx=64, n_threads=2)
-    for matmul_eng in (eng, dn.Engine(nan_files[kind], n_ctx=64, n_threads=2, matmul="ggml")):
+    for matmul_eng in (eng, dn.Engine.for_benchmark(nan_files[kind], n_ctx=64, n_threads=2, matmul="ggml")):
         with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
             matmul_eng.generate([5, 6, 7], max_tokens=8, speculative=False)
     with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
@@ -426,8 +432,6 @@ ENGINE_BAD = [
     (dict(feature_ring_capacity=-1), "feature_ring_capacity -1 must be >= block_size"),
     (dict(kv_type=16), "kv_type must be a str"),
     (dict(device=None), "device must be a str"),
-    (dict(rollback="undo"), "rollback must be 'tape'"),
-    (dict(matmul=b"own"), "matmul must be a str"),
     (dict(gate=1), "gate must be True or False"),
     (dict(draft_vocab="yes"), "draft_vocab must be True or False"),
     (dict(draft_cutoff="0.1"), "draft_cutoff must be a number"),
@@ -444,6 +448,22 @@ def test_engine_argument(pair, kw, msg):
     kw = {"drafter": dg, "n_ctx": 64, **kw}
     with pytest.raises(ValueError, match=msg):
         dn.Engine(tg, **kw)
+
+
+BENCH_BAD = [
+    (dict(rollback="undo"), "rollback must be 'tape'"),
+    (dict(rollback=None), "rollback must be a str"),
+    (dict(matmul=b"own"), "matmul must be a str"),
+    (dict(matmul="blas"), "matmul must be 'own' or 'ggml'"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BENCH_BAD, ids=[str(k) for k, _ in BENCH_BAD])
+def test_benchmark_baseline_argument(pair, kw, msg):
+    """Engine.for_benchmark's modes give the same clear ValueError as the constructor's arguments."""
+    tg, dg = pair
+    with pytest.raises(ValueError, match=msg):
+        dn.Engine.for_benchmark(tg, drafter=dg, n_ctx=64, **kw)
 
 
 def test_engine_target_argument(tmp_path):

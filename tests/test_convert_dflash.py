@@ -286,6 +286,24 @@ def test_mrope_target_gets_degenerate_rope_sections(drafter):
     assert values["dflash.rope.dimension_sections"] == [_config(ckpt)["head_dim"] // 2, 0, 0, 0]
 
 
+def test_trained_context_length_key(target, tmp_path):
+    """dflash_config.trained_context_length -> dflash.trained_context_length (UINT32); absent when the
+    config has none; a value the engine would refuse is refused here first."""
+    tckpt, _ = target("qwen3")
+    base = {**drafter_overrides_for_target(tckpt), "target_layer_ids": [0, 1]}
+    d = make_random_drafter_checkpoint(tmp_path / "tc", **base, dflash_config={"trained_context_length": 158})
+    values, types, _ = _fields(convert_dflash_to_gguf(d, tmp_path / "tc.gguf", outtype="f32"))
+    assert values["dflash.trained_context_length"] == 158
+    assert types["dflash.trained_context_length"] == VT.UINT32
+    d = make_random_drafter_checkpoint(tmp_path / "none", **base)
+    assert "dflash.trained_context_length" not in _fields(convert_dflash_to_gguf(d, tmp_path / "n.gguf",
+                                                                                 outtype="f32"))[0]
+    for bad in (0, -1, 1 << 21, "158", 1.5):
+        d = make_random_drafter_checkpoint(tmp_path / "bad", **base, dflash_config={"trained_context_length": bad})
+        with pytest.raises(ValueError, match="trained_context_length must be an int in"):
+            convert_dflash_to_gguf(d, tmp_path / "b.gguf", outtype="f32")
+
+
 def test_sliding_window_and_causal_keys(target, tmp_path):
     tckpt, _ = target("qwen3")
     base = {**drafter_overrides_for_target(tckpt), "target_layer_ids": [0, 1], "num_hidden_layers": 2}

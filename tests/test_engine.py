@@ -149,8 +149,8 @@ def test_batch_equals_single_steps(model, matmul, outtype):
     bit under matmul='own', so a verify pass computes each token as the AR step does)."""
     tol_logits, tol_cache = BATCH_VS_STEPS_TOL[matmul, outtype]
     toks = prompt_tokens(21, seed=4)
-    eng = dn.Engine(model["gguf"][outtype], n_ctx=64, n_threads=2, kv_type="f32" if outtype == "f32" else "f16",
-                    matmul=matmul)
+    eng = dn.Engine.for_benchmark(model["gguf"][outtype], n_ctx=64, n_threads=2,
+                                  kv_type="f32" if outtype == "f32" else "f16", matmul=matmul)
     core = eng._core
     assert core.matmul == matmul
 
@@ -176,8 +176,8 @@ def test_chunked_prefill_equals_one_batch(model, matmul):
     """With matmul='own' (batch-invariant; it takes inputs of up to 32 tokens) the chunks give
     the same bits as one batch; with ggml's matmul, the same logits within rounding."""
     toks = prompt_tokens(37 if matmul == "ggml" else 30, seed=5)
-    one = dn.Engine(model["gguf"]["f16"], n_ctx=64, n_threads=2, matmul=matmul).eval(toks)
-    chunked = dn.Engine(model["gguf"]["f16"], n_ctx=64, n_threads=2, n_batch=8, matmul=matmul).eval(toks)
+    one = dn.Engine.for_benchmark(model["gguf"]["f16"], n_ctx=64, n_threads=2, matmul=matmul).eval(toks)
+    chunked = dn.Engine.for_benchmark(model["gguf"]["f16"], n_ctx=64, n_threads=2, n_batch=8, matmul=matmul).eval(toks)
     if matmul == "own":
         np.testing.assert_array_equal(chunked, one)
     else:

@@ -21,14 +21,9 @@ N = 12
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflash_native.convert import convert_hf_to_gguf
-    from fixtures import make_random_checkpoint, make_random_drafter_gguf
+    from fixtures import make_random_pair
 
-    d = tmp_path_factory.mktemp("lifetime")
-    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=11)
-    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f16")
-    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f16", seed=12, block_size=4, target_gguf=tg)
-    return tg, dg
+    return make_random_pair(tmp_path_factory.mktemp("lifetime"), seed=11, block_size=4)
 
 
 def new_engine(pair, **kw) -> dn.Engine:

@@ -72,13 +72,13 @@ def test_own_and_ggml_agree(gguf_model):
     path = gguf_model("qwen3_5", outtype="f16")
     toks = [int(t) for t in np.random.default_rng(4).integers(0, 500, 12)]
     own = dn.Engine(path, n_ctx=32, n_threads=2).eval(toks)
-    ggml = dn.Engine(path, n_ctx=32, n_threads=2, matmul="ggml").eval(toks)
+    ggml = dn.Engine.for_benchmark(path, n_ctx=32, n_threads=2, matmul="ggml").eval(toks)
     np.testing.assert_allclose(own, ggml, atol=2e-2 * np.abs(ggml).max(), rtol=0)
 
 
 def test_engine_rejects_unknown_matmul(gguf_model):
     with pytest.raises(ValueError, match="matmul must be 'own' or 'ggml'"):
-        dn.Engine(gguf_model("qwen3"), matmul="blas")
+        dn.Engine.for_benchmark(gguf_model("qwen3"), matmul="blas")
 
 
 def test_top1_matches_float64_softmax():

@@ -117,9 +117,9 @@ def test_lossless_with_forced_acceptance(pair_qwen35, B, seed):
         good = ref[len(out): len(out) + B - 1]
         forced = [tok if rng.random() > 0.25 else (tok + 1) % 500 for tok in good]
         r = s.round(out[-1], B, forced)
-        assert 1 <= len(r["committed"]) <= B
-        lengths.add(len(r["committed"]))
-        out += r["committed"]
+        assert 1 <= len(r.committed) <= B
+        lengths.add(len(r.committed))
+        out += r.committed
         if out[: len(ref)] != ref[: len(out)]:
             break
     ok, why = first_divergence_is_near_tie(out[:70], ref[:70], ref_logits, NEAR_TIE_F16)
@@ -159,7 +159,7 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     if n_keep < B:
         forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500  # reject from draft n_keep on
     r = s.round(last, B, forced)
-    assert len(r["committed"]) == n_keep
+    assert len(r.committed) == n_keep
     got = caches(t)
     got_ring = [_core.testing.ring_kv(s, il) for il in range(s.drafter_n_layer)]
     got_pos = _core.testing.ring_slot_positions(s)
@@ -178,9 +178,52 @@ def test_rollback_every_acceptance_length(pair, n_keep):
         for x, y in zip(got_ring[il], _core.testing.ring_kv(s2, il)):
             np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
     # and the next round behaves identically
-    r1 = s.round(r["committed"][-1], B, ref[n_keep + 1: n_keep + B])
-    r2 = s2.round(r["committed"][-1], B, ref[n_keep + 1: n_keep + B])
-    assert r1["committed"] == r2["committed"]
+    r1 = s.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    r2 = s2.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    assert r1.committed == r2.committed
+
+
+def test_ar_step_keeps_the_ring_in_step(pair):
+    """Spec.ar_step (the gate's probe) commits the AR token and queues its features as a round's
+    commit does, before a round (nothing pending) and after one (appended to the round's rows):
+    the tokens are AR's, and the caches, the ring and the next draft equal a fresh prefill of the
+    same tokens. Tolerance: batch vs single-token rounding in F32."""
+    B = 8
+    t, s = make(pair, B=B, capacity=12)
+    ref = ar_tokens(t, PROMPT, 2 * B + 4)
+    out = [s.prefill(PROMPT)]
+    out.append(s.ar_step(out[-1]))
+    forced = ref[2:B + 1]
+    forced[2] = (forced[2] + 1) % 500  # reject from the third draft on: commits 3
+    r = s.round(out[-1], B, forced)
+    assert isinstance(r, dn.RoundResult) and len(r.committed) == 3 and r.n_verified == B
+    out += r.committed
+    out.append(s.ar_step(out[-1]))
+    out.append(s.ar_step(out[-1]))
+    assert out == ref[:len(out)]
+    n_past = len(PROMPT) + len(out) - 1
+    assert t.n_past == n_past
+
+    t2, s2 = make(pair, B=B, capacity=12)
+    assert s2.prefill(PROMPT + out[:-1]) == out[-1]
+    for a, b in zip(caches(t), caches(t2)):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    d1 = s.draft_logits(out[-1], B, t)  # pushes the pending features first
+    d2 = s2.draft_logits(out[-1], B, t2)
+    assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    for il in range(s.drafter_n_layer):
+        for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
+
+
+def test_ar_step_bad_token_is_an_error(pair):
+    t, s = make(pair)
+    s.prefill(PROMPT)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.ar_step(10**6)
+    assert t.n_past == len(PROMPT)
 
 
 @pytest.mark.parametrize("n_keep", [1, 4, 8])
@@ -200,7 +243,7 @@ def test_deferred_replay_equals_an_immediate_one(pair, n_keep):
         r = s.round(last, B, forced)
         if flush:
             caches(t)
-        nxt = [r["committed"][-1]] + ref[:5]
+        nxt = [r.committed[-1]] + ref[:5]
         v = t.verify(nxt)                       # replays inside the record op, or nothing left
         t.commit(3)
         if flush:
@@ -232,8 +275,8 @@ def test_fused_ring_push_equals_a_separate_push(pair, reject_at):
             if reject_at < B:
                 forced[reject_at - 1] = (forced[reject_at - 1] + 1) % 500
             r = s.round(last, B, forced)
-            n += len(r["committed"])
-            last = r["committed"][-1]
+            n += len(r.committed)
+            last = r.committed[-1]
             if flush:
                 _core.testing.ring_slot_positions(s)
             logits.append(s.draft_logits(last, B, t))
@@ -317,6 +360,75 @@ def test_window_limits_what_the_drafter_sees(pair):
     last2 = s2.prefill(PROMPT)
     assert last2 == last
     np.testing.assert_allclose(s2.draft_logits(last, 4, t2), windowed, atol=1e-5, rtol=0)
+
+
+TRAINED = 12  # a trained context shorter than the generations below
+
+
+@pytest.fixture(scope="module")
+def trained_pair(pair, tmp_path_factory):
+    """The pair's target with a drafter whose config.json records a trained context of TRAINED."""
+    d = tmp_path_factory.mktemp("trained-" + pair["name"])
+    arch, t_over, d_over = PAIRS[pair["name"]]
+    dg = make_random_drafter_gguf(d / "drafter.gguf", pair["ckpt"], outtype="f32", seed=6, block_size=16,
+                                  target_gguf=pair["target"], ckpt_dir=d / "drafter",
+                                  dflash_config={"trained_context_length": TRAINED}, **d_over)
+    return {**pair, "drafter": dg, "drafter_ckpt": d / "drafter"}
+
+
+def test_trained_context_round_trips_to_the_engine(trained_pair):
+    """config.json dflash_config.trained_context_length -> GGUF key -> the engine's default window;
+    an explicit window overrides it, and the ring holds no more than the window."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(trained_pair["drafter"]).fields["dflash.trained_context_length"]
+    assert field.contents() == TRAINED
+    t, s = make(trained_pair, B=4, capacity=64)
+    assert s.trained_context_length == TRAINED and s.window == TRAINED and s.ring_capacity == TRAINED
+    t, s = make(trained_pair, B=4, capacity=64, window=30)
+    assert s.window == 30 and s.ring_capacity == 30
+    t, s = make(trained_pair, B=4, capacity=8)  # a smaller ring still bounds what a draft sees
+    assert s.window == 8 and s.ring_capacity == 8
+    t, s = make(trained_pair, B=4, capacity=64, window=3)
+    assert s.window == 3 and s.ring_capacity == 4  # the ring still holds a block
+
+
+def test_untrained_drafter_attends_to_the_whole_ring(pair):
+    t, s = make(pair, B=4, capacity=64)
+    assert s.trained_context_length == 0 and s.window == 64 and s.ring_capacity == 64
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_windowed_draft_matches_reference_on_the_window(trained_pair, window):
+    """Default window (the trained context: a ring of TRAINED) and an explicit window below the
+    block size (the ring holds a block, the mask hides the rest): the draft equals the reference
+    drafter given only the window's last W target taps, at their positions."""
+    prompt = PROMPT + PROMPT[:7]  # 18 positions > TRAINED
+    t, s = make(trained_pair, B=4, capacity=64, window=window)
+    W = window or TRAINED
+    assert s.window == W
+    last = s.prefill(prompt)
+    ours = s.draft_logits(last, 4, t)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(trained_pair["ckpt"]), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ref = DFlashRef.from_dirs(trained_pair["drafter_ckpt"], trained_pair["ckpt"])
+    feats = target_taps(hf, prompt, trained_pair["taps"])
+    lo = len(prompt) - W
+    want = ref.forward([last] + [s.mask_token_id] * 3, feats[lo:], ctx_start_pos=lo)[1:]
+    assert np.abs(ours - want).max() < 1e-3
+    whole = ref.forward([last] + [s.mask_token_id] * 3, feats)[1:]
+    assert np.abs(whole - want).max() > 1e-3  # the older positions would have changed the draft
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_lossless_with_the_trained_window(trained_pair, window):
+    """Speculative == AR with a window (trained or explicit) far smaller than the generation."""
+    eng = dn.Engine(trained_pair["target"], drafter=trained_pair["drafter"], block_size=4, drafter_window=window,
+                    n_ctx=256, kv_type="f32", n_threads=2)
+    ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=60)
+    assert sp.stats.speculative and sp.stats.rounds > 0
+    assert sp.tokens == ar.tokens
 
 
 def test_stop_and_length_inside_a_committed_block(pair):
@@ -403,7 +515,7 @@ def test_q8_0_speculative_is_bitwise_ar(q8_pair):
 def test_rollback_baselines_are_exact_too(q8_pair, mode):
     """The benchmark baselines (per-token snapshots, re-decode) roll back to the same bits."""
     tg, dg = q8_pair
-    eng = dn.Engine(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
+    eng = dn.Engine.for_benchmark(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
     ar = eng.generate(PROMPT, max_tokens=40, speculative=False).tokens
     rng = np.random.default_rng(1)
     eng._draft_override = lambda p, out, B: [tok if rng.random() > 0.3 else (tok + 1) % 500
@@ -414,7 +526,16 @@ def test_rollback_baselines_are_exact_too(q8_pair, mode):
 
 def test_unknown_rollback_mode(q8_pair):
     with pytest.raises(ValueError, match="rollback must be"):
-        dn.Engine(q8_pair[0], drafter=q8_pair[1], rollback="undo")
+        dn.Engine.for_benchmark(q8_pair[0], drafter=q8_pair[1], rollback="undo")
+
+
+def test_baselines_are_not_engine_arguments(q8_pair):
+    """The baselines are reached through Engine.for_benchmark only, not the documented constructor."""
+    for kw in (dict(rollback="snapshot"), dict(matmul="ggml")):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            dn.Engine(q8_pair[0], drafter=q8_pair[1], **kw)
+    with pytest.raises(ValueError, match=r"unknown baseline setting\(s\) \['undo'\]"):
+        dn.Engine(q8_pair[0], _baselines={"undo": 1})
 
 
 def test_eos_inside_a_committed_block(tmp_path):
@@ -487,8 +608,8 @@ def test_draft_cutoff_keeps_the_confident_prefix(pair):
         s.prefill(PROMPT)
         s.draft_cutoff = 0.0 if k == 15 else float(np.sqrt(cum[k - 1] * cum[k]) if k else (1 + cum[0]) / 2)
         r = s.round(last, 16)
-        assert r["n_verified"] == k + 1
-        assert r["draft"] == [int(i) for i in logits.argmax(-1)[:k]]
+        assert r.n_verified == k + 1
+        assert r.draft == [int(i) for i in logits.argmax(-1)[:k]]
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="draft_cutoff"):
             s.draft_cutoff = bad
@@ -524,7 +645,7 @@ def test_draft_vocab_drafts_its_argmax(vocab_pair):
     assert s.draft(last, 16) == want
     s.prefill(PROMPT)
     s.draft_cutoff = 1e-30                                                 # the top-1 path, every draft kept
-    assert s.round(last, 16)["draft"] == want
+    assert s.round(last, 16).draft == want
     full = _core.Spec(t, str(vocab_pair["drafter"]), block_size=16, ring_capacity=64, draft_vocab=False)
     assert full.draft_vocab == []
     last = full.prefill(PROMPT)

@@ -100,7 +100,7 @@ def _spec_vs_ar(target: str, drafter: str, block_size: int) -> dict:
     while len(forced) < 60:
         good = ref[len(forced): len(forced) + block_size - 1]
         drafts = [tok if rng.random() > 0.2 else (tok + 1) % 500 for tok in good]
-        committed = s.round(forced[-1], block_size, drafts)["committed"]
+        committed = s.round(forced[-1], block_size, drafts).committed
         lengths.append(len(committed))
         forced += committed
     return {"ar": ar, "spec": sp.tokens, "rounds": sp.stats.rounds, "ref": ref[:60], "forced": forced[:60],

@@ -35,9 +35,15 @@ def test_train_drafter_cli_end_to_end(target, tmp_path):
     ckpt, tg, data = target
     p = cli("--target", ckpt, "--data", data, "--out", tmp_path / "d", "--gguf", tmp_path / "d.gguf",
             "--target-gguf", tg, "--outtype", "f32", "--block-size", "4", "--steps", "8", "--prompts", "4",
-            "--prompt-tokens", "16", "--max-new-tokens", "12", "--threads", "1")
+            "--prompt-tokens", "16", "--max-new-tokens", "12", "--threads", "1", "--context-length", "20")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads((tmp_path / "d" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    # prompts of 16 tokens + 12 new: anchors see up to 26 positions, the window cuts them to 20
+    assert cfg["dflash_config"]["trained_context_length"] == 20
+    from gguf import GGUFReader
+
+    assert GGUFReader(tmp_path / "d.gguf").fields["dflash.trained_context_length"].contents() == 20
     eng = dn.Engine(tg, drafter=tmp_path / "d.gguf", n_ctx=128, kv_type="f32", n_threads=2)
     prompt = [5, 6, 7, 8]
     assert eng.generate(prompt, max_tokens=16).tokens == eng.generate(prompt, max_tokens=16, speculative=False).tokens

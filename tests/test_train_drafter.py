@@ -23,7 +23,7 @@ from dflash_native import _core  # noqa: E402
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
 from fixtures import make_random_checkpoint, mask_token_id_of  # noqa: E402
-from dflash_native.train.drafter import (DFlashDrafter, block_batch, dflash_loss,  # noqa: E402
+from dflash_native.train.drafter import (DFlashDrafter, _AnchorSampler, block_batch, dflash_loss,  # noqa: E402
                                          draft_vocabulary, greedy_continuations, target_features, train_drafter)
 from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402
 
@@ -56,7 +56,7 @@ def trained(env):
                         n_threads=N_THREADS, draft_vocab_size=64)
     tg = convert_hf_to_gguf(env["ckpt"], env["dir"] / "target.gguf", outtype="f32")
     dg = convert_dflash_to_gguf(res.checkpoint, env["dir"] / "drafter.gguf", outtype="f32", target_gguf=tg)
-    return {"res": res, "target_gguf": tg, "drafter_gguf": dg}
+    return {"res": res, "target_gguf": tg, "drafter_gguf": dg, "prompts": prompts}
 
 
 def _random_drafter(env, **kw):
@@ -144,8 +144,12 @@ def test_training_lowers_loss_and_raises_acceptance(trained):
     assert recipe["target_layer_ids"] == TAPS and recipe["block_size"] == B and len(recipe["losses"]) == 120
     cfg = json.loads((res.checkpoint / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    # without context_length the drafter attended to everything before its anchor: at most the
+    # longest sequence (prompt + 40 tokens) less the 2 positions no anchor takes
+    longest = max(len(p) for p in trained["prompts"]) + 40
     assert cfg["dflash_config"] == {"mask_token_id": recipe["mask_token_id"], "target_layer_ids": TAPS,
-                                    "block_size": B}
+                                    "block_size": B, "trained_context_length": longest - 2}
+    assert recipe["trained_context_length"] == longest - 2 and recipe["context_length"] is None
     ids = cfg["draft_vocab"]
     assert recipe["n_draft_vocab"] == len(ids) and 1 < len(ids) <= 64 and ids == sorted(set(ids))
 
@@ -183,3 +187,100 @@ def test_engine_with_trained_drafter_is_lossless(trained):
     assert sp.stats.speculative and sp.stats.rounds > 0
     assert sp.tokens == ar.tokens
     assert sp.stats.mean_acceptance_length > 1.5
+
+
+# ---------------------------------------------------------------------------
+# long contexts: a drafter window, the same in training and in the engine
+# ---------------------------------------------------------------------------
+
+WINDOW = 6
+
+
+def test_windowed_batch_matches_reference_on_the_window(env):
+    """With a window W the training forward of a block at anchor a equals DFlashRef given only
+    the W context positions before a, at their positions: the engine's ring window."""
+    drafter = _random_drafter(env, num_layers=1)
+    ref = DFlashRef.from_dirs(drafter.save_pretrained(env["dir"] / "random-drafter-w"), env["ckpt"])
+    seq = PROMPT + [7, 9, 11, 13, 15, 17, 19, 21]
+    anchors = [2, WINDOW, WINDOW + 1, 14]  # shorter than, equal to, longer than the window
+    feats = target_features(env["hf"], seq, TAPS)
+    batch = block_batch([seq], [anchors], B, env["mask"], window=WINDOW)
+    n_ctx = batch["mask"].shape[-1] - len(anchors) * B
+    assert batch["mask"][0, ::B, :n_ctx].sum(-1).tolist() == [min(a, WINDOW) for a in anchors]
+    with torch.no_grad():
+        logits = drafter.logits(drafter.hidden(feats[None], batch["block_tokens"], batch["block_pos"], batch["mask"]))
+    for j, a in enumerate(anchors):
+        lo = max(0, a - WINDOW)
+        want = ref.forward([seq[a]] + [env["mask"]] * (B - 1), feats[lo:a].numpy(), ctx_start_pos=lo)
+        assert np.abs(logits[0, j * B:(j + 1) * B].numpy() - want).max() < 1e-4
+
+
+def test_anchor_sampler_spans_long_contexts():
+    """Anchors of long sequences fall anywhere in their continuation: contexts shorter than the
+    window, and (truncated to it) far longer, both occur; none before the prompt's end."""
+    gen = torch.Generator().manual_seed(0)
+    data = [list(range(300)), list(range(40))]
+    sampler = _AnchorSampler(data, [20, 8], 16, gen)
+    got = [a for _ in range(20) for a in sampler.sample(0)]
+    assert min(got) >= 20 and max(got) <= 298
+    assert any(a < 64 for a in got) and any(a > 250 for a in got)
+    assert sampler.longest_context() == 298
+    short = [a for _ in range(20) for a in sampler.sample(1)]
+    assert min(short) >= 8 and max(short) <= 38
+
+
+def test_text_prompts_spread_up_to_the_context_length(tmp_path):
+    """--context-length: the pipeline's prompts have lengths spread over [prompt_tokens, N - new]."""
+    from tokenizers import Tokenizer
+
+    from dflash_native.train.pipeline import text_prompts
+    from fixtures import make_tokenizer_files
+
+    (tmp_path / "tok").mkdir()
+    make_tokenizer_files(tmp_path / "tok")
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    text = tmp_path / "t.py"
+    text.write_text("".join(f"def f{j}(x):\n    return x * {j} + 1\n\n" for j in range(400)))
+    lens = [len(p) for p in text_prompts([("t", text)], tok, 40, 16, seed=0, max_prompt_tokens=200)]
+    assert min(lens) >= 16 and max(lens) <= 200
+    assert min(lens) < 60 and max(lens) > 150
+    assert {len(p) for p in text_prompts([("t", text)], tok, 5, 16, seed=0)} == {16}
+
+
+@pytest.fixture(scope="module")
+def windowed(env, trained):
+    """A short run with context_length=WINDOW on long sequences, converted against the same target."""
+    rng = np.random.default_rng(2)
+    prompts = [[int(x) for x in rng.integers(3, 500, 20)] for _ in range(3)]
+    res = train_drafter(env["hf"], env["dir"] / "drafter-w", prompts=prompts, max_new_tokens=16,
+                        target_layer_ids=TAPS, num_layers=1, block_size=B, mask_token_id=env["mask"],
+                        anchors_per_seq=4, seqs_per_step=2, steps=4, seed=0, n_threads=N_THREADS,
+                        context_length=WINDOW)
+    dg = convert_dflash_to_gguf(res.checkpoint, env["dir"] / "drafter-w.gguf", outtype="f32",
+                                target_gguf=trained["target_gguf"])
+    return {"res": res, "drafter_gguf": dg}
+
+
+def test_context_length_travels_to_the_engine(env, trained, windowed):
+    """config.json -> GGUF -> engine: the recorded window is the engine's default, and the
+    engine's draft over a longer prompt equals the module's on the window's taps."""
+    cfg = json.loads((windowed["res"].checkpoint / "config.json").read_text())
+    assert cfg["dflash_config"]["trained_context_length"] == WINDOW
+    t = _core.Target(str(trained["target_gguf"]), n_ctx=128, kv_type="f32", max_verify=B, n_threads=N_THREADS)
+    s = _core.Spec(t, str(windowed["drafter_gguf"]), block_size=B)
+    assert s.trained_context_length == WINDOW and s.window == WINDOW
+    last = s.prefill(PROMPT)  # 11 positions > WINDOW
+    ours = s.draft_logits(last, B, t)
+    drafter = DFlashDrafter.from_pretrained(windowed["res"].checkpoint, env["hf"]).eval()
+    lo = len(PROMPT) - WINDOW
+    with torch.no_grad():
+        want = drafter.draft_logits([last] + [s.mask_token_id] * (B - 1),
+                                    target_taps(env["hf"], PROMPT, TAPS)[lo:], ctx_start_pos=lo)[1:].numpy()
+    assert np.abs(ours - want).max() < 1e-3
+
+
+def test_train_drafter_rejects_a_bad_context_length(env):
+    for bad in (0, -3, 1 << 21, 2.5, True):
+        with pytest.raises(ValueError, match="context_length"):
+            train_drafter(env["hf"], env["dir"] / "bad", prompts=[PROMPT], max_new_tokens=4, target_layer_ids=TAPS,
+                          mask_token_id=env["mask"], steps=1, context_length=bad)

@@ -14,6 +14,9 @@ namespace dfn {
 
 static const char * W = "load_gguf";
 
+// A larger recorded window is no window at all (and a likely corrupt file).
+static const int64_t kMaxTrainedContext = int64_t(1) << 20;
+
 drafter_model::drafter_model(const std::string & path, const target_hparams & target) {
     file_ = std::make_unique<gguf_file>(path);
     gguf_file & F = *file_;
@@ -36,6 +39,11 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
     DFN_REQUIRE(hp_.n_layer >= 1 && hp_.n_layer <= 256, W, "'", path, "': bad block_count ", hp_.n_layer);
     check_norm_rope_hparams(path, hp_.rms_eps, hp_.rope_base, hp_.n_ctx_train);
+    if (F.has_key(key("trained_context_length"))) {
+        hp_.trained_context = F.get_u32(key("trained_context_length"));  // negatives: out of range
+        DFN_REQUIRE(hp_.trained_context >= 1 && hp_.trained_context <= kMaxTrainedContext, W, "'", path,
+                    "': dflash.trained_context_length ", hp_.trained_context, " must be in [1, ", kMaxTrainedContext, "]");
+    }
     if (hp_.sliding_window > 0) {
         const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
         hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides

@@ -5,8 +5,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import _core
-from .engine import Engine, GenerationResult, GenerationStats, TextPiece
+from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece
 from .tape import GdnTape
+
+RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec.h)
 
 
 def gpu_available() -> bool:
@@ -43,6 +45,8 @@ __all__ = [
     "GdnTape",
     "GenerationResult",
     "GenerationStats",
+    "RoundResult",
+    "StreamPiece",
     "TextPiece",
     "accept_prefix",
     "convert_dflash_to_gguf",

@@ -90,10 +90,8 @@ class Tokenizer:
         token = int(token)
         piece = self._pieces.get(token)
         if piece is None:
-            if token < 0:
-                raise ValueError(f"[tokenizer] token id {token} is outside the vocabulary (negative)")
-            if token >= self.n_vocab:
-                return b""  # an embedding row past the tokenizer's vocabulary (padding): no text
+            if not 0 <= token < self.n_vocab:  # llama.cpp would abort the process (std::out_of_range)
+                raise ValueError(f"[tokenizer] token id {token} is outside the vocabulary [0, {self.n_vocab})")
             n = 64
             while True:
                 buf = ctypes.create_string_buffer(n)

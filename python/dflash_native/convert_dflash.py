@@ -52,7 +52,7 @@ from .convert import (
     _SourceTensor,
     _tensor_name,
 )
-from .hf_formats import drafter_tensor_shapes
+from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
            "target_layer_ids_from_gguf"]
@@ -90,6 +90,7 @@ class DflashSpec:
         self.target_layer_ids: list[int] = self._target_layer_ids()
         self.mask_token_id: int = self._mask_token_id()
         self.block_size: int = self._block_size()
+        self.trained_context_length: int | None = self._trained_context_length()
         n_target = config.get("num_target_layers")
         self.num_target_layers: int | None = int(n_target) if n_target is not None else None
         self._check_layer_options()
@@ -157,6 +158,15 @@ class DflashSpec:
             raise ValueError(f"[convert_dflash] {self.where}: block_size must be an int >= 2 (the last committed "
                              f"token plus at least one mask), got {block_size!r}")
         return block_size
+
+    def _trained_context_length(self) -> int | None:
+        n = self.dflash_config.get(TRAINED_CONTEXT_KEY)
+        if n is None:
+            return None
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TRAINED_CONTEXT:
+            raise ValueError(f"[convert_dflash] {self.where}: dflash_config.{TRAINED_CONTEXT_KEY} must be an int in "
+                             f"[1, {MAX_TRAINED_CONTEXT}], got {n!r}")
+        return n
 
     def _check_layer_options(self) -> None:
         """Refuse Qwen3 options the dflash graph does not have."""
@@ -396,6 +406,11 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     if spec.sliding_window is not None:
         writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern", spec.is_swa)
+
+    if spec.trained_context_length is not None:
+        # ours (llama.cpp ignores it): the engine's default drafter window. Not llama.cpp's
+        # attention.sliding_window: that one slides per query row, this one is anchored at the block
+        writer.add_uint32(f"{arch}.{TRAINED_CONTEXT_KEY}", spec.trained_context_length)
 
     draft_vocab = _draft_vocab(spec)
     if draft_vocab:

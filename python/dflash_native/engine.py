@@ -73,10 +73,15 @@ class GenerationResult:
     prompt_tokens: list[int] = field(default_factory=list)
 
 
-class TextPiece(str):
-    """A streamed piece of text; the last piece of a stream carries the GenerationResult."""
+class StreamPiece(str):
+    """What generate(..., stream=True) yields: a piece of the generated text (a str). Every piece
+    but the last has `result` None; the last piece (possibly empty) carries the request's
+    GenerationResult, so a stream needs no second call for its tokens and stats."""
 
     result: GenerationResult | None = None
+
+
+TextPiece = StreamPiece  # the earlier name, kept for existing callers
 
 
 GATE_MIN_ROUNDS = 4
@@ -110,17 +115,13 @@ class Engine:
         kv_type: str = "f16",
         n_batch: int = 512,
         device: str = "cpu",
-        rollback: str = "tape",
         gate: bool = False,
         draft_cutoff: float = 0.0,
-        matmul: str = "own",
         draft_vocab: bool = True,
+        _baselines: dict | None = None,
     ):
         """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
         n_threads: None (or 0) uses every core.
-
-        rollback: "tape" (GDN tape replay). "snapshot" and "redecode" are the baselines the
-        benchmarks compare against (per-token state snapshots; re-running the kept tokens).
 
         gate: measure AR speed once per request (one exact AR step) and, after GATE_MIN_ROUNDS
         rounds, finish the request in AR when speculation commits tokens more slowly than AR
@@ -137,12 +138,14 @@ class Engine:
         ends that round's accepted run. False: always the whole vocabulary. Output is the same.
         Settable later as `engine.draft_vocab`.
 
-        matmul: weight matmuls on the CPU. "own": the package's batch-invariant kernel (F16/F32
-        weights; other types fall back to ggml), under which a verify pass computes every token
-        bit for bit as the AR step does. "ggml": ggml_mul_mat everywhere (benchmark baseline).
+        Weight matmuls on the CPU run the package's batch-invariant kernel (F16/F32 weights; other
+        types fall back to ggml), under which a verify pass computes every token bit for bit as the
+        AR step does; GDN layers roll back by tape replay. The baselines the benchmarks compare
+        these against are reached through Engine.for_benchmark.
 
         Arguments are type-checked here (so that none reaches the core as a raw TypeError);
-        what their values may be (ranges, files, names) the C++ core checks, raising ValueError."""
+        what their values may be (ranges, files, names) the C++ core checks, raising ValueError.
+        `_baselines` is Engine.for_benchmark's route, not an argument of its own."""
         w = "engine"
         target = _path(w, "target", target)
         drafter = None if drafter is None else _path(w, "drafter", drafter)
@@ -154,31 +157,19 @@ class Engine:
         n_ctx = _int(w, "n_ctx", n_ctx)
         n_threads = _opt_int(w, "n_threads", n_threads, bits=32) or 0  # 0: all cores
         n_batch = _int(w, "n_batch", n_batch)
-        kv_type, device, rollback, matmul = (_str(w, k, v) for k, v in (
-            ("kv_type", kv_type), ("device", device), ("rollback", rollback), ("matmul", matmul)))
+        kv_type, device = _str(w, "kv_type", kv_type), _str(w, "device", device)
+        rollback, matmul = _baseline_modes(_baselines)
         gate = _bool(w, "gate", gate)
         draft_cutoff = _real(w, "draft_cutoff", draft_cutoff)
         draft_vocab = _bool(w, "draft_vocab", draft_vocab)
 
         self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
-        max_verify = 0
-        if drafter is not None:
-            max_verify = block_size or _core.drafter_block_size(drafter)
-        self._core = _core.Target(target, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch,
-                                  device=device, max_verify=max_verify, rollback=rollback, matmul=matmul)
-        self._spec = None
-        if drafter is not None:
-            self._spec = _core.Spec(self._core, drafter, block_size=block_size,
-                                    ring_capacity=feature_ring_capacity, window=drafter_window or 0,
-                                    draft_cutoff=draft_cutoff, draft_vocab=draft_vocab)
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
-        except NoVocabulary:
-            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
-        if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
-            raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
-                             f"embedding has only {self._core.n_vocab} rows")
+        self._load(target, drafter, block_size,
+                   dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
+                        rollback=rollback, matmul=matmul),
+                   dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
+                        draft_vocab=draft_vocab))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
@@ -188,6 +179,33 @@ class Engine:
         self._draft_override = None
         self.gate = gate
         self._gate_ar_tok_s = None  # tests: a fixed AR speed for the gate instead of measuring one
+
+    def _load(self, target: str, drafter: str | None, block_size: int, target_kw: dict, spec_kw: dict) -> None:
+        """The core's Target, its Spec when there is a drafter, and the tokenizer (checked args)."""
+        max_verify = 0
+        if drafter is not None:
+            max_verify = block_size or _core.drafter_block_size(drafter)
+        self._core = _core.Target(target, max_verify=max_verify, **target_kw)
+        self._spec = None
+        if drafter is not None:
+            self._spec = _core.Spec(self._core, drafter, block_size=block_size, **spec_kw)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.path)
+        except NoVocabulary:
+            self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
+        if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
+            raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
+                             f"embedding has only {self._core.n_vocab} rows")
+
+    @classmethod
+    def for_benchmark(cls, target: str | os.PathLike, *, rollback: str = "tape", matmul: str = "own",
+                      **engine_kwargs) -> "Engine":
+        """An Engine on one of the baselines the benchmarks measure against (not for serving):
+        rollback="snapshot" (per-token GDN state snapshots) or "redecode" (re-running the kept
+        tokens) instead of "tape" (tape replay); matmul="ggml" (ggml_mul_mat everywhere, which
+        rounds a batch differently from single steps) instead of "own". The other arguments are
+        Engine's. A bad mode raises ValueError."""
+        return cls(target, _baselines={"rollback": rollback, "matmul": matmul}, **engine_kwargs)
 
     # ---- lifetime ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
@@ -325,11 +343,11 @@ class Engine:
         stop: str | Sequence[str] | None = (),
         stream: bool = False,
         speculative: bool | None = None,
-    ) -> GenerationResult | Iterator[TextPiece]:
+    ) -> GenerationResult | Iterator[StreamPiece]:
         """Greedy generation. speculative=None uses the drafter when there is one;
         speculative=False runs plain AR on the same engine (the lossless baseline).
 
-        stream=True returns an iterator of TextPiece; the request starts at its first next(),
+        stream=True returns an iterator of StreamPiece; the request starts at its first next(),
         where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises."""
         self._live()
         max_tokens = _int("generate", "max_tokens", max_tokens)
@@ -405,7 +423,7 @@ class Engine:
                 self._owner = None
                 self._cv.notify_all()
 
-    def _stream(self, run: "_Run") -> Iterator[TextPiece]:
+    def _stream(self, run: "_Run") -> Iterator[StreamPiece]:
         # The core is locked while a step computes and free while the pieces are yielded, so a
         # caller that abandons the stream (break, an exception) cannot lock the engine up.
         claim = None
@@ -458,7 +476,7 @@ class _Run:
         self.ar_tok_s = eng._gate_ar_tok_s
         self.spec_tokens, self.spec_s, self.t_dec = 0, 0.0, 0.0
 
-    def emit(self, tokens: list[int]) -> list[TextPiece]:
+    def emit(self, tokens: list[int]) -> list[StreamPiece]:
         """Appends committed tokens; returns the text pieces now safe to show (sets done)."""
         stats, tok = self.stats, self.eng.tokenizer
         pieces = []
@@ -477,14 +495,14 @@ class _Run:
                         return pieces
                 safe = len(self.text) - self.hold
                 if safe > self.emitted:
-                    pieces.append(TextPiece(self.text[self.emitted:safe]))
+                    pieces.append(StreamPiece(self.text[self.emitted:safe]))
                     self.emitted = safe
             if len(self.out) >= self.max_tokens:
                 stats.stop_reason, self.done = "length", True
                 return pieces
         return pieces
 
-    def start(self) -> list[TextPiece]:
+    def start(self) -> list[StreamPiece]:
         """The prefill (also for max_tokens=0: the core checks the prompt)."""
         eng = self.eng
         t0 = time.perf_counter()
@@ -496,7 +514,7 @@ class _Run:
         self.last = tok
         return self.emit([tok])
 
-    def step(self) -> list[TextPiece]:
+    def step(self) -> list[StreamPiece]:
         """One AR step or one speculative round."""
         eng, core = self.eng, self.eng._core
         room = core.n_ctx - core.n_past
@@ -505,14 +523,14 @@ class _Run:
             return []
         t0 = time.perf_counter()
         if self.spec and eng.gate and self.ar_tok_s is None:
-            # gate probe: one exact AR step, features pushed so the drafter stays in step
-            logits, taps = core.decode([self.last], taps=eng._spec.tap_layers)
-            eng._spec.push_features(taps, core.n_past - 1)
-            committed = [int(np.argmax(logits[-1]))]
+            # the gate's probe: one exact AR step; the Spec queues its features, so rounds go on
+            committed = [int(eng._spec.ar_step(self.last))]
             self.ar_tok_s = 1.0 / max(time.perf_counter() - t0, 1e-9)
         elif self.spec and room >= 2:
             committed = self._round(min(self.B, room), t0)
         else:
+            # AR (also a gated request's tail, which drafts no more: its ring is left behind, and
+            # the next request's prefill resets it)
             committed = [int(core.decode_greedy([self.last]))]
         self.t_dec += time.perf_counter() - t0
         self.last = committed[-1]
@@ -521,13 +539,13 @@ class _Run:
     def _round(self, Bc: int, t0: float) -> list[int]:
         eng, stats = self.eng, self.stats
         forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
-        r = eng._spec.round(self.last, Bc, forced)
-        committed = r["committed"]
+        r = eng._spec.round(self.last, Bc, forced)  # _core.RoundResult
+        committed = r.committed
         self.hist[len(committed)] += 1
-        stats.draft_s += r["draft_s"]
-        stats.verify_s += r["verify_s"]
-        stats.rollback_s += r["rollback_s"]
-        stats.verified_tokens += r["n_verified"]
+        stats.draft_s += r.draft_s
+        stats.verify_s += r.verify_s
+        stats.rollback_s += r.rollback_s
+        stats.verified_tokens += r.n_verified
         self.spec_tokens += len(committed)
         self.spec_s += time.perf_counter() - t0
         if (eng.gate and sum(self.hist) >= GATE_MIN_ROUNDS and
@@ -536,7 +554,7 @@ class _Run:
             stats.gated_at = len(self.out) + len(committed)
         return committed
 
-    def final_piece(self) -> TextPiece:
+    def final_piece(self) -> StreamPiece:
         """The rest of the text, carrying the GenerationResult."""
         stats = self.stats
         stats.decode_s = self.t_dec
@@ -547,7 +565,7 @@ class _Run:
         if self.dec is not None and stats.stop_reason != "stop":
             self.text += self.dec.flush()
         stats.n_generated = len(self.out)
-        last = TextPiece(self.text[self.emitted:])
+        last = StreamPiece(self.text[self.emitted:])
         last.result = GenerationResult(text=self.text, tokens=self.out, stats=stats, prompt_tokens=list(self.prompt))
         return last
 
@@ -611,6 +629,16 @@ def _token_ids(where: str, tokens) -> list[int]:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"[{where}] token ids must be ints, got {type(t).__name__} {t!r} at index {i}")
     return [int(t) for t in items]
+
+
+def _baseline_modes(baselines: dict | None) -> tuple[str, str]:
+    """(rollback, matmul) from Engine.for_benchmark's dict; the core checks the values."""
+    b = dict(baselines or {})
+    rollback = _str("engine", "rollback", b.pop("rollback", "tape"))
+    matmul = _str("engine", "matmul", b.pop("matmul", "own"))
+    if b:
+        raise ValueError(f"[engine] unknown baseline setting(s) {sorted(b)} (Engine.for_benchmark takes rollback, matmul)")
+    return rollback, matmul
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

@@ -27,9 +27,11 @@ __all__ = [
     "IM_START_TOKEN",
     "MASK_TOKEN_TEXT",
     "MASK_TOKEN_TEXTS",
+    "MAX_TRAINED_CONTEXT",
     "PRE_TOKENIZERS",
     "QWEN2_PRETOKENIZE_REGEX",
     "QWEN35_PRETOKENIZE_REGEX",
+    "TRAINED_CONTEXT_KEY",
     "byte_level_bpe_tokenizer",
     "bytes_to_unicode",
     "default_mrope_section",
@@ -188,11 +190,23 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
     return out
 
 
+# dflash_config[TRAINED_CONTEXT_KEY] (ours; z-lab's loader ignores it): the most committed positions
+# before its block the drafter attended to in training. The converter writes it to the GGUF as
+# `dflash.trained_context_length`, and the engine's default drafter window is that many positions.
+TRAINED_CONTEXT_KEY = "trained_context_length"
+MAX_TRAINED_CONTEXT = 1 << 20   # the engine's bound (csrc/models/dflash.cpp)
+
+
 def drafter_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, n_head: int,
                    n_kv: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float, rope_theta: float,
                    n_target_layers: int, mask_token_id: int, target_layer_ids: Sequence[int], block_size: int,
-                   dtype: str) -> dict[str, Any]:
-    """config.json of a z-lab DFlash drafter (Qwen3 layers, full attention, non-causal)."""
+                   dtype: str, trained_context_length: int | None = None) -> dict[str, Any]:
+    """config.json of a z-lab DFlash drafter (Qwen3 layers, full attention, non-causal);
+    `trained_context_length` goes to dflash_config[TRAINED_CONTEXT_KEY] when given."""
+    dflash = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids],
+              "block_size": int(block_size)}
+    if trained_context_length is not None:
+        dflash[TRAINED_CONTEXT_KEY] = int(trained_context_length)
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -217,8 +231,7 @@ def drafter_config(*, vocab_size: int, hidden_size: int, intermediate_size: int,
         "max_window_layers": int(num_layers),
         "layer_types": ["full_attention"] * int(num_layers),
         "num_target_layers": int(n_target_layers),
-        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids],
-                          "block_size": int(block_size)},
+        "dflash_config": dflash,
         "dtype": dtype,
     }
 

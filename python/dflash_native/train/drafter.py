@@ -18,7 +18,10 @@ labelled rows. All anchors of all sequences in a batch run in one forward:
 per sequence the queries are the N*B block rows, the keys are the L
 context positions (K/V computed once per layer and shared by every anchor)
 followed by the N*B block rows, under a boolean mask that is a prefix of the
-context (positions < a_j) plus the anchor's own block (block-diagonal).
+context (positions < a_j; with `context_length` W only a_j - W <= p < a_j, the
+engine's drafter window) plus the anchor's own block (block-diagonal). The
+checkpoint records the most context positions a block attended to
+(dflash_config.trained_context_length): the engine's default drafter window.
 
 `train_drafter` runs the whole recipe: load the target, generate its greedy
 continuations, tap the hidden states once per sequence, train with AdamW and
@@ -40,11 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf_formats import MASK_TOKEN_TEXT, default_target_layer_ids, drafter_config, mask_token_id_of
+from ..hf_formats import (MASK_TOKEN_TEXT, MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, default_target_layer_ids,
+                          drafter_config, mask_token_id_of)
 from .schedule import warmup_cosine_lr
 
-__all__ = ["DFlashDrafter", "TrainResult", "block_batch", "dflash_loss", "greedy_continuations", "target_features",
-           "train_drafter"]
+__all__ = ["DFlashDrafter", "TrainResult", "block_batch", "context_window_mask", "dflash_loss", "greedy_continuations",
+           "target_features", "train_drafter"]
 
 IGNORE = -100
 
@@ -351,7 +355,7 @@ def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: 
 # ---------------------------------------------------------------------------
 
 def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]], block_size: int,
-                mask_token_id: int) -> dict[str, torch.Tensor]:
+                mask_token_id: int, window: int | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one training forward for S sequences with N anchors each
     (a sequence with fewer anchors is padded with dummy blocks whose labels are
     ignored).
@@ -359,8 +363,8 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
     block_tokens / block_pos / labels [S, N*B]: row j*B+i is block j's row i,
     token x_a (i = 0) or MASK, position a+i, label x_{a+i} for i >= 1 while a+i
     is inside the sequence (else IGNORE; row 0 is always IGNORE).
-    mask [S, N*B, L+N*B]: context key p visible iff p < a_j; block keys of the
-    same block only.
+    mask [S, N*B, L+N*B]: context key p visible iff p < a_j (and a_j - window <= p
+    with a `window`: `context_window_mask`); block keys of the same block only.
     """
     B = block_size
     S = len(tokens)
@@ -383,11 +387,24 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
             labels[s, r + 1:r + 1 + n_lab] = seq_t[a + 1:a + 1 + n_lab]
         for j in range(len(anc), N):  # dummy blocks: position 0, token MASK, no context, no labels
             block_pos[s, j * B:(j + 1) * B] = torch.arange(B)
-    ctx_vis = torch.arange(L)[None, None, :] < anchor_t.repeat_interleave(B, 1)[:, :, None]   # [S, N*B, L]
+    ctx_vis = context_window_mask(anchor_t.repeat_interleave(B, 1), L, window)                # [S, N*B, L]
     blk = torch.arange(N * B) // B
     blk_vis = (blk[:, None] == blk[None, :]).expand(S, N * B, N * B)
     return {"block_tokens": block_tokens, "block_pos": block_pos, "labels": labels,
             "mask": torch.cat([ctx_vis, blk_vis], -1)}
+
+
+def context_window_mask(anchors: torch.Tensor, n_ctx: int, window: int | None) -> torch.Tensor:
+    """bool [*anchors.shape, n_ctx]: context position p is visible to a block anchored at a iff
+    a - window <= p < a (p < a without a window). The engine's ring window is the same set:
+    a draft at n_past = a attends to the committed positions >= n_past - window, every block
+    row alike (csrc/spec.cpp run_draft), so training and inference see the same context."""
+    p = torch.arange(n_ctx)
+    a = anchors[..., None]
+    vis = p < a
+    if window is not None:
+        vis &= p >= a - int(window)
+    return vis
 
 
 def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
@@ -431,7 +448,7 @@ def _anchor_range(n_tokens: int, min_anchor: int) -> range:
 
 
 def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], features: Sequence[torch.Tensor],
-                  anchors: Sequence[Sequence[int]]) -> float:
+                  anchors: Sequence[Sequence[int]], window: int | None = None) -> float:
     """Mean acceptance length (1 + leading block rows whose argmax equals the
     sequence's next tokens; 1..B) of the drafter's greedy blocks at `anchors`,
     where the sequences are the target's greedy continuations."""
@@ -441,7 +458,7 @@ def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], featu
         for seq, f, anc in zip(tokens, features, anchors):
             if not anc:
                 continue
-            batch = block_batch([seq], [anc], B, drafter.mask_token_id)
+            batch = block_batch([seq], [anc], B, drafter.mask_token_id, window)
             hid = drafter.hidden(f[None], batch["block_tokens"], batch["block_pos"], batch["mask"])
             pred = drafter.logits(hid).argmax(-1)[0].view(-1, B)
             lab = batch["labels"][0].view(-1, B)
@@ -513,6 +530,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                   init_std: float = 0.02,
                   drafter_overrides: Mapping[str, Any] | None = None,
                   draft_vocab_size: int = 0,
+                  context_length: int | None = None,
                   log_every: int = 0) -> TrainResult:
     """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
@@ -529,29 +547,21 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     `target_layer_ids` default: z-lab's spread (hf_formats.default_target_layer_ids).
     `draft_vocab_size` > 0: config.json also gets "draft_vocab", the (at most) that many most
     frequent tokens of the continuations (`draft_vocabulary`), which the engine drafts over.
+    `context_length` N: every block attends to at most the N context positions before it (the
+    engine's drafter window, same semantics), wherever its anchor lies in a long sequence.
+    config.json records the context the drafter attended to at most, min(N, the longest
+    anchor's context) (without N: the longest anchor's context), as
+    dflash_config.trained_context_length: the engine's default drafter window.
     Returns the loss history and throughput (TrainResult).
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
-    if block_size < 2:
-        raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
-    if prompts is None and sequences is None:
-        raise ValueError("[train_drafter] give prompts and/or sequences")
-    if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
-        raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
+    _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    target_path = None if isinstance(target_dir, nn.Module) else Path(target_dir)
-    target = _load_target(target_dir)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    n_target_layers = int(target.config.get_text_config().num_hidden_layers)
-    if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(n_target_layers, num_layers)
-    if mask_token_id is None:
-        mask_token_id = _default_mask_token_id(target_path)
-
+    target, target_path, target_layer_ids, mask_token_id = _frozen_target(target_dir, num_layers, target_layer_ids,
+                                                                          mask_token_id)
     data, min_anchor = _training_sequences(target, target_path, prompts, sequences, sequence_prompt_lengths,
                                            max_new_tokens, seed)
     feats = [target_features(target, s, target_layer_ids) for s in data]
@@ -561,15 +571,18 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                                        num_layers=num_layers, block_size=block_size, seed=seed, init_std=init_std,
                                        **dict(drafter_overrides or {}))
     anchors = _AnchorSampler(data, min_anchor, anchors_per_seq, gen)
+    window = context_length
     # A fixed evaluation set of anchors (the training distribution) for acceptance before/after.
     eval_anchors = [anchors.sample(i) for i in range(len(data))]
-    acc_before = acceptance_on(drafter, data, feats, eval_anchors)
+    acc_before = acceptance_on(drafter, data, feats, eval_anchors, window)
     losses, accs, n_anchors, t_train = _train_steps(drafter, data, feats, anchors, steps=steps,
                                                     seqs_per_step=seqs_per_step, lr=lr, weight_decay=weight_decay,
-                                                    warmup=warmup, grad_clip=grad_clip, gamma=gamma,
+                                                    warmup=warmup, grad_clip=grad_clip, gamma=gamma, window=window,
                                                     log_every=log_every)
     drafter.eval()
-    acc_after = acceptance_on(drafter, data, feats, eval_anchors)
+    acc_after = acceptance_on(drafter, data, feats, eval_anchors, window)
+    trained_context = anchors.longest_context() if window is None else min(window, anchors.longest_context())
+    drafter.config["dflash_config"][TRAINED_CONTEXT_KEY] = trained_context
 
     draft_vocab: list[int] = []
     if draft_vocab_size:
@@ -583,10 +596,40 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         "steps": steps, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "grad_clip": grad_clip,
         "gamma": gamma, "seed": seed, "n_threads": torch.get_num_threads(), "init_std": init_std,
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
-        "draft_vocab_size": draft_vocab_size,
+        "draft_vocab_size": draft_vocab_size, "context_length": context_length,
+        "trained_context_length": trained_context,
     }
     return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
                          n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
+
+
+def _check_train_args(block_size: int, prompts, sequences, draft_vocab_size, context_length) -> None:
+    if block_size < 2:
+        raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
+    if prompts is None and sequences is None:
+        raise ValueError("[train_drafter] give prompts and/or sequences")
+    if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
+        raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
+    if context_length is not None and (not isinstance(context_length, int) or isinstance(context_length, bool)
+                                       or not 1 <= context_length <= MAX_TRAINED_CONTEXT):
+        raise ValueError(f"[train_drafter] context_length must be an int in [1, {MAX_TRAINED_CONTEXT}] or None, "
+                         f"got {context_length!r}")
+
+
+def _frozen_target(target_dir, num_layers: int, target_layer_ids: Sequence[int] | None,
+                   mask_token_id: int | None) -> tuple[nn.Module, Path | None, Sequence[int], int]:
+    """The target (no gradients), its directory (None for a loaded module), and the tap layers and
+    mask token id, defaulted from it where not given."""
+    target_path = None if isinstance(target_dir, nn.Module) else Path(target_dir)
+    target = _load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_target_layers = int(target.config.get_text_config().num_hidden_layers)
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n_target_layers, num_layers)
+    if mask_token_id is None:
+        mask_token_id = _default_mask_token_id(target_path)
+    return target, target_path, target_layer_ids, mask_token_id
 
 
 def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int, data: Sequence[Sequence[int]],
@@ -662,6 +705,10 @@ class _AnchorSampler:
                  gen: torch.Generator):
         self.data, self.min_anchor, self.anchors_per_seq, self.gen = data, min_anchor, anchors_per_seq, gen
 
+    def longest_context(self) -> int:
+        """The most context positions any anchor can have: an anchor a sees positions < a."""
+        return max(_anchor_range(len(s), m)[-1] for s, m in zip(self.data, self.min_anchor))
+
     def sample(self, i: int) -> list[int]:
         r = _anchor_range(len(self.data[i]), self.min_anchor[i])
         k = min(self.anchors_per_seq, len(r))
@@ -670,10 +717,11 @@ class _AnchorSampler:
 
 def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: Sequence[torch.Tensor],
                  anchors: _AnchorSampler, *, steps: int, seqs_per_step: int, lr: float, weight_decay: float,
-                 warmup: int, grad_clip: float, gamma: float | None,
+                 warmup: int, grad_clip: float, gamma: float | None, window: int | None,
                  log_every: int) -> tuple[list[float], list[float], int, float]:
     """AdamW over `steps` steps of `seqs_per_step` random sequences with their random anchors, all
-    in one forward per step. Returns (losses, accuracies, anchors trained, seconds)."""
+    in one forward per step, each block attending to at most `window` context positions (None:
+    all before it). Returns (losses, accuracies, anchors trained, seconds)."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     block_size = drafter.block_size
@@ -685,7 +733,7 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: S
     for step in range(steps):
         idx = torch.randperm(len(data), generator=anchors.gen)[:seqs_per_step].tolist()
         step_anchors = [anchors.sample(i) for i in idx]
-        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id)
+        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id, window)
         L = batch["mask"].shape[-1] - batch["block_tokens"].shape[1]
         f = torch.stack([F.pad(feats[i], (0, 0, 0, L - feats[i].shape[0])) for i in idx])
         for g in opt.param_groups:

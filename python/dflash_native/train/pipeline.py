@@ -47,8 +47,11 @@ def check_request(target_dir: Path, data: corpus.Root, target_layer_ids: Sequenc
 
 
 def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prompt_tokens: int,
-                 seed: int = 0) -> list[list[int]]:
-    """`n` prompts of `prompt_tokens` tokens, each from a random line of a random file."""
+                 seed: int = 0, max_prompt_tokens: int | None = None) -> list[list[int]]:
+    """`n` prompts of `prompt_tokens` tokens, each from a random line of a random file; with
+    `max_prompt_tokens`, of a length drawn uniformly from [prompt_tokens, max_prompt_tokens]
+    (continuations then start at contexts spread over that range: long-context training)."""
+    longest = max(prompt_tokens, max_prompt_tokens or 0)
     rng = random.Random(seed)
     out: list[list[int]] = []
     texts = [p.read_text(encoding="utf-8", errors="replace") for _, p in files]
@@ -61,11 +64,14 @@ def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prom
         text = rng.choice(texts)
         lines = text.splitlines(keepends=True)
         start = rng.randrange(len(lines))
-        ids = tokenizer.encode("".join(lines[start:start + 200]), add_special_tokens=False).ids
-        if len(ids) >= prompt_tokens:
-            out.append(list(ids[:prompt_tokens]))
+        # no draw without a range: the recipe's prompts (and so the shipped pair) stay reproducible
+        want = rng.randint(prompt_tokens, longest) if longest > prompt_tokens else prompt_tokens
+        ids = tokenizer.encode("".join(lines[start:start + max(200, want)]), add_special_tokens=False).ids
+        if len(ids) >= want:
+            out.append(list(ids[:want]))
     if len(out) < n:
-        raise ValueError(f"[train_drafter] the text yields only {len(out)} prompts of {prompt_tokens} tokens")
+        raise ValueError(f"[train_drafter] the text yields only {len(out)} prompts of {prompt_tokens}.."
+                         f"{longest} tokens")
     return out
 
 
@@ -104,7 +110,11 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     from .drafter import train_drafter
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    prompts = text_prompts(files, tok, n_prompts, prompt_tokens, seed=train_kwargs.get("seed", 0))
+    # Long-context training: prompts long enough that the continuations' anchors see contexts
+    # spread up to the window (see train_drafter's context_length).
+    n = train_kwargs.get("context_length")
+    prompts = text_prompts(files, tok, n_prompts, prompt_tokens, seed=train_kwargs.get("seed", 0),
+                           max_prompt_tokens=max(prompt_tokens, n - max_new_tokens) if n else None)
     t0 = time.perf_counter()
     if continuations == "engine":
         seqs = engine_continuations(target_gguf, prompts, max_new_tokens, n_threads=engine_threads)
