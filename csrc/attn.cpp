@@ -1,4 +1,5 @@
 #include "attn.h"
+#include "alloc.h"
 
 #include "common.h"
 #include "matmul.h"
@@ -92,13 +93,13 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
     thread_local std::vector<float> kT, vf, row, s, mf;
-    kT.resize((size_t) hd * n_pad);
+    if (!kernel_scratch(kT, (size_t) hd * n_pad, "attention keys") ||
+        !kernel_scratch(vf, (size_t) n_kv * hd, "attention values") || !kernel_scratch(row, (size_t) hd, "attention") ||
+        !kernel_scratch(s, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask")) {
+        return;  // noted; the graph runner throws MemoryError after the compute
+    }
     for (int64_t d = 0; d < hd; ++d)  // the padding keys score 0 and are dropped below
         std::fill(kT.begin() + d * n_pad + n_kv, kT.begin() + (d + 1) * n_pad, 0.0f);
-    vf.resize((size_t) n_kv * hd);
-    row.resize(hd);
-    s.resize(n_pad);
-    mf.resize(n_kv);
     // A unit is one KV head and a run of tokens: its K (transposed) and V rows are converted once
     // for those tokens and all their GQA heads. Tokens are split only as far as there are threads.
     const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tok, nth / n_kv_head));

@@ -1,5 +1,6 @@
 #include "cache.h"
 
+#include "alloc.h"
 #include "common.h"
 
 namespace dfn {
@@ -8,9 +9,7 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
                          bool snapshots, ggml_backend_buffer_type_t buft)
     : n_ctx(n_ctx_), n_tape(n_tape_), kv_type(kv_type_) {
     const size_t n_tensors = 7 * (size_t) hp.n_layer;
-    ggml_init_params ip = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/ true};
-    ctx_ = ggml_init(ip);
-    if (!ctx_) throw runtime_error("[cache] ggml_init failed");
+    ctx_ = init_meta_ctx(n_tensors, "cache");
     kv.resize(hp.n_layer);
     gdn.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
@@ -34,8 +33,13 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
             ggml_format_name(kv[il].v, "cache.v.%d", il);
         }
     }
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
-    if (!buf_) throw runtime_error(cat("[cache] cannot allocate the cache for n_ctx = ", n_ctx));
+    try {
+        buf_ = alloc_ctx_tensors(ctx_, buft, "cache", cat("the KV/GDN cache (n_ctx = ", n_ctx, ", GDN tape of ", n_tape,
+                                                          " tokens)"));
+    } catch (...) {
+        ggml_free(ctx_);  // the destructor does not run for a constructor that throws
+        throw;
+    }
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_COMPUTE);
     clear();
 }

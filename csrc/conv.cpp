@@ -1,4 +1,5 @@
 #include "conv.h"
+#include "alloc.h"
 
 #include "common.h"
 #include "vmath.h"
@@ -33,7 +34,7 @@ void conv_silu_channels(float * state, bool update_state, const float * x, int64
                         int64_t d_conv, int64_t n_ch, int64_t n_tok, int64_t c0, int64_t c1) {
     const int64_t kc = d_conv - 1;
     thread_local std::vector<float> in;
-    in.resize((size_t) (kc + n_tok));
+    if (!kernel_scratch(in, (size_t) (kc + n_tok), "the GDN conv")) return;  // noted; thrown after the compute
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t j = 0; j < kc; ++j) in[j] = state[c * kc + j];
         for (int64_t t = 0; t < n_tok; ++t) in[kc + t] = x[t * ldx + c];

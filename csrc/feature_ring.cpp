@@ -1,5 +1,6 @@
 #include "drafter.h"
 
+#include "alloc.h"
 #include "common.h"
 
 namespace dfn {
@@ -8,17 +9,19 @@ feature_ring::feature_ring(const drafter_hparams & hp, int64_t capacity_, int64_
     : capacity(capacity_), scratch(scratch_) {
     DFN_REQUIRE(capacity >= 1, "feature_ring", "capacity must be >= 1, got ", capacity);
     DFN_REQUIRE(scratch >= 0, "feature_ring", "scratch must be >= 0, got ", scratch);
-    ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t) hp.n_layer + 1), nullptr, true};
-    ctx_ = ggml_init(ip);
-    if (!ctx_) throw runtime_error("[feature_ring] ggml_init failed");
+    ctx_ = init_meta_ctx(2 * (size_t) hp.n_layer, "feature_ring");
     for (int il = 0; il < hp.n_layer; ++il) {
         k.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
         v.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
         ggml_format_name(k.back(), "ring.k.%d", il);
         ggml_format_name(v.back(), "ring.v.%d", il);
     }
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
-    if (!buf_) throw runtime_error(cat("[feature_ring] cannot allocate a ring of capacity ", capacity));
+    try {
+        buf_ = alloc_ctx_tensors(ctx_, buft, "feature_ring", cat("a feature ring of capacity ", capacity));
+    } catch (...) {
+        ggml_free(ctx_);  // the destructor does not run for a constructor that throws
+        throw;
+    }
     clear();
 }
 

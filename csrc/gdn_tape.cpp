@@ -1,4 +1,5 @@
 #include "gdn_tape.h"
+#include "alloc.h"
 
 #include "common.h"
 
@@ -83,7 +84,7 @@ void forward_head(const gdn_inputs & in, float * M, float * o, float * u_scratch
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
                      int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1, float * snapshots) {
     thread_local std::vector<float> work;
-    work.resize((size_t) S * S);
+    if (!kernel_scratch(work, (size_t) S * S, "the GDN tape record")) return;  // noted; thrown after the compute
     for (int64_t h = h0; h < h1; ++h) {
         std::memcpy(work.data(), state0 + h * S * S, (size_t) S * S * sizeof(float));
         forward_head(in, work.data(), o, nullptr, &tape, h, S, H_k, H_v, T, snapshots);
@@ -93,7 +94,7 @@ void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn
 void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
                  int64_t h0, int64_t h1) {
     thread_local std::vector<float> u;
-    u.resize((size_t) S);
+    if (!kernel_scratch(u, (size_t) S, "the GDN forward")) return;  // noted; thrown after the compute
     for (int64_t h = h0; h < h1; ++h) forward_head(in, state + h * S * S, o, u.data(), nullptr, h, S, H_k, H_v, T);
 }
 
@@ -116,11 +117,19 @@ void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, in
     }
     std::vector<std::thread> pool;
     const int64_t per = (H_v + n_threads - 1) / n_threads;
-    for (int i = 1; i < n_threads; ++i) {
-        const int64_t a = i * per, b = std::min(H_v, a + per);
-        if (a < b) pool.emplace_back(gdn_tape_replay, state, tape, S, H_v, n, a, b);
+    try {
+        pool.reserve(n_threads - 1);
+        for (int i = 1; i < n_threads; ++i) {
+            const int64_t a = i * per, b = std::min(H_v, a + per);
+            if (a < b) pool.emplace_back(gdn_tape_replay, state, tape, S, H_v, n, a, b);
+        }
+    } catch (const std::exception &) {
+        // no memory for another thread: the heads no thread took run below (the heads are
+        // independent, so the bits are the same)
     }
     gdn_tape_replay(state, tape, S, H_v, n, 0, std::min(H_v, per));
+    const int64_t h_rest = std::min(H_v, (int64_t) (pool.size() + 1) * per);
+    if (h_rest < H_v) gdn_tape_replay(state, tape, S, H_v, n, h_rest, H_v);
     for (auto & th : pool) th.join();
 }
 

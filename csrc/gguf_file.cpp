@@ -1,5 +1,6 @@
 #include "gguf_file.h"
 
+#include "alloc.h"
 #include "common.h"
 #include "gguf_layout.h"
 
@@ -36,10 +37,13 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
 
     check_gguf_layout(path, (uint64_t) st.st_size);
 
+    require_headroom(size_t(4) << 20, W, "reading the GGUF metadata");  // gguf's ggml_init aborts on failure
     gguf_init_params params = {/*no_alloc =*/ true, /*ctx =*/ &ctx_};
     gguf_ = gguf_init_from_file(path.c_str(), params);
     if (!gguf_) {
         const std::string why = last_ggml_error();
+        // gguf reports a failed allocation (std::bad_alloc inside it) only through its log
+        if (why.find("bad_alloc") != std::string::npos) throw memory_error(cat("[", W, "] out of memory reading '", path, "': ", why));
         throw input_error(cat("[", W, "] failed to parse GGUF '", path, "'", why.empty() ? "" : ": ", why));
     }
 
@@ -257,8 +261,7 @@ static void advise_huge_pages(void * base, size_t size) {
 
 void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
     DFN_REQUIRE(buf_ == nullptr, W, "weights already loaded");
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
-    if (!buf_) throw runtime_error(cat("[", W, "] cannot allocate ", weights_bytes(), " bytes of weights"));
+    buf_ = alloc_ctx_tensors(ctx_, buft, W, cat("the weights of '", path_, "'"));
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     if (ggml_backend_buffer_is_host(buf_)) {
         advise_huge_pages(ggml_backend_buffer_get_base(buf_), ggml_backend_buffer_get_size(buf_));

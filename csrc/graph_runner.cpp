@@ -1,5 +1,6 @@
 #include "graph_runner.h"
 
+#include "alloc.h"
 #include "common.h"
 #include "profile.h"
 
@@ -12,6 +13,7 @@ namespace dfn {
 
 graph_runner::graph_runner(device_kind device, int n_threads, matmul_kind kernels, size_t max_nodes)
     : n_threads_(n_threads), kernels_(kernels), max_nodes_(max_nodes) {
+    require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
     cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
@@ -39,19 +41,69 @@ bool graph_runner::on_cuda(ggml_backend_buffer_t buf) const {
            dev == ggml_backend_get_device(gpu_.get());
 }
 
-ggml_backend_sched_t graph_runner::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
-    auto it = plans_.find(shape_key);
-    if (it == plans_.end()) {
+// What ggml_backend_sched_new mallocs without checking (ggml-backend.cpp): an arena of graph_size *
+// GGML_SCHED_MAX_SPLIT_INPUTS (30) * 2 tensors plus a graph, four id arrays as long, hash tables.
+static size_t sched_bytes(size_t graph_size) {
+    const size_t n = graph_size * 30 * 2;
+    return n * (sizeof(ggml_tensor) + 4 * sizeof(int)) + ggml_graph_overhead_custom(graph_size, false) +
+           graph_size * 64 + (size_t(1) << 20);
+}
+
+void graph_runner::make_room(size_t bytes, const std::string & what, const std::string & keep_key) {
+    try {
+        require_headroom(bytes, "graph", what);
+    } catch (const memory_error &) {
+        // the other plans' schedulers and compute buffers are only a cache: drop them and retry
+        for (auto it = plans_.begin(); it != plans_.end();) it = it->first == keep_key ? std::next(it) : plans_.erase(it);
+        require_headroom(bytes, "graph", what);
+    }
+}
+
+graph_runner::graph_plan graph_runner::new_plan(const std::string & shape_key, ggml_cgraph * gf) {
+    for (int attempt = 0;; ++attempt) {
+        make_room(sched_bytes(max_nodes_), cat("the scheduler of graph '", shape_key, "'"), "");
         ggml_backend_t backends[2] = {backend_, cpu_.get()};
         graph_plan p;
         p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
         if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
-        if (!ggml_backend_sched_reserve(p.sched.get(), gf)) throw runtime_error("[graph] cannot reserve the compute graph");
-        it = plans_.emplace(shape_key, std::move(p)).first;
+        if (ggml_backend_sched_reserve(p.sched.get(), gf)) return p;
+        const std::string why = last_ggml_error();  // names the buffer and its size
+        if (attempt == 0 && !plans_.empty()) {
+            plans_.clear();  // their compute buffers are only a cache; try again without them
+            continue;
+        }
+        throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key, "'",
+                               why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+    }
+}
+
+ggml_backend_sched_t graph_runner::plan_for(const std::string & shape_key, ggml_cgraph * gf) {
+    auto it = plans_.find(shape_key);
+    if (it == plans_.end()) {
+        it = plans_.emplace(shape_key, new_plan(shape_key, gf)).first;
         drop_old_plans(shape_key);
     }
     it->second.last_use = ++plan_clock_;
     return it->second.sched.get();
+}
+
+ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, ggml_cgraph * gf,
+                                               ggml_backend_sched_t sched) {
+    for (int attempt = 0;; ++attempt) {
+        // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
+        make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
+        ggml_backend_sched_reset(sched);
+        if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
+        // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
+        const std::string why = last_ggml_error();
+        plans_.erase(shape_key);
+        if (attempt > 0) {
+            throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key,
+                                   "'", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+        }
+        plans_.clear();  // only a cache: plan again without the others
+        sched = plan_for(shape_key, gf);
+    }
 }
 
 // Drops the least recently used plans beyond k_max_plans and k_max_plan_bytes, never `keep`.
@@ -82,6 +134,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         profile_add(pg.graph, what, now - pg.last);
         pg.last = now;
     };
+    if (!broken_.empty()) throw runtime_error(cat("[graph] ", broken_, ": this engine cannot run any more, create a new one"));
     ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
@@ -91,17 +144,36 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     phase(":build");
     ggml_backend_sched_t sched = plan_for(shape_key, gf);
     phase(":plan");
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw runtime_error("[graph] cannot allocate the compute graph");
+    sched = alloc_graph(shape_key, gf, sched);
     phase(":alloc");
     set_inputs();
     phase(":inputs");
     ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
-    const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
+    const ggml_status st = compute(shape_key, sched, gf);
     if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
     phase(":compute");
     read_outputs();
     phase(":read");
+}
+
+// Computes an allocated graph; out of memory (checked before, or inside ggml or a kernel) throws.
+ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
+    // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
+    // that survives failure (a failed work buffer leaves a dangling pointer behind): make room first
+    const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, n_threads_, nullptr).work_size : 0;
+    make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), shape_key);
+    ggml_status st;
+    try {
+        st = ggml_backend_sched_graph_compute(sched, gf);
+    } catch (const std::bad_alloc &) {
+        // thrown by a backend's allocation inside ggml: its state may be inconsistent
+        broken_ = cat("out of memory inside ggml while running graph '", shape_key, "'");
+        (void) cpu_.release();  // may hold a freed work buffer: never free it again
+        throw memory_error(cat("[graph] ", broken_, "; this engine cannot run any more, create a new one"));
+    }
+    throw_kernel_oom("graph");  // a kernel that could not get its scratch returned early
+    if (st == GGML_STATUS_ALLOC_FAILED) throw memory_error(cat("[graph] out of memory running graph '", shape_key, "'"));
+    return st;
 }
 
 }  // namespace dfn

@@ -37,6 +37,9 @@ public:
     // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
     // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
     // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
+    // Out of memory it throws memory_error naming the graph (after dropping the other plans and
+    // trying once more); the runner stays usable, except after a failure inside ggml's compute
+    // that leaves the CPU backend inconsistent: then every later run throws.
     void run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
              const std::function<void()> & read_outputs);
 
@@ -59,6 +62,12 @@ private:
     static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
     ggml_backend_sched_t plan_for(const std::string & shape_key, ggml_cgraph * gf);
     void drop_old_plans(const std::string & keep);
+    // Out of memory these throw memory_error (Python MemoryError), after one retry without the
+    // other plans (a cache of compute buffers): a new plan, a graph's buffers, room to compute.
+    graph_plan new_plan(const std::string & shape_key, ggml_cgraph * gf);
+    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
+    void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
+    ggml_status compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
 
     // Declaration order is destruction order reversed: the plans go before the backends.
     ggml_backend_ptr cpu_;                  // CPU backend
@@ -71,6 +80,7 @@ private:
     std::vector<uint8_t> meta_;             // graph metadata arena
     std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run)
     uint64_t plan_clock_ = 0;
+    std::string broken_;  // set when ggml failed mid-compute in a way that cannot be undone
 };
 
 }  // namespace dfn

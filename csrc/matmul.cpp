@@ -1,4 +1,5 @@
 #include "matmul.h"
+#include "alloc.h"
 
 #include "common.h"
 
@@ -169,7 +170,7 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
         // 64-byte lines: the values, and so the results, are the same.
         thread_local std::vector<float> buf;
         const int64_t ld = (K + 15) / 16 * 16;
-        buf.resize((size_t) (N * ld + 16));
+        if (!kernel_scratch(buf, (size_t) (N * ld + 16), "the matmul's aligned input")) return;  // noted; thrown after
         float * a = buf.data() + (16 - (uintptr_t) buf.data() / sizeof(float) % 16) % 16;
         for (int64_t n = 0; n < N; ++n) std::memcpy(a + n * ld, xp + n * ldx, (size_t) K * sizeof(float));
         xp = a;

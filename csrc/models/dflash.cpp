@@ -1,6 +1,7 @@
 // DFlash drafter (GGUF arch "dflash"): Qwen3-style layers whose attention reads, besides the
 // block itself, context K/V made from fused target hidden states: RMSNorm(fc([h_l1; h_l2; ...])).
 // The block [last, MASK x (B-1)] attends to context + block without a causal mask.
+#include "../alloc.h"
 #include "../common.h"
 #include "../attn.h"
 #include "../drafter.h"
@@ -96,12 +97,11 @@ int64_t drafter_block_size(const gguf_file & F) {
 void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_buffer_type_t buft) {
     if (hp_.draft_vocab.empty() || draft_head) return;
     const int64_t n = (int64_t) hp_.draft_vocab.size();
-    ggml_init_params ip = {ggml_tensor_overhead() + 64, nullptr, true};
-    head_ctx_.reset(ggml_init(ip));
-    draft_head = ggml_new_tensor_2d(head_ctx_.get(), lm_head->type, lm_head->ne[0], n);  // [n_embd, n_draft_vocab]
-    ggml_set_name(draft_head, "draft_head.weight");
-    head_buf_.reset(ggml_backend_alloc_ctx_tensors_from_buft(head_ctx_.get(), buft));
-    DFN_REQUIRE(head_buf_ != nullptr, W, "cannot allocate the draft vocabulary's lm_head");
+    head_ctx_.reset(init_meta_ctx(1, W));
+    ggml_tensor * head = ggml_new_tensor_2d(head_ctx_.get(), lm_head->type, lm_head->ne[0], n);  // [n_embd, n_draft_vocab]
+    ggml_set_name(head, "draft_head.weight");
+    head_buf_.reset(alloc_ctx_tensors(head_ctx_.get(), buft, W, "the draft vocabulary's lm_head"));
+    draft_head = head;
     std::vector<uint8_t> row(lm_head->nb[1]);
     for (int64_t i = 0; i < n; ++i) {
         ggml_backend_tensor_get(lm_head, row.data(), (size_t) hp_.draft_vocab[i] * lm_head->nb[1], row.size());

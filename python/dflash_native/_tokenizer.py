@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import _core
+from ._memory import out_of_memory
 
 
 class NoVocabulary(ValueError):
@@ -23,7 +24,12 @@ _backend_ready = False
 def _llama_cpp():
     """llama_cpp with its backend initialised, its loader log at ERROR unless DFLASH_NATIVE_VERBOSE."""
     global _backend_ready
-    import llama_cpp
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError) as e:  # a shared library that cannot be mapped
+        if out_of_memory(e):
+            raise MemoryError(f"[tokenizer] out of memory loading llama-cpp-python: {e}") from None
+        raise
 
     if not _backend_ready:
         verbose = os.environ.get("DFLASH_NATIVE_VERBOSE", "0") not in ("", "0")
@@ -48,6 +54,10 @@ class Tokenizer:
         params.vocab_only = True
         self._model = lc.llama_model_load_from_file(path.encode("utf-8"), params)
         if not self._model:
+            # llama.cpp returns NULL for any failure, a std::bad_alloc inside its loader included;
+            # check_vocab has validated the file, so a NULL with little memory left is memory
+            if out_of_memory():
+                raise MemoryError(f"[tokenizer] out of memory loading the vocabulary of '{path}'")
             raise ValueError(f"[tokenizer] llama.cpp could not load the vocabulary of '{path}' (its log says why)")
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
