@@ -165,34 +165,41 @@ void * replay_to_userdata(int64_t n) { return reinterpret_cast<void *>((uintptr_
 int64_t userdata_to_replay(const void * userdata) { return (int64_t) reinterpret_cast<uintptr_t>(userdata); }
 
 // The AR pass: the state (src 5) is advanced in place; each thread owns whole heads.
-void forward_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// What thread ith of nth runs in a GDN op: the sizes (v is F32 [S, H_v, T], q and k [S, H_k, T]),
+// its heads [h0, h1) and the state (src 5). False when the thread owns no head.
+struct gdn_op_part {
+    int64_t S = 0, H_v = 0, T = 0, H_k = 0, h0 = 0, h1 = 0;
+    float * state = nullptr;
+};
+
+bool op_part(const ggml_tensor * dst, int ith, int nth, gdn_op_part & p) {
     const ggml_tensor * v = dst->src[2];
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
-    int64_t h0, h1;
-    head_range(H_v, ith, nth, h0, h1);
-    if (h0 >= h1) return;
-    float * state = (float *) dst->src[5]->data;
-    gdn_tape_replay(state, cache_tape(dst), S, H_v, userdata_to_replay(userdata), h0, h1);
-    gdn_forward(op_inputs(dst), state, (float *) dst->data, S, H_k, H_v, T, h0, h1);
+    p.S = v->ne[0], p.H_v = v->ne[1], p.T = v->ne[2], p.H_k = dst->src[0]->ne[1];
+    head_range(p.H_v, ith, nth, p.h0, p.h1);
+    p.state = (float *) dst->src[5]->data;
+    return p.h0 < p.h1;
+}
+
+void forward_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    gdn_op_part p;
+    if (!op_part(dst, ith, nth, p)) return;
+    gdn_tape_replay(p.state, cache_tape(dst), p.S, p.H_v, userdata_to_replay(userdata), p.h0, p.h1);
+    gdn_forward(op_inputs(dst), p.state, (float *) dst->data, p.S, p.H_k, p.H_v, p.T, p.h0, p.h1);
 }
 
 void record_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ggml_tensor * v = dst->src[2];
-    const int64_t S = v->ne[0], H_v = v->ne[1], T = v->ne[2], H_k = dst->src[0]->ne[1];
-    int64_t h0, h1;
-    head_range(H_v, ith, nth, h0, h1);
-    if (h0 >= h1) return;
-    float * state = (float *) dst->src[5]->data;
+    gdn_op_part p;
+    if (!op_part(dst, ith, nth, p)) return;
     float * out = (float *) dst->data;
     gdn_tape_view tape = cache_tape(dst);
     if (tape.k) {
-        gdn_tape_replay(state, tape, S, H_v, userdata_to_replay(userdata), h0, h1);  // reads the old tape first
+        gdn_tape_replay(p.state, tape, p.S, p.H_v, userdata_to_replay(userdata), p.h0, p.h1);  // reads the old tape first
     } else {  // packed after the outputs (a cache off the host: the graph copies it there)
-        const int64_t n_o = S * H_v * T;
+        const int64_t n_o = p.S * p.H_v * p.T;
         tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
     }
     float * snaps = !dst->src[8] && dst->src[6] ? (float *) dst->src[6]->data : nullptr;
-    gdn_tape_record(op_inputs(dst), state, out, tape, S, H_k, H_v, T, h0, h1, snaps);
+    gdn_tape_record(op_inputs(dst), p.state, out, tape, p.S, p.H_k, p.H_v, p.T, p.h0, p.h1, snaps);
 }
 
 ggml_tensor * gdn_op(ggml_context * ctx, ggml_custom_op_t fn, const char * name, ggml_tensor * q, ggml_tensor * k,

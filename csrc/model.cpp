@@ -76,21 +76,31 @@ void target_model::load_common_tensors() {
     layers.resize(hp_.n_layer);
 }
 
+void load_attention(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv, int64_t q_mult,
+                    layer_weights & L) {
+    auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+    L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
+    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, TENSOR_ROLE_MATMUL);
+    L.q_norm = F.tensor(n("attn_q_norm"), {hd}, TENSOR_ROLE_F32);
+    L.k_norm = F.tensor(n("attn_k_norm"), {hd}, TENSOR_ROLE_F32);
+}
+
+void load_ffn(gguf_file & F, int il, int64_t E, int64_t n_ff, layer_weights & L) {
+    auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff}, TENSOR_ROLE_MATMUL);
+    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff}, TENSOR_ROLE_MATMUL);
+    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E}, TENSOR_ROLE_MATMUL);
+}
+
 void load_qwen3_layer(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,
                       int64_t n_ff, layer_weights & L) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-    const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
-    L.attn_norm = F.tensor(n("attn_norm"), {E}, V32);
-    L.wq = F.tensor(n("attn_q"), {E, hd * n_head}, MM);
-    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, MM);
-    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, MM);
-    L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, MM);
-    L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
-    L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
-    L.ffn_norm = F.tensor(n("ffn_norm"), {E}, V32);
-    L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff}, MM);
-    L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff}, MM);
-    L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E}, MM);
+    L.attn_norm = F.tensor(n("attn_norm"), {E}, TENSOR_ROLE_F32);
+    load_attention(F, il, E, hd, n_head, n_head_kv, 1, L);
+    L.ffn_norm = F.tensor(n("ffn_norm"), {E}, TENSOR_ROLE_F32);
+    load_ffn(F, il, E, n_ff, L);
 }
 
 }  // namespace dfn

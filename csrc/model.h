@@ -86,6 +86,14 @@ constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
 // [1, 2^31)); throws input_error naming the file otherwise. max_layers bounds block_count.
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers);
 
+// The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
+// [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
+// the q/k RMSNorm weights F32 [head_dim]; shapes and types checked.
+void load_attention(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head, int64_t n_head_kv,
+                    int64_t q_mult, layer_weights & L);
+// The SwiGLU FFN of layer il: gate, up [n_embd, n_ff], down [n_ff, n_embd].
+void load_ffn(gguf_file & F, int il, int64_t n_embd, int64_t n_ff, layer_weights & L);
+
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.
 void load_qwen3_layer(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head,

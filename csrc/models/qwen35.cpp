@@ -83,16 +83,9 @@ public:
                 L.ssm_norm = F.tensor(n("ssm_norm"), {S}, V32);
                 L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E}, MM);
             } else {
-                L.wq = F.tensor(n("attn_q"), {E, 2 * hd * hp_.n_head}, MM);  // [q | gate] per head
-                L.wk = F.tensor(n("attn_k"), {E, hd * hp_.n_head_kv}, MM);
-                L.wv = F.tensor(n("attn_v"), {E, hd * hp_.n_head_kv}, MM);
-                L.wo = F.tensor(n("attn_output"), {hd * hp_.n_head, E}, MM);
-                L.q_norm = F.tensor(n("attn_q_norm"), {hd}, V32);
-                L.k_norm = F.tensor(n("attn_k_norm"), {hd}, V32);
+                load_attention(F, il, E, hd, hp_.n_head, hp_.n_head_kv, 2, L);  // [q | gate] per head
             }
-            L.ffn_gate = F.tensor(n("ffn_gate"), {E, hp_.n_ff}, MM);
-            L.ffn_up = F.tensor(n("ffn_up"), {E, hp_.n_ff}, MM);
-            L.ffn_down = F.tensor(n("ffn_down"), {hp_.n_ff, E}, MM);
+            load_ffn(F, il, E, hp_.n_ff, L);
         }
     }
 

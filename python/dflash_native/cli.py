@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .convert import OUTTYPES
+
 
 def _cmd_generate(a) -> int:
     from .engine import Engine
@@ -208,7 +210,7 @@ def _add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF")
     c.add_argument("src", help="directory with config.json and *.safetensors")
     c.add_argument("dst", help="output .gguf path")
-    c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    c.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     c.set_defaults(fn=_cmd_convert)
 
 
@@ -216,7 +218,7 @@ def _add_convert_drafter_parser(sub) -> None:
     cd = sub.add_parser("convert-drafter", help="convert a z-lab DFlash drafter checkpoint to GGUF")
     cd.add_argument("src", help="directory with the drafter's config.json and *.safetensors")
     cd.add_argument("dst", help="output .gguf path")
-    cd.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    cd.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
     cd.set_defaults(fn=_cmd_convert_drafter)
 
@@ -232,7 +234,7 @@ def _add_train_drafter_parser(sub) -> None:
                    "and generates the training continuations with our engine")
     t.add_argument("--continuations", default=None, choices=["engine", "torch"],
                    help="who continues the prompts greedily (default: engine when --target-gguf is given)")
-    t.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    t.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
     t.add_argument("--layers", type=int, default=1, help="drafter layers")
     t.add_argument("--block-size", type=int, default=16)
@@ -266,7 +268,7 @@ def _add_demo_parser(sub) -> None:
                         "best for the embedded pair on 2 CPU cores (bench/README.md)")
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    d.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_cmd_demo)
 

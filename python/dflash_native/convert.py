@@ -347,18 +347,25 @@ _DEFAULTS = {
 }
 
 
-def _load_model_spec(src: Path) -> _ModelSpec:
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"[convert] {str(src)!r} has no config.json")
+def read_config_json(src: Path, where: str) -> dict[str, Any]:
+    """src/config.json as a dict; ValueError naming `where` and the file when it is missing, not
+    valid JSON (or UTF-8), or not a JSON object."""
+    path = src / "config.json"
+    if not path.is_file():
+        raise ValueError(f"[{where}] {str(src)!r} has no config.json")
     try:
-        with open(config_path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"[convert] {config_path}: invalid JSON: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"[{where}] {path}: not valid JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"[convert] {config_path}: expected a JSON object")
+        raise ValueError(f"[{where}] {path}: expected a JSON object")
+    return config
 
+
+def _load_model_spec(src: Path) -> _ModelSpec:
+    config = read_config_json(src, "convert")
+    config_path = src / "config.json"
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     gguf_arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None) or _MODEL_TYPES.get(model_type)

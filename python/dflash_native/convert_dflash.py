@@ -51,6 +51,7 @@ from .convert import (
     _rope_parameters,
     _SourceTensor,
     _tensor_name,
+    read_config_json,
 )
 from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
 
@@ -243,17 +244,7 @@ def load_dflash_spec(src_dir: str | os.PathLike[str]) -> DflashSpec:
     src = Path(src_dir)
     if not src.is_dir():
         raise ValueError(f"[convert_dflash] checkpoint directory {str(src)!r} does not exist")
-    path = src / "config.json"
-    if not path.is_file():
-        raise ValueError(f"[convert_dflash] {str(src)!r} has no config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"[convert_dflash] {path}: not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"[convert_dflash] {path}: expected a JSON object")
-    return DflashSpec(src, config)
+    return DflashSpec(src, read_config_json(src, "convert_dflash"))
 
 
 # ---------------------------------------------------------------------------

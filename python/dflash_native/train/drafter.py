@@ -508,6 +508,8 @@ def _default_mask_token_id(target_dir: Path | None) -> int:
                      f"token")
 
 
+# Long by its interface: the signature (one keyword per recipe setting) and the docstring that
+# documents each take half its lines; the body is the pipeline's steps, each a call.
 def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str | os.PathLike[str], *,
                   prompts: Sequence[Sequence[int] | str] | None = None,
                   sequences: Sequence[Sequence[int]] | None = None,
