@@ -9,6 +9,7 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #endif
 
 namespace dfn {
@@ -20,8 +21,21 @@ std::string format_bytes(size_t n) {
     return buf;
 }
 
+bool address_space_limited() {
+#if defined(__unix__) || defined(__APPLE__)
+    struct rlimit rl;
+    return getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+#else
+    return false;
+#endif
+}
+
 void require_headroom(size_t bytes, const char * where, const std::string & what) {
 #if defined(__unix__) || defined(__APPLE__)
+    // Without an address-space limit a PROT_NONE, NORESERVE mapping cannot fail, so there is
+    // nothing to probe; and the probe is not free (munmap in a threaded process shoots down the
+    // other threads' TLB entries), so the AR step must not pay for it.
+    if (!address_space_limited()) return;
     // Address space, not RAM: PROT_NONE pages are never touched, but they count against RLIMIT_AS.
     void * p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {

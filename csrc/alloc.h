@@ -35,6 +35,9 @@ std::string format_bytes(size_t n);  // "12.5 MiB"
 // Throws memory_error "[where] ..." unless `bytes` of address space can be mapped right now (a
 // PROT_NONE probe, unmapped again). Where memory is not limited this always succeeds.
 void require_headroom(size_t bytes, const char * where, const std::string & what);
+// True when the process runs under an address-space limit (RLIMIT_AS): the only case in which a
+// headroom probe can fail. Cheap (one getrlimit).
+bool address_space_limited();
 
 // Headroom for the small allocations ggml makes without checking them (graph allocator tables,
 // CPU threadpool, OpenMP thread stacks) before a graph runs on n_threads threads.

@@ -91,7 +91,9 @@ ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, gg
                                                ggml_backend_sched_t sched) {
     for (int attempt = 0;; ++attempt) {
         // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
-        make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
+        if (address_space_limited()) {
+            make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
+        }
         ggml_backend_sched_reset(sched);
         if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
         // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
@@ -160,8 +162,10 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
 ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
     // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
     // that survives failure (a failed work buffer leaves a dangling pointer behind): make room first
-    const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, n_threads_, nullptr).work_size : 0;
-    make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), shape_key);
+    if (address_space_limited()) {  // else nothing can fail to map (alloc.h): no per-step cost
+        const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, n_threads_, nullptr).work_size : 0;
+        make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), shape_key);
+    }
     ggml_status st;
     try {
         st = ggml_backend_sched_graph_compute(sched, gf);
