@@ -50,6 +50,8 @@ def resolve_pair(target, drafter) -> tuple[Path, Path]:
 
 
 def machine() -> str:
+    """CPU model, cores, OS and the ISA (isa()): every JSON line records it, since figures from
+    different CPUs must never be mixed."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -58,7 +60,24 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, ISA {isa()}"
+
+
+def isa() -> str:
+    """The engine's matmul ISA and the CPU's vector flags (what the numbers depend on)."""
+    from dflash_native import _core
+
+    flags: set[str] = set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    keep = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile")
+            if f in flags]
+    return f"{_core.testing.matmul_isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:

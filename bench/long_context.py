@@ -27,26 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, resolve_pair, write_jsonl  # noqa: E402
+from _common import git_rev, isa, machine, resolve_pair, write_jsonl  # noqa: E402
 
 RING = 4096
-
-
-def isa() -> str:
-    """The engine's matmul ISA and the CPU's vector flags (what the numbers depend on)."""
-    from dflash_native import _core
-
-    flags: set[str] = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    keep = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile")
-            if f in flags]
-    return f"{_core.matmul_isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
 def configs(B: int, cutoff: float) -> dict[str, dict]:
