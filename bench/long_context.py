@@ -106,7 +106,7 @@ def main() -> None:
         eng.generate(prompts[0].text, max_tokens=16)
     load0 = os.getloadavg()
     cpu, isa_s, rev = machine(), isa(), git_rev()
-    print(f"# long_context: {cpu}; ISA {isa_s}; {Path(target).name} + {Path(drafter).name}; B={a.block_size}, "
+    print(f"# long_context: {cpu}; {Path(target).name} + {Path(drafter).name}; B={a.block_size}, "
           f"draft_cutoff={a.draft_cutoff}, threads={a.threads}, reps={a.reps}, {a.prompts} held-out prompts of ~{a.prompt_tokens} "
           f"tokens; windows {windows}; load average {load0[0]:.2f}; rev {rev}")
     names = ["AR", *engines]
