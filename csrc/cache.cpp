@@ -9,54 +9,44 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
                          bool snapshots, ggml_backend_buffer_type_t buft)
     : n_ctx(n_ctx_), n_tape(n_tape_), kv_type(kv_type_) {
     const size_t n_tensors = 7 * (size_t) hp.n_layer;
-    ctx_ = init_meta_ctx(n_tensors, "cache");
+    ctx_.reset(init_meta_ctx(n_tensors, "cache"));
     kv.resize(hp.n_layer);
     gdn.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
         if (hp.layer_is_gdn(il)) {
-            gdn[il].conv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, hp.ssm_d_conv - 1, hp.ssm_conv_channels());
-            gdn[il].ssm = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.ssm_head_dim, hp.ssm_head_dim, hp.ssm_n_v_heads);
+            gdn[il].conv = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, hp.ssm_d_conv - 1, hp.ssm_conv_channels());
+            gdn[il].ssm = ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, hp.ssm_head_dim, hp.ssm_head_dim, hp.ssm_n_v_heads);
             ggml_format_name(gdn[il].conv, "cache.conv.%d", il);
             ggml_format_name(gdn[il].ssm, "cache.ssm.%d", il);
             if (n_tape > 0) {
                 const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads;
-                gdn[il].tape_k = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, S, H_v, n_tape);
-                gdn[il].tape_u = ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, S, H_v, n_tape);
-                gdn[il].tape_g = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, H_v, n_tape);
-                gdn[il].tape_qkv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, hp.ssm_conv_channels(), n_tape);
-                if (snapshots) gdn[il].snapshots = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, S * S * H_v, n_tape);
+                gdn[il].tape_k = ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, S, H_v, n_tape);
+                gdn[il].tape_u = ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, S, H_v, n_tape);
+                gdn[il].tape_g = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, H_v, n_tape);
+                gdn[il].tape_qkv = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, hp.ssm_conv_channels(), n_tape);
+                if (snapshots) gdn[il].snapshots = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, S * S * H_v, n_tape);
             }
         } else {
-            kv[il].k = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
-            kv[il].v = ggml_new_tensor_3d(ctx_, kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            kv[il].k = ggml_new_tensor_3d(ctx_.get(), kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            kv[il].v = ggml_new_tensor_3d(ctx_.get(), kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
             ggml_format_name(kv[il].k, "cache.k.%d", il);
             ggml_format_name(kv[il].v, "cache.v.%d", il);
         }
     }
-    try {
-        buf_ = alloc_ctx_tensors(ctx_, buft, "cache", cat("the KV/GDN cache (n_ctx = ", n_ctx, ", GDN tape of ", n_tape,
-                                                          " tokens)"));
-    } catch (...) {
-        ggml_free(ctx_);  // the destructor does not run for a constructor that throws
-        throw;
-    }
-    ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_COMPUTE);
+    buf_.reset(alloc_ctx_tensors(ctx_.get(), buft, "cache",
+                                 cat("the KV/GDN cache (n_ctx = ", n_ctx, ", GDN tape of ", n_tape, " tokens)")));
+    ggml_backend_buffer_set_usage(buf_.get(), GGML_BACKEND_BUFFER_USAGE_COMPUTE);
     clear();
-}
-
-model_cache::~model_cache() {
-    if (buf_) ggml_backend_buffer_free(buf_);
-    if (ctx_) ggml_free(ctx_);
 }
 
 void model_cache::clear() {
     // Zero everything: dead K/V rows never reach attention (masked), but zeros keep
     // comparisons of cache contents deterministic.
-    ggml_backend_buffer_clear(buf_, 0);
+    ggml_backend_buffer_clear(buf_.get(), 0);
     n_past = 0;
     replay_n = 0;
 }
 
-size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_.get()); }
 
 }  // namespace dfn

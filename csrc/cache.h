@@ -4,6 +4,7 @@
 #include "model.h"
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 
 #include <vector>
 
@@ -35,7 +36,6 @@ public:
     // n_tape: the most tokens one verify pass may record (0: no verify on this cache).
     model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape, bool snapshots,
                 ggml_backend_buffer_type_t buft);
-    ~model_cache();
     model_cache(const model_cache &) = delete;
     model_cache & operator=(const model_cache &) = delete;
 
@@ -53,8 +53,8 @@ public:
     size_t bytes() const;
 
 private:
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    ggml_context_ptr ctx_;         // tensor metadata (freed last: declared first)
+    ggml_backend_buffer_ptr buf_;  // the tensors' data
 };
 
 }  // namespace dfn

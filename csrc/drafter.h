@@ -6,6 +6,7 @@
 #include "model.h"
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 
 #include <memory>
 #include <string>
@@ -42,7 +43,6 @@ struct drafter_hparams : block_hparams {
 // context and block are one view (slots past n_valid hold no position yet, or are the scratch).
 struct feature_ring {
     feature_ring(const drafter_hparams & hp, int64_t capacity, int64_t scratch, ggml_backend_buffer_type_t buft);
-    ~feature_ring();
     feature_ring(const feature_ring &) = delete;
     feature_ring & operator=(const feature_ring &) = delete;
 
@@ -57,8 +57,8 @@ struct feature_ring {
     std::vector<ggml_tensor *> v;  // per layer F32 [head_dim, n_head_kv, capacity + scratch]
 
 private:
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    ggml_context_ptr ctx_;         // tensor metadata (freed last: declared first)
+    ggml_backend_buffer_ptr buf_;  // the tensors' data
 };
 
 // dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the

@@ -9,29 +9,19 @@ feature_ring::feature_ring(const drafter_hparams & hp, int64_t capacity_, int64_
     : capacity(capacity_), scratch(scratch_) {
     DFN_REQUIRE(capacity >= 1, "feature_ring", "capacity must be >= 1, got ", capacity);
     DFN_REQUIRE(scratch >= 0, "feature_ring", "scratch must be >= 0, got ", scratch);
-    ctx_ = init_meta_ctx(2 * (size_t) hp.n_layer, "feature_ring");
+    ctx_.reset(init_meta_ctx(2 * (size_t) hp.n_layer, "feature_ring"));
     for (int il = 0; il < hp.n_layer; ++il) {
-        k.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
-        v.push_back(ggml_new_tensor_3d(ctx_, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
+        k.push_back(ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
+        v.push_back(ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, capacity + scratch));
         ggml_format_name(k.back(), "ring.k.%d", il);
         ggml_format_name(v.back(), "ring.v.%d", il);
     }
-    try {
-        buf_ = alloc_ctx_tensors(ctx_, buft, "feature_ring", cat("a feature ring of capacity ", capacity));
-    } catch (...) {
-        ggml_free(ctx_);  // the destructor does not run for a constructor that throws
-        throw;
-    }
+    buf_.reset(alloc_ctx_tensors(ctx_.get(), buft, "feature_ring", cat("a feature ring of capacity ", capacity)));
     clear();
 }
 
-feature_ring::~feature_ring() {
-    if (buf_) ggml_backend_buffer_free(buf_);
-    if (ctx_) ggml_free(ctx_);
-}
-
 void feature_ring::clear() {
-    ggml_backend_buffer_clear(buf_, 0);
+    ggml_backend_buffer_clear(buf_.get(), 0);
     n_pushed = 0;
 }
 

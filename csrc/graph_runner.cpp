@@ -49,6 +49,12 @@ static size_t sched_bytes(size_t graph_size) {
            graph_size * 64 + (size_t(1) << 20);
 }
 
+// A graph's compute buffers did not fit; `why` is ggml's log line naming the buffer and its size.
+static memory_error compute_buffers_oom(const std::string & shape_key, const std::string & why) {
+    return memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key, "'",
+                            why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+}
+
 void graph_runner::make_room(size_t bytes, const std::string & what, const std::string & keep_key) {
     try {
         require_headroom(bytes, "graph", what);
@@ -72,8 +78,7 @@ graph_runner::graph_plan graph_runner::new_plan(const std::string & shape_key, g
             plans_.clear();  // their compute buffers are only a cache; try again without them
             continue;
         }
-        throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key, "'",
-                               why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+        throw compute_buffers_oom(shape_key, why);
     }
 }
 
@@ -100,8 +105,7 @@ ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, gg
         const std::string why = last_ggml_error();
         plans_.erase(shape_key);
         if (attempt > 0) {
-            throw memory_error(cat("[graph] out of memory: cannot allocate the compute buffers of graph '", shape_key,
-                                   "'", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+            throw compute_buffers_oom(shape_key, why);
         }
         plans_.clear();  // only a cache: plan again without the others
         sched = plan_for(shape_key, gf);

@@ -315,10 +315,7 @@ class Engine:
         return self.tokenizer
 
     def tokenize(self, text: str) -> list[int]:
-        tok = self._tok()
-        if not isinstance(text, str):
-            raise ValueError(f"[tokenize] text must be a str, got {type(text).__name__}")
-        return tok.tokenize(text)
+        return self._tok().tokenize(text)  # the tokenizer refuses anything but a str
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._tok().detokenize(_token_ids("detokenize", tokens))  # the tokenizer checks the range
@@ -486,9 +483,12 @@ class _Run:
                 return pieces
             self.out.append(t)
             if self.dec is not None:
+                # a stop string not found before can only end in the new text: search from there
+                # (not the whole text again per token, which grew quadratic in long generations)
+                start = max(len(self.text) - self.hold + 1, 0)
                 self.text += self.dec.push(t)
                 if self.stop:
-                    cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+                    cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
                     if cut >= 0:
                         self.text = self.text[:cut]
                         stats.stop_reason, self.done = "stop", True
