@@ -123,20 +123,22 @@ void bind_module_info(py::module_ & m) {
 
     // What Python reads from a GGUF before (or besides) loading it, through the same checked parser.
     m.def(
-        "check_vocab", [](const std::string & path) { return check_vocab(gguf_file(path)); }, py::arg("path"),
-        "Validate tokenizer.ggml.* (vocab.h); False when the file has no vocabulary, ValueError when it is broken");
+        "check_vocab",
+        [](const std::string & path) -> py::tuple {
+            gguf_file f(path);  // parsed once for both answers
+            const bool has_vocab = check_vocab(f);
+            const char * key = "tokenizer.chat_template";
+            if (!has_vocab || !f.has_key(key)) return py::make_tuple(has_vocab, py::none());
+            const std::string v = f.get_str(key);
+            return py::make_tuple(true, py::reinterpret_steal<py::object>(
+                                            PyUnicode_DecodeUTF8(v.data(), (py::ssize_t) v.size(), "replace")));
+        },
+        py::arg("path"),
+        "Validate tokenizer.ggml.* (vocab.h): (False, None) when the file has no vocabulary, else (True, its "
+        "tokenizer.chat_template or None); ValueError when the vocabulary is broken");
     m.def(
         "drafter_block_size", [](const std::string & path) { return drafter_block_size(gguf_file(path)); },
         py::arg("path"), "dflash.block_size of a drafter GGUF (16 when absent), range-checked");
-    m.def(
-        "gguf_string",
-        [](const std::string & path, const std::string & key) -> py::object {
-            gguf_file f(path);
-            if (!f.has_key(key)) return py::none();
-            const std::string v = f.get_str(key);
-            return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v.data(), (py::ssize_t) v.size(), "replace"));
-        },
-        py::arg("path"), py::arg("key"), "A string value of a GGUF's metadata (None when absent)");
     m.def(
         "profile",
         [](int level) {

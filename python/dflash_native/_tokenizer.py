@@ -46,9 +46,10 @@ class Tokenizer:
 
     def __init__(self, gguf_path: str | Path):
         path = str(gguf_path)
-        if not _core.check_vocab(path):
+        has_vocab, chat_template = _core.check_vocab(path)
+        if not has_vocab:
             raise NoVocabulary(f"[tokenizer] '{path}' has no tokenizer vocabulary")
-        self.chat_template: str | None = _core.gguf_string(path, "tokenizer.chat_template")
+        self.chat_template: str | None = chat_template
         lc = self._lc = _llama_cpp()
         params = lc.llama_model_default_params()
         params.vocab_only = True
