@@ -37,12 +37,13 @@ static const char * const k_special_ids[] = {
 
 // GPT-2's byte -> printable code point map (bytes_to_unicode): printable Latin-1 bytes stand for
 // themselves, the other 68 take 256, 257, ... in byte order.
+static bool byte_is_printable(int b) { return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255); }
+
 static std::string byte_level_char(int b) {
-    const bool self = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
     int cp = b;
-    if (!self) {
+    if (!byte_is_printable(b)) {
         int n = 0;
-        for (int i = 0; i < b; ++i) n += !((i >= 33 && i <= 126) || (i >= 161 && i <= 172) || (i >= 174 && i <= 255));
+        for (int i = 0; i < b; ++i) n += !byte_is_printable(i);
         cp = 256 + n;
     }
     std::string s;
