@@ -334,8 +334,10 @@ void bind_target(py::module_ & m) {
 // ---- Spec -------------------------------------------------------------------------------------
 
 std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & drafter, int64_t block_size,
-                                        int64_t ring_capacity, int64_t window, float draft_cutoff, bool draft_vocab) {
+                                        int64_t ring_capacity, int64_t window, float draft_cutoff, bool draft_vocab,
+                                        bool controller) {
     spec_params p;
+    p.use_controller = controller;
     p.draft_vocab = draft_vocab;
     p.block_size = block_size;
     p.ring_capacity = ring_capacity;
@@ -345,13 +347,30 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
     return std::make_unique<spec_session>(t, drafter, p);
 }
 
+// Spec.round (fixed settings) and Spec.step (the controller's choice), `forced` as the benchmarks' draft
+template <round_result (spec_session::*fn)(int32_t, int64_t, const std::vector<int32_t> *)>
 round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
     std::vector<int32_t> f;
     const bool has_forced = !forced.is_none();
     if (has_forced) f = to_tokens(forced);
     py::gil_scoped_release release;
-    return s.round(last, B, has_forced ? &f : nullptr);
+    return (s.*fn)(last, B, has_forced ? &f : nullptr);
+}
+
+// The controller's estimates as they stand (engine stats, benchmarks, tests).
+py::dict controller_state(spec_session & s) {
+    const controller & c = s.control();
+    py::dict d;
+    d["mode"] = c.current() == controller::mode::ar ? "ar" : "spec";
+    d["ar_s"] = c.ar_cost();
+    d["draft_s"] = c.draft_cost();
+    std::vector<double> v;
+    for (int64_t n = 1; n <= s.block_size(); ++n) v.push_back(c.verify_cost(n));
+    d["verify_s"] = v;  // [B]: c(1) .. c(B)
+    d["spec_tok_s"] = c.spec_rate();
+    d["switches"] = c.switches();
+    return d;
 }
 
 // What Spec.round returns: spec.h's round_result, its fields read-only.
@@ -363,6 +382,7 @@ void bind_round_result(py::module_ & m) {
         .def_readonly("draft_s", &round_result::draft_s, "seconds drafting")
         .def_readonly("verify_s", &round_result::verify_s, "seconds in the verify pass")
         .def_readonly("rollback_s", &round_result::rollback_s, "seconds accepting and rolling back")
+        .def_readonly("ar", &round_result::ar, "an AR step (Spec.step under the controller): one token, no draft")
         .def("__repr__", [](const round_result & r) {
             return cat("RoundResult(committed=", r.committed.size(), " tokens, n_verified=", r.n_verified, ")");
         });
@@ -408,8 +428,16 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             },
             py::arg("last"), py::arg("block_size"), py::arg("target"),
             "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
-        .def("round", &spec_round, py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
+        .def("round", &spec_round<&spec_session::round>, py::arg("last"), py::arg("block_size"),
+             py::arg("forced_draft") = py::none(),
              "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult.")
+        .def("step", &spec_round<&spec_session::step>, py::arg("last"), py::arg("block_size"),
+             py::arg("forced_draft") = py::none(),
+             "The request's next step: under the controller an AR step or a round of the drafts it chose "
+             "(RoundResult.ar tells which); without it, round().")
+        .def("controller_state", &controller_state, "The controller's cost and rate estimates (a dict)")
+        .def_property_readonly("controller_switches", [](spec_session & s) { return s.control().switches(); },
+                               "The controller's switches between AR and speculation in this request")
         .def(
             "ar_step",
             [](spec_session & s, int32_t last) {
@@ -427,7 +455,10 @@ void bind_spec(py::module_ & m) {
     py::class_<spec_session> c(m, "Spec");
     c.def(py::init(&make_spec), py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0,
           py::arg("ring_capacity") = 4096, py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f,
-          py::arg("draft_vocab") = true, py::keep_alive<1, 2>())
+          py::arg("draft_vocab") = true, py::arg("controller") = true, py::keep_alive<1, 2>())
+        .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
+                      &spec_session::set_controller,
+                      "Spec.step under the controller (True) or fixed settings (False)")
         .def_property("draft_cutoff", [](spec_session & s) { return s.params().draft_cutoff; },
                       &spec_session::set_draft_cutoff,
                       "Verify drafts only while the product of the drafter's top-1 probabilities >= this (0: all)")
@@ -599,6 +630,14 @@ void bind_testing_caches(py::module_ & t) {
             return out;
         },
         py::arg("spec"), "The position each ring slot holds (-1: empty)");
+    t.def(
+        "controller_fixed_costs",
+        [](spec_session & s, double t_ar, double t_draft, double v0, double v1) {
+            s.control().set_fixed_costs(t_ar, t_draft, v0, v1);
+        },
+        py::arg("spec"), py::arg("ar_s"), py::arg("draft_s"), py::arg("verify0_s"), py::arg("verify1_s"),
+        "The controller prices steps by these costs instead of measuring them (a verify of n tokens: "
+        "verify0_s + verify1_s * n), so its decisions depend only on acceptance");
 }
 
 }  // namespace

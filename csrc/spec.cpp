@@ -13,7 +13,7 @@
 namespace dfn {
 
 spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
-    : target_(target), runner_(target.runner()), params_(params) {
+    : target_(target), runner_(target.runner()), params_(params), ctl_(k_max_block_size) {
     drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
@@ -53,6 +53,7 @@ void spec_session::reset() {
     target_.reset();
     ring_->clear();
     pending_m_ = 0;
+    ctl_.begin_request();
 }
 
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
@@ -98,8 +99,9 @@ void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const
 
 void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
     flush_features();
-    DFN_REQUIRE(pos0 == ring_->n_pushed, "feature_ring", "positions must be pushed in order: got ", pos0,
-                ", expected ", ring_->n_pushed);
+    // in order; a gap only when the push overwrites the whole ring (queue_features' dropped rows)
+    DFN_REQUIRE(pos0 == ring_->n_pushed || (pos0 > ring_->n_pushed && m >= ring_->capacity), "feature_ring",
+                "positions must be pushed in order: got ", pos0, ", expected ", ring_->n_pushed);
     for (const ring_segment & sg : ring_segments(m, pos0)) {
         // one graph per segment: a prompt's push can be as long as the ring
         const std::vector<ring_segment> one = {sg};
@@ -132,6 +134,14 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
     pending_feats_.resize((size_t) (pending_m_ + m) * row);  // drops the verify's rejected rows
     std::copy(feats.begin(), feats.begin() + (size_t) m * row, pending_feats_.begin() + (size_t) pending_m_ * row);
     pending_m_ += m;
+    // A long run of AR steps (the controller's AR mode) queues a row each: rows older than the
+    // ring's capacity would be overwritten by the newer ones anyway, so they are dropped here.
+    const int64_t drop = pending_m_ - ring_->capacity;
+    if (drop > 0) {
+        pending_feats_.erase(pending_feats_.begin(), pending_feats_.begin() + (size_t) drop * row);
+        pending_m_ -= drop;
+        pending_pos0_ += drop;
+    }
 }
 
 int32_t spec_session::ar_step(int32_t last) {
@@ -287,17 +297,22 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
     }
 }
 
-std::vector<int32_t> spec_session::draft_with_cut(int32_t last, int64_t B) {
+std::vector<int32_t> spec_session::draft_top1(int32_t last, int64_t B, std::vector<float> & p) {
     std::vector<float> top1((size_t) (B - 1) * 2);  // [B-1, (argmax, p)]
     run_draft(last, B, nullptr, nullptr, top1.data());
-    std::vector<int32_t> out;
-    double p_all = 1.0;
-    for (int64_t i = 0; i + 1 < B; ++i) {
-        p_all *= top1[2 * i + 1];
-        if (p_all < params_.draft_cutoff) break;
-        out.push_back((int32_t) top1[2 * i]);
-    }
+    std::vector<int32_t> out(B - 1);
+    p.resize(B - 1);
+    for (int64_t i = 0; i + 1 < B; ++i) out[i] = (int32_t) top1[2 * i], p[i] = top1[2 * i + 1];
     return out;
+}
+
+int64_t spec_session::cutoff_keep(const std::vector<float> & p) const {
+    double p_all = 1.0;
+    for (int64_t i = 0; i < (int64_t) p.size(); ++i) {
+        p_all *= p[i];
+        if (p_all < params_.draft_cutoff) return i;
+    }
+    return (int64_t) p.size();
 }
 
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
@@ -307,11 +322,43 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         draft(last, B);  // the drafter runs as in a real round
         r.draft = *forced_draft;
+    } else if (params_.draft_cutoff > 0.0f) {
+        std::vector<float> p;
+        r.draft = draft_top1(last, B, p);
+        r.draft.resize(cutoff_keep(p));
     } else {
-        r.draft = params_.draft_cutoff > 0.0f ? draft_with_cut(last, B) : draft(last, B);
+        r.draft = draft(last, B);
     }
-    const double t1 = profile_now();
+    verify_and_commit(last, r, t0, profile_now());
+    return r;
+}
 
+round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
+    if (!params_.use_controller) return round(last, B, forced_draft);
+    round_result r;
+    const double t0 = profile_now();
+    if (ctl_.next() == controller::mode::ar) {
+        r.committed = {ar_step(last)};
+        r.ar = true;
+        r.n_verified = 1;
+        r.verify_s = profile_now() - t0;
+        ctl_.observe_ar(r.verify_s);
+        return r;
+    }
+    std::vector<float> p;
+    r.draft = draft_top1(last, B, p);
+    if (forced_draft) {
+        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        r.draft = *forced_draft;
+    }
+    const int64_t k = std::min(ctl_.choose(p.data(), B - 1), cutoff_keep(p));
+    r.draft.resize(k);
+    verify_and_commit(last, r, t0, profile_now());
+    ctl_.observe_round(p.data(), k, (int64_t) r.committed.size() - 1, r.draft_s, r.verify_s + r.rollback_s);
+    return r;
+}
+
+void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, double t1) {
     const int64_t L = (int64_t) r.draft.size() + 1;  // verified tokens: `last` + the drafts
     std::vector<int32_t> input(L);
     input[0] = last;
@@ -330,7 +377,6 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;
     r.rollback_s = t3 - t2;
-    return r;
 }
 
 }  // namespace dfn

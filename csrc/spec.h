@@ -1,6 +1,7 @@
 // The speculative round loop: draft, verify, accept, roll back, push features.
 #pragma once
 
+#include "controller.h"
 #include "drafter.h"
 #include "session.h"
 
@@ -25,12 +26,16 @@ struct spec_params {
     // Draft over the drafter's draft vocabulary when its GGUF has one (drafter.h); false = always
     // the whole vocabulary. Either way only target tokens are committed.
     bool draft_vocab = true;
+    // The controller (controller.h) picks each step: an AR step or a round, and how many drafts
+    // a round verifies (draft_cutoff still caps them). false: fixed settings, every step a round.
+    bool use_controller = true;
 };
 
 struct round_result {
     std::vector<int32_t> committed;  // accepted drafts + bonus: 1..B tokens
     std::vector<int32_t> draft;      // the drafts as verified: d_1 .. d_{n_verified-1}
     int64_t n_verified = 0;          // tokens in the verify pass: `last` + the drafts kept by the cut
+    bool ar = false;                 // an AR step (step(): the controller's choice): one token, no draft
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
@@ -50,6 +55,10 @@ public:
     // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
     round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
+
+    // The next step of a request: under the controller (params.use_controller) an AR step or a round
+    // whose verified drafts the controller chose, each timed and fed back to it; else round().
+    round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
 
     // One exact AR step from the last committed token (the gate's probe: Engine(gate=True)):
     // decodes `last` with the taps, queues its features for the ring as a round's commit does,
@@ -75,6 +84,8 @@ public:
     }
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
+    void set_controller(bool on) { params_.use_controller = on; }
+    controller & control() { return ctl_; }
     void reset();
 
 private:
@@ -124,8 +135,13 @@ private:
     void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
     // argmax_out: the argmax output; f32_out: the logits or top1 output
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
-    // d_1..d_{B-1} by argmax, cut where the running product of top-1 probabilities < draft_cutoff.
-    std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
+    // d_1..d_{B-1} by argmax with their top-1 probabilities [B-1] (TOP1 output).
+    std::vector<int32_t> draft_top1(int32_t last, int64_t B, std::vector<float> & p);
+    // The number of drafts the draft_cutoff keeps: while the running product of p stays >= it.
+    int64_t cutoff_keep(const std::vector<float> & p) const;
+    // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's
+    // start and the draft's end (profile_now) for r's times.
+    void verify_and_commit(int32_t last, round_result & r, double t0, double t1);
 
     target_session & target_;
     graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
@@ -133,6 +149,7 @@ private:
     std::unique_ptr<drafter_model> drafter_;
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
+    controller ctl_;
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
 };

@@ -184,7 +184,7 @@ def test_rollback_every_acceptance_length(pair, n_keep):
 
 
 def test_ar_step_keeps_the_ring_in_step(pair):
-    """Spec.ar_step (the gate's probe) commits the AR token and queues its features as a round's
+    """Spec.ar_step (the controller's AR step) commits the AR token and queues its features as a round's
     commit does, before a round (nothing pending) and after one (appended to the round's rows):
     the tokens are AR's, and the caches, the ring and the next draft equal a fresh prefill of the
     same tokens. Tolerance: batch vs single-token rounding in F32."""
@@ -552,31 +552,6 @@ def test_eos_inside_a_committed_block(tmp_path):
     sp = eng.generate(prompt, max_tokens=120)
     assert sp.tokens == ar.tokens and sp.text == ar.text and sp.stats.stop_reason == "eos"
     assert sp.stats.mean_acceptance_length > 2
-
-
-@pytest.mark.parametrize("ar_tok_s,gates", [(1e12, True), (1e-6, False)])
-def test_gate_falls_back_to_ar_when_speculation_is_slower(pair, ar_tok_s, gates):
-    """With gate=True the request finishes in AR once rounds commit tokens more slowly than AR
-    decodes them; the output is the AR output either way. (The AR speed is pinned here so the
-    decision does not depend on this machine's timing.)"""
-    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=4, n_ctx=256, kv_type="f32", n_threads=2,
-                    gate=True)
-    eng._gate_ar_tok_s = ar_tok_s
-    ar = eng.generate(PROMPT, max_tokens=30, speculative=False)
-    sp = eng.generate(PROMPT, max_tokens=30)
-    assert sp.tokens == ar.tokens
-    if gates:
-        assert sp.stats.rounds == dn.engine.GATE_MIN_ROUNDS and sp.stats.gated_at > 0
-    else:
-        assert sp.stats.gated_at == -1 and sp.stats.rounds > dn.engine.GATE_MIN_ROUNDS
-
-
-def test_gate_probe_measures_ar_and_stays_exact(pair):
-    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=4, feature_ring_capacity=16, n_ctx=256,
-                    kv_type="f32", n_threads=2, gate=True)
-    ar = eng.generate(PROMPT, max_tokens=30, speculative=False)
-    sp = eng.generate(PROMPT, max_tokens=30)
-    assert sp.tokens == ar.tokens and sp.stats.speculative
 
 
 @pytest.mark.parametrize("cutoff", [0.02, 0.5, 1.0])

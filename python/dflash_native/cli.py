@@ -15,7 +15,7 @@ def _cmd_generate(a) -> int:
     from .engine import Engine
 
     eng = Engine(a.target, drafter=a.drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
-                 kv_type=a.kv_type)
+                 kv_type=a.kv_type, gate=not a.no_gate, draft_cutoff=a.draft_cutoff)
     prompt = a.prompt
     if a.prompt_file:
         prompt = Path(a.prompt_file).read_text()
@@ -35,7 +35,7 @@ def _cmd_generate(a) -> int:
     print(f"[dflash-native] {s.n_prompt_tokens} prompt tokens at {s.prefill_tok_s:.1f} tok/s, "
           f"{s.n_generated} generated at {s.decode_tok_s:.1f} tok/s (stop: {s.stop_reason})", file=sys.stderr)
     if s.speculative:
-        print(f"[dflash-native] {s.rounds} rounds of B={s.block_size}, mean acceptance length "
+        print(f"[dflash-native] {s.rounds} rounds of B={s.block_size} and {s.ar_steps} AR steps, mean acceptance length "
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify {s.verify_s:.2f}s, "
               f"rollback {s.rollback_s:.3f}s", file=sys.stderr)
     if a.json:
@@ -114,7 +114,7 @@ def _cmd_demo(a) -> int:
     target, drafter = pair
     print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
     eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
-                 draft_cutoff=a.draft_cutoff)
+                 draft_cutoff=a.draft_cutoff, gate=not a.no_gate)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:  # code prompts from standard-library files the pair never trained on
@@ -139,12 +139,14 @@ def _demo_report(eng, prompts, runs) -> int:
     n_sp = sum(max(sp.stats.n_generated - 1, 0) for _, sp in runs)
     sp_s = sum(sp.stats.decode_s for _, sp in runs)
     rounds = sum(sp.stats.rounds for _, sp in runs)
+    ar_steps = sum(sp.stats.ar_steps for _, sp in runs)
     committed = sum(sum(k * c for k, c in enumerate(sp.stats.acceptance_histogram)) for _, sp in runs)
     ar_tok_s, sp_tok_s = n_ar / max(ar_s, 1e-9), n_sp / max(sp_s, 1e-9)
     print(f"AR:          {n_prompt} prompt tokens, prefill {n_prompt / max(prefill_s, 1e-9):.1f} tok/s; "
           f"{sum(ar.stats.n_generated for ar, _ in runs)} generated, decode {ar_tok_s:.1f} tok/s")
     verified = sum(sp.stats.verified_tokens for _, sp in runs)
-    print(f"speculative: {rounds} rounds, mean acceptance length {committed / max(rounds, 1):.2f} of "
+    print(f"speculative: {rounds} rounds and {ar_steps} AR steps (controller: {'on' if eng.gate else 'off'}), "
+          f"mean acceptance length {committed / max(rounds, 1):.2f} of "
           f"{eng.block_size} ({verified / max(rounds, 1):.2f} verified), decode {sp_tok_s:.1f} tok/s "
           f"({sp_tok_s / max(ar_tok_s, 1e-9):.2f}x AR)")
     from .lossless import first_divergence_gap, verdict
@@ -171,7 +173,7 @@ def _demo_random(a) -> int:
         target = convert_hf_to_gguf(ckpt, Path(tmp) / "demo-qwen35.gguf", outtype=a.outtype)
         drafter = make_random_drafter_gguf(Path(tmp) / "demo-drafter.gguf", ckpt, outtype=a.outtype, seed=a.seed + 1,
                                            block_size=8, target_gguf=target)
-        eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads)
+        eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, gate=not a.no_gate)
         prompt = a.prompt or RANDOM_DEMO_PROMPT
         runs = [(eng.generate(prompt, max_tokens=a.max_tokens, speculative=False),
                  eng.generate(prompt, max_tokens=a.max_tokens))]
@@ -194,6 +196,7 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--target", required=True, help="target model GGUF")
     g.add_argument("--drafter", default=None, help="DFlash drafter GGUF: speculative decoding")
     g.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
+    _add_speculation_args(g, draft_cutoff=0.0)
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-file", default=None)
     g.add_argument("--max-tokens", type=int, default=256)
@@ -257,15 +260,22 @@ def _add_train_drafter_parser(sub) -> None:
     t.set_defaults(fn=_cmd_train_drafter)
 
 
+def _add_speculation_args(p, *, draft_cutoff: float) -> None:
+    p.add_argument("--draft-cutoff", type=float, default=draft_cutoff,
+                   help="verify drafts only while the drafter's running top-1 probability >= this (0: no cap; "
+                        "with the controller, a cap on its choice)")
+    p.add_argument("--no-gate", action="store_true",
+                   help="fixed settings: every step a round of the block size (default: the speculation controller "
+                        "picks AR steps or rounds and the drafts each round verifies)")
+
+
 def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
     d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt)")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    d.add_argument("--draft-cutoff", type=float, default=0.1,
-                   help="verify drafts while the drafter's running top-1 probability >= this (0: all); 0.1 measured "
-                        "best for the embedded pair on 2 CPU cores (bench/README.md)")
+    _add_speculation_args(d, draft_cutoff=0.0)
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--outtype", default="f16", choices=list(OUTTYPES))

@@ -32,11 +32,14 @@ class GenerationStats:
     verify_s: float = 0.0
     rollback_s: float = 0.0
     verified_tokens: int = 0  # tokens through the verify passes (B per round without a draft_cutoff)
-    gated_at: int = -1  # with Engine(gate=True): tokens generated when the gate switched to AR, else -1
+    # the controller (Engine(gate=True)): tokens it committed by AR steps (its first step, its
+    # periodic AR cost probes and its fall-backs), and its switches between AR and speculation
+    ar_steps: int = 0
+    controller_switches: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Committed tokens per round (accepted drafts + bonus), 1..B."""
+        """Committed tokens per round (accepted drafts + bonus), 1..B; AR steps are not rounds."""
         n = sum(self.acceptance_histogram)
         return sum(k * c for k, c in enumerate(self.acceptance_histogram)) / n if n else 0.0
 
@@ -84,9 +87,6 @@ class StreamPiece(str):
 TextPiece = StreamPiece  # the earlier name, kept for existing callers
 
 
-GATE_MIN_ROUNDS = 4
-
-
 class Engine:
     """Runs a GGUF target model, with a DFlash drafter for speculative decoding when given one.
 
@@ -115,7 +115,7 @@ class Engine:
         kv_type: str = "f16",
         n_batch: int = 512,
         device: str = "cpu",
-        gate: bool = False,
+        gate: bool = True,
         draft_cutoff: float = 0.0,
         draft_vocab: bool = True,
         _baselines: dict | None = None,
@@ -123,14 +123,19 @@ class Engine:
         """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
         n_threads: None (or 0) uses every core.
 
-        gate: measure AR speed once per request (one exact AR step) and, after GATE_MIN_ROUNDS
-        rounds, finish the request in AR when speculation commits tokens more slowly than AR
-        (output is the same either way; only speed changes).
+        gate: the speculation controller (csrc/controller.h). Per request it times AR steps, draft
+        passes and verify passes of each size, keeps the drafter's acceptance rate per confidence
+        level over a sliding window of rounds, and chooses every step: how many of a round's
+        drafts to verify (the most expected tokens per second), or AR steps when speculation
+        commits tokens more slowly than AR, probing speculation again later (with a doubling
+        back-off). The output is the same either way; only speed changes. False: fixed settings,
+        every step a round of block_size (cut by draft_cutoff). Settable later as `engine.gate`.
 
         draft_cutoff: verify a round's drafts d_1..d_k only while the product of the drafter's
-        top-1 probabilities stays >= draft_cutoff (0: verify all B-1). Where verify cost grows
-        with the block (CPUs), cutting doubtful drafts saves more than it loses; the output is the
-        same. Settable later as `engine.draft_cutoff`.
+        top-1 probabilities stays >= draft_cutoff (0: no such cap). With the controller it caps
+        the controller's choice. Where verify cost grows with the block (CPUs), cutting doubtful
+        drafts saves more than it loses; the output is the same. Settable later as
+        `engine.draft_cutoff`.
 
         draft_vocab: when the drafter's GGUF names a draft vocabulary (dflash.draft_vocab: the
         tokens its training data's target continuations used), draft over those rows of the
@@ -169,7 +174,7 @@ class Engine:
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
                         rollback=rollback, matmul=matmul),
                    dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
-                        draft_vocab=draft_vocab))
+                        draft_vocab=draft_vocab, controller=gate))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
@@ -177,8 +182,6 @@ class Engine:
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
-        self.gate = gate
-        self._gate_ar_tok_s = None  # tests: a fixed AR speed for the gate instead of measuring one
 
     def _load(self, target: str, drafter: str | None, block_size: int, target_kw: dict, spec_kw: dict) -> None:
         """The core's Target, its Spec when there is a drafter, and the tokenizer (checked args)."""
@@ -290,6 +293,22 @@ class Engine:
             if self._spec is None:
                 raise ValueError("[engine] draft_cutoff needs a drafter")
             self._spec.draft_cutoff = value
+
+    @property
+    def gate(self) -> bool:
+        """See __init__: the speculation controller is on (False: fixed settings)."""
+        self._live()
+        spec = self._spec
+        return bool(spec is not None and spec.controller)
+
+    @gate.setter
+    def gate(self, value: bool) -> None:
+        value = _bool("engine", "gate", value)
+        with self._cv:  # as draft_cutoff's setter
+            self._live()
+            if self._spec is None:
+                raise ValueError("[engine] gate needs a drafter")
+            self._spec.controller = value
 
     @property
     def draft_vocab(self) -> bool:
@@ -470,8 +489,7 @@ class _Run:
         self.last = -1  # the last committed token: the next step's input
         self.B = eng._spec.block_size if spec else 1
         self.hist = [0] * (self.B + 1)
-        self.ar_tok_s = eng._gate_ar_tok_s
-        self.spec_tokens, self.spec_s, self.t_dec = 0, 0.0, 0.0
+        self.t_dec = 0.0
 
     def emit(self, tokens: list[int]) -> list[StreamPiece]:
         """Appends committed tokens; returns the text pieces now safe to show (sets done)."""
@@ -522,36 +540,30 @@ class _Run:
             self.stats.stop_reason, self.done = "context", True
             return []
         t0 = time.perf_counter()
-        if self.spec and eng.gate and self.ar_tok_s is None:
-            # the gate's probe: one exact AR step; the Spec queues its features, so rounds go on
-            committed = [int(eng._spec.ar_step(self.last))]
-            self.ar_tok_s = 1.0 / max(time.perf_counter() - t0, 1e-9)
-        elif self.spec and room >= 2:
-            committed = self._round(min(self.B, room), t0)
+        if self.spec and room >= 2:
+            committed = self._round(min(self.B, room))
         else:
-            # AR (also a gated request's tail, which drafts no more: its ring is left behind, and
-            # the next request's prefill resets it)
+            # AR (also the last position of n_ctx in a speculative request: no room for a block)
             committed = [int(core.decode_greedy([self.last]))]
         self.t_dec += time.perf_counter() - t0
         self.last = committed[-1]
         return self.emit(committed)
 
-    def _round(self, Bc: int, t0: float) -> list[int]:
+    def _round(self, Bc: int) -> list[int]:
+        """A round, or under the controller whatever step it chose (Spec.step)."""
         eng, stats = self.eng, self.stats
         forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
-        r = eng._spec.round(self.last, Bc, forced)  # _core.RoundResult
+        r = eng._spec.step(self.last, Bc, forced)  # _core.RoundResult
         committed = r.committed
+        stats.controller_switches = eng._spec.controller_switches
+        if r.ar:
+            stats.ar_steps += 1
+            return committed
         self.hist[len(committed)] += 1
         stats.draft_s += r.draft_s
         stats.verify_s += r.verify_s
         stats.rollback_s += r.rollback_s
         stats.verified_tokens += r.n_verified
-        self.spec_tokens += len(committed)
-        self.spec_s += time.perf_counter() - t0
-        if (eng.gate and sum(self.hist) >= GATE_MIN_ROUNDS and
-                self.spec_tokens / max(self.spec_s, 1e-9) < self.ar_tok_s):
-            self.spec = False  # finish this request in AR
-            stats.gated_at = len(self.out) + len(committed)
         return committed
 
     def final_piece(self) -> StreamPiece:

@@ -1,0 +1,183 @@
+#include "controller.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dfn {
+
+namespace {
+// Upper edges of the p-bins: finer near 1, where a good drafter's probabilities gather.
+constexpr float k_bin_edges[controller::k_bins - 1] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f,
+                                                       0.7f, 0.8f, 0.9f, 0.95f, 0.98f};
+// Weight of the prior "the drafter is calibrated" (q = p) against a bin's observed rounds.
+constexpr double k_prior_weight = 2.0;
+// Before any verify of more than one token has been timed: c(n) = c(1) * (1 + slope * (n - 1)).
+// On a CPU a verify of n tokens costs about an AR step plus a share per token.
+constexpr double k_prior_slope = 0.15;
+}  // namespace
+
+controller::controller(int64_t max_block, controller_params p)
+    : p_(p), max_block_(max_block), t_verify_(max_block + 1, 0.0), n_verify_(max_block + 1, 0) {}
+
+void controller::begin_request() {
+    // The window (calibration and speculative rate) carries over too: how often this drafter's
+    // drafts of a given confidence are accepted changes slowly, and a short request would
+    // otherwise spend its few rounds on the prior. A request's own rounds replace it as they run.
+    mode_ = mode::ar;
+    ar_left_ = 1;
+    probing_ = false;
+    backoff_ = 0;
+    rounds_since_ar_ = 0;
+    switches_ = 0;
+}
+
+void controller::forget_rounds() {
+    window_.clear();
+    std::fill(std::begin(bin_hit_), std::end(bin_hit_), 0);
+    std::fill(std::begin(bin_n_), std::end(bin_n_), 0);
+    win_s_ = 0;
+    win_tokens_ = 0;
+}
+
+controller::mode controller::next() const {
+    if (mode_ == mode::ar) return mode::ar;
+    return rounds_since_ar_ >= p_.ar_probe_every ? mode::ar : mode::spec;
+}
+
+int controller::bin_of(float p) {
+    int b = 0;
+    while (b < k_bins - 1 && p >= k_bin_edges[b]) ++b;
+    return b;
+}
+
+double controller::calibrated(float p) const {
+    const int b = bin_of(p);
+    return (bin_hit_[b] + k_prior_weight * p) / (bin_n_[b] + k_prior_weight);
+}
+
+double controller::spec_rate() const { return win_s_ > 0 ? win_tokens_ / win_s_ : 0.0; }
+
+double controller::verify_cost(int64_t n) const {
+    if (fixed_) return fixed_v0_ + fixed_v1_ * n;
+    if (n >= 1 && n <= max_block_ && n_verify_[n] > 0) return t_verify_[n];
+    // Weighted least squares over the timed sizes, the AR step standing for size 1.
+    double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+    auto add = [&](double x, double y, double w) {
+        sw += w, sx += w * x, sy += w * y, sxx += w * x * x, sxy += w * x * y;
+    };
+    if (n_ar_ > 0) add(1, t_ar_, 1);
+    for (int64_t m = 1; m <= max_block_; ++m)
+        if (n_verify_[m] > 0) add((double) m, t_verify_[m], (double) std::min<int64_t>(n_verify_[m], 8));
+    if (sw == 0) return 0;
+    const double den = sw * sxx - sx * sx;
+    if (den <= 1e-12 * sw * sw) {  // one size known: the prior slope through it
+        const double x0 = sx / sw, y0 = sy / sw;
+        const double c1 = y0 / (1 + k_prior_slope * (x0 - 1));
+        return c1 * (1 + k_prior_slope * (n - 1));
+    }
+    const double b = (sw * sxy - sx * sy) / den, a = (sy - b * sx) / sw;
+    return std::max(a + b * n, 1e-9);
+}
+
+int64_t controller::choose(const float * p, int64_t n) const {
+    // lambda: the rate to beat (no AR time yet cannot happen: a request starts with an AR step)
+    const double lambda = std::max(spec_rate(), t_ar_ > 0 ? 1.0 / t_ar_ : 0.0);
+    int64_t best_k = 0;
+    double best = 1.0 - lambda * verify_cost(1);
+    double run = 1.0, expect = 1.0;  // P(d_1..d_j all accepted), E[committed | k = j]
+    for (int64_t j = 1; j <= n; ++j) {
+        run *= calibrated(p[j - 1]);
+        expect += run;
+        const double v = expect - lambda * verify_cost(j + 1);
+        if (v > best) best = v, best_k = j;
+        if (run < 1e-4) break;  // nothing further can pay for itself
+    }
+    return best_k;
+}
+
+double controller::ewma(double old, double sample, int64_t n_seen) {
+    if (n_seen <= 1) return sample;
+    // a graph built for a new shape, or a stolen time slice, is one slow sample, not a new cost
+    sample = std::min(sample, 3.0 * old);
+    const double a = std::max(1.0 / (double) n_seen, 0.2);
+    return old + a * (sample - old);
+}
+
+void controller::set_fixed_costs(double t_ar, double t_draft, double v0, double v1) {
+    fixed_ = true;
+    t_ar_ = t_ar, t_draft_ = t_draft, fixed_v0_ = v0, fixed_v1_ = v1;
+    n_ar_ = n_draft_ = 1;
+}
+
+void controller::observe_ar(double seconds) {
+    if (fixed_) {
+        seconds = t_ar_;
+    } else {
+        t_ar_ = ewma(t_ar_, seconds, ++n_ar_);
+    }
+    if (mode_ == mode::ar) {
+        --ar_left_;
+    } else {
+        rounds_since_ar_ = 0;
+    }
+    settle_mode();
+}
+
+void controller::observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s) {
+    const int64_t n = k + 1;
+    if (fixed_) {
+        draft_s = t_draft_;
+        verify_s = verify_cost(n);
+    } else {
+        t_draft_ = ewma(t_draft_, draft_s, ++n_draft_);
+        if (n <= max_block_) {
+            // a size's first time is priced no higher than 3x what the line says it should cost
+            const double prior = n_verify_[n] == 0 ? verify_cost(n) : t_verify_[n];
+            const double s = n_verify_[n] == 0 && prior > 0 ? std::min(verify_s, 3.0 * prior) : verify_s;
+            t_verify_[n] = ewma(t_verify_[n], s, ++n_verify_[n]);
+        }
+    }
+    round_obs o;
+    o.seconds = draft_s + verify_s;
+    o.tokens = accepted + 1;
+    for (int64_t i = 0; i < std::min(accepted + 1, k); ++i) o.outcomes.emplace_back((uint8_t) bin_of(p[i]), i < accepted);
+    for (auto [b, hit] : o.outcomes) bin_n_[b] += 1, bin_hit_[b] += hit;
+    win_s_ += o.seconds;
+    win_tokens_ += o.tokens;
+    window_.push_back(std::move(o));
+    if ((int64_t) window_.size() > p_.window_rounds) {
+        const round_obs & old = window_.front();
+        for (auto [b, hit] : old.outcomes) bin_n_[b] -= 1, bin_hit_[b] -= hit;
+        win_s_ -= old.seconds;
+        win_tokens_ -= old.tokens;
+        window_.pop_front();
+    }
+    ++rounds_since_ar_;
+    settle_mode();
+}
+
+void controller::settle_mode() {
+    if (mode_ == mode::ar) {
+        if (ar_left_ > 0) return;
+        // speculation (again): a probe when it was left for losing, with a fresh window
+        probing_ = backoff_ > 0;
+        if (probing_) ++switches_;
+        forget_rounds();
+        mode_ = mode::spec;
+        rounds_since_ar_ = 0;
+        return;
+    }
+    if ((int64_t) window_.size() < p_.min_rounds || t_ar_ <= 0) return;
+    if (spec_rate() < 1.0 / t_ar_) {  // losing to AR: fall back, for longer after a failed probe
+        backoff_ = probing_ ? std::min(2 * backoff_, p_.backoff_max) : p_.backoff_min;
+        ar_left_ = backoff_;
+        probing_ = false;
+        mode_ = mode::ar;
+        ++switches_;
+    } else if (probing_) {  // the probe won: the next fall-back starts from the shortest backoff
+        probing_ = false;
+        backoff_ = 0;
+    }
+}
+
+}  // namespace dfn

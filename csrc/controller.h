@@ -1,0 +1,105 @@
+// The speculation controller: per request, decides each step between one exact AR step and a
+// speculative round, and for a round how many of the drafts to verify, from measured costs and
+// the drafter's measured calibration. It never changes what is committed (only target tokens
+// are), only how fast they come.
+//
+// Model. A round that drafts (cost t_draft) and verifies `last` + k drafts (cost c(k + 1),
+// commit and rollback included) commits 1 + A tokens, A the accepted run. With q_i the
+// probability that draft i is accepted given drafts 1..i-1 were, E[1 + A] = 1 + sum_j prod_{i<=j}
+// q_i. q_i comes from the drafter's own top-1 probability p_i through a calibration table
+// (acceptance rate per p-bin over a sliding window of rounds). The long-run rate of a renewal
+// process is E[tokens] / E[time]; the per-round choice that maximises it is the k maximising
+// E[tokens | k] - lambda * c(k + 1) with lambda the rate to beat (Dinkelbach), here the best
+// rate measured so far (speculation's over the window, or AR's).
+//
+// Modes. SPEC runs rounds and, every `ar_probe_every` rounds, one AR step to keep the AR cost
+// current (it grows with the context). When the window's speculative rate falls below the AR
+// rate, AR mode runs `backoff` AR steps, then speculation is probed again for `min_rounds`
+// rounds: kept when it beats AR, else back to AR with the backoff doubled (up to backoff_max).
+// A probe costs at most min_rounds rounds, and the doubling bounds how often it is paid.
+//
+// Costs are measured on the steady clock per step (AR, draft, verify by size); an unseen verify
+// size is priced by a least-squares line through the seen ones (and the AR step as size 1).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+namespace dfn {
+
+struct controller_params {
+    int64_t window_rounds = 64;   // rounds the calibration and the speculative rate look back on
+    int64_t min_rounds = 4;       // rounds before speculation is judged against AR (and a probe's length)
+    int64_t ar_probe_every = 32;  // in SPEC mode, one AR step per this many rounds
+    int64_t backoff_min = 16;     // AR steps before the first re-probe of speculation
+    int64_t backoff_max = 1024;
+};
+
+class controller {
+public:
+    enum class mode { ar, spec };
+    static constexpr int k_bins = 12;
+
+    explicit controller(int64_t max_block, controller_params p = {});
+
+    // A new request: its mode and back-off start afresh; the cost estimates and the window carry
+    // over as starting points (properties of the machine and the pair, re-measured as it runs).
+    void begin_request();
+    // What the next step is: AR or a round. The first step of a request is AR (it measures AR).
+    mode next() const;
+    // Drafts to verify, 0..n, from the drafter's top-1 probabilities p[0..n) of one draft pass.
+    int64_t choose(const float * p, int64_t n) const;
+
+    // What a step cost and did (seconds: measured, or the fixed costs under set_fixed_costs).
+    void observe_ar(double seconds);
+    // k verified drafts with probabilities p[0..k), `accepted` of them accepted.
+    void observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s);
+
+    // Tests: replace the measured times by c(n) = v0 + v1 * n, t_draft and t_ar.
+    void set_fixed_costs(double t_ar, double t_draft, double v0, double v1);
+
+    // Read-outs (engine stats, benchmarks, tests).
+    double ar_cost() const { return t_ar_; }
+    double draft_cost() const { return t_draft_; }
+    double verify_cost(int64_t n) const;  // c(n): the measured mean, else the fitted line
+    double calibrated(float p) const;     // acceptance probability of a draft of top-1 probability p
+    double spec_rate() const;             // tokens/s of the window's rounds (0: none yet)
+    mode current() const { return mode_; }
+    int64_t switches() const { return switches_; }
+
+private:
+    struct round_obs {
+        double seconds = 0;
+        int64_t tokens = 0;
+        std::vector<std::pair<uint8_t, bool>> outcomes;  // (p-bin, accepted) per observed draft
+    };
+    static int bin_of(float p);
+    static double ewma(double old, double sample, int64_t n_seen);
+    void forget_rounds();  // empties the window (a new probe measures fresh)
+    void settle_mode();    // after a round or an AR step: switch when the evidence says so
+
+    controller_params p_;
+    int64_t max_block_;
+    // costs (seconds)
+    double t_ar_ = 0, t_draft_ = 0;
+    int64_t n_ar_ = 0, n_draft_ = 0;
+    std::vector<double> t_verify_;  // [max_block + 1]: mean cost of a verify of n tokens
+    std::vector<int64_t> n_verify_;
+    bool fixed_ = false;
+    double fixed_v0_ = 0, fixed_v1_ = 0;
+    // acceptance calibration over the window
+    std::deque<round_obs> window_;
+    int64_t bin_hit_[k_bins] = {}, bin_n_[k_bins] = {};
+    double win_s_ = 0;
+    int64_t win_tokens_ = 0;
+    // mode
+    mode mode_ = mode::ar;
+    bool probing_ = false;
+    int64_t ar_left_ = 1;          // AR steps before the next round (the first step measures AR)
+    int64_t rounds_since_ar_ = 0;  // SPEC: rounds since the last AR probe
+    int64_t backoff_ = 0;
+    int64_t switches_ = 0;
+};
+
+}  // namespace dfn

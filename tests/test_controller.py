@@ -1,0 +1,164 @@
+"""The speculation controller (csrc/controller.h, Engine(gate=True), the default).
+
+What it decides never changes the output: every test compares with AR. Its decisions are tested
+under fixed costs (_core.testing.controller_fixed_costs), so that they depend on acceptance only
+and not on this machine's timing; forced drafts (Engine._draft_override) set the acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.cli import default_pair
+from dflash_native.convert import convert_hf_to_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
+
+PROMPT = [int(x) for x in np.random.default_rng(4).integers(3, 500, 13)]
+TEXT = "def parse_args(argv):\n    "
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def random_pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ctl-" + request.param)
+    ckpt = make_random_checkpoint(d / "t", request.param, seed=11)
+    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f32", seed=12, block_size=8, target_gguf=tg)
+    return tg, dg
+
+
+@pytest.fixture
+def embedded():
+    pair = default_pair()
+    assert pair is not None, "the package ships its default pair"
+    return dn.Engine(pair[0], drafter=pair[1], n_ctx=1024, n_threads=1)
+
+
+def fixed_costs(eng, ar=1.0, draft=0.5, v0=1.0, v1=0.1):
+    """The controller prices an AR step at `ar`, a draft at `draft`, a verify of n at v0 + v1 n."""
+    _core.testing.controller_fixed_costs(eng._spec, ar, draft, v0, v1)
+
+
+def test_controller_is_the_default_and_lossless(random_pair):
+    """Under measured costs (whatever this machine makes of them) the output is AR's."""
+    eng = dn.Engine(random_pair[0], drafter=random_pair[1], n_ctx=512, kv_type="f32", n_threads=1)
+    assert eng.gate
+    ar = eng.generate(PROMPT, max_tokens=150, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=150)
+    assert sp.tokens == ar.tokens and sp.stats.stop_reason == "length"
+    # its first step is AR (it measures AR); the rest are rounds or AR steps
+    assert sp.stats.ar_steps >= 1 and sp.stats.ar_steps + sum(
+        k * c for k, c in enumerate(sp.stats.acceptance_histogram)) == len(sp.tokens) - 1
+
+
+def test_falls_back_to_ar_and_probes_again_with_a_doubling_backoff(random_pair):
+    """Speculation that loses to AR (a random drafter: nothing is accepted) is left for AR after
+    min_rounds (4) rounds, probed again after 16 AR steps, then after 32, 64 ...; exact throughout."""
+    eng = dn.Engine(random_pair[0], drafter=random_pair[1], n_ctx=512, kv_type="f32", n_threads=1)
+    fixed_costs(eng, ar=1.0, draft=0.5, v0=1.0, v1=0.1)
+    ar = eng.generate(PROMPT, max_tokens=200, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=200)
+    assert sp.tokens == ar.tokens
+    st = sp.stats
+    # 1 AR + 4 rounds + 16 AR + 4 rounds + 32 AR + 4 rounds + 64 AR + 4 rounds + 128 AR ... = 200 tokens
+    assert st.controller_switches >= 6
+    assert st.rounds <= 4 * (st.controller_switches // 2 + 1) and st.ar_steps >= 1 + 16 + 32 + 64
+
+
+def test_goes_back_to_speculation_when_drafts_are_accepted_again(embedded):
+    """Both directions in one request: drafts that are all rejected for the first 80 tokens send
+    it to AR; once drafts are the AR continuation, a probe wins and the request ends speculating."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=400, speculative=False)
+    full = ar.tokens + [0] * 64
+
+    def forced(prompt, out, B):
+        if len(out) < 80:  # a wrong first draft: nothing accepted
+            return [(full[len(out)] + 1) % eng.n_vocab] * (B - 1)
+        return full[len(out): len(out) + B - 1]
+
+    fixed_costs(eng, ar=1.0, draft=0.5, v0=1.0, v1=0.1)
+    eng._draft_override = forced
+    try:
+        sp = eng.generate(TEXT, max_tokens=400)
+        state = eng._spec.controller_state()
+    finally:
+        eng._draft_override = None
+    assert sp.tokens == ar.tokens
+    assert sp.stats.controller_switches >= 2 and sp.stats.ar_steps >= 16
+    assert state["mode"] == "spec"
+    hist = sp.stats.acceptance_histogram
+    assert sum(hist[8:]) >= 10  # long accepted runs once the drafts are right
+
+
+def test_verifies_fewer_drafts_as_verify_costs_more(embedded):
+    """Perfect drafts (the AR continuation): when a verified token is cheap, the controller verifies
+    about the whole block; when it costs as much as an AR step per token, it speculates no more."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=200, speculative=False)
+    full = ar.tokens + [0] * 64
+    eng._draft_override = lambda prompt, out, B: full[len(out): len(out) + B - 1]
+    try:
+        fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.01)
+        cheap = eng.generate(TEXT, max_tokens=200)
+        fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=5.0)
+        dear = eng.generate(TEXT, max_tokens=200)
+    finally:
+        eng._draft_override = None
+    assert cheap.tokens == ar.tokens and dear.tokens == ar.tokens
+    assert cheap.stats.mean_verified_length >= 12 and cheap.stats.ar_steps <= 1 + cheap.stats.rounds // 32 + 1
+    assert dear.stats.ar_steps > 4 * dear.stats.rounds
+
+
+def test_gate_false_restores_fixed_settings(embedded):
+    """gate=False: every step is a round of block_size, as before the controller."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=120, speculative=False)
+    eng.gate = False
+    try:
+        assert not eng.gate
+        sp = eng.generate(TEXT, max_tokens=120)
+    finally:
+        eng.gate = True
+    assert sp.tokens == ar.tokens
+    assert sp.stats.ar_steps == 0 and sp.stats.controller_switches == 0
+    assert sp.stats.mean_verified_length == eng.block_size
+    assert eng.generate(TEXT, max_tokens=120).tokens == ar.tokens  # on again
+
+
+def test_long_ar_stretch_leaves_the_ring_as_a_fresh_prefill(tmp_path):
+    """AR stretches longer than the ring queue one feature row per step; rows older than the ring
+    are dropped before the push. After such stretches the ring, the caches and the next draft
+    equal a fresh prefill of the same tokens (tolerance: batch vs one-token rounding in F32)."""
+    ckpt = make_random_checkpoint(tmp_path / "t", "qwen3_5", seed=21)
+    tg = convert_hf_to_gguf(ckpt, tmp_path / "t.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(tmp_path / "d.gguf", ckpt, outtype="f32", seed=22, block_size=8, target_gguf=tg)
+    eng = dn.Engine(tg, drafter=dg, n_ctx=512, kv_type="f32", n_threads=1, feature_ring_capacity=16)
+    fixed_costs(eng)  # nothing is accepted: stretches of 16, 32, 64 AR steps
+    ar = eng.generate(PROMPT, max_tokens=120, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=120)
+    assert sp.tokens == ar.tokens and sp.stats.ar_steps > 64 and sp.stats.stop_reason == "length"
+    t, s = eng._core, eng._spec
+    out = sp.tokens
+    assert t.n_past == len(PROMPT) + len(out) - 1
+
+    t2 = _core.Target(str(tg), n_ctx=512, kv_type="f32", max_verify=8, n_threads=1)
+    s2 = _core.Spec(t2, str(dg), ring_capacity=16)
+    assert s2.prefill(PROMPT + out[:-1]) == out[-1]
+    d1 = s.draft_logits(out[-1], 8, t)  # pushes the pending rows first
+    d2 = s2.draft_logits(out[-1], 8, t2)
+    assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    for il in range(s.drafter_n_layer):
+        for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
+
+
+def test_controller_state_reports_costs(embedded):
+    """The read-out the benchmarks record: measured AR, draft and verify costs, one per size."""
+    eng = embedded
+    eng.generate(TEXT, max_tokens=64)
+    st = eng._spec.controller_state()
+    assert st["mode"] in ("ar", "spec") and len(st["verify_s"]) == eng.block_size
+    assert st["ar_s"] > 0 and st["draft_s"] > 0 and all(v > 0 for v in st["verify_s"])
