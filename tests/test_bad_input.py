@@ -375,8 +375,8 @@ def test_non_finite_logits_raise_on_every_path(pair, nan_files, kind):
 
 
 def test_non_finite_logits_in_verify_and_ar_step(pair, nan_files):
-    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
-    fresh = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
+    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], gate=False, n_ctx=64, n_threads=2)
+    fresh = dn.Engine(nan_files["token_99"], drafter=pair[1], gate=False, n_ctx=64, n_threads=2)
     want = fresh.generate([5, 6, 7], max_tokens=10).tokens
     eng._draft_override = lambda prompt, out, B: [99] * (B - 1)  # the target verifies token 99 at position 4
     with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
@@ -392,7 +392,7 @@ def test_non_finite_logits_in_verify_and_ar_step(pair, nan_files):
 
 @pytest.mark.parametrize("cutoff", [0.0, 0.5])  # argmax op / top1 op
 def test_non_finite_logits_in_draft(pair, nan_files, cutoff):
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], n_ctx=64, n_threads=2, draft_cutoff=cutoff)
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2, draft_cutoff=cutoff)
     assert len(eng._spec.draft_vocab) == 200
     with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
         eng.generate([5, 6, 7], max_tokens=10)

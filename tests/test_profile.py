@@ -11,7 +11,7 @@ from dflash_native.cli import default_pair
 @pytest.fixture(scope="module")
 def engine():
     target, drafter = default_pair()
-    return dn.Engine(target, drafter=drafter, block_size=8, n_ctx=256, n_threads=2)
+    return dn.Engine(target, drafter=drafter, gate=False, block_size=8, n_ctx=256, n_threads=2)
 
 
 PROMPT = "def parse(self, text):\n    "

@@ -88,7 +88,7 @@ def test_drafter_matches_reference(pair):
 @pytest.mark.parametrize("B,capacity", [(2, 8), (3, 13), (8, 16), (16, 16), (16, 300)])
 def test_lossless_engine(pair, B, capacity):
     """Engine speculative output == AR output of the same engine (random drafter: acceptance ~1)."""
-    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=B, feature_ring_capacity=capacity,
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], gate=False, block_size=B, feature_ring_capacity=capacity,
                     n_ctx=256, kv_type="f32", n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=60)
@@ -423,7 +423,8 @@ def test_windowed_draft_matches_reference_on_the_window(trained_pair, window):
 @pytest.mark.parametrize("window", [None, 5])
 def test_lossless_with_the_trained_window(trained_pair, window):
     """Speculative == AR with a window (trained or explicit) far smaller than the generation."""
-    eng = dn.Engine(trained_pair["target"], drafter=trained_pair["drafter"], block_size=4, drafter_window=window,
+    eng = dn.Engine(trained_pair["target"], drafter=trained_pair["drafter"], gate=False,
+                        block_size=4, drafter_window=window,
                     n_ctx=256, kv_type="f32", n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=60)
@@ -434,7 +435,8 @@ def test_lossless_with_the_trained_window(trained_pair, window):
 def test_stop_and_length_inside_a_committed_block(pair):
     """Rounds that commit many tokens at once still stop exactly where AR stops: max_tokens and
     stop strings cut inside the block (drafts forced to the AR continuation: full acceptance)."""
-    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=8, n_ctx=256, kv_type="f32", n_threads=2)
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], gate=False,
+                        block_size=8, n_ctx=256, kv_type="f32", n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=40, speculative=False)
     ref = ar.tokens
     eng._draft_override = lambda prompt, out, B: (ref[len(out): len(out) + B - 1] + [0] * B)[: B - 1]
@@ -498,7 +500,7 @@ def test_q8_0_verify_and_rollback_are_bitwise(q8_pair):
 @x86_only
 def test_q8_0_speculative_is_bitwise_ar(q8_pair):
     tg, dg = q8_pair
-    eng = dn.Engine(tg, drafter=dg, block_size=8, feature_ring_capacity=20, n_ctx=256, n_threads=2)
+    eng = dn.Engine(tg, drafter=dg, gate=False, block_size=8, feature_ring_capacity=20, n_ctx=256, n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=80, speculative=False)
     assert eng.generate(PROMPT, max_tokens=80).tokens == ar.tokens
     rng = np.random.default_rng(0)
@@ -515,7 +517,7 @@ def test_q8_0_speculative_is_bitwise_ar(q8_pair):
 def test_rollback_baselines_are_exact_too(q8_pair, mode):
     """The benchmark baselines (per-token snapshots, re-decode) roll back to the same bits."""
     tg, dg = q8_pair
-    eng = dn.Engine.for_benchmark(tg, drafter=dg, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
+    eng = dn.Engine.for_benchmark(tg, drafter=dg, gate=False, block_size=8, n_ctx=256, n_threads=2, rollback=mode)
     ar = eng.generate(PROMPT, max_tokens=40, speculative=False).tokens
     rng = np.random.default_rng(1)
     eng._draft_override = lambda p, out, B: [tok if rng.random() > 0.3 else (tok + 1) % 500
@@ -543,7 +545,7 @@ def test_eos_inside_a_committed_block(tmp_path):
     ckpt = make_random_checkpoint(tmp_path / "t", "qwen3_5", seed=5)
     tg = convert_hf_to_gguf(ckpt, tmp_path / "t.gguf", outtype="f32")
     dg = make_random_drafter_gguf(tmp_path / "d.gguf", ckpt, outtype="f32", seed=6, block_size=8, target_gguf=tg)
-    eng = dn.Engine(tg, drafter=dg, n_ctx=256, kv_type="f32", n_threads=2)
+    eng = dn.Engine(tg, drafter=dg, gate=False, n_ctx=256, kv_type="f32", n_threads=2)
     prompt = [int(t) for t in np.random.default_rng(26).integers(3, 600, 11)]  # found to end with EOS after 18
     ar = eng.generate(prompt, max_tokens=120, speculative=False)
     assert ar.stats.stop_reason == "eos" and len(ar.tokens) < 60
@@ -558,7 +560,8 @@ def test_eos_inside_a_committed_block(tmp_path):
 def test_draft_cutoff_is_lossless(pair, cutoff):
     """A confidence cut shortens the verify pass (down to `last` alone at cutoff 1) and never
     changes the output."""
-    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=16, n_ctx=256, kv_type="f32", n_threads=2,
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], gate=False,
+                        block_size=16, n_ctx=256, kv_type="f32", n_threads=2,
                     draft_cutoff=cutoff)
     ar = eng.generate(PROMPT, max_tokens=48, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=48)
@@ -629,7 +632,8 @@ def test_draft_vocab_drafts_its_argmax(vocab_pair):
 
 @pytest.mark.parametrize("cutoff", [0.0, 0.05])
 def test_draft_vocab_is_lossless(vocab_pair, cutoff):
-    eng = dn.Engine(vocab_pair["target"], drafter=vocab_pair["drafter"], block_size=8, n_ctx=256, kv_type="f32",
+    eng = dn.Engine(vocab_pair["target"], drafter=vocab_pair["drafter"], gate=False,
+                        block_size=8, n_ctx=256, kv_type="f32",
                     n_threads=2, draft_cutoff=cutoff)
     ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=60)
