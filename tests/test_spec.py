@@ -424,7 +424,7 @@ def test_windowed_draft_matches_reference_on_the_window(trained_pair, window):
 def test_lossless_with_the_trained_window(trained_pair, window):
     """Speculative == AR with a window (trained or explicit) far smaller than the generation."""
     eng = dn.Engine(trained_pair["target"], drafter=trained_pair["drafter"], gate=False,
-                        block_size=4, drafter_window=window,
+                    block_size=4, drafter_window=window,
                     n_ctx=256, kv_type="f32", n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=60)
@@ -561,7 +561,7 @@ def test_draft_cutoff_is_lossless(pair, cutoff):
     """A confidence cut shortens the verify pass (down to `last` alone at cutoff 1) and never
     changes the output."""
     eng = dn.Engine(pair["target"], drafter=pair["drafter"], gate=False,
-                        block_size=16, n_ctx=256, kv_type="f32", n_threads=2,
+                    block_size=16, n_ctx=256, kv_type="f32", n_threads=2,
                     draft_cutoff=cutoff)
     ar = eng.generate(PROMPT, max_tokens=48, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=48)
@@ -633,7 +633,7 @@ def test_draft_vocab_drafts_its_argmax(vocab_pair):
 @pytest.mark.parametrize("cutoff", [0.0, 0.05])
 def test_draft_vocab_is_lossless(vocab_pair, cutoff):
     eng = dn.Engine(vocab_pair["target"], drafter=vocab_pair["drafter"], gate=False,
-                        block_size=8, n_ctx=256, kv_type="f32",
+                    block_size=8, n_ctx=256, kv_type="f32",
                     n_threads=2, draft_cutoff=cutoff)
     ar = eng.generate(PROMPT, max_tokens=60, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=60)
