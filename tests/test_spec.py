@@ -436,7 +436,7 @@ def test_stop_and_length_inside_a_committed_block(pair):
     """Rounds that commit many tokens at once still stop exactly where AR stops: max_tokens and
     stop strings cut inside the block (drafts forced to the AR continuation: full acceptance)."""
     eng = dn.Engine(pair["target"], drafter=pair["drafter"], gate=False,
-                        block_size=8, n_ctx=256, kv_type="f32", n_threads=2)
+                    block_size=8, n_ctx=256, kv_type="f32", n_threads=2)
     ar = eng.generate(PROMPT, max_tokens=40, speculative=False)
     ref = ar.tokens
     eng._draft_override = lambda prompt, out, B: (ref[len(out): len(out) + B - 1] + [0] * B)[: B - 1]
