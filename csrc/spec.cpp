@@ -235,7 +235,8 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
     }
 }
 
-void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out) {
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
+                             bool dv_logits) {
     check_draft(last, B);
     draft_graph d;
     d.B = B;
@@ -255,9 +256,9 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // per query: key position k is visible from query position q when q - k < w.
     d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
     d.w = drafter_->hparams().sliding_window;
-    // the drafts come from the draft vocabulary's rows when there is one (logits_out: always the
-    // whole vocabulary, for tests)
-    d.sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
+    // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
+    // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
+    d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
     std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "drafter.h"
+#include "sampler.h"
 #include "session.h"
 
 #include <algorithm>
@@ -57,6 +58,15 @@ public:
     // Rounds may follow: the ring stays in step with the target.
     int32_t ar_step(int32_t last);
 
+    // Sampled decoding (sampler.h; spec_sampled.cpp): prefill, AR probe and round as above, with
+    // each target token drawn by the sampler at its position instead of taken by argmax, and the
+    // drafter proposing its own draw under the same noise. The committed tokens equal sampled AR
+    // decoding's at p.seed (p.temperature > 0).
+    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p);
+    int32_t ar_step_sampled(int32_t last, const sampling_params & p);
+    round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
+                               const std::vector<int32_t> * forced_draft = nullptr);
+
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
     // feats: [m, n_taps, n_embd] row-major.
     void push_features(const float * feats, int64_t m, int64_t pos0);
@@ -98,8 +108,11 @@ private:
     void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
 
     // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
-    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
-    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr);
+    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability). dv_logits: the
+    // logits over the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
+                   bool dv_logits = false);
+    bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
     // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
     struct draft_graph {
         enum output { ARGMAX, LOGITS, TOP1 } what = ARGMAX;
@@ -124,6 +137,9 @@ private:
     void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
     // argmax_out: the argmax output; f32_out: the logits or top1 output
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
+    // d_1..d_{B-1} drawn by the sampler at positions n_past+1.., cut as draft_with_cut cuts (the
+    // product of the drafts' probabilities under the drafter's filtered distribution)
+    std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p);
     // d_1..d_{B-1} by argmax, cut where the running product of top-1 probabilities < draft_cutoff.
     std::vector<int32_t> draft_with_cut(int32_t last, int64_t B);
 
