@@ -61,7 +61,7 @@ def test_sampled_speculative_equals_sampled_ar(pair, B, capacity, si):
         sp = eng.generate(PROMPT, **kw)
         assert sp.stats.speculative and sp.stats.rounds > 0 and sp.stats.seed == seed
         assert sp.tokens == ar.tokens, (seed, SETTINGS[si])
-        assert len(sp.tokens) == 48
+        assert len(sp.tokens) == 48 or sp.stats.stop_reason == "eos"  # a sampled EOS ends both alike
 
 
 def test_acceptance_happens(pair):
