@@ -215,3 +215,40 @@ def test_default_pair_sampled_speculative_equals_sampled_ar(B):
             assert sp.tokens == ar.tokens, (i, s)
             acc.append(sp.stats.mean_acceptance_length)
     assert max(acc) > 1.0  # drafts were accepted: the rounds ran their rollback
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    arch, t_over, d_over = PAIRS["qwen35"]
+    d = tmp_path_factory.mktemp("sampling-joint")
+    ckpt = make_random_checkpoint(d / "target", arch, seed=11, **t_over)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    return tg, make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=12, block_size=16,
+                                        target_gguf=tg, **d_over)
+
+
+def test_joint_distribution_of_two_tokens_with_the_drafter(hybrid_pair):
+    """The first two tokens of speculative generation (the prefill's draw, then the first round's)
+    over 20,000 fixed seeds follow P(t1) P(t2 | t1) of the filtered, tempered target softmax
+    (chi-square at significance 1e-3; top_k = 6 keeps the joint table small)."""
+    from reference import sampling_ref as ref
+    from test_sampler import ALPHA, N_SEEDS, chi_square_p_value
+
+    s = dict(temperature=2.0, top_k=6)
+    eng = engine(hybrid_pair, block_size=2)
+    p1 = ref.kept_probs(eng.eval(PROMPT)[-1], **s)
+    first = np.flatnonzero(p1)
+    joint = np.zeros((len(p1), len(p1)))
+    for t1 in first:
+        joint[t1] = p1[t1] * ref.kept_probs(eng.eval(PROMPT + [int(t1)])[-1], **s)
+    counts = np.zeros_like(joint)
+    spec = eng._spec  # the steps generate() takes, without its per-call Python (checked below)
+    for seed in range(N_SEEDS):
+        sampling = _core.Sampling(seed=seed * 0x9E3779B1 + 1, **s)
+        t1 = spec.prefill(PROMPT, sampling)
+        t2 = spec.round(t1, 2, None, sampling).committed[0]
+        counts[t1, t2] += 1
+        if seed < 20:
+            assert eng.generate(PROMPT, max_tokens=2, seed=sampling.seed, **s).tokens == [t1, t2]
+    assert counts[joint == 0].sum() == 0
+    assert chi_square_p_value(counts.ravel(), joint.ravel()) > ALPHA
