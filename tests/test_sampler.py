@@ -188,3 +188,16 @@ def test_chi_square_rejects_a_wrong_temperature(tiny_logits):
     seeds = np.arange(N_SEEDS, dtype=np.uint64)
     counts = np.bincount(T.sample_seeds(logits, _sampling(1.0), seeds, len(prompt)), minlength=len(logits))
     assert chi_square_p_value(counts, ref.kept_probs(logits, temperature=0.8)) < ALPHA
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.5, top_p=0.95),
+                                    dict(temperature=0.05, min_p=0.001)])
+def test_pruned_draw_equals_reference_on_a_large_vocabulary(params):
+    """Over several 256-token blocks the draw skips the logs for tokens that cannot win; it must
+    still pick the plain argmax over every kept token (the reference computes every score)."""
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(5000) * 4).astype(np.float32)
+    logits[rng.integers(0, 5000, 50)] = -np.inf
+    for seed in range(25):
+        s = _sampling(seed=seed * 7919 + 3, **params)
+        assert T.sample(logits, s, 123)[0] == ref.sample(logits, seed=s.seed, pos=123, **params)
