@@ -14,6 +14,14 @@ drafts and the measurement is on held-out code prompts (stdlib files the pair ne
 mean acceptance length, tok/s and speedup vs AR on the same engine, block sizes 4, 8, 16.
 
     python bench/spec_e2e.py --pair --json bench/results/spec_e2e.jsonl
+
+With --sampling (the trained pair, as --pair): greedy and sampled settings side by side (T in
+--temps, top_p --top-p, one fixed seed per prompt), each speculative run against AR at the same
+settings and seed on the same engine: mean acceptance length, speedup, whether the tokens are
+identical, and the sampler's cost per AR step (the draw alone on a real logits row, and the
+sampled AR step against the greedy one).
+
+    python bench/spec_e2e.py --sampling --json bench/results/spec_e2e_sampling.jsonl
 """
 
 from __future__ import annotations
@@ -43,6 +51,97 @@ def main_pair(a) -> None:
                                          draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps))
 
 
+def _fastest(runs):
+    return min(runs, key=lambda r: r.stats.decode_s)
+
+
+def sampler_cost(eng, prompt_text: str, settings, n: int = 2000) -> dict:
+    """Microseconds per draw of the sampler alone (_core.testing.sample_seeds over n seeds) on the
+    prompt's last logits row, for each sampled setting."""
+    import time
+
+    from dflash_native import _core
+
+    row = np.ascontiguousarray(eng.eval(prompt_text)[-1])
+    seeds = np.arange(n, dtype=np.uint64)
+    out = {}
+    for name, kw in settings:
+        if kw.get("temperature", 0) > 0:
+            s = _core.Sampling(kw["temperature"], top_p=kw.get("top_p", 1.0))
+            best = min(_timed(lambda: _core.testing.sample_seeds(row, s, seeds, 100), time) for _ in range(3))
+            out[name] = best / n * 1e6
+    return out
+
+
+def _timed(f, time) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def main_sampling(a) -> None:
+    import dflash_native as dn
+    from dflash_native.train import corpus
+
+    target, drafter = resolve_pair(a.target, a.drafter)
+    blocks = [int(b) for b in a.blocks.split(",")]
+    gen = a.gen if a.gen != 48 else 128
+    settings = [("greedy", {})] + [(f"T={float(t):g}", dict(temperature=float(t), top_p=a.top_p)) for t in a.temps.split(",")]
+    print(f"# spec_e2e --sampling: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
+          f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated, top_p={a.top_p}, reps={a.reps} "
+          f"(fastest kept); rev {git_rev()}")
+    rows = []
+    for B in blocks:
+        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=96 + gen + 2 * B + 8, n_threads=a.threads)
+        prompts = corpus.heldout_prompts(a.prompts, 96, eng, seed=0)
+        for _, kw in settings:  # warm-up: graph plans of every path
+            eng.generate(prompts[0].text, max_tokens=16, speculative=False, seed=1, **kw)
+            eng.generate(prompts[0].text, max_tokens=16, seed=1, **kw)
+        acc = {name: dict(ar_s=0.0, n_ar=0, sp_s=0.0, n_sp=0, committed=0, rounds=0, same=0) for name, _ in settings}
+        for i, p in enumerate(prompts):
+            for name, kw in settings:
+                ar_runs, sp_runs = [], []
+                for _ in range(a.reps):
+                    ar_runs.append(eng.generate(p.text, max_tokens=gen, speculative=False, seed=1000 + i, **kw))
+                    sp_runs.append(eng.generate(p.text, max_tokens=gen, seed=1000 + i, **kw))
+                ar, sp = _fastest(ar_runs), _fastest(sp_runs)
+                t = acc[name]
+                t["ar_s"] += ar.stats.decode_s
+                t["n_ar"] += max(ar.stats.n_generated - 1, 0)
+                t["sp_s"] += sp.stats.decode_s
+                t["n_sp"] += max(sp.stats.n_generated - 1, 0)
+                t["committed"] += sum(k * n for k, n in enumerate(sp.stats.acceptance_histogram))
+                t["rounds"] += sp.stats.rounds
+                t["same"] += sp.tokens == ar.tokens
+        cost = sampler_cost(eng, prompts[0].text, settings)
+        greedy_ar = acc["greedy"]["n_ar"] / acc["greedy"]["ar_s"]
+        greedy_speedup = (acc["greedy"]["n_sp"] / acc["greedy"]["sp_s"]) / greedy_ar
+        print(f"\nB={B}: greedy AR step {1e3 / greedy_ar:.3f} ms")
+        print("| setting | mean acceptance length | AR tok/s | DFlash tok/s | speedup | speedup / greedy's "
+              "| AR step vs greedy AR step | sampler alone per draw | spec == AR |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for name, kw in settings:
+            t = acc[name]
+            ar_tok_s, sp_tok_s = t["n_ar"] / t["ar_s"], t["n_sp"] / t["sp_s"]
+            speedup = sp_tok_s / ar_tok_s
+            step_ratio = greedy_ar / ar_tok_s  # sampled AR step time over the greedy one
+            us = cost.get(name)
+            print(f"| {name}{'' if not kw else f', top_p {a.top_p:g}'} | {t['committed'] / max(t['rounds'], 1):.2f} "
+                  f"| {ar_tok_s:.1f} | {sp_tok_s:.1f} | {speedup:.2f}x | {speedup / greedy_speedup:.2f} "
+                  f"| {step_ratio:.3f} | {'-' if us is None else f'{us:.1f} us ({us * 1e-6 * greedy_ar:.1%})'} "
+                  f"| {t['same']}/{len(prompts)} |")
+            rows.append({"bench": "spec_e2e_sampling", "B": B, "setting": name, **kw,
+                         "mean_acceptance_length": t["committed"] / max(t["rounds"], 1), "ar_tok_s": ar_tok_s,
+                         "spec_tok_s": sp_tok_s, "speedup": speedup, "speedup_over_greedy_speedup": speedup / greedy_speedup,
+                         "ar_step_over_greedy_ar_step": step_ratio, "sampler_us_per_draw": us,
+                         "sampler_share_of_greedy_ar_step": None if us is None else us * 1e-6 * greedy_ar,
+                         "spec_identical_prompts": t["same"], "prompts": len(prompts), "gen": gen, "reps": a.reps,
+                         "threads": a.threads, "target": Path(target).name, "drafter": Path(drafter).name,
+                         "machine": machine(), "rev": git_rev()})
+        eng.close()
+    write_jsonl(a.json, rows)
+
+
 def main():
     import dflash_native as dn
 
@@ -65,7 +164,12 @@ def main():
     ap.add_argument("--reps", type=int, default=1,
                     help="--pair: interleaved passes per prompt and setting; each one's fastest counts")
     ap.add_argument("--draft-vocab", default="on", help="--pair: Engine.draft_vocab settings, side by side (on,off)")
+    ap.add_argument("--sampling", action="store_true", help="the trained pair: greedy vs sampled settings")
+    ap.add_argument("--temps", default="0.3,0.7,1.0", help="--sampling: temperatures")
+    ap.add_argument("--top-p", type=float, default=0.95, help="--sampling: top_p of the sampled settings")
     a = ap.parse_args()
+    if a.sampling:
+        return main_sampling(a)
     if a.pair:
         return main_pair(a)
 

@@ -1,12 +1,14 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 //
 // One binder per area: module information (bind_module_info), verify primitives (bind_verify),
-// the GDN tape (bind_tape), the Target and Spec sessions (bind_target, bind_spec), and the hooks
+// the GDN tape (bind_tape), the sampling settings (bind_sampling), the Target and Spec sessions
+// (bind_target, bind_spec), and the hooks
 // only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
 #include "common.h"
 #include "conv.h"
 #include "matmul.h"
 #include "profile.h"
+#include "sampler.h"
 #include "top1.h"
 #include "gdn_tape.h"
 #include "verify.h"
@@ -21,7 +23,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 namespace py = pybind11;
@@ -246,6 +250,33 @@ void bind_tape(py::module_ & m) {
         "State after the first n tokens of a tape, from state0 ([H_v, S, S], S^T per head).");
 }
 
+// ---- sampling -----------------------------------------------------------------------------------
+
+void bind_sampling(py::module_ & m) {
+    py::class_<sampling_params>(m, "Sampling", "One request's sampling settings (sampler.h), checked when made")
+        .def(py::init([](double temperature, int64_t top_k, double top_p, double min_p, uint64_t seed) {
+                 sampling_params p;
+                 p.temperature = temperature;
+                 p.top_k = top_k;
+                 p.top_p = top_p;
+                 p.min_p = min_p;
+                 p.seed = seed;
+                 check_sampling_params(p);
+                 return p;
+             }),
+             py::arg("temperature"), py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0,
+             py::arg("seed") = 0)
+        .def_readonly("temperature", &sampling_params::temperature)
+        .def_readonly("top_k", &sampling_params::top_k)
+        .def_readonly("top_p", &sampling_params::top_p)
+        .def_readonly("min_p", &sampling_params::min_p)
+        .def_readonly("seed", &sampling_params::seed)
+        .def("__repr__", [](const sampling_params & p) {
+            return cat("Sampling(temperature=", p.temperature, ", top_k=", p.top_k, ", top_p=", p.top_p,
+                       ", min_p=", p.min_p, ", seed=", p.seed, ")");
+        });
+}
+
 // ---- Target -----------------------------------------------------------------------------------
 
 std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
@@ -320,6 +351,15 @@ void bind_target(py::module_ & m) {
                 return s.decode(toks.data(), (int64_t) toks.size(), false, {}, true).argmax[0];
             },
             py::arg("tokens"), "decode() that returns only the greedy next token (argmax of the last row, in the graph)")
+        .def(
+            "decode_sampled",
+            [](target_session & s, const py::object & tokens, const sampling_params & p) {
+                std::vector<int32_t> toks = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.decode_sampled(toks.data(), (int64_t) toks.size(), p);
+            },
+            py::arg("tokens"), py::arg("sampling"),
+            "decode() that returns the next token drawn by the sampler (Sampling) at its position")
         .def("verify", &target_verify, py::arg("tokens"), py::arg("taps") = std::vector<int>{},
              "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
         .def(
@@ -347,15 +387,19 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
     return std::make_unique<spec_session>(t, drafter, p);
 }
 
-// Spec.round (fixed settings) and Spec.step (the controller's choice), `forced` as the benchmarks' draft
-template <round_result (spec_session::*fn)(int32_t, int64_t, const std::vector<int32_t> *)>
-round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced) {
+// Spec.round (fixed settings) and Spec.step (the controller's choice), `forced` as the benchmarks' draft;
+// with a Sampling, their sampled forms
+template <bool step>
+round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced,
+                        const sampling_params * sampling) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
     std::vector<int32_t> f;
     const bool has_forced = !forced.is_none();
     if (has_forced) f = to_tokens(forced);
     py::gil_scoped_release release;
-    return (s.*fn)(last, B, has_forced ? &f : nullptr);
+    if (step) return s.step(last, B, has_forced ? &f : nullptr, sampling);
+    if (sampling) return s.round_sampled(last, B, *sampling, has_forced ? &f : nullptr);
+    return s.round(last, B, has_forced ? &f : nullptr);
 }
 
 // The controller's estimates as they stand (engine stats, benchmarks, tests).
@@ -401,12 +445,15 @@ void def_spec_drafting(py::class_<spec_session> & c) {
     c.def("reset", &spec_session::reset)
         .def(
             "prefill",
-            [](spec_session & s, const py::object & tokens) {
+            [](spec_session & s, const py::object & tokens, const sampling_params * sampling) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
+                if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling);
                 return s.prefill(t.data(), (int64_t) t.size());
             },
-            py::arg("tokens"), "Reset, run the prompt through the target with taps, fill the ring; returns the first token")
+            py::arg("tokens"), py::arg("sampling") = py::none(),
+            "Reset, run the prompt through the target with taps, fill the ring; returns the first token (the "
+            "argmax, or with a Sampling its draw)")
         .def(
             "draft",
             [](spec_session & s, int32_t last, int64_t B) {
@@ -428,25 +475,27 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             },
             py::arg("last"), py::arg("block_size"), py::arg("target"),
             "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
-        .def("round", &spec_round<&spec_session::round>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(),
-             "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult.")
-        .def("step", &spec_round<&spec_session::step>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(),
+        .def("round", &spec_round<false>, py::arg("last"), py::arg("block_size"),
+             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(),
+             "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult. "
+             "With a Sampling: sampled drafts and target draws (spec_sampled.cpp)")
+        .def("step", &spec_round<true>, py::arg("last"), py::arg("block_size"),
+             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(),
              "The request's next step: under the controller an AR step or a round of the drafts it chose "
-             "(RoundResult.ar tells which); without it, round().")
+             "(RoundResult.ar tells which); without it, round(). With a Sampling: their sampled forms.")
         .def("controller_state", &controller_state, "The controller's cost and rate estimates (a dict)")
         .def_property_readonly("controller_switches", [](spec_session & s) { return s.control().switches(); },
                                "The controller's switches between AR and speculation in this request")
         .def(
             "ar_step",
-            [](spec_session & s, int32_t last) {
+            [](spec_session & s, int32_t last, const sampling_params * sampling) {
                 py::gil_scoped_release release;
+                if (sampling) return s.ar_step_sampled(last, *sampling);
                 return s.ar_step(last);
             },
-            py::arg("last"),
+            py::arg("last"), py::arg("sampling") = py::none(),
             "One exact AR step from `last` (the gate's probe), its features queued for the ring as a round's "
-            "are; returns the greedy next token")
+            "are; returns the greedy next token, or with a Sampling its draw")
         .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
 }
 
@@ -540,6 +589,63 @@ void bind_testing_kernels(py::module_ & t) {
             return py::make_tuple(out, st);
         },
         py::arg("state"), py::arg("x"), py::arg("w"));
+}
+
+// A 1-D float32 logits array and optional token ids as the sampler's row (the arrays outlive it).
+logits_row to_logits_row(const farr & logits, const std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> & ids) {
+    DFN_REQUIRE(logits.ndim() == 1 && logits.shape(0) >= 1, "sampling", "logits must be 1-D and non-empty");
+    DFN_REQUIRE(!ids || (ids->ndim() == 1 && ids->shape(0) == logits.shape(0)), "sampling",
+                "ids must be 1-D with one id per logit");
+    return {logits.data(), logits.shape(0), ids ? ids->data() : nullptr};
+}
+
+void bind_testing_sampler(py::module_ & t) {
+    using iarr = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+    t.def(
+        "philox4x32_10",
+        [](std::array<uint32_t, 4> ctr, std::array<uint32_t, 2> key) {
+            std::array<uint32_t, 4> out;
+            philox4x32_10(ctr.data(), key.data(), out.data());
+            return out;
+        },
+        py::arg("ctr"), py::arg("key"), "Philox4x32-10 of one counter under a key (sampler.h)");
+    t.def(
+        "gumbel",
+        [](uint64_t seed, int64_t pos, iarr tokens) {
+            py::array_t<double> g(tokens.size());
+            for (py::ssize_t i = 0; i < tokens.size(); ++i) g.mutable_data()[i] = gumbel(seed, pos, tokens.data()[i]);
+            return g;
+        },
+        py::arg("seed"), py::arg("pos"), py::arg("tokens"), "G(seed, pos, token) per token, float64");
+    t.def(
+        "sample",
+        [](farr logits, const sampling_params & p, int64_t pos, std::optional<iarr> ids) {
+            const sample_result r = sample_row(to_logits_row(logits, ids), p, pos, "sampling", true);
+            return py::make_tuple(r.token, r.logprob);
+        },
+        py::arg("logits"), py::arg("sampling"), py::arg("pos"), py::arg("ids") = py::none(),
+        "(token id, its log-probability under softmax(kept logits / T)): the sampler's draw at pos");
+    t.def(
+        "sample_filter",
+        [](farr logits, const sampling_params & p) {
+            return sampling_filter(to_logits_row(logits, std::nullopt), p, "sampling", 0);
+        },
+        py::arg("logits"), py::arg("sampling"), "Indices the filters keep, ascending");
+    t.def(
+        "sample_seeds",
+        [](farr logits, const sampling_params & p, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> seeds,
+           int64_t pos) {
+            const logits_row row = to_logits_row(logits, std::nullopt);
+            py::array_t<int32_t> out(seeds.size());
+            sampling_params q = p;
+            for (py::ssize_t i = 0; i < seeds.size(); ++i) {
+                q.seed = seeds.data()[i];
+                out.mutable_data()[i] = sample_row(row, q, pos, "sampling").token;
+            }
+            return out;
+        },
+        py::arg("logits"), py::arg("sampling"), py::arg("seeds"), py::arg("pos"),
+        "The draw at pos for each seed (the sampling's own seed is ignored)");
 }
 
 void bind_testing_tape(py::module_ & t) {
@@ -647,10 +753,12 @@ PYBIND11_MODULE(_core, m) {
     bind_module_info(m);
     bind_verify(m);
     bind_tape(m);
+    bind_sampling(m);
     bind_target(m);
     bind_spec(m);
     py::module_ t = m.def_submodule("testing", "Kernels, tape and cache inspection for tests and benchmarks");
     bind_testing_kernels(t);
+    bind_testing_sampler(t);
     bind_testing_tape(t);
     bind_testing_caches(t);
 }

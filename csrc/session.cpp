@@ -88,6 +88,12 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     return out;
 }
 
+int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p) {
+    check_sampling_params(p);
+    const decode_result r = decode(tokens, n, false);
+    return sample_row({r.logits.data(), model_->hparams().n_vocab}, p, cache_->n_past, W).token;
+}
+
 decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,
                                      bool argmax_only) {
     const target_hparams & hp = model_->hparams();

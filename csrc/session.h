@@ -5,6 +5,7 @@
 #include "graph.h"
 #include "graph_runner.h"
 #include "model.h"
+#include "sampler.h"
 
 #include "ggml-backend.h"
 
@@ -63,6 +64,10 @@ public:
     // graph: the AR loop's step).
     decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {},
                          bool argmax_only = false);
+
+    // decode() of the tokens, then the next token drawn by the sampler (sampler.h) from the last
+    // row's logits at its position (n_past after the tokens): the sampled AR step.
+    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p);
 
     // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
     // updating their state. Must be followed by commit(n_keep) before the next decode or verify.

@@ -245,7 +245,8 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
     }
 }
 
-void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out) {
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
+                             bool dv_logits) {
     check_draft(last, B);
     draft_graph d;
     d.B = B;
@@ -265,9 +266,9 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // per query: key position k is visible from query position q when q - k < w.
     d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
     d.w = drafter_->hparams().sliding_window;
-    // the drafts come from the draft vocabulary's rows when there is one (logits_out: always the
-    // whole vocabulary, for tests)
-    d.sub = !logits_out && params_.draft_vocab && drafter_->draft_head;
+    // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
+    // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
+    d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
     std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
@@ -333,27 +334,36 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     return r;
 }
 
-round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
-    if (!params_.use_controller) return round(last, B, forced_draft);
+round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft,
+                                const sampling_params * sampling) {
+    if (!params_.use_controller) {
+        return sampling ? round_sampled(last, B, *sampling, forced_draft) : round(last, B, forced_draft);
+    }
     round_result r;
     const double t0 = profile_now();
     if (ctl_.next() == controller::mode::ar) {
-        r.committed = {ar_step(last)};
+        r.committed = {sampling ? ar_step_sampled(last, *sampling) : ar_step(last)};
         r.ar = true;
         r.n_verified = 1;
         r.verify_s = profile_now() - t0;
         ctl_.observe_ar(r.verify_s);
         return r;
     }
+    // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
+    // drafter's filtered distribution)
     std::vector<float> p;
-    r.draft = draft_top1(last, B, p);
+    r.draft = sampling ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         r.draft = *forced_draft;
     }
     const int64_t k = std::min(ctl_.choose(p.data(), B - 1), cutoff_keep(p));
     r.draft.resize(k);
-    verify_and_commit(last, r, t0, profile_now());
+    if (sampling) {
+        verify_sampled(last, r, *sampling, t0, profile_now());
+    } else {
+        verify_and_commit(last, r, t0, profile_now());
+    }
     ctl_.observe_round(p.data(), k, (int64_t) r.committed.size() - 1, r.draft_s, r.verify_s + r.rollback_s);
     return r;
 }

@@ -3,6 +3,7 @@
 
 #include "controller.h"
 #include "drafter.h"
+#include "sampler.h"
 #include "session.h"
 
 #include <algorithm>
@@ -58,13 +59,24 @@ public:
 
     // The next step of a request: under the controller (params.use_controller) an AR step or a round
     // whose verified drafts the controller chose, each timed and fed back to it; else round().
-    round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
+    // With `sampling` (temperature > 0): the sampled AR step and round (spec_sampled.cpp).
+    round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr,
+                      const sampling_params * sampling = nullptr);
 
-    // One exact AR step from the last committed token (the gate's probe: Engine(gate=True)):
+    // One exact AR step from the last committed token (the controller's AR step):
     // decodes `last` with the taps, queues its features for the ring as a round's commit does,
     // and returns the greedy next token (taken in the graph, as the AR loop's decode_greedy).
     // Rounds may follow: the ring stays in step with the target.
     int32_t ar_step(int32_t last);
+
+    // Sampled decoding (sampler.h; spec_sampled.cpp): prefill, AR probe and round as above, with
+    // each target token drawn by the sampler at its position instead of taken by argmax, and the
+    // drafter proposing its own draw under the same noise. The committed tokens equal sampled AR
+    // decoding's at p.seed (p.temperature > 0).
+    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p);
+    int32_t ar_step_sampled(int32_t last, const sampling_params & p);
+    round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
+                               const std::vector<int32_t> * forced_draft = nullptr);
 
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
     // feats: [m, n_taps, n_embd] row-major.
@@ -109,8 +121,11 @@ private:
     void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
 
     // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
-    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
-    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr);
+    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability). dv_logits: the
+    // logits over the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
+                   bool dv_logits = false);
+    bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
     // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
     struct draft_graph {
         enum output { ARGMAX, LOGITS, TOP1 } what = ARGMAX;
@@ -142,6 +157,13 @@ private:
     // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's
     // start and the draft's end (profile_now) for r's times.
     void verify_and_commit(int32_t last, round_result & r, double t0, double t1);
+    // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
+    // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
+    // distribution); with it, all B-1 and their probabilities (the controller cuts)
+    std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                       std::vector<float> * probs = nullptr);
+    // round()'s verify_and_commit with the target's draws in place of its argmaxes
+    void verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1);
 
     target_session & target_;
     graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans

@@ -390,6 +390,25 @@ def test_non_finite_logits_in_verify_and_ar_step(pair, nan_files):
         core.decode_greedy([99])  # one AR step
 
 
+def test_non_finite_logits_in_sampled_paths(pair, nan_files):
+    """Sampling reads the logits rows on the host: NaN or inf there raises as in greedy decoding."""
+    kw = dict(max_tokens=8, temperature=0.8, seed=1)
+    eng = dn.Engine(nan_files["one_nan"], drafter=pair[1], n_ctx=64, n_threads=2)
+    with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
+        eng.generate([5, 6, 7], speculative=False, **kw)
+    with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
+        eng.generate([5, 6, 7], **kw)  # the sampled prefill
+    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
+    eng._draft_override = lambda prompt, out, B: [99] * (B - 1)
+    with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
+        eng.generate([5, 6, 7], **kw)
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], n_ctx=64, n_threads=2)
+    for dv in (True, False):
+        eng.draft_vocab = dv
+        with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
+            eng.generate([5, 6, 7], **kw)
+
+
 @pytest.mark.parametrize("cutoff", [0.0, 0.5])  # argmax op / top1 op
 def test_non_finite_logits_in_draft(pair, nan_files, cutoff):
     eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2, draft_cutoff=cutoff)
@@ -504,6 +523,21 @@ GENERATE_BAD = [
     (dict(stop=5), "stop must be a str, a sequence of str or None, got int"),
     (dict(stream="yes"), "stream must be True or False"),
     (dict(speculative=1), "speculative must be True or False"),
+    (dict(temperature=-0.5), r"\[sampling\] temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), r"\[sampling\] temperature must be a finite number >= 0"),
+    (dict(temperature="0.7"), "temperature must be a number, got str"),
+    (dict(temperature=0.7, top_p=0.0), r"\[sampling\] top_p must be in \(0, 1\]"),
+    (dict(temperature=0.7, top_p=1.01), r"\[sampling\] top_p must be in \(0, 1\]"),
+    (dict(temperature=0.7, min_p=1.0), r"\[sampling\] min_p must be in \[0, 1\)"),
+    (dict(temperature=0.7, min_p=-0.1), r"\[sampling\] min_p must be in \[0, 1\)"),
+    (dict(temperature=0.7, top_k=-1), r"\[sampling\] top_k must be >= 0"),
+    (dict(temperature=0.7, top_k=2.0), "top_k must be an int, got float"),
+    (dict(temperature=0.7, seed=1.5), r"seed must be None or an int in \[0, 2\*\*64\), got float"),
+    (dict(temperature=0.7, seed="3"), "seed must be None or an int"),
+    (dict(temperature=0.7, seed=True), "seed must be None or an int"),
+    (dict(temperature=0.7, seed=-1), "seed must be None or an int"),
+    (dict(temperature=0.7, seed=2**64), "seed must be None or an int"),
+    (dict(top_p=2.0), r"\[sampling\] top_p"),  # checked under greedy too
 ]
 
 

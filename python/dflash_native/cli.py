@@ -21,10 +21,12 @@ def _cmd_generate(a) -> int:
         prompt = Path(a.prompt_file).read_text()
     if prompt is None:
         prompt = sys.stdin.read()
+    kw = dict(max_tokens=a.max_tokens, stop=a.stop, stream=True, temperature=a.temperature, top_k=a.top_k,
+              top_p=a.top_p, min_p=a.min_p, seed=a.seed)
     if a.chat:
-        stream = eng.chat([{"role": "user", "content": prompt}], max_tokens=a.max_tokens, stop=a.stop, stream=True)
+        stream = eng.chat([{"role": "user", "content": prompt}], **kw)
     else:
-        stream = eng.generate(prompt, max_tokens=a.max_tokens, stop=a.stop, stream=True)
+        stream = eng.generate(prompt, **kw)
     result = None
     for piece in stream:
         sys.stdout.write(piece)
@@ -33,7 +35,8 @@ def _cmd_generate(a) -> int:
     sys.stdout.write("\n")
     s = result.stats
     print(f"[dflash-native] {s.n_prompt_tokens} prompt tokens at {s.prefill_tok_s:.1f} tok/s, "
-          f"{s.n_generated} generated at {s.decode_tok_s:.1f} tok/s (stop: {s.stop_reason})", file=sys.stderr)
+          f"{s.n_generated} generated at {s.decode_tok_s:.1f} tok/s (stop: {s.stop_reason})"
+          + ("" if s.seed is None else f", sampled with seed {s.seed}"), file=sys.stderr)
     if s.speculative:
         print(f"[dflash-native] {s.rounds} rounds of B={s.block_size} and {s.ar_steps} AR steps, mean acceptance length "
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify {s.verify_s:.2f}s, "
@@ -206,6 +209,13 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print the result as JSON after the text")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p times the top probability")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same text, with or without a drafter "
+                        "(default: a fresh one, printed)")
     g.set_defaults(fn=_cmd_generate)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class GenerationStats:
     # periodic AR cost probes and its fall-backs), and its switches between AR and speculation
     ar_steps: int = 0
     controller_switches: int = 0
+    seed: int | None = None  # the sampling seed (drawn when generate got seed=None); None when greedy
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -93,8 +95,8 @@ class Engine:
     >>> with Engine("target.gguf", drafter="drafter.gguf", n_ctx=2048) as eng:
     ...     eng.generate("def fib(n):", max_tokens=32).text
 
-    Greedy speculative output equals the AR output of the same engine (generate(...,
-    speculative=False)), token for token.
+    Speculative output equals the AR output of the same engine (generate(...,
+    speculative=False)), token for token: greedy, and sampled at the same seed.
 
     Threads: one engine runs one request at a time. A call from another thread waits until the
     running call or stream is finished (or closed); a new call from the thread that left a stream
@@ -359,9 +361,20 @@ class Engine:
         stop: str | Sequence[str] | None = (),
         stream: bool = False,
         speculative: bool | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
     ) -> GenerationResult | Iterator[StreamPiece]:
-        """Greedy generation. speculative=None uses the drafter when there is one;
+        """Generation, greedy by default. speculative=None uses the drafter when there is one;
         speculative=False runs plain AR on the same engine (the lossless baseline).
+
+        temperature > 0 samples: the filters top_k (0: off), top_p (in (0, 1], 1: off) and min_p
+        (in [0, 1), 0: off), in llama.cpp's order, then a draw from softmax(kept logits /
+        temperature) with noise fixed by (seed, position, token). Speculative output equals AR
+        output at the same seed, token for token. seed=None draws a fresh seed, reported in
+        result.stats.seed; temperature=0 is greedy (the other settings are checked, then unused).
 
         stream=True returns an iterator of StreamPiece; the request starts at its first next(),
         where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises."""
@@ -373,13 +386,14 @@ class Engine:
         stream = _bool("generate", "stream", stream)
         if speculative is not None:
             speculative = _bool("generate", "speculative", speculative)
+        sampling = _sampling(temperature, top_k, top_p, min_p, seed)
         toks = self._prompt_ids(prompt, "generate")
         if stop and self.tokenizer is None:
             raise ValueError("[generate] stop strings need a tokenizer; the model has none")
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
         spec = self._spec is not None if speculative is None else speculative
-        gen = self._stream(_Run(self, toks, max_tokens, stop, spec))
+        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling))
         if stream:
             return gen
         last = None
@@ -474,12 +488,15 @@ class _Claim:
 
 
 class _Run:
-    """One greedy request between the engine's steps: the prefill, then AR steps or speculative
+    """One request (greedy or sampled) between the engine's steps: the prefill, then AR steps or speculative
     rounds, each committing tokens that become text pieces. Every step runs under Engine._cv."""
 
-    def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool):
+    def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
+                 sampling: "_core.Sampling | None" = None):
         self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
-        self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec)
+        self.sampling = sampling  # None: greedy
+        self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
+                                     seed=None if sampling is None else sampling.seed)
         self.out: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -524,7 +541,7 @@ class _Run:
         """The prefill (also for max_tokens=0: the core checks the prompt)."""
         eng = self.eng
         t0 = time.perf_counter()
-        tok = int(eng._spec.prefill(self.prompt)) if self.spec else int(eng._core.decode_greedy(self.prompt))
+        tok = int(eng._spec.prefill(self.prompt, self.sampling)) if self.spec else self._ar(self.prompt)
         self.stats.prefill_s = time.perf_counter() - t0
         if self.max_tokens == 0:
             self.stats.stop_reason, self.done = "length", True
@@ -544,16 +561,21 @@ class _Run:
             committed = self._round(min(self.B, room))
         else:
             # AR (also the last position of n_ctx in a speculative request: no room for a block)
-            committed = [int(core.decode_greedy([self.last]))]
+            committed = [self._ar([self.last])]
         self.t_dec += time.perf_counter() - t0
         self.last = committed[-1]
         return self.emit(committed)
+
+    def _ar(self, tokens: list[int]) -> int:
+        """One AR step: the next token, greedy or drawn at its position."""
+        core = self.eng._core
+        return int(core.decode_greedy(tokens) if self.sampling is None else core.decode_sampled(tokens, self.sampling))
 
     def _round(self, Bc: int) -> list[int]:
         """A round, or under the controller whatever step it chose (Spec.step)."""
         eng, stats = self.eng, self.stats
         forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
-        r = eng._spec.step(self.last, Bc, forced)  # _core.RoundResult
+        r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
         committed = r.committed
         stats.controller_switches = eng._spec.controller_switches
         if r.ar:
@@ -641,6 +663,20 @@ def _token_ids(where: str, tokens) -> list[int]:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"[{where}] token ids must be ints, got {type(t).__name__} {t!r} at index {i}")
     return [int(t) for t in items]
+
+
+def _sampling(temperature, top_k, top_p, min_p, seed) -> "_core.Sampling | None":
+    """generate()'s sampling arguments as a checked _core.Sampling (the core checks the ranges), or
+    None for greedy (temperature 0). seed=None draws a fresh 64-bit seed."""
+    w = "generate"
+    temperature, top_p, min_p = _real(w, "temperature", temperature), _real(w, "top_p", top_p), _real(w, "min_p", min_p)
+    top_k = _int(w, "top_k", top_k)
+    if seed is None:
+        seed = secrets.randbits(64)
+    elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+        raise ValueError(f"[generate] seed must be None or an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
+    s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed))  # "[sampling] ..."
+    return s if temperature > 0 else None
 
 
 def _baseline_modes(baselines: dict | None) -> tuple[str, str]:

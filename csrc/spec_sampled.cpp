@@ -1,0 +1,106 @@
+// Sampled speculative decoding: spec_session's prefill, AR probe and round with the sampler
+// (sampler.h) in place of the argmax. The target token at absolute position q is drawn from its
+// logits row with the noise G(seed, q, .); a verify row's logits are bit for bit the AR step's, so
+// every committed token is the one sampled AR decoding draws at q. The drafter proposes d_i, at
+// position n_past + i, as its own draw with the same noise (Gumbel coupling): where its
+// distribution is close to the target's the two draws agree, and acceptance stays near greedy's.
+#include "spec.h"
+
+#include "common.h"
+#include "profile.h"
+#include "verify.h"
+
+#include <cmath>
+
+namespace dfn {
+
+int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p) {
+    check_sampling_params(p);
+    reset();
+    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers);
+    push_features(r.taps.data(), n, 0);
+    return sample_row({r.logits.data(), target_.hparams().n_vocab}, p, n, "decode").token;
+}
+
+int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p) {
+    check_sampling_params(p);
+    const int64_t pos = target_.n_past();
+    decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers);
+    queue_features(std::move(r.taps), 1, pos);
+    return sample_row({r.logits.data(), target_.hparams().n_vocab}, p, pos + 1, "decode").token;
+}
+
+std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                                 std::vector<float> * probs) {
+    const bool dv = drafts_over_draft_vocab();
+    const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;
+    const int64_t n_cols = dv ? (int64_t) ids.size() : target_.hparams().n_vocab;
+    std::vector<float> logits((size_t) (B - 1) * n_cols);  // [B-1, n_cols]
+    const int64_t n_past = target_.n_past();
+    run_draft(last, B, nullptr, logits.data(), nullptr, /*dv_logits=*/true);
+    const bool cut = !probs && params_.draft_cutoff > 0.0f;
+    std::vector<int32_t> out;
+    if (probs) probs->clear();
+    double p_all = 1.0;
+    for (int64_t i = 0; i + 1 < B; ++i) {
+        const logits_row row{logits.data() + (size_t) i * n_cols, n_cols, dv ? ids.data() : nullptr};
+        const sample_result s = sample_row(row, p, n_past + 1 + i, "draft", cut || probs);  // d_{i+1}
+        if (probs) probs->push_back((float) std::exp(s.logprob));
+        if (cut) {
+            p_all *= std::exp(s.logprob);
+            if (p_all < params_.draft_cutoff) break;
+        }
+        out.push_back(s.token);
+    }
+    return out;
+}
+
+round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                         const std::vector<int32_t> * forced_draft) {
+    check_sampling_params(p);
+    DFN_REQUIRE(!p.greedy(), "round", "round_sampled needs a temperature > 0 (0: round)");
+    round_result r;
+    const double t0 = profile_now();
+    if (forced_draft) {
+        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        draft_sampled(last, B, p);  // the drafter runs as in a real round
+        r.draft = *forced_draft;
+    } else {
+        r.draft = draft_sampled(last, B, p);
+    }
+    verify_sampled(last, r, p, t0, profile_now());
+    return r;
+}
+
+void spec_session::verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1) {
+    check_sampling_params(p);
+    DFN_REQUIRE(!p.greedy(), "round", "a sampled round needs a temperature > 0 (0: round)");
+    const int64_t L = (int64_t) r.draft.size() + 1;  // `last` + the drafts
+    std::vector<int32_t> input(L);
+    input[0] = last;
+    std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
+    const int64_t n_past0 = target_.n_past();
+    decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers);  // logits [L, n_vocab]
+    const int64_t n_vocab = target_.hparams().n_vocab;
+    // t_i: the target's draw after input i, at position n_past0 + i + 1; rows after the first
+    // rejected draft are not drawn (nothing reads them)
+    std::vector<int32_t> t;
+    for (int64_t i = 0; i < L; ++i) {
+        t.push_back(sample_row({v.logits.data() + (size_t) i * n_vocab, n_vocab}, p, n_past0 + i + 1, "verify").token);
+        if (i + 1 == L || r.draft[i] != t[i]) break;
+    }
+    const double t2 = profile_now();
+    r.n_verified = L;
+
+    const int64_t n_acc = (int64_t) t.size() - 1;  // drafts equal to the target's draws
+    r.committed = accept_prefix(r.draft.data(), n_acc, t.data(), n_acc + 1);
+    const int64_t n_keep = (int64_t) r.committed.size();
+    target_.commit(n_keep);
+    queue_features(std::move(v.taps), n_keep, n_past0);
+    const double t3 = profile_now();
+    r.draft_s = t1 - t0;
+    r.verify_s = t2 - t1;
+    r.rollback_s = t3 - t2;
+}
+
+}  // namespace dfn

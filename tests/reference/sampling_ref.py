@@ -1,0 +1,105 @@
+"""Plain reference of the seeded sampler (csrc/sampler.{h,cpp}), written from the definitions, not
+from the C++ code: Philox4x32-10 over NumPy uint64 lanes, the filters with a full sort, and the
+Gumbel-max draw as a plain argmax over every kept token (no pruning).
+
+The scalar transcendental functions are Python's `math.exp` / `math.log` (the C library's, as the
+C++ side calls them), and every sum runs in the order the sampler defines, so the reference agrees
+with the C++ sampler exactly, not within a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(ctr, key):
+    """Philox4x32-10 (Salmon et al., SC'11). ctr: 4 arrays (or ints) of uint32 words, key: 2 ints.
+    Returns the 4 output words as uint64 arrays holding 32-bit values."""
+    c = [np.asarray(x, dtype=np.uint64) & MASK32 for x in ctr]
+    k0, k1 = np.uint64(key[0] & 0xFFFFFFFF), np.uint64(key[1] & 0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0 = (k0 + np.uint64(PHILOX_W[0])) & MASK32
+            k1 = (k1 + np.uint64(PHILOX_W[1])) & MASK32
+        p0 = np.uint64(PHILOX_M[0]) * c[0]  # < 2^64: no wrap
+        p1 = np.uint64(PHILOX_M[1]) * c[2]
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & MASK32, p1 & MASK32,
+             ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & MASK32, p0 & MASK32]
+    return c
+
+
+def noise_bits(seed: int, pos: int, tokens) -> np.ndarray:
+    """52 bits per token: Philox keyed by the seed at counter (pos lo, pos hi, token, 0)."""
+    tokens = np.asarray(tokens, dtype=np.int64).astype(np.uint64) & MASK32
+    pos &= (1 << 64) - 1
+    zeros = np.zeros_like(tokens)
+    out = philox4x32_10([zeros + np.uint64(pos & 0xFFFFFFFF), zeros + np.uint64(pos >> 32), tokens, zeros],
+                        (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    return ((out[0] << np.uint64(32)) | out[1]) >> np.uint64(12)
+
+
+def gumbel(seed: int, pos: int, tokens) -> np.ndarray:
+    """G = -log(-log(U)), U = (bits + 0.5) / 2^52."""
+    bits = noise_bits(seed, pos, tokens)
+    return np.array([-math.log(-math.log((float(int(b)) + 0.5) * 2.0 ** -52)) for b in bits], dtype=np.float64)
+
+
+def filter_kept(logits, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> list[int]:
+    """Indices kept by top-k, then top-p, then min-p (see sampler.h), ascending."""
+    lg = [float(x) for x in np.asarray(logits, dtype=np.float32)]
+    kept = [i for i, x in enumerate(lg) if x > -math.inf]
+    l_max = max(lg[i] for i in kept)
+    order = sorted(kept, key=lambda i: (-lg[i], i))  # larger logit first, lower index among equals
+    if 0 < top_k < len(kept):
+        kept = sorted(order[:top_k])
+    if top_p < 1.0:
+        z = 0.0
+        for i in kept:  # ascending index order
+            z += math.exp(lg[i] - l_max)
+        mass, cut = 0.0, None
+        for n, i in enumerate(sorted(kept, key=lambda i: (-lg[i], i))):
+            mass += math.exp(lg[i] - l_max) / z
+            if mass >= top_p:
+                cut = n + 1
+                break
+        if cut is not None:
+            kept = sorted(sorted(kept, key=lambda i: (-lg[i], i))[:cut])
+    if min_p > 0.0:
+        lim = math.log(min_p)
+        kept = [i for i in kept if lg[i] - l_max >= lim]
+    return kept
+
+
+def sample(logits, *, temperature: float, seed: int, pos: int, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, ids=None) -> int:
+    """The draw: argmax over the kept entries of l / T + G(seed, pos, id); lowest index on ties.
+    Returns the token id (ids[index] when ids is given)."""
+    lg = np.asarray(logits, dtype=np.float32)
+    if not np.all(np.isfinite(lg) | (lg == -np.inf)) or not np.any(lg > -np.inf):
+        raise ValueError("non-finite logits")
+    kept = filter_kept(lg, top_k, top_p, min_p)
+    tok = np.asarray(ids if ids is not None else np.arange(len(lg)), dtype=np.int64)
+    g = gumbel(seed, pos, tok[kept])
+    best, s_best = -1, -math.inf
+    for j, i in enumerate(kept):
+        s = float(lg[i]) / temperature + float(g[j])
+        if best < 0 or s > s_best:  # ascending order: the first of equal scores stays
+            best, s_best = i, s
+    return int(tok[best])
+
+
+def kept_probs(logits, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """The distribution the draw samples: softmax(kept logits / T), zero elsewhere (float64)."""
+    lg = np.asarray(logits, dtype=np.float64)
+    kept = filter_kept(logits, top_k, top_p, min_p)
+    p = np.zeros(len(lg))
+    x = lg[kept] / temperature
+    e = np.exp(x - x.max())
+    p[kept] = e / e.sum()
+    return p
