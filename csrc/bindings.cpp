@@ -8,6 +8,7 @@
 #include "matmul.h"
 #include "profile.h"
 #include "top1.h"
+#include "tree.h"
 #include "gdn_tape.h"
 #include "verify.h"
 #include "vocab.h"
@@ -170,6 +171,17 @@ void bind_verify(py::module_ & m) {
         py::arg("draft"), py::arg("target"),
         "Committed tokens of one chain-verify round: the longest prefix of draft (d_1..d_{B-1}) equal to "
         "target (t_0..t_{B-1}), plus the bonus token.");
+    m.def(
+        "accept_tree",
+        [](const py::object & parents, const py::object & tokens, const py::object & target) {
+            std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens), a = to_tokens(target);
+            DFN_REQUIRE(p.size() == t.size() && a.size() == t.size(), "accept_tree", "parents, tokens and target_argmax ",
+                        "must have one entry per node (got ", p.size(), ", ", t.size(), ", ", a.size(), ")");
+            return accept_tree(p.data(), t.data(), a.data(), (int64_t) t.size());
+        },
+        py::arg("parents"), py::arg("tokens"), py::arg("target_argmax"),
+        "Committed tokens of one tree-verify round: the accepted root-to-node path (without the root) "
+        "plus the bonus token (csrc/verify.h: accept_tree).");
 }
 
 // ---- GDN tape ---------------------------------------------------------------------------------
@@ -524,6 +536,38 @@ void bind_testing_kernels(py::module_ & t) {
             return py::make_tuple(arg, p);
         },
         py::arg("logits"));
+    t.def(
+        "topk",
+        [](farr logits, int64_t K) {
+            // logits [n, V] -> (index int64 [n, K], p float32 [n, K]) by top1.h's topk_row
+            DFN_REQUIRE(logits.ndim() == 2 && logits.shape(1) >= 1 && K >= 1, "topk",
+                        "logits must be 2-D with >= 1 column, K >= 1");
+            const int64_t n = logits.shape(0), V = logits.shape(1);
+            py::array_t<int64_t> idx({n, K});
+            py::array_t<float> p({n, K});
+            std::vector<float> row(2 * K);
+            for (int64_t r = 0; r < n; ++r) {
+                topk_row(logits.data() + r * V, V, K, row.data());
+                for (int64_t k = 0; k < K; ++k) {
+                    idx.mutable_data()[r * K + k] = (int64_t) row[2 * k];
+                    p.mutable_data()[r * K + k] = row[2 * k + 1];
+                }
+            }
+            return py::make_tuple(idx, p);
+        },
+        py::arg("logits"), py::arg("K"));
+    t.def(
+        "build_tree",
+        [](int32_t root, const py::object & top_tok, farr top_p, int64_t budget, double min_score) {
+            // top_tok, top_p [n_pos, K] -> (parents, tokens, depths, scores) of tree.h's build_tree
+            std::vector<int32_t> tok = to_tokens(top_tok.attr("reshape")(-1));
+            DFN_REQUIRE(top_p.ndim() == 2 && (int64_t) tok.size() == top_p.size(), "build_tree",
+                        "top_tok and top_p must be [n_pos, K] alike");
+            const draft_tree tr = build_tree(root, tok.data(), top_p.data(), top_p.shape(0), top_p.shape(1), budget,
+                                             min_score);
+            return py::make_tuple(tr.parent, tr.token, tr.depth, tr.score);
+        },
+        py::arg("root"), py::arg("top_tok"), py::arg("top_p"), py::arg("budget"), py::arg("min_score") = 0.0);
     t.def(
         "conv_silu",
         [](farr state, farr x, farr w) {
