@@ -347,8 +347,9 @@ void bind_target(py::module_ & m) {
 
 std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & drafter, int64_t block_size,
                                         int64_t ring_capacity, int64_t window, float draft_cutoff, bool draft_vocab,
-                                        bool controller) {
+                                        bool controller, int64_t tree_budget) {
     spec_params p;
+    p.tree_budget = tree_budget;
     p.use_controller = controller;
     p.draft_vocab = draft_vocab;
     p.block_size = block_size;
@@ -395,6 +396,8 @@ void bind_round_result(py::module_ & m) {
         .def_readonly("verify_s", &round_result::verify_s, "seconds in the verify pass")
         .def_readonly("rollback_s", &round_result::rollback_s, "seconds accepting and rolling back")
         .def_readonly("ar", &round_result::ar, "an AR step (Spec.step under the controller): one token, no draft")
+        .def_readonly("parents", &round_result::parents, "tree rounds: the tree's parents (node 0 the root); else empty")
+        .def_readonly("path", &round_result::path, "tree rounds: the accepted path's node indices, root first")
         .def("__repr__", [](const round_result & r) {
             return cat("RoundResult(committed=", r.committed.size(), " tokens, n_verified=", r.n_verified, ")");
         });
@@ -463,11 +466,41 @@ void def_spec_drafting(py::class_<spec_session> & c) {
 }
 
 void bind_spec(py::module_ & m) {
+    m.attr("MAX_VERIFY") = k_max_block_size;  // most tokens one verify pass takes (chain or tree)
     bind_round_result(m);
     py::class_<spec_session> c(m, "Spec");
     c.def(py::init(&make_spec), py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0,
           py::arg("ring_capacity") = 4096, py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f,
-          py::arg("draft_vocab") = true, py::arg("controller") = true, py::keep_alive<1, 2>())
+          py::arg("draft_vocab") = true, py::arg("controller") = true, py::arg("tree_budget") = 0,
+          py::keep_alive<1, 2>())
+        .def_property("tree_budget", [](spec_session & s) { return s.params().tree_budget; },
+                      &spec_session::set_tree_budget,
+                      "Most nodes below the root a tree round verifies (round_tree, step_tree)")
+        .def(
+            "round_tree",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                py::gil_scoped_release release;
+                return s.round_tree(last, B);
+            },
+            py::arg("last"), py::arg("block_size"), "One tree round (fixed settings)")
+        .def(
+            "step_tree",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                py::gil_scoped_release release;
+                return s.step_tree(last, B);
+            },
+            py::arg("last"), py::arg("block_size"), "The next step in tree mode: the controller's AR step or a tree round")
+        .def(
+            "verify_tree",
+            [](spec_session & s, const py::object & parents, const py::object & tokens) {
+                std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.verify_tree(p, t);
+            },
+            py::arg("parents"), py::arg("tokens"),
+            "Verify a given tree (tokens[0]: the last committed token) and commit its accepted path")
         .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
                       &spec_session::set_controller,
                       "Spec.step under the controller (True) or fixed settings (False)")
