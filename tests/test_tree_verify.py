@@ -169,3 +169,21 @@ def test_tree_bad_input(pair):
         s.verify_tree([-1, 1], [last, 3])
     # nothing was committed by the refused verifies: a tree round still runs
     assert s.round_tree(last, 16).n_verified >= 1
+
+
+def test_cli_verify_tree(tmp_path):
+    """dflash-native generate --verify tree --tree-budget N reaches the engine; a bad budget is a
+    clean error naming tree_budget."""
+    import subprocess
+    import sys
+
+    from fixtures import make_random_pair
+
+    tg, dg = make_random_pair(tmp_path, seed=3, block_size=8, outtype="f32")
+    base = [sys.executable, "-m", "dflash_native", "generate", "--target", str(tg), "--drafter", str(dg),
+            "--prompt", "hi", "--max-tokens", "6", "--verify", "tree"]
+    ok = subprocess.run(base + ["--tree-budget", "5"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "rounds" in ok.stderr + ok.stdout
+    bad = subprocess.run(base + ["--tree-budget", "64"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "tree_budget must be in [1, 63]" in bad.stderr + bad.stdout
