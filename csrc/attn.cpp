@@ -18,12 +18,12 @@ namespace dfn {
 
 namespace {
 
-// The op's one parameter, the softmax scale, travels in the bits of its userdata pointer, so
-// nothing has to outlive the graph.
-void * scale_to_userdata(float scale) {
+// The op's parameters, the softmax scale (low 32 bits) and the gather flag (bit 32), travel in
+// the bits of its userdata pointer, so nothing has to outlive the graph.
+void * scale_to_userdata(float scale, bool gather) {
     uint32_t bits;
     std::memcpy(&bits, &scale, sizeof(bits));
-    return reinterpret_cast<void *>((uintptr_t) bits);
+    return reinterpret_cast<void *>((uintptr_t) bits | ((uintptr_t) gather << 32));
 }
 
 float userdata_to_scale(const void * userdata) {
@@ -32,6 +32,8 @@ float userdata_to_scale(const void * userdata) {
     std::memcpy(&scale, &bits, sizeof(scale));
     return scale;
 }
+
+bool userdata_to_gather(const void * userdata) { return (reinterpret_cast<uintptr_t>(userdata) >> 32) & 1; }
 
 // A row of F16 or F32 as F32.
 void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
@@ -86,16 +88,41 @@ void pv(float * __restrict o, const float * __restrict p, const float * __restri
     }
 }
 
+// The softmax sum and P.V over the kept keys only, gathered to indices 0..n_kept-1 (the AR
+// step's indices for a tree node: attn.h). Returns the sum; o as pv() leaves it: each element
+// the same fmaf chain over the same keys in the same order.
+DFN_MULTIVERSION
+float gathered_softmax_pv(float * o, const float * s, float * sg, const int64_t * kept, int64_t n_kept, float m,
+                          const float * vf, int64_t hd) {
+    const int64_t n16 = (n_kept + 15) / 16 * 16;
+    for (int64_t k = 0; k < n_kept; ++k) sg[k] = s[kept[k]];
+    for (int64_t k = n_kept; k < n16; ++k) sg[k] = -INFINITY;  // exact zeros in the sum
+    const float sum = m == -INFINITY ? 0.0f : softmax_num(sg, n16, m);
+    std::memset(o, 0, hd * sizeof(float));
+    for (int64_t k = 0; k < n_kept; ++k) {
+        const float a = sg[k];
+        if (a == 0.0f) continue;
+        const float * __restrict x = vf + kept[k] * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) o[i] = fmaf(a, x[i], o[i]);
+    }
+    return sum;
+}
+
 void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * q = dst->src[0], * K = dst->src[1], * V = dst->src[2], * mask = dst->src[3];
     const float scale = userdata_to_scale(userdata);
+    const bool gather = userdata_to_gather(userdata);
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
-    thread_local std::vector<float> kT, vf, row, s, mf;
+    thread_local std::vector<float> kT, vf, row, s, mf, sg;
+    thread_local std::vector<int64_t> kept;
     if (!kernel_scratch(kT, (size_t) hd * n_pad, "attention keys") ||
         !kernel_scratch(vf, (size_t) n_kv * hd, "attention values") || !kernel_scratch(row, (size_t) hd, "attention") ||
-        !kernel_scratch(s, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask")) {
+        !kernel_scratch(s, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask") ||
+        (gather && (!kernel_scratch(sg, (size_t) n_pad, "attention scores") ||
+                    !kernel_scratch(kept, (size_t) n_kv, "attention keys")))) {
         return;  // noted; the graph runner throws MemoryError after the compute
     }
     for (int64_t d = 0; d < hd; ++d)  // the padding keys score 0 and are dropped below
@@ -113,6 +140,12 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         for (int64_t t = t0; t < t1; ++t) {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]), mf.data(), n_kv);
+            int64_t n_kept = 0;
+            if (gather) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    if (mf[j] != -INFINITY) kept[n_kept++] = j;
+                }
+            }
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = hk * G + g;
                 const float * qr = (const float *) ((const char *) q->data + h * q->nb[1] + t * q->nb[2]);
@@ -125,8 +158,13 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                     s[j] = mv == -INFINITY ? -INFINITY : s[j] * scale + mv;
                     m = s[j] > m ? s[j] : m;
                 }
-                const float sum = m == -INFINITY ? 0.0f : softmax_num(s.data(), n_pad, m);
-                pv(o, s.data(), vf.data(), n_kv, hd);
+                float sum;
+                if (gather) {
+                    sum = gathered_softmax_pv(o, s.data(), sg.data(), kept.data(), n_kept, m, vf.data(), hd);
+                } else {
+                    sum = m == -INFINITY ? 0.0f : softmax_num(s.data(), n_pad, m);
+                    pv(o, s.data(), vf.data(), n_kv, hd);
+                }
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
             }
@@ -151,20 +189,20 @@ bool attn_op_supported(const ggml_tensor * q, const ggml_tensor * K, const ggml_
 }
 
 ggml_tensor * attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
-                      float scale) {
+                      float scale, bool gather) {
     ggml_tensor * args[4] = {q, K, V, mask};
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, args, 4, attn_fn,
-                                       GGML_N_TASKS_MAX, scale_to_userdata(scale));
+                                       GGML_N_TASKS_MAX, scale_to_userdata(scale, gather));
     ggml_set_name(out, "attn");
     return out;
 }
 
 ggml_tensor * attention(const build_context & b, ggml_tensor * q, ggml_tensor * K, ggml_tensor * V, ggml_tensor * mask,
-                        float scale) {
+                        float scale, bool gather) {
     ggml_context * ctx = b.ctx;
     ggml_tensor * out = nullptr;  // [hd, n_head, n_tokens]
     if (b.own_kernels() && attn_op_supported(q, K, V, mask)) {
-        out = attn_op(ctx, q, K, V, mask, scale);
+        out = attn_op(ctx, q, K, V, mask, scale, gather);
     } else {
         out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3),  // [hd, n_tokens, n_head]
                                   ggml_permute(ctx, K, 0, 2, 1, 3),       // [hd, n_kv, n_kv_head]

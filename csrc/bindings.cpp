@@ -10,6 +10,7 @@
 #include "profile.h"
 #include "sampler.h"
 #include "top1.h"
+#include "tree.h"
 #include "gdn_tape.h"
 #include "verify.h"
 #include "vocab.h"
@@ -174,6 +175,17 @@ void bind_verify(py::module_ & m) {
         py::arg("draft"), py::arg("target"),
         "Committed tokens of one chain-verify round: the longest prefix of draft (d_1..d_{B-1}) equal to "
         "target (t_0..t_{B-1}), plus the bonus token.");
+    m.def(
+        "accept_tree",
+        [](const py::object & parents, const py::object & tokens, const py::object & target) {
+            std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens), a = to_tokens(target);
+            DFN_REQUIRE(p.size() == t.size() && a.size() == t.size(), "accept_tree", "parents, tokens and target_argmax ",
+                        "must have one entry per node (got ", p.size(), ", ", t.size(), ", ", a.size(), ")");
+            return accept_tree(p.data(), t.data(), a.data(), (int64_t) t.size());
+        },
+        py::arg("parents"), py::arg("tokens"), py::arg("target_argmax"),
+        "Committed tokens of one tree-verify round: the accepted root-to-node path (without the root) "
+        "plus the bonus token (csrc/verify.h: accept_tree).");
 }
 
 // ---- GDN tape ---------------------------------------------------------------------------------
@@ -375,8 +387,9 @@ void bind_target(py::module_ & m) {
 
 std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & drafter, int64_t block_size,
                                         int64_t ring_capacity, int64_t window, float draft_cutoff, bool draft_vocab,
-                                        bool controller) {
+                                        bool controller, int64_t tree_budget) {
     spec_params p;
+    p.tree_budget = tree_budget;
     p.use_controller = controller;
     p.draft_vocab = draft_vocab;
     p.block_size = block_size;
@@ -427,6 +440,8 @@ void bind_round_result(py::module_ & m) {
         .def_readonly("verify_s", &round_result::verify_s, "seconds in the verify pass")
         .def_readonly("rollback_s", &round_result::rollback_s, "seconds accepting and rolling back")
         .def_readonly("ar", &round_result::ar, "an AR step (Spec.step under the controller): one token, no draft")
+        .def_readonly("parents", &round_result::parents, "tree rounds: the tree's parents (node 0 the root); else empty")
+        .def_readonly("path", &round_result::path, "tree rounds: the accepted path's node indices, root first")
         .def("__repr__", [](const round_result & r) {
             return cat("RoundResult(committed=", r.committed.size(), " tokens, n_verified=", r.n_verified, ")");
         });
@@ -500,11 +515,41 @@ void def_spec_drafting(py::class_<spec_session> & c) {
 }
 
 void bind_spec(py::module_ & m) {
+    m.attr("MAX_VERIFY") = k_max_block_size;  // most tokens one verify pass takes (chain or tree)
     bind_round_result(m);
     py::class_<spec_session> c(m, "Spec");
     c.def(py::init(&make_spec), py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0,
           py::arg("ring_capacity") = 4096, py::arg("window") = 0, py::arg("draft_cutoff") = 0.0f,
-          py::arg("draft_vocab") = true, py::arg("controller") = true, py::keep_alive<1, 2>())
+          py::arg("draft_vocab") = true, py::arg("controller") = true, py::arg("tree_budget") = 0,
+          py::keep_alive<1, 2>())
+        .def_property("tree_budget", [](spec_session & s) { return s.params().tree_budget; },
+                      &spec_session::set_tree_budget,
+                      "Most nodes below the root a tree round verifies (round_tree, step_tree)")
+        .def(
+            "round_tree",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                py::gil_scoped_release release;
+                return s.round_tree(last, B);
+            },
+            py::arg("last"), py::arg("block_size"), "One tree round (fixed settings)")
+        .def(
+            "step_tree",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                py::gil_scoped_release release;
+                return s.step_tree(last, B);
+            },
+            py::arg("last"), py::arg("block_size"), "The next step in tree mode: the controller's AR step or a tree round")
+        .def(
+            "verify_tree",
+            [](spec_session & s, const py::object & parents, const py::object & tokens) {
+                std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.verify_tree(p, t);
+            },
+            py::arg("parents"), py::arg("tokens"),
+            "Verify a given tree (tokens[0]: the last committed token) and commit its accepted path")
         .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
                       &spec_session::set_controller,
                       "Spec.step under the controller (True) or fixed settings (False)")
@@ -573,6 +618,38 @@ void bind_testing_kernels(py::module_ & t) {
             return py::make_tuple(arg, p);
         },
         py::arg("logits"));
+    t.def(
+        "topk",
+        [](farr logits, int64_t K) {
+            // logits [n, V] -> (index int64 [n, K], p float32 [n, K]) by top1.h's topk_row
+            DFN_REQUIRE(logits.ndim() == 2 && logits.shape(1) >= 1 && K >= 1, "topk",
+                        "logits must be 2-D with >= 1 column, K >= 1");
+            const int64_t n = logits.shape(0), V = logits.shape(1);
+            py::array_t<int64_t> idx({n, K});
+            py::array_t<float> p({n, K});
+            std::vector<float> row(2 * K);
+            for (int64_t r = 0; r < n; ++r) {
+                topk_row(logits.data() + r * V, V, K, row.data());
+                for (int64_t k = 0; k < K; ++k) {
+                    idx.mutable_data()[r * K + k] = (int64_t) row[2 * k];
+                    p.mutable_data()[r * K + k] = row[2 * k + 1];
+                }
+            }
+            return py::make_tuple(idx, p);
+        },
+        py::arg("logits"), py::arg("K"));
+    t.def(
+        "build_tree",
+        [](int32_t root, const py::object & top_tok, farr top_p, int64_t budget, double min_score) {
+            // top_tok, top_p [n_pos, K] -> (parents, tokens, depths, scores) of tree.h's build_tree
+            std::vector<int32_t> tok = to_tokens(top_tok.attr("reshape")(-1));
+            DFN_REQUIRE(top_p.ndim() == 2 && (int64_t) tok.size() == top_p.size(), "build_tree",
+                        "top_tok and top_p must be [n_pos, K] alike");
+            const draft_tree tr = build_tree(root, tok.data(), top_p.data(), top_p.shape(0), top_p.shape(1), budget,
+                                             min_score);
+            return py::make_tuple(tr.parent, tr.token, tr.depth, tr.score);
+        },
+        py::arg("root"), py::arg("top_tok"), py::arg("top_p"), py::arg("budget"), py::arg("min_score") = 0.0);
     t.def(
         "conv_silu",
         [](farr state, farr x, farr w) {

@@ -1,6 +1,7 @@
 // Sequence state of a target: attention K/V by position, GDN recurrent and conv state.
 #pragma once
 
+#include "gdn_tape.h"
 #include "model.h"
 
 #include "ggml-backend.h"
@@ -47,6 +48,8 @@ public:
     // Tape tokens the GDN states (host buffers) have yet to take: commit() leaves the replay to
     // the next graph's GDN op, which does it per head on its own threads before its own tokens.
     int64_t replay_n = 0;
+    // A pending tree verify's parents and replay count, for its GDN ops (gdn_tape.h: gdn_tree_pass).
+    gdn_tree_pass tree;
     ggml_type kv_type;
     std::vector<kv_layer> kv;    // per layer; null tensors on GDN layers
     std::vector<gdn_layer> gdn;  // per layer; null tensors on attention layers

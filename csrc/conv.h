@@ -17,6 +17,16 @@ namespace dfn {
 bool conv_silu_supported(const ggml_tensor * state, const ggml_tensor * x, const ggml_tensor * w);
 ggml_tensor * conv_silu_op(ggml_context * ctx, ggml_tensor * state, ggml_tensor * x, ggml_tensor * w, bool update_state);
 
+// Over a tree (tree verify): token t is a node whose parent is parents[t] < t (-1: the root;
+// parents I32 [n_tok]). Its window is its own path: the last d_conv - 1 inputs before it along
+// root..parent, above the root the state (oldest first), then itself; each output is the same
+// sum as conv_silu_op's for that path, in the same order, so it is the AR step's bit for bit.
+// The state is left alone (commit() moves it along the accepted path).
+ggml_tensor * conv_silu_tree_op(ggml_context * ctx, ggml_tensor * state, ggml_tensor * x, ggml_tensor * w,
+                                ggml_tensor * parents);
+void conv_silu_tree_channels(const float * state, const float * x, int64_t ldx, const int32_t * parents, const float * w,
+                             float * out, int64_t d_conv, int64_t n_ch, int64_t n_tok, int64_t c0, int64_t c1);
+
 // The kernel, for channels [c0, c1) (tests): state [n_ch][d_conv-1], x[t * ldx + c], w [n_ch][d_conv],
 // out [n_tok][n_ch].
 void conv_silu_channels(float * state, bool update_state, const float * x, int64_t ldx, const float * w, float * out,

@@ -79,7 +79,70 @@ void forward_head(const gdn_inputs & in, float * M, float * o, float * u_scratch
     }
 }
 
+// One node (tape slot t) of head h on the state M (in place): forward_head's step for one token,
+// recording k, u, g at slot t.
+void forward_node(const gdn_inputs & in, float * M, float * o, const gdn_tape_view & tape, int64_t h, int64_t t,
+                  int64_t S, int64_t H_k, int64_t H_v) {
+    const int64_t hk = h % H_k;
+    const float gt = in.g[h + t * in.g_s1];
+    tape.g[h + H_v * t] = gt;
+    float * tk = tape.k + S * (h + H_v * t);
+    std::memcpy(tk, in.k + hk * in.k_s1 + t * in.k_s2, (size_t) S * sizeof(float));
+    forward_token(M, tk, in.q + hk * in.q_s1 + t * in.q_s2, in.v + h * in.v_s1 + t * in.v_s2,
+                  tape.u + S * (h + H_v * t), o + S * (h + H_v * t), expf(gt), in.beta[h + t * in.b_s1],
+                  1.0f / sqrtf((float) S), S);
+}
+
+// The depth-first walk of gdn_tape.h: M holds the parent's state on entry, node's on return
+// unless restored by the caller; saves: the stack of branch-point states.
+struct tree_walk {
+    const gdn_inputs & in;
+    float * o;
+    const gdn_tape_view & tape;
+    const std::vector<std::vector<int32_t>> & kids;
+    int64_t h, S, H_k, H_v;
+    float * saves;
+    void visit(int32_t node, float * M, int64_t depth_saved) const {
+        forward_node(in, M, o, tape, h, node, S, H_k, H_v);
+        const std::vector<int32_t> & ks = kids[node];
+        for (size_t i = 0; i < ks.size(); ++i) {
+            if (i + 1 == ks.size()) {
+                visit(ks[i], M, depth_saved);  // the last child takes the state as it is
+                break;
+            }
+            float * sv = saves + depth_saved * S * S;
+            std::memcpy(sv, M, (size_t) S * S * sizeof(float));
+            visit(ks[i], M, depth_saved + 1);
+            std::memcpy(M, sv, (size_t) S * S * sizeof(float));
+        }
+    }
+};
+
 }  // namespace
+
+void gdn_tree_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, const int32_t * parents,
+                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1) {
+    // children by index, and the stack depth the walk needs: a child that is not its parent's
+    // last pushes one state for its whole subtree
+    thread_local std::vector<std::vector<int32_t>> kids;
+    thread_local std::vector<int64_t> need;
+    thread_local std::vector<float> work;
+    kids.assign(T, {});
+    need.assign(T, 0);
+    int64_t n_saves = 0;
+    for (int64_t t = 1; t < T; ++t) kids[parents[t]].push_back((int32_t) t);
+    for (int64_t t = 1; t < T; ++t) {
+        const std::vector<int32_t> & sib = kids[parents[t]];
+        need[t] = need[parents[t]] + (sib.back() != t);
+        n_saves = std::max(n_saves, need[t]);
+    }
+    if (!kernel_scratch(work, (size_t) (1 + n_saves) * S * S, "the GDN tree record")) return;  // thrown after
+    for (int64_t h = h0; h < h1; ++h) {
+        std::memcpy(work.data(), state0 + h * S * S, (size_t) S * S * sizeof(float));
+        const tree_walk w{in, o, tape, kids, h, S, H_k, H_v, work.data() + S * S};
+        w.visit(0, work.data(), 0);
+    }
+}
 
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
                      int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1, float * snapshots) {
@@ -202,6 +265,17 @@ void record_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     gdn_tape_record(op_inputs(dst), p.state, out, tape, p.S, p.H_k, p.H_v, p.T, p.h0, p.h1, snaps);
 }
 
+// srcs as record_op's with the cache's tape; the parents in the gdn_tree_pass of the userdata.
+void tree_record_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    gdn_op_part p;
+    if (!op_part(dst, ith, nth, p)) return;
+    const gdn_tree_pass * pass = static_cast<const gdn_tree_pass *>(userdata);
+    const gdn_tape_view tape = cache_tape(dst);
+    gdn_tape_replay(p.state, tape, p.S, p.H_v, pass->replay_n, p.h0, p.h1);  // reads the old tape first
+    gdn_tree_record(op_inputs(dst), p.state, (float *) dst->data, tape, pass->parents.data(), p.S, p.H_k, p.H_v, p.T,
+                    p.h0, p.h1);
+}
+
 ggml_tensor * gdn_op(ggml_context * ctx, ggml_custom_op_t fn, const char * name, ggml_tensor * q, ggml_tensor * k,
                      ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
                      ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n, ggml_tensor * snapshots) {
@@ -218,6 +292,16 @@ ggml_tensor * gdn_op(ggml_context * ctx, ggml_custom_op_t fn, const char * name,
 }
 
 }  // namespace
+
+ggml_tensor * gdn_tree_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
+                                 ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k, ggml_tensor * tape_u,
+                                 ggml_tensor * tape_g, const gdn_tree_pass * pass) {
+    ggml_tensor * args[9] = {q, k, v, g, beta, state, tape_k, tape_u, tape_g};
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0] * v->ne[1] * v->ne[2], 1, 1, 1, args, 9,
+                                       tree_record_op, GGML_N_TASKS_MAX, const_cast<gdn_tree_pass *>(pass));
+    ggml_set_name(out, "gdn_tree_record");
+    return out;
+}
 
 ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
                              ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k, ggml_tensor * tape_u,

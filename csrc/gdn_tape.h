@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace dfn {
 
@@ -57,6 +58,31 @@ void gdn_tape_replay(float * state, const gdn_tape_view & tape, int64_t S, int64
 // Same, spread over n_threads threads.
 void gdn_tape_replay_mt(float * state, const gdn_tape_view & tape, int64_t S, int64_t H_v, int64_t n, int n_threads);
 
+// ---- GDN over a tree (tree verify) ----
+//
+// Node t of T (parents[t] < t, -1 for the root) must see the state after its own path only:
+// S_t = U_t(S_parent(t)), with U_t the per-token update above (same forward_token, so a node's
+// output and tape entry are the AR step's of its path, bit for bit); the root starts from the
+// committed state S_c. The tape entry of node t, (k_t, u_t, g_t) at tape slot t, has its u_t
+// computed against S_parent(t), so on commit the accepted path's entries, compacted into slots
+// 0..n-1 in path order (target_session::commit_tree), replay onto S_c exactly as a chain's do.
+//
+// Memory: a state per node would be T * H_v * d_k * d_v floats (the cap another engine puts on
+// its tree size). Here each head walks the tree depth-first (children by index) from one working
+// state: descending into a child advances it in place; before descending into a child that is
+// not its parent's last, the parent's state is pushed, and popped (copied back) to go on to the
+// next sibling. Only branch points on the current path are held: per thread at most
+// (1 + b) * d_k * d_v floats, b = the most such pushes on one root-to-leaf path (b <= depth <
+// block size, and b <= leaves - 1), besides the tape's T * (d_k + d_v + 1) per head. Rebuilding
+// a branch point from S_c by replaying the path's tape instead would need no stack at all but
+// cost depth extra updates per branch: the copy (one read and one write of d_k * d_v floats per
+// push and per pop) is cheaper than one update (a read and a write of the state plus two dot
+// products per row) for every depth > 0, so the stack wins whenever memory allows, which at
+// b * 64 KiB per head-thread (d = 128) it always does here. Compute: exactly T updates per head,
+// as a chain verify of T tokens, plus (leaves - 1) push/pop copies.
+void gdn_tree_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, const int32_t * parents,
+                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
+
 // The ggml CPU custom ops below first replay `replay_n` tokens of the cache's tape (tape_k,
 // tape_u, tape_g: gdn_tape_view layout) into `state`, head by head on the thread that then runs
 // that head (the deferred end of a commit; 0 = nothing pending).
@@ -76,5 +102,20 @@ ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tenso
                                  ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
                                  ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n,
                                  ggml_tensor * snapshots = nullptr);
+
+// What the tree op reads on the host besides its tensors: a ggml custom op takes at most 9
+// sources and q, k, v, g, beta, state and the three tape tensors use them all, so the parents
+// (and the deferred replay count) travel in a struct the cache owns (model_cache::tree), set by
+// target_session::verify_tree before the graph runs and read only while it runs.
+struct gdn_tree_pass {
+    int64_t replay_n = 0;
+    std::vector<int32_t> parents;  // [T]
+};
+
+// gdn_tree_record as a ggml op on the cache's tape (host memory only): q, k, v, g, beta, state
+// as gdn_tape_record_op. Replays pass->replay_n first, as the chain record op.
+ggml_tensor * gdn_tree_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
+                                 ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k, ggml_tensor * tape_u,
+                                 ggml_tensor * tape_g, const gdn_tree_pass * pass);
 
 }  // namespace dfn

@@ -57,7 +57,8 @@ ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tenso
     ggml_tensor * K = kv_rows(g, c.k, 0, g.n_kv);  // [hd, n_kv_head, n_kv]
     ggml_tensor * V = kv_rows(g, c.v, 0, g.n_kv);
 
-    return attention(g, q, K, V, g.kq_mask, scale);  // [hd * n_head, n_tokens]
+    // a tree's nodes gather their kept keys, so each computes its path's AR step bit for bit
+    return attention(g, q, K, V, g.kq_mask, scale, /*gather=*/g.tree_parents != nullptr);  // [hd * n_head, n_tokens]
 }
 
 namespace {
@@ -71,6 +72,12 @@ ggml_tensor * gdn_conv(graph_inputs & g, const gdn_layer & st, const layer_weigh
     if (g.record_tape) {
         ggml_tensor * dst = ggml_view_2d(ctx, st.tape_qkv, n_ch, n_tok, st.tape_qkv->nb[1], 0);
         ggml_build_forward_expand(g.gf, ggml_cpy(ctx, qkv, dst));
+    }
+    if (g.tree_parents) {
+        // over a tree: each node's window is its ancestors' inputs (no ggml op does that)
+        DFN_REQUIRE(conv_silu_supported(st.conv, qkv, w.ssm_conv1d), "verify",
+                    "tree verify needs the GDN conv state and weights as F32 in host memory");
+        return conv_silu_tree_op(ctx, st.conv, qkv, w.ssm_conv1d, g.tree_parents);
     }
     if (g.own_kernels() && conv_silu_supported(st.conv, qkv, w.ssm_conv1d)) {
         return conv_silu_op(ctx, st.conv, qkv, w.ssm_conv1d, /*update_state=*/!g.record_tape);
@@ -96,6 +103,13 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
     const size_t es = sizeof(float);
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
     const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
+    if (g.tree_parents) {
+        // over a tree: each node from its parent's state, the tape per node (gdn_tape.h)
+        DFN_REQUIRE(host && !st.snapshots, "verify", "tree verify needs the GDN state in host memory and tape rollback");
+        ggml_tensor * o = gdn_tree_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,
+                                             &g.cache->tree);
+        return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
+    }
     if (g.record_tape && host && !st.snapshots) {
         // the tape goes straight to the cache's tape tensors
         ggml_tensor * o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,

@@ -30,6 +30,12 @@ struct graph_inputs : build_context {
     // the caller commits the accepted prefix afterwards.
     bool record_tape = false;
 
+    // Tree verify (record_tape too): token i is a node of a tree whose parent is parents[i] < i
+    // (-1: the root), at position n_past + depth(i). kq_mask shows each node the committed rows
+    // and its ancestors only; attention gathers the kept keys (attn.h), the GDN conv and
+    // recurrence run over each node's ancestors (conv.h, gdn_tape.h). Null: a chain.
+    ggml_tensor * tree_parents = nullptr;  // I32 [n_tokens]
+
     // Hidden-state taps: output of layer tap_layers[i] (after its residual), F32 [n_embd, n_tokens].
     std::vector<int> tap_layers;
     std::vector<ggml_tensor *> taps;

@@ -31,8 +31,9 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 
 // Columns up to which matmul() takes matmul_op: decode steps, verify blocks and draft blocks.
 // Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster
-// (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns).
-constexpr int64_t k_matmul_max_cols = 32;
+// (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns). 64 covers
+// every verify (k_max_block_size tokens, or a tree of up to 63 nodes + root), so each is bitwise.
+constexpr int64_t k_matmul_max_cols = 64;
 
 // What every graph builder calls for a weight matmul: matmul_op where supported, b asks for
 // our own kernels (the session's `matmul` setting) and x has at most k_matmul_max_cols

@@ -121,6 +121,11 @@ public:
         for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (n_past + i);
     }
 
+    // The same input for tokens at the text positions p[0 .. n) (tree verify: n_past + depth).
+    virtual void fill_positions_at(const int64_t * p, int64_t n, int32_t * pos) const {
+        for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) p[i];
+    }
+
     const target_hparams & hparams() const { return hp_; }
     const gguf_file & file() const { return *file_; }
 

@@ -9,6 +9,7 @@
 #include "matmul.h"
 #include "profile.h"
 #include "top1.h"
+#include "verify.h"
 
 #include <algorithm>
 #include <cmath>
@@ -120,6 +121,79 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
     return out;
 }
 
+decode_result target_session::verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
+                                          const std::vector<int> & tap_layers) {
+    const target_hparams & hp = model_->hparams();
+    check_tokens(tokens, n, tap_layers);
+    check_tree_parents(parents, n, "verify");
+    DFN_REQUIRE(n <= std::max<int64_t>(params_.max_verify, 1), "verify", "a tree of ", n, " nodes > max_verify = ",
+                params_.max_verify, " (the verify capacity this engine was created with)");
+    DFN_REQUIRE(n <= params_.n_batch, "verify", n, " nodes > n_batch = ", params_.n_batch);
+    DFN_REQUIRE(params_.rollback == ROLLBACK_TAPE || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
+    decode_result out;
+    out.n_rows = n;
+    out.argmax.resize(n);
+    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
+    const int64_t n_past0 = cache_->n_past;
+    cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
+    cache_->tree.replay_n = cache_->replay_n;
+    try {
+        run_chunk(tokens, n, true, tap_layers, out, 0, n, true, /*argmax_only=*/true, parents);
+    } catch (...) {
+        cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
+        throw;
+    }
+    pending_past_ = n_past0;
+    pending_n_ = n;
+    pending_tokens_.assign(tokens, tokens + n);
+    pending_parents_.assign(parents, parents + n);
+    return out;
+}
+
+void target_session::compact_rows(ggml_tensor * t, size_t row_bytes, size_t stride, int64_t row0,
+                                  const std::vector<int32_t> & path) {
+    const bool host = ggml_backend_buffer_is_host(t->buffer);
+    std::vector<uint8_t> tmp(host ? 0 : row_bytes);
+    // path[d] >= d and increasing: row0 + path[d'] for d' > d is never a row written before it
+    for (size_t d = 1; d < path.size(); ++d) {
+        if (path[d] == (int32_t) d) continue;
+        const size_t src = (row0 + path[d]) * stride, dst = (row0 + d) * stride;
+        if (host) {
+            std::memcpy((char *) t->data + dst, (const char *) t->data + src, row_bytes);
+        } else {
+            ggml_backend_tensor_get(t, tmp.data(), src, row_bytes);
+            ggml_backend_tensor_set(t, tmp.data(), dst, row_bytes);
+        }
+    }
+}
+
+void target_session::commit_tree(const std::vector<int32_t> & path) {
+    DFN_REQUIRE(pending_n_ > 0 && !pending_parents_.empty(), "commit", "no tree verify is pending");
+    DFN_REQUIRE(!path.empty() && path[0] == 0, "commit", "the accepted path must start at the root (node 0)");
+    for (size_t d = 1; d < path.size(); ++d) {
+        DFN_REQUIRE(path[d] > 0 && path[d] < pending_n_ && pending_parents_[path[d]] == path[d - 1], "commit",
+                    "path[", d, "] = ", path[d], " is not a child of path[", d - 1, "] = ", path[d - 1]);
+    }
+    const target_hparams & hp = model_->hparams();
+    for (int il = 0; il < hp.n_layer; ++il) {
+        if (!hp.is_gdn.empty() && hp.is_gdn[il]) {
+            const gdn_layer & L = cache_->gdn[il];
+            // tape slots of the path, in path order: what commit() replays and reads the conv from
+            compact_rows(L.tape_k, L.tape_k->nb[2], L.tape_k->nb[2], 0, path);
+            compact_rows(L.tape_u, L.tape_u->nb[2], L.tape_u->nb[2], 0, path);
+            compact_rows(L.tape_g, L.tape_g->nb[1], L.tape_g->nb[1], 0, path);
+            compact_rows(L.tape_qkv, L.tape_qkv->nb[1], L.tape_qkv->nb[1], 0, path);
+        } else {
+            const kv_layer & L = cache_->kv[il];
+            compact_rows(L.k, L.k->nb[2], L.k->nb[2], pending_past_, path);
+            compact_rows(L.v, L.v->nb[2], L.v->nb[2], pending_past_, path);
+        }
+    }
+    for (size_t d = 0; d < path.size(); ++d) pending_tokens_[d] = pending_tokens_[path[d]];
+    pending_parents_.clear();
+    commit((int64_t) path.size());
+}
+
 void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep) {
     const bool host = ggml_backend_buffer_is_host(L.ssm->buffer);
     if (host) {
@@ -151,6 +225,7 @@ void target_session::commit(int64_t n_keep) {
     DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
     DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
     profile_scope timer("target", ":commit");
+    pending_parents_.clear();
     const target_hparams & hp = model_->hparams();
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
     pending_n_ = 0;
@@ -220,6 +295,10 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     ggml_set_input(g.tokens);
     ggml_set_input(g.pos);
     ggml_set_input(g.kq_mask);
+    if (c.parents) {
+        g.tree_parents = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+        ggml_set_input(g.tree_parents);
+    }
 
     ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
     if (!c.want_logits) {
@@ -235,10 +314,35 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     ggml_build_forward_expand(g.gf, res);
 }
 
+void target_session::set_tree_inputs(const chunk_graph & c) const {
+    const graph_inputs & g = c.g;
+    const int64_t n = g.n_tokens;
+    std::vector<int64_t> depth(n, 0), text_pos(n);
+    for (int64_t i = 1; i < n; ++i) depth[i] = depth[c.parents[i]] + 1;
+    for (int64_t i = 0; i < n; ++i) text_pos[i] = g.n_past + depth[i];
+    std::vector<int32_t> pos(n * model_->n_pos_per_token());
+    model_->fill_positions_at(text_pos.data(), n, pos.data());
+    if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    // each node sees the committed rows and its ancestors (and itself) among the tree's rows
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n, ninf);
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
+        for (int64_t j = 0; j < g.n_past; ++j) row[j] = zero;
+        for (int64_t a = i; a >= 0; a = c.parents[a]) row[g.n_past + a] = zero;
+    }
+    if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    if (g.tree_parents->buffer) ggml_backend_tensor_set(g.tree_parents, c.parents, 0, n * sizeof(int32_t));
+}
+
 void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const {
     const graph_inputs & g = c.g;
     const int64_t n = g.n_tokens;
     ggml_backend_tensor_set(g.tokens, tokens, 0, n * sizeof(int32_t));
+    if (c.parents) {
+        set_tree_inputs(c);
+        return;
+    }
     std::vector<int32_t> pos(n * model_->n_pos_per_token());
     model_->fill_positions(g.n_past, n, pos.data());
     // Positions and mask feed attention layers only: in a model without any (all GDN) no node
@@ -289,8 +393,9 @@ void target_session::read_chunk(const chunk_graph & c, decode_result & out, int6
 
 void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                                decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape,
-                               bool argmax_only) {
+                               bool argmax_only, const int32_t * tree_parents) {
     chunk_graph c;
+    c.parents = tree_parents;
     c.all_logits = all_logits;
     c.want_logits = all_logits || tok_offset + n == n_total;  // the last chunk gives the last row
     c.argmax_only = argmax_only;
@@ -311,7 +416,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
         read_chunk(c, out, tok_offset);
     };
     std::string key = cat("target:", n, all_logits ? ":all" : ":last", c.want_logits ? ":logits" : ":hidden",
-                          record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", ":taps");
+                          record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", tree_parents ? ":tree" : "", ":taps");
     for (int il : tap_layers) key += cat(",", il);
     runner_->run(
         key, [&](const build_context & b) { build_chunk(b, c); }, [&] { set_chunk_inputs(c, tokens); }, read_outputs);

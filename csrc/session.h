@@ -75,6 +75,20 @@ public:
     decode_result verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers = {},
                          bool argmax_only = false);
 
+    // Tree verify: tokens[i] is node i of a tree (parents[0] == -1, parents[i] < i), at position
+    // n_past + depth(i), in one graph: attention sees the committed rows and the node's ancestors
+    // (gathered: attn.h), GDN layers run and record each node from its parent's state (gdn_tape.h),
+    // the conv over its ancestors (conv.h). Returns the argmax per node (and the taps per node).
+    // At most max_verify nodes; host caches and tape rollback only. Must be followed by
+    // commit_tree(path).
+    decode_result verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
+                              const std::vector<int> & tap_layers = {});
+    // Keep the accepted path of the pending tree verify (node indices, root first: path[0] == 0,
+    // each the previous one's child): its K/V rows and tape slots are compacted into rows
+    // n_past_before + d and slots d (in order, so no row is read after it was overwritten),
+    // then commit(path.size()) as for a chain.
+    void commit_tree(const std::vector<int32_t> & path);
+
     // Keep the first n_keep (1..n) tokens of the pending verify: attention K/V cursor to
     // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
     void commit(int64_t n_keep);
@@ -102,7 +116,8 @@ private:
     void flush_replay();  // the replay commit() left to the next graph, done now on the host
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
-                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only);
+                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only,
+                   const int32_t * tree_parents = nullptr);
     // One forward graph of run_chunk: the target's inputs and which outputs it gives.
     struct chunk_graph {
         graph_inputs g;
@@ -111,7 +126,11 @@ private:
         bool argmax_only = false;  // the greedy token per row instead of the logits
         ggml_tensor * logits = nullptr;  // F32 [n_vocab, rows]
         ggml_tensor * argmax = nullptr;  // I32 [rows], when argmax_only
+        const int32_t * parents = nullptr;  // tree verify: the nodes' parents [n] (graph.h)
     };
+    // tree verify's inputs: positions n_past + depth, the ancestor mask, the parents
+    void set_tree_inputs(const chunk_graph & c) const;
+    void compact_rows(ggml_tensor * t, size_t row_bytes, size_t stride, int64_t row0, const std::vector<int32_t> & path);
     void build_chunk(const build_context & b, chunk_graph & c) const;
     void set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const;
     // logits or argmax rows and taps into out at token tok_offset; throws on non-finite logits
@@ -126,6 +145,7 @@ private:
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
     std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)
+    std::vector<int32_t> pending_parents_;  // a pending tree verify's parents (empty: a chain)
 };
 
 }  // namespace dfn

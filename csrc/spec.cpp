@@ -4,6 +4,7 @@
 #include "common.h"
 #include "profile.h"
 #include "top1.h"
+#include "tree.h"
 #include "verify.h"
 
 #include <algorithm>
@@ -26,6 +27,7 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
     set_draft_cutoff(params.draft_cutoff);
+    if (params.tree_budget != 0) set_tree_budget(params.tree_budget);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
     // The drafter attends to the user's window, else to the context it was trained with (an
@@ -47,6 +49,13 @@ void spec_session::set_draft_vocab(bool on) { params_.draft_vocab = on; }
 void spec_session::set_draft_cutoff(float c) {
     DFN_REQUIRE(std::isfinite(c) && c >= 0.0f && c <= 1.0f, "engine", "draft_cutoff must be in [0, 1], got ", c);
     params_.draft_cutoff = c;
+}
+
+void spec_session::set_tree_budget(int64_t n) {
+    const int64_t cap = std::max<int64_t>(target_.params().max_verify, 1) - 1;
+    DFN_REQUIRE(n >= 1 && n <= cap, "engine", "tree_budget must be in [1, ", cap, "] (the verify capacity ",
+                cap + 1, " this engine was created with, minus the root), got ", n);
+    params_.tree_budget = n;
 }
 
 void spec_session::reset() {
@@ -197,7 +206,9 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
     d.out = matmul(b, head, h);                                     // logits [n_draft_vocab or n_vocab, B-1]
-    if (d.what == draft_graph::TOP1) {
+    if (d.what == draft_graph::TOPK) {
+        d.out = topk_op(ctx, d.out, d.K);  // F32 [2, K, B-1]
+    } else if (d.what == draft_graph::TOP1) {
         d.out = top1_op(ctx, d.out);  // F32 [2, B-1]
     } else if (d.what == draft_graph::ARGMAX) {
         d.out = argmax_op(ctx, d.out);  // I32 [B-1]; flags non-finite rows (top1.h)
@@ -246,12 +257,15 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
 }
 
 void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
-                             bool dv_logits) {
+                             float * topk_out, int64_t K, bool dv_logits) {
     check_draft(last, B);
     draft_graph d;
     d.B = B;
+    d.K = K;
     d.n_past = target_.n_past();
-    d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : draft_graph::ARGMAX;
+    d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
+                                                                                       : draft_graph::ARGMAX;
+    if (topk_out) top1_out = topk_out;  // read_draft's f32 output
     // The features the last round committed are written into the ring by this graph, ahead of
     // the block (ggml computes nodes in order); the ring counts them from here on.
     if (pending_m_ > 0) d.push = ring_segments(pending_m_, pending_pos0_);
@@ -269,7 +283,8 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
     // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
     d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
-    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", logits_out ? ":logits" : top1_out ? ":top1" : ":argmax",
+    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "",
+                          logits_out ? ":logits" : topk_out ? cat(":topk", K) : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
     try {
@@ -286,15 +301,22 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
     if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
     if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
+    const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;  // (index, p) pairs per row
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
-        if ((argmax_out && argmax_out[i] < 0) || (d.what == draft_graph::TOP1 && f32_out[2 * i] < 0))
+        const bool top = d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK;
+        if ((argmax_out && argmax_out[i] < 0) || (top && f32_out[2 * pairs * i] < 0))
             throw_non_finite_logits("draft", d.n_past + i + 1);
     }
     if (!d.sub) return;
     const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;  // rows of the draft head -> token ids
     for (int64_t i = 0; i + 1 < d.B; ++i) {
         if (argmax_out) argmax_out[i] = ids[argmax_out[i]];
-        if (d.what == draft_graph::TOP1) f32_out[2 * i] = (float) ids[(size_t) f32_out[2 * i]];
+        if (d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK) {
+            for (int64_t k = 0; k < pairs; ++k) {
+                float & idx = f32_out[2 * (pairs * i + k)];
+                idx = (float) ids[(size_t) idx];
+            }
+        }
     }
 }
 
@@ -341,14 +363,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     }
     round_result r;
     const double t0 = profile_now();
-    if (ctl_.next() == controller::mode::ar) {
-        r.committed = {sampling ? ar_step_sampled(last, *sampling) : ar_step(last)};
-        r.ar = true;
-        r.n_verified = 1;
-        r.verify_s = profile_now() - t0;
-        ctl_.observe_ar(r.verify_s);
-        return r;
-    }
+    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
     // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
     // drafter's filtered distribution)
     std::vector<float> p;
@@ -387,6 +402,102 @@ void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, 
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;
     r.rollback_s = t3 - t2;
+}
+
+// ---- tree verify ----
+
+int64_t spec_session::draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p) {
+    const bool sub = params_.draft_vocab && drafter_->draft_head;
+    const int64_t rows = sub ? (int64_t) drafter_->hparams().draft_vocab.size() : target_.hparams().n_vocab;
+    DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
+    const int64_t K = std::min(params_.tree_budget, rows);
+    std::vector<float> out((size_t) (B - 1) * K * 2);  // [B-1, K, (index, p)]
+    run_draft(last, B, nullptr, nullptr, nullptr, out.data(), K);
+    tok.resize((size_t) (B - 1) * K);
+    p.resize(tok.size());
+    for (size_t i = 0; i < tok.size(); ++i) tok[i] = (int32_t) out[2 * i], p[i] = out[2 * i + 1];
+    return K;
+}
+
+void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                                          round_result & r, double t0, double t1) {
+    const int64_t n = (int64_t) tokens.size();
+    DFN_REQUIRE(parents.size() == tokens.size(), "verify", "parents and tokens must have one entry per node");
+    const int64_t n_past0 = target_.n_past();
+    decode_result v = target_.verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers);
+    const double t2 = profile_now();
+    r.n_verified = n;
+    r.parents = parents;
+    r.draft.assign(tokens.begin() + 1, tokens.end());
+    r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
+    target_.commit_tree(r.path);
+    // the path's taps in path order: the ring gets exactly the committed positions
+    const size_t row = (size_t) drafter_->hparams().n_feature_row();
+    std::vector<float> feats(r.path.size() * row);
+    for (size_t d = 0; d < r.path.size(); ++d) {
+        std::copy_n(v.taps.begin() + (size_t) r.path[d] * row, row, feats.begin() + d * row);
+    }
+    queue_features(std::move(feats), (int64_t) r.path.size(), n_past0);
+    const double t3 = profile_now();
+    r.draft_s = t1 - t0;
+    r.verify_s = t2 - t1;
+    r.rollback_s = t3 - t2;
+}
+
+round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens) {
+    round_result r;
+    const double t0 = profile_now();
+    verify_tree_and_commit(parents, tokens, r, t0, t0);
+    return r;
+}
+
+round_result spec_session::round_tree(int32_t last, int64_t B) {
+    round_result r;
+    const double t0 = profile_now();
+    std::vector<int32_t> tok;
+    std::vector<float> p;
+    const int64_t K = draft_topk(last, B, tok, p);  // checks last, B and the room for the block
+    // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
+    const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
+    const draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
+    last_tree_prob_ = tree.prob;
+    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now());
+    return r;
+}
+
+round_result spec_session::controller_ar_step(int32_t last, double t0, const sampling_params * sampling) {
+    round_result r;
+    r.committed = {sampling ? ar_step_sampled(last, *sampling) : ar_step(last)};
+    r.ar = true;
+    r.n_verified = 1;
+    r.verify_s = profile_now() - t0;
+    ctl_.observe_ar(r.verify_s);
+    return r;
+}
+
+round_result spec_session::step_tree(int32_t last, int64_t B) {
+    if (!params_.use_controller) return round_tree(last, B);
+    const double t0 = profile_now();
+    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0);
+    round_result r = round_tree(last, B);
+    // The controller sees a round of n_verified tokens that committed |committed| (its rate and
+    // verify cost by size) and, for its calibration, the accepted path's probabilities and then
+    // the first (most probable) child of the path's end, the draft the target turned down.
+    // It does not choose the tree's budget or shape (docs/architecture.md, Tree verify).
+    const int64_t k = r.n_verified - 1, accepted = (int64_t) r.committed.size() - 1;
+    std::vector<float> p(std::max<int64_t>(k, 1), 0.0f);
+    for (int64_t d = 1; d < (int64_t) r.path.size() && d - 1 < k; ++d) p[d - 1] = last_tree_prob_[r.path[d]];
+    if (accepted < k) {
+        const int32_t end = r.path.back();
+        for (int64_t i = end + 1; i < r.n_verified; ++i) {
+            if (r.parents[i] == end) {
+                p[accepted] = last_tree_prob_[i];
+                break;
+            }
+        }
+    }
+    ctl_.observe_round(p.data(), k, accepted, r.draft_s, r.verify_s + r.rollback_s);
+    return r;
 }
 
 }  // namespace dfn

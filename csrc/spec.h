@@ -30,6 +30,11 @@ struct spec_params {
     // The controller (controller.h) picks each step: an AR step or a round, and how many drafts
     // a round verifies (draft_cutoff still caps them). false: fixed settings, every step a round.
     bool use_controller = true;
+    // Tree verify (round_tree, step_tree): the best-first tree of at most tree_budget nodes below
+    // `last` (tree.h) from one draft pass's per-position top-K, verified in one target pass.
+    // draft_cutoff is then the tree's minimum path score. 1 + tree_budget <= the target's max_verify;
+    // 0: chain only (round_tree raises).
+    int64_t tree_budget = 0;
 };
 
 struct round_result {
@@ -37,6 +42,9 @@ struct round_result {
     std::vector<int32_t> draft;      // the drafts as verified: d_1 .. d_{n_verified-1}
     int64_t n_verified = 0;          // tokens in the verify pass: `last` + the drafts kept by the cut
     bool ar = false;                 // an AR step (step(): the controller's choice): one token, no draft
+    // Tree rounds: the verified tree's parents (node 0 the root `last`; draft holds nodes 1..) and
+    // the accepted path's node indices, root first. Empty for a chain.
+    std::vector<int32_t> parents, path;
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
@@ -62,6 +70,17 @@ public:
     // With `sampling` (temperature > 0): the sampled AR step and round (spec_sampled.cpp).
     round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr,
                       const sampling_params * sampling = nullptr);
+
+    // Tree verify (spec_params::tree_budget): one draft pass (per-position top-K), build_tree,
+    // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
+    // step()'s form: under the controller an AR step or a tree round, as the controller decides
+    // (the tree budget stays fixed); else round_tree.
+    round_result round_tree(int32_t last, int64_t B);
+    round_result step_tree(int32_t last, int64_t B);
+    // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
+    // (tests: trees the drafter would not build). The drafter does not run.
+    round_result verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens);
+    void set_tree_budget(int64_t n);
 
     // One exact AR step from the last committed token (the controller's AR step):
     // decodes `last` with the taps, queues its features for the ring as a round's commit does,
@@ -121,15 +140,17 @@ private:
     void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
 
     // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
-    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability). dv_logits: the
-    // logits over the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
+    // topk_out: [B-1, K, 2] (top1.h: topk_op) with K entries per row. dv_logits: the logits over
+    // the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
-                   bool dv_logits = false);
+                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false);
     bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
     // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
     struct draft_graph {
-        enum output { ARGMAX, LOGITS, TOP1 } what = ARGMAX;
+        enum output { ARGMAX, LOGITS, TOP1, TOPK } what = ARGMAX;
         int64_t B = 0, n_past = 0;
+        int64_t K = 0;      // TOPK: entries per row
         int64_t n_ctx = 0;  // ring slots holding context
         int64_t n_att = 0;  // ring slots attended to: context, block, masked padding
         int64_t lo = 0;     // oldest position any layer sees (the user's window)
@@ -164,6 +185,14 @@ private:
                                        std::vector<float> * probs = nullptr);
     // round()'s verify_and_commit with the target's draws in place of its argmaxes
     void verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1);
+    // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
+    // (K = min(tree_budget, rows of the head)); returns K.
+    int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
+    // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
+    void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                                round_result & r, double t0, double t1);
+    // The controller's AR step as step() and step_tree() take it.
+    round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
 
     target_session & target_;
     graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
@@ -172,6 +201,7 @@ private:
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
     controller ctl_;
+    std::vector<float> last_tree_prob_;  // round_tree's tree: each node's own probability (step_tree)
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
 };

@@ -37,7 +37,7 @@ std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const 
     const int64_t n_cols = dv ? (int64_t) ids.size() : target_.hparams().n_vocab;
     std::vector<float> logits((size_t) (B - 1) * n_cols);  // [B-1, n_cols]
     const int64_t n_past = target_.n_past();
-    run_draft(last, B, nullptr, logits.data(), nullptr, /*dv_logits=*/true);
+    run_draft(last, B, nullptr, logits.data(), nullptr, nullptr, 0, /*dv_logits=*/true);
     const bool cut = !probs && params_.draft_cutoff > 0.0f;
     std::vector<int32_t> out;
     if (probs) probs->clear();

@@ -4,7 +4,9 @@
 #include "vmath.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace dfn {
 
@@ -47,6 +49,14 @@ void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     }
 }
 
+void topk_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * lg = dst->src[0];
+    for (int64_t r = ith; r < lg->ne[1]; r += nth) {
+        topk_row((const float *) ((const char *) lg->data + r * lg->nb[1]), lg->ne[0], dst->ne[1],
+                 (float *) ((char *) dst->data + r * dst->nb[2]));
+    }
+}
+
 void argmax_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const ggml_tensor * lg = dst->src[0];
     for (int64_t r = ith; r < lg->ne[1]; r += nth) {
@@ -81,6 +91,34 @@ void top1_row(const float * l, int64_t n, int64_t & arg, float & p) {
     p = 1.0f / sum_exp(l, n, mx);
 }
 
+void topk_row(const float * l, int64_t n, int64_t K, float * out) {
+    bool finite;
+    const float mx = max_of(l, n, finite);
+    if (!finite) {
+        for (int64_t k = 0; k < K; ++k) out[2 * k] = -1.0f, out[2 * k + 1] = NAN;
+        return;
+    }
+    for (int64_t k = n; k < K; ++k) out[2 * k] = 0.0f, out[2 * k + 1] = 0.0f;  // fewer entries than K: p = 0
+    K = std::min(K, n);
+    // the K largest by insertion into a sorted list: scanning indices upwards, an equal value
+    // never displaces an earlier index, so ties come out by index
+    std::vector<int64_t> best;
+    best.reserve(K + 1);
+    for (int64_t j = 0; j < n; ++j) {
+        if ((int64_t) best.size() == K && !(l[j] > l[best.back()])) continue;
+        size_t at = best.size();
+        while (at > 0 && l[j] > l[best[at - 1]]) --at;
+        best.insert(best.begin() + at, j);
+        if ((int64_t) best.size() > K) best.pop_back();
+    }
+    const float inv = 1.0f / sum_exp(l, n, mx);
+    for (int64_t k = 0; k < K; ++k) {
+        const float x = l[best[k]];
+        out[2 * k] = (float) best[k];
+        out[2 * k + 1] = x == mx ? inv : exp_neg(x - mx) * inv;
+    }
+}
+
 void throw_non_finite_logits(const char * where, int64_t pos) {
     throw runtime_error(cat("[", where, "] non-finite logits (NaN or inf) at position ", pos,
                             ": the model's weights or inputs produce NaN/inf"));
@@ -90,6 +128,14 @@ ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits) {
     ggml_tensor * args[1] = {logits};
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 2, logits->ne[1], 1, 1, args, 1, top1_fn, GGML_N_TASKS_MAX, nullptr);
     ggml_set_name(out, "top1");
+    return out;
+}
+
+ggml_tensor * topk_op(ggml_context * ctx, ggml_tensor * logits, int64_t K) {
+    ggml_tensor * args[1] = {logits};
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, 2, K, logits->ne[1], 1, args, 1, topk_fn, GGML_N_TASKS_MAX,
+                                       nullptr);
+    ggml_set_name(out, "topk");
     return out;
 }
 

@@ -17,6 +17,11 @@ namespace dfn {
 // relative): it only decides how many drafts to verify, never which tokens are committed.
 ggml_tensor * top1_op(ggml_context * ctx, ggml_tensor * logits);
 
+// logits [n_vocab, n] -> F32 [2, K, n]: per row its K most probable entries (index as a float,
+// p), probability descending, ties by index ascending; p as top1_op's (the first entry is
+// top1_op's pair exactly, the others exp(l - l_max) / sum). Tree verify's per-position top-K.
+ggml_tensor * topk_op(ggml_context * ctx, ggml_tensor * logits, int64_t K);
+
 // logits [n_vocab, n] -> I32 [n]: each row's first maximum (ggml_argmax's pick), rows split over
 // the threads and the max vectorised (ggml_argmax runs the rows on one thread, scalar).
 ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits);
@@ -24,6 +29,8 @@ ggml_tensor * argmax_op(ggml_context * ctx, ggml_tensor * logits);
 // The same for one row (tests compare it against a float64 softmax).
 void top1_row(const float * l, int64_t n, int64_t & arg, float & p);
 int64_t argmax_row(const float * l, int64_t n);
+// out: K (index, p) pairs; a non-finite row gives index -1 in the first pair.
+void topk_row(const float * l, int64_t n, int64_t K, float * out);
 
 // RuntimeError "[where] non-finite logits (NaN or inf) at position pos: ...": one message for
 // every path that reads logits (decode, verify, draft, eval).

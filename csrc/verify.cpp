@@ -14,4 +14,34 @@ std::vector<int32_t> accept_prefix(const int32_t * draft, int64_t n_draft, const
     return out;
 }
 
+void check_tree_parents(const int32_t * parents, int64_t n, const char * where) {
+    DFN_REQUIRE(n >= 1, where, "a tree needs its root (node 0): got 0 nodes");
+    DFN_REQUIRE(parents[0] == -1, where, "parents[0] must be -1 (node 0 is the root), got ", parents[0]);
+    for (int64_t i = 1; i < n; ++i) {
+        DFN_REQUIRE(parents[i] >= 0 && parents[i] < i, where, "parents[", i, "] = ", parents[i],
+                    " must be in [0, ", i, ") (a node's parent comes before it)");
+    }
+}
+
+std::vector<int32_t> accept_tree(const int32_t * parents, const int32_t * tokens, const int32_t * target, int64_t n,
+                                 std::vector<int32_t> * path) {
+    check_tree_parents(parents, n, "accept_tree");
+    std::vector<int32_t> out;
+    if (path) path->assign(1, 0);
+    int64_t cur = 0;
+    for (;;) {
+        // children of cur have larger indices; the first one with the target's token wins
+        int64_t next = -1;
+        for (int64_t i = cur + 1; i < n && next < 0; ++i) {
+            if (parents[i] == cur && tokens[i] == target[cur]) next = i;
+        }
+        if (next < 0) break;
+        out.push_back(tokens[next]);
+        if (path) path->push_back((int32_t) next);
+        cur = next;
+    }
+    out.push_back(target[cur]);
+    return out;
+}
+
 }  // namespace dfn

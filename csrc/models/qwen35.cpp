@@ -97,6 +97,11 @@ public:
             for (int s = 0; s < 4; ++s) pos[s * n + i] = s < 3 ? (int32_t) (n_past + i) : 0;
         }
     }
+    void fill_positions_at(const int64_t * p, int64_t n, int32_t * pos) const override {
+        for (int64_t i = 0; i < n; ++i) {
+            for (int s = 0; s < 4; ++s) pos[s * n + i] = s < 3 ? (int32_t) p[i] : 0;
+        }
+    }
 
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;

@@ -25,6 +25,18 @@ def accept_prefix(draft, target) -> list[int]:
     return list(_core.accept_prefix(draft, target))
 
 
+def accept_tree(parents, tokens, target_argmax) -> list[int]:
+    """Committed tokens of one tree-verify round.
+
+    Node 0 is the root (the last committed token): parents[0] == -1 and parents[i] < i; tokens[i]
+    is node i's token; target_argmax[i] is the target's argmax after node i. From the root, follow
+    the child whose token equals the target's argmax at the current node; returns that path's
+    tokens (without the root) plus the bonus token, the target's argmax at the path's last node.
+    A chain (parents[i] == i - 1) gives accept_prefix(tokens[1:], target_argmax). Bad parents or
+    lengths raise ValueError."""
+    return list(_core.accept_tree(parents, tokens, target_argmax))
+
+
 def convert_hf_to_gguf(src_dir, dst_path, *, outtype: str = "f16"):
     """Convert a Hugging Face checkpoint (config.json + safetensors) to GGUF. See dflash_native.convert."""
     from .convert import convert_hf_to_gguf as _convert
@@ -49,6 +61,7 @@ __all__ = [
     "StreamPiece",
     "TextPiece",
     "accept_prefix",
+    "accept_tree",
     "convert_dflash_to_gguf",
     "convert_hf_to_gguf",
     "gpu_available",

@@ -15,7 +15,8 @@ def _cmd_generate(a) -> int:
     from .engine import Engine
 
     eng = Engine(a.target, drafter=a.drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
-                 kv_type=a.kv_type, gate=not a.no_gate, draft_cutoff=a.draft_cutoff)
+                 kv_type=a.kv_type, gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify,
+                 tree_budget=a.tree_budget)
     prompt = a.prompt
     if a.prompt_file:
         prompt = Path(a.prompt_file).read_text()
@@ -117,7 +118,7 @@ def _cmd_demo(a) -> int:
     target, drafter = pair
     print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
     eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
-                 draft_cutoff=a.draft_cutoff, gate=not a.no_gate)
+                 draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:  # code prompts from standard-library files the pair never trained on
@@ -277,6 +278,10 @@ def _add_speculation_args(p, *, draft_cutoff: float) -> None:
     p.add_argument("--no-gate", action="store_true",
                    help="fixed settings: every step a round of the block size (default: the speculation controller "
                         "picks AR steps or rounds and the drafts each round verifies)")
+    p.add_argument("--verify", choices=("chain", "tree"), default="chain",
+                   help="chain: verify the top-1 drafts; tree: verify a best-first tree of drafts in one pass")
+    p.add_argument("--tree-budget", type=int, default=32,
+                   help="with --verify tree: the most draft tokens (tree nodes below the root) a round verifies, 1..63")
 
 
 def _add_demo_parser(sub) -> None:

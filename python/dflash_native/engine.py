@@ -32,7 +32,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rollback_s: float = 0.0
-    verified_tokens: int = 0  # tokens through the verify passes (B per round without a draft_cutoff)
+    verified_tokens: int = 0  # tokens through the verify passes (B per round without a draft_cutoff; tree: nodes + root)
     # the controller (Engine(gate=True)): tokens it committed by AR steps (its first step, its
     # periodic AR cost probes and its fall-backs), and its switches between AR and speculation
     ar_steps: int = 0
@@ -120,6 +120,8 @@ class Engine:
         gate: bool = True,
         draft_cutoff: float = 0.0,
         draft_vocab: bool = True,
+        verify: str = "chain",
+        tree_budget: int = 32,
         _baselines: dict | None = None,
     ):
         """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
@@ -145,6 +147,14 @@ class Engine:
         ends that round's accepted run. False: always the whole vocabulary. Output is the same.
         Settable later as `engine.draft_vocab`.
 
+        verify: "chain" (each round verifies `last` + the top-1 drafts) or "tree": each round
+        verifies, in one target pass, the best-first tree of at most `tree_budget` candidate
+        tokens that the drafter's per-position top-K distributions give (ranked by the product of
+        their probabilities; draft_cutoff is then a minimum path score), and commits the longest
+        path the target agrees with plus its bonus token. Output is AR's, bit for bit, either way.
+        tree_budget: 1..63 (the root makes 64, the most tokens one verify takes). Under the gate
+        the controller still picks AR or speculation per step; the tree budget stays fixed.
+
         Weight matmuls on the CPU run the package's batch-invariant kernel (F16/F32 weights; other
         types fall back to ggml), under which a verify pass computes every token bit for bit as the
         AR step does; GDN layers roll back by tape replay. The baselines the benchmarks compare
@@ -169,6 +179,16 @@ class Engine:
         gate = _bool(w, "gate", gate)
         draft_cutoff = _real(w, "draft_cutoff", draft_cutoff)
         draft_vocab = _bool(w, "draft_vocab", draft_vocab)
+        verify = _str(w, "verify", verify)
+        tree_budget = _int(w, "tree_budget", tree_budget)
+        if verify not in ("chain", "tree"):
+            raise ValueError(f"[engine] verify must be 'chain' or 'tree', got {verify!r}")
+        if verify == "tree" and drafter is None:
+            raise ValueError("[engine] verify='tree' needs a drafter")
+        if verify == "tree" and not 1 <= tree_budget <= _core.MAX_VERIFY - 1:
+            raise ValueError(f"[engine] tree_budget must be in [1, {_core.MAX_VERIFY - 1}] (the verify capacity "
+                             f"{_core.MAX_VERIFY} minus the root), got {tree_budget}")
+        self.verify = verify
 
         self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
@@ -176,7 +196,7 @@ class Engine:
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
                         rollback=rollback, matmul=matmul),
                    dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
-                        draft_vocab=draft_vocab, controller=gate))
+                        draft_vocab=draft_vocab, controller=gate, tree_budget=tree_budget if verify == "tree" else 0))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
@@ -190,6 +210,8 @@ class Engine:
         max_verify = 0
         if drafter is not None:
             max_verify = block_size or _core.drafter_block_size(drafter)
+            if spec_kw.get("tree_budget"):  # a tree verifies its root and up to tree_budget nodes
+                max_verify = max(max_verify, spec_kw["tree_budget"] + 1)
         self._core = _core.Target(target, max_verify=max_verify, **target_kw)
         self._spec = None
         if drafter is not None:
@@ -393,6 +415,9 @@ class Engine:
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
         spec = self._spec is not None if speculative is None else speculative
+        if spec and sampling is not None and self.verify == "tree":
+            raise ValueError("[generate] sampling (temperature > 0) with verify='tree' is not built yet: use "
+                             "verify='chain' (exact at the seed) or speculative=False")
         gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling))
         if stream:
             return gen
@@ -574,8 +599,11 @@ class _Run:
     def _round(self, Bc: int) -> list[int]:
         """A round, or under the controller whatever step it chose (Spec.step)."""
         eng, stats = self.eng, self.stats
-        forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
-        r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
+        if eng.verify == "tree":
+            r = eng._spec.step_tree(self.last, Bc)  # the benchmarks' _draft_override is for chains
+        else:
+            forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
+            r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
         committed = r.committed
         stats.controller_switches = eng._spec.controller_switches
         if r.ar:

@@ -1,0 +1,189 @@
+"""Tree verify end to end (issue 14): each node computes its path's AR step bit for bit, and after
+a tree commit every cache (K/V rows, GDN recurrent and conv state, feature ring) equals a fresh AR
+computation of the accepted path, bitwise; tree-mode Engine output is the AR output. Random tiny
+dense (Qwen3) and hybrid (Qwen3.5) pairs written by the package's converters, F32 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.convert import convert_hf_to_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
+
+PAIRS = {
+    "qwen3": ("qwen3", dict(num_hidden_layers=3), dict(num_hidden_layers=1, target_layer_ids=[0, 1])),
+    "qwen35": ("qwen3_5", {}, dict(num_hidden_layers=2, target_layer_ids=[0, 2])),
+    "qwen35-odd": ("qwen3_5", dict(hidden_size=96, intermediate_size=136, num_hidden_layers=5, head_dim=40,
+                                   num_attention_heads=3, num_key_value_heads=1, linear_num_key_heads=2,
+                                   linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=24,
+                                   layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                "linear_attention", "full_attention"]),
+                   dict(num_hidden_layers=1, target_layer_ids=[1, 3], num_attention_heads=6, num_key_value_heads=2,
+                        head_dim=16)),
+}
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
+
+
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def pair(request, tmp_path_factory):
+    arch, t_over, d_over = PAIRS[request.param]
+    d = tmp_path_factory.mktemp("tree-" + request.param)
+    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, block_size=16,
+                                  target_gguf=tg, **d_over)
+    return {"name": request.param, "target": str(tg), "drafter": str(dg)}
+
+
+def make(pair, capacity=64, budget=40):
+    t = _core.Target(pair["target"], n_ctx=256, kv_type="f32", max_verify=64, n_threads=2)
+    return t, _core.Spec(t, pair["drafter"], block_size=16, ring_capacity=capacity, tree_budget=budget)
+
+
+def ar_tokens(t, n):
+    t.reset()
+    out = [int(np.argmax(t.decode(PROMPT)[-1]))]
+    while len(out) < n:
+        out.append(int(np.argmax(t.decode([out[-1]])[-1])))
+    t.reset()
+    return out
+
+
+def random_tree_with_path(rng, last, path_tokens, n_other, vocab=500):
+    """A tree rooted at `last` whose nodes, in a random topological order, include the chain
+    path_tokens below the root (the AR continuation) among n_other random nodes, some of them
+    children of path nodes (siblings of the true continuation)."""
+    parents, tokens, on_path = [-1], [last], [0]
+    todo_path = list(path_tokens)
+    while todo_path or n_other > 0:
+        if todo_path and (n_other == 0 or rng.random() < 0.4):
+            parents.append(on_path[-1])
+            tokens.append(todo_path.pop(0))
+            on_path.append(len(tokens) - 1)
+        else:
+            p = int(rng.integers(0, len(tokens)))
+            bad = {tokens[i] for i in range(len(tokens)) if parents[i] == p}  # no twins
+            tok = int(rng.integers(3, vocab))
+            if tok in bad or tok in path_tokens:  # the AR path stays the only accepted one
+                continue
+            parents.append(p)
+            tokens.append(tok)
+            n_other -= 1
+    return parents, tokens, on_path
+
+
+def caches(t):
+    return [_core.testing.gdn_state(t, i) if ty == "gdn" else _core.testing.kv(t, i)
+            for i, ty in enumerate(t.layer_types)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_commit_equals_fresh_ar(pair, seed):
+    """verify_tree over random trees holding the AR continuation to a random depth: the committed
+    tokens are AR's, and every cache and the ring equal AR steps over the same tokens, bitwise."""
+    rng = np.random.default_rng(seed)
+    t, s = make(pair, capacity=17)  # a ring smaller than the output: it wraps
+    ref = ar_tokens(t, 60)
+    got = [s.prefill(PROMPT)]
+    depths = set()
+    while len(got) < 30:
+        depth = int(rng.integers(0, 9))
+        n_other = int(rng.integers(0, 64 - 1 - depth))
+        parents, tokens, on_path = random_tree_with_path(rng, got[-1], ref[len(got): len(got) + depth], n_other)
+        r = s.verify_tree(parents, tokens)
+        assert r.n_verified == len(tokens) and r.path[0] == 0
+        assert len(r.committed) >= depth + 1  # the bonus may match a random child too
+        assert r.path[: depth + 1] == on_path
+        depths.add(len(r.committed) - 1)
+        got += r.committed
+    assert got[:30] == ref[:30]
+    assert len(depths) > 2
+
+    # fresh AR steps over exactly the committed tokens
+    t2, s2 = make(pair, capacity=17)
+    out = [s2.prefill(PROMPT)]
+    for tok in got[1:]:
+        assert s2.ar_step(out[-1]) == tok
+        out.append(tok)
+    assert t2.n_past == t.n_past
+    for a, b in zip(caches(t), caches(t2)):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    for il in range(s.drafter_n_layer):
+        for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 16, 33, 63])
+def test_tree_engine_is_ar(pair, budget):
+    """Engine(verify="tree") output == AR output, bit for bit (fixed settings and the controller),
+    with a feature ring smaller than the output; verified_tokens counts nodes + root."""
+    for gate in (False, True):
+        eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=16, feature_ring_capacity=16, n_ctx=256,
+                        kv_type="f32", n_threads=2, verify="tree", tree_budget=budget, gate=gate)
+        ar = eng.generate(PROMPT, max_tokens=50, speculative=False)
+        sp = eng.generate(PROMPT, max_tokens=50)
+        assert sp.tokens == ar.tokens
+        st = sp.stats
+        assert st.rounds > 0 or gate
+        if st.rounds:
+            assert st.rounds < st.verified_tokens <= st.rounds * (budget + 1)
+            assert 1.0 <= st.mean_acceptance_length <= 16
+
+
+def test_tree_rounds_build_the_drafters_tree(pair):
+    """round_tree verifies build_tree over the drafter's top-K rows (K = budget here): with
+    K = 1 (budget 1) it is the chain's first draft; the tree respects the budget and parents < i."""
+    t, s = make(pair, budget=12)
+    last = s.prefill(PROMPT)
+    r = s.round_tree(last, 16)
+    assert 1 <= r.n_verified <= 13 and r.parents[0] == -1
+    assert all(0 <= p < i for i, p in enumerate(r.parents) if i)
+    t2, s2 = make(pair, budget=1)
+    last2 = s2.prefill(PROMPT)
+    assert last2 == last
+    chain_draft = s2.draft(last2, 16)
+    r2 = s2.round_tree(last2, 16)
+    assert r2.parents == [-1, 0] and r2.draft == chain_draft[:1]
+
+
+def test_tree_bad_input(pair):
+    with pytest.raises(ValueError, match="verify must be 'chain' or 'tree'"):
+        dn.Engine(pair["target"], drafter=pair["drafter"], verify="graph")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        dn.Engine(pair["target"], verify="tree")
+    for b in (0, -1, 64):
+        with pytest.raises(ValueError, match=r"tree_budget must be in \[1, 63\]"):
+            dn.Engine(pair["target"], drafter=pair["drafter"], verify="tree", tree_budget=b)
+    t, s = make(pair, budget=5)
+    last = s.prefill(PROMPT)
+    with pytest.raises(ValueError, match="tree_budget must be in"):
+        s.tree_budget = 64
+    with pytest.raises(ValueError, match=r"parents\[0\] must be -1"):
+        s.verify_tree([0, 0], [last, 3])
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        s.verify_tree([-1, 1], [last, 3])
+    # nothing was committed by the refused verifies: a tree round still runs
+    assert s.round_tree(last, 16).n_verified >= 1
+
+
+def test_cli_verify_tree(tmp_path):
+    """dflash-native generate --verify tree --tree-budget N reaches the engine; a bad budget is a
+    clean error naming tree_budget."""
+    import subprocess
+    import sys
+
+    from fixtures import make_random_pair
+
+    tg, dg = make_random_pair(tmp_path, seed=3, block_size=8, outtype="f32")
+    base = [sys.executable, "-m", "dflash_native", "generate", "--target", str(tg), "--drafter", str(dg),
+            "--prompt", "hi", "--max-tokens", "6", "--verify", "tree"]
+    ok = subprocess.run(base + ["--tree-budget", "5"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "rounds" in ok.stderr + ok.stdout
+    bad = subprocess.run(base + ["--tree-budget", "64"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "tree_budget must be in [1, 63]" in bad.stderr + bad.stdout
