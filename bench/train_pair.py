@@ -54,6 +54,11 @@ def main():
     ap.add_argument("--anchors-per-seq", type=int, default=16)
     ap.add_argument("--draft-vocab", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="drafter prompts spread up to this many tokens of context (default: 64-token prompts only)")
+    ap.add_argument("--window", type=int, default=None, help="the drafter's attention window (default: context length)")
+    ap.add_argument("--long-share", type=float, default=None,
+                    help="with --context-length: the share of drafter prompts drawn long (default 1)")
     ap.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128)
@@ -93,7 +98,8 @@ def main():
         target_gguf=target_gguf, out_gguf=drafter_gguf, outtype=a.outtype, num_layers=a.drafter_layers,
         block_size=a.block_size, steps=a.drafter_steps, seqs_per_step=a.seqs_per_step,
         anchors_per_seq=a.anchors_per_seq, draft_vocab_size=a.draft_vocab, n_threads=a.threads,
-        engine_threads=a.threads, log_every=100)
+        engine_threads=a.threads, log_every=100, context_length=a.context_length, window=a.window,
+        long_share=a.long_share)
     times["drafter_s"] = time.perf_counter() - t0
     times["train_wall_s"] = time.perf_counter() - t_start
 

@@ -49,7 +49,8 @@ def test_train_drafter_cli_end_to_end(target, tmp_path):
     assert eng.generate(prompt, max_tokens=16).tokens == eng.generate(prompt, max_tokens=16, speculative=False).tokens
 
 
-@pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config", "no-target-gguf", "engine-no-gguf"])
+@pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config", "no-target-gguf", "engine-no-gguf",
+                                  "window-over-context", "zero-window", "share-without-context", "share-over-one"])
 def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
     ckpt, _, data = target
     args = {"--target": ckpt, "--data": data, "--out": tmp_path / "o"}
@@ -64,6 +65,14 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
         args["--target-gguf"] = tmp_path / "missing.gguf"
     elif case == "engine-no-gguf":
         args["--continuations"] = "engine"
+    elif case == "window-over-context":
+        args.update({"--context-length": 64, "--window": 65})
+    elif case == "zero-window":
+        args["--window"] = 0
+    elif case == "share-without-context":
+        args["--long-share"] = 0.5
+    elif case == "share-over-one":
+        args.update({"--context-length": 64, "--long-share": 1.5})
     else:
         args["--target"] = tmp_path
     p = cli(*[x for kv in args.items() for x in kv])
@@ -71,5 +80,7 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
     assert "error:" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "o").exists()  # nothing was trained or written
     msg = {"no-data": "does not exist", "empty-data": "is empty", "deep-tap": "not a tap layer", "no-config": "no config.json",
-           "no-target-gguf": "missing.gguf' does not exist", "engine-no-gguf": "needs the target's GGUF"}
+           "no-target-gguf": "missing.gguf' does not exist", "engine-no-gguf": "needs the target's GGUF",
+           "window-over-context": "window 65 is longer than context_length 64", "zero-window": "window must be an int",
+           "share-without-context": "long_share needs context_length", "share-over-one": "long_share must be in [0, 1]"}
     assert msg[case] in p.stderr

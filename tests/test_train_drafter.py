@@ -23,8 +23,9 @@ from dflash_native import _core  # noqa: E402
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
 from fixtures import make_random_checkpoint, mask_token_id_of  # noqa: E402
-from dflash_native.train.drafter import (DFlashDrafter, _AnchorSampler, block_batch, dflash_loss,  # noqa: E402
-                                         draft_vocabulary, greedy_continuations, target_features, train_drafter)
+from dflash_native.train.drafter import (DFlashDrafter, _AnchorSampler, _Features, block_batch,  # noqa: E402
+                                         context_window_mask, dflash_loss, draft_vocabulary, greedy_continuations,
+                                         target_features, train_drafter)
 from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402
 
 B = 8
@@ -284,3 +285,107 @@ def test_train_drafter_rejects_a_bad_context_length(env):
         with pytest.raises(ValueError, match="context_length"):
             train_drafter(env["hf"], env["dir"] / "bad", prompts=[PROMPT], max_new_tokens=4, target_layer_ids=TAPS,
                           mask_token_id=env["mask"], steps=1, context_length=bad)
+
+
+# context length N != window W: anchors spread over long sequences, blocks see the last W positions
+# ---------------------------------------------------------------------------
+
+def test_window_mask_semantics():
+    """p is visible to anchor a iff a - W <= p < a, whatever positions the features start at."""
+    anchors = torch.tensor([[0, 3, 10, 40]])
+    full = context_window_mask(anchors, 48, 6)[0]
+    for j, a in enumerate(anchors[0].tolist()):
+        assert full[j].nonzero().flatten().tolist() == list(range(max(0, a - 6), a))
+    assert context_window_mask(anchors, 48, None)[0].sum(-1).tolist() == [0, 3, 10, 40]
+    shifted = context_window_mask(anchors, torch.arange(30, 48)[None], 6)[0]  # positions 30..47 only
+    assert torch.equal(shifted, full[:, 30:])
+
+
+def test_cropped_context_batch_equals_the_full_one(env):
+    """A batch whose features start at ctx_start (what training keeps of a long sequence) gives
+    the logits of the batch over the whole sequence, and refuses a start some anchor's window
+    reaches before."""
+    drafter = _random_drafter(env, num_layers=1)
+    seq = PROMPT + [7, 9, 11, 13, 15, 17, 19, 21, 23, 25]
+    anchors = [[12, 14, 18]]
+    feats = target_features(env["hf"], seq, TAPS)
+    full = block_batch([seq], anchors, B, env["mask"], window=WINDOW)
+    crop = block_batch([seq], anchors, B, env["mask"], window=WINDOW, ctx_start=[12 - WINDOW])
+    assert crop["ctx_pos"][0].tolist() == list(range(12 - WINDOW, len(seq)))
+    assert torch.equal(crop["mask"][..., :crop["ctx_pos"].shape[1]], full["mask"][..., 12 - WINDOW:len(seq)])
+    with torch.no_grad():
+        want = drafter.hidden(feats[None], full["block_tokens"], full["block_pos"], full["mask"], full["ctx_pos"])
+        got = drafter.hidden(feats[None, 12 - WINDOW:], crop["block_tokens"], crop["block_pos"], crop["mask"],
+                             crop["ctx_pos"])
+    assert (got - want).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="ctx_start"):
+        block_batch([seq], anchors, B, env["mask"], window=WINDOW, ctx_start=[12 - WINDOW + 1])
+    with pytest.raises(ValueError, match="ctx_start"):
+        block_batch([seq], anchors, B, env["mask"], ctx_start=[1])  # no window: every anchor sees position 0
+
+
+def test_features_keep_only_what_windows_reach(env):
+    """Taps of a sequence whose anchors start at m are kept from m - W on (all of them without W)."""
+    seqs = [PROMPT + list(range(20, 40)), PROMPT[:6] + [3, 4, 5, 6]]
+    feats = _Features.of(env["hf"], seqs, [len(PROMPT), 6], TAPS, WINDOW)
+    assert feats.offsets == [len(PROMPT) - WINDOW, 0]
+    assert [f.shape[0] for f in feats.rows] == [len(seqs[0]) - len(PROMPT) + WINDOW, len(seqs[1])]
+    full = target_features(env["hf"], seqs[0], TAPS)
+    start = len(PROMPT) - 2
+    got = feats.window(0, start, 30)  # the sequence's rows from start on, then zeros to 30 rows
+    n = len(seqs[0]) - start
+    assert got.shape[0] == 30 and torch.equal(got[:n], full[start:]) and not got[n:].any()
+    with pytest.raises(ValueError, match="start at"):
+        feats.window(0, len(PROMPT) - WINDOW - 1, 4)
+    assert _Features.of(env["hf"], seqs, [len(PROMPT), 6], TAPS, None).offsets == [0, 0]
+
+
+def test_window_shorter_than_the_context_length_is_recorded(env, trained):
+    """context_length N spans the sequences, window W is what blocks see and what the checkpoint
+    records as the engine's default window; the recipe keeps both."""
+    rng = np.random.default_rng(4)
+    prompts = [[int(x) for x in rng.integers(3, 500, 20)] for _ in range(3)]
+    res = train_drafter(env["hf"], env["dir"] / "drafter-nw", prompts=prompts, max_new_tokens=16,
+                        target_layer_ids=TAPS, num_layers=1, block_size=B, mask_token_id=env["mask"],
+                        anchors_per_seq=4, seqs_per_step=2, steps=3, seed=0, n_threads=N_THREADS,
+                        context_length=64, window=WINDOW)
+    cfg = json.loads((res.checkpoint / "config.json").read_text())
+    recipe = json.loads(res.recipe.read_text())
+    assert cfg["dflash_config"]["trained_context_length"] == WINDOW
+    assert (recipe["context_length"], recipe["window"], recipe["trained_context_length"]) == (64, WINDOW, WINDOW)
+    dg = convert_dflash_to_gguf(res.checkpoint, env["dir"] / "drafter-nw.gguf", outtype="f32",
+                                target_gguf=trained["target_gguf"])
+    from gguf import GGUFReader
+
+    assert GGUFReader(dg).fields["dflash.trained_context_length"].contents() == WINDOW
+
+
+@pytest.mark.parametrize("kw, msg", [({"window": 0}, "window must be"), ({"window": 2.5}, "window must be"),
+                                     ({"window": True}, "window must be"),
+                                     ({"context_length": 8, "window": 9}, "longer than context_length")])
+def test_train_drafter_rejects_a_bad_window(env, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        train_drafter(env["hf"], env["dir"] / "bad-w", prompts=[PROMPT], max_new_tokens=4, target_layer_ids=TAPS,
+                      mask_token_id=env["mask"], steps=1, **kw)
+    assert not (env["dir"] / "bad-w").exists()
+
+
+def test_prompt_mix_keeps_a_short_share(tmp_path):
+    """--long-share: that share of the prompts spread up to N - new tokens, the rest short, and the
+    short ones are the prompts the same seed draws without N."""
+    from tokenizers import Tokenizer
+
+    from dflash_native.train.pipeline import _prompt_mix
+    from fixtures import make_tokenizer_files
+
+    (tmp_path / "tok").mkdir()
+    make_tokenizer_files(tmp_path / "tok")
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    text = tmp_path / "t.py"
+    text.write_text("".join(f"def f{j}(x):\n    return x * {j} + 1\n\n" for j in range(400)))
+    files = [("t", text)]
+    mix = _prompt_mix(files, tok, 12, 16, 8, 208, 0.25, seed=0)
+    short, long = mix[:9], mix[9:]
+    assert {len(p) for p in short} == {16} and len(long) == 3
+    assert all(16 <= len(p) <= 200 for p in long) and max(len(p) for p in long) > 16
+    assert short == _prompt_mix(files, tok, 9, 16, 8, None, None, seed=0)

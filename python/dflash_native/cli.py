@@ -75,7 +75,8 @@ def _cmd_train_drafter(a) -> int:
                           out_gguf=a.gguf, outtype=a.outtype, num_layers=a.layers, block_size=a.block_size,
                           steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every,
                           seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors_per_seq,
-                          draft_vocab_size=a.draft_vocab, context_length=a.context_length,
+                          draft_vocab_size=a.draft_vocab, context_length=a.context_length, window=a.window,
+                          long_share=a.long_share,
                           continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
     return 0
@@ -263,8 +264,14 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--max-new-tokens", type=int, default=64)
     t.add_argument("--context-length", type=int, default=None,
-                   help="drafter context window N: blocks attend to at most N positions before them, prompts are "
-                        "drawn up to N - max-new-tokens long; the GGUF records it as the engine's default window")
+                   help="context length N: prompts are drawn up to N - max-new-tokens long, so that anchors see "
+                        "contexts spread up to N; also the window when --window is not given")
+    t.add_argument("--window", type=int, default=None,
+                   help="drafter window W (<= N, default N): blocks attend to at most W positions before them; the "
+                        "GGUF records it as the engine's default drafter window")
+    t.add_argument("--long-share", type=float, default=None,
+                   help="with --context-length: the share of prompts drawn long (default 1); the rest have "
+                        "--prompt-tokens tokens")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--log-every", type=int, default=20)

@@ -18,7 +18,7 @@ labelled rows. All anchors of all sequences in a batch run in one forward:
 per sequence the queries are the N*B block rows, the keys are the L
 context positions (K/V computed once per layer and shared by every anchor)
 followed by the N*B block rows, under a boolean mask that is a prefix of the
-context (positions < a_j; with `context_length` W only a_j - W <= p < a_j, the
+context (positions < a_j; with a `window` W only a_j - W <= p < a_j, the
 engine's drafter window) plus the anchor's own block (block-diagonal). The
 checkpoint records the most context positions a block attended to
 (dflash_config.trained_context_length): the engine's default drafter window.
@@ -355,7 +355,8 @@ def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: 
 # ---------------------------------------------------------------------------
 
 def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]], block_size: int,
-                mask_token_id: int, window: int | None = None) -> dict[str, torch.Tensor]:
+                mask_token_id: int, window: int | None = None,
+                ctx_start: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one training forward for S sequences with N anchors each
     (a sequence with fewer anchors is padded with dummy blocks whose labels are
     ignored).
@@ -363,12 +364,15 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
     block_tokens / block_pos / labels [S, N*B]: row j*B+i is block j's row i,
     token x_a (i = 0) or MASK, position a+i, label x_{a+i} for i >= 1 while a+i
     is inside the sequence (else IGNORE; row 0 is always IGNORE).
+    ctx_pos [S, L]: the context positions the features cover, ctx_start[s] + 0..L-1 (default
+    from 0; a later start skips positions no window reaches, L = the longest len - start).
     mask [S, N*B, L+N*B]: context key p visible iff p < a_j (and a_j - window <= p
     with a `window`: `context_window_mask`); block keys of the same block only.
     """
     B = block_size
     S = len(tokens)
-    L = max(len(t) for t in tokens)
+    start = torch.zeros(S, dtype=torch.long) if ctx_start is None else torch.as_tensor(list(ctx_start), dtype=torch.long)
+    L = max(len(t) - int(st) for t, st in zip(tokens, start))
     N = max(1, max(len(a) for a in anchors))
     block_tokens = torch.full((S, N * B), mask_token_id, dtype=torch.long)
     block_pos = torch.zeros((S, N * B), dtype=torch.long)
@@ -379,6 +383,8 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
         for j, a in enumerate(anc):
             if not 1 <= a < len(seq) - 1:
                 raise ValueError(f"[block_batch] anchor {a} outside 1..{len(seq) - 2} for a sequence of {len(seq)}")
+            if (0 if window is None else max(0, a - window)) < start[s]:
+                raise ValueError(f"[block_batch] anchor {a} sees context before ctx_start {int(start[s])}")
             anchor_t[s, j] = a
             r = j * B
             block_tokens[s, r] = seq_t[a]
@@ -387,19 +393,21 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
             labels[s, r + 1:r + 1 + n_lab] = seq_t[a + 1:a + 1 + n_lab]
         for j in range(len(anc), N):  # dummy blocks: position 0, token MASK, no context, no labels
             block_pos[s, j * B:(j + 1) * B] = torch.arange(B)
-    ctx_vis = context_window_mask(anchor_t.repeat_interleave(B, 1), L, window)                # [S, N*B, L]
+    ctx_pos = start[:, None] + torch.arange(L)                                                   # [S, L]
+    ctx_vis = context_window_mask(anchor_t.repeat_interleave(B, 1), ctx_pos, window)            # [S, N*B, L]
     blk = torch.arange(N * B) // B
     blk_vis = (blk[:, None] == blk[None, :]).expand(S, N * B, N * B)
-    return {"block_tokens": block_tokens, "block_pos": block_pos, "labels": labels,
+    return {"block_tokens": block_tokens, "block_pos": block_pos, "labels": labels, "ctx_pos": ctx_pos,
             "mask": torch.cat([ctx_vis, blk_vis], -1)}
 
 
-def context_window_mask(anchors: torch.Tensor, n_ctx: int, window: int | None) -> torch.Tensor:
-    """bool [*anchors.shape, n_ctx]: context position p is visible to a block anchored at a iff
-    a - window <= p < a (p < a without a window). The engine's ring window is the same set:
+def context_window_mask(anchors: torch.Tensor, ctx_pos: torch.Tensor | int, window: int | None) -> torch.Tensor:
+    """bool [*anchors.shape, L]: context position p is visible to a block anchored at a iff
+    a - window <= p < a (p < a without a window). `ctx_pos`: the positions [S, L] of the
+    context features (an int n: positions 0..n-1). The engine's ring window is the same set:
     a draft at n_past = a attends to the committed positions >= n_past - window, every block
     row alike (csrc/spec.cpp run_draft), so training and inference see the same context."""
-    p = torch.arange(n_ctx)
+    p = torch.arange(ctx_pos) if isinstance(ctx_pos, int) else ctx_pos[:, None, :]
     a = anchors[..., None]
     vis = p < a
     if window is not None:
@@ -423,7 +431,7 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
     accuracy over labelled rows."""
     B = drafter.block_size
     labels = batch["labels"]
-    hidden = drafter.hidden(features, batch["block_tokens"], batch["block_pos"], batch["mask"])
+    hidden = drafter.hidden(features, batch["block_tokens"], batch["block_pos"], batch["mask"], batch.get("ctx_pos"))
     valid = labels != IGNORE                                                       # [S, N*B]
     rows = hidden[valid]                                                           # [n, H]: only labelled rows
     logits = drafter.logits(rows)
@@ -447,19 +455,23 @@ def _anchor_range(n_tokens: int, min_anchor: int) -> range:
     return range(max(1, min_anchor), n_tokens - 1)
 
 
-def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], features: Sequence[torch.Tensor],
+def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], features: Sequence[torch.Tensor] | "_Features",
                   anchors: Sequence[Sequence[int]], window: int | None = None) -> float:
     """Mean acceptance length (1 + leading block rows whose argmax equals the
     sequence's next tokens; 1..B) of the drafter's greedy blocks at `anchors`,
-    where the sequences are the target's greedy continuations."""
+    where the sequences are the target's greedy continuations. `features`: per sequence
+    its taps from position 0 (a list of tensors) or a `_Features`."""
     B = drafter.block_size
+    feats = features if isinstance(features, _Features) else _Features(list(features), [0] * len(features))
     total, n = 0.0, 0
     with torch.no_grad():
-        for seq, f, anc in zip(tokens, features, anchors):
+        for i, (seq, anc) in enumerate(zip(tokens, anchors)):
             if not anc:
                 continue
-            batch = block_batch([seq], [anc], B, drafter.mask_token_id, window)
-            hid = drafter.hidden(f[None], batch["block_tokens"], batch["block_pos"], batch["mask"])
+            start = _ctx_start(anc, window)
+            batch = block_batch([seq], [anc], B, drafter.mask_token_id, window, [start])
+            f = feats.window(i, start, batch["ctx_pos"].shape[1])[None]
+            hid = drafter.hidden(f, batch["block_tokens"], batch["block_pos"], batch["mask"], batch["ctx_pos"])
             pred = drafter.logits(hid).argmax(-1)[0].view(-1, B)
             lab = batch["labels"][0].view(-1, B)
             for j in range(len(anc)):
@@ -469,6 +481,41 @@ def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], featu
                 total += k
                 n += 1
     return total / max(n, 1)
+
+
+def _ctx_start(anchors: Sequence[int], window: int | None) -> int:
+    """The first context position any of `anchors` sees under `window` (0 without one)."""
+    return 0 if window is None else max(0, min(anchors) - int(window))
+
+
+@dataclass
+class _Features:
+    """The target's taps of every training sequence, kept only from `offsets[i]` on: with a
+    window W, anchors from m on never see positions before m - W, so a 4K-token sequence whose
+    continuation starts at m keeps W + its continuation rows (1536 x 4K full rows would be
+    ~30 GB at 4 taps x 320 floats)."""
+    rows: list[torch.Tensor]     # float32 [n_i - offsets[i], n_taps*H]
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, target: nn.Module, data: Sequence[Sequence[int]], min_anchor: Sequence[int],
+           target_layer_ids: Sequence[int], window: int | None, log_every: int = 0) -> "_Features":
+        rows, offsets = [], []
+        for i, (seq, m) in enumerate(zip(data, min_anchor)):
+            off = _ctx_start([m], window)
+            rows.append(target_features(target, seq, target_layer_ids)[off:].clone())
+            offsets.append(off)
+            if log_every and (i + 1) % (50 * log_every) == 0:
+                print(f"[train_drafter] target taps of {i + 1}/{len(data)} sequences", flush=True)
+        return cls(rows, offsets)
+
+    def window(self, i: int, start: int, n: int) -> torch.Tensor:
+        """[n, n_taps*H]: sequence i's taps at positions start .. start+n-1, zero past its end."""
+        lo = start - self.offsets[i]
+        if lo < 0:
+            raise ValueError(f"[train_drafter] taps of sequence {i} start at {self.offsets[i]}, asked from {start}")
+        f = self.rows[i][lo:lo + n]
+        return F.pad(f, (0, 0, 0, n - f.shape[0]))
 
 
 # ---------------------------------------------------------------------------
@@ -533,6 +580,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                   drafter_overrides: Mapping[str, Any] | None = None,
                   draft_vocab_size: int = 0,
                   context_length: int | None = None,
+                  window: int | None = None,
                   log_every: int = 0) -> TrainResult:
     """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
@@ -549,16 +597,20 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     `target_layer_ids` default: z-lab's spread (hf_formats.default_target_layer_ids).
     `draft_vocab_size` > 0: config.json also gets "draft_vocab", the (at most) that many most
     frequent tokens of the continuations (`draft_vocabulary`), which the engine drafts over.
-    `context_length` N: every block attends to at most the N context positions before it (the
-    engine's drafter window, same semantics), wherever its anchor lies in a long sequence.
-    config.json records the context the drafter attended to at most, min(N, the longest
-    anchor's context) (without N: the longest anchor's context), as
+    `context_length` N: the context the sequences span (the pipeline draws prompts up to
+    N - max_new_tokens long); recorded in the recipe, and the window when `window` is not given.
+    `window` W (default N): every block attends to at most the W context positions before it
+    (the engine's drafter window, same semantics), wherever its anchor lies in a long sequence;
+    the target's taps are kept only from W before a sequence's first anchor on.
+    config.json records the context the drafter attended to at most, min(W, the longest
+    anchor's context) (without W: the longest anchor's context), as
     dflash_config.trained_context_length: the engine's default drafter window.
     Returns the loss history and throughput (TrainResult).
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
-    _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length)
+    _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length, window)
+    window = context_length if window is None else window
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
@@ -566,14 +618,13 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                                                                           mask_token_id)
     data, min_anchor = _training_sequences(target, target_path, prompts, sequences, sequence_prompt_lengths,
                                            max_new_tokens, seed)
-    feats = [target_features(target, s, target_layer_ids) for s in data]
+    feats = _Features.of(target, data, min_anchor, target_layer_ids, window, log_every)
     t_data = time.perf_counter() - t0
 
     drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
                                        num_layers=num_layers, block_size=block_size, seed=seed, init_std=init_std,
                                        **dict(drafter_overrides or {}))
     anchors = _AnchorSampler(data, min_anchor, anchors_per_seq, gen)
-    window = context_length
     # A fixed evaluation set of anchors (the training distribution) for acceptance before/after.
     eval_anchors = [anchors.sample(i) for i in range(len(data))]
     acc_before = acceptance_on(drafter, data, feats, eval_anchors, window)
@@ -598,24 +649,31 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         "steps": steps, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "grad_clip": grad_clip,
         "gamma": gamma, "seed": seed, "n_threads": torch.get_num_threads(), "init_std": init_std,
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
-        "draft_vocab_size": draft_vocab_size, "context_length": context_length,
+        "draft_vocab_size": draft_vocab_size, "context_length": context_length, "window": window,
         "trained_context_length": trained_context,
     }
     return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
                          n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
 
 
-def _check_train_args(block_size: int, prompts, sequences, draft_vocab_size, context_length) -> None:
+def _check_train_args(block_size: int, prompts, sequences, draft_vocab_size, context_length, window) -> None:
     if block_size < 2:
         raise ValueError(f"[train_drafter] block_size must be >= 2, got {block_size}")
     if prompts is None and sequences is None:
         raise ValueError("[train_drafter] give prompts and/or sequences")
     if not isinstance(draft_vocab_size, int) or draft_vocab_size < 0:
         raise ValueError(f"[train_drafter] draft_vocab_size must be an int >= 0, got {draft_vocab_size!r}")
-    if context_length is not None and (not isinstance(context_length, int) or isinstance(context_length, bool)
-                                       or not 1 <= context_length <= MAX_TRAINED_CONTEXT):
-        raise ValueError(f"[train_drafter] context_length must be an int in [1, {MAX_TRAINED_CONTEXT}] or None, "
-                         f"got {context_length!r}")
+    check_context_args(context_length, window)
+
+
+def check_context_args(context_length: int | None, window: int | None) -> None:
+    """context_length N and window W: ints in [1, MAX_TRAINED_CONTEXT] or None, W <= N."""
+    for name, v in (("context_length", context_length), ("window", window)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRAINED_CONTEXT):
+            raise ValueError(f"[train_drafter] {name} must be an int in [1, {MAX_TRAINED_CONTEXT}] or None, got {v!r}")
+    if window is not None and context_length is not None and window > context_length:
+        raise ValueError(f"[train_drafter] window {window} is longer than context_length {context_length}: "
+                         f"no block can see more context than the sequences span")
 
 
 def _frozen_target(target_dir, num_layers: int, target_layer_ids: Sequence[int] | None,
@@ -717,7 +775,7 @@ class _AnchorSampler:
         return sorted(r[j] for j in torch.randperm(len(r), generator=self.gen)[:k].tolist())
 
 
-def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: Sequence[torch.Tensor],
+def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "_Features",
                  anchors: _AnchorSampler, *, steps: int, seqs_per_step: int, lr: float, weight_decay: float,
                  warmup: int, grad_clip: float, gamma: float | None, window: int | None,
                  log_every: int) -> tuple[list[float], list[float], int, float]:
@@ -735,9 +793,9 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: S
     for step in range(steps):
         idx = torch.randperm(len(data), generator=anchors.gen)[:seqs_per_step].tolist()
         step_anchors = [anchors.sample(i) for i in idx]
-        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id, window)
-        L = batch["mask"].shape[-1] - batch["block_tokens"].shape[1]
-        f = torch.stack([F.pad(feats[i], (0, 0, 0, L - feats[i].shape[0])) for i in idx])
+        starts = [_ctx_start(a, window) for a in step_anchors]
+        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id, window, starts)
+        f = torch.stack([feats.window(i, st, batch["ctx_pos"].shape[1]) for i, st in zip(idx, starts)])
         for g in opt.param_groups:
             g["lr"] = warmup_cosine_lr(step, lr=lr, warmup=warmup, steps=steps)
         loss, stats = dflash_loss(drafter, f, batch, gamma)

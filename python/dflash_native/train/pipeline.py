@@ -75,6 +75,29 @@ def text_prompts(files: Sequence[tuple[str, Path]], tokenizer: Any, n: int, prom
     return out
 
 
+def _prompt_mix(files, tok, n_prompts: int, prompt_tokens: int, max_new_tokens: int, context_length: int | None,
+                long_share: float | None, seed: int) -> list[list[int]]:
+    """Without `context_length`: `n_prompts` prompts of `prompt_tokens`. With N: round(n_prompts *
+    long_share) long prompts, of lengths spread over [prompt_tokens, N - max_new_tokens] so that the
+    continuations' anchors see contexts up to N (default share 1), then the short rest of
+    `prompt_tokens`: the short-context regime keeps its share of the training, and the short
+    prompts are the first ones the same seed draws without N."""
+    if context_length is None:
+        return text_prompts(files, tok, n_prompts, prompt_tokens, seed=seed)
+    n_long = round(n_prompts * (1.0 if long_share is None else long_share))
+    longest = max(prompt_tokens, context_length - max_new_tokens)
+    # an all-long draw keeps the seed it always had; a mix draws its long prompts from the next one
+    long_seed = seed if n_long == n_prompts else seed + 1
+    long = text_prompts(files, tok, n_long, prompt_tokens, seed=long_seed, max_prompt_tokens=longest) if n_long else []
+    short = text_prompts(files, tok, n_prompts - n_long, prompt_tokens, seed=seed) if n_prompts > n_long else []
+    return short + long
+
+
+def _length_summary(lengths: Sequence[int]) -> dict:
+    s = sorted(lengths)
+    return {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "mean": sum(s) / len(s)}
+
+
 def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                          n_threads: int | None = None) -> list[list[int]]:
     """prompt + `max_new_tokens` greedy tokens of our engine on `target_gguf` (AR, stopping early
@@ -92,11 +115,21 @@ def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_
 
 def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 64, max_new_tokens: int = 64,
         target_layer_ids: Sequence[int] | None = None, target_gguf=None, out_gguf=None, outtype: str = "f16",
-        continuations: str | None = None, engine_threads: int | None = None, **train_kwargs) -> dict:
+        continuations: str | None = None, engine_threads: int | None = None, long_share: float | None = None,
+        **train_kwargs) -> dict:
     """Check, sample prompts, generate the target's continuations, train, and (with out_gguf)
     convert. `continuations`: "engine" (our engine on `target_gguf`, the default when it is
-    given) or "torch" (the PyTorch target). Returns the recipe."""
+    given) or "torch" (the PyTorch target). With train_kwargs' `context_length` N, a
+    `long_share` of the prompts (default all) have lengths spread over [prompt_tokens,
+    N - max_new_tokens] and the rest `prompt_tokens` (see `_prompt_mix`). Returns the recipe."""
+    from .drafter import check_context_args, train_drafter
+
     target_dir = Path(target_dir)
+    check_context_args(train_kwargs.get("context_length"), train_kwargs.get("window"))
+    if long_share is not None and train_kwargs.get("context_length") is None:
+        raise ValueError("[train_drafter] long_share needs context_length (the length long prompts spread up to)")
+    if long_share is not None and not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"[train_drafter] long_share must be in [0, 1], got {long_share!r}")
     continuations = continuations or ("engine" if target_gguf is not None else "torch")
     if continuations not in ("engine", "torch"):
         raise ValueError(f"[train_drafter] continuations must be 'engine' or 'torch', got {continuations!r}")
@@ -107,14 +140,9 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     files = check_request(target_dir, data, target_layer_ids)
     from tokenizers import Tokenizer
 
-    from .drafter import train_drafter
-
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    # Long-context training: prompts long enough that the continuations' anchors see contexts
-    # spread up to the window (see train_drafter's context_length).
-    n = train_kwargs.get("context_length")
-    prompts = text_prompts(files, tok, n_prompts, prompt_tokens, seed=train_kwargs.get("seed", 0),
-                           max_prompt_tokens=max(prompt_tokens, n - max_new_tokens) if n else None)
+    prompts = _prompt_mix(files, tok, n_prompts, prompt_tokens, max_new_tokens, train_kwargs.get("context_length"),
+                          long_share, train_kwargs.get("seed", 0))
     t0 = time.perf_counter()
     if continuations == "engine":
         seqs = engine_continuations(target_gguf, prompts, max_new_tokens, n_threads=engine_threads)
@@ -126,7 +154,9 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     recipe = json.loads(Path(result.recipe).read_text())
     recipe.update(acceptance_before=result.acceptance_before, acceptance_after=result.acceptance_after,
                   final_loss=result.losses[-1] if result.losses else None, continuations=continuations,
-                  n_prompts=n_prompts, prompt_tokens=prompt_tokens, pipeline_seconds=time.perf_counter() - t0)
+                  n_prompts=n_prompts, prompt_tokens=prompt_tokens, long_share=long_share,
+                  prompt_lengths=_length_summary([len(p) for p in prompts]),
+                  pipeline_seconds=time.perf_counter() - t0)
     if out_gguf is not None:
         from ..convert_dflash import convert_dflash_to_gguf
 
