@@ -103,6 +103,12 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
                 " (the GDN tape capacity this engine was created with)");
     DFN_REQUIRE(n <= params_.n_batch, "verify", n, " tokens > n_batch = ", params_.n_batch);
 
+    return run_verify(tokens, nullptr, n, tap_layers, argmax_only);
+}
+
+decode_result target_session::run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
+                                         const std::vector<int> & tap_layers, bool argmax_only) {
+    const target_hparams & hp = model_->hparams();
     decode_result out;
     out.n_rows = n;
     if (argmax_only) out.argmax.resize(n);
@@ -110,7 +116,7 @@ decode_result target_session::verify(const int32_t * tokens, int64_t n, const st
     if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
     const int64_t n_past0 = cache_->n_past;
     try {
-        run_chunk(tokens, n, true, tap_layers, out, 0, n, true, argmax_only);
+        run_chunk(tokens, n, true, tap_layers, out, 0, n, true, argmax_only, parents);
     } catch (...) {
         cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
         throw;
@@ -130,22 +136,9 @@ decode_result target_session::verify_tree(const int32_t * tokens, const int32_t 
                 params_.max_verify, " (the verify capacity this engine was created with)");
     DFN_REQUIRE(n <= params_.n_batch, "verify", n, " nodes > n_batch = ", params_.n_batch);
     DFN_REQUIRE(params_.rollback == ROLLBACK_TAPE || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
-    decode_result out;
-    out.n_rows = n;
-    out.argmax.resize(n);
-    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
-    const int64_t n_past0 = cache_->n_past;
     cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
     cache_->tree.replay_n = cache_->replay_n;
-    try {
-        run_chunk(tokens, n, true, tap_layers, out, 0, n, true, /*argmax_only=*/true, parents);
-    } catch (...) {
-        cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
-        throw;
-    }
-    pending_past_ = n_past0;
-    pending_n_ = n;
-    pending_tokens_.assign(tokens, tokens + n);
+    decode_result out = run_verify(tokens, parents, n, tap_layers, /*argmax_only=*/true);
     pending_parents_.assign(parents, parents + n);
     return out;
 }

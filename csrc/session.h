@@ -115,6 +115,9 @@ private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     void flush_replay();  // the replay commit() left to the next graph, done now on the host
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
+    // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
+    decode_result run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
+                             const std::vector<int> & tap_layers, bool argmax_only);
     void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                    decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only,
                    const int32_t * tree_parents = nullptr);

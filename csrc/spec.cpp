@@ -394,10 +394,15 @@ void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, 
     r.n_verified = L;
 
     r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
+    commit_round(r, v.taps, n_past0, t0, t1, t2);
+}
+
+void spec_session::commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1,
+                                double t2) {
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
     // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
-    queue_features(std::move(v.taps), n_keep, n_past0);
+    queue_features(std::move(taps), n_keep, n_past0);
     const double t3 = profile_now();
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;

@@ -178,6 +178,9 @@ private:
     // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's
     // start and the draft's end (profile_now) for r's times.
     void verify_and_commit(int32_t last, round_result & r, double t0, double t1);
+    // The end of a chain round: commit r.committed, queue their taps, fill r's times (t0: start,
+    // t1: draft done, t2: verify done).
+    void commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1, double t2);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)

@@ -94,13 +94,7 @@ void spec_session::verify_sampled(int32_t last, round_result & r, const sampling
 
     const int64_t n_acc = (int64_t) t.size() - 1;  // drafts equal to the target's draws
     r.committed = accept_prefix(r.draft.data(), n_acc, t.data(), n_acc + 1);
-    const int64_t n_keep = (int64_t) r.committed.size();
-    target_.commit(n_keep);
-    queue_features(std::move(v.taps), n_keep, n_past0);
-    const double t3 = profile_now();
-    r.draft_s = t1 - t0;
-    r.verify_s = t2 - t1;
-    r.rollback_s = t3 - t2;
+    commit_round(r, v.taps, n_past0, t0, t1, t2);
 }
 
 }  // namespace dfn

@@ -393,16 +393,16 @@ def test_non_finite_logits_in_verify_and_ar_step(pair, nan_files):
 def test_non_finite_logits_in_sampled_paths(pair, nan_files):
     """Sampling reads the logits rows on the host: NaN or inf there raises as in greedy decoding."""
     kw = dict(max_tokens=8, temperature=0.8, seed=1)
-    eng = dn.Engine(nan_files["one_nan"], drafter=pair[1], n_ctx=64, n_threads=2)
+    eng = dn.Engine(nan_files["one_nan"], drafter=pair[1], gate=False, n_ctx=64, n_threads=2)
     with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
         eng.generate([5, 6, 7], speculative=False, **kw)
     with pytest.raises(RuntimeError, match=r"\[decode\] " + NON_FINITE + " 2"):
         eng.generate([5, 6, 7], **kw)  # the sampled prefill
-    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], n_ctx=64, n_threads=2)
+    eng = dn.Engine(nan_files["token_99"], drafter=pair[1], gate=False, n_ctx=64, n_threads=2)
     eng._draft_override = lambda prompt, out, B: [99] * (B - 1)
     with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
         eng.generate([5, 6, 7], **kw)
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], n_ctx=64, n_threads=2)
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2)
     for dv in (True, False):
         eng.draft_vocab = dv
         with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
