@@ -17,7 +17,8 @@ constexpr double k_prior_slope = 0.15;
 }  // namespace
 
 controller::controller(int64_t max_block, controller_params p)
-    : p_(p), max_block_(max_block), t_verify_(max_block + 1, 0.0), n_verify_(max_block + 1, 0) {}
+    : p_(p), max_block_(max_block), t_verify_(max_block + 1, 0.0), n_verify_(max_block + 1, 0),
+      seen_verify_(max_block + 1, 0) {}
 
 void controller::begin_request() {
     // The window (calibration and speculative rate) carries over too: how often this drafter's
@@ -59,15 +60,19 @@ double controller::spec_rate() const { return win_s_ > 0 ? win_tokens_ / win_s_ 
 
 double controller::verify_cost(int64_t n) const {
     if (fixed_) return fixed_v0_ + fixed_v1_ * n;
-    if (n >= 1 && n <= max_block_ && n_verify_[n] > 0) return t_verify_[n];
-    // Weighted least squares over the timed sizes, the AR step standing for size 1.
+    // Weighted least squares over the timed sizes, the AR step standing for size 1 (timed every
+    // ar_probe_every rounds at most, so always recent); a size's weight halves every
+    // window_rounds rounds since it was last timed.
     double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
     auto add = [&](double x, double y, double w) {
         sw += w, sx += w * x, sy += w * y, sxx += w * x * x, sxy += w * x * y;
     };
     if (n_ar_ > 0) add(1, t_ar_, 1);
     for (int64_t m = 1; m <= max_block_; ++m)
-        if (n_verify_[m] > 0) add((double) m, t_verify_[m], (double) std::min<int64_t>(n_verify_[m], 8));
+        if (n_verify_[m] > 0) {
+            const double age = (double) (n_rounds_ - seen_verify_[m]) / (double) p_.window_rounds;
+            add((double) m, t_verify_[m], (double) std::min<int64_t>(n_verify_[m], 8) * std::exp2(-age));
+        }
     if (sw == 0) return 0;
     const double den = sw * sxx - sx * sx;
     if (den <= 1e-12 * sw * sw) {  // one size known: the prior slope through it
@@ -135,6 +140,7 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
             const double prior = n_verify_[n] == 0 ? verify_cost(n) : t_verify_[n];
             const double s = n_verify_[n] == 0 && prior > 0 ? std::min(verify_s, 3.0 * prior) : verify_s;
             t_verify_[n] = ewma(t_verify_[n], s, ++n_verify_[n]);
+            seen_verify_[n] = n_rounds_;
         }
     }
     round_obs o;
@@ -153,6 +159,7 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
         window_.pop_front();
     }
     ++rounds_since_ar_;
+    ++n_rounds_;
     settle_mode();
 }
 

@@ -18,8 +18,11 @@
 // rounds: kept when it beats AR, else back to AR with the backoff doubled (up to backoff_max).
 // A probe costs at most min_rounds rounds, and the doubling bounds how often it is paid.
 //
-// Costs are measured on the steady clock per step (AR, draft, verify by size); an unseen verify
-// size is priced by a least-squares line through the seen ones (and the AR step as size 1).
+// Costs are measured on the steady clock per step (AR, draft, verify by size). A verify of n is
+// priced by a least-squares line through the timed sizes (the AR step standing for size 1), each
+// weighted down by how many rounds ago it was timed: costs grow with the context, and a size the
+// controller stopped choosing long ago would otherwise keep its cheaper, early price and make
+// the line steeper than it is now.
 #pragma once
 
 #include <cstdint>
@@ -86,6 +89,8 @@ private:
     int64_t n_ar_ = 0, n_draft_ = 0;
     std::vector<double> t_verify_;  // [max_block + 1]: mean cost of a verify of n tokens
     std::vector<int64_t> n_verify_;
+    std::vector<int64_t> seen_verify_;  // [max_block + 1]: n_rounds_ when size n was last timed
+    int64_t n_rounds_ = 0;              // rounds observed (all requests): the clock of seen_verify_
     bool fixed_ = false;
     double fixed_v0_ = 0, fixed_v1_ = 0;
     // acceptance calibration over the window
