@@ -14,25 +14,14 @@ from hypothesis import strategies as st
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference.dflash_ref import DFlashRef, target_taps  # noqa: E402
 from reference.lossless import first_divergence_is_near_tie  # noqa: E402
 
-PAIRS = {
-    # name: (target arch, target overrides, drafter overrides)
-    "qwen3": ("qwen3", dict(num_hidden_layers=3), dict(num_hidden_layers=1, target_layer_ids=[0, 1])),
-    "qwen35": ("qwen3_5", {}, dict(num_hidden_layers=2, target_layer_ids=[0, 2])),
-    "qwen35-odd": ("qwen3_5", dict(hidden_size=96, intermediate_size=136, num_hidden_layers=5, head_dim=40,
-                                   num_attention_heads=3, num_key_value_heads=1, linear_num_key_heads=2,
-                                   linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=24,
-                                   layer_types=["linear_attention", "full_attention", "linear_attention",
-                                                "linear_attention", "full_attention"]),
-                   dict(num_hidden_layers=1, target_layer_ids=[1, 3], num_attention_heads=6, num_key_value_heads=2,
-                        head_dim=16)),
-}
+PAIRS = SPEC_PAIRS
 
 
 @pytest.fixture(scope="module", params=sorted(PAIRS))
