@@ -100,12 +100,6 @@ int64_t controller::choose(const float * p, int64_t n) const {
     return best_k;
 }
 
-int64_t controller::draft_block(int64_t B) const {
-    if ((int64_t) recent_k_.size() < k_recent) return B;
-    const int64_t k = *std::max_element(recent_k_.begin(), recent_k_.end());
-    return std::clamp<int64_t>(k + 3, 2, B);  // k + 2 drafts: d_1 .. d_{k+2}
-}
-
 double controller::ewma(double old, double sample, int64_t n_seen) {
     if (n_seen <= 1) return sample;
     // a graph built for a new shape, or a stolen time slice, is one slow sample, not a new cost
@@ -164,8 +158,6 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
         win_tokens_ -= old.tokens;
         window_.pop_front();
     }
-    recent_k_.push_back(k);
-    if ((int64_t) recent_k_.size() > k_recent) recent_k_.pop_front();
     ++rounds_since_ar_;
     ++n_rounds_;
     settle_mode();

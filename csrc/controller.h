@@ -53,11 +53,6 @@ public:
     mode next() const;
     // Drafts to verify, 0..n, from the drafter's top-1 probabilities p[0..n) of one draft pass.
     int64_t choose(const float * p, int64_t n) const;
-    // The block the next draft pass runs, 2..B: two drafts more than the most any of the last
-    // k_recent rounds verified (a draft pass of 16 costs more than one of 8, and drafts past what
-    // is verified are wasted), B until there is a history. Grows back by two a round when needed.
-    int64_t draft_block(int64_t B) const;
-    static constexpr int k_recent = 8;
 
     // What a step cost and did (seconds: measured, or the fixed costs under set_fixed_costs).
     void observe_ar(double seconds);
@@ -110,7 +105,6 @@ private:
     int64_t rounds_since_ar_ = 0;  // SPEC: rounds since the last AR probe
     int64_t backoff_ = 0;
     int64_t switches_ = 0;
-    std::deque<int64_t> recent_k_;  // drafts verified by the last k_recent rounds
 };
 
 }  // namespace dfn

@@ -365,9 +365,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     const double t0 = profile_now();
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
     // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
-    // drafter's filtered distribution), from a block no longer than the controller can use
-    // (forced drafts, benchmarks' and tests', keep the whole block)
-    if (!forced_draft) B = ctl_.draft_block(B);
+    // drafter's filtered distribution)
     std::vector<float> p;
     r.draft = sampling ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
     if (forced_draft) {
