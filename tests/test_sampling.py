@@ -17,12 +17,9 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf, make_spec_pair
 
-PAIRS = {
-    "qwen3": ("qwen3", dict(num_hidden_layers=3), dict(num_hidden_layers=1, target_layer_ids=[0, 1])),
-    "qwen35": ("qwen3_5", {}, dict(num_hidden_layers=2, target_layer_ids=[0, 2])),
-}
+PAIRS = {k: SPEC_PAIRS[k] for k in ("qwen3", "qwen35")}
 
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 9)]
 
@@ -36,12 +33,7 @@ SETTINGS = [
 
 @pytest.fixture(scope="module", params=sorted(PAIRS))
 def pair(request, tmp_path_factory):
-    arch, t_over, d_over = PAIRS[request.param]
-    d = tmp_path_factory.mktemp("sampling-" + request.param)
-    ckpt = make_random_checkpoint(d / "target", arch, seed=11, **t_over)
-    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=12, block_size=16, target_gguf=tg,
-                                  **d_over)
+    _, tg, dg = make_spec_pair(tmp_path_factory.mktemp("sampling-" + request.param), request.param, seed=11)
     return tg, dg
 
 

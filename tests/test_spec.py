@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf
+from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf, make_spec_pair
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,14 +26,10 @@ PAIRS = SPEC_PAIRS
 
 @pytest.fixture(scope="module", params=sorted(PAIRS))
 def pair(request, tmp_path_factory):
-    arch, t_over, d_over = PAIRS[request.param]
     d = tmp_path_factory.mktemp("spec-" + request.param)
-    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
-    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, block_size=16,
-                                  target_gguf=tg, ckpt_dir=d / "drafter", **d_over)
+    ckpt, tg, dg = make_spec_pair(d, request.param, seed=5)
     return {"name": request.param, "ckpt": ckpt, "target": tg, "drafter": dg, "drafter_ckpt": d / "drafter",
-            "taps": d_over["target_layer_ids"]}
+            "taps": PAIRS[request.param][2]["target_layer_ids"]}
 
 
 def make(pair, B=8, capacity=64, window=0, n_ctx=256):

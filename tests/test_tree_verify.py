@@ -10,8 +10,7 @@ import pytest
 
 import dflash_native as dn
 from dflash_native import _core
-from dflash_native.convert import convert_hf_to_gguf
-from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf
+from fixtures import SPEC_PAIRS, make_spec_pair
 
 PAIRS = SPEC_PAIRS
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -19,12 +18,7 @@ PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
 
 @pytest.fixture(scope="module", params=sorted(PAIRS))
 def pair(request, tmp_path_factory):
-    arch, t_over, d_over = PAIRS[request.param]
-    d = tmp_path_factory.mktemp("tree-" + request.param)
-    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
-    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, block_size=16,
-                                  target_gguf=tg, **d_over)
+    _, tg, dg = make_spec_pair(tmp_path_factory.mktemp("tree-" + request.param), request.param, seed=5)
     return {"name": request.param, "target": str(tg), "drafter": str(dg)}
 
 
