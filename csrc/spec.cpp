@@ -397,23 +397,26 @@ void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, 
     commit_round(r, v.taps, n_past0, t0, t1, t2);
 }
 
+void spec_session::set_times(round_result & r, double t0, double t1, double t2) {
+    r.draft_s = t1 - t0;
+    r.verify_s = t2 - t1;
+    r.rollback_s = profile_now() - t2;  // accept, commit (rollback) and queueing the features
+}
+
 void spec_session::commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1,
                                 double t2) {
     const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
     target_.commit(n_keep);
     // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
     queue_features(std::move(taps), n_keep, n_past0);
-    const double t3 = profile_now();
-    r.draft_s = t1 - t0;
-    r.verify_s = t2 - t1;
-    r.rollback_s = t3 - t2;
+    set_times(r, t0, t1, t2);
 }
 
 // ---- tree verify ----
 
 int64_t spec_session::draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p) {
-    const bool sub = params_.draft_vocab && drafter_->draft_head;
-    const int64_t rows = sub ? (int64_t) drafter_->hparams().draft_vocab.size() : target_.hparams().n_vocab;
+    const int64_t rows =
+        drafts_over_draft_vocab() ? (int64_t) drafter_->hparams().draft_vocab.size() : target_.hparams().n_vocab;
     DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
     const int64_t K = std::min(params_.tree_budget, rows);
     std::vector<float> out((size_t) (B - 1) * K * 2);  // [B-1, K, (index, p)]
@@ -443,10 +446,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
         std::copy_n(v.taps.begin() + (size_t) r.path[d] * row, row, feats.begin() + d * row);
     }
     queue_features(std::move(feats), (int64_t) r.path.size(), n_past0);
-    const double t3 = profile_now();
-    r.draft_s = t1 - t0;
-    r.verify_s = t2 - t1;
-    r.rollback_s = t3 - t2;
+    set_times(r, t0, t1, t2);
 }
 
 round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens) {

@@ -181,6 +181,9 @@ private:
     // The end of a chain round: commit r.committed, queue their taps, fill r's times (t0: start,
     // t1: draft done, t2: verify done).
     void commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1, double t2);
+    // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
+    // and now (the end of the commit).
+    static void set_times(round_result & r, double t0, double t1, double t2);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
