@@ -115,11 +115,7 @@ void controller::set_fixed_costs(double t_ar, double t_draft, double v0, double 
 }
 
 void controller::observe_ar(double seconds) {
-    if (fixed_) {
-        seconds = t_ar_;
-    } else {
-        t_ar_ = ewma(t_ar_, seconds, ++n_ar_);
-    }
+    if (!fixed_) t_ar_ = ewma(t_ar_, seconds, ++n_ar_);
     if (mode_ == mode::ar) {
         --ar_left_;
     } else {
@@ -137,8 +133,12 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
         t_draft_ = ewma(t_draft_, draft_s, ++n_draft_);
         if (n <= max_block_) {
             // a size's first time is priced no higher than 3x what the line says it should cost
-            const double prior = n_verify_[n] == 0 ? verify_cost(n) : t_verify_[n];
-            const double s = n_verify_[n] == 0 && prior > 0 ? std::min(verify_s, 3.0 * prior) : verify_s;
+            // (later samples are capped by ewma against the size's own estimate)
+            double s = verify_s;
+            if (n_verify_[n] == 0) {
+                const double line = verify_cost(n);
+                if (line > 0) s = std::min(s, 3.0 * line);
+            }
             t_verify_[n] = ewma(t_verify_[n], s, ++n_verify_[n]);
             seen_verify_[n] = n_rounds_;
         }

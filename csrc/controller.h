@@ -65,7 +65,7 @@ public:
     // Read-outs (engine stats, benchmarks, tests).
     double ar_cost() const { return t_ar_; }
     double draft_cost() const { return t_draft_; }
-    double verify_cost(int64_t n) const;  // c(n): the measured mean, else the fitted line
+    double verify_cost(int64_t n) const;  // c(n): the age-weighted line through the timed sizes
     double calibrated(float p) const;     // acceptance probability of a draft of top-1 probability p
     double spec_rate() const;             // tokens/s of the window's rounds (0: none yet)
     mode current() const { return mode_; }
