@@ -427,6 +427,9 @@ py::dict controller_state(spec_session & s) {
     d["verify_s"] = v;  // [B]: c(1) .. c(B)
     d["spec_tok_s"] = c.spec_rate();
     d["switches"] = c.switches();
+    std::vector<std::pair<int64_t, int64_t>> bins;
+    for (int b = 0; b < controller::k_bins; ++b) bins.push_back(c.bin_counts(b));
+    d["bins"] = bins;  // [k_bins]: (drafts observed, accepted) in the window, by drafter p-bin
     return d;
 }
 

@@ -21,9 +21,12 @@ controller::controller(int64_t max_block, controller_params p)
       seen_verify_(max_block + 1, 0) {}
 
 void controller::begin_request() {
-    // The window (calibration and speculative rate) carries over too: how often this drafter's
-    // drafts of a given confidence are accepted changes slowly, and a short request would
-    // otherwise spend its few rounds on the prior. A request's own rounds replace it as they run.
+    // The window's calibration carries over: how often this drafter's drafts of a given
+    // confidence are accepted changes slowly, and a short request would otherwise spend its few
+    // rounds on the prior (a request's own rounds replace the old ones as they run). Its
+    // speculative rate does not: it was measured at another context length, on other text, and
+    // speculation is judged against AR on this request's rounds only.
+    forget_rate();
     mode_ = mode::ar;
     ar_left_ = 1;
     probing_ = false;
@@ -38,6 +41,14 @@ void controller::forget_rounds() {
     std::fill(std::begin(bin_n_), std::end(bin_n_), 0);
     win_s_ = 0;
     win_tokens_ = 0;
+    win_timed_ = 0;
+}
+
+void controller::forget_rate() {
+    for (round_obs & o : window_) o.timed = false;
+    win_s_ = 0;
+    win_tokens_ = 0;
+    win_timed_ = 0;
 }
 
 controller::mode controller::next() const {
@@ -150,12 +161,16 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
     for (auto [b, hit] : o.outcomes) bin_n_[b] += 1, bin_hit_[b] += hit;
     win_s_ += o.seconds;
     win_tokens_ += o.tokens;
+    ++win_timed_;
     window_.push_back(std::move(o));
     if ((int64_t) window_.size() > p_.window_rounds) {
         const round_obs & old = window_.front();
         for (auto [b, hit] : old.outcomes) bin_n_[b] -= 1, bin_hit_[b] -= hit;
-        win_s_ -= old.seconds;
-        win_tokens_ -= old.tokens;
+        if (old.timed) {
+            win_s_ -= old.seconds;
+            win_tokens_ -= old.tokens;
+            --win_timed_;
+        }
         window_.pop_front();
     }
     ++rounds_since_ar_;
@@ -166,15 +181,18 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
 void controller::settle_mode() {
     if (mode_ == mode::ar) {
         if (ar_left_ > 0) return;
-        // speculation (again): a probe when it was left for losing, with a fresh window
+        // speculation (again): a probe when it was left for losing, with a fresh window (at a
+        // request's start only the rate is fresh: begin_request)
         probing_ = backoff_ > 0;
-        if (probing_) ++switches_;
-        forget_rounds();
+        if (probing_) {
+            ++switches_;
+            forget_rounds();
+        }
         mode_ = mode::spec;
         rounds_since_ar_ = 0;
         return;
     }
-    if ((int64_t) window_.size() < p_.min_rounds || t_ar_ <= 0) return;
+    if (win_timed_ < p_.min_rounds || t_ar_ <= 0) return;
     if (spec_rate() < 1.0 / t_ar_) {  // losing to AR: fall back, for longer after a failed probe
         backoff_ = probing_ ? std::min(2 * backoff_, p_.backoff_max) : p_.backoff_min;
         ar_left_ = backoff_;

@@ -70,16 +70,20 @@ public:
     double spec_rate() const;             // tokens/s of the window's rounds (0: none yet)
     mode current() const { return mode_; }
     int64_t switches() const { return switches_; }
+    // The window's drafts per p-bin: (observed, accepted), bins split at k_bin_edges.
+    std::pair<int64_t, int64_t> bin_counts(int b) const { return {bin_n_[b], bin_hit_[b]}; }
 
 private:
     struct round_obs {
         double seconds = 0;
         int64_t tokens = 0;
         std::vector<std::pair<uint8_t, bool>> outcomes;  // (p-bin, accepted) per observed draft
+        bool timed = true;  // counts in the speculative rate (false: a round of an earlier request)
     };
     static int bin_of(float p);
     static double ewma(double old, double sample, int64_t n_seen);
     void forget_rounds();  // empties the window (a new probe measures fresh)
+    void forget_rate();    // keeps the window's calibration, drops its rounds from the rate
     void settle_mode();    // after a round or an AR step: switch when the evidence says so
 
     controller_params p_;
@@ -96,8 +100,9 @@ private:
     // acceptance calibration over the window
     std::deque<round_obs> window_;
     int64_t bin_hit_[k_bins] = {}, bin_n_[k_bins] = {};
-    double win_s_ = 0;
+    double win_s_ = 0;             // seconds and tokens of the window's timed rounds
     int64_t win_tokens_ = 0;
+    int64_t win_timed_ = 0;        // the window's timed rounds
     // mode
     mode mode_ = mode::ar;
     bool probing_ = false;

@@ -162,3 +162,23 @@ def test_controller_state_reports_costs(embedded):
     st = eng._spec.controller_state()
     assert st["mode"] in ("ar", "spec") and len(st["verify_s"]) == eng.block_size
     assert st["ar_s"] > 0 and st["draft_s"] > 0 and all(v > 0 for v in st["verify_s"])
+
+
+def test_a_request_keeps_the_calibration_but_measures_its_own_rate(embedded):
+    """A new request starts from the window's calibration (how often drafts of each confidence
+    were accepted), not from the prior, but judges speculation on its own rounds only: the
+    previous request's rate was measured at another context length."""
+    eng = embedded
+    fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.05)
+    first = eng.generate(TEXT, max_tokens=120)
+    after = eng._spec.controller_state()
+    observed = sum(n for n, _ in after["bins"])
+    assert observed > 0 and after["spec_tok_s"] > 0
+    short = eng.generate(TEXT, max_tokens=2)  # a request of one step: the AR step it starts with
+    assert short.stats.ar_steps == 1 and short.stats.rounds == 0
+    fresh = eng._spec.controller_state()
+    assert fresh["mode"] == "spec"
+    assert fresh["bins"] == after["bins"]  # calibration kept
+    assert fresh["spec_tok_s"] == 0.0  # no rate until this request's rounds
+    again = eng.generate(TEXT, max_tokens=120)
+    assert again.tokens == first.tokens
