@@ -53,7 +53,10 @@ void controller::forget_rate() {
 
 controller::mode controller::next() const {
     if (mode_ == mode::ar) return mode::ar;
-    return rounds_since_ar_ >= p_.ar_probe_every ? mode::ar : mode::spec;
+    // The AR cost decides only near the margin (fall back or not; lambda is the spec rate while
+    // it is higher): the further ahead speculation is, the rarer the probe, up to 4x apart.
+    const double ahead = std::clamp(spec_rate() * t_ar_, 1.0, 4.0);
+    return rounds_since_ar_ >= (int64_t) std::lround(p_.ar_probe_every * ahead) ? mode::ar : mode::spec;
 }
 
 int controller::bin_of(float p) {

@@ -12,8 +12,8 @@
 // E[tokens | k] - lambda * c(k + 1) with lambda the rate to beat (Dinkelbach), here the best
 // rate measured so far (speculation's over the window, or AR's).
 //
-// Modes. SPEC runs rounds and, every `ar_probe_every` rounds, one AR step to keep the AR cost
-// current (it grows with the context). When the window's speculative rate falls below the AR
+// Modes. SPEC runs rounds and, every `ar_probe_every` rounds (times how many times AR's rate the
+// window's rate is, 1..4), one AR step to keep the AR cost current (it grows with the context). When the window's speculative rate falls below the AR
 // rate, AR mode runs `backoff` AR steps, then speculation is probed again for `min_rounds`
 // rounds: kept when it beats AR, else back to AR with the backoff doubled (up to backoff_max).
 // A probe costs at most min_rounds rounds, and the doubling bounds how often it is paid.
@@ -34,7 +34,7 @@ namespace dfn {
 struct controller_params {
     int64_t window_rounds = 64;   // rounds the calibration and the speculative rate look back on
     int64_t min_rounds = 4;       // rounds before speculation is judged against AR (and a probe's length)
-    int64_t ar_probe_every = 32;  // in SPEC mode, one AR step per this many rounds
+    int64_t ar_probe_every = 32;  // in SPEC mode, one AR step per this many rounds (x the lead, 1..4)
     int64_t backoff_min = 16;     // AR steps before the first re-probe of speculation
     int64_t backoff_max = 1024;
 };

@@ -182,3 +182,20 @@ def test_a_request_keeps_the_calibration_but_measures_its_own_rate(embedded):
     assert fresh["spec_tok_s"] == 0.0  # no rate until this request's rounds
     again = eng.generate(TEXT, max_tokens=120)
     assert again.tokens == first.tokens
+
+
+def test_probes_ar_less_often_the_further_ahead_speculation_is(embedded):
+    """The AR cost decides only near the margin: with speculation at >= 4x AR's rate, the AR
+    cost probe comes every 128 rounds (32 x 4), not every 32."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=900, speculative=False)
+    full = ar.tokens + [0] * 64
+    eng._draft_override = lambda prompt, out, B: full[len(out): len(out) + B - 1]
+    try:
+        fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.05)  # a 16-token round: 2.0 for ~16 tokens
+        sp = eng.generate(TEXT, max_tokens=900)
+    finally:
+        eng._draft_override = None
+    assert sp.tokens == ar.tokens
+    assert 40 <= sp.stats.rounds < 128
+    assert sp.stats.ar_steps == 1  # the request's first step only
