@@ -98,9 +98,13 @@ double controller::verify_cost(int64_t n) const {
     return std::max(a + b * n, 1e-9);
 }
 
+double controller::lambda() const {
+    // no AR time yet cannot happen: a request starts with an AR step
+    return std::max(spec_rate(), t_ar_ > 0 ? 1.0 / t_ar_ : 0.0);
+}
+
 int64_t controller::choose(const float * p, int64_t n) const {
-    // lambda: the rate to beat (no AR time yet cannot happen: a request starts with an AR step)
-    const double lambda = std::max(spec_rate(), t_ar_ > 0 ? 1.0 / t_ar_ : 0.0);
+    const double lambda = this->lambda();
     int64_t best_k = 0;
     double best = 1.0 - lambda * verify_cost(1);
     double run = 1.0, expect = 1.0;  // P(d_1..d_j all accepted), E[committed | k = j]
@@ -112,6 +116,20 @@ int64_t controller::choose(const float * p, int64_t n) const {
         if (run < 1e-4) break;  // nothing further can pay for itself
     }
     return best_k;
+}
+
+int64_t controller::choose_tree(const int32_t * parent, const float * prob, int64_t n) const {
+    const double lambda = this->lambda();
+    std::vector<double> reach((size_t) std::max<int64_t>(n, 1), 1.0);  // P(the path to node i is accepted)
+    int64_t best_m = 0;
+    double best = 1.0 - lambda * verify_cost(1), expect = 1.0;
+    for (int64_t i = 1; i < n && i < max_block_; ++i) {
+        reach[i] = reach[parent[i]] * calibrated(prob[i]);
+        expect += reach[i];
+        const double v = expect - lambda * verify_cost(i + 1);
+        if (v > best) best = v, best_m = i;
+    }
+    return best_m;
 }
 
 double controller::ewma(double old, double sample, int64_t n_seen) {
@@ -139,7 +157,21 @@ void controller::observe_ar(double seconds) {
 }
 
 void controller::observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s) {
-    const int64_t n = k + 1;
+    round_obs o;
+    o.tokens = accepted + 1;
+    for (int64_t i = 0; i < std::min(accepted + 1, k); ++i) o.outcomes.emplace_back((uint8_t) bin_of(p[i]), i < accepted);
+    observe(std::move(o), k + 1, draft_s, verify_s);
+}
+
+void controller::observe_tree_round(const std::vector<std::pair<float, bool>> & outcomes, int64_t n_verified,
+                                    int64_t committed, double draft_s, double verify_s) {
+    round_obs o;
+    o.tokens = committed;
+    for (auto [p, hit] : outcomes) o.outcomes.emplace_back((uint8_t) bin_of(p), hit);
+    observe(std::move(o), n_verified, draft_s, verify_s);
+}
+
+void controller::observe(round_obs o, int64_t n, double draft_s, double verify_s) {
     if (fixed_) {
         draft_s = t_draft_;
         verify_s = verify_cost(n);
@@ -157,10 +189,7 @@ void controller::observe_round(const float * p, int64_t k, int64_t accepted, dou
             seen_verify_[n] = n_rounds_;
         }
     }
-    round_obs o;
     o.seconds = draft_s + verify_s;
-    o.tokens = accepted + 1;
-    for (int64_t i = 0; i < std::min(accepted + 1, k); ++i) o.outcomes.emplace_back((uint8_t) bin_of(p[i]), i < accepted);
     for (auto [b, hit] : o.outcomes) bin_n_[b] += 1, bin_hit_[b] += hit;
     win_s_ += o.seconds;
     win_tokens_ += o.tokens;

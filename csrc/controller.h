@@ -53,11 +53,20 @@ public:
     mode next() const;
     // Drafts to verify, 0..n, from the drafter's top-1 probabilities p[0..n) of one draft pass.
     int64_t choose(const float * p, int64_t n) const;
+    // Tree nodes to verify besides the root, 0..n-1, of a best-first tree (tree.h: parent[i] < i,
+    // prob[i] node i's own drafter probability): the prefix of the node order (a tree itself,
+    // parents come first) maximising E[committed] - lambda * c(nodes + 1), where a node's path
+    // is accepted with the product of its nodes' calibrated probabilities.
+    int64_t choose_tree(const int32_t * parent, const float * prob, int64_t n) const;
 
     // What a step cost and did (seconds: measured, or the fixed costs under set_fixed_costs).
     void observe_ar(double seconds);
     // k verified drafts with probabilities p[0..k), `accepted` of them accepted.
     void observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s);
+    // A tree round of n_verified tokens (root included) that committed `committed`; outcomes:
+    // each child of each accepted node (the root first), (its probability, accepted or not).
+    void observe_tree_round(const std::vector<std::pair<float, bool>> & outcomes, int64_t n_verified,
+                            int64_t committed, double draft_s, double verify_s);
 
     // Tests: replace the measured times by c(n) = v0 + v1 * n, t_draft and t_ar.
     void set_fixed_costs(double t_ar, double t_draft, double v0, double v1);
@@ -85,6 +94,9 @@ private:
     void forget_rounds();  // empties the window (a new probe measures fresh)
     void forget_rate();    // keeps the window's calibration, drops its rounds from the rate
     void settle_mode();    // after a round or an AR step: switch when the evidence says so
+    // observe_round's and observe_tree_round's common part: a round of n verified tokens
+    void observe(round_obs o, int64_t n, double draft_s, double verify_s);
+    double lambda() const;  // the rate to beat
 
     controller_params p_;
     int64_t max_block_;

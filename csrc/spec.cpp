@@ -4,7 +4,6 @@
 #include "common.h"
 #include "profile.h"
 #include "top1.h"
-#include "tree.h"
 #include "verify.h"
 
 #include <algorithm>
@@ -456,16 +455,19 @@ round_result spec_session::verify_tree(const std::vector<int32_t> & parents, con
     return r;
 }
 
-round_result spec_session::round_tree(int32_t last, int64_t B) {
-    round_result r;
-    const double t0 = profile_now();
+draft_tree spec_session::draft_tree_for(int32_t last, int64_t B) {
     std::vector<int32_t> tok;
     std::vector<float> p;
     const int64_t K = draft_topk(last, B, tok, p);  // checks last, B and the room for the block
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
-    const draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
-    last_tree_prob_ = tree.prob;
+    return build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
+}
+
+round_result spec_session::round_tree(int32_t last, int64_t B) {
+    round_result r;
+    const double t0 = profile_now();
+    const draft_tree tree = draft_tree_for(last, B);
     verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now());
     return r;
 }
@@ -484,24 +486,22 @@ round_result spec_session::step_tree(int32_t last, int64_t B) {
     if (!params_.use_controller) return round_tree(last, B);
     const double t0 = profile_now();
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0);
-    round_result r = round_tree(last, B);
-    // The controller sees a round of n_verified tokens that committed |committed| (its rate and
-    // verify cost by size) and, for its calibration, the accepted path's probabilities and then
-    // the first (most probable) child of the path's end, the draft the target turned down.
-    // It does not choose the tree's budget or shape (docs/architecture.md, Tree verify).
-    const int64_t k = r.n_verified - 1, accepted = (int64_t) r.committed.size() - 1;
-    std::vector<float> p(std::max<int64_t>(k, 1), 0.0f);
-    for (int64_t d = 1; d < (int64_t) r.path.size() && d - 1 < k; ++d) p[d - 1] = last_tree_prob_[r.path[d]];
-    if (accepted < k) {
-        const int32_t end = r.path.back();
-        for (int64_t i = end + 1; i < r.n_verified; ++i) {
-            if (r.parents[i] == end) {
-                p[accepted] = last_tree_prob_[i];
-                break;
-            }
-        }
+    // The controller verifies the prefix of the best-first node order (a tree: parents first)
+    // with the most expected tokens per second; tree_budget caps it.
+    draft_tree tree = draft_tree_for(last, B);
+    const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
+    tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
+    round_result r;
+    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now());
+    // Its calibration sees every child of every accepted node: accepted (the path's next node)
+    // or turned down.
+    std::vector<std::pair<float, bool>> outcomes;
+    for (size_t d = 0; d < r.path.size(); ++d) {
+        const int32_t next = d + 1 < r.path.size() ? r.path[d + 1] : -1;
+        for (size_t i = (size_t) r.path[d] + 1; i < n; ++i)
+            if (tree.parent[i] == r.path[d]) outcomes.emplace_back(tree.prob[i], (int32_t) i == next);
     }
-    ctl_.observe_round(p.data(), k, accepted, r.draft_s, r.verify_s + r.rollback_s);
+    ctl_.observe_tree_round(outcomes, r.n_verified, (int64_t) r.committed.size(), r.draft_s, r.verify_s + r.rollback_s);
     return r;
 }
 

@@ -5,6 +5,7 @@
 #include "drafter.h"
 #include "sampler.h"
 #include "session.h"
+#include "tree.h"
 
 #include <algorithm>
 #include <memory>
@@ -73,8 +74,8 @@ public:
 
     // Tree verify (spec_params::tree_budget): one draft pass (per-position top-K), build_tree,
     // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
-    // step()'s form: under the controller an AR step or a tree round, as the controller decides
-    // (the tree budget stays fixed); else round_tree.
+    // step()'s form: under the controller an AR step or a tree round of the first nodes of the
+    // best-first tree (the controller chooses how many, tree_budget at most); else round_tree.
     round_result round_tree(int32_t last, int64_t B);
     round_result step_tree(int32_t last, int64_t B);
     // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
@@ -194,6 +195,8 @@ private:
     // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
     // (K = min(tree_budget, rows of the head)); returns K.
     int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
+    // A round's tree: draft_topk, then build_tree with the room left (tree_budget at most).
+    draft_tree draft_tree_for(int32_t last, int64_t B);
     // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
                                 round_result & r, double t0, double t1);
@@ -207,7 +210,6 @@ private:
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
     controller ctl_;
-    std::vector<float> last_tree_prob_;  // round_tree's tree: each node's own probability (step_tree)
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
 };

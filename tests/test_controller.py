@@ -199,3 +199,22 @@ def test_probes_ar_less_often_the_further_ahead_speculation_is(embedded):
     assert sp.tokens == ar.tokens
     assert 40 <= sp.stats.rounds < 128
     assert sp.stats.ar_steps == 1  # the request's first step only
+
+
+def test_chooses_how_many_tree_nodes_to_verify():
+    """verify="tree" under the controller: it verifies the prefix of the best-first tree with the
+    most expected tokens per unit cost, tree_budget at most: nearly the whole budget when a
+    verified token is cheap, little of it when each costs as much as an AR step; exact always."""
+    pair = default_pair()
+    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=1024, n_threads=1, verify="tree", tree_budget=24)
+    ar = eng.generate(TEXT, max_tokens=160, speculative=False)
+    fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.001)
+    cheap = eng.generate(TEXT, max_tokens=160)
+    fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.3)
+    dear = eng.generate(TEXT, max_tokens=160)
+    assert cheap.tokens == ar.tokens and dear.tokens == ar.tokens
+    assert cheap.stats.mean_verified_length >= 20
+    assert dear.stats.rounds > 0 and dear.stats.mean_verified_length < 10
+    eng.gate = False  # fixed settings: the whole budget every round
+    fixed = eng.generate(TEXT, max_tokens=160)
+    assert fixed.tokens == ar.tokens and fixed.stats.mean_verified_length == 25

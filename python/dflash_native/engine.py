@@ -153,7 +153,8 @@ class Engine:
         their probabilities; draft_cutoff is then a minimum path score), and commits the longest
         path the target agrees with plus its bonus token. Output is AR's, bit for bit, either way.
         tree_budget: 1..63 (the root makes 64, the most tokens one verify takes). Under the gate
-        the controller still picks AR or speculation per step; the tree budget stays fixed.
+        the controller picks AR or speculation per step and, per tree round, how many of the
+        best-first tree's nodes to verify (tree_budget at most); gate=False: the whole budget.
 
         Weight matmuls on the CPU run the package's batch-invariant kernel (F16/F32 weights; other
         types fall back to ggml), under which a verify pass computes every token bit for bit as the
