@@ -192,6 +192,16 @@ int64_t gguf_file::arr_len(const std::string & key) const {
     return (int64_t) gguf_get_arr_n(gguf_, id);
 }
 
+std::vector<std::string> gguf_file::keys_with_prefix(const std::string & prefix) const {
+    std::vector<std::string> out;
+    const int64_t n = gguf_get_n_kv(gguf_);
+    for (int64_t i = 0; i < n; ++i) {
+        const char * k = gguf_get_key(gguf_, i);
+        if (strncmp(k, prefix.c_str(), prefix.size()) == 0) out.emplace_back(k);
+    }
+    return out;
+}
+
 // The rule of tensor_role (gguf_file.h): F32, or a type with both a dequantization and a CPU dot
 // product. Every role needs both: ggml_get_rows dequantizes rows, ggml_mul_mat multiplies
 // (activations quantized to the type's vec_dot_type), and F32 roles convert at load.

@@ -49,6 +49,7 @@ public:
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
     std::vector<std::string> get_str_arr(const std::string & key) const;  // throws unless a string array
     int64_t arr_len(const std::string & key) const;                    // -1 if absent or not an array
+    std::vector<std::string> keys_with_prefix(const std::string & prefix) const;
 
     // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape
     // differs from `ne` (an empty `ne` skips the shape check) or its type does not suit `role`.

@@ -205,7 +205,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
-    d.out = matmul(b, head, h);                                     // logits [n_draft_vocab or n_vocab, B-1]
+    d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
     if (d.what == draft_graph::TOPK) {
         d.out = topk_op(ctx, d.out, d.K);  // F32 [2, K, B-1]
     } else if (d.what == draft_graph::TOP1) {
