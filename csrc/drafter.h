@@ -53,6 +53,7 @@ struct feature_ring {
     feature_ring & operator=(const feature_ring &) = delete;
 
     void clear();
+    size_t bytes() const { return ggml_backend_buffer_get_size(buf_.get()); }
     int64_t n_valid() const { return n_pushed < capacity ? n_pushed : capacity; }
     int64_t slot_position(int64_t slot) const;  // -1 when empty
 
@@ -77,9 +78,12 @@ public:
     // Opens a drafter and checks it against the target it will draft for.
     drafter_model(const std::string & path, const target_hparams & target);
 
-    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+    void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
     const drafter_hparams & hparams() const { return hp_; }
     size_t weights_bytes() const { return file_->weights_bytes(); }
+    size_t weights_mapped() const { return file_->mapped_bytes(); }
+    // weights in buffers of their own: converted tensors, unmapped files, the draft head's rows
+    size_t weights_copied() const { return file_->copied_bytes() + (draft_head ? ggml_nbytes(draft_head) : 0); }
 
     // Context K/V of m positions into ring slots [slot0, slot0 + m) (no wrap inside one call).
     // feats: F32 [n_taps * n_embd, m]; pos: I32 [m].

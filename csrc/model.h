@@ -134,7 +134,7 @@ public:
     // Opens `path`, reads and validates hparams and tensor shapes; data is not read yet.
     static std::unique_ptr<target_model> open(const std::string & path);
 
-    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+    void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
 
     // Builds the forward pass of g.n_tokens tokens into g.gf; returns the final hidden
     // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.
