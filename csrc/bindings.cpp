@@ -293,7 +293,8 @@ void bind_sampling(py::module_ & m) {
 
 std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
                                             const std::string & kv_type, int64_t n_batch, const std::string & device,
-                                            int64_t max_verify, const std::string & rollback, const std::string & matmul) {
+                                            int64_t max_verify, const std::string & rollback, const std::string & matmul,
+                                            bool use_mmap) {
     session_params p;
     p.n_ctx = n_ctx;
     p.n_threads = n_threads;
@@ -303,6 +304,7 @@ std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_
     p.max_verify = max_verify;
     p.rollback = parse_rollback(rollback);
     p.matmul = parse_matmul(matmul);
+    p.use_mmap = use_mmap;
     py::gil_scoped_release release;
     return std::make_unique<target_session>(path, p);
 }
@@ -327,11 +329,30 @@ py::object target_verify(target_session & s, const py::object & tokens, const st
     return result_to_py(std::move(r), (int64_t) toks.size(), taps.size(), s.hparams());
 }
 
+// memory_usage as a dict of bytes, with its sum under "total" (Engine.memory_report).
+py::dict memory_report(const target_session & t, const spec_session * s) {
+    memory_usage u = t.memory();
+    if (s) s->add_memory(u);
+    py::dict d;
+    const std::pair<const char *, size_t> parts[] = {
+        {"target_weights_mapped", u.target_weights_mapped}, {"target_weights_copied", u.target_weights_copied},
+        {"drafter_weights_mapped", u.drafter_weights_mapped}, {"drafter_weights_copied", u.drafter_weights_copied},
+        {"kv_cache", u.kv_cache}, {"gdn_state", u.gdn_state}, {"gdn_tape", u.gdn_tape},
+        {"feature_ring", u.feature_ring}, {"compute_target", u.compute_target}, {"compute_drafter", u.compute_drafter}};
+    size_t total = 0;
+    for (const auto & p : parts) {
+        d[p.first] = p.second;
+        total += p.second;
+    }
+    d["total"] = total;
+    return d;
+}
+
 void bind_target(py::module_ & m) {
     py::class_<target_session>(m, "Target")
         .def(py::init(&make_target), py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0,
              py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
-             py::arg("rollback") = "tape", py::arg("matmul") = "own")
+             py::arg("rollback") = "tape", py::arg("matmul") = "own", py::arg("use_mmap") = true)
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })
@@ -347,6 +368,9 @@ void bind_target(py::module_ & m) {
         })
         .def_property_readonly("weights_bytes", [](const target_session & s) { return s.model().file().weights_bytes(); })
         .def_property_readonly("cache_bytes", [](target_session & s) { return s.cache().bytes(); })
+        .def("memory_report", &memory_report, py::arg("spec") = nullptr,
+             "Bytes held by this target and, given its Spec, the drafter beside it (see memory_usage in "
+             "session.h): a dict of the parts and their total")
         .def_property_readonly("n_graph_plans", &target_session::n_graph_plans,
                                "Graph shapes holding a scheduler and allocation plan (see graph_runner.h)")
         .def("reset", &target_session::reset, "Empty the sequence: n_past = 0, GDN state zeroed")

@@ -49,4 +49,24 @@ void model_cache::clear() {
 
 size_t model_cache::bytes() const { return ggml_backend_buffer_get_size(buf_.get()); }
 
+static size_t nbytes(const ggml_tensor * t) { return t ? ggml_nbytes(t) : 0; }
+
+size_t model_cache::kv_bytes() const {
+    size_t n = 0;
+    for (const kv_layer & l : kv) n += nbytes(l.k) + nbytes(l.v);
+    return n;
+}
+
+size_t model_cache::gdn_state_bytes() const {
+    size_t n = 0;
+    for (const gdn_layer & l : gdn) n += nbytes(l.conv) + nbytes(l.ssm);
+    return n;
+}
+
+size_t model_cache::gdn_tape_bytes() const {
+    size_t n = 0;
+    for (const gdn_layer & l : gdn) n += nbytes(l.tape_k) + nbytes(l.tape_u) + nbytes(l.tape_g) + nbytes(l.tape_qkv) + nbytes(l.snapshots);
+    return n;
+}
+
 }  // namespace dfn

@@ -54,6 +54,9 @@ public:
     std::vector<kv_layer> kv;    // per layer; null tensors on GDN layers
     std::vector<gdn_layer> gdn;  // per layer; null tensors on attention layers
     size_t bytes() const;
+    size_t kv_bytes() const;         // attention K/V, all layers
+    size_t gdn_state_bytes() const;  // GDN recurrent + conv state
+    size_t gdn_tape_bytes() const;   // GDN tape (with the snapshot baseline's snapshots)
 
 private:
     ggml_context_ptr ctx_;         // tensor metadata (freed last: declared first)

@@ -26,6 +26,12 @@ struct drafter_hparams : block_hparams {
     // block row sees the same last N positions, as the ring window does.
     int64_t trained_context = 0;
     float embedding_scale = 0.0f;   // 0: none
+    // The draft head's logits, as llama.cpp's DFlash graph and z-lab's drafter apply them:
+    // logits * logit_scale (HF output_multiplier; 0: none), then c * tanh(logits / c) with
+    // c = final_logit_softcapping (0: none). Neither moves an argmax; both shape the drafter's
+    // probabilities (draft_cutoff, the controller, sampled drafts, tree ranking).
+    float logit_scale = 0.0f;
+    float final_logit_softcapping = 0.0f;
     std::vector<int> tap_layers;    // target layers whose OUTPUT is fused (= GGUF target_layers - 1)
     // GGUF dflash.draft_vocab (optional): the token ids, ascending, the drafter may propose. Drafts
     // are argmaxes over these rows of the lm_head only (EAGLE-3's reduced draft vocabulary): a
@@ -47,6 +53,7 @@ struct feature_ring {
     feature_ring & operator=(const feature_ring &) = delete;
 
     void clear();
+    size_t bytes() const { return ggml_backend_buffer_get_size(buf_.get()); }
     int64_t n_valid() const { return n_pushed < capacity ? n_pushed : capacity; }
     int64_t slot_position(int64_t slot) const;  // -1 when empty
 
@@ -71,9 +78,12 @@ public:
     // Opens a drafter and checks it against the target it will draft for.
     drafter_model(const std::string & path, const target_hparams & target);
 
-    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+    void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
     const drafter_hparams & hparams() const { return hp_; }
     size_t weights_bytes() const { return file_->weights_bytes(); }
+    size_t weights_mapped() const { return file_->mapped_bytes(); }
+    // weights in buffers of their own: converted tensors, unmapped files, the draft head's rows
+    size_t weights_copied() const { return file_->copied_bytes() + (draft_head ? ggml_nbytes(draft_head) : 0); }
 
     // Context K/V of m positions into ring slots [slot0, slot0 + m) (no wrap inside one call).
     // feats: F32 [n_taps * n_embd, m]; pos: I32 [m].
@@ -90,6 +100,9 @@ public:
     ggml_tensor * build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * mask,
                               ggml_tensor * mask_swa, const feature_ring & ring, int64_t n_ctx,
                               ggml_tensor * tok_embd) const;
+    // The draft head: lm_head [n_embd, n_cols] times h F32 [n_embd, n], then logit_scale and the
+    // soft cap. Returns F32 [n_cols, n].
+    ggml_tensor * build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const;
     bool layer_is_swa(int il) const { return hp_.sliding_window > 0 && il < (int) hp_.is_swa.size() && hp_.is_swa[il]; }
 
     ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them

@@ -6,10 +6,14 @@
 
 #include "ggml-cpu.h"
 
-#if defined(__linux__)
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
+#define DFN_HAVE_MMAP 1
 #endif
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -63,6 +67,10 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
 
 gguf_file::~gguf_file() {
     if (buf_) ggml_backend_buffer_free(buf_);
+    if (copies_) ggml_backend_buffer_free(copies_);
+#ifdef DFN_HAVE_MMAP
+    if (map_) munmap(map_, map_size_);  // after the buffers that point into it
+#endif
     if (ctx_) ggml_free(ctx_);
     if (gguf_) gguf_free(gguf_);
 }
@@ -192,6 +200,16 @@ int64_t gguf_file::arr_len(const std::string & key) const {
     return (int64_t) gguf_get_arr_n(gguf_, id);
 }
 
+std::vector<std::string> gguf_file::keys_with_prefix(const std::string & prefix) const {
+    std::vector<std::string> out;
+    const int64_t n = gguf_get_n_kv(gguf_);
+    for (int64_t i = 0; i < n; ++i) {
+        const char * k = gguf_get_key(gguf_, i);
+        if (strncmp(k, prefix.c_str(), prefix.size()) == 0) out.emplace_back(k);
+    }
+    return out;
+}
+
 // The rule of tensor_role (gguf_file.h): F32, or a type with both a dequantization and a CPU dot
 // product. Every role needs both: ggml_get_rows dequantizes rows, ggml_mul_mat multiplies
 // (activations quantized to the type's vec_dot_type), and F32 roles convert at load.
@@ -259,8 +277,93 @@ static void advise_huge_pages(void * base, size_t size) {
 #endif
 }
 
-void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
+void gguf_file::load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) {
     DFN_REQUIRE(buf_ == nullptr, W, "weights already loaded");
+    if (use_mmap && map_weights(buft)) return;
+    read_weights(buft);
+}
+
+ggml_type gguf_file::file_type(const ggml_tensor * t) const {
+    auto conv = to_f32_.find(t->name);
+    return conv != to_f32_.end() ? conv->second : t->type;
+}
+
+void gguf_file::set_converted(ggml_tensor * t, const void * file_bytes) {
+    std::vector<float> f32((size_t) ggml_nelements(t));
+    ggml_get_type_traits(file_type(t))->to_float(file_bytes, f32.data(), ggml_nelements(t));
+    ggml_backend_tensor_set(t, f32.data(), 0, ggml_nbytes(t));
+}
+
+bool gguf_file::map_weights(ggml_backend_buffer_type_t buft) {
+#ifdef DFN_HAVE_MMAP
+    if (!ggml_backend_buft_is_host(buft)) return false;
+    // host memory is the CPU device's (ggml's CPU buffer type names no device)
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (dev == nullptr) return false;
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    if (!props.caps.buffer_from_host_ptr) return false;
+    // ggml's CPU buffers hold tensors 32-byte aligned (GGUF's default general.alignment): a file
+    // with another alignment is read instead
+    const size_t data_off = gguf_get_data_offset(gguf_);
+    const int64_t n_tensors = gguf_get_n_tensors(gguf_);
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        if ((data_off + gguf_get_tensor_offset(gguf_, i)) % 32 != 0) return false;
+    }
+
+    const int fd = open(path_.c_str(), O_RDONLY);
+    DFN_REQUIRE(fd >= 0, W, "cannot open '", path_, "'");
+    struct stat st;
+    const bool sized = fstat(fd, &st) == 0 && st.st_size > 0;
+    int flags = MAP_SHARED;
+#ifdef MAP_POPULATE
+    flags |= MAP_POPULATE;  // read ahead now, as llama.cpp does: the first forward pass takes no page faults
+#endif
+    void * p = sized ? mmap(nullptr, (size_t) st.st_size, PROT_READ, flags, fd, 0) : MAP_FAILED;
+    close(fd);
+    if (p == MAP_FAILED) {
+        if (errno == ENOMEM) throw memory_error(cat("[", W, "] out of address space mapping '", path_, "'"));
+        return false;  // a file system that cannot map: read it
+    }
+    map_ = p;
+    map_size_ = (size_t) st.st_size;
+
+    buf_ = ggml_backend_dev_buffer_from_host_ptr(dev, map_, map_size_, map_size_);
+    if (!buf_) throw runtime_error(cat("[", W, "] cannot wrap the mapping of '", path_, "' in a ggml buffer"));
+    ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    // converted tensors (TENSOR_ROLE_F32 stored in another type) need memory of their own
+    size_t copy_bytes = 0;
+    const size_t align = 64;
+    for (const auto & kv : to_f32_) copy_bytes += GGML_PAD(ggml_nbytes(tensors_.at(kv.first)), align);
+    if (copy_bytes > 0) {
+        copies_ = ggml_backend_buft_alloc_buffer(buft, copy_bytes);
+        if (!copies_) throw memory_error(cat("[", W, "] out of memory for the converted tensors of '", path_, "'"));
+        ggml_backend_buffer_set_usage(copies_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
+    char * copy_at = copies_ ? (char *) ggml_backend_buffer_get_base(copies_) : nullptr;
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        ggml_tensor * t = tensors_.at(gguf_get_tensor_name(gguf_, i));
+        char * bytes = (char *) map_ + data_off + gguf_get_tensor_offset(gguf_, i);
+        const bool converted = file_type(t) != t->type;
+        void * addr = converted ? (void *) copy_at : (void *) bytes;
+        DFN_REQUIRE(ggml_backend_tensor_alloc(converted ? copies_ : buf_, t, addr) == GGML_STATUS_SUCCESS, W,
+                    "cannot place tensor '", t->name, "' of '", path_, "'");
+        if (converted) {
+            set_converted(t, bytes);
+            copy_at += GGML_PAD(ggml_nbytes(t), align);
+        } else {
+            mapped_bytes_ += ggml_nbytes(t);
+        }
+    }
+    return true;
+#else
+    (void) buft;
+    return false;
+#endif
+}
+
+void gguf_file::read_weights(ggml_backend_buffer_type_t buft) {
     buf_ = alloc_ctx_tensors(ctx_, buft, W, cat("the weights of '", path_, "'"));
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     if (ggml_backend_buffer_is_host(buf_)) {
@@ -272,27 +375,20 @@ void gguf_file::load_weights(ggml_backend_buffer_type_t buft) {
     const size_t data_off = gguf_get_data_offset(gguf_);
     const bool host = ggml_backend_buffer_is_host(buf_);
     std::vector<uint8_t> staging;
-    std::vector<float> f32;
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     for (int64_t i = 0; i < n_tensors; ++i) {
         ggml_tensor * t = tensors_.at(gguf_get_tensor_name(gguf_, i));
-        auto conv = to_f32_.find(t->name);
-        const ggml_type file_type = conv != to_f32_.end() ? conv->second : t->type;
-        const size_t n = ggml_row_size(file_type, t->ne[0]) * ggml_nrows(t);  // bytes in the file
+        const ggml_type ft = file_type(t);
+        const size_t n = ggml_row_size(ft, t->ne[0]) * ggml_nrows(t);  // bytes in the file
         DFN_REQUIRE(fseeko(f.get(), (off_t) (data_off + gguf_get_tensor_offset(gguf_, i)), SEEK_SET) == 0, W,
                     "seek failed in '", path_, "'");
-        const bool direct = host && file_type == t->type;
+        const bool direct = host && ft == t->type;
         void * dst = t->data;
         if (!direct) { staging.resize(n); dst = staging.data(); }
         DFN_REQUIRE(fread(dst, 1, n, f.get()) == n, W, "'", path_, "' is truncated at tensor '", t->name, "'");
         if (direct) continue;
-        const void * src = staging.data();
-        if (file_type != t->type) {  // a TENSOR_ROLE_F32 tensor stored as F16, BF16, ...
-            f32.resize((size_t) ggml_nelements(t));
-            ggml_get_type_traits(file_type)->to_float(staging.data(), f32.data(), ggml_nelements(t));
-            src = f32.data();
-        }
-        ggml_backend_tensor_set(t, src, 0, ggml_nbytes(t));
+        if (ft != t->type) set_converted(t, staging.data());  // a TENSOR_ROLE_F32 tensor stored as F16, BF16, ...
+        else ggml_backend_tensor_set(t, staging.data(), 0, ggml_nbytes(t));
     }
 }
 

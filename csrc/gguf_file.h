@@ -25,7 +25,9 @@ enum tensor_role {
 };
 
 // One opened GGUF file: metadata parsed, tensors described in a no_alloc ggml context.
-// Tensor data is read by load_weights() into a backend buffer that this object owns.
+// load_weights() gives the tensors their data: on a host buffer type, by mapping the file (the
+// tensors point into the mapping: no second copy of the weights in memory); else, or when asked
+// not to map, by reading it into a backend buffer. This object owns the buffers and the mapping.
 class gguf_file {
 public:
     explicit gguf_file(const std::string & path);
@@ -49,6 +51,7 @@ public:
     std::vector<int64_t> get_int_arr(const std::string & key) const;  // empty if absent
     std::vector<std::string> get_str_arr(const std::string & key) const;  // throws unless a string array
     int64_t arr_len(const std::string & key) const;                    // -1 if absent or not an array
+    std::vector<std::string> keys_with_prefix(const std::string & prefix) const;
 
     // Tensor lookup. `required` tensors throw when missing; any tensor throws when its shape
     // differs from `ne` (an empty `ne` skips the shape check) or its type does not suit `role`.
@@ -57,18 +60,32 @@ public:
     ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, tensor_role role, bool required = true);
     bool has_tensor(const std::string & name) const { return tensors_.count(name) != 0; }
 
-    // Allocate every tensor in `buft` and read its data from the file.
-    void load_weights(ggml_backend_buffer_type_t buft);
-    size_t weights_bytes() const;
+    // Gives every tensor its data. use_mmap and a host `buft` whose device takes host pointers
+    // (the CPU): the file is mapped read-only (pages read ahead) and each tensor stored as it is
+    // used points at its bytes in the mapping; the TENSOR_ROLE_F32 tensors converted at load are
+    // copies in a small buffer of `buft`. Otherwise (a device buffer, use_mmap false, or a tensor
+    // offset that is not 32-byte aligned) every tensor is read into one buffer of `buft`.
+    void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap = true);
+    size_t weights_bytes() const;  // bytes of all tensors as used (F32 after conversion)
+    size_t mapped_bytes() const { return mapped_bytes_; }  // of those, bytes read in place from the mapping
+    size_t copied_bytes() const { return weights_bytes() - mapped_bytes_; }  // in buffers of their own
 
 private:
     std::string path_;
     gguf_context * gguf_ = nullptr;
     ggml_context * ctx_ = nullptr;      // tensor metadata (no_alloc)
-    ggml_backend_buffer_t buf_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;       // the weights (the mapping's, or read into it)
+    ggml_backend_buffer_t copies_ = nullptr;    // mapped file: the converted tensors
+    void * map_ = nullptr;                      // the file's mapping (nullptr: not mapped)
+    size_t map_size_ = 0;
+    size_t mapped_bytes_ = 0;
     std::map<std::string, ggml_tensor *> tensors_;
     std::map<std::string, ggml_type> to_f32_;  // tensors load_weights() converts: name -> type in the file
     void check_type(ggml_tensor * t, tensor_role role);
+    bool map_weights(ggml_backend_buffer_type_t buft);  // false: mapping does not apply here
+    void read_weights(ggml_backend_buffer_type_t buft);
+    ggml_type file_type(const ggml_tensor * t) const;  // the tensor's type in the file
+    void set_converted(ggml_tensor * t, const void * file_bytes);  // a TENSOR_ROLE_F32 tensor's data
     int64_t key_id(const std::string & key) const;  // -1 if absent
 };
 

@@ -26,10 +26,19 @@ ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w
     return ggml_mul(b.ctx, ggml_rms_norm(b.ctx, x, eps), w);
 }
 
-ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot, int64_t n_ctx_train,
-                        float base) {
-    return ggml_rope_ext(b.ctx, x, pos, nullptr, (int) n_rot, GGML_ROPE_TYPE_NEOX, (int) n_ctx_train, base, 1.0f, 0.0f,
-                         1.0f, 32.0f, 1.0f);
+ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot,
+                        const block_hparams & hp) {
+    const rope_scaling & r = hp.rope;
+    return ggml_rope_ext(b.ctx, x, pos, nullptr, (int) n_rot, GGML_ROPE_TYPE_NEOX, (int) r.n_ctx_orig, hp.rope_base,
+                         r.freq_scale, r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow);
+}
+
+ggml_tensor * rope_multi(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot,
+                         const int sections[4], int mode, const block_hparams & hp) {
+    const rope_scaling & r = hp.rope;
+    int s[4] = {sections[0], sections[1], sections[2], sections[3]};  // ggml takes a non-const array
+    return ggml_rope_multi(b.ctx, x, pos, nullptr, (int) n_rot, s, mode, (int) r.n_ctx_orig, hp.rope_base,
+                           r.freq_scale, r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow);
 }
 
 ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w) {

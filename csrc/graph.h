@@ -49,10 +49,14 @@ struct graph_inputs : build_context {
 ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w, float eps);
 inline ggml_tensor * rms_norm(graph_inputs & g, ggml_tensor * x, ggml_tensor * w) { return rms_norm(g, x, w, g.hp->rms_eps); }
 
-// NeoX RoPE (no scaling) of the first n_rot dims of each head: x F32 [head_dim, n_head, n_tokens],
-// pos I32 [n_tokens].
-ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot, int64_t n_ctx_train,
-                        float base);
+// NeoX RoPE of the first n_rot dims of each head, base hp.rope_base, with hp.rope's scaling
+// (linear or YaRN): x F32 [head_dim, n_head, n_tokens], pos I32 [n_tokens].
+ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot,
+                        const block_hparams & hp);
+// Multi-section RoPE (ggml mode `mode`, e.g. GGML_ROPE_TYPE_IMROPE) of the first n_rot dims, with
+// the same scaling: pos I32 [n_tokens * 4], one position per section.
+ggml_tensor * rope_multi(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot,
+                         const int sections[4], int mode, const block_hparams & hp);
 
 // SwiGLU: down( silu(gate x) * (up x) ). x: F32 [n_embd, n_tokens] -> F32 [n_embd, n_tokens].
 ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w);

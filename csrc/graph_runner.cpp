@@ -130,6 +130,18 @@ void graph_runner::drop_old_plans(const std::string & keep) {
     }
 }
 
+size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes) const {
+    size_t n = 0;
+    for (const auto & kv : plans_) {
+        bool match = false;
+        for (const std::string & p : prefixes) match = match || kv.first.compare(0, p.size(), p) == 0;
+        if (!match) continue;
+        n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), backend_);
+        if (gpu_) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
+    }
+    return n;
+}
+
 void graph_runner::run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
                        const std::function<void()> & read_outputs) {
     const int prof = profile_level();

@@ -52,6 +52,9 @@ public:
     int n_threads() const { return n_threads_; }
     matmul_kind kernels() const { return kernels_; }
     size_t n_plans() const { return plans_.size(); }
+    // Bytes of the compute buffers the cached plans hold, on every backend, summed over the plans
+    // whose shape key starts with one of `prefixes`.
+    size_t compute_bytes(const std::vector<std::string> & prefixes) const;
 
 private:
     struct graph_plan {

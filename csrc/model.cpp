@@ -2,6 +2,8 @@
 
 #include "common.h"
 
+#include <cmath>
+
 namespace dfn {
 
 static const char * W = "load_gguf";
@@ -42,7 +44,69 @@ block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, 
     DFN_REQUIRE(hp.rope_base > 0.0f, W, "'", path, "': rope.freq_base ", hp.rope_base, " must be > 0");
     DFN_REQUIRE(hp.n_ctx_train >= 1 && hp.n_ctx_train <= INT32_MAX, W, "'", path, "': context_length ", hp.n_ctx_train,
                 " must be in [1, 2^31)");
+    hp.rope = read_rope_scaling(f, arch, hp.n_ctx_train);
     return hp;
+}
+
+rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, int64_t n_ctx_train) {
+    const std::string pre = arch + ".rope.scaling.", &path = f.path();
+    static const char * yarn_keys[] = {"original_context_length", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast",
+                                       "yarn_beta_slow"};
+    // every key under rope.scaling. is one we apply, or the load fails: a model never runs with
+    // positions other than those it was trained with
+    for (const std::string & k : f.keys_with_prefix(pre)) {
+        const std::string name = k.substr(pre.size());
+        bool known = name == "type" || name == "factor" || name == "attn_factor" || name == "finetuned";
+        for (const char * y : yarn_keys) known = known || name == y;
+        if (name == "yarn_log_multiplier") {
+            DFN_REQUIRE(f.get_f32(k) == 0.0f, W, "'", path, "': key '", k, "' = ", f.get_f32(k), " is not supported "
+                        "(YaRN with mscale_all_dim, as DeepSeek uses it, is not implemented)");
+            known = true;
+        }
+        DFN_REQUIRE(known, W, "'", path, "': RoPE scaling key '", k, "' is not supported (supported: type, factor, ",
+                    "attn_factor, finetuned, original_context_length, yarn_ext_factor, yarn_attn_factor, ",
+                    "yarn_beta_fast, yarn_beta_slow)");
+    }
+
+    // llama.cpp: an absent type means "linear" (by `factor` when there is one, so no scaling
+    // without it); "none" never scales
+    const std::string type = f.get_str(pre + "type", "linear");
+    DFN_REQUIRE(type == "none" || type == "linear" || type == "yarn", W, "'", path, "': ", pre, "type '", type,
+                "' is not supported (supported: none, linear, yarn)");
+    const bool yarn = type == "yarn";
+    if (!yarn) {
+        for (const char * y : yarn_keys) {
+            DFN_REQUIRE(!f.has_key(pre + y), W, "'", path, "': key '", pre, y, "' needs ", pre, "type 'yarn', not '",
+                        type, "'");
+        }
+    }
+    float factor = f.has_key(pre + "factor") ? f.get_f32(pre + "factor") : f.get_f32(arch + ".rope.scale_linear", 0.0f);
+    DFN_REQUIRE(factor >= 0.0f, W, "'", path, "': ", pre, "factor ", factor, " must be > 0");
+    if (factor == 0.0f || type == "none") factor = 1.0f;  // llama.cpp: 0 is "not set"
+
+    rope_scaling r;
+    r.freq_scale = 1.0f / factor;
+    r.n_ctx_orig = yarn ? f.get_u32(pre + "original_context_length", (uint32_t) n_ctx_train) : n_ctx_train;
+    DFN_REQUIRE(r.n_ctx_orig >= 1 && r.n_ctx_orig <= INT32_MAX, W, "'", path, "': ", pre, "original_context_length ",
+                r.n_ctx_orig, " must be in [1, 2^31)");
+    r.ext_factor = f.get_f32(pre + "yarn_ext_factor", yarn ? 1.0f : 0.0f);
+    DFN_REQUIRE(r.ext_factor >= 0.0f, W, "'", path, "': ", pre, "yarn_ext_factor ", r.ext_factor, " must be >= 0");
+    r.beta_fast = f.get_f32(pre + "yarn_beta_fast", 32.0f);
+    r.beta_slow = f.get_f32(pre + "yarn_beta_slow", 1.0f);
+    DFN_REQUIRE(r.beta_fast > 0.0f && r.beta_slow > 0.0f, W, "'", path, "': ", pre, "yarn_beta_fast ", r.beta_fast,
+                " and yarn_beta_slow ", r.beta_slow, " must be > 0");
+
+    // The magnitude of cos/sin: HF's attention_factor (yarn_attn_factor, as llama.cpp's converter
+    // writes it), by default HF's get_mscale(factor) = 1 + 0.1 ln(factor) for factor > 1 (what
+    // llama.cpp computes), times llama.cpp's rope.scaling.attn_factor. ggml multiplies by
+    // 1 + 0.1 ln(factor) itself whenever ext_factor != 0: divide that out.
+    const float mscale = yarn && r.ext_factor != 0.0f && factor > 1.0f ? 1.0f + 0.1f * logf(factor) : 1.0f;
+    const float attn = f.get_f32(pre + "yarn_attn_factor", mscale) * f.get_f32(pre + "attn_factor", 1.0f);
+    DFN_REQUIRE(attn > 0.0f, W, "'", path, "': ", pre, "attn_factor and yarn_attn_factor must be > 0");
+    const float ggml_mscale = r.ext_factor != 0.0f ? 1.0f + 0.1f * logf(factor) : 1.0f;
+    DFN_REQUIRE(ggml_mscale > 0.0f, W, "'", path, "': ", pre, "factor ", factor, " is too small for yarn");
+    r.attn_factor = attn / ggml_mscale;
+    return r;
 }
 
 void target_model::read_common_hparams() {

@@ -11,6 +11,23 @@
 
 namespace dfn {
 
+// RoPE frequency scaling, from `<arch>.rope.scaling.*` as llama.cpp reads them (read_rope_scaling),
+// in the form ggml_rope_ext / ggml_rope_multi take it. Identity: no scaling.
+//   linear: every frequency divided by `factor` (HF rope_type "linear").
+//   yarn:   YaRN (HF rope_type "yarn"): dims below the beta_fast correction dim keep their
+//           frequency, dims above beta_slow's are divided by `factor`, a linear ramp between
+//           (ext_factor scales the ramp; 1 = HF's); cos/sin scaled by HF's attention_factor.
+struct rope_scaling {
+    float freq_scale = 1.0f;   // 1 / rope.scaling.factor
+    float ext_factor = 0.0f;   // yarn_ext_factor (yarn: default 1); 0: pure interpolation
+    // What ggml gets: with ext_factor != 0 ggml multiplies cos/sin by 1 + 0.1 ln(1/freq_scale)
+    // itself, so this is the wanted magnitude divided by that (see read_rope_scaling).
+    float attn_factor = 1.0f;
+    float beta_fast = 32.0f;   // yarn_beta_fast
+    float beta_slow = 1.0f;    // yarn_beta_slow
+    int64_t n_ctx_orig = 0;    // rope.scaling.original_context_length (default: context_length)
+};
+
 // The transformer-block keys every architecture, the DFlash drafter included, stores under
 // "<arch>.": read and range-checked once (read_block_hparams).
 struct block_hparams {
@@ -23,6 +40,7 @@ struct block_hparams {
     int64_t n_ctx_train = 0;
     float rms_eps = 1e-6f;
     float rope_base = 10000.0f;
+    rope_scaling rope;
 };
 
 struct target_hparams : block_hparams {
@@ -86,6 +104,14 @@ constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
 // [1, 2^31)); throws input_error naming the file otherwise. max_layers bounds block_count.
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers);
 
+// `<arch>.rope.scaling.*`: type "none", "linear" or "yarn" (absent: llama.cpp's default, linear by
+// `factor` if there is one, else none), factor (or the old `rope.scale_linear`), attn_factor, and
+// for yarn original_context_length and yarn_{ext_factor, attn_factor, beta_fast, beta_slow}.
+// Throws input_error naming the key for any other type ("longrope", ...), any other scaling key
+// (yarn_log_multiplier != 0, alpha, ...), yarn keys without yarn, and values out of range.
+// `finetuned` is metadata only and is accepted.
+rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, int64_t n_ctx_train);
+
 // The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
 // [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
 // the q/k RMSNorm weights F32 [head_dim]; shapes and types checked.
@@ -108,7 +134,7 @@ public:
     // Opens `path`, reads and validates hparams and tensor shapes; data is not read yet.
     static std::unique_ptr<target_model> open(const std::string & path);
 
-    void load_weights(ggml_backend_buffer_type_t buft) { file_->load_weights(buft); }
+    void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
 
     // Builds the forward pass of g.n_tokens tokens into g.gf; returns the final hidden
     // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.

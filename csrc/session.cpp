@@ -41,12 +41,23 @@ target_session::target_session(const std::string & path, const session_params & 
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
     ggml_backend_buffer_type_t buft = runner_->buffer_type();
-    model_->load_weights(buft);
+    model_->load_weights(buft, params.use_mmap);
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
                                            params.rollback == ROLLBACK_SNAPSHOT, buft);
 }
 
 target_session::~target_session() = default;
+
+memory_usage target_session::memory() const {
+    memory_usage m;
+    m.target_weights_mapped = model_->file().mapped_bytes();
+    m.target_weights_copied = model_->file().copied_bytes();
+    m.kv_cache = cache_->kv_bytes();
+    m.gdn_state = cache_->gdn_state_bytes();
+    m.gdn_tape = cache_->gdn_tape_bytes();
+    m.compute_target = runner_->compute_bytes({"target:"});
+    return m;
+}
 
 void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();

@@ -32,6 +32,25 @@ struct session_params {
     // Weight matmuls on the CPU: MATMUL_OWN (matmul.h: batch-invariant, so a verify pass computes
     // each token as the AR step does; F16/F32 weights) or MATMUL_GGML (ggml_mul_mat).
     matmul_kind matmul = MATMUL_OWN;
+    // Weights (target and drafter) in host memory are the file's pages, mapped (gguf_file.h);
+    // false: read into buffers of their own.
+    bool use_mmap = true;
+};
+
+// What a target session, and the drafter beside it, hold in memory, in bytes (Engine.memory_report).
+// Weights "mapped" are tensors read in place from the mapped GGUF (file pages, shared with the page
+// cache, not a copy); "copied" are weights in buffers of their own (the few tensors converted to
+// F32 at load, the draft vocabulary's lm_head rows, or all of them when the file is not mapped or
+// lives on a GPU). Compute: the graph plans' buffers (activations), which come and go with the
+// graph shapes run (graph_runner.h).
+struct memory_usage {
+    size_t target_weights_mapped = 0, target_weights_copied = 0;
+    size_t drafter_weights_mapped = 0, drafter_weights_copied = 0;
+    size_t kv_cache = 0;      // attention K/V over n_ctx
+    size_t gdn_state = 0;     // GDN recurrent + conv state
+    size_t gdn_tape = 0;      // GDN tape of one verify (max_verify tokens)
+    size_t feature_ring = 0;  // drafter-context K/V, capacity + block scratch
+    size_t compute_target = 0, compute_drafter = 0;
 };
 
 struct decode_result {
@@ -105,6 +124,8 @@ public:
     }
     const session_params & params() const { return params_; }
     size_t n_graph_plans() const { return runner_->n_plans(); }
+    // The target's part of memory_usage: its weights, caches and compute buffers.
+    memory_usage memory() const;
 
     // The backends, plans and metadata arena this session's graphs run on; the drafter runs its
     // graphs on the same runner (it shares the target's embeddings, lm_head and buffers).

@@ -36,9 +36,16 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     // drafts the same and masks fewer slots each round. A smaller ring than that still wins.
     const int64_t capacity = params_.window > 0 ? std::min(params.ring_capacity, std::max(params_.window, block_size_))
                                                 : params.ring_capacity;
-    drafter_->load_weights(runner_.buffer_type());
+    drafter_->load_weights(runner_.buffer_type(), target.params().use_mmap);
     ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
     drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
+}
+
+void spec_session::add_memory(memory_usage & m) const {
+    m.drafter_weights_mapped = drafter_->weights_mapped();
+    m.drafter_weights_copied = drafter_->weights_copied();
+    m.feature_ring = ring_->bytes();
+    m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
 
 ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : target_.model().output; }
@@ -204,7 +211,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
-    d.out = matmul(b, head, h);                                     // logits [n_draft_vocab or n_vocab, B-1]
+    d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
     if (d.what == draft_graph::TOPK) {
         d.out = topk_op(ctx, d.out, d.K);  // F32 [2, K, B-1]
     } else if (d.what == draft_graph::TOP1) {

@@ -114,6 +114,8 @@ public:
     int64_t effective_window() const {
         return params_.window > 0 ? std::min(params_.window, ring_->capacity) : ring_->capacity;
     }
+    // Adds the drafter's weights, the ring and the draft and ring-push graphs' compute buffers.
+    void add_memory(memory_usage & m) const;
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
     void set_controller(bool on) { params_.use_controller = on; }

@@ -29,6 +29,10 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
+    hp_.logit_scale = F.get_f32(key("logit_scale"), 0.0f);
+    hp_.final_logit_softcapping = F.get_f32(key("final_logit_softcapping"), 0.0f);
+    DFN_REQUIRE(hp_.final_logit_softcapping >= 0.0f, W, "'", path, "': dflash.final_logit_softcapping ",
+                hp_.final_logit_softcapping, " must be > 0 (or 0: none)");
     if (F.has_key(key("trained_context_length"))) {
         hp_.trained_context = F.get_u32(key("trained_context_length"));  // negatives: out of range
         DFN_REQUIRE(hp_.trained_context >= 1 && hp_.trained_context <= kMaxTrainedContext, W, "'", path,
@@ -109,12 +113,23 @@ void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_
     }
 }
 
+ggml_tensor * drafter_model::build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const {
+    ggml_context * ctx = b.ctx;
+    ggml_tensor * logits = matmul(b, lm_head, h);  // [n_cols, n]
+    if (hp_.logit_scale != 0.0f && hp_.logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp_.logit_scale);
+    if (hp_.final_logit_softcapping > 0.0f) {
+        const float c = hp_.final_logit_softcapping;
+        logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / c)), c);
+    }
+    return logits;
+}
+
 ggml_tensor * drafter_model::norm(const build_context & b, ggml_tensor * x, ggml_tensor * w) const {
     return rms_norm(b, x, w, hp_.rms_eps);
 }
 
 ggml_tensor * drafter_model::rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const {
-    return rope_neox(b, x, pos, hp_.head_dim, hp_.n_ctx_train, hp_.rope_base);
+    return rope_neox(b, x, pos, hp_.head_dim, hp_);
 }
 
 void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,

@@ -48,7 +48,7 @@ public:
 
 private:
     ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
-        return rope_neox(g, x, g.pos, hp_.n_rot, hp_.n_ctx_train, hp_.rope_base);
+        return rope_neox(g, x, g.pos, hp_.n_rot, hp_);
     }
 };
 

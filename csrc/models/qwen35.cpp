@@ -141,9 +141,7 @@ private:
     }
 
     ggml_tensor * rope(graph_inputs & g, ggml_tensor * x) const {
-        int sections[4] = {hp_.rope_sections[0], hp_.rope_sections[1], hp_.rope_sections[2], hp_.rope_sections[3]};
-        return ggml_rope_multi(g.ctx, x, g.pos, nullptr, (int) hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                               (int) hp_.n_ctx_train, hp_.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+        return rope_multi(g, x, g.pos, hp_.n_rot, hp_.rope_sections, GGML_ROPE_TYPE_IMROPE, hp_);
     }
 };
 

@@ -401,31 +401,40 @@ def _rope_parameters(spec: _ModelSpec) -> dict[str, Any]:
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, spec: _ModelSpec, rp: Mapping[str, Any]) -> None:
+    """`rope.scaling.*` as llama.cpp's converter writes them (conversion/base.py,
+    `set_gguf_parameters`): linear -> type + factor; yarn -> type, factor,
+    original_context_length and the yarn keys the config sets. A config whose
+    function those keys cannot state is refused (the engine would run it unscaled)."""
     rope_type = rp["rope_type"]
     factor = rp.get("factor")
+    where = spec.src_dir / "config.json"
     if rope_type == "default":
         return
-    if rope_type == "linear" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(factor)
+    if rope_type not in ("linear", "yarn"):
+        raise ValueError(f"[convert] {where}: unsupported rope_type {rope_type!r} (supported: default, linear, yarn)")
+    if factor is None or not float(factor) > 0:
+        raise ValueError(f"[convert] {where}: {rope_type} rope scaling needs a factor > 0, got {factor!r}")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if rope_type == "linear" else gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(factor))
+    if rope_type == "linear":
         return
-    if rope_type == "yarn" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(factor)
-        orig = rp.get("original_max_position_embeddings")
-        if orig is None:
-            raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: yarn rope scaling "
-                             f"needs original_max_position_embeddings")
-        writer.add_rope_scaling_orig_ctx_len(int(orig))
-        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
-                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
-                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
-                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
-            if rp.get(key) is not None:
-                add(rp[key])
-        return
-    raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type {rope_type!r} "
-                     f"(supported: default, linear, yarn)")
+    if rp.get("truncate", True) is not True:
+        raise ValueError(f"[convert] {where}: yarn with truncate=false is not supported (ggml rounds the "
+                         f"correction range to whole dims, as HF's default truncate=true does)")
+    attention_factor = rp.get("attention_factor", rp.get("attn_factor"))
+    if attention_factor is None and rp.get("mscale") and rp.get("mscale_all_dim"):
+        raise ValueError(f"[convert] {where}: yarn with mscale and mscale_all_dim (and no attention_factor) is not "
+                         f"supported")
+    # HF's default original_max_position_embeddings is max_position_embeddings, as llama.cpp's
+    # loader defaults original_context_length to context_length
+    orig = rp.get("original_max_position_embeddings") or spec.get("max_position_embeddings")
+    writer.add_rope_scaling_orig_ctx_len(int(orig))
+    for value, add in ((rp.get("extrapolation_factor"), writer.add_rope_scaling_yarn_ext_factor),
+                       (attention_factor, writer.add_rope_scaling_yarn_attn_factor),
+                       (rp.get("beta_fast"), writer.add_rope_scaling_yarn_beta_fast),
+                       (rp.get("beta_slow"), writer.add_rope_scaling_yarn_beta_slow)):
+        if value is not None:
+            add(float(value))
 
 
 def _common_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
@@ -643,13 +652,11 @@ def v_heads_grouped_to_tiled(x: np.ndarray, axis: int, n_k_heads: int, v_per_k: 
 def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     _common_kv(writer, spec)
     rp = _rope_parameters(spec)
-    if rp["rope_type"] != "default":
-        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type "
-                         f"{rp['rope_type']!r} for Qwen3.5")
     head_dim = int(spec.get("head_dim"))
     n_rot = int(head_dim * float(rp.get("partial_rotary_factor", 0.25)))
     writer.add_rope_dimension_sections(_text_mrope_sections(n_rot, head_dim, rp.get("mrope_section")))
     writer.add_rope_freq_base(float(rp["rope_theta"]))
+    _add_rope_scaling(writer, spec, rp)
     writer.add_rope_dimension_count(n_rot)
 
     d = _gdn_dims(spec)

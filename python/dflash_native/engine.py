@@ -122,6 +122,7 @@ class Engine:
         draft_vocab: bool = True,
         verify: str = "chain",
         tree_budget: int = 32,
+        use_mmap: bool = True,
         _baselines: dict | None = None,
     ):
         """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
@@ -156,6 +157,11 @@ class Engine:
         the controller picks AR or speculation per step and, per tree round, how many of the
         best-first tree's nodes to verify (tree_budget at most); gate=False: the whole budget.
 
+        use_mmap: on the CPU the target's and drafter's weights are the GGUF files' pages, mapped
+        read-only (read ahead at load): no second copy of the weights in memory, and processes
+        that map the same file share its pages. False reads them into memory of their own instead
+        (which may take transparent huge pages). A GPU device always loads its own copy.
+
         Weight matmuls on the CPU run the package's batch-invariant kernel (F16/F32 weights; other
         types fall back to ggml), under which a verify pass computes every token bit for bit as the
         AR step does; GDN layers roll back by tape replay. The baselines the benchmarks compare
@@ -182,6 +188,7 @@ class Engine:
         draft_vocab = _bool(w, "draft_vocab", draft_vocab)
         verify = _str(w, "verify", verify)
         tree_budget = _int(w, "tree_budget", tree_budget)
+        use_mmap = _bool(w, "use_mmap", use_mmap)
         if verify not in ("chain", "tree"):
             raise ValueError(f"[engine] verify must be 'chain' or 'tree', got {verify!r}")
         if verify == "tree" and drafter is None:
@@ -195,7 +202,7 @@ class Engine:
         self.drafter_path = Path(drafter) if drafter is not None else None
         self._load(target, drafter, block_size,
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
-                        rollback=rollback, matmul=matmul),
+                        rollback=rollback, matmul=matmul, use_mmap=use_mmap),
                    dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
                         draft_vocab=draft_vocab, controller=gate, tree_budget=tree_budget if verify == "tree" else 0))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
@@ -363,6 +370,26 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._tok().detokenize(_token_ids("detokenize", tokens))  # the tokenizer checks the range
+
+    def memory_report(self) -> dict[str, int]:
+        """What this engine holds in memory, in bytes, by part (csrc/session.h: memory_usage):
+
+        - target_weights_mapped, drafter_weights_mapped: weights used in place from the mapped GGUF
+          files (page-cache pages shared with the file, resident once touched; see use_mmap);
+        - target_weights_copied, drafter_weights_copied: weights in memory of their own: the few
+          norm and vector tensors stored as F16/BF16/Q8_0 and converted to F32 at load, the draft
+          vocabulary's lm_head rows, or every weight when the file is not mapped (use_mmap=False,
+          device="gpu");
+        - kv_cache: attention K/V for n_ctx positions (scales with n_ctx and kv_type);
+        - gdn_state, gdn_tape: the GDN layers' recurrent + conv state, and the tape of one verify;
+        - feature_ring: the drafter's context K/V (ring capacity + one block of scratch);
+        - compute_target, compute_drafter: the compute buffers of the graph plans cached so far
+          (target forward passes; draft and ring-push graphs), which grow as new graph shapes run;
+        - total: the sum of the above.
+
+        Parts the engine does not have (a drafter, GDN layers) are 0."""
+        with self._cv:
+            return dict(self._live().memory_report(self._spec))
 
     # ---- scoring ----------------------------------------------------------------------
     def eval(self, tokens: str | Sequence[int]) -> np.ndarray:

@@ -102,6 +102,27 @@ def _read_config(d: Path) -> dict[str, Any]:
 # the drafter
 # ---------------------------------------------------------------------------
 
+def _yarn(inv_freq: torch.Tensor, d: int, base: float, rope: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071, with HF's defaults): pair i keeps its frequency below the
+    correction dim of beta_fast rotations over the original context, is divided by `factor`
+    above beta_slow's, on a linear ramp between (bounds rounded outwards); cos/sin are scaled by
+    attention_factor, by default 1 + 0.1 ln(factor)."""
+    factor = float(rope["factor"])
+    orig = float(rope["original_max_position_embeddings"])
+
+    def corr_dim(n_rot: float) -> float:  # the dim whose wavelength fits n_rot times in orig
+        return d * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(corr_dim(float(rope.get("beta_fast") or 32))), 0)
+    hi = min(math.ceil(corr_dim(float(rope.get("beta_slow") or 1))), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / max(hi - lo, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    mscale = rope.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(mscale)
+
+
 class DFlashRef:
     """The z-lab drafter forward on explicit weights (see the module docstring)."""
 
@@ -128,11 +149,17 @@ class DFlashRef:
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         self.rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-        self.rope_linear_factor = 1.0
+        d = self.head_dim
+        # per frequency pair i: angle = pos * inv_freq[i]; cos/sin times rope_mscale
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.rope_mscale = 1.0
         if rope_type == "linear":
-            self.rope_linear_factor = float(rope["factor"])
+            inv_freq = inv_freq / float(rope["factor"])
+        elif rope_type == "yarn":
+            inv_freq, self.rope_mscale = _yarn(inv_freq, d, self.rope_theta, rope)
         elif rope_type != "default":
             raise NotImplementedError(f"DFlashRef: rope_type {rope_type!r}")
+        self.inv_freq = inv_freq
 
         # Qwen3Config: sliding_window only with use_sliding_window; default layer_types from max_window_layers.
         window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
@@ -185,10 +212,9 @@ class DFlashRef:
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] at absolute positions pos [n]; NeoX pairing."""
         d = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = (pos.to(torch.float64)[:, None] / self.rope_linear_factor) * inv_freq[None, :]   # [n, d/2]
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(self.dtype)[:, None, :]
-        sin = torch.cat([ang.sin(), ang.sin()], -1).to(self.dtype)[:, None, :]
+        ang = pos.to(torch.float64)[:, None] * self.inv_freq[None, :]   # [n, d/2]
+        cos = (torch.cat([ang.cos(), ang.cos()], -1) * self.rope_mscale).to(self.dtype)[:, None, :]
+        sin = (torch.cat([ang.sin(), ang.sin()], -1) * self.rope_mscale).to(self.dtype)[:, None, :]
         x1, x2 = x[..., : d // 2], x[..., d // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
