@@ -613,6 +613,7 @@ void bind_testing_kernels(py::module_ & t) {
                 DFN_REQUIRE(W.shape(1) == K, "matmul", "x has ", K, " columns, W has ", W.shape(1));
             } else {
                 wt = ggml_type_named(type);
+                DFN_REQUIRE(matmul_weight_type(wt), "matmul", "weight type ", type, " is not one the kernel takes");
                 DFN_REQUIRE(W.dtype().is(py::dtype::of<uint8_t>()), "matmul", "W of type ", type, " must be uint8 bytes");
                 DFN_REQUIRE(K % ggml_blck_size(wt) == 0 && (size_t) W.shape(1) == ggml_row_size(wt, K), "matmul", "W rows have ",
                             W.shape(1), " bytes; ", K, " columns of ", type, " need ",
