@@ -54,8 +54,8 @@ def convert_dflash_to_gguf(src_dir, dst_path, *, outtype: str = "f16", target_gg
 
 def quantize(src, dst, type: str = "q4_k_m", *, n_threads=None, progress: bool = True):
     """Quantize a GGUF target or DFlash drafter with llama.cpp's quantizer (type: "q4_k_m", "q8_0",
-    "q6_k", "iq4_xs", ...; see dflash_native.quantize.quantize_types). Returns dst."""
-    from .quantize import quantize as _quantize
+    "q6_k", "iq4_xs", ...; see dflash_native.quantization.quantize_types). Returns dst."""
+    from .quantization import quantize as _quantize
 
     return _quantize(src, dst, type, n_threads=n_threads, progress=progress)
 

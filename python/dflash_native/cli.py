@@ -56,7 +56,7 @@ def _cmd_convert(a) -> int:
 
 
 def _cmd_quantize(a) -> int:
-    from .quantize import quantize
+    from .quantization import quantize
 
     out = quantize(a.src, a.dst, a.type, n_threads=a.threads, progress=not a.quiet)
     from gguf import GGUFReader
@@ -251,7 +251,7 @@ def _add_convert_drafter_parser(sub) -> None:
 
 
 def _add_quantize_parser(sub) -> None:
-    from .quantize import quantize_types
+    from .quantization import quantize_types
 
     q = sub.add_parser("quantize", help="quantize a GGUF target or drafter with llama.cpp's quantizer")
     q.add_argument("src", help="input .gguf (F32 / F16 / BF16 usually)")
