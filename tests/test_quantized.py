@@ -14,12 +14,9 @@ llama_model_quantize), target and DFlash drafter, in every common type:
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
 import dflash_native as dn
@@ -27,7 +24,7 @@ from dflash_native import _core
 from dflash_native.cli import main as cli_main
 from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_gguf
-from reference.gguf_edit import rewrite_gguf
+from test_tensor_types import dequantized  # the F32 file holding what a quantized one stores
 
 # type asked for -> the ggml type it must put in the file (a mix keeps others beside it)
 FAMILIES = {
@@ -116,31 +113,13 @@ def test_speculative_equals_ar(qpair):
     assert len(set(lengths)) > 2, lengths
 
 
-def _dequantized(src: Path, dst: Path) -> Path:
-    types = {t.name: t.tensor_type for t in GGUFReader(src).tensors}
-    return rewrite_gguf(src, dst, tensor_fn=lambda name, a: (gguf.quants.dequantize(a, types[name]).astype(np.float32),
-                                                             Q.F32) if types[name] != Q.F32 else a)
-
-
-def _llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    import llama_cpp
-
-    ll = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                         type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
-    try:
-        ll.eval(tokens)
-        return np.asarray(ll.scores[: len(tokens)], dtype=np.float32).copy()
-    finally:
-        ll.close()
-
-
-def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path):
+def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
     """Ours is the dequantized model up to F32 summation order (the activations stay F32);
     llama.cpp on the same file differs from that model by rounding its activations to Q8_0 /
     Q8_K, and from ours by no more than that (+ F32 noise)."""
     ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    deq = dn.Engine(_dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    llama = _llama_logits(qpair["target"], PROMPT)
+    deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
+    llama = llama_logits(qpair["target"], PROMPT)
     scale = float(np.abs(deq).max())
     err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
     print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
@@ -157,7 +136,7 @@ def test_draft_logits_match_dequantized_drafter(qpair, f32_pair, tmp_path):
         s = _core.Spec(t, str(drafter), block_size=BLOCK, ring_capacity=32, window=0)
         return s.draft_logits(s.prefill(PROMPT), BLOCK, t)
 
-    got, want = draft(qpair["drafter"]), draft(_dequantized(qpair["drafter"], tmp_path / "dq.gguf"))
+    got, want = draft(qpair["drafter"]), draft(dequantized(qpair["drafter"], tmp_path / "dq.gguf"))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max() + 1e-6)
 
 
