@@ -93,6 +93,24 @@ def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) 
     return path
 
 
+def cached_typed_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:
+    """cached_gguf for our converter's types (f32, f16, bf16, q8_0); any other type
+    (dflash_native.quantization.FTYPES: q4_k_m, q6_k, q4_0, iq4_xs, ...) is llama.cpp's quantizer
+    over the cached F16 file, cached beside it."""
+    from dflash_native.convert import OUTTYPES
+
+    if outtype in OUTTYPES:
+        return cached_gguf(name, arch, outtype, seed, **overrides)
+    import dflash_native as dn
+
+    path = CACHE / f"{name}-{outtype}-s{seed}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp.gguf")
+        dn.quantize(cached_gguf(name, arch, "f16", seed, **overrides), tmp, outtype)
+        tmp.rename(path)
+    return path
+
+
 def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
     """A random DFlash drafter for a cached random target (only the shape matters for speed)."""
     from dflash_native.random_models import make_random_drafter_gguf

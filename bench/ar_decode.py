@@ -2,8 +2,15 @@
 
 Both engines run in this process, alternating per repetition, with the same thread count,
 F16 KV cache and flash attention, greedy decoding of the same tokens. Ratios are ours / llama.cpp.
+--outtypes takes our converter's types (f32, f16, bf16, q8_0) and llama.cpp's quantized file types
+(q4_k_m, q5_k_m, q6_k, q4_0, iq4_xs, ...: dflash_native.quantize over the F16 file).
 
-    python bench/ar_decode.py --threads 2 --json bench/results/ar_decode.jsonl
+--verify-curve adds, per type, the cost of a verify of 2, 4, 8, 16, 32 tokens over one AR step
+(ours: Target.verify, all rows' logits, after a short prompt; llama.cpp: eval of N tokens, like
+llama-bench pp-N, over eval of 1): the number that decides the best block size on a CPU.
+
+    python bench/ar_decode.py --threads 2 --outtypes f16,q8_0,q4_k_m,q6_k,q4_0 --verify-curve \
+        --json bench/results/ar_decode.jsonl
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN35_05B, Timer, cached_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import QWEN35_05B, Timer, cached_typed_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
 
 
 def bench_ours(path, prompt, n_decode, threads, n_ctx):
@@ -56,6 +63,47 @@ def bench_llama(path, prompt, n_decode, threads, n_ctx):
     return run
 
 
+VERIFY_SIZES = (2, 4, 8, 16, 32)
+
+
+def verify_curve(path, prompt, threads, reps):
+    """{engine: {n: median seconds of an n-token pass / median seconds of a 1-token step}}."""
+    import llama_cpp
+    from dflash_native import _core
+
+    block = [int(x) for x in np.random.default_rng(1).integers(10, 600, max(VERIFY_SIZES))]
+    t = _core.Target(str(path), n_ctx=len(prompt) + 2 * max(VERIFY_SIZES) + 8, n_threads=threads, kv_type="f16",
+                     max_verify=max(VERIFY_SIZES))
+    ll = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 2 * max(VERIFY_SIZES) + 8, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+
+    def ours(n):
+        t.reset()
+        t.decode(prompt)
+        with Timer() as tm:
+            if n == 1:
+                t.decode_greedy(block[:1])
+            else:
+                t.verify(block[:n])
+        if n > 1:
+            t.commit(1)
+        return tm.s
+
+    def llama(n):
+        ll.reset()
+        ll.eval(prompt)
+        with Timer() as tm:
+            ll.eval(block[:n])
+        return tm.s
+
+    out = {}
+    for name, fn in (("dflash-native", ours), ("llama.cpp", llama)):
+        fn(1)  # warm-up (graph plans)
+        times = {n: summarize([fn(n) for _ in range(reps)])["median"] for n in (1,) + VERIFY_SIZES}
+        out[name] = {n: times[n] / times[1] for n in VERIFY_SIZES} | {"step_s": times[1]}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -64,6 +112,8 @@ def main():
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape (smoke run)")
+    ap.add_argument("--verify-curve", action="store_true",
+                    help="also time verifies of 2..32 tokens over one AR step, per type, ours and llama.cpp's")
     ap.add_argument("--json", type=Path, default=None, help="append JSON lines here")
     a = ap.parse_args()
 
@@ -75,10 +125,10 @@ def main():
 
     print(f"# ar_decode: {machine()}; threads={a.threads}; prompt={a.prompt_len}; decode={a.decode}; "
           f"reps={a.reps} (+1 warm-up); rev {git_rev()}")
-    print(f"{'model':<16}{'type':<6}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
+    print(f"{'model':<16}{'type':<8}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
     rows = []
     for outtype in a.outtypes.split(","):
-        path = cached_gguf(name, "qwen3_5", outtype, **shape)
+        path = cached_typed_gguf(name, "qwen3_5", outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
                    "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
         res = {k: {"prefill": [], "decode": []} for k in runners}
@@ -90,16 +140,26 @@ def main():
                     res[k]["decode"].append(a.decode / td)
         for k in runners:
             p, d = summarize(res[k]["prefill"]), summarize(res[k]["decode"])
-            print(f"{name:<16}{outtype:<6}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
+            print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
                          "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev()})
         ours, ref = res["dflash-native"], res["llama.cpp"]
         rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
         rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]
-        print(f"{name:<16}{outtype:<6}{'ratio':<14}{rp:>14.3f}{rd:>14.3f}")
+        print(f"{name:<16}{outtype:<8}{'ratio':<14}{rp:>14.3f}{rd:>14.3f}")
         rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": "ratio ours/llama.cpp",
-                     "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "rev": git_rev()})
+                     "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "machine": machine(),
+                     "rev": git_rev()})
+        if a.verify_curve:
+            curve = verify_curve(path, prompt[:32], a.threads, a.reps)
+            for k, c in curve.items():
+                print(f"{name:<16}{outtype:<8}{k:<14}verify cost / AR step ({1e3 * c['step_s']:.1f} ms): "
+                      + "  ".join(f"{n}: {c[n]:.2f}" for n in VERIFY_SIZES))
+                rows.append({"bench": "verify_curve", "model": name, "outtype": outtype, "engine": k,
+                             "threads": a.threads, "context": 32, "ar_step_s": c["step_s"],
+                             "verify_over_ar": {str(n): c[n] for n in VERIFY_SIZES}, "machine": machine(),
+                             "rev": git_rev()})
     write_jsonl(a.json, rows)
 
 

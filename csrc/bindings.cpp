@@ -25,6 +25,8 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cctype>
+#include <exception>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -604,33 +606,71 @@ void bind_spec(py::module_ & m) {
 
 // ---- _core.testing: kernels, tape and caches as tests and benchmarks reach them -----------------
 
+// A ggml type by its name ("q4_K", "Q8_0", "bf16": ggml_type_name, any case).
+ggml_type ggml_type_named(const std::string & name) {
+    auto lower = [](std::string v) {
+        for (auto & ch : v) ch = (char) std::tolower((unsigned char) ch);
+        return v;
+    };
+    for (int i = 0; i < GGML_TYPE_COUNT; ++i) {
+        const ggml_type t = (ggml_type) i;
+        if (ggml_blck_size(t) != 0 && lower(ggml_type_name(t)) == lower(name)) return t;
+    }
+    throw input_error(cat("[matmul] unknown ggml type '", name, "'"));
+}
+
 void bind_testing_kernels(py::module_ & t) {
     t.def(
         "matmul",
-        [](py::array W, farr x, const std::string & isa, int n_threads) {
-            // W [M, K] float16 or float32, x [N, K] float32 -> y [N, M] float32 (matmul.h's kernel; rows split
-            // over n_threads threads as the graph op splits them)
+        [](py::array W, farr x, const std::string & isa, int n_threads, const std::string & type) {
+            // W [M, K] float16 or float32, or W [M, row bytes] uint8 holding rows of the ggml type `type`
+            // (e.g. "q4_K", as gguf-py quantizes them); x [N, K] float32 -> y [N, M] float32 (matmul.h's
+            // kernel; rows split over n_threads threads as the graph op splits them)
             DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2, "matmul", "W and x must be 2-D");
-            const bool f16 = W.dtype().is(py::dtype("float16"));
-            DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "matmul", "W must be float16 or float32");
             DFN_REQUIRE(W.flags() & py::array::c_style, "matmul", "W must be C-contiguous");
-            const int64_t M = W.shape(0), K = W.shape(1), N = x.shape(0);
-            DFN_REQUIRE(x.shape(1) == K, "matmul", "x has ", x.shape(1), " columns, W has ", K);
+            const int64_t M = W.shape(0), K = x.shape(1), N = x.shape(0);
+            ggml_type wt = GGML_TYPE_F32;
+            if (type.empty()) {
+                const bool f16 = W.dtype().is(py::dtype("float16"));
+                DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "matmul", "W must be float16 or float32");
+                wt = f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
+                DFN_REQUIRE(W.shape(1) == K, "matmul", "x has ", K, " columns, W has ", W.shape(1));
+            } else {
+                wt = ggml_type_named(type);
+                DFN_REQUIRE(matmul_weight_type(wt), "matmul", "weight type ", type, " is not one the kernel takes");
+                DFN_REQUIRE(W.dtype().is(py::dtype::of<uint8_t>()), "matmul", "W of type ", type, " must be uint8 bytes");
+                DFN_REQUIRE(K % ggml_blck_size(wt) == 0 && (size_t) W.shape(1) == ggml_row_size(wt, K), "matmul", "W rows have ",
+                            W.shape(1), " bytes; ", K, " columns of ", type, " need ",
+                            K % ggml_blck_size(wt) == 0 ? cat(ggml_row_size(wt, K)) : cat("a multiple of ", ggml_blck_size(wt)));
+            }
             DFN_REQUIRE(n_threads >= 1, "matmul", "n_threads must be >= 1");
+            const size_t row_bytes = (size_t) W.strides(0);
             py::array_t<float> y({N, M});
             const void * w = W.data();
             const float * xp = x.data();
             float * yp = y.mutable_data();
             py::gil_scoped_release release;
             std::vector<std::thread> pool;
+            std::vector<std::exception_ptr> errs((size_t) n_threads);
             for (int t = 1; t < n_threads; ++t) {
-                pool.emplace_back([=] { matmul_rows(w, f16, K, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa); });
+                pool.emplace_back([=, &errs] {
+                    try {
+                        matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa);
+                    } catch (...) {
+                        errs[(size_t) t] = std::current_exception();
+                    }
+                });
             }
-            matmul_rows(w, f16, K, xp, K, yp, M, K, N, 0, M / n_threads, isa);
+            try {
+                matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, 0, M / n_threads, isa);
+            } catch (...) {
+                errs[0] = std::current_exception();
+            }
             for (auto & th : pool) th.join();
+            for (auto & e : errs) if (e) std::rethrow_exception(e);
             return y;
         },
-        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1);
+        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1, py::arg("type") = "");
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
     t.def(

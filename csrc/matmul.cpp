@@ -16,6 +16,48 @@
 
 namespace dfn {
 
+// Block layouts of the types matmul_dequant.inc decodes (the GGUF format's, as ggml-common.h has
+// them; matmul_weight_type checks their sizes against ggml's before they are used).
+struct blk_q8_0 {
+    ggml_fp16_t d;
+    int8_t qs[32];
+};
+struct blk_q4_0 {
+    ggml_fp16_t d;
+    uint8_t qs[16];
+};
+struct blk_q4_K {
+    ggml_fp16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[128];
+};
+struct blk_q5_K {
+    ggml_fp16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[32];
+    uint8_t qs[128];
+};
+struct blk_q6_K {
+    uint8_t ql[128];
+    uint8_t qh[64];
+    int8_t scales[16];
+    ggml_fp16_t d;
+};
+
+// F16 -> F32 (exact) for the block scales, inline: a call into ggml per block of 32 codes costs more
+// than dequantizing the block.
+static inline float half_to_float(ggml_fp16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in F32
+        const float v = (float) man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
 // ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
 namespace isa_portable {
 struct vec {
@@ -48,6 +90,7 @@ static inline float vsum(const vec & v) {
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
+#include "matmul_dequant.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -82,6 +125,7 @@ static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
+#include "matmul_dequant.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -108,6 +152,7 @@ static inline float vsum(vec v) {
 #define TILE_RN 8
 #define TILE_RM1 8
 #include "matmul_tile.inc"
+#include "matmul_dequant.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -143,10 +188,41 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
     }
 }
 
-void rows_on(isa which, const void * W, bool w_f16, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy,
-             int64_t K, int64_t N, int64_t r0, int64_t r1) {
-    if (w_f16) run_rows(which, (const uint16_t *) W, ldw, x, ldx, y, ldy, K, N, r0, r1);
-    else run_rows(which, (const float *) W, ldw, x, ldx, y, ldy, K, N, r0, r1);
+// Enough F32 rows for the largest tile of any path (TILE_RM / TILE_RM1 <= 8).
+constexpr int64_t k_dequant_rows = 8;
+
+// False (noted, thrown after the compute) when the dequantization scratch cannot be had.
+bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
+             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+    if (type == GGML_TYPE_F16) {
+        run_rows(which, (const uint16_t *) W, (int64_t) (w_row_bytes / sizeof(uint16_t)), x, ldx, y, ldy, K, N, r0, r1);
+        return true;
+    }
+    if (type == GGML_TYPE_F32) {
+        run_rows(which, (const float *) W, (int64_t) (w_row_bytes / sizeof(float)), x, ldx, y, ldy, K, N, r0, r1);
+        return true;
+    }
+    thread_local std::vector<float> buf;
+    const int64_t ldb = (K + 15) / 16 * 16;
+    if (!kernel_scratch(buf, (size_t) (k_dequant_rows * ldb), "the matmul's dequantized rows")) return false;
+    const uint8_t * w = (const uint8_t *) W;
+    switch (which) {
+#if DFN_X86_GCC
+        case isa::avx512:
+            isa_avx512::rows_dequant(w, w_row_bytes, isa_avx512::dequant_row_fn(type), buf.data(), ldb, x, ldx, y, ldy,
+                                     K, N, r0, r1);
+            break;
+        case isa::avx2:
+            isa_avx2::rows_dequant(w, w_row_bytes, isa_avx2::dequant_row_fn(type), buf.data(), ldb, x, ldx, y, ldy, K, N,
+                                   r0, r1);
+            break;
+#endif
+        default:
+            isa_portable::rows_dequant(w, w_row_bytes, isa_portable::dequant_row_fn(type), buf.data(), ldb, x, ldx, y, ldy,
+                                       K, N, r0, r1);
+            break;
+    }
+    return true;
 }
 
 // Rows handed to a thread come in multiples of 24 (a whole number of tiles on every path), so
@@ -161,7 +237,6 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const int64_t r0 = std::min(M, units * ith / nth * k_row_unit);
     const int64_t r1 = std::min(M, units * (ith + 1) / nth * k_row_unit);
     if (r0 >= r1) return;
-    const size_t w_el = ggml_type_size(W->type);
     const float * xp = (const float *) x->data;
     int64_t ldx = (int64_t) (x->nb[1] / sizeof(float));
     if ((uintptr_t) xp % 64 != 0 || (ldx * sizeof(float)) % 64 != 0) {
@@ -176,8 +251,9 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
         xp = a;
         ldx = ld;
     }
-    rows_on(k_isa, W->data, W->type == GGML_TYPE_F16, (int64_t) (W->nb[1] / w_el), xp, ldx, (float *) dst->data,
-            (int64_t) (dst->nb[1] / sizeof(float)), K, N, r0, r1);
+    // false: no dequantization scratch (noted; the graph runner throws it after the compute)
+    rows_on(k_isa, W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
+            N, r0, r1);
 }
 
 const char * isa_name(isa which) {
@@ -190,8 +266,11 @@ const char * isa_name(isa which) {
 
 }  // namespace
 
-void matmul_rows(const void * W, bool w_f16, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy,
-                 int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which) {
+void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
+                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which) {
+    DFN_REQUIRE(matmul_weight_type(w_type), "matmul", "weight type ", ggml_type_name(w_type), " is not one the kernel takes");
+    DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
+                "'s block of ", ggml_blck_size(w_type));
     isa use = k_isa;
     if (!which.empty()) {
         const std::vector<std::string> ok = matmul_isas();
@@ -199,7 +278,7 @@ void matmul_rows(const void * W, bool w_f16, int64_t ldw, const float * x, int64
                     "' is not available here");
         use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
     }
-    rows_on(use, W, w_f16, ldw, x, ldx, y, ldy, K, N, r0, r1);
+    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1)) throw_kernel_oom("matmul");
 }
 
 const char * matmul_isa() { return isa_name(k_isa); }
@@ -212,12 +291,27 @@ std::vector<std::string> matmul_isas() {
     return out;
 }
 
+// The block layouts above are the format's; a ggml that disagreed would be another format.
+static const bool k_block_layouts_ok =
+    sizeof(blk_q8_0) == ggml_type_size(GGML_TYPE_Q8_0) && sizeof(blk_q4_0) == ggml_type_size(GGML_TYPE_Q4_0) &&
+    sizeof(blk_q4_K) == ggml_type_size(GGML_TYPE_Q4_K) && sizeof(blk_q5_K) == ggml_type_size(GGML_TYPE_Q5_K) &&
+    sizeof(blk_q6_K) == ggml_type_size(GGML_TYPE_Q6_K);
+
+bool matmul_weight_type(ggml_type type) {
+    if (type == GGML_TYPE_F16 || type == GGML_TYPE_F32) return true;
+    if (!k_block_layouts_ok) return false;
+    if ((int) type < 0 || (int) type >= GGML_TYPE_COUNT || ggml_blck_size(type) == 0) return false;
+    // BF16 and the quantized types, each through ggml's own dequantization (to_float)
+    return (type == GGML_TYPE_BF16 || ggml_is_quantized(type)) && ggml_get_type_traits(type)->to_float != nullptr;
+}
+
 bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x) {
-    if (W->type != GGML_TYPE_F16 && W->type != GGML_TYPE_F32) return false;
+    if (!matmul_weight_type(W->type)) return false;
     if (x->type != GGML_TYPE_F32) return false;
     if (W->ne[0] != x->ne[0] || W->ne[2] != 1 || W->ne[3] != 1 || x->ne[2] != 1 || x->ne[3] != 1) return false;
     if (W->nb[0] != ggml_type_size(W->type) || x->nb[0] != sizeof(float)) return false;
-    if (W->nb[1] % ggml_type_size(W->type) != 0 || x->nb[1] % sizeof(float) != 0) return false;
+    if (W->nb[1] < ggml_row_size(W->type, W->ne[0]) || x->nb[1] % sizeof(float) != 0) return false;
+    if ((W->type == GGML_TYPE_F16 || W->type == GGML_TYPE_F32) && W->nb[1] % ggml_type_size(W->type) != 0) return false;
     // weights in a device buffer stay with ggml (the custom op runs on the CPU)
     if (W->buffer && !ggml_backend_buffer_is_host(W->buffer)) return false;
     return true;

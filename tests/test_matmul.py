@@ -56,6 +56,68 @@ def test_batch_invariant_bitwise(dtype, M, K):
             np.testing.assert_array_equal(_core.testing.matmul(W, x, isa, nt), full)
 
 
+# Every weight type the kernel takes besides F16/F32, each at a K its blocks divide.
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "BF16"]
+
+
+def _qcase(qtype: str, M: int, K: int, N: int, seed: int = 0):
+    """(raw rows uint8 [M, row bytes], the F32 values they hold [M, K], x [N, K]): rows quantized by
+    ggml's quantizer, dequantized by gguf-py (a second implementation of the format)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from reference.ggml_quant import ggml_quantize
+
+    rng = np.random.default_rng(seed)
+    W = (rng.standard_normal((M, K)) * rng.uniform(0.2, 3.0, (M, 1))).astype(np.float32)
+    q = Q[qtype]
+    raw = gguf.quants.quantize(W, q).view(np.uint8).reshape(M, -1) if q == Q.BF16 else ggml_quantize(W, q)
+    values = gguf.quants.dequantize(raw, q).astype(np.float32).reshape(M, K)
+    return raw, values, rng.standard_normal((N, K)).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M,K", [(1, 256), (29, 512), (70, 768)])
+def test_quantized_matches_float64(qtype, M, K):
+    """The kernel on quantized rows against a float64 dot over the dequantized values. The
+    activations stay F32 (no Q8 rounding as in ggml), so the tolerance is the F32 path's."""
+    raw, values, x = _qcase(qtype, M, K, 11)
+    ref = x.astype(np.float64) @ values.astype(np.float64).T
+    for isa in ISAS:
+        y = _core.testing.matmul(raw, x, isa, 1, qtype)
+        assert y.shape == (11, M) and y.dtype == np.float32
+        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(ref).max() + 1e-6, err_msg=isa)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_batch_invariant_bitwise(qtype):
+    """Batch sizes 2..64, every ISA, 1..3 threads: each column's bits are those of that column
+    alone on the portable path (the AR step's computation, whatever the ISA)."""
+    M, K = 37, 512
+    raw, values, x = _qcase(qtype, M, K, 64, seed=1)
+    cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(64)])
+    for isa in ISAS:
+        for n in [2, 3, 5, 8, 9, 16, 17, 24, 31, 32, 33, 48, 63, 64]:
+            for nt in (1, 2, 3):
+                np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
+                                              err_msg=f"{qtype} {isa} N={n} threads={nt}")
+        np.testing.assert_array_equal(_core.testing.matmul(raw, x[5:6], isa, 2, qtype)[0], cols[5])
+
+
+def test_quantized_bad_input():
+    raw, _, x = _qcase("Q4_K", 4, 256, 2)
+    with pytest.raises(ValueError, match="unknown ggml type"):
+        _core.testing.matmul(raw, x, "", 1, "q4_9")
+    with pytest.raises(ValueError, match="bytes"):
+        _core.testing.matmul(raw[:, :-2].copy(), x, "", 1, "q4_K")
+    with pytest.raises(ValueError, match="multiple of"):
+        _core.testing.matmul(raw, x[:, :100].copy(), "", 1, "q4_K")
+    with pytest.raises(ValueError, match="uint8"):
+        _core.testing.matmul(raw.astype(np.float32), x, "", 1, "q4_K")
+    with pytest.raises(ValueError, match="not one the kernel takes"):
+        _core.testing.matmul(raw, x, "", 1, "i32")
+
+
 def test_matmul_bad_input():
     W, x = _case(4, 8, 2, np.float32)
     with pytest.raises(ValueError, match="columns"):

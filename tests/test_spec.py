@@ -438,14 +438,13 @@ def test_stop_and_length_inside_a_committed_block(pair):
     assert got.text == want.text and got.stats.stop_reason == want.stats.stop_reason == "stop"
 
 
-# Q8_0 weights on x86-64: ggml's Q8_0 matmul gives the same bits for a batch as for single rows,
-# and the GDN layers run one kernel for AR, verify and replay, so here speculative decoding
-# must be bitwise AR, with no near-tie slack: verify logits, every cache, every token.
+# Q8_0 weights run the package's own batch-invariant matmul (dequantized rows, F32 tiles) on every
+# CPU, and the GDN layers run one kernel for AR, verify and replay, so speculative decoding must be
+# bitwise AR, with no near-tie slack: verify logits, every cache, every token. (Every other weight
+# type: tests/test_quantized.py.)
 Q8_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32, num_attention_heads=4,
                 num_key_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
                 linear_num_value_heads=4)
-x86_only = pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
-                              reason="Q8_0 batch invariance is checked on x86-64 (ARM repacks Q8_0 into GEMM tiles)")
 
 
 @pytest.fixture(scope="module")
@@ -458,7 +457,6 @@ def q8_pair(tmp_path_factory):
     return tg, dg
 
 
-@x86_only
 def test_q8_0_verify_and_rollback_are_bitwise(q8_pair):
     tg, dg = q8_pair
     t = _core.Target(str(tg), n_ctx=128, n_threads=2, max_verify=8)
@@ -482,7 +480,6 @@ def test_q8_0_verify_and_rollback_are_bitwise(q8_pair):
                 np.testing.assert_array_equal(x, y)
 
 
-@x86_only
 def test_q8_0_speculative_is_bitwise_ar(q8_pair):
     tg, dg = q8_pair
     eng = dn.Engine(tg, drafter=dg, gate=False, block_size=8, feature_ring_capacity=20, n_ctx=256, n_threads=2)
@@ -497,7 +494,6 @@ def test_q8_0_speculative_is_bitwise_ar(q8_pair):
     assert r.stats.mean_acceptance_length > 2  # the injected error rate leaves long accepted runs
 
 
-@x86_only
 @pytest.mark.parametrize("mode", ["tape", "snapshot", "redecode"])
 def test_rollback_baselines_are_exact_too(q8_pair, mode):
     """The benchmark baselines (per-token snapshots, re-decode) roll back to the same bits."""

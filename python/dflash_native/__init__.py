@@ -52,6 +52,14 @@ def convert_dflash_to_gguf(src_dir, dst_path, *, outtype: str = "f16", target_gg
     return _convert(src_dir, dst_path, outtype=outtype, target_gguf=target_gguf)
 
 
+def quantize(src, dst, type: str = "q4_k_m", *, n_threads=None, progress: bool = True):
+    """Quantize a GGUF target or DFlash drafter with llama.cpp's quantizer (type: "q4_k_m", "q8_0",
+    "q6_k", "iq4_xs", ...; see dflash_native.quantization.quantize_types). Returns dst."""
+    from .quantization import quantize as _quantize
+
+    return _quantize(src, dst, type, n_threads=n_threads, progress=progress)
+
+
 __all__ = [
     "Engine",
     "GdnTape",
@@ -65,5 +73,6 @@ __all__ = [
     "convert_dflash_to_gguf",
     "convert_hf_to_gguf",
     "gpu_available",
+    "quantize",
     "__version__",
 ]

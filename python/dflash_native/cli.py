@@ -1,4 +1,4 @@
-"""dflash-native command line: generate, convert, demo."""
+"""dflash-native command line: generate, convert, quantize, demo."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ def _cmd_convert(a) -> int:
 
     out = convert_hf_to_gguf(a.src, a.dst, outtype=a.outtype)
     print(f"wrote {out}")
+    return 0
+
+
+def _cmd_quantize(a) -> int:
+    from .quantization import quantize
+
+    out = quantize(a.src, a.dst, a.type, n_threads=a.threads, progress=not a.quiet)
+    from gguf import GGUFReader
+
+    types = sorted({t.tensor_type.name for t in GGUFReader(out).tensors})
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; tensor types {', '.join(types)})")
     return 0
 
 
@@ -191,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_convert_parser(sub)
     _add_convert_drafter_parser(sub)
+    _add_quantize_parser(sub)
     _add_train_drafter_parser(sub)
     _add_demo_parser(sub)
     return p
@@ -236,6 +248,19 @@ def _add_convert_drafter_parser(sub) -> None:
     cd.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
     cd.set_defaults(fn=_cmd_convert_drafter)
+
+
+def _add_quantize_parser(sub) -> None:
+    from .quantization import quantize_types
+
+    q = sub.add_parser("quantize", help="quantize a GGUF target or drafter with llama.cpp's quantizer")
+    q.add_argument("src", help="input .gguf (F32 / F16 / BF16 usually)")
+    q.add_argument("dst", help="output .gguf path")
+    q.add_argument("--type", default="q4_k_m", type=str.lower, choices=quantize_types(),
+                   help="llama.cpp file type (default q4_k_m)")
+    q.add_argument("--threads", type=int, default=None)
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(fn=_cmd_quantize)
 
 
 def _add_train_drafter_parser(sub) -> None:

@@ -1,0 +1,178 @@
+"""Quantized GGUFs as llama.cpp's quantizer writes them (dflash_native.quantize over
+llama_model_quantize), target and DFlash drafter, in every common type:
+
+- each file holds the type asked for (the tiny shapes have every matmul row a multiple of 256, so
+  the K- and IQ-quants really apply), loads, and runs;
+- exactness: a batch of 2..64 tokens gives, bit for bit, the logits of one-token steps (1 and 2
+  threads), and speculative decoding commits exactly the AR tokens, greedy and sampled, with
+  forced acceptance lengths 1..B;
+- parity: our logits equal those of the dequantized model (our F32 path over gguf-py's
+  dequantization of the same file) to F32 rounding, and llama.cpp's on the same file are within
+  llama.cpp's own error (it rounds activations to Q8_0 / Q8_K);
+- `dflash-native quantize`: its errors.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.cli import main as cli_main
+from dflash_native.convert import convert_hf_to_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from test_tensor_types import dequantized  # the F32 file holding what a quantized one stores
+
+# type asked for -> the ggml type it must put in the file (a mix keeps others beside it)
+FAMILIES = {
+    "f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0",
+    "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k_m": "Q3_K", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K",
+    "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS",
+}
+BLOCK = 8
+PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 12)]
+
+
+@pytest.fixture(scope="module")
+def f32_pair(tmp_path_factory) -> dict:
+    """A Qwen3.5 hybrid (GDN, attention) and a drafter whose every matmul row is 256 wide or a
+    multiple (hidden 256, FFN 512, 2 x 128 attention and GDN heads), F32 from our converters."""
+    d = tmp_path_factory.mktemp("qpair")
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=31, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                                  linear_value_head_dim=128, **heads)
+    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f32", seed=32, block_size=BLOCK, target_gguf=tg,
+                                  target_layer_ids=[0], num_hidden_layers=1, intermediate_size=512, **heads)
+    return {"dir": d, "target": tg, "drafter": dg}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def qpair(request, f32_pair) -> dict:
+    """The pair quantized to one type by llama.cpp's quantizer (dflash_native.quantize)."""
+    t = request.param
+    out = {"type": t}
+    for role in ("target", "drafter"):
+        path = dn.quantize(f32_pair[role], f32_pair["dir"] / f"{role}-{t}.gguf", t, n_threads=2, progress=False)
+        types = {x.tensor_type.name for x in GGUFReader(path).tensors}
+        assert FAMILIES[t] in types, (role, t, types)
+        if t != "f32":  # the matmul weights really are in the asked type (not all fallen back)
+            w = [x for x in GGUFReader(path).tensors if x.name.endswith("ffn_up.weight")]
+            assert w and all(x.tensor_type.name == FAMILIES[t] for x in w), (role, t, [x.tensor_type.name for x in w])
+        out[role] = path
+    return out
+
+
+def test_batch_equals_steps_bitwise(qpair):
+    """Batches of 2..64 tokens after a 4-token prefix: every row is, bit for bit, the logits of
+    that token's one-token step (the verify pass computes what the AR step computes)."""
+    toks = [int(x) for x in np.random.default_rng(5).integers(3, 500, 68)]
+    for n_threads in (1, 2):
+        core = dn.Engine(qpair["target"], n_ctx=96, kv_type="f32", n_threads=n_threads)._core
+        core.decode(toks[:4])
+        steps = np.stack([core.decode([t])[-1] for t in toks[4:]])
+        assert np.isfinite(steps).all()
+        for n in (2, 3, 7, 16, 17, 33, 64):
+            core.reset()
+            core.decode(toks[:4])
+            batch = core.decode(toks[4:4 + n], all_logits=True)
+            np.testing.assert_array_equal(batch, steps[:n], err_msg=f"{qpair['type']} n={n} threads={n_threads}")
+
+
+def test_speculative_equals_ar(qpair):
+    """The quantized pair: the Engine's speculative output is its AR output, greedy and sampled;
+    and rounds whose drafts are the AR continuation with injected errors (acceptance lengths
+    1..B, each followed by a commit and a ring push) commit exactly that continuation."""
+    eng = dn.Engine(qpair["target"], drafter=qpair["drafter"], block_size=BLOCK, feature_ring_capacity=24, n_ctx=160,
+                    kv_type="f32", n_threads=2, gate=False)
+    ar = eng.generate(PROMPT, max_tokens=40, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=40)
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
+    kw = dict(max_tokens=40, temperature=0.9, top_k=40, seed=7)
+    assert eng.generate(PROMPT, speculative=False, **kw).tokens == eng.generate(PROMPT, **kw).tokens
+
+    t = _core.Target(str(qpair["target"]), n_ctx=160, kv_type="f32", max_verify=BLOCK, n_threads=2)
+    ref = [int(np.argmax(t.decode(PROMPT)[-1]))]
+    while len(ref) < 40 + BLOCK:
+        ref.append(int(np.argmax(t.decode([ref[-1]])[-1])))
+    t.reset()
+    s = _core.Spec(t, str(qpair["drafter"]), block_size=BLOCK, ring_capacity=24, window=0)
+    rng = np.random.default_rng(1)
+    forced, lengths = [s.prefill(PROMPT)], []
+    while len(forced) < 40:
+        drafts = [tok if rng.random() > 0.15 else (tok + 1) % 500 for tok in ref[len(forced): len(forced) + BLOCK - 1]]
+        committed = s.round(forced[-1], BLOCK, drafts).committed
+        lengths.append(len(committed))
+        forced += committed
+    assert forced[:40] == ref[:40]
+    assert len(set(lengths)) > 2, lengths
+
+
+def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
+    """Ours is the dequantized model up to F32 summation order (the activations stay F32);
+    llama.cpp on the same file differs from that model by rounding its activations to Q8_0 /
+    Q8_K, and from ours by no more than that (+ F32 noise)."""
+    ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
+    deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
+    llama = llama_logits(qpair["target"], PROMPT)
+    scale = float(np.abs(deq).max())
+    err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
+    print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
+          f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
+    assert err_ours <= 1e-5 * scale + 1e-6
+    assert diff <= err_llama + 1e-5 * scale + 1e-6
+    assert err_llama <= 5e-2 * scale  # llama.cpp reads the file as gguf-py does (the bar above is meaningful)
+
+
+def test_draft_logits_match_dequantized_drafter(qpair, f32_pair, tmp_path):
+    """The quantized drafter drafts as its dequantized twin does (F32 rounding only)."""
+    def draft(drafter):
+        t = _core.Target(str(qpair["target"]), n_ctx=64, kv_type="f32", max_verify=BLOCK, n_threads=2)
+        s = _core.Spec(t, str(drafter), block_size=BLOCK, ring_capacity=32, window=0)
+        return s.draft_logits(s.prefill(PROMPT), BLOCK, t)
+
+    got, want = draft(qpair["drafter"]), draft(dequantized(qpair["drafter"], tmp_path / "dq.gguf"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max() + 1e-6)
+
+
+# ---- dflash-native quantize -------------------------------------------------------------------
+
+def test_quantize_errors(f32_pair, tmp_path):
+    with pytest.raises(ValueError, match="unknown type 'q4_x'"):
+        dn.quantize(f32_pair["target"], tmp_path / "o.gguf", "q4_x")
+    with pytest.raises(ValueError, match="does not exist"):
+        dn.quantize(tmp_path / "missing.gguf", tmp_path / "o.gguf", "q8_0")
+    text = tmp_path / "not.gguf"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="not a GGUF"):
+        dn.quantize(text, tmp_path / "o.gguf", "q8_0")
+    with pytest.raises(ValueError, match="is the source"):
+        dn.quantize(f32_pair["target"], f32_pair["target"], "q8_0")
+    with pytest.raises(ValueError, match="directory"):
+        dn.quantize(f32_pair["target"], tmp_path / "no" / "o.gguf", "q8_0")
+    with pytest.raises(ValueError, match="n_threads"):
+        dn.quantize(f32_pair["target"], tmp_path / "o.gguf", "q8_0", n_threads=0)
+    # a GGUF llama.cpp cannot read (its error quoted, not an abort)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(f32_pair["target"].read_bytes()[:4096])
+    with pytest.raises(ValueError, match="llama.cpp could not quantize"):
+        dn.quantize(bad, tmp_path / "o.gguf", "q8_0", progress=False)
+
+
+def test_quantize_cli(f32_pair, tmp_path, capsys):
+    out = tmp_path / "q.gguf"
+    assert cli_main(["quantize", str(f32_pair["drafter"]), str(out), "--type", "Q4_K_M"]) == 0
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out and "Q4_K" in captured.out
+    n = len(GGUFReader(f32_pair["drafter"]).tensors)
+    assert f"[{'#' * 30}] {n}/{n}" in captured.err, captured.err[-300:]  # the progress bar, completed
+    assert {t.tensor_type.name for t in GGUFReader(out).tensors} >= {"Q4_K", "F32"}
+    assert cli_main(["quantize", str(tmp_path / "none.gguf"), str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["quantize", str(f32_pair["drafter"]), str(out), "--type", "q9_z"])
