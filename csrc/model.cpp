@@ -10,10 +10,11 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
     auto f = std::make_unique<gguf_file>(path);
     DFN_REQUIRE(f->has_key("general.architecture"), W, "'", path, "' has no general.architecture key");
     const std::string arch = f->arch();
+    if (arch == "llama") return make_llama(std::move(f));
     if (arch == "qwen3") return make_qwen3(std::move(f));
     if (arch == "qwen35") return make_qwen35(std::move(f));
     throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
-                          "' (supported: qwen3, qwen35)"));
+                          "' (supported: llama, qwen3, qwen35)"));
 }
 
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers) {
@@ -77,12 +78,13 @@ void target_model::load_common_tensors() {
 }
 
 void load_attention(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv, int64_t q_mult,
-                    layer_weights & L) {
+                    layer_weights & L, bool qk_norm) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
     L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
     L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
     L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
     L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, TENSOR_ROLE_MATMUL);
+    if (!qk_norm) return;
     L.q_norm = F.tensor(n("attn_q_norm"), {hd}, TENSOR_ROLE_F32);
     L.k_norm = F.tensor(n("attn_k_norm"), {hd}, TENSOR_ROLE_F32);
 }

@@ -88,9 +88,9 @@ block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, 
 
 // The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
 // [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
-// the q/k RMSNorm weights F32 [head_dim]; shapes and types checked.
+// the q/k RMSNorm weights F32 [head_dim] (unless qk_norm is false: Llama has none); shapes and types checked.
 void load_attention(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head, int64_t n_head_kv,
-                    int64_t q_mult, layer_weights & L);
+                    int64_t q_mult, layer_weights & L, bool qk_norm = true);
 // The SwiGLU FFN of layer il: gate, up [n_embd, n_ff], down [n_ff, n_embd].
 void load_ffn(gguf_file & F, int il, int64_t n_embd, int64_t n_ff, layer_weights & L);
 
@@ -144,6 +144,7 @@ protected:
     target_hparams hp_;
 };
 
+std::unique_ptr<target_model> make_llama(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
 

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint -> GGUF conversion for DFlash target models.
 
-Supported: Qwen3 (`Qwen3ForCausalLM`, GGUF arch `qwen3`) and Qwen3.5 text
+Supported: Llama 3.x (`LlamaForCausalLM`, GGUF arch `llama`), Qwen3
+(`Qwen3ForCausalLM`, GGUF arch `qwen3`) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
@@ -17,6 +18,9 @@ conventions. The transforms that are not plain renames:
 - `conv1d.weight` [C, 1, K] is squeezed to [C, K] (ggml ne = [K, C]) and kept F32.
 - GDN value heads are reordered from grouped-by-key-head order to tiled order
   when n_v_heads != n_k_heads, so ggml can broadcast q/k heads by tiling.
+- Llama's W_q / W_k rows are permuted per head from HF's rotate-half order to the
+  interleaved order of llama.cpp's NORM RoPE; `rope_type: llama3` becomes the
+  `rope_freqs` tensor of per-frequency divisors.
 
 Safetensors are read directly (header JSON + memmap), so no torch is needed.
 """
@@ -36,7 +40,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, LlamaFileType, MODEL_TENSOR, TokenType
 
-from .hf_formats import MASK_TOKEN_TEXTS, PRE_TOKENIZERS, default_mrope_section, hybrid_layer_types
+from .hf_formats import GPT2_PRE_TOKENIZER, MASK_TOKEN_TEXTS, PRE_TOKENIZERS, default_mrope_section, hybrid_layer_types
 
 __all__ = ["OUTTYPES", "convert_hf_to_gguf"]
 
@@ -310,7 +314,7 @@ def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weig
 @dataclass
 class _ModelSpec:
     src_dir: Path
-    gguf_arch: str            # "qwen3" | "qwen35"
+    gguf_arch: str            # "llama" | "qwen3" | "qwen35"
     config: dict[str, Any]    # the full config.json
     text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
     tied: bool                # tie_word_embeddings
@@ -330,14 +334,17 @@ class _ModelSpec:
 
 # HF architecture / model_type -> GGUF arch
 _ARCHS = {
+    "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5ForConditionalGeneration": "qwen35",
 }
-_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
 
 # Defaults of the transformers 5 config classes for keys a config.json may omit.
 _DEFAULTS = {
+    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
     "qwen3": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
     "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
@@ -383,6 +390,8 @@ def _load_model_spec(src: Path) -> _ModelSpec:
     text = {**_DEFAULTS[gguf_arch], **text}
     if text.get("num_key_value_heads") is None:
         text["num_key_value_heads"] = text.get("num_attention_heads")
+    if text.get("head_dim") is None and text.get("num_attention_heads"):
+        text["head_dim"] = int(text.get("hidden_size", 0)) // int(text["num_attention_heads"])
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return _ModelSpec(src, gguf_arch, config, text, tied)
 
@@ -525,6 +534,88 @@ def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     for il in range(int(spec.require("num_hidden_layers"))):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il)))
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Llama (Llama 3.x dense)
+# ---------------------------------------------------------------------------
+
+def _llama_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """llama.cpp's LlamaModel keys: the common ones, vocab_size, rope.dimension_count = head_dim.
+    Llama 3.1's `llama3` RoPE scaling is a tensor (rope_freqs), not a key."""
+    _common_kv(writer, spec)
+    if spec.get("mlp_bias"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: mlp_bias=true is not supported")
+    rp = _rope_parameters(spec)
+    if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: partial_rotary_factor "
+                         f"{rp['partial_rotary_factor']} is not supported for Llama (llama.cpp rotates the whole head)")
+    if rp["rope_type"] not in ("default", "llama3"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type {rp['rope_type']!r} "
+                         f"for Llama (supported: default, llama3)")
+    writer.add_vocab_size(spec.vocab_size)
+    writer.add_rope_freq_base(float(rp["rope_theta"]))
+    writer.add_rope_dimension_count(int(spec.get("head_dim")))
+
+
+def llama3_rope_factors(spec: _ModelSpec) -> np.ndarray | None:
+    """F32 [head_dim / 2]: the divisors of each RoPE frequency under `rope_type: llama3` (None for
+    other rope types), as llama.cpp's converter computes rope_freqs: 1 for wavelengths below
+    original_max_position_embeddings / high_freq_factor, `factor` above ... / low_freq_factor,
+    smoothly interpolated between (HF's _compute_llama3_parameters divides the frequencies alike).
+    original_max_position_embeddings is read from the rope parameters as HF does (llama.cpp reads
+    only a top-level key, default 8192: the same on every published Llama 3.x config)."""
+    rp = _rope_parameters(spec)
+    if rp["rope_type"] != "llama3":
+        return None
+    dim = int(spec.get("head_dim"))
+    base = float(rp["rope_theta"])
+    factor = float(rp.get("factor", 8.0))
+    low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+    old_ctx = float(rp.get("original_max_position_embeddings", spec.get("original_max_position_embeddings", 8192)))
+    if not (factor > 0 and high > low > 0 and old_ctx > 0):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: llama3 rope scaling needs factor > 0 and "
+                         f"high_freq_factor > low_freq_factor > 0 (got {factor}, {high}, {low})")
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    out = np.where(wavelen < old_ctx / high, 1.0,
+                   np.where(wavelen > old_ctx / low, factor, 1.0 / ((1.0 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
+def llama_qk_permute(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of W_q / W_k [n_head * head_dim, n_in] from HF's rotate-half order (pairs (i, i + d/2)
+    of a head) to the interleaved order (pairs (2i, 2i + 1)) of llama.cpp's NORM RoPE, as its
+    LlamaModel.permute does."""
+    if x.shape[0] % (2 * n_head) != 0:
+        raise ValueError(f"[convert] Llama q/k permute: {x.shape[0]} rows are not {n_head} heads of even size")
+    return np.ascontiguousarray(
+        x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2)).reshape(x.shape)
+
+
+# HF Llama decoder-layer tensor suffix -> GGUF tensor (q/k are permuted on the way)
+LLAMA_LAYER_TENSORS: Mapping[str, MODEL_TENSOR] = {
+    k: v for k, v in QWEN3_LAYER_TENSORS.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+
+
+def _llama_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, None)
+    n_head, n_kv = int(spec.require("num_attention_heads")), int(spec.get("num_key_value_heads"))
+    factors = llama3_rope_factors(spec)
+    if factors is not None:
+        out.append(_SourceTensor(_tensor_name(MODEL_TENSOR.ROPE_FREQS), factors.shape, lambda: factors))
+    for il in range(int(spec.require("num_hidden_layers"))):
+        for hf_suffix, key in LLAMA_LAYER_TENSORS.items():
+            fn = None
+            if hf_suffix == "self_attn.q_proj.weight":
+                fn = lambda x: llama_qk_permute(x, n_head)  # noqa: E731
+            elif hf_suffix == "self_attn.k_proj.weight":
+                fn = lambda x: llama_qk_permute(x, n_kv)  # noqa: E731
+            out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il), fn))
     _check_unused(ckpt, prefix, out)
     return out
 
@@ -742,6 +833,7 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
 # GGUF arch -> (hparam keys writer, tensor planner)
 _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
                                   Callable[[_ModelSpec, _Checkpoint], list[_SourceTensor]]]] = {
+    "llama": (_llama_kv, _llama_tensors),
     "qwen3": (_qwen3_kv, _qwen3_tensors),
     "qwen35": (_qwen35_kv, _qwen35_tensors),
 }
@@ -765,18 +857,34 @@ def _iter_pre_tokenizers(node: Any) -> Iterator[dict[str, Any]]:
 
 
 def _tokenizer_pre(tok: dict[str, Any], where: Path) -> str:
+    """tokenizer.ggml.pre for tokenizer.json's pre-tokenizer, as llama.cpp names the one that
+    implements it: one regex Split (before a ByteLevel without its own regex) whose regex is
+    Qwen2's, Qwen3.5's or Llama 3's; or a lone ByteLevel with its GPT-2 regex (`gpt-2`)."""
     pre = list(_iter_pre_tokenizers(tok.get("pre_tokenizer")))
-    if not any(p.get("type") == "ByteLevel" for p in pre):
+    byte_levels = [p for p in pre if p.get("type") == "ByteLevel"]
+    if not byte_levels:
         raise ValueError(f"[convert] {where}: only byte-level BPE tokenizers are supported "
                          f"(no ByteLevel pre-tokenizer)")
+    if any(p.get("add_prefix_space") for p in byte_levels):
+        raise ValueError(f"[convert] {where}: ByteLevel add_prefix_space=true is not supported "
+                         f"(llama.cpp's byte-level BPE adds no prefix space)")
+    others = sorted({str(p.get("type")) for p in pre} - {"ByteLevel", "Split"})
+    if others:
+        raise ValueError(f"[convert] {where}: unsupported pre-tokenizers {others}")
     splits = [p for p in pre if p.get("type") == "Split"]
-    if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}):
-        raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer, found {len(splits)}")
+    own_regex = [p for p in byte_levels if p.get("use_regex", True)]
+    if not splits and len(pre) == 1 and own_regex:
+        return GPT2_PRE_TOKENIZER
+    if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}) or own_regex:
+        raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer and a ByteLevel without "
+                         f"its own regex (or a lone GPT-2 ByteLevel), found {len(splits)} Split(s) and "
+                         f"{len(own_regex)} ByteLevel(s) with use_regex")
     regex = splits[0]["pattern"]["Regex"]
     name = PRE_TOKENIZERS.get(regex)
     if name is None:
-        raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; "
-                         f"supported: the Qwen2 and Qwen3.5 ones")
+        known = ", ".join(f"{v} ({k!r})" for k, v in PRE_TOKENIZERS.items())
+        raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; supported: {known}, "
+                         f"and a lone GPT-2 ByteLevel ({GPT2_PRE_TOKENIZER})")
     return name
 
 
@@ -897,11 +1005,27 @@ def _special_token_ids(tok_config: Mapping[str, Any], config: Mapping[str, Any],
 
 
 def _add_special_flags(tok: Mapping[str, Any], tok_config: Mapping[str, Any]) -> dict[str, bool]:
-    """add_bos/add_eos/add_sep: a ByteLevel post-processor adds nothing; tokenizer_config.json overrides."""
+    """add_bos/add_eos/add_sep as gguf's SpecialVocab reads them: a ByteLevel post-processor adds
+    nothing; a TemplateProcessing one (Llama 3: `<|begin_of_text|> $A`) adds BOS when its single
+    template starts with the BOS token, EOS when it ends with the EOS token;
+    tokenizer_config.json's `add_<typ>_token` overrides both."""
+    def text(entry: Any) -> Any:
+        return entry.get("content") if isinstance(entry, dict) else entry
+
     add_special: dict[str, bool] = {}
     post = tok.get("post_processor") or {}
-    if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
-        add_special.update(bos=False, eos=False)
+    for proc in post.get("processors", [post]):
+        if proc.get("type") == "ByteLevel":
+            add_special.update(bos=False, eos=False)
+        elif proc.get("type") == "TemplateProcessing":
+            single = proc.get("single") or []
+            if len(single) > 1:
+                first = single[0].get("SpecialToken", {}).get("id")
+                last = single[-1].get("SpecialToken", {}).get("id")
+                if first:
+                    add_special["bos"] = first == text(tok_config.get("bos_token")) or not tok_config
+                if last:
+                    add_special["eos"] = last == text(tok_config.get("eos_token")) or not tok_config
     for typ in ("bos", "eos", "sep"):
         value = tok_config.get(f"add_{typ}_token")
         if isinstance(value, bool):

@@ -4,7 +4,7 @@ and stand-ins of any size for benchmarks (NumPy only).
 `make_random_checkpoint` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that transformers
 loads with `AutoModelForCausalLM.from_pretrained` and `convert_hf_to_gguf`
-converts: a Qwen3 (`Qwen3ForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
+converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
 `qwen3_5_text`) model with random weights at a scale that keeps logits
 informative and long decodes stable. `make_random_drafter_checkpoint` writes a
 z-lab DFlash drafter (`DFlashDraftModel`), and `make_random_drafter_gguf`
@@ -41,6 +41,7 @@ from .hf_formats import (
     ENDOFTEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
+    LLAMA3_PRETOKENIZE_REGEX,
     MASK_TOKEN_TEXT,
     QWEN2_PRETOKENIZE_REGEX,
     QWEN35_PRETOKENIZE_REGEX,
@@ -81,6 +82,26 @@ SPECIAL_TOKENS: Sequence[tuple[str, bool]] = (
 )
 
 _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 640,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    },
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -128,8 +149,9 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
     },
 }
 
-_ARCH_ALIASES = {"qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
-_PRETOKENIZE_REGEX = {"qwen3": QWEN2_PRETOKENIZE_REGEX, "qwen3_5": QWEN35_PRETOKENIZE_REGEX}
+_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+_PRETOKENIZE_REGEX = {"llama": LLAMA3_PRETOKENIZE_REGEX, "qwen3": QWEN2_PRETOKENIZE_REGEX,
+                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX}
 
 # safetensors dtype name -> (header dtype, bytes per element)
 ST_DTYPES: Mapping[str, tuple[str, int]] = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
@@ -144,17 +166,17 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"qwen3" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
+    """"llama", "qwen3" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
-        raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected 'qwen3_5' or 'qwen3'")
+        raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected one of {sorted(_BASE_CONFIG)}")
     return out
 
 
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5" or "qwen3") to `dst_dir`.
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3" or "llama") to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
@@ -238,8 +260,9 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
             p[s + "k_proj.weight"] = _linear_init(n_kv * hd, h)
             p[s + "v_proj.weight"] = _linear_init(n_kv * hd, h)
             p[s + "o_proj.weight"] = _linear_init(h, n_head * hd, depth_scale)
-            p[s + "q_norm.weight"] = ((hd,), norm)
-            p[s + "k_norm.weight"] = ((hd,), norm)
+            if arch != "llama":  # Llama has no q/k RMSNorm
+                p[s + "q_norm.weight"] = ((hd,), norm)
+                p[s + "k_norm.weight"] = ((hd,), norm)
         p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
         ff = int(cfg["intermediate_size"])
         p[pre + "mlp.gate_proj.weight"] = _linear_init(ff, h)
