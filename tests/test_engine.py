@@ -12,14 +12,19 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import make_random_checkpoint
+from fixtures import LLAMA3_ROPE_SCALING, make_random_checkpoint
 from reference.lossless import first_divergence_is_near_tie
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# Configs: the fixtures' defaults plus odd sizes (head dims 24/40, GQA, n_v = 2 x n_k GDN heads).
+# Configs: the fixtures' defaults plus odd sizes (head dims 24/40, GQA, n_v = 2 x n_k GDN heads; Llama 3.1's
+# llama3 RoPE scaling).
 CONFIGS = {
+    "llama": ("llama", {}),
+    "llama-odd": ("llama", dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=3,
+                                num_key_value_heads=1, head_dim=40, tie_word_embeddings=False,
+                                rope_parameters=dict(LLAMA3_ROPE_SCALING))),
     "qwen3": ("qwen3", {}),
     "qwen3-odd": ("qwen3", dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
                                 num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)),
