@@ -12,9 +12,10 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
     const std::string arch = f->arch();
     if (arch == "llama") return make_llama(std::move(f));
     if (arch == "qwen3") return make_qwen3(std::move(f));
+    if (arch == "qwen3moe") return make_qwen3moe(std::move(f));
     if (arch == "qwen35") return make_qwen35(std::move(f));
     throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
-                          "' (supported: llama, qwen3, qwen35)"));
+                          "' (supported: llama, qwen3, qwen3moe, qwen35)"));
 }
 
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers) {

@@ -32,6 +32,12 @@ struct target_hparams : block_hparams {
     int64_t n_rot = 0;
     int rope_sections[4] = {0, 0, 0, 0};
 
+    // routed experts (MoE archs only)
+    int64_t n_expert = 0;
+    int64_t n_expert_used = 0;
+    int64_t n_ff_exp = 0;
+    bool expert_weights_norm = true;  // renormalise the top-k router probabilities to sum 1
+
     // Gated DeltaNet (hybrid archs only)
     int64_t ssm_d_conv = 0;     // conv kernel width
     int64_t ssm_head_dim = 0;   // d_k == d_v per head (ggml_gated_delta_net needs them equal)
@@ -73,6 +79,12 @@ struct layer_weights {
     ggml_tensor * ffn_gate = nullptr;  // [n_embd, n_ff]
     ggml_tensor * ffn_up = nullptr;    // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;  // [n_ff, n_embd]
+
+    // routed experts (moe.h)
+    ggml_tensor * ffn_gate_inp = nullptr;   // F32 [n_embd, n_expert]  router
+    ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_up_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
 };
 
 // Upper bounds on hparams read from a file: far above any real model, low enough that products
@@ -146,6 +158,7 @@ protected:
 
 std::unique_ptr<target_model> make_llama(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen3moe(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
 
 }  // namespace dfn

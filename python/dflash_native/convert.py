@@ -1,7 +1,8 @@
 """Hugging Face checkpoint -> GGUF conversion for DFlash target models.
 
 Supported: Llama 3.x (`LlamaForCausalLM`, GGUF arch `llama`), Qwen3
-(`Qwen3ForCausalLM`, GGUF arch `qwen3`) and Qwen3.5 text
+(`Qwen3ForCausalLM`, GGUF arch `qwen3`), Qwen3-MoE (`Qwen3MoeForCausalLM`, GGUF arch
+`qwen3moe`, experts stacked per layer) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
@@ -228,6 +229,7 @@ class _SourceTensor:
     load: Callable[[], np.ndarray]  # float32 data in the final layout
     keep_f32: bool = False  # llama.cpp keeps it F32 whatever the outtype (e.g. ssm_conv1d)
     hf_name: str = ""  # the checkpoint tensor it comes from, for bookkeeping
+    hf_names: tuple[str, ...] = ()  # or the tensors it is stacked from (MoE experts)
 
 
 @dataclass
@@ -314,7 +316,7 @@ def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weig
 @dataclass
 class _ModelSpec:
     src_dir: Path
-    gguf_arch: str            # "llama" | "qwen3" | "qwen35"
+    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35"
     config: dict[str, Any]    # the full config.json
     text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
     tied: bool                # tie_word_embeddings
@@ -336,10 +338,11 @@ class _ModelSpec:
 _ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5ForConditionalGeneration": "qwen35",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
 
 # Defaults of the transformers 5 config classes for keys a config.json may omit.
 _DEFAULTS = {
@@ -347,6 +350,9 @@ _DEFAULTS = {
                   tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
     "qwen3": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
+    "qwen3moe": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
+                     norm_topk_prob=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -503,7 +509,8 @@ def _embedding_and_head(spec: _ModelSpec, ckpt: _Checkpoint, prefix: str,
 def _check_unused(ckpt: _Checkpoint, prefix: str, out: Sequence[_SourceTensor]) -> None:
     """Refuse tensors of the text model that we would silently drop. Vision
     (`model.visual.`) and MTP (`mtp.`) tensors lie outside the prefix and are skipped."""
-    used = {t.hf_name for t in out} | {"lm_head.weight"}  # lm_head is dropped on purpose when tied
+    used = {t.hf_name for t in out} | {n for t in out for n in t.hf_names}
+    used.add("lm_head.weight")  # dropped on purpose when tied
     extra = sorted(n for n in ckpt.tensors
                    if n not in used and (n.startswith(prefix) or n == "lm_head.weight")
                    and not n.endswith(".rotary_emb.inv_freq"))
@@ -534,6 +541,93 @@ def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     for il in range(int(spec.require("num_hidden_layers"))):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il)))
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Qwen3-MoE (Qwen3 attention, routed experts in every layer)
+# ---------------------------------------------------------------------------
+
+def _moe_dims(spec: _ModelSpec) -> tuple[int, int, int]:
+    """(n_expert, n_expert_used, n_ff_expert), checked."""
+    where = spec.src_dir / "config.json"
+    n_expert, n_used = int(spec.get("num_experts")), int(spec.get("num_experts_per_tok"))
+    n_ff = int(spec.get("moe_intermediate_size"))
+    if not (1 <= n_used <= n_expert) or n_ff <= 0:
+        raise ValueError(f"[convert] {where}: num_experts_per_tok ({n_used}) must be in [1, num_experts "
+                         f"({n_expert})] and moe_intermediate_size ({n_ff}) > 0")
+    return n_expert, n_used, n_ff
+
+
+def _qwen3moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """llama.cpp's Qwen3MoeModel keys, plus `expert_weights_norm` (HF norm_topk_prob; a llama.cpp key
+    that its qwen3moe graph does not read: it always renormalises)."""
+    _qwen3_kv(writer, spec)
+    where = spec.src_dir / "config.json"
+    if int(spec.get("decoder_sparse_step")) != 1 or spec.get("mlp_only_layers"):
+        raise ValueError(f"[convert] {where}: dense layers among the MoE ones (decoder_sparse_step "
+                         f"{spec.get('decoder_sparse_step')}, mlp_only_layers {spec.get('mlp_only_layers')}) "
+                         f"are not supported (llama.cpp's qwen3moe has experts in every layer)")
+    n_expert, n_used, n_ff = _moe_dims(spec)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_expert_weights_norm(bool(spec.get("norm_topk_prob")))
+
+
+def _stacked(ckpt: _Checkpoint, hf_names: Sequence[str], gguf_name: str, shape: tuple[int, ...]) -> _SourceTensor:
+    """One GGUF tensor [n_expert, ...] stacked from per-expert HF tensors, as llama.cpp stacks them."""
+    srcs = [ckpt.get(n) for n in hf_names]
+    for t in srcs:
+        if t.shape != shape[1:]:
+            raise ValueError(f"[convert] {ckpt.src_dir}: {t.name} has shape {list(t.shape)}, expected "
+                             f"{list(shape[1:])} from config.json")
+    return _SourceTensor(gguf_name, shape, lambda: np.stack([t.load() for t in srcs]), hf_names=tuple(hf_names))
+
+
+def moe_expert_tensors(spec: _ModelSpec, ckpt: _Checkpoint, p: str, il: int) -> list[_SourceTensor]:
+    """The routed experts of layer il (HF prefix `p` + "mlp."): the router `gate` -> ffn_gate_inp
+    (kept F32, as llama.cpp keeps it), and the experts stacked into ffn_{gate,up}_exps
+    [n_expert, n_ff_exp, n_embd] and ffn_down_exps [n_expert, n_embd, n_ff_exp] (numpy order; ggml
+    ne reversed). Reads per-expert tensors (`experts.<e>.gate_proj.weight`, the hub layout) or
+    transformers 5's fused `experts.gate_up_proj` [n_expert, 2 n_ff_exp, n_embd] / `experts.down_proj`."""
+    n_expert, _, n_ff = _moe_dims(spec)
+    h = int(spec.require("hidden_size"))
+    out = [_copy(ckpt, p + "mlp.gate.weight", _tensor_name(MODEL_TENSOR.FFN_GATE_INP, il), keep_f32=True)]
+    if out[0].shape != (n_expert, h):
+        raise ValueError(f"[convert] {ckpt.src_dir}: {p}mlp.gate.weight has shape {list(out[0].shape)}, expected "
+                         f"[{n_expert}, {h}] from config.json")
+    gate, up, down = (_tensor_name(k, il) for k in (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP,
+                                                      MODEL_TENSOR.FFN_DOWN_EXP))
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in ckpt:
+        gu = _copy(ckpt, fused, gate)
+        if gu.shape != (n_expert, 2 * n_ff, h):
+            raise ValueError(f"[convert] {ckpt.src_dir}: {fused} has shape {list(gu.shape)}, expected "
+                             f"[{n_expert}, {2 * n_ff}, {h}] from config.json")
+        out += [_copy(ckpt, fused, gate, lambda x: np.ascontiguousarray(x[:, :n_ff]), shape=(n_expert, n_ff, h)),
+                _copy(ckpt, fused, up, lambda x: np.ascontiguousarray(x[:, n_ff:]), shape=(n_expert, n_ff, h))]
+        dn = _copy(ckpt, p + "mlp.experts.down_proj", down)
+        if dn.shape != (n_expert, h, n_ff):
+            raise ValueError(f"[convert] {ckpt.src_dir}: {dn.hf_name} has shape {list(dn.shape)}, expected "
+                             f"[{n_expert}, {h}, {n_ff}] from config.json")
+        return out + [dn]
+    e = [f"{p}mlp.experts.{i}." for i in range(n_expert)]
+    return out + [_stacked(ckpt, [x + "gate_proj.weight" for x in e], gate, (n_expert, n_ff, h)),
+                  _stacked(ckpt, [x + "up_proj.weight" for x in e], up, (n_expert, n_ff, h)),
+                  _stacked(ckpt, [x + "down_proj.weight" for x in e], down, (n_expert, h, n_ff))]
+
+
+def _qwen3moe_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, None)
+    for il in range(int(spec.require("num_hidden_layers"))):
+        p = f"{prefix}layers.{il}."
+        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
+            if not hf_suffix.startswith("mlp."):
+                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il)))
+        out += moe_expert_tensors(spec, ckpt, p, il)
     _check_unused(ckpt, prefix, out)
     return out
 
@@ -834,6 +928,7 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
 _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
                                   Callable[[_ModelSpec, _Checkpoint], list[_SourceTensor]]]] = {
     "llama": (_llama_kv, _llama_tensors),
+    "qwen3moe": (_qwen3moe_kv, _qwen3moe_tensors),
     "qwen3": (_qwen3_kv, _qwen3_tensors),
     "qwen35": (_qwen35_kv, _qwen35_tensors),
 }

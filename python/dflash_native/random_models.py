@@ -4,7 +4,8 @@ and stand-ins of any size for benchmarks (NumPy only).
 `make_random_checkpoint` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that transformers
 loads with `AutoModelForCausalLM.from_pretrained` and `convert_hf_to_gguf`
-converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
+converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
+(`Qwen3MoeForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
 `qwen3_5_text`) model with random weights at a scale that keeps logits
 informative and long decodes stable. `make_random_drafter_checkpoint` writes a
 z-lab DFlash drafter (`DFlashDraftModel`), and `make_random_drafter_gguf`
@@ -121,6 +122,31 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
         "tie_word_embeddings": True,
         "use_cache": True,
     },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 640,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    },
     "qwen3_5": {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
@@ -149,8 +175,9 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
     },
 }
 
-_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
 _PRETOKENIZE_REGEX = {"llama": LLAMA3_PRETOKENIZE_REGEX, "qwen3": QWEN2_PRETOKENIZE_REGEX,
+                      "qwen3_moe": QWEN2_PRETOKENIZE_REGEX,
                       "qwen3_5": QWEN35_PRETOKENIZE_REGEX}
 
 # safetensors dtype name -> (header dtype, bytes per element)
@@ -166,7 +193,7 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"llama", "qwen3" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
+    """"llama", "qwen3", "qwen3_moe" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
         raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected one of {sorted(_BASE_CONFIG)}")
@@ -176,7 +203,7 @@ def canonical_arch(arch: str) -> str:
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3" or "llama") to `dst_dir`.
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3", "qwen3_moe" or "llama") to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
@@ -264,6 +291,9 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
                 p[s + "q_norm.weight"] = ((hd,), norm)
                 p[s + "k_norm.weight"] = ((hd,), norm)
         p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
+        if arch == "qwen3_moe":
+            _moe_params(p, pre + "mlp.", cfg, depth_scale)
+            continue
         ff = int(cfg["intermediate_size"])
         p[pre + "mlp.gate_proj.weight"] = _linear_init(ff, h)
         p[pre + "mlp.up_proj.weight"] = _linear_init(ff, h)
@@ -272,6 +302,19 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     if not cfg["tie_word_embeddings"]:
         p["lm_head.weight"] = ((n_vocab, h), ("normal", 2.0 / math.sqrt(h)))
     return {name: (shape, init, name) for name, (shape, init) in p.items()}
+
+
+def _moe_params(p: dict, m: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
+    """A routed-experts FFN (prefix `m`) in the hub layout (router `gate`, per-expert projections)
+    into p: name -> (shape, init). The router is wide (std 2/sqrt(hidden)) so that tokens disagree
+    on their experts."""
+    h, n_ff = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    p[m + "gate.weight"] = ((int(cfg["num_experts"]), h), ("normal", 2.0 / math.sqrt(h)))
+    for e in range(int(cfg["num_experts"])):
+        x = f"{m}experts.{e}."
+        p[x + "gate_proj.weight"] = _linear_init(n_ff, h)
+        p[x + "up_proj.weight"] = _linear_init(n_ff, h)
+        p[x + "down_proj.weight"] = _linear_init(h, n_ff, depth_scale)
 
 
 def _gdn_params(p: dict, a: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
@@ -301,7 +344,7 @@ def _linear_init(n_out: int, n_in: int, scale: float = 1.0) -> tuple[tuple[int, 
 # tokenizer
 # ---------------------------------------------------------------------------
 
-def write_tokenizer(dst: Path, *, vocab_size: int | None, regex: str,
+def write_tokenizer(dst: Path, *, vocab_size: int | None, regex: str | None,
                     merges: Sequence[tuple[str, str]] = ()) -> dict[str, int]:
     """Write tokenizer.json and tokenizer_config.json: the 256 byte symbols, as
     many of `merges` as fit `vocab_size`, then SPECIAL_TOKENS. Returns the
