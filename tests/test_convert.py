@@ -52,7 +52,7 @@ OUTTYPES = tuple(convert.OUTTYPES)
 N_TOKENS = 80  # > 64: crosses a chunk boundary of HF's chunked gated-delta rule
 
 VARIANTS = [(arch, variant) for arch, variants in TINY_VARIANTS.items() for variant in variants]
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35"}
 OUT_QTYPE = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 
@@ -200,9 +200,10 @@ def test_tokenization_property(tokenizer_pairs, text):
 # ---------------------------------------------------------------------------
 
 def _expected_qtype(name: str, ne: list[int], outtype: str) -> QT:
-    """llama.cpp's converter: norms, 1-D tensors, biases, ssm_a and ssm_conv1d stay F32;
+    """llama.cpp's converter: norms, 1-D tensors, biases, ssm_a, ssm_conv1d and the MoE router stay F32;
     Q8_0 needs rows (ne[0]) of whole 32-element blocks, else F16."""
-    if len(ne) == 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or not name.endswith(".weight"):
+    if len(ne) == 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".ffn_gate_inp." in name \
+            or not name.endswith(".weight"):
         return QT.F32
     if outtype == "q8_0" and ne[0] % 32 != 0:
         return QT.F16
@@ -269,8 +270,14 @@ def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
         assert fields[key] == value, key
     assert fields[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"], rel=1e-6)
     assert fields[f"{a}.rope.freq_base"] == pytest.approx(cfg["rope_parameters"]["rope_theta"], rel=1e-6)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         assert f"{a}.rope.dimension_count" not in fields  # llama.cpp's qwen3 asserts n_rot == head_dim
+    if arch == "qwen3_moe":
+        assert fields[f"{a}.expert_count"] == cfg["num_experts"]
+        assert fields[f"{a}.expert_used_count"] == cfg["num_experts_per_tok"]
+        assert fields[f"{a}.expert_feed_forward_length"] == cfg["moe_intermediate_size"]
+        assert fields[f"{a}.expert_weights_norm"] is cfg["norm_topk_prob"]
+    if arch in ("qwen3", "qwen3_moe"):
         return
     if arch == "llama":
         assert fields[f"{a}.rope.dimension_count"] == cfg["head_dim"]
@@ -303,7 +310,8 @@ def test_tokenizer_keys(arch, hf_checkpoint, gguf_model):
     ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
     n_bpe = len(tok["model"]["vocab"])
     assert fields["tokenizer.ggml.model"] == "gpt2"
-    assert fields["tokenizer.ggml.pre"] == {"llama": "llama-bpe", "qwen3": "qwen2", "qwen3_5": "qwen35"}[arch]
+    assert fields["tokenizer.ggml.pre"] == {"llama": "llama-bpe", "qwen3": "qwen2", "qwen3_moe": "qwen2",
+                                            "qwen3_5": "qwen35"}[arch]
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == cfg["vocab_size"] > n_bpe + len(SPECIAL_TOKENS)
     for text, i in tok["model"]["vocab"].items():
@@ -403,6 +411,54 @@ def test_llama_tensor_transforms(hf_checkpoint, gguf_model):
     np.testing.assert_allclose(g("rope_freqs.weight"), factors, rtol=1e-5)
     _, plain = _fields(gguf_model("llama", "default", "f32"))
     assert "rope_freqs.weight" not in plain
+
+
+def test_moe_experts_are_stacked(hf_checkpoint, gguf_model, tmp_path):
+    """ffn_{gate,up,down}_exps hold expert e's projection at index e (ggml ne [n_embd, n_ff_exp, n_expert]
+    and [n_ff_exp, n_embd, n_expert]); the router is ffn_gate_inp, F32. transformers 5's fused layout
+    (experts.gate_up_proj, experts.down_proj) converts to the same bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = hf_checkpoint("qwen3_moe", "odd")
+    cfg = _config(ckpt)
+    path = gguf_model("qwen3_moe", "odd", "f16")
+    _, tensors = _fields(path)
+    n_exp, n_ff, h = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    assert [int(x) for x in tensors["blk.2.ffn_gate_exps.weight"].shape] == [h, n_ff, n_exp]
+    assert [int(x) for x in tensors["blk.2.ffn_down_exps.weight"].shape] == [n_ff, h, n_exp]
+    assert tensors["blk.2.ffn_gate_inp.weight"].tensor_type == QT.F32
+    p = "model.layers.2.mlp."
+    np.testing.assert_array_equal(np.asarray(tensors["blk.2.ffn_gate_inp.weight"].data), _st_tensor(ckpt, p + "gate.weight"))
+    for e in (0, n_exp - 1):
+        for gg, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            got = np.asarray(tensors[f"blk.2.ffn_{gg}_exps.weight"].data)[e].astype(np.float32)
+            np.testing.assert_array_equal(got, _st_tensor(ckpt, f"{p}experts.{e}.{hf}.weight").astype(np.float16))
+
+    fused = _copy_ckpt(ckpt, tmp_path / "fused")
+    st = load_file(str(fused / "model.safetensors"))
+    for il in range(cfg["num_hidden_layers"]):
+        q = f"model.layers.{il}.mlp.experts."
+        take = lambda w: np.stack([st.pop(f"{q}{e}.{w}.weight") for e in range(n_exp)])  # noqa: E731
+        gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
+        st[q + "gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        st[q + "down_proj"] = down
+    save_file(st, str(fused / "model.safetensors"))
+    assert _tensor_bytes(convert_hf_to_gguf(fused, tmp_path / "fused.gguf", outtype="f16")) == _tensor_bytes(path)
+
+
+@pytest.mark.parametrize("changes, msg", [
+    (dict(num_experts_per_tok=7), r"num_experts_per_tok \(7\) must be in \[1, num_experts \(6\)\]"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    (dict(decoder_sparse_step=2), "decoder_sparse_step 2"),
+    (dict(num_experts=5), r"mlp\.gate\.weight has shape \[6, 96\], expected \[5, 96\]"),
+    (dict(moe_intermediate_size=48), r"experts\.0\.gate_proj\.weight has shape \[40, 96\], expected \[48, 96\]"),
+])
+def test_moe_config_that_does_not_fit(changes, msg, hf_checkpoint, tmp_path):
+    ckpt = _copy_ckpt(hf_checkpoint("qwen3_moe", "odd"), tmp_path / "ckpt")
+    _edit_config(ckpt, **changes)
+    with pytest.raises(ValueError, match=msg):
+        convert_hf_to_gguf(ckpt, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.gguf*"))
 
 
 @pytest.mark.parametrize("skip", ["llama_qk_permute", "llama3_rope_factors"])
