@@ -36,6 +36,7 @@ struct target_hparams : block_hparams {
     int64_t n_expert = 0;
     int64_t n_expert_used = 0;
     int64_t n_ff_exp = 0;
+    int64_t n_ff_shexp = 0;           // shared expert width; 0: no shared expert
     bool expert_weights_norm = true;  // renormalise the top-k router probabilities to sum 1
 
     // Gated DeltaNet (hybrid archs only)
@@ -85,6 +86,10 @@ struct layer_weights {
     ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_up_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
+    ggml_tensor * ffn_gate_inp_shexp = nullptr;  // [n_embd]  shared expert's gate (sigmoid)
+    ggml_tensor * ffn_gate_shexp = nullptr;      // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_up_shexp = nullptr;        // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_down_shexp = nullptr;      // [n_ff_shexp, n_embd]
 };
 
 // Upper bounds on hparams read from a file: far above any real model, low enough that products
@@ -96,7 +101,9 @@ constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
 // epsilon and the RoPE base, and checks them (sizes within k_max_*, heads a multiple of the KV
 // heads, head_dim even, epsilon >= 0 as ggml's rms_norm asserts, RoPE base > 0, training context in
 // [1, 2^31)); throws input_error naming the file otherwise. max_layers bounds block_count.
-block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers);
+// Without ff_required, a missing feed_forward_length reads as 0 (MoE models without a dense FFN).
+block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers,
+                                 bool ff_required = true);
 
 // The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
 // [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
@@ -148,7 +155,7 @@ public:
 
 protected:
     explicit target_model(std::unique_ptr<gguf_file> f) : file_(std::move(f)) {}
-    void read_common_hparams();
+    void read_common_hparams(bool ff_required = true);
     void load_common_tensors();
     std::string key(const char * suffix) const { return hp_.arch + "." + suffix; }
 
@@ -160,5 +167,6 @@ std::unique_ptr<target_model> make_llama(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3moe(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen35moe(std::unique_ptr<gguf_file> f);
 
 }  // namespace dfn

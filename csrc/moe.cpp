@@ -1,4 +1,5 @@
 #include "moe.h"
+#include "graph.h"
 #include "matmul.h"
 
 #include "common.h"
@@ -12,6 +13,7 @@ void read_moe_hparams(const gguf_file & f, target_hparams & hp) {
     hp.n_expert = f.get_u32(a + "expert_count");
     hp.n_expert_used = f.get_u32(a + "expert_used_count");
     hp.n_ff_exp = f.get_u32(a + "expert_feed_forward_length");
+    hp.n_ff_shexp = f.get_u32(a + "expert_shared_feed_forward_length", 0);
     hp.expert_weights_norm = f.get_bool(a + "expert_weights_norm", true);
     DFN_REQUIRE(hp.n_expert >= 1 && hp.n_expert <= k_max_experts, W, "'", f.path(), "': expert_count ", hp.n_expert,
                 " must be in [1, ", k_max_experts, "]");
@@ -19,6 +21,8 @@ void read_moe_hparams(const gguf_file & f, target_hparams & hp) {
                 hp.n_expert_used, " must be in [1, expert_count ", hp.n_expert, "]");
     DFN_REQUIRE(hp.n_ff_exp >= 1 && hp.n_ff_exp <= k_max_dim, W, "'", f.path(), "': expert_feed_forward_length ",
                 hp.n_ff_exp, " must be in [1, ", k_max_dim, "]");
+    DFN_REQUIRE(hp.n_ff_shexp <= k_max_dim, W, "'", f.path(), "': expert_shared_feed_forward_length ", hp.n_ff_shexp,
+                " must be at most ", k_max_dim);
 }
 
 void load_moe(gguf_file & F, int il, const target_hparams & hp, layer_weights & L) {
@@ -29,6 +33,12 @@ void load_moe(gguf_file & F, int il, const target_hparams & hp, layer_weights & 
     L.ffn_gate_exps = F.tensor(n("ffn_gate_exps"), {E, n_ff, n_exp}, TENSOR_ROLE_MATMUL);
     L.ffn_up_exps = F.tensor(n("ffn_up_exps"), {E, n_ff, n_exp}, TENSOR_ROLE_MATMUL);
     L.ffn_down_exps = F.tensor(n("ffn_down_exps"), {n_ff, E, n_exp}, TENSOR_ROLE_MATMUL);
+    if (hp.n_ff_shexp == 0) return;
+    const int64_t n_sh = hp.n_ff_shexp;
+    L.ffn_gate_inp_shexp = F.tensor(n("ffn_gate_inp_shexp"), {E}, TENSOR_ROLE_MATMUL);
+    L.ffn_gate_shexp = F.tensor(n("ffn_gate_shexp"), {E, n_sh}, TENSOR_ROLE_MATMUL);
+    L.ffn_up_shexp = F.tensor(n("ffn_up_shexp"), {E, n_sh}, TENSOR_ROLE_MATMUL);
+    L.ffn_down_shexp = F.tensor(n("ffn_down_shexp"), {n_sh, E}, TENSOR_ROLE_MATMUL);
 }
 
 ggml_tensor * moe_ffn(const build_context & b, ggml_tensor * x, const layer_weights & w, const target_hparams & hp) {
@@ -55,7 +65,16 @@ ggml_tensor * moe_ffn(const build_context & b, ggml_tensor * x, const layer_weig
         ggml_tensor * yj = ggml_view_2d(ctx, y, n_embd, n_tok, y->nb[2], j * y->nb[1]);  // [n_embd, n_tok]
         out = out ? ggml_add(ctx, out, yj) : ggml_cont(ctx, yj);
     }
-    return out;
+    if (!w.ffn_gate_shexp) return out;
+
+    ggml_tensor * sh = ggml_swiglu_split(ctx, matmul(b, w.ffn_gate_shexp, x), matmul(b, w.ffn_up_shexp, x));  // [n_ff_shexp, n_tok]
+    sh = matmul(b, w.ffn_down_shexp, sh);                                            // [n_embd, n_tok]
+    ggml_tensor * sh_gate = ggml_sigmoid(ctx, matmul(b, w.ffn_gate_inp_shexp, x));  // [1, n_tok]
+    return ggml_add(ctx, out, ggml_mul(ctx, sh, sh_gate));
+}
+
+ggml_tensor * ffn_block(const build_context & b, ggml_tensor * x, const layer_weights & w, const target_hparams & hp) {
+    return w.ffn_gate_exps ? moe_ffn(b, x, w, hp) : ffn_swiglu(b, x, w);
 }
 
 }  // namespace dfn

@@ -108,8 +108,10 @@ def _round_like_gguf(model, outtype: str) -> None:
         return
     cfg = model.config
     for name, p in model.named_parameters():
-        # 2-D weights, and MoE experts (3-D [n_expert, rows, cols]); the MoE router stays F32
-        if not (p.ndim == 2 or (p.ndim == 3 and ".experts." in name)) or name.endswith("mlp.gate.weight"):
+        # 2-D weights, and MoE experts (3-D [n_expert, rows, cols]); the MoE routers (experts' and
+        # shared expert's) stay F32
+        if not (p.ndim == 2 or (p.ndim == 3 and ".experts." in name)) \
+                or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
             continue
         with torch.no_grad():
             if outtype == "f16":

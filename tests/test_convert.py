@@ -52,7 +52,8 @@ OUTTYPES = tuple(convert.OUTTYPES)
 N_TOKENS = 80  # > 64: crosses a chunk boundary of HF's chunked gated-delta rule
 
 VARIANTS = [(arch, variant) for arch, variants in TINY_VARIANTS.items() for variant in variants]
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35"}
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35",
+             "qwen3_5_moe": "qwen35moe"}
 OUT_QTYPE = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 
@@ -202,7 +203,7 @@ def test_tokenization_property(tokenizer_pairs, text):
 def _expected_qtype(name: str, ne: list[int], outtype: str) -> QT:
     """llama.cpp's converter: norms, 1-D tensors, biases, ssm_a, ssm_conv1d and the MoE router stay F32;
     Q8_0 needs rows (ne[0]) of whole 32-element blocks, else F16."""
-    if len(ne) == 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".ffn_gate_inp." in name \
+    if len(ne) == 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".ffn_gate_inp" in name \
             or not name.endswith(".weight"):
         return QT.F32
     if outtype == "q8_0" and ne[0] % 32 != 0:
@@ -259,13 +260,14 @@ def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
         f"{a}.block_count": cfg["num_hidden_layers"],
         f"{a}.context_length": cfg["max_position_embeddings"],
         f"{a}.embedding_length": cfg["hidden_size"],
-        f"{a}.feed_forward_length": cfg["intermediate_size"],
         f"{a}.attention.head_count": cfg["num_attention_heads"],
         f"{a}.attention.head_count_kv": cfg["num_key_value_heads"],
         f"{a}.attention.key_length": cfg["head_dim"],
         f"{a}.attention.value_length": cfg["head_dim"],
         "general.quantization_version": gguf.GGML_QUANT_VERSION,
     }
+    if "intermediate_size" in cfg:
+        expect[f"{a}.feed_forward_length"] = cfg["intermediate_size"]
     for key, value in expect.items():
         assert fields[key] == value, key
     assert fields[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"], rel=1e-6)
@@ -279,6 +281,12 @@ def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
         assert fields[f"{a}.expert_weights_norm"] is cfg["norm_topk_prob"]
     if arch in ("qwen3", "qwen3_moe"):
         return
+    if arch == "qwen3_5_moe":
+        assert f"{a}.feed_forward_length" not in fields  # no dense FFN (llama.cpp writes none either)
+        assert fields[f"{a}.expert_count"] == cfg["num_experts"]
+        assert fields[f"{a}.expert_used_count"] == cfg["num_experts_per_tok"]
+        assert fields[f"{a}.expert_feed_forward_length"] == cfg["moe_intermediate_size"]
+        assert fields[f"{a}.expert_shared_feed_forward_length"] == cfg["shared_expert_intermediate_size"]
     if arch == "llama":
         assert fields[f"{a}.rope.dimension_count"] == cfg["head_dim"]
         assert fields[f"{a}.vocab_size"] == cfg["vocab_size"]
@@ -311,7 +319,7 @@ def test_tokenizer_keys(arch, hf_checkpoint, gguf_model):
     n_bpe = len(tok["model"]["vocab"])
     assert fields["tokenizer.ggml.model"] == "gpt2"
     assert fields["tokenizer.ggml.pre"] == {"llama": "llama-bpe", "qwen3": "qwen2", "qwen3_moe": "qwen2",
-                                            "qwen3_5": "qwen35"}[arch]
+                                            "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35"}[arch]
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == cfg["vocab_size"] > n_bpe + len(SPECIAL_TOKENS)
     for text, i in tok["model"]["vocab"].items():

@@ -33,6 +33,7 @@ CONFIGS = {
                                        num_experts_per_tok=3, num_hidden_layers=3, num_attention_heads=3,
                                        num_key_value_heads=1, head_dim=40, tie_word_embeddings=False)),
     "qwen35": ("qwen3_5", {}),
+    "qwen35moe": ("qwen3_5_moe", {}),
     "qwen35-odd": ("qwen3_5", dict(hidden_size=96, intermediate_size=136, num_hidden_layers=5, num_attention_heads=3,
                                    num_key_value_heads=1, head_dim=40, layer_types=["linear_attention", "full_attention",
                                    "linear_attention", "linear_attention", "full_attention"],

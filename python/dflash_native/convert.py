@@ -2,7 +2,9 @@
 
 Supported: Llama 3.x (`LlamaForCausalLM`, GGUF arch `llama`), Qwen3
 (`Qwen3ForCausalLM`, GGUF arch `qwen3`), Qwen3-MoE (`Qwen3MoeForCausalLM`, GGUF arch
-`qwen3moe`, experts stacked per layer) and Qwen3.5 text
+`qwen3moe`, experts stacked per layer), Qwen3.5-MoE (`Qwen3_5MoeForCausalLM` /
+`qwen3_5_moe_text` and the multimodal layout, GGUF arch `qwen35moe`: Qwen3.5's
+layers with routed experts and a gated shared expert) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
@@ -316,7 +318,7 @@ def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weig
 @dataclass
 class _ModelSpec:
     src_dir: Path
-    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35"
+    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35" | "qwen35moe"
     config: dict[str, Any]    # the full config.json
     text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
     tied: bool                # tie_word_embeddings
@@ -341,8 +343,11 @@ _ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5ForConditionalGeneration": "qwen35",
+    "Qwen3_5MoeForCausalLM": "qwen35moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
+                "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
 
 # Defaults of the transformers 5 config classes for keys a config.json may omit.
 _DEFAULTS = {
@@ -357,6 +362,12 @@ _DEFAULTS = {
                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_num_key_heads=16, linear_num_value_heads=32),
+    "qwen35moe": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=16, linear_num_value_heads=32,
+                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, norm_topk_prob=True),
 }
 
 
@@ -447,7 +458,8 @@ def _common_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     writer.add_block_count(int(spec.require("num_hidden_layers")))
     writer.add_context_length(int(spec.get("max_position_embeddings")))
     writer.add_embedding_length(int(spec.require("hidden_size")))
-    writer.add_feed_forward_length(int(spec.require("intermediate_size")))
+    if spec.gguf_arch != "qwen35moe" or spec.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(int(spec.require("intermediate_size")))
     writer.add_head_count(int(spec.require("num_attention_heads")))
     writer.add_head_count_kv(int(spec.get("num_key_value_heads")))
     writer.add_layer_norm_rms_eps(float(spec.get("rms_norm_eps")))
@@ -853,6 +865,37 @@ def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
         writer.add_full_attention_interval(interval)
 
 
+def _qwen35moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """Qwen3.5's keys plus the experts' (llama.cpp's Qwen3_5MoeTextModel): HF's router always
+    renormalises its top-k, as llama.cpp's qwen35moe graph does."""
+    _qwen35_kv(writer, spec)
+    n_expert, n_used, n_ff = _moe_dims(spec)
+    n_sh = int(spec.get("shared_expert_intermediate_size"))
+    if n_sh <= 0:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: shared_expert_intermediate_size {n_sh} must be > 0")
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_expert_shared_feed_forward_length(n_sh)
+
+
+def moe_shared_expert_tensors(spec: _ModelSpec, ckpt: _Checkpoint, p: str, il: int) -> list[_SourceTensor]:
+    """The shared expert of layer il (HF prefix `p` + "mlp.") -> ffn_{gate,up,down}_shexp, and its
+    sigmoid gate `shared_expert_gate` [1, n_embd] -> ffn_gate_inp_shexp (kept F32, as llama.cpp keeps it)."""
+    h, n_sh = int(spec.require("hidden_size")), int(spec.get("shared_expert_intermediate_size"))
+    out = [_copy(ckpt, p + "mlp.shared_expert_gate.weight", _tensor_name(MODEL_TENSOR.FFN_GATE_INP_SHEXP, il),
+                 keep_f32=True)]
+    for hf_suffix, key, shape in (("gate_proj", MODEL_TENSOR.FFN_GATE_SHEXP, (n_sh, h)),
+                                  ("up_proj", MODEL_TENSOR.FFN_UP_SHEXP, (n_sh, h)),
+                                  ("down_proj", MODEL_TENSOR.FFN_DOWN_SHEXP, (h, n_sh))):
+        out.append(_copy(ckpt, f"{p}mlp.shared_expert.{hf_suffix}.weight", _tensor_name(key, il)))
+    for t, want in zip(out, [(1, h), (n_sh, h), (n_sh, h), (h, n_sh)]):
+        if t.shape != want:
+            raise ValueError(f"[convert] {ckpt.src_dir}: {t.hf_name} has shape {list(t.shape)}, expected "
+                             f"{list(want)} from config.json")
+    return out
+
+
 def _plus_one(x: np.ndarray) -> np.ndarray:
     return x + np.float32(1.0)
 
@@ -916,6 +959,9 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
             ]
         out.append(_copy(ckpt, p + "post_attention_layernorm.weight",
                          _tensor_name(MODEL_TENSOR.ATTN_POST_NORM, il), _plus_one))
+        if spec.gguf_arch == "qwen35moe":
+            out += moe_expert_tensors(spec, ckpt, p, il) + moe_shared_expert_tensors(spec, ckpt, p, il)
+            continue
         for hf_suffix, key in (("mlp.gate_proj.weight", MODEL_TENSOR.FFN_GATE),
                                ("mlp.up_proj.weight", MODEL_TENSOR.FFN_UP),
                                ("mlp.down_proj.weight", MODEL_TENSOR.FFN_DOWN)):
@@ -931,6 +977,7 @@ _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
     "qwen3moe": (_qwen3moe_kv, _qwen3moe_tensors),
     "qwen3": (_qwen3_kv, _qwen3_tensors),
     "qwen35": (_qwen35_kv, _qwen35_tensors),
+    "qwen35moe": (_qwen35moe_kv, _qwen35_tensors),
 }
 
 

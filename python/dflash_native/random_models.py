@@ -173,12 +173,43 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
     },
+    "qwen3_5_moe": {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 640,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_interleaved": True},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "full_attention_interval": 2,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
 }
 
-_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
+                 "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5",
+                 "qwen3_5_moe": "qwen3_5_moe", "qwen35moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 _PRETOKENIZE_REGEX = {"llama": LLAMA3_PRETOKENIZE_REGEX, "qwen3": QWEN2_PRETOKENIZE_REGEX,
                       "qwen3_moe": QWEN2_PRETOKENIZE_REGEX,
-                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX}
+                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX, "qwen3_5_moe": QWEN35_PRETOKENIZE_REGEX}
 
 # safetensors dtype name -> (header dtype, bytes per element)
 ST_DTYPES: Mapping[str, tuple[str, int]] = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
@@ -193,7 +224,7 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"llama", "qwen3", "qwen3_moe" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
+    """"llama", "qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" for any accepted spelling; ValueError otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
         raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected one of {sorted(_BASE_CONFIG)}")
@@ -203,7 +234,7 @@ def canonical_arch(arch: str) -> str:
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3", "qwen3_moe" or "llama") to `dst_dir`.
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen3_moe" or "llama") to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
@@ -243,7 +274,7 @@ def target_config(arch: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The text config.json of a random `arch` target, without token ids."""
     cfg = json.loads(json.dumps(_BASE_CONFIG[arch]))
     cfg.update(json.loads(json.dumps(dict(overrides))))
-    if arch == "qwen3_5":
+    if arch in ("qwen3_5", "qwen3_5_moe"):
         rp = cfg["rope_parameters"]
         if "mrope_section" not in rp:
             rp["mrope_section"] = default_mrope_section(int(cfg["head_dim"] * rp.get("partial_rotary_factor", 0.25)))
@@ -266,7 +297,8 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     h = int(cfg["hidden_size"])
     n_vocab = int(cfg["vocab_size"])
     n_head, n_kv, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
-    centered = arch == "qwen3_5"  # Qwen3.5 RMSNorm computes x * (1 + w)
+    hybrid = arch in ("qwen3_5", "qwen3_5_moe")
+    centered = hybrid  # Qwen3.5 RMSNorm computes x * (1 + w)
     norm = ("normal", 0.1) if centered else ("one_plus", 0.1)
     # Output projections of the residual branches shrink with depth (GPT-2 style)
     # so that deep shapes stay as well-conditioned as the tiny ones.
@@ -278,10 +310,10 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     for il in range(int(cfg["num_hidden_layers"])):
         pre = f"model.layers.{il}."
         p[pre + "input_layernorm.weight"] = ((h,), norm)
-        if arch == "qwen3_5" and layer_types[il] == "linear_attention":
+        if hybrid and layer_types[il] == "linear_attention":
             _gdn_params(p, pre + "linear_attn.", cfg, depth_scale)
         else:
-            q_out = n_head * hd * (2 if arch == "qwen3_5" else 1)  # Qwen3.5: per head [q | gate]
+            q_out = n_head * hd * (2 if hybrid else 1)  # Qwen3.5: per head [q | gate]
             s = pre + "self_attn."
             p[s + "q_proj.weight"] = _linear_init(q_out, h)
             p[s + "k_proj.weight"] = _linear_init(n_kv * hd, h)
@@ -291,7 +323,7 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
                 p[s + "q_norm.weight"] = ((hd,), norm)
                 p[s + "k_norm.weight"] = ((hd,), norm)
         p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
-        if arch == "qwen3_moe":
+        if arch in ("qwen3_moe", "qwen3_5_moe"):
             _moe_params(p, pre + "mlp.", cfg, depth_scale)
             continue
         ff = int(cfg["intermediate_size"])
@@ -315,6 +347,12 @@ def _moe_params(p: dict, m: str, cfg: Mapping[str, Any], depth_scale: float) -> 
         p[x + "gate_proj.weight"] = _linear_init(n_ff, h)
         p[x + "up_proj.weight"] = _linear_init(n_ff, h)
         p[x + "down_proj.weight"] = _linear_init(h, n_ff, depth_scale)
+    if "shared_expert_intermediate_size" in cfg:  # Qwen3.5-MoE / Qwen3-Next: a gated shared expert
+        n_sh = int(cfg["shared_expert_intermediate_size"])
+        p[m + "shared_expert.gate_proj.weight"] = _linear_init(n_sh, h)
+        p[m + "shared_expert.up_proj.weight"] = _linear_init(n_sh, h)
+        p[m + "shared_expert.down_proj.weight"] = _linear_init(h, n_sh, depth_scale)
+        p[m + "shared_expert_gate.weight"] = _linear_init(1, h)
 
 
 def _gdn_params(p: dict, a: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
@@ -594,7 +632,7 @@ def drafter_overrides_for_target(target: str | os.PathLike[str] | Mapping[str, A
         "num_attention_heads": n_head,
         "num_key_value_heads": int(cfg.get("num_key_value_heads") or n_head),
         "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head),
-        "intermediate_size": int(cfg["intermediate_size"]),
+        "intermediate_size": int(cfg.get("intermediate_size") or 2 * int(cfg["hidden_size"])),  # MoE: none
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
