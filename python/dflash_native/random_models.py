@@ -83,26 +83,6 @@ SPECIAL_TOKENS: Sequence[tuple[str, bool]] = (
 )
 
 _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 640,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-    },
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -120,31 +100,6 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": True,
-        "use_cache": True,
-    },
-    "qwen3_moe": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": 640,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
         "use_cache": True,
     },
     "qwen3_5": {
@@ -173,36 +128,38 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
     },
-    "qwen3_5_moe": {
-        "architectures": ["Qwen3_5MoeForCausalLM"],
-        "model_type": "qwen3_5_moe_text",
-        "vocab_size": 640,
-        "hidden_size": 64,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_interleaved": True},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "full_attention_interval": 2,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    },
 }
+
+# Llama, and the MoE archs: Qwen3's / Qwen3.5's layers with routed experts (and for Qwen3.5-MoE a shared expert)
+# in place of the dense FFN.
+_BASE_CONFIG = {**_BASE_CONFIG, "llama": {  # Llama 3.x: no q/k norms (target_weights), its own RoPE base
+    **_BASE_CONFIG["qwen3"],
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}, "qwen3_moe": {
+    **_BASE_CONFIG["qwen3"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}, "qwen3_5_moe": {
+    **{k: v for k, v in _BASE_CONFIG["qwen3_5"].items() if k != "intermediate_size"},
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}}
 
 _ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
                  "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5",
@@ -224,7 +181,8 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"llama", "qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" for any accepted spelling; ValueError otherwise."""
+    """"llama", "qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" for any accepted spelling; ValueError
+    otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
         raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected one of {sorted(_BASE_CONFIG)}")
@@ -234,7 +192,8 @@ def canonical_arch(arch: str) -> str:
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen3_moe" or "llama") to `dst_dir`.
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen3_moe" or "llama")
+    to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
