@@ -41,6 +41,12 @@ ggml_tensor * rope_multi(const build_context & b, ggml_tensor * x, ggml_tensor *
                            r.freq_scale, r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow);
 }
 
+ggml_tensor * rope_norm(const build_context & b, ggml_tensor * x, ggml_tensor * pos, ggml_tensor * freq_factors,
+                        int64_t n_rot, int64_t n_ctx_train, float base) {
+    return ggml_rope_ext(b.ctx, x, pos, freq_factors, (int) n_rot, GGML_ROPE_TYPE_NORMAL, (int) n_ctx_train, base,
+                         1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
 ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w) {
     ggml_tensor * gate = matmul(b, w.ffn_gate, x);  // [n_ff, n_tokens]
     ggml_tensor * up = matmul(b, w.ffn_up, x);      // [n_ff, n_tokens]
@@ -68,6 +74,17 @@ ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tenso
 
     // a tree's nodes gather their kept keys, so each computes its path's AR step bit for bit
     return attention(g, q, K, V, g.kq_mask, scale, /*gather=*/g.tree_parents != nullptr);  // [hd * n_head, n_tokens]
+}
+
+ggml_tensor * self_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope) {
+    ggml_context * ctx = g.ctx;
+    const int64_t hd = g.hp->head_dim, n_tok = g.n_tokens;
+    ggml_tensor * q = ggml_reshape_3d(ctx, matmul(g, L.wq, x), hd, g.hp->n_head, n_tok);
+    ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, g.hp->n_head_kv, n_tok);
+    ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, g.hp->n_head_kv, n_tok);
+    if (L.q_norm) q = rms_norm(g, q, L.q_norm);
+    if (L.k_norm) k = rms_norm(g, k, L.k_norm);
+    return matmul(g, L.wo, attention_kv(g, il, rope(q), rope(k), v, 1.0f / sqrtf((float) hd)));
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include "ggml.h"
 
+#include <functional>
 #include <vector>
 
 namespace dfn {
@@ -58,6 +59,12 @@ ggml_tensor * rope_neox(const build_context & b, ggml_tensor * x, ggml_tensor * 
 ggml_tensor * rope_multi(const build_context & b, ggml_tensor * x, ggml_tensor * pos, int64_t n_rot,
                          const int sections[4], int mode, const block_hparams & hp);
 
+// Llama's RoPE (GGML_ROPE_TYPE_NORM: rotates adjacent pairs (2i, 2i+1), the converter permutes W_q / W_k
+// rows to that order) of the first n_rot dims of each head; freq_factors F32 [n_rot / 2] divides
+// frequency i (Llama 3.1's llama3 scaling, the GGUF's rope_freqs), or null. x, pos as rope_neox.
+ggml_tensor * rope_norm(const build_context & b, ggml_tensor * x, ggml_tensor * pos, ggml_tensor * freq_factors,
+                        int64_t n_rot, int64_t n_ctx_train, float base);
+
 // SwiGLU: down( silu(gate x) * (up x) ). x: F32 [n_embd, n_tokens] -> F32 [n_embd, n_tokens].
 ggml_tensor * ffn_swiglu(const build_context & b, ggml_tensor * x, const layer_weights & w);
 
@@ -68,6 +75,14 @@ ggml_tensor * kv_rows(const build_context & b, ggml_tensor * t, int64_t row0, in
 void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, int64_t row0);
 
 // ---- target blocks ----
+
+// RoPE as an architecture applies it to q or k F32 [head_dim, n_heads, n_tokens].
+using rope_fn = std::function<ggml_tensor *(ggml_tensor *)>;
+
+// Grouped-query self-attention of layer il over the cache (Llama, Qwen3, Qwen3-MoE): W_q, W_k, W_v,
+// q/k RMSNorm when L has them, `rope`, attention_kv with 1/sqrt(head_dim), W_o.
+// x: F32 [n_embd, n_tokens] (after attn_norm). Returns F32 [n_embd, n_tokens].
+ggml_tensor * self_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope);
 
 // Causal attention over the cache of layer il after appending k/v at n_past.
 // q: F32 [head_dim, n_head, n_tokens], k/v: F32 [head_dim, n_head_kv, n_tokens].

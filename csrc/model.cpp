@@ -12,18 +12,21 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
     auto f = std::make_unique<gguf_file>(path);
     DFN_REQUIRE(f->has_key("general.architecture"), W, "'", path, "' has no general.architecture key");
     const std::string arch = f->arch();
+    if (arch == "llama") return make_llama(std::move(f));
     if (arch == "qwen3") return make_qwen3(std::move(f));
+    if (arch == "qwen3moe") return make_qwen3moe(std::move(f));
     if (arch == "qwen35") return make_qwen35(std::move(f));
+    if (arch == "qwen35moe") return make_qwen35moe(std::move(f));
     throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
-                          "' (supported: qwen3, qwen35)"));
+                          "' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe)"));
 }
 
-block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers) {
+block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers, bool ff_required) {
     auto key = [&](const char * suffix) { return arch + "." + suffix; };
     block_hparams hp;
     hp.n_layer = f.get_u32(key("block_count"));
     hp.n_embd = f.get_u32(key("embedding_length"));
-    hp.n_ff = f.get_u32(key("feed_forward_length"));
+    hp.n_ff = ff_required ? f.get_u32(key("feed_forward_length")) : f.get_u32(key("feed_forward_length"), 0);
     hp.n_head = f.get_u32(key("attention.head_count"));
     hp.n_head_kv = f.get_u32(key("attention.head_count_kv"), (uint32_t) hp.n_head);
     hp.head_dim = f.get_u32(key("attention.key_length"), hp.n_head ? (uint32_t) (hp.n_embd / hp.n_head) : 0);
@@ -33,7 +36,7 @@ block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, 
 
     const std::string & path = f.path();
     DFN_REQUIRE(hp.n_layer > 0 && hp.n_layer <= max_layers, W, "'", path, "': bad block_count ", hp.n_layer);
-    DFN_REQUIRE(hp.n_embd > 0 && hp.n_ff > 0 && hp.n_embd <= k_max_dim && hp.n_ff <= k_max_dim, W, "'", path,
+    DFN_REQUIRE(hp.n_embd > 0 && (hp.n_ff > 0 || !ff_required) && hp.n_embd <= k_max_dim && hp.n_ff <= k_max_dim, W, "'", path,
                 "': embedding_length ", hp.n_embd, " and feed_forward_length ", hp.n_ff, " must be in [1, ", k_max_dim, "]");
     DFN_REQUIRE(hp.n_head > 0 && hp.n_head_kv > 0 && hp.n_head <= k_max_heads && hp.n_head % hp.n_head_kv == 0, W,
                 "'", path, "': head_count ", hp.n_head, " must be a positive multiple of head_count_kv ",
@@ -109,11 +112,11 @@ rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, in
     return r;
 }
 
-void target_model::read_common_hparams() {
+void target_model::read_common_hparams(bool ff_required) {
     const gguf_file & f = *file_;
     hp_.arch = f.arch();
     hp_.n_tokenizer_tokens = f.arr_len("tokenizer.ggml.tokens");
-    static_cast<block_hparams &>(hp_) = read_block_hparams(f, hp_.arch, 1024);
+    static_cast<block_hparams &>(hp_) = read_block_hparams(f, hp_.arch, 1024, ff_required);
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
@@ -141,12 +144,13 @@ void target_model::load_common_tensors() {
 }
 
 void load_attention(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv, int64_t q_mult,
-                    layer_weights & L) {
+                    layer_weights & L, bool qk_norm) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
     L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
     L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
     L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
     L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, TENSOR_ROLE_MATMUL);
+    if (!qk_norm) return;
     L.q_norm = F.tensor(n("attn_q_norm"), {hd}, TENSOR_ROLE_F32);
     L.k_norm = F.tensor(n("attn_k_norm"), {hd}, TENSOR_ROLE_F32);
 }

@@ -50,6 +50,13 @@ struct target_hparams : block_hparams {
     int64_t n_rot = 0;
     int rope_sections[4] = {0, 0, 0, 0};
 
+    // routed experts (MoE archs only)
+    int64_t n_expert = 0;
+    int64_t n_expert_used = 0;
+    int64_t n_ff_exp = 0;
+    int64_t n_ff_shexp = 0;           // shared expert width; 0: no shared expert
+    bool expert_weights_norm = true;  // renormalise the top-k router probabilities to sum 1
+
     // Gated DeltaNet (hybrid archs only)
     int64_t ssm_d_conv = 0;     // conv kernel width
     int64_t ssm_head_dim = 0;   // d_k == d_v per head (ggml_gated_delta_net needs them equal)
@@ -91,6 +98,16 @@ struct layer_weights {
     ggml_tensor * ffn_gate = nullptr;  // [n_embd, n_ff]
     ggml_tensor * ffn_up = nullptr;    // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;  // [n_ff, n_embd]
+
+    // routed experts (moe.h)
+    ggml_tensor * ffn_gate_inp = nullptr;   // F32 [n_embd, n_expert]  router
+    ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_up_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
+    ggml_tensor * ffn_gate_inp_shexp = nullptr;  // [n_embd]  shared expert's gate (sigmoid)
+    ggml_tensor * ffn_gate_shexp = nullptr;      // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_up_shexp = nullptr;        // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_down_shexp = nullptr;      // [n_ff_shexp, n_embd]
 };
 
 // Upper bounds on hparams read from a file: far above any real model, low enough that products
@@ -102,7 +119,9 @@ constexpr int64_t k_max_heads = 1 << 14;  // attention and GDN head counts
 // epsilon and the RoPE base, and checks them (sizes within k_max_*, heads a multiple of the KV
 // heads, head_dim even, epsilon >= 0 as ggml's rms_norm asserts, RoPE base > 0, training context in
 // [1, 2^31)); throws input_error naming the file otherwise. max_layers bounds block_count.
-block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers);
+// Without ff_required, a missing feed_forward_length reads as 0 (MoE models without a dense FFN).
+block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers,
+                                 bool ff_required = true);
 
 // `<arch>.rope.scaling.*`: type "none", "linear" or "yarn" (absent: llama.cpp's default, linear by
 // `factor` if there is one, else none), factor (or the old `rope.scale_linear`), attn_factor, and
@@ -114,9 +133,9 @@ rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, in
 
 // The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
 // [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
-// the q/k RMSNorm weights F32 [head_dim]; shapes and types checked.
+// the q/k RMSNorm weights F32 [head_dim] (unless qk_norm is false: Llama has none); shapes and types checked.
 void load_attention(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head, int64_t n_head_kv,
-                    int64_t q_mult, layer_weights & L);
+                    int64_t q_mult, layer_weights & L, bool qk_norm = true);
 // The SwiGLU FFN of layer il: gate, up [n_embd, n_ff], down [n_ff, n_embd].
 void load_ffn(gguf_file & F, int il, int64_t n_embd, int64_t n_ff, layer_weights & L);
 
@@ -162,7 +181,7 @@ public:
 
 protected:
     explicit target_model(std::unique_ptr<gguf_file> f) : file_(std::move(f)) {}
-    void read_common_hparams();
+    void read_common_hparams(bool ff_required = true);
     void load_common_tensors();
     std::string key(const char * suffix) const { return hp_.arch + "." + suffix; }
 
@@ -170,7 +189,10 @@ protected:
     target_hparams hp_;
 };
 
+std::unique_ptr<target_model> make_llama(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen3moe(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen35moe(std::unique_ptr<gguf_file> f);
 
 }  // namespace dfn

@@ -108,7 +108,10 @@ def _round_like_gguf(model, outtype: str) -> None:
         return
     cfg = model.config
     for name, p in model.named_parameters():
-        if p.ndim != 2:
+        # 2-D weights, and MoE experts (3-D [n_expert, rows, cols]); the MoE routers (experts' and
+        # shared expert's) stay F32
+        if not (p.ndim == 2 or (p.ndim == 3 and ".experts." in name)) \
+                or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
             continue
         with torch.no_grad():
             if outtype == "f16":
@@ -123,7 +126,7 @@ def _round_like_gguf(model, outtype: str) -> None:
                     r = cfg.linear_num_value_heads // n_k
                     perm = np.arange(n_k * r * d).reshape(n_k, r, d).transpose(1, 0, 2).reshape(-1)
                     w = w[:, perm]
-                if w.shape[1] % 32 == 0:
+                if w.shape[-1] % 32 == 0:
                     q8 = gguf.GGMLQuantizationType.Q8_0
                     w = gguf.quants.dequantize(gguf.quants.quantize(w, q8), q8)
                 else:  # llama.cpp's converter falls back to F16 for partial blocks

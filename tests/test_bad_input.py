@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
 import dflash_native as dn
 from fixtures import make_random_gguf
@@ -630,3 +631,59 @@ def test_cli_errors(pair, capsys, args, msg):
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert "dflash-native: error:" in err and msg in err, err
+
+
+# ---- the other target architectures: files whose keys or shapes do not fit ----
+
+@pytest.fixture(scope="module")
+def good_llama(tmp_path_factory) -> Path:
+    from fixtures import LLAMA3_ROPE_SCALING
+
+    return make_random_gguf(tmp_path_factory.mktemp("bad-llama") / "llama.gguf", "llama", outtype="f16", seed=3,
+                            rope_parameters=dict(LLAMA3_ROPE_SCALING))
+
+
+@pytest.fixture(scope="module")
+def good_moe(tmp_path_factory) -> Path:
+    return make_random_gguf(tmp_path_factory.mktemp("bad-moe") / "moe.gguf", "qwen3_moe", outtype="f16", seed=3)
+
+
+def test_llama_and_moe_files_load(good_llama, good_moe):
+    assert load_in_subprocess(good_llama) == "LOADED"
+    assert load_in_subprocess(good_moe) == "LOADED"
+
+
+def _drop(name):
+    return lambda n, a: None if n == name else a
+
+
+def _trim(name):
+    return lambda n, a: a[..., :-1].copy() if n == name else a
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (dict(tensor_fn=_trim("blk.1.attn_q.weight")), "'blk.1.attn_q.weight' has shape"),
+    (dict(tensor_fn=_trim("rope_freqs.weight")), "'rope_freqs.weight' has shape [7], expected [8]"),
+    (dict(tensor_fn=_drop("blk.0.ffn_norm.weight")), "missing tensor 'blk.0.ffn_norm.weight'"),
+    (dict(drop_keys=("llama.block_count",)), "missing key 'llama.block_count'"),
+    (dict(kv={"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}), "rope.scaling.type 'linear' is not supported for llama"),
+    (dict(kv={"llama.attention.head_count_kv": 3}), "head_count 4 must be a positive multiple of head_count_kv 3"),
+])
+def test_bad_llama_file(good_llama, tmp_path, edit, msg):
+    out = load_in_subprocess(rewrite_gguf(good_llama, tmp_path / "bad.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and msg in out, out
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (dict(kv={"qwen3moe.expert_count": 9}), "'blk.0.ffn_gate_inp.weight' has shape [64, 8], expected [64, 9]"),
+    (dict(kv={"qwen3moe.expert_used_count": 9}), "expert_used_count 9 must be in [1, expert_count 8]"),
+    (dict(kv={"qwen3moe.expert_used_count": 0}), "expert_used_count 0 must be in [1, expert_count 8]"),
+    (dict(kv={"qwen3moe.expert_feed_forward_length": 16}), "'blk.0.ffn_gate_exps.weight' has shape [64, 32, 8]"),
+    (dict(drop_keys=("qwen3moe.expert_count",)), "missing key 'qwen3moe.expert_count'"),
+    (dict(tensor_fn=lambda n, a: a[:7].copy() if n == "blk.1.ffn_down_exps.weight" else a),
+     "'blk.1.ffn_down_exps.weight' has shape [32, 64, 7], expected [32, 64, 8]"),
+    (dict(tensor_fn=_drop("blk.1.ffn_up_exps.weight")), "missing tensor 'blk.1.ffn_up_exps.weight'"),
+])
+def test_bad_moe_file(good_moe, tmp_path, edit, msg):
+    out = load_in_subprocess(rewrite_gguf(good_moe, tmp_path / "bad.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and msg in out, out

@@ -22,21 +22,14 @@ public:
 
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;
-        const int64_t hd = hp_.head_dim, n_tok = g.n_tokens;
-        const float scale = 1.0f / sqrtf((float) hd);
+        const rope_fn rope_qk = [&](ggml_tensor * x) { return rope(g, x); };
 
         ggml_tensor * cur = ggml_get_rows(ctx, tok_embd, g.tokens);  // [n_embd, n_tok]
         for (int il = 0; il < hp_.n_layer; ++il) {
             const layer_weights & L = layers[il];
             ggml_tensor * inp = cur;
 
-            ggml_tensor * x = rms_norm(g, cur, L.attn_norm);
-            ggml_tensor * q = ggml_reshape_3d(ctx, matmul(g, L.wq, x), hd, hp_.n_head, n_tok);
-            ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, hp_.n_head_kv, n_tok);
-            ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, hp_.n_head_kv, n_tok);
-            q = rope(g, rms_norm(g, q, L.q_norm));
-            k = rope(g, rms_norm(g, k, L.k_norm));
-            x = matmul(g, L.wo, attention_kv(g, il, q, k, v, scale));
+            ggml_tensor * x = self_attention(g, il, L, rms_norm(g, cur, L.attn_norm), rope_qk);  // q/k RMSNorm inside
             cur = ggml_add(ctx, x, inp);
 
             ggml_tensor * ffn_inp = cur;

@@ -1,10 +1,13 @@
 // Qwen3.5 hybrid target (GGUF arch "qwen35"): Gated DeltaNet layers with a short conv, and
 // every full_attention_interval-th layer gated full attention with partial multi-section RoPE.
 // Norm weights are stored as (1 + w) by the converter, so every norm here is x_hat * w.
+// Also Qwen3.5-MoE (GGUF arch "qwen35moe"): the same layers with the routed FFN and its shared
+// expert (moe.h) in place of the dense SwiGLU.
 #include "../common.h"
 #include "../matmul.h"
 #include "../graph.h"
 #include "../model.h"
+#include "../moe.h"
 
 #include <cmath>
 
@@ -16,9 +19,10 @@ static const char * W = "load_gguf";
 
 class qwen35_model : public target_model {
 public:
-    explicit qwen35_model(std::unique_ptr<gguf_file> f) : target_model(std::move(f)) {
-        read_common_hparams();
+    qwen35_model(std::unique_ptr<gguf_file> f, bool moe) : target_model(std::move(f)) {
+        read_common_hparams(/*ff_required=*/!moe);
         gguf_file & F = *file_;
+        if (moe) read_moe_hparams(F, hp_);
         const std::string & P = F.path();
 
         const auto sections = F.get_int_arr(key("rope.dimension_sections"));
@@ -85,7 +89,11 @@ public:
             } else {
                 load_attention(F, il, E, hd, hp_.n_head, hp_.n_head_kv, 2, L);  // [q | gate] per head
             }
-            load_ffn(F, il, E, hp_.n_ff, L);
+            if (moe) {
+                load_moe(F, il, hp_, L);
+            } else {
+                load_ffn(F, il, E, hp_.n_ff, L);
+            }
         }
     }
 
@@ -114,7 +122,7 @@ public:
             cur = ggml_add(ctx, x, inp);
 
             ggml_tensor * ffn_inp = cur;
-            cur = ggml_add(ctx, ffn_swiglu(g, rms_norm(g, cur, L.post_attn_norm), L), ffn_inp);
+            cur = ggml_add(ctx, ffn_block(g, rms_norm(g, cur, L.post_attn_norm), L, hp_), ffn_inp);
             g.tap(il, cur);
         }
         return rms_norm(g, cur, output_norm);
@@ -148,7 +156,11 @@ private:
 }  // namespace
 
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f) {
-    return std::make_unique<qwen35_model>(std::move(f));
+    return std::make_unique<qwen35_model>(std::move(f), /*moe=*/false);
+}
+
+std::unique_ptr<target_model> make_qwen35moe(std::unique_ptr<gguf_file> f) {
+    return std::make_unique<qwen35_model>(std::move(f), /*moe=*/true);
 }
 
 }  // namespace dfn

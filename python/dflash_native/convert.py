@@ -1,6 +1,10 @@
 """Hugging Face checkpoint -> GGUF conversion for DFlash target models.
 
-Supported: Qwen3 (`Qwen3ForCausalLM`, GGUF arch `qwen3`) and Qwen3.5 text
+Supported: Llama 3.x (`LlamaForCausalLM`, GGUF arch `llama`), Qwen3
+(`Qwen3ForCausalLM`, GGUF arch `qwen3`), Qwen3-MoE (`Qwen3MoeForCausalLM`, GGUF arch
+`qwen3moe`, experts stacked per layer), Qwen3.5-MoE (`Qwen3_5MoeForCausalLM` /
+`qwen3_5_moe_text` and the multimodal layout, GGUF arch `qwen35moe`: Qwen3.5's
+layers with routed experts and a gated shared expert) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
@@ -17,6 +21,9 @@ conventions. The transforms that are not plain renames:
 - `conv1d.weight` [C, 1, K] is squeezed to [C, K] (ggml ne = [K, C]) and kept F32.
 - GDN value heads are reordered from grouped-by-key-head order to tiled order
   when n_v_heads != n_k_heads, so ggml can broadcast q/k heads by tiling.
+- Llama's W_q / W_k rows are permuted per head from HF's rotate-half order to the
+  interleaved order of llama.cpp's NORM RoPE; `rope_type: llama3` becomes the
+  `rope_freqs` tensor of per-frequency divisors.
 
 Safetensors are read directly (header JSON + memmap), so no torch is needed.
 """
@@ -36,7 +43,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, LlamaFileType, MODEL_TENSOR, TokenType
 
-from .hf_formats import MASK_TOKEN_TEXTS, PRE_TOKENIZERS, default_mrope_section, hybrid_layer_types
+from .hf_formats import GPT2_PRE_TOKENIZER, MASK_TOKEN_TEXTS, PRE_TOKENIZERS, default_mrope_section, hybrid_layer_types
 
 __all__ = ["OUTTYPES", "convert_hf_to_gguf"]
 
@@ -224,6 +231,7 @@ class _SourceTensor:
     load: Callable[[], np.ndarray]  # float32 data in the final layout
     keep_f32: bool = False  # llama.cpp keeps it F32 whatever the outtype (e.g. ssm_conv1d)
     hf_name: str = ""  # the checkpoint tensor it comes from, for bookkeeping
+    hf_names: tuple[str, ...] = ()  # or the tensors it is stacked from (MoE experts)
 
 
 @dataclass
@@ -310,7 +318,7 @@ def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weig
 @dataclass
 class _ModelSpec:
     src_dir: Path
-    gguf_arch: str            # "qwen3" | "qwen35"
+    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35" | "qwen35moe"
     config: dict[str, Any]    # the full config.json
     text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
     tied: bool                # tie_word_embeddings
@@ -330,20 +338,36 @@ class _ModelSpec:
 
 # HF architecture / model_type -> GGUF arch
 _ARCHS = {
+    "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3_5ForConditionalGeneration": "qwen35",
+    "Qwen3_5MoeForCausalLM": "qwen35moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
 }
-_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
+                "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
 
 # Defaults of the transformers 5 config classes for keys a config.json may omit.
 _DEFAULTS = {
+    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
     "qwen3": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
+    "qwen3moe": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
+                     norm_topk_prob=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_num_key_heads=16, linear_num_value_heads=32),
+    "qwen35moe": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=16, linear_num_value_heads=32,
+                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, norm_topk_prob=True),
 }
 
 
@@ -383,6 +407,8 @@ def _load_model_spec(src: Path) -> _ModelSpec:
     text = {**_DEFAULTS[gguf_arch], **text}
     if text.get("num_key_value_heads") is None:
         text["num_key_value_heads"] = text.get("num_attention_heads")
+    if text.get("head_dim") is None and text.get("num_attention_heads"):
+        text["head_dim"] = int(text.get("hidden_size", 0)) // int(text["num_attention_heads"])
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return _ModelSpec(src, gguf_arch, config, text, tied)
 
@@ -441,7 +467,8 @@ def _common_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     writer.add_block_count(int(spec.require("num_hidden_layers")))
     writer.add_context_length(int(spec.get("max_position_embeddings")))
     writer.add_embedding_length(int(spec.require("hidden_size")))
-    writer.add_feed_forward_length(int(spec.require("intermediate_size")))
+    if spec.gguf_arch != "qwen35moe" or spec.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(int(spec.require("intermediate_size")))
     writer.add_head_count(int(spec.require("num_attention_heads")))
     writer.add_head_count_kv(int(spec.get("num_key_value_heads")))
     writer.add_layer_norm_rms_eps(float(spec.get("rms_norm_eps")))
@@ -503,7 +530,8 @@ def _embedding_and_head(spec: _ModelSpec, ckpt: _Checkpoint, prefix: str,
 def _check_unused(ckpt: _Checkpoint, prefix: str, out: Sequence[_SourceTensor]) -> None:
     """Refuse tensors of the text model that we would silently drop. Vision
     (`model.visual.`) and MTP (`mtp.`) tensors lie outside the prefix and are skipped."""
-    used = {t.hf_name for t in out} | {"lm_head.weight"}  # lm_head is dropped on purpose when tied
+    used = {t.hf_name for t in out} | {n for t in out for n in t.hf_names}
+    used.add("lm_head.weight")  # dropped on purpose when tied
     extra = sorted(n for n in ckpt.tensors
                    if n not in used and (n.startswith(prefix) or n == "lm_head.weight")
                    and not n.endswith(".rotary_emb.inv_freq"))
@@ -534,6 +562,175 @@ def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     for il in range(int(spec.require("num_hidden_layers"))):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il)))
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Qwen3-MoE (Qwen3 attention, routed experts in every layer)
+# ---------------------------------------------------------------------------
+
+def _moe_dims(spec: _ModelSpec) -> tuple[int, int, int]:
+    """(n_expert, n_expert_used, n_ff_expert), checked."""
+    where = spec.src_dir / "config.json"
+    n_expert, n_used = int(spec.get("num_experts")), int(spec.get("num_experts_per_tok"))
+    n_ff = int(spec.get("moe_intermediate_size"))
+    if not (1 <= n_used <= n_expert) or n_ff <= 0:
+        raise ValueError(f"[convert] {where}: num_experts_per_tok ({n_used}) must be in [1, num_experts "
+                         f"({n_expert})] and moe_intermediate_size ({n_ff}) > 0")
+    return n_expert, n_used, n_ff
+
+
+def _qwen3moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """llama.cpp's Qwen3MoeModel keys, plus `expert_weights_norm` (HF norm_topk_prob; a llama.cpp key
+    that its qwen3moe graph does not read: it always renormalises)."""
+    _qwen3_kv(writer, spec)
+    where = spec.src_dir / "config.json"
+    if int(spec.get("decoder_sparse_step")) != 1 or spec.get("mlp_only_layers"):
+        raise ValueError(f"[convert] {where}: dense layers among the MoE ones (decoder_sparse_step "
+                         f"{spec.get('decoder_sparse_step')}, mlp_only_layers {spec.get('mlp_only_layers')}) "
+                         f"are not supported (llama.cpp's qwen3moe has experts in every layer)")
+    n_expert, n_used, n_ff = _moe_dims(spec)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_expert_weights_norm(bool(spec.get("norm_topk_prob")))
+
+
+def _stacked(ckpt: _Checkpoint, hf_names: Sequence[str], gguf_name: str, shape: tuple[int, ...]) -> _SourceTensor:
+    """One GGUF tensor [n_expert, ...] stacked from per-expert HF tensors, as llama.cpp stacks them."""
+    srcs = [ckpt.get(n) for n in hf_names]
+    for t in srcs:
+        if t.shape != shape[1:]:
+            raise ValueError(f"[convert] {ckpt.src_dir}: {t.name} has shape {list(t.shape)}, expected "
+                             f"{list(shape[1:])} from config.json")
+    return _SourceTensor(gguf_name, shape, lambda: np.stack([t.load() for t in srcs]), hf_names=tuple(hf_names))
+
+
+def moe_expert_tensors(spec: _ModelSpec, ckpt: _Checkpoint, p: str, il: int) -> list[_SourceTensor]:
+    """The routed experts of layer il (HF prefix `p` + "mlp."): the router `gate` -> ffn_gate_inp
+    (kept F32, as llama.cpp keeps it), and the experts stacked into ffn_{gate,up}_exps
+    [n_expert, n_ff_exp, n_embd] and ffn_down_exps [n_expert, n_embd, n_ff_exp] (numpy order; ggml
+    ne reversed). Reads per-expert tensors (`experts.<e>.gate_proj.weight`, the hub layout) or
+    transformers 5's fused `experts.gate_up_proj` [n_expert, 2 n_ff_exp, n_embd] / `experts.down_proj`."""
+    n_expert, _, n_ff = _moe_dims(spec)
+    h = int(spec.require("hidden_size"))
+    out = [_copy(ckpt, p + "mlp.gate.weight", _tensor_name(MODEL_TENSOR.FFN_GATE_INP, il), keep_f32=True)]
+    if out[0].shape != (n_expert, h):
+        raise ValueError(f"[convert] {ckpt.src_dir}: {p}mlp.gate.weight has shape {list(out[0].shape)}, expected "
+                         f"[{n_expert}, {h}] from config.json")
+    gate, up, down = (_tensor_name(k, il) for k in (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP,
+                                                      MODEL_TENSOR.FFN_DOWN_EXP))
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in ckpt:
+        gu = _copy(ckpt, fused, gate)
+        if gu.shape != (n_expert, 2 * n_ff, h):
+            raise ValueError(f"[convert] {ckpt.src_dir}: {fused} has shape {list(gu.shape)}, expected "
+                             f"[{n_expert}, {2 * n_ff}, {h}] from config.json")
+        out += [_copy(ckpt, fused, gate, lambda x: np.ascontiguousarray(x[:, :n_ff]), shape=(n_expert, n_ff, h)),
+                _copy(ckpt, fused, up, lambda x: np.ascontiguousarray(x[:, n_ff:]), shape=(n_expert, n_ff, h))]
+        dn = _copy(ckpt, p + "mlp.experts.down_proj", down)
+        if dn.shape != (n_expert, h, n_ff):
+            raise ValueError(f"[convert] {ckpt.src_dir}: {dn.hf_name} has shape {list(dn.shape)}, expected "
+                             f"[{n_expert}, {h}, {n_ff}] from config.json")
+        return out + [dn]
+    e = [f"{p}mlp.experts.{i}." for i in range(n_expert)]
+    return out + [_stacked(ckpt, [x + "gate_proj.weight" for x in e], gate, (n_expert, n_ff, h)),
+                  _stacked(ckpt, [x + "up_proj.weight" for x in e], up, (n_expert, n_ff, h)),
+                  _stacked(ckpt, [x + "down_proj.weight" for x in e], down, (n_expert, h, n_ff))]
+
+
+def _qwen3moe_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, None)
+    for il in range(int(spec.require("num_hidden_layers"))):
+        p = f"{prefix}layers.{il}."
+        for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
+            if not hf_suffix.startswith("mlp."):
+                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il)))
+        out += moe_expert_tensors(spec, ckpt, p, il)
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Llama (Llama 3.x dense)
+# ---------------------------------------------------------------------------
+
+def _llama_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """llama.cpp's LlamaModel keys: the common ones, vocab_size, rope.dimension_count = head_dim.
+    Llama 3.1's `llama3` RoPE scaling is a tensor (rope_freqs), not a key."""
+    _common_kv(writer, spec)
+    if spec.get("mlp_bias"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: mlp_bias=true is not supported")
+    rp = _rope_parameters(spec)
+    if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: partial_rotary_factor "
+                         f"{rp['partial_rotary_factor']} is not supported for Llama (llama.cpp rotates the whole head)")
+    if rp["rope_type"] not in ("default", "llama3"):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: unsupported rope_type {rp['rope_type']!r} "
+                         f"for Llama (supported: default, llama3)")
+    writer.add_vocab_size(spec.vocab_size)
+    writer.add_rope_freq_base(float(rp["rope_theta"]))
+    writer.add_rope_dimension_count(int(spec.get("head_dim")))
+
+
+def llama3_rope_factors(spec: _ModelSpec) -> np.ndarray | None:
+    """F32 [head_dim / 2]: the divisors of each RoPE frequency under `rope_type: llama3` (None for
+    other rope types), as llama.cpp's converter computes rope_freqs: 1 for wavelengths below
+    original_max_position_embeddings / high_freq_factor, `factor` above ... / low_freq_factor,
+    smoothly interpolated between (HF's _compute_llama3_parameters divides the frequencies alike).
+    original_max_position_embeddings is read from the rope parameters as HF does (llama.cpp reads
+    only a top-level key, default 8192: the same on every published Llama 3.x config)."""
+    rp = _rope_parameters(spec)
+    if rp["rope_type"] != "llama3":
+        return None
+    dim = int(spec.get("head_dim"))
+    base = float(rp["rope_theta"])
+    factor = float(rp.get("factor", 8.0))
+    low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+    old_ctx = float(rp.get("original_max_position_embeddings", spec.get("original_max_position_embeddings", 8192)))
+    if not (factor > 0 and high > low > 0 and old_ctx > 0):
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: llama3 rope scaling needs factor > 0 and "
+                         f"high_freq_factor > low_freq_factor > 0 (got {factor}, {high}, {low})")
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    out = np.where(wavelen < old_ctx / high, 1.0,
+                   np.where(wavelen > old_ctx / low, factor, 1.0 / ((1.0 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
+def llama_qk_permute(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of W_q / W_k [n_head * head_dim, n_in] from HF's rotate-half order (pairs (i, i + d/2)
+    of a head) to the interleaved order (pairs (2i, 2i + 1)) of llama.cpp's NORM RoPE, as its
+    LlamaModel.permute does."""
+    if x.shape[0] % (2 * n_head) != 0:
+        raise ValueError(f"[convert] Llama q/k permute: {x.shape[0]} rows are not {n_head} heads of even size")
+    return np.ascontiguousarray(
+        x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2)).reshape(x.shape)
+
+
+# HF Llama decoder-layer tensor suffix -> GGUF tensor (q/k are permuted on the way)
+LLAMA_LAYER_TENSORS: Mapping[str, MODEL_TENSOR] = {
+    k: v for k, v in QWEN3_LAYER_TENSORS.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+
+
+def _llama_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, None)
+    n_head, n_kv = int(spec.require("num_attention_heads")), int(spec.get("num_key_value_heads"))
+    factors = llama3_rope_factors(spec)
+    if factors is not None:
+        out.append(_SourceTensor(_tensor_name(MODEL_TENSOR.ROPE_FREQS), factors.shape, lambda: factors))
+    for il in range(int(spec.require("num_hidden_layers"))):
+        for hf_suffix, key in LLAMA_LAYER_TENSORS.items():
+            fn = None
+            if hf_suffix == "self_attn.q_proj.weight":
+                fn = lambda x: llama_qk_permute(x, n_head)  # noqa: E731
+            elif hf_suffix == "self_attn.k_proj.weight":
+                fn = lambda x: llama_qk_permute(x, n_kv)  # noqa: E731
+            out.append(_copy(ckpt, f"{prefix}layers.{il}.{hf_suffix}", _tensor_name(key, il), fn))
     _check_unused(ckpt, prefix, out)
     return out
 
@@ -675,6 +872,37 @@ def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
         writer.add_full_attention_interval(interval)
 
 
+def _qwen35moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """Qwen3.5's keys plus the experts' (llama.cpp's Qwen3_5MoeTextModel): HF's router always
+    renormalises its top-k, as llama.cpp's qwen35moe graph does."""
+    _qwen35_kv(writer, spec)
+    n_expert, n_used, n_ff = _moe_dims(spec)
+    n_sh = int(spec.get("shared_expert_intermediate_size"))
+    if n_sh <= 0:
+        raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: shared_expert_intermediate_size {n_sh} must be > 0")
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_expert_shared_feed_forward_length(n_sh)
+
+
+def moe_shared_expert_tensors(spec: _ModelSpec, ckpt: _Checkpoint, p: str, il: int) -> list[_SourceTensor]:
+    """The shared expert of layer il (HF prefix `p` + "mlp.") -> ffn_{gate,up,down}_shexp, and its
+    sigmoid gate `shared_expert_gate` [1, n_embd] -> ffn_gate_inp_shexp (kept F32, as llama.cpp keeps it)."""
+    h, n_sh = int(spec.require("hidden_size")), int(spec.get("shared_expert_intermediate_size"))
+    out = [_copy(ckpt, p + "mlp.shared_expert_gate.weight", _tensor_name(MODEL_TENSOR.FFN_GATE_INP_SHEXP, il),
+                 keep_f32=True)]
+    for hf_suffix, key, shape in (("gate_proj", MODEL_TENSOR.FFN_GATE_SHEXP, (n_sh, h)),
+                                  ("up_proj", MODEL_TENSOR.FFN_UP_SHEXP, (n_sh, h)),
+                                  ("down_proj", MODEL_TENSOR.FFN_DOWN_SHEXP, (h, n_sh))):
+        out.append(_copy(ckpt, f"{p}mlp.shared_expert.{hf_suffix}.weight", _tensor_name(key, il)))
+    for t, want in zip(out, [(1, h), (n_sh, h), (n_sh, h), (h, n_sh)]):
+        if t.shape != want:
+            raise ValueError(f"[convert] {ckpt.src_dir}: {t.hf_name} has shape {list(t.shape)}, expected "
+                             f"{list(want)} from config.json")
+    return out
+
+
 def _plus_one(x: np.ndarray) -> np.ndarray:
     return x + np.float32(1.0)
 
@@ -738,6 +966,9 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
             ]
         out.append(_copy(ckpt, p + "post_attention_layernorm.weight",
                          _tensor_name(MODEL_TENSOR.ATTN_POST_NORM, il), _plus_one))
+        if spec.gguf_arch == "qwen35moe":
+            out += moe_expert_tensors(spec, ckpt, p, il) + moe_shared_expert_tensors(spec, ckpt, p, il)
+            continue
         for hf_suffix, key in (("mlp.gate_proj.weight", MODEL_TENSOR.FFN_GATE),
                                ("mlp.up_proj.weight", MODEL_TENSOR.FFN_UP),
                                ("mlp.down_proj.weight", MODEL_TENSOR.FFN_DOWN)):
@@ -749,8 +980,11 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
 # GGUF arch -> (hparam keys writer, tensor planner)
 _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
                                   Callable[[_ModelSpec, _Checkpoint], list[_SourceTensor]]]] = {
+    "llama": (_llama_kv, _llama_tensors),
+    "qwen3moe": (_qwen3moe_kv, _qwen3moe_tensors),
     "qwen3": (_qwen3_kv, _qwen3_tensors),
     "qwen35": (_qwen35_kv, _qwen35_tensors),
+    "qwen35moe": (_qwen35moe_kv, _qwen35_tensors),
 }
 
 
@@ -772,18 +1006,34 @@ def _iter_pre_tokenizers(node: Any) -> Iterator[dict[str, Any]]:
 
 
 def _tokenizer_pre(tok: dict[str, Any], where: Path) -> str:
+    """tokenizer.ggml.pre for tokenizer.json's pre-tokenizer, as llama.cpp names the one that
+    implements it: one regex Split (before a ByteLevel without its own regex) whose regex is
+    Qwen2's, Qwen3.5's or Llama 3's; or a lone ByteLevel with its GPT-2 regex (`gpt-2`)."""
     pre = list(_iter_pre_tokenizers(tok.get("pre_tokenizer")))
-    if not any(p.get("type") == "ByteLevel" for p in pre):
+    byte_levels = [p for p in pre if p.get("type") == "ByteLevel"]
+    if not byte_levels:
         raise ValueError(f"[convert] {where}: only byte-level BPE tokenizers are supported "
                          f"(no ByteLevel pre-tokenizer)")
+    if any(p.get("add_prefix_space") for p in byte_levels):
+        raise ValueError(f"[convert] {where}: ByteLevel add_prefix_space=true is not supported "
+                         f"(llama.cpp's byte-level BPE adds no prefix space)")
+    others = sorted({str(p.get("type")) for p in pre} - {"ByteLevel", "Split"})
+    if others:
+        raise ValueError(f"[convert] {where}: unsupported pre-tokenizers {others}")
     splits = [p for p in pre if p.get("type") == "Split"]
-    if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}):
-        raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer, found {len(splits)}")
+    own_regex = [p for p in byte_levels if p.get("use_regex", True)]
+    if not splits and len(pre) == 1 and own_regex:
+        return GPT2_PRE_TOKENIZER
+    if len(splits) != 1 or "Regex" not in splits[0].get("pattern", {}) or own_regex:
+        raise ValueError(f"[convert] {where}: expected one regex Split pre-tokenizer and a ByteLevel without "
+                         f"its own regex (or a lone GPT-2 ByteLevel), found {len(splits)} Split(s) and "
+                         f"{len(own_regex)} ByteLevel(s) with use_regex")
     regex = splits[0]["pattern"]["Regex"]
     name = PRE_TOKENIZERS.get(regex)
     if name is None:
-        raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; "
-                         f"supported: the Qwen2 and Qwen3.5 ones")
+        known = ", ".join(f"{v} ({k!r})" for k, v in PRE_TOKENIZERS.items())
+        raise ValueError(f"[convert] {where}: unknown pre-tokenizer regex {regex!r}; supported: {known}, "
+                         f"and a lone GPT-2 ByteLevel ({GPT2_PRE_TOKENIZER})")
     return name
 
 
@@ -904,11 +1154,27 @@ def _special_token_ids(tok_config: Mapping[str, Any], config: Mapping[str, Any],
 
 
 def _add_special_flags(tok: Mapping[str, Any], tok_config: Mapping[str, Any]) -> dict[str, bool]:
-    """add_bos/add_eos/add_sep: a ByteLevel post-processor adds nothing; tokenizer_config.json overrides."""
+    """add_bos/add_eos/add_sep as gguf's SpecialVocab reads them: a ByteLevel post-processor adds
+    nothing; a TemplateProcessing one (Llama 3: `<|begin_of_text|> $A`) adds BOS when its single
+    template starts with the BOS token, EOS when it ends with the EOS token;
+    tokenizer_config.json's `add_<typ>_token` overrides both."""
+    def text(entry: Any) -> Any:
+        return entry.get("content") if isinstance(entry, dict) else entry
+
     add_special: dict[str, bool] = {}
     post = tok.get("post_processor") or {}
-    if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
-        add_special.update(bos=False, eos=False)
+    for proc in post.get("processors", [post]):
+        if proc.get("type") == "ByteLevel":
+            add_special.update(bos=False, eos=False)
+        elif proc.get("type") == "TemplateProcessing":
+            single = proc.get("single") or []
+            if len(single) > 1:
+                first = single[0].get("SpecialToken", {}).get("id")
+                last = single[-1].get("SpecialToken", {}).get("id")
+                if first:
+                    add_special["bos"] = first == text(tok_config.get("bos_token")) or not tok_config
+                if last:
+                    add_special["eos"] = last == text(tok_config.get("eos_token")) or not tok_config
     for typ in ("bos", "eos", "sep"):
         value = tok_config.get(f"add_{typ}_token")
         if isinstance(value, bool):

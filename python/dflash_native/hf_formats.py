@@ -31,6 +31,8 @@ __all__ = [
     "PRE_TOKENIZERS",
     "QWEN2_PRETOKENIZE_REGEX",
     "QWEN35_PRETOKENIZE_REGEX",
+    "LLAMA3_PRETOKENIZE_REGEX",
+    "GPT2_PRE_TOKENIZER",
     "TRAINED_CONTEXT_KEY",
     "byte_level_bpe_tokenizer",
     "bytes_to_unicode",
@@ -69,11 +71,19 @@ QWEN2_PRETOKENIZE_REGEX = (
 QWEN35_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Llama 3's Split regex: Qwen2's with digits in runs of up to three (llama.cpp's `llama-bpe`).
+LLAMA3_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # Split regex -> the llama.cpp pre-tokenizer (tokenizer.ggml.pre) that implements it.
 PRE_TOKENIZERS: Mapping[str, str] = {
     QWEN2_PRETOKENIZE_REGEX: "qwen2",
     QWEN35_PRETOKENIZE_REGEX: "qwen35",
+    LLAMA3_PRETOKENIZE_REGEX: "llama-bpe",
 }
+# A tokenizer.json whose only pre-tokenizer is ByteLevel with its own (GPT-2) regex, no Split:
+# llama.cpp's `gpt-2` pre-tokenizer implements that regex.
+GPT2_PRE_TOKENIZER = "gpt-2"
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -91,20 +101,26 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_level_bpe_tokenizer(vocab: Sequence[str], merges: Sequence[tuple[str, str]],
-                             added: Sequence[Mapping[str, Any]], regex: str) -> dict[str, Any]:
+                             added: Sequence[Mapping[str, Any]], regex: str | None) -> dict[str, Any]:
     """tokenizer.json of a Qwen-layout byte-level BPE: NFC, the regex Split,
-    ByteLevel without its own regex; `vocab` in id order, `added` tokens after it."""
+    ByteLevel without its own regex; `vocab` in id order, `added` tokens after it.
+    `regex=None`: a GPT-2-style tokenizer instead, whose only pre-tokenizer is ByteLevel
+    with its own regex."""
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    if regex is None:
+        pre_tokenizer: dict[str, Any] = {**byte_level, "use_regex": True}
+    else:
+        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            byte_level,
+        ]}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": list(added),
         "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
-            byte_level,
-        ]},
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": byte_level,
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",

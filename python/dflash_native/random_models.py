@@ -4,7 +4,8 @@ and stand-ins of any size for benchmarks (NumPy only).
 `make_random_checkpoint` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that transformers
 loads with `AutoModelForCausalLM.from_pretrained` and `convert_hf_to_gguf`
-converts: a Qwen3 (`Qwen3ForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
+converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
+(`Qwen3MoeForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
 `qwen3_5_text`) model with random weights at a scale that keeps logits
 informative and long decodes stable. `make_random_drafter_checkpoint` writes a
 z-lab DFlash drafter (`DFlashDraftModel`), and `make_random_drafter_gguf`
@@ -41,6 +42,7 @@ from .hf_formats import (
     ENDOFTEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
+    LLAMA3_PRETOKENIZE_REGEX,
     MASK_TOKEN_TEXT,
     QWEN2_PRETOKENIZE_REGEX,
     QWEN35_PRETOKENIZE_REGEX,
@@ -128,8 +130,43 @@ _BASE_CONFIG: Mapping[str, Mapping[str, Any]] = {
     },
 }
 
-_ARCH_ALIASES = {"qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5"}
-_PRETOKENIZE_REGEX = {"qwen3": QWEN2_PRETOKENIZE_REGEX, "qwen3_5": QWEN35_PRETOKENIZE_REGEX}
+# Llama, and the MoE archs: Qwen3's / Qwen3.5's layers with routed experts (and for Qwen3.5-MoE a shared expert)
+# in place of the dense FFN.
+_BASE_CONFIG = {**_BASE_CONFIG, "llama": {  # Llama 3.x: no q/k norms (target_weights), its own RoPE base
+    **_BASE_CONFIG["qwen3"],
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}, "qwen3_moe": {
+    **_BASE_CONFIG["qwen3"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}, "qwen3_5_moe": {
+    **{k: v for k, v in _BASE_CONFIG["qwen3_5"].items() if k != "intermediate_size"},
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}}
+
+_ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
+                 "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5",
+                 "qwen3_5_moe": "qwen3_5_moe", "qwen35moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+_PRETOKENIZE_REGEX = {"llama": LLAMA3_PRETOKENIZE_REGEX, "qwen3": QWEN2_PRETOKENIZE_REGEX,
+                      "qwen3_moe": QWEN2_PRETOKENIZE_REGEX,
+                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX, "qwen3_5_moe": QWEN35_PRETOKENIZE_REGEX}
 
 # safetensors dtype name -> (header dtype, bytes per element)
 ST_DTYPES: Mapping[str, tuple[str, int]] = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
@@ -144,17 +181,19 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"qwen3" or "qwen3_5" for any accepted spelling; ValueError otherwise."""
+    """"llama", "qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" for any accepted spelling; ValueError
+    otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
-        raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected 'qwen3_5' or 'qwen3'")
+        raise ValueError(f"[make_random_checkpoint] unknown arch {arch!r}; expected one of {sorted(_BASE_CONFIG)}")
     return out
 
 
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5" or "qwen3") to `dst_dir`.
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen3_moe" or "llama")
+    to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `merges`: the tokenizer's BPE
@@ -194,7 +233,7 @@ def target_config(arch: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The text config.json of a random `arch` target, without token ids."""
     cfg = json.loads(json.dumps(_BASE_CONFIG[arch]))
     cfg.update(json.loads(json.dumps(dict(overrides))))
-    if arch == "qwen3_5":
+    if arch in ("qwen3_5", "qwen3_5_moe"):
         rp = cfg["rope_parameters"]
         if "mrope_section" not in rp:
             rp["mrope_section"] = default_mrope_section(int(cfg["head_dim"] * rp.get("partial_rotary_factor", 0.25)))
@@ -217,7 +256,8 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     h = int(cfg["hidden_size"])
     n_vocab = int(cfg["vocab_size"])
     n_head, n_kv, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
-    centered = arch == "qwen3_5"  # Qwen3.5 RMSNorm computes x * (1 + w)
+    hybrid = arch in ("qwen3_5", "qwen3_5_moe")
+    centered = hybrid  # Qwen3.5 RMSNorm computes x * (1 + w)
     norm = ("normal", 0.1) if centered else ("one_plus", 0.1)
     # Output projections of the residual branches shrink with depth (GPT-2 style)
     # so that deep shapes stay as well-conditioned as the tiny ones.
@@ -229,18 +269,22 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     for il in range(int(cfg["num_hidden_layers"])):
         pre = f"model.layers.{il}."
         p[pre + "input_layernorm.weight"] = ((h,), norm)
-        if arch == "qwen3_5" and layer_types[il] == "linear_attention":
+        if hybrid and layer_types[il] == "linear_attention":
             _gdn_params(p, pre + "linear_attn.", cfg, depth_scale)
         else:
-            q_out = n_head * hd * (2 if arch == "qwen3_5" else 1)  # Qwen3.5: per head [q | gate]
+            q_out = n_head * hd * (2 if hybrid else 1)  # Qwen3.5: per head [q | gate]
             s = pre + "self_attn."
             p[s + "q_proj.weight"] = _linear_init(q_out, h)
             p[s + "k_proj.weight"] = _linear_init(n_kv * hd, h)
             p[s + "v_proj.weight"] = _linear_init(n_kv * hd, h)
             p[s + "o_proj.weight"] = _linear_init(h, n_head * hd, depth_scale)
-            p[s + "q_norm.weight"] = ((hd,), norm)
-            p[s + "k_norm.weight"] = ((hd,), norm)
+            if arch != "llama":  # Llama has no q/k RMSNorm
+                p[s + "q_norm.weight"] = ((hd,), norm)
+                p[s + "k_norm.weight"] = ((hd,), norm)
         p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
+        if arch in ("qwen3_moe", "qwen3_5_moe"):
+            _moe_params(p, pre + "mlp.", cfg, depth_scale)
+            continue
         ff = int(cfg["intermediate_size"])
         p[pre + "mlp.gate_proj.weight"] = _linear_init(ff, h)
         p[pre + "mlp.up_proj.weight"] = _linear_init(ff, h)
@@ -249,6 +293,25 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     if not cfg["tie_word_embeddings"]:
         p["lm_head.weight"] = ((n_vocab, h), ("normal", 2.0 / math.sqrt(h)))
     return {name: (shape, init, name) for name, (shape, init) in p.items()}
+
+
+def _moe_params(p: dict, m: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
+    """A routed-experts FFN (prefix `m`) in the hub layout (router `gate`, per-expert projections)
+    into p: name -> (shape, init). The router is wide (std 2/sqrt(hidden)) so that tokens disagree
+    on their experts."""
+    h, n_ff = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    p[m + "gate.weight"] = ((int(cfg["num_experts"]), h), ("normal", 2.0 / math.sqrt(h)))
+    for e in range(int(cfg["num_experts"])):
+        x = f"{m}experts.{e}."
+        p[x + "gate_proj.weight"] = _linear_init(n_ff, h)
+        p[x + "up_proj.weight"] = _linear_init(n_ff, h)
+        p[x + "down_proj.weight"] = _linear_init(h, n_ff, depth_scale)
+    if "shared_expert_intermediate_size" in cfg:  # Qwen3.5-MoE / Qwen3-Next: a gated shared expert
+        n_sh = int(cfg["shared_expert_intermediate_size"])
+        p[m + "shared_expert.gate_proj.weight"] = _linear_init(n_sh, h)
+        p[m + "shared_expert.up_proj.weight"] = _linear_init(n_sh, h)
+        p[m + "shared_expert.down_proj.weight"] = _linear_init(h, n_sh, depth_scale)
+        p[m + "shared_expert_gate.weight"] = _linear_init(1, h)
 
 
 def _gdn_params(p: dict, a: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
@@ -278,7 +341,7 @@ def _linear_init(n_out: int, n_in: int, scale: float = 1.0) -> tuple[tuple[int, 
 # tokenizer
 # ---------------------------------------------------------------------------
 
-def write_tokenizer(dst: Path, *, vocab_size: int | None, regex: str,
+def write_tokenizer(dst: Path, *, vocab_size: int | None, regex: str | None,
                     merges: Sequence[tuple[str, str]] = ()) -> dict[str, int]:
     """Write tokenizer.json and tokenizer_config.json: the 256 byte symbols, as
     many of `merges` as fit `vocab_size`, then SPECIAL_TOKENS. Returns the
@@ -528,7 +591,7 @@ def drafter_overrides_for_target(target: str | os.PathLike[str] | Mapping[str, A
         "num_attention_heads": n_head,
         "num_key_value_heads": int(cfg.get("num_key_value_heads") or n_head),
         "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head),
-        "intermediate_size": int(cfg["intermediate_size"]),
+        "intermediate_size": int(cfg.get("intermediate_size") or 2 * int(cfg["hidden_size"])),  # MoE: none
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
