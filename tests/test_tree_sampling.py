@@ -2,8 +2,8 @@
 perturbed score l / T + G(seed, position, token) over its filtered logits, and the path kept is the
 target's draws, so a sampled tree request commits exactly the sampled AR tokens at its seed.
 
-Random tiny dense (Qwen3) and hybrid (Qwen3.5) pairs written by the package's converters, F32, and
-the embedded default pair, all on the package's batch-invariant kernels.
+Random tiny dense (Qwen3) and hybrid (Qwen3.5) pairs written by the package's converters, F32, on
+the package's batch-invariant kernels (the embedded default pair: test_sampling.py).
 """
 
 from __future__ import annotations
@@ -117,21 +117,4 @@ def test_children_are_the_perturbed_ranking(pair, si):
     assert spec2.round(last, 16, None, sampling).draft[0] == ranking[0][0]  # the same block of 16
 
 
-@pytest.mark.parametrize("budget", [8, 32])
-def test_default_pair_sampled_tree_equals_sampled_ar(budget):
-    from dflash_native.cli import default_pair
-    from dflash_native.train.corpus import heldout_prompts
-
-    pair = default_pair()
-    assert pair is not None
-    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, block_size=16, verify="tree",
-                    tree_budget=budget)
-    acc = []
-    for i, p in enumerate(heldout_prompts(2, 96, eng, seed=3)):
-        for s in (dict(temperature=0.3), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, top_k=40)):
-            kw = dict(max_tokens=48, seed=53 * i + 5, **s)
-            ar = eng.generate(p.text, speculative=False, **kw)
-            sp = eng.generate(p.text, **kw)
-            assert sp.tokens == ar.tokens, (i, s)
-            acc.append(sp.stats.mean_acceptance_length)
-    assert max(acc) > 1.0  # drafts were accepted: the tree's accept path and rollback ran
+# the embedded default pair with sampled trees: test_sampling.py::test_default_pair_sampled_speculative_equals_sampled_ar
