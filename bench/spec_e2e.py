@@ -22,6 +22,9 @@ identical, and the sampler's cost per AR step (the draw alone on a real logits r
 sampled AR step against the greedy one).
 
     python bench/spec_e2e.py --sampling --json bench/results/spec_e2e_sampling.jsonl
+
+--sampling --tree-budget N runs the speculative side with tree verify (Engine(verify="tree",
+tree_budget=N)): sampled trees against sampled AR at the same seed.
 """
 
 from __future__ import annotations
@@ -87,12 +90,15 @@ def main_sampling(a) -> None:
     blocks = [int(b) for b in a.blocks.split(",")]
     gen = a.gen if a.gen != 48 else 128
     settings = [("greedy", {})] + [(f"T={float(t):g}", dict(temperature=float(t), top_p=a.top_p)) for t in a.temps.split(",")]
-    print(f"# spec_e2e --sampling: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
+    tree = dict(verify="tree", tree_budget=a.tree_budget) if a.tree_budget else {}
+    verify = f"tree {a.tree_budget}" if a.tree_budget else "chain"
+    print(f"# spec_e2e --sampling: {machine()}; {Path(target).name} + {Path(drafter).name}, verify {verify}, "
+          f"threads={a.threads}, "
           f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated, top_p={a.top_p}, reps={a.reps} "
           f"(fastest kept); rev {git_rev()}")
     rows = []
     for B in blocks:
-        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=96 + gen + 2 * B + 8, n_threads=a.threads)
+        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=96 + gen + 2 * B + 8, n_threads=a.threads, **tree)
         prompts = corpus.heldout_prompts(a.prompts, 96, eng, seed=0)
         for _, kw in settings:  # warm-up: graph plans of every path
             eng.generate(prompts[0].text, max_tokens=16, speculative=False, seed=1, **kw)
@@ -130,7 +136,7 @@ def main_sampling(a) -> None:
                   f"| {ar_tok_s:.1f} | {sp_tok_s:.1f} | {speedup:.2f}x | {speedup / greedy_speedup:.2f} "
                   f"| {step_ratio:.3f} | {'-' if us is None else f'{us:.1f} us ({us * 1e-6 * greedy_ar:.1%})'} "
                   f"| {t['same']}/{len(prompts)} |")
-            rows.append({"bench": "spec_e2e_sampling", "B": B, "setting": name, **kw,
+            rows.append({"bench": "spec_e2e_sampling", "B": B, "verify": verify, "setting": name, **kw,
                          "mean_acceptance_length": t["committed"] / max(t["rounds"], 1), "ar_tok_s": ar_tok_s,
                          "spec_tok_s": sp_tok_s, "speedup": speedup, "speedup_over_greedy_speedup": speedup / greedy_speedup,
                          "ar_step_over_greedy_ar_step": step_ratio, "sampler_us_per_draw": us,
@@ -167,6 +173,7 @@ def main():
     ap.add_argument("--sampling", action="store_true", help="the trained pair: greedy vs sampled settings")
     ap.add_argument("--temps", default="0.3,0.7,1.0", help="--sampling: temperatures")
     ap.add_argument("--top-p", type=float, default=0.95, help="--sampling: top_p of the sampled settings")
+    ap.add_argument("--tree-budget", type=int, default=0, help="--sampling: tree verify with this budget (0: chain)")
     a = ap.parse_args()
     if a.sampling:
         return main_sampling(a)

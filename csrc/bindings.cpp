@@ -268,27 +268,36 @@ void bind_tape(py::module_ & m) {
 
 void bind_sampling(py::module_ & m) {
     py::class_<sampling_params>(m, "Sampling", "One request's sampling settings (sampler.h), checked when made")
-        .def(py::init([](double temperature, int64_t top_k, double top_p, double min_p, uint64_t seed) {
+        .def(py::init([](double temperature, int64_t top_k, double top_p, double min_p, uint64_t seed,
+                         int64_t logprobs) {
                  sampling_params p;
                  p.temperature = temperature;
                  p.top_k = top_k;
                  p.top_p = top_p;
                  p.min_p = min_p;
                  p.seed = seed;
+                 p.n_logprobs = logprobs;
                  check_sampling_params(p);
                  return p;
              }),
              py::arg("temperature"), py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0,
-             py::arg("seed") = 0)
+             py::arg("seed") = 0, py::arg("logprobs") = -1)
         .def_readonly("temperature", &sampling_params::temperature)
         .def_readonly("top_k", &sampling_params::top_k)
         .def_readonly("top_p", &sampling_params::top_p)
         .def_readonly("min_p", &sampling_params::min_p)
         .def_readonly("seed", &sampling_params::seed)
+        .def_readonly("logprobs", &sampling_params::n_logprobs, "alternatives per token's logprobs (-1: none)")
         .def("__repr__", [](const sampling_params & p) {
             return cat("Sampling(temperature=", p.temperature, ", top_k=", p.top_k, ", top_p=", p.top_p,
-                       ", min_p=", p.min_p, ", seed=", p.seed, ")");
+                       ", min_p=", p.min_p, ", seed=", p.seed, ", logprobs=", p.n_logprobs, ")");
         });
+    m.attr("MAX_LOGPROBS") = k_max_logprobs;
+    py::class_<token_logprobs>(m, "TokenLogprobs", "One committed token's log-probabilities (sampler.h)")
+        .def_readonly("token", &token_logprobs::token)
+        .def_readonly("logprob", &token_logprobs::logprob)
+        .def_readonly("top_tokens", &token_logprobs::top_tokens, "the most probable tokens, most probable first")
+        .def_readonly("top_logprobs", &token_logprobs::top_logprobs);
 }
 
 // ---- Target -----------------------------------------------------------------------------------
@@ -398,6 +407,18 @@ void bind_target(py::module_ & m) {
             },
             py::arg("tokens"), py::arg("sampling"),
             "decode() that returns the next token drawn by the sampler (Sampling) at its position")
+        .def(
+            "decode_logprobs",
+            [](target_session & s, const py::object & tokens, const sampling_params & p) {
+                std::vector<int32_t> toks = to_tokens(tokens);
+                py::gil_scoped_release release;
+                token_logprobs lp;
+                s.decode_sampled(toks.data(), (int64_t) toks.size(), p, &lp);
+                return lp;
+            },
+            py::arg("tokens"), py::arg("sampling"),
+            "decode_sampled() that returns the next token's TokenLogprobs (Sampling.logprobs >= 0; temperature 0: "
+            "the argmax)")
         .def("verify", &target_verify, py::arg("tokens"), py::arg("taps") = std::vector<int>{},
              "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
         .def(
@@ -471,6 +492,8 @@ void bind_round_result(py::module_ & m) {
         .def_readonly("ar", &round_result::ar, "an AR step (Spec.step under the controller): one token, no draft")
         .def_readonly("parents", &round_result::parents, "tree rounds: the tree's parents (node 0 the root); else empty")
         .def_readonly("path", &round_result::path, "tree rounds: the accepted path's node indices, root first")
+        .def_readonly("logprobs", &round_result::logprobs,
+                      "one TokenLogprobs per committed token when the Sampling asked for them; else empty")
         .def("__repr__", [](const round_result & r) {
             return cat("RoundResult(committed=", r.committed.size(), " tokens, n_verified=", r.n_verified, ")");
         });
@@ -498,6 +521,16 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             py::arg("tokens"), py::arg("sampling") = py::none(),
             "Reset, run the prompt through the target with taps, fill the ring; returns the first token (the "
             "argmax, or with a Sampling its draw)")
+        .def(
+            "prefill_logprobs",
+            [](spec_session & s, const py::object & tokens, const sampling_params & p) {
+                std::vector<int32_t> t = to_tokens(tokens);
+                py::gil_scoped_release release;
+                token_logprobs lp;
+                s.prefill_sampled(t.data(), (int64_t) t.size(), p, &lp);
+                return lp;
+            },
+            py::arg("tokens"), py::arg("sampling"), "prefill() that returns the first token's TokenLogprobs")
         .def(
             "draft",
             [](spec_session & s, int32_t last, int64_t B) {
@@ -556,28 +589,31 @@ void bind_spec(py::module_ & m) {
                       "Most nodes below the root a tree round verifies (round_tree, step_tree)")
         .def(
             "round_tree",
-            [](spec_session & s, int32_t last, int64_t B) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
                 py::gil_scoped_release release;
-                return s.round_tree(last, B);
+                return s.round_tree(last, B, sampling);
             },
-            py::arg("last"), py::arg("block_size"), "One tree round (fixed settings)")
+            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+            "One tree round (fixed settings); with a Sampling, its sampled form")
         .def(
             "step_tree",
-            [](spec_session & s, int32_t last, int64_t B) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
                 py::gil_scoped_release release;
-                return s.step_tree(last, B);
+                return s.step_tree(last, B, sampling);
             },
-            py::arg("last"), py::arg("block_size"), "The next step in tree mode: the controller's AR step or a tree round")
+            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+            "The next step in tree mode: the controller's AR step or a tree round; with a Sampling, their sampled forms")
         .def(
             "verify_tree",
-            [](spec_session & s, const py::object & parents, const py::object & tokens) {
+            [](spec_session & s, const py::object & parents, const py::object & tokens,
+               const sampling_params * sampling) {
                 std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens);
                 py::gil_scoped_release release;
-                return s.verify_tree(p, t);
+                return s.verify_tree(p, t, sampling);
             },
-            py::arg("parents"), py::arg("tokens"),
+            py::arg("parents"), py::arg("tokens"), py::arg("sampling") = py::none(),
             "Verify a given tree (tokens[0]: the last committed token) and commit its accepted path")
         .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
                       &spec_session::set_controller,

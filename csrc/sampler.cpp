@@ -14,6 +14,8 @@ void check_sampling_params(const sampling_params & p) {
     DFN_REQUIRE(p.top_k >= 0, "sampling", "top_k must be >= 0 (0: off), got ", p.top_k);
     DFN_REQUIRE(p.top_p > 0.0 && p.top_p <= 1.0, "sampling", "top_p must be in (0, 1] (1: off), got ", p.top_p);
     DFN_REQUIRE(p.min_p >= 0.0 && p.min_p < 1.0, "sampling", "min_p must be in [0, 1) (0: off), got ", p.min_p);
+    DFN_REQUIRE(p.n_logprobs >= -1 && p.n_logprobs <= k_max_logprobs, "sampling", "logprobs must be in [0, ",
+                k_max_logprobs, "] (-1: off), got ", p.n_logprobs);
 }
 
 // ---- noise ----------------------------------------------------------------------------------------
@@ -176,15 +178,23 @@ void noise_bits_block(uint64_t seed, int64_t pos, const int32_t * tokens, int64_
     }
 }
 
-// argmax over the kept entries of l/T + G(seed, pos, id); among equal scores the lower index.
-int64_t gumbel_argmax(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T,
-                      uint64_t seed, int64_t pos) {
+// The K best kept entries by l/T + G(seed, pos, id), score descending, the lower index first
+// among equal scores: (entry, score) pairs in `top`.
+void gumbel_topk(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T, uint64_t seed,
+                 int64_t pos, int64_t K, std::vector<std::pair<int32_t, double>> & top) {
     const double g_prune = prune_gumbel();
-    int64_t best = i_max;  // every filter keeps it: a good first bound
-    double s_best = (double) row.l[i_max] / T + gumbel(seed, pos, row.id(i_max));
-    // l < l_lim implies l/T + g_prune < s_best (the relative margin covers the rounding of both
-    // sides), so the test needs no division for the tokens it skips
-    auto lim = [&] { return (s_best - g_prune - 1e-9 * (1.0 + std::fabs(s_best))) * T; };
+    auto before = [](const std::pair<int32_t, double> & a, const std::pair<int32_t, double> & b) {
+        return a.second > b.second || (a.second == b.second && a.first < b.first);
+    };
+    top.assign(1, {(int32_t) i_max, (double) row.l[i_max] / T + gumbel(seed, pos, row.id(i_max))});  // kept by every filter
+    // s_K: the score an entry must beat once K are held. l < l_lim implies l/T + g_prune < s_K
+    // (the relative margin covers the rounding of both sides), so the test needs no division for
+    // the tokens it skips.
+    auto lim = [&] {
+        if ((int64_t) top.size() < K) return (double) -INFINITY;
+        const double s_k = top.back().second;
+        return (s_k - g_prune - 1e-9 * (1.0 + std::fabs(s_k))) * T;
+    };
     double l_lim = lim();
     constexpr int64_t k_block = 256;
     int32_t ids[k_block];
@@ -195,25 +205,48 @@ int64_t gumbel_argmax(const logits_row & row, const std::vector<int32_t> & kept,
         noise_bits_block(seed, pos, ids, nb, bits);
         for (int64_t j = 0; j < nb; ++j) {
             const int32_t i = kept[j0 + j];
-            // bits at or below k_prune_bits give a score <= l/T + G(k_prune_bits) < s_best
+            // bits at or below k_prune_bits give a score <= l/T + G(k_prune_bits) < s_K
             if (i == i_max || (bits[j] <= k_prune_bits && (double) row.l[i] < l_lim)) continue;
-            const double s = (double) row.l[i] / T + gumbel_of_bits(bits[j]);
-            if (s > s_best || (s == s_best && i < best)) {
-                best = i;
-                s_best = s;
-                l_lim = lim();
-            }
+            const std::pair<int32_t, double> c{i, (double) row.l[i] / T + gumbel_of_bits(bits[j])};
+            if ((int64_t) top.size() == K && !before(c, top.back())) continue;
+            top.insert(std::upper_bound(top.begin(), top.end(), c, before), c);
+            if ((int64_t) top.size() > K) top.pop_back();
+            l_lim = lim();
         }
     }
-    return best;
 }
 
-// log softmax(kept l / T) at entry i, summed in ascending index order
-double kept_logprob(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T, int64_t i) {
+// argmax over the kept entries of l/T + G(seed, pos, id); among equal scores the lower index.
+int64_t gumbel_argmax(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T,
+                      uint64_t seed, int64_t pos) {
+    std::vector<std::pair<int32_t, double>> top;
+    gumbel_topk(row, kept, i_max, T, seed, pos, 1, top);
+    return top[0].first;
+}
+
+// token_logprobs of entry i under softmax(kept l / T), with the n_top most probable kept entries
+void fill_logprobs(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T, int64_t i,
+                   int64_t n_top, token_logprobs & out) {
     const double m = (double) row.l[i_max] / T;
     double z = 0.0;
     for (int32_t j : kept) z += std::exp((double) row.l[j] / T - m);
-    return (double) row.l[i] / T - m - std::log(z);
+    const double log_z = std::log(z);
+    out.token = row.id(i);
+    out.logprob = (double) row.l[i] / T - m - log_z;
+    out.top_tokens.clear();
+    out.top_logprobs.clear();
+    if (n_top <= 0) return;
+    // T > 0: the order of l / T is the order of l (by_logit); ties by the lower entry, which is
+    // the lower id (draft-vocabulary ids ascend with the entries)
+    std::vector<int32_t> order(kept);
+    const int64_t n = std::min<int64_t>(n_top, (int64_t) order.size());
+    std::partial_sort(order.begin(), order.begin() + n, order.end(), by_logit{row.l});
+    out.top_tokens.resize(n);
+    out.top_logprobs.resize(n);
+    for (int64_t k = 0; k < n; ++k) {
+        out.top_tokens[k] = row.id(order[k]);
+        out.top_logprobs[k] = (double) row.l[order[k]] / T - m - log_z;
+    }
 }
 
 }  // namespace
@@ -225,13 +258,50 @@ std::vector<int32_t> sampling_filter(const logits_row & row, const sampling_para
 sample_result sample_row(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
                          bool want_logprob) {
     DFN_REQUIRE(p.temperature > 0.0, where, "sampling needs a temperature > 0 (0 is greedy: take the argmax)");
+    sampling_params q = p;
+    q.n_logprobs = want_logprob ? 0 : -1;
+    token_logprobs lp;
+    sample_result r;
+    r.token = choose_token(row, q, pos, where, &lp);
+    r.logprob = lp.logprob;
+    return r;
+}
+
+int32_t choose_token(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
+                     token_logprobs * lp) {
     const int64_t i_max = checked_argmax(row, where, pos);
+    const bool want = lp && p.want_logprobs();
+    if (p.greedy()) {
+        if (want) {
+            std::vector<int32_t> all;  // the raw distribution: every token with a finite logit
+            all.reserve(row.n);
+            for (int64_t i = 0; i < row.n; ++i) {
+                if (row.l[i] > -INFINITY) all.push_back((int32_t) i);
+            }
+            fill_logprobs(row, all, i_max, 1.0, i_max, p.n_logprobs, *lp);
+        }
+        return row.id(i_max);
+    }
     const std::vector<int32_t> kept = filter(row, p, i_max);
     const int64_t i = gumbel_argmax(row, kept, i_max, p.temperature, p.seed, pos);
-    sample_result r;
-    r.token = row.id(i);
-    if (want_logprob) r.logprob = kept_logprob(row, kept, i_max, p.temperature, i);
-    return r;
+    if (want) fill_logprobs(row, kept, i_max, p.temperature, i, p.n_logprobs, *lp);
+    return row.id(i);
+}
+
+void perturbed_topk(const logits_row & row, const sampling_params & p, int64_t pos, int64_t K, const char * where,
+                    std::vector<int32_t> & idx, std::vector<float> & weight) {
+    DFN_REQUIRE(p.temperature > 0.0 && K >= 1, where, "perturbed_topk needs a temperature > 0 and K >= 1");
+    const int64_t i_max = checked_argmax(row, where, pos);
+    std::vector<std::pair<int32_t, double>> top;
+    gumbel_topk(row, filter(row, p, i_max), i_max, p.temperature, p.seed, pos, K, top);
+    idx.resize(top.size());
+    weight.resize(top.size());
+    double z = 0.0;
+    for (const auto & t : top) z += std::exp(t.second - top[0].second);
+    for (size_t k = 0; k < top.size(); ++k) {
+        idx[k] = top[k].first;
+        weight[k] = (float) (std::exp(top[k].second - top[0].second) / z);
+    }
 }
 
 }  // namespace dfn

@@ -21,11 +21,21 @@ struct sampling_params {
     double top_p = 1.0;        // keep the most probable tokens while their mass < top_p, and the one reaching it (1: off)
     double min_p = 0.0;        // keep tokens whose probability is >= min_p times the largest one (0: off)
     uint64_t seed = 0;
+    // Log-probabilities of each committed token and of the n_logprobs most probable alternatives
+    // (token_logprobs below); -1: none (the paths that skip them compute nothing extra). A request
+    // that wants them at temperature 0 passes its sampling_params too: choose_token then takes the
+    // argmax from the logits rows on the host instead of the argmax in the graph.
+    int64_t n_logprobs = -1;
     bool greedy() const { return temperature == 0.0; }
+    bool want_logprobs() const { return n_logprobs >= 0; }
 };
 
+// Most alternatives a request may ask logprobs for (OpenAI's top_logprobs and vLLM's default
+// max_logprobs are 20 too).
+constexpr int64_t k_max_logprobs = 20;
+
 // input_error "[sampling] ..." for a temperature that is negative or not finite, top_k < 0,
-// top_p outside (0, 1], min_p outside [0, 1).
+// top_p outside (0, 1], min_p outside [0, 1), n_logprobs outside [-1, k_max_logprobs].
 void check_sampling_params(const sampling_params & p);
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): a
@@ -64,5 +74,33 @@ struct sample_result {
 // The draw at position pos (p.temperature > 0). want_logprob: also fill logprob.
 sample_result sample_row(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
                          bool want_logprob = false);
+
+// One committed token's log-probabilities under the distribution it was chosen from: sampled
+// (T > 0), softmax(kept logits / T) over the tokens the filters keep; greedy (T = 0), the
+// log-softmax of the raw logits (vLLM's default "raw_logprobs"; the filters are not applied, as
+// greedy decoding ignores them). log p_i = l_i / T - m - log(sum_kept exp(l_j / T - m)), m the
+// largest l / T, the sum in ascending token order: a fixed function of the logits row, so the
+// same in AR and speculative decoding (their rows are bit for bit the same).
+struct token_logprobs {
+    int32_t token = -1;
+    double logprob = 0.0;
+    // The n_logprobs most probable tokens of that distribution, most probable first (ties: the
+    // lower id first); fewer when the filters keep fewer.
+    std::vector<int32_t> top_tokens;   // [<= n_logprobs]
+    std::vector<double> top_logprobs;  // [<= n_logprobs]
+};
+
+// The committed token at position pos from its logits row: the argmax (p.greedy(): the first
+// maximum, as argmax_op picks it in the graph) or sample_row's draw. lp (when given and
+// p.want_logprobs()): its logprobs.
+int32_t choose_token(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
+                     token_logprobs * lp = nullptr);
+
+// The K entries with the largest perturbed scores l / T + G(seed, pos, id) among the kept ones
+// (p.temperature > 0): the entry indices, score descending (ties: the lower index first), and
+// the softmax of their scores over those K (a rank's weight for tree drafting: non-increasing in
+// rank). Entry 0 is sample_row's draw. Fewer than K when the filters keep fewer.
+void perturbed_topk(const logits_row & row, const sampling_params & p, int64_t pos, int64_t K, const char * where,
+                    std::vector<int32_t> & idx, std::vector<float> & weight);
 
 }  // namespace dfn

@@ -100,10 +100,11 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     return out;
 }
 
-int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p) {
+int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p,
+                                       token_logprobs * lp) {
     check_sampling_params(p);
     const decode_result r = decode(tokens, n, false);
-    return sample_row({r.logits.data(), model_->hparams().n_vocab}, p, cache_->n_past, W).token;
+    return choose_token({r.logits.data(), model_->hparams().n_vocab}, p, cache_->n_past, W, lp);
 }
 
 decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,
@@ -139,7 +140,7 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
 }
 
 decode_result target_session::verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
-                                          const std::vector<int> & tap_layers) {
+                                          const std::vector<int> & tap_layers, bool argmax_only) {
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
     check_tree_parents(parents, n, "verify");
@@ -149,7 +150,7 @@ decode_result target_session::verify_tree(const int32_t * tokens, const int32_t 
     DFN_REQUIRE(params_.rollback == ROLLBACK_TAPE || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
     cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
     cache_->tree.replay_n = cache_->replay_n;
-    decode_result out = run_verify(tokens, parents, n, tap_layers, /*argmax_only=*/true);
+    decode_result out = run_verify(tokens, parents, n, tap_layers, argmax_only);
     pending_parents_.assign(parents, parents + n);
     return out;
 }

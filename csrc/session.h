@@ -84,9 +84,10 @@ public:
     decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {},
                          bool argmax_only = false);
 
-    // decode() of the tokens, then the next token drawn by the sampler (sampler.h) from the last
-    // row's logits at its position (n_past after the tokens): the sampled AR step.
-    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p);
+    // decode() of the tokens, then the next token chosen by choose_token (sampler.h: drawn by the
+    // sampler, or the argmax at temperature 0) from the last row's logits at its position (n_past
+    // after the tokens): the sampled AR step, and the AR step that reports logprobs (into lp).
+    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr);
 
     // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
     // updating their state. Must be followed by commit(n_keep) before the next decode or verify.
@@ -99,9 +100,9 @@ public:
     // (gathered: attn.h), GDN layers run and record each node from its parent's state (gdn_tape.h),
     // the conv over its ancestors (conv.h). Returns the argmax per node (and the taps per node).
     // At most max_verify nodes; host caches and tape rollback only. Must be followed by
-    // commit_tree(path).
+    // commit_tree(path). argmax_only false: the logits per node instead (sampled trees, logprobs).
     decode_result verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
-                              const std::vector<int> & tap_layers = {});
+                              const std::vector<int> & tap_layers = {}, bool argmax_only = true);
     // Keep the accepted path of the pending tree verify (node indices, root first: path[0] == 0,
     // each the previous one's child): its K/V rows and tape slots are compacted into rows
     // n_past_before + d and slots d (in order, so no row is read after it was overwritten),

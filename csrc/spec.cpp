@@ -344,6 +344,14 @@ int64_t spec_session::cutoff_keep(const std::vector<float> & p) const {
     return (int64_t) p.size();
 }
 
+std::vector<int32_t> spec_session::draft_chain(int32_t last, int64_t B) {
+    if (params_.draft_cutoff <= 0.0f) return draft(last, B);
+    std::vector<float> p;
+    std::vector<int32_t> d = draft_top1(last, B, p);
+    d.resize(cutoff_keep(p));
+    return d;
+}
+
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
     round_result r;
     const double t0 = profile_now();
@@ -351,12 +359,8 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         draft(last, B);  // the drafter runs as in a real round
         r.draft = *forced_draft;
-    } else if (params_.draft_cutoff > 0.0f) {
-        std::vector<float> p;
-        r.draft = draft_top1(last, B, p);
-        r.draft.resize(cutoff_keep(p));
     } else {
-        r.draft = draft(last, B);
+        r.draft = draft_chain(last, B);
     }
     verify_and_commit(last, r, t0, profile_now());
     return r;
@@ -373,7 +377,8 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
     // drafter's filtered distribution)
     std::vector<float> p;
-    r.draft = sampling ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
+    const bool drawn = sampling && !sampling->greedy();
+    r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         r.draft = *forced_draft;
@@ -434,16 +439,35 @@ int64_t spec_session::draft_topk(int32_t last, int64_t B, std::vector<int32_t> &
 }
 
 void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
-                                          round_result & r, double t0, double t1) {
+                                          round_result & r, double t0, double t1, const sampling_params * sampling) {
     const int64_t n = (int64_t) tokens.size();
     DFN_REQUIRE(parents.size() == tokens.size(), "verify", "parents and tokens must have one entry per node");
     const int64_t n_past0 = target_.n_past();
-    decode_result v = target_.verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers);
+    decode_result v = target_.verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers,
+                                          /*argmax_only=*/sampling == nullptr);  // logits [n, n_vocab] otherwise
     const double t2 = profile_now();
     r.n_verified = n;
     r.parents = parents;
     r.draft.assign(tokens.begin() + 1, tokens.end());
-    r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
+    if (sampling) {
+        // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR
+        // makes at n_past0 + depth(i) + 1, drawn only along the path accept_tree_by walks
+        std::vector<int64_t> depth(n, 0);
+        for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
+        const int64_t n_vocab = target_.hparams().n_vocab;
+        r.committed = accept_tree_by(
+            parents.data(), tokens.data(), n,
+            [&](int64_t i) {
+                token_logprobs lp;
+                const int32_t t = choose_token({v.logits.data() + (size_t) i * n_vocab, n_vocab}, *sampling,
+                                               n_past0 + depth[i] + 1, "verify", &lp);
+                if (sampling->want_logprobs()) r.logprobs.push_back(std::move(lp));
+                return t;
+            },
+            &r.path);
+    } else {
+        r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
+    }
     target_.commit_tree(r.path);
     // the path's taps in path order: the ring gets exactly the committed positions
     const size_t row = (size_t) drafter_->hparams().n_feature_row();
@@ -455,33 +479,40 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
     set_times(r, t0, t1, t2);
 }
 
-round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens) {
+round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                                       const sampling_params * sampling) {
+    if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
-    verify_tree_and_commit(parents, tokens, r, t0, t0);
+    verify_tree_and_commit(parents, tokens, r, t0, t0, sampling);
     return r;
 }
 
-draft_tree spec_session::draft_tree_for(int32_t last, int64_t B) {
+draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling) {
     std::vector<int32_t> tok;
     std::vector<float> p;
-    const int64_t K = draft_topk(last, B, tok, p);  // checks last, B and the room for the block
+    // both check last, B and the room for the block
+    const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
+                                                      : draft_topk(last, B, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
     return build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
 }
 
-round_result spec_session::round_tree(int32_t last, int64_t B) {
+round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+    if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
-    const draft_tree tree = draft_tree_for(last, B);
-    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now());
+    const draft_tree tree = draft_tree_for(last, B, sampling);
+    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
     return r;
 }
 
 round_result spec_session::controller_ar_step(int32_t last, double t0, const sampling_params * sampling) {
     round_result r;
-    r.committed = {sampling ? ar_step_sampled(last, *sampling) : ar_step(last)};
+    token_logprobs lp;
+    r.committed = {sampling ? ar_step_sampled(last, *sampling, &lp) : ar_step(last)};
+    if (sampling && sampling->want_logprobs()) r.logprobs = {std::move(lp)};
     r.ar = true;
     r.n_verified = 1;
     r.verify_s = profile_now() - t0;
@@ -489,17 +520,19 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
     return r;
 }
 
-round_result spec_session::step_tree(int32_t last, int64_t B) {
-    if (!params_.use_controller) return round_tree(last, B);
+round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+    if (!params_.use_controller) return round_tree(last, B, sampling);
     const double t0 = profile_now();
-    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0);
+    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
+    if (sampling) check_sampling_params(*sampling);
     // The controller verifies the prefix of the best-first node order (a tree: parents first)
-    // with the most expected tokens per second; tree_budget caps it.
-    draft_tree tree = draft_tree_for(last, B);
+    // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
+    // weights (perturbed_topk's) stand in for the probabilities.
+    draft_tree tree = draft_tree_for(last, B, sampling);
     const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
     tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
     round_result r;
-    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now());
+    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
     // Its calibration sees every child of every accepted node: accepted (the path's next node)
     // or turned down.
     std::vector<std::pair<float, bool>> outcomes;

@@ -46,6 +46,9 @@ struct round_result {
     // Tree rounds: the verified tree's parents (node 0 the root `last`; draft holds nodes 1..) and
     // the accepted path's node indices, root first. Empty for a chain.
     std::vector<int32_t> parents, path;
+    // One per committed token, in order, when the request's sampling_params ask for logprobs
+    // (sampler.h: token_logprobs, from the verify's rows of the committed tokens); else empty.
+    std::vector<token_logprobs> logprobs;
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
@@ -68,7 +71,8 @@ public:
 
     // The next step of a request: under the controller (params.use_controller) an AR step or a round
     // whose verified drafts the controller chose, each timed and fed back to it; else round().
-    // With `sampling` (temperature > 0): the sampled AR step and round (spec_sampled.cpp).
+    // With `sampling`: the sampled AR step and round (spec_sampled.cpp); at temperature 0 (a
+    // request that wants logprobs) the greedy ones, taking each argmax from the logits rows.
     round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr,
                       const sampling_params * sampling = nullptr);
 
@@ -76,11 +80,17 @@ public:
     // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
     // step()'s form: under the controller an AR step or a tree round of the first nodes of the
     // best-first tree (the controller chooses how many, tree_budget at most); else round_tree.
-    round_result round_tree(int32_t last, int64_t B);
-    round_result step_tree(int32_t last, int64_t B);
+    // With `sampling` (temperature > 0) the tree holds at each position the drafter's K best
+    // tokens by perturbed score (draft_topk_sampled) and the path kept is the target's draws
+    // (choose_token at each node's position): sampled AR's tokens. At temperature 0 with
+    // logprobs: the greedy tree, its argmaxes from the logits.
+    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
     // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
-    // (tests: trees the drafter would not build). The drafter does not run.
-    round_result verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens);
+    // (tests: trees the drafter would not build). The drafter does not run. With `sampling`: the
+    // target's choices by choose_token, as a sampled tree round takes them.
+    round_result verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                             const sampling_params * sampling = nullptr);
     void set_tree_budget(int64_t n);
 
     // One exact AR step from the last committed token (the controller's AR step):
@@ -92,9 +102,11 @@ public:
     // Sampled decoding (sampler.h; spec_sampled.cpp): prefill, AR probe and round as above, with
     // each target token drawn by the sampler at its position instead of taken by argmax, and the
     // drafter proposing its own draw under the same noise. The committed tokens equal sampled AR
-    // decoding's at p.seed (p.temperature > 0).
-    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p);
-    int32_t ar_step_sampled(int32_t last, const sampling_params & p);
+    // decoding's at p.seed (p.temperature > 0). At temperature 0 (a greedy request that wants
+    // logprobs) they are greedy decoding's, each argmax taken from the logits rows on the host.
+    // lp, when given and p.want_logprobs(): the token's logprobs.
+    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr);
+    int32_t ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp = nullptr);
     round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
                                const std::vector<int32_t> * forced_draft = nullptr);
 
@@ -184,6 +196,12 @@ private:
     // The end of a chain round: commit r.committed, queue their taps, fill r's times (t0: start,
     // t1: draft done, t2: verify done).
     void commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1, double t2);
+    // round()'s drafts: all B-1 argmaxes, or those the draft_cutoff keeps
+    std::vector<int32_t> draft_chain(int32_t last, int64_t B);
+    // The drafter's logits for d_1..d_{B-1} as the sampler reads them, [B-1, row.n]: over the
+    // draft vocabulary when it is on (row.ids its token ids), else the whole vocabulary; sets
+    // row.n and row.ids (row i's logits start at i * row.n of the result).
+    std::vector<float> draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row);
     // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
     // and now (the end of the commit).
     static void set_times(round_result & r, double t0, double t1, double t2);
@@ -192,16 +210,24 @@ private:
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
     std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
                                        std::vector<float> * probs = nullptr);
-    // round()'s verify_and_commit with the target's draws in place of its argmaxes
+    // round()'s verify_and_commit with choose_token's choices (draws, or argmaxes from the logits
+    // at temperature 0) in place of the in-graph argmaxes, and their logprobs when asked for
     void verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1);
     // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
     // (K = min(tree_budget, rows of the head)); returns K.
     int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
-    // A round's tree: draft_topk, then build_tree with the room left (tree_budget at most).
-    draft_tree draft_tree_for(int32_t last, int64_t B);
+    // draft_topk's sampled form (spec_sampled.cpp): per position the K best tokens by the
+    // perturbed score l / T + G(seed, pos, token) over the drafter's filtered logits, with
+    // perturbed_topk's weights in place of probabilities (0 past the tokens the filters keep).
+    int64_t draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
+                               std::vector<float> & w);
+    // A round's tree: draft_topk (or its sampled form), then build_tree with the room left
+    // (tree_budget at most).
+    draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling);
     // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
+    // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
-                                round_result & r, double t0, double t1);
+                                round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
     // The controller's AR step as step() and step_tree() take it.
     round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
 

@@ -26,22 +26,7 @@ void check_tree_parents(const int32_t * parents, int64_t n, const char * where) 
 std::vector<int32_t> accept_tree(const int32_t * parents, const int32_t * tokens, const int32_t * target, int64_t n,
                                  std::vector<int32_t> * path) {
     check_tree_parents(parents, n, "accept_tree");
-    std::vector<int32_t> out;
-    if (path) path->assign(1, 0);
-    int64_t cur = 0;
-    for (;;) {
-        // children of cur have larger indices; the first one with the target's token wins
-        int64_t next = -1;
-        for (int64_t i = cur + 1; i < n && next < 0; ++i) {
-            if (parents[i] == cur && tokens[i] == target[cur]) next = i;
-        }
-        if (next < 0) break;
-        out.push_back(tokens[next]);
-        if (path) path->push_back((int32_t) next);
-        cur = next;
-    }
-    out.push_back(target[cur]);
-    return out;
+    return accept_tree_by(parents, tokens, n, [&](int64_t i) { return target[i]; }, path);
 }
 
 }  // namespace dfn

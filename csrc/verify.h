@@ -23,6 +23,31 @@ std::vector<int32_t> accept_prefix(const int32_t * draft, int64_t n_draft, const
 std::vector<int32_t> accept_tree(const int32_t * parents, const int32_t * tokens, const int32_t * target, int64_t n,
                                  std::vector<int32_t> * path = nullptr);
 
+// accept_tree with the target's token after node i given by target_of(i), called once per node of
+// the accepted path, in path order (sampled tree verify draws only there).
+template <class F>
+std::vector<int32_t> accept_tree_by(const int32_t * parents, const int32_t * tokens, int64_t n, F && target_of,
+                                    std::vector<int32_t> * path = nullptr) {
+    std::vector<int32_t> out;
+    if (path) path->assign(1, 0);
+    int64_t cur = 0;
+    for (;;) {
+        const int32_t t = target_of(cur);
+        // children of cur have larger indices; the first one with the target's token wins
+        int64_t next = -1;
+        for (int64_t i = cur + 1; i < n && next < 0; ++i) {
+            if (parents[i] == cur && tokens[i] == t) next = i;
+        }
+        if (next < 0) {
+            out.push_back(t);  // the bonus token
+            return out;
+        }
+        out.push_back(tokens[next]);
+        if (path) path->push_back((int32_t) next);
+        cur = next;
+    }
+}
+
 // The checks accept_tree and tree verify make of a parents array ("[where] ..." on failure).
 void check_tree_parents(const int32_t * parents, int64_t n, const char * where);
 

@@ -199,14 +199,16 @@ def test_cli_sampling_flags(pair):
 
 # ---- the embedded default pair ------------------------------------------------------------------
 
-@pytest.mark.parametrize("B", [4, 16])
-def test_default_pair_sampled_speculative_equals_sampled_ar(B):
+@pytest.mark.parametrize("B,tree", [(4, {}), (16, {}), (16, dict(verify="tree", tree_budget=8)),
+                                    (16, dict(verify="tree", tree_budget=32))])
+def test_default_pair_sampled_speculative_equals_sampled_ar(B, tree):
+    """Chains and sampled trees (children by the drafter's perturbed scores) on the trained pair."""
     from dflash_native.cli import default_pair
     from dflash_native.train.corpus import heldout_prompts
 
     pair = default_pair()
     assert pair is not None
-    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, block_size=B)
+    eng = dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, block_size=B, **tree)
     acc = []
     for i, p in enumerate(heldout_prompts(2, 96, eng, seed=2)):
         for s in (dict(temperature=0.3), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, top_k=40)):

@@ -29,7 +29,7 @@ public:
     ggml_tensor * build_forward(graph_inputs & g) const override {
         ggml_context * ctx = g.ctx;
         const rope_fn rope_qk = [&](ggml_tensor * x) {
-            return rope_neox(g, x, g.pos, hp_.n_rot, hp_.n_ctx_train, hp_.rope_base);
+            return rope_neox(g, x, g.pos, hp_.n_rot, hp_);
         };
 
         ggml_tensor * cur = ggml_get_rows(ctx, tok_embd, g.tokens);  // [n_embd, n_tok]

@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import _core
-from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece
+from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
 from .tape import GdnTape
 
 RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec.h)
@@ -68,6 +68,7 @@ __all__ = [
     "RoundResult",
     "StreamPiece",
     "TextPiece",
+    "TokenLogprobs",
     "accept_prefix",
     "accept_tree",
     "convert_dflash_to_gguf",

@@ -23,7 +23,7 @@ def _cmd_generate(a) -> int:
     if prompt is None:
         prompt = sys.stdin.read()
     kw = dict(max_tokens=a.max_tokens, stop=a.stop, stream=True, temperature=a.temperature, top_k=a.top_k,
-              top_p=a.top_p, min_p=a.min_p, seed=a.seed)
+              top_p=a.top_p, min_p=a.min_p, seed=a.seed, logprobs=a.logprobs)
     if a.chat:
         stream = eng.chat([{"role": "user", "content": prompt}], **kw)
     else:
@@ -42,9 +42,28 @@ def _cmd_generate(a) -> int:
         print(f"[dflash-native] {s.rounds} rounds of B={s.block_size} and {s.ar_steps} AR steps, mean acceptance length "
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify {s.verify_s:.2f}s, "
               f"rollback {s.rollback_s:.3f}s", file=sys.stderr)
+    lps = _logprobs_rows(eng, result.logprobs) if result.logprobs is not None else None
+    if lps is not None and not a.json:
+        for r in lps:  # one line per generated token: the token, its logprob, then the alternatives
+            alts = ", ".join(f"{t['text']!r} {t['logprob']:.4f}" for t in r["top"])
+            print(f"[logprobs] {r['token']:>6} {r['text']!r:<16} {r['logprob']:9.4f}" + (f"  | {alts}" if alts else ""),
+                  file=sys.stderr)
     if a.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": s.as_dict()}))
+        out = {"text": result.text, "tokens": result.tokens, "stats": s.as_dict()}
+        if lps is not None:
+            out["logprobs"] = lps
+        print(json.dumps(out))
     return 0
+
+
+def _logprobs_rows(eng, logprobs) -> list[dict]:
+    """result.logprobs as JSON-ready rows: token id, its text (None without a tokenizer), logprob,
+    and the alternatives in the same form."""
+    def text(t: int):
+        return eng.detokenize([t]) if eng.tokenizer is not None else None
+
+    return [{"token": lp.token, "text": text(lp.token), "logprob": lp.logprob,
+             "top": [{"token": t, "text": text(t), "logprob": v} for t, v in lp.top]} for lp in logprobs]
 
 
 def _cmd_convert(a) -> int:
@@ -230,6 +249,9 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed gives the same text, with or without a drafter "
                         "(default: a fresh one, printed)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each generated token's log-probability and the N (0..20) most probable "
+                        "alternatives (stderr, or in --json); temperature 0: the raw logits' log-softmax")
     g.set_defaults(fn=_cmd_generate)
 
 

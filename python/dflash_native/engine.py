@@ -70,12 +70,34 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probabilities (generate(..., logprobs=N)): `logprob` is the
+    token's natural-log probability and `top` the N most probable tokens as (token id, logprob),
+    most probable first (ties: the lower id), under the distribution the token was chosen from:
+    sampled (temperature > 0), softmax(kept logits / temperature) over the tokens top_k, top_p and
+    min_p keep (fewer than N entries when they keep fewer); greedy (temperature 0), the
+    log-softmax of the raw logits (vLLM's default; greedy ignores the filters). Computed in the
+    core from the logits row the token was chosen from, so AR and speculative decoding (chain or
+    tree, greedy or sampled) report the same values bit for bit."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def _of(cls, lp: "_core.TokenLogprobs") -> "TokenLogprobs":
+        return cls(int(lp.token), float(lp.logprob), list(zip(lp.top_tokens, lp.top_logprobs)))
+
+
 @dataclass
 class GenerationResult:
     text: str
     tokens: list[int]
     stats: GenerationStats
     prompt_tokens: list[int] = field(default_factory=list)
+    # one per token of `tokens` when generate() got logprobs=N; None otherwise
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class StreamPiece(str):
@@ -416,6 +438,7 @@ class Engine:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> GenerationResult | Iterator[StreamPiece]:
         """Generation, greedy by default. speculative=None uses the drafter when there is one;
         speculative=False runs plain AR on the same engine (the lossless baseline).
@@ -425,6 +448,10 @@ class Engine:
         temperature) with noise fixed by (seed, position, token). Speculative output equals AR
         output at the same seed, token for token. seed=None draws a fresh seed, reported in
         result.stats.seed; temperature=0 is greedy (the other settings are checked, then unused).
+
+        logprobs=N (0..MAX_LOGPROBS = 20): result.logprobs holds a TokenLogprobs per generated token
+        (its log-probability and the N most probable alternatives; see TokenLogprobs for what
+        greedy and sampled report), the same with and without the drafter. None: not computed.
 
         stream=True returns an iterator of StreamPiece; the request starts at its first next(),
         where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises."""
@@ -436,16 +463,13 @@ class Engine:
         stream = _bool("generate", "stream", stream)
         if speculative is not None:
             speculative = _bool("generate", "speculative", speculative)
-        sampling = _sampling(temperature, top_k, top_p, min_p, seed)
+        sampling = _sampling(temperature, top_k, top_p, min_p, seed, logprobs)
         toks = self._prompt_ids(prompt, "generate")
         if stop and self.tokenizer is None:
             raise ValueError("[generate] stop strings need a tokenizer; the model has none")
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
         spec = self._spec is not None if speculative is None else speculative
-        if spec and sampling is not None and self.verify == "tree":
-            raise ValueError("[generate] sampling (temperature > 0) with verify='tree' is not built yet: use "
-                             "verify='chain' (exact at the seed) or speculative=False")
         gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling))
         if stream:
             return gen
@@ -547,10 +571,14 @@ class _Run:
     def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
                  sampling: "_core.Sampling | None" = None):
         self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
-        self.sampling = sampling  # None: greedy
+        # None: greedy without logprobs (the argmax in the graph); temperature 0: greedy with them
+        self.sampling = sampling
+        sampled = sampling is not None and sampling.temperature > 0
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
-                                     seed=None if sampling is None else sampling.seed)
+                                     seed=sampling.seed if sampled else None)
+        self.want_lp = sampling is not None and sampling.logprobs >= 0
         self.out: list[int] = []
+        self.lps: list[TokenLogprobs] = []  # one per token of `out` when want_lp
         self.text = ""
         self.emitted = 0
         self.dec = eng.tokenizer.decoder() if eng.tokenizer is not None else None
@@ -561,15 +589,18 @@ class _Run:
         self.hist = [0] * (self.B + 1)
         self.t_dec = 0.0
 
-    def emit(self, tokens: list[int]) -> list[StreamPiece]:
-        """Appends committed tokens; returns the text pieces now safe to show (sets done)."""
+    def emit(self, tokens: list[int], lps: list | None = None) -> list[StreamPiece]:
+        """Appends committed tokens (and their core TokenLogprobs when the request wants them);
+        returns the text pieces now safe to show (sets done)."""
         stats, tok = self.stats, self.eng.tokenizer
         pieces = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if tok is not None and tok.is_eog(t):
                 stats.stop_reason, self.done = "eos", True
                 return pieces
             self.out.append(t)
+            if self.want_lp:
+                self.lps.append(TokenLogprobs._of(lps[i]))
             if self.dec is not None:
                 # a stop string not found before can only end in the new text: search from there
                 # (not the whole text again per token, which grew quadratic in long generations)
@@ -594,13 +625,19 @@ class _Run:
         """The prefill (also for max_tokens=0: the core checks the prompt)."""
         eng = self.eng
         t0 = time.perf_counter()
-        tok = int(eng._spec.prefill(self.prompt, self.sampling)) if self.spec else self._ar(self.prompt)
+        if not self.spec:
+            tok, lps = self._ar(self.prompt)
+        elif self.want_lp:
+            lps = [eng._spec.prefill_logprobs(self.prompt, self.sampling)]
+            tok = int(lps[0].token)
+        else:
+            tok, lps = int(eng._spec.prefill(self.prompt, self.sampling)), None
         self.stats.prefill_s = time.perf_counter() - t0
         if self.max_tokens == 0:
             self.stats.stop_reason, self.done = "length", True
             return []
         self.last = tok
-        return self.emit([tok])
+        return self.emit([tok], lps)
 
     def step(self) -> list[StreamPiece]:
         """One AR step or one speculative round."""
@@ -611,38 +648,44 @@ class _Run:
             return []
         t0 = time.perf_counter()
         if self.spec and room >= 2:
-            committed = self._round(min(self.B, room))
+            committed, lps = self._round(min(self.B, room))
         else:
             # AR (also the last position of n_ctx in a speculative request: no room for a block)
-            committed = [self._ar([self.last])]
+            tok, lps = self._ar([self.last])
+            committed = [tok]
         self.t_dec += time.perf_counter() - t0
         self.last = committed[-1]
-        return self.emit(committed)
+        return self.emit(committed, lps)
 
-    def _ar(self, tokens: list[int]) -> int:
-        """One AR step: the next token, greedy or drawn at its position."""
+    def _ar(self, tokens: list[int]) -> tuple[int, list | None]:
+        """One AR step: the next token, greedy or drawn at its position, and [its core
+        TokenLogprobs] when the request wants them."""
         core = self.eng._core
-        return int(core.decode_greedy(tokens) if self.sampling is None else core.decode_sampled(tokens, self.sampling))
+        if self.want_lp:
+            lp = core.decode_logprobs(tokens, self.sampling)
+            return int(lp.token), [lp]
+        return int(core.decode_greedy(tokens) if self.sampling is None else core.decode_sampled(tokens, self.sampling)), None
 
-    def _round(self, Bc: int) -> list[int]:
-        """A round, or under the controller whatever step it chose (Spec.step)."""
+    def _round(self, Bc: int) -> tuple[list[int], list]:
+        """A round, or under the controller whatever step it chose (Spec.step): the committed
+        tokens and their core TokenLogprobs (empty unless the request wants them)."""
         eng, stats = self.eng, self.stats
         if eng.verify == "tree":
-            r = eng._spec.step_tree(self.last, Bc)  # the benchmarks' _draft_override is for chains
+            r = eng._spec.step_tree(self.last, Bc, self.sampling)  # the benchmarks' _draft_override is for chains
         else:
             forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
             r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
-        committed = r.committed
+        committed, lps = r.committed, r.logprobs
         stats.controller_switches = eng._spec.controller_switches
         if r.ar:
             stats.ar_steps += 1
-            return committed
+            return committed, lps
         self.hist[len(committed)] += 1
         stats.draft_s += r.draft_s
         stats.verify_s += r.verify_s
         stats.rollback_s += r.rollback_s
         stats.verified_tokens += r.n_verified
-        return committed
+        return committed, lps
 
     def final_piece(self) -> StreamPiece:
         """The rest of the text, carrying the GenerationResult."""
@@ -656,7 +699,8 @@ class _Run:
             self.text += self.dec.flush()
         stats.n_generated = len(self.out)
         last = StreamPiece(self.text[self.emitted:])
-        last.result = GenerationResult(text=self.text, tokens=self.out, stats=stats, prompt_tokens=list(self.prompt))
+        last.result = GenerationResult(text=self.text, tokens=self.out, stats=stats, prompt_tokens=list(self.prompt),
+                                       logprobs=self.lps if self.want_lp else None)
         return last
 
 
@@ -721,18 +765,25 @@ def _token_ids(where: str, tokens) -> list[int]:
     return [int(t) for t in items]
 
 
-def _sampling(temperature, top_k, top_p, min_p, seed) -> "_core.Sampling | None":
+def _sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core.Sampling | None":
     """generate()'s sampling arguments as a checked _core.Sampling (the core checks the ranges), or
-    None for greedy (temperature 0). seed=None draws a fresh 64-bit seed."""
+    None for greedy (temperature 0) without logprobs. seed=None draws a fresh 64-bit seed."""
     w = "generate"
     temperature, top_p, min_p = _real(w, "temperature", temperature), _real(w, "top_p", top_p), _real(w, "min_p", min_p)
     top_k = _int(w, "top_k", top_k)
+    if logprobs is not None:
+        if isinstance(logprobs, (bool, np.bool_)) or not isinstance(logprobs, (int, np.integer)) \
+                or not 0 <= int(logprobs) <= _core.MAX_LOGPROBS:
+            raise ValueError(f"[generate] logprobs must be None or an int in [0, {_core.MAX_LOGPROBS}] (the "
+                             f"alternatives reported per token), got {type(logprobs).__name__} {logprobs!r}")
+        logprobs = int(logprobs)
     if seed is None:
         seed = secrets.randbits(64)
     elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
         raise ValueError(f"[generate] seed must be None or an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
-    s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed))  # "[sampling] ..."
-    return s if temperature > 0 else None
+    s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
+                       logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
+    return s if temperature > 0 or logprobs is not None else None
 
 
 def _baseline_modes(baselines: dict | None) -> tuple[str, str]:

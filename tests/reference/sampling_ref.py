@@ -103,3 +103,28 @@ def kept_probs(logits, *, temperature: float, top_k: int = 0, top_p: float = 1.0
     e = np.exp(x - x.max())
     p[kept] = e / e.sum()
     return p
+
+
+def logprobs(logits, *, temperature: float, token: int, n: int, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0) -> tuple[float, list[tuple[int, float]]]:
+    """generate(..., logprobs=n)'s values for one token, from its logits row: (log p(token), the n
+    most probable (id, log p), most probable first, lower id first among equals). Sampled
+    (temperature > 0): p = softmax(kept logits / T) over filter_kept's tokens; greedy
+    (temperature 0): the log-softmax of the raw logits (every finite one, no filter). log p_i =
+    l_i / T - m - log(sum over the kept tokens, ascending, of exp(l_j / T - m)), m = max l / T."""
+    lg = [float(x) for x in np.asarray(logits, dtype=np.float32)]
+    if temperature > 0:
+        kept, T = filter_kept(lg, top_k, top_p, min_p), float(temperature)
+    else:
+        kept, T = [i for i, x in enumerate(lg) if x > -math.inf], 1.0
+    m = max(lg[i] for i in kept) / T
+    z = 0.0
+    for i in kept:
+        z += math.exp(lg[i] / T - m)
+    lz = math.log(z)
+
+    def lp(i):
+        return lg[i] / T - m - lz
+
+    top = sorted(kept, key=lambda i: (-lg[i], i))[:n]
+    return lp(token), [(i, lp(i)) for i in top]
