@@ -463,15 +463,16 @@ void def_spec_drafting(py::class_<spec_session> & c) {
     c.def("reset", &spec_session::reset)
         .def(
             "prefill",
-            [](spec_session & s, const py::object & tokens, const sampling_params * sampling) {
+            [](spec_session & s, const py::object & tokens, const sampling_params * sampling, int64_t n_cached) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
-                if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling);
-                return s.prefill(t.data(), (int64_t) t.size());
+                if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling, n_cached);
+                return s.prefill(t.data(), (int64_t) t.size(), n_cached);
             },
-            py::arg("tokens"), py::arg("sampling") = py::none(),
+            py::arg("tokens"), py::arg("sampling") = py::none(), py::arg("n_cached") = 0,
             "Reset, run the prompt through the target with taps, fill the ring; returns the first token (the "
-            "argmax, or with a Sampling its draw)")
+            "argmax, or with a Sampling its draw). n_cached > 0: the target and the ring already hold "
+            "tokens[:n_cached] (the prompt cache); only the rest runs, without a reset")
         .def(
             "draft",
             [](spec_session & s, int32_t last, int64_t B) {
