@@ -14,6 +14,7 @@ events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every resp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import threading
@@ -424,8 +425,10 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     async def metrics_text(request: Request):
         return PlainTextResponse(metrics.text(pool), media_type="text/plain; version=0.0.4")
 
-    def shutdown() -> None:
-        for s in pool.slots:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        for s in pool.slots:  # at shutdown: running requests finish their step, then the engines go
             s.worker.shutdown(wait=True, cancel_futures=True)
             s.engine.close()
 
@@ -435,7 +438,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
-    ], on_shutdown=[shutdown])
+    ], lifespan=lifespan)
     app.state.pool = pool
     return app
 
