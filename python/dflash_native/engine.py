@@ -626,8 +626,13 @@ class _Run:
             self.stats.stop_reason, self.done = "context", True
             return []
         t0 = time.perf_counter()
-        if self.spec and room >= 2:
-            committed = self._round(min(self.B, room))
+        # Tokens still wanted: a round never commits past max_tokens, so a request that ends there
+        # leaves the core holding exactly its prompt and tokens (what the prompt cache continues).
+        left = self.max_tokens - len(self.out)
+        if self.spec and room >= 2 and left >= 2:
+            committed = self._round(min(self.B, room, left))
+        elif self.spec and room >= 2:  # the last token: an AR step that keeps the ring in step
+            committed = [int(eng._spec.ar_step(self.last, self.sampling))]
         else:
             # AR (also the last position of n_ctx in a speculative request: no room for a block)
             committed = [self._ar([self.last])]
