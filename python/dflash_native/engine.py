@@ -434,7 +434,7 @@ class Engine:
         if spec and sampling is not None and self.verify == "tree":
             raise ValueError("[generate] sampling (temperature > 0) with verify='tree' is not built yet: use "
                              "verify='chain' (exact at the seed) or speculative=False")
-        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling), keep=cache_prompt)
+        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt))
         if stream:
             return gen
         last = None
@@ -507,14 +507,14 @@ class Engine:
                 self._owner = None
                 self._cv.notify_all()
 
-    def _stream(self, run: "_Run", keep: bool = False) -> Iterator[StreamPiece]:
+    def _stream(self, run: "_Run") -> Iterator[StreamPiece]:
         # The core is locked while a step computes and free while the pieces are yielded, so a
         # caller that abandons the stream (break, an exception) cannot lock the engine up.
         claim = None
         try:
             with self._cv:
-                claim = self._claim("generate()", keep=keep)
-                pieces = run.start(self._take_held(run.prompt, run.spec) if keep else 0)
+                claim = self._claim("generate()", keep=run.cache_prompt)
+                pieces = run.start(self._take_held(run.prompt, run.spec) if run.cache_prompt else 0)
             while True:
                 for piece in pieces:
                     if claim.superseded_by is not None:
@@ -549,9 +549,10 @@ class _Run:
     rounds, each committing tokens that become text pieces. Every step runs under Engine._cv."""
 
     def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
-                 sampling: "_core.Sampling | None" = None):
+                 sampling: "_core.Sampling | None" = None, cache_prompt: bool = False):
         self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
         self.sampling = sampling  # None: greedy
+        self.cache_prompt = cache_prompt  # Engine.generate(cache_prompt=...): continue / leave a held sequence
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
                                      seed=None if sampling is None else sampling.seed)
         self.out: list[int] = []
@@ -626,13 +627,15 @@ class _Run:
             self.stats.stop_reason, self.done = "context", True
             return []
         t0 = time.perf_counter()
-        # Tokens still wanted: a round never commits past max_tokens, so a request that ends there
-        # leaves the core holding exactly its prompt and tokens (what the prompt cache continues).
-        left = self.max_tokens - len(self.out)
+        # With the prompt cache, a round never commits past max_tokens (the tokens still wanted), so
+        # a request that ends there leaves the core holding exactly its prompt and tokens (what the
+        # next turn continues). Without it, every step is the controller's or a full round.
+        left = self.max_tokens - len(self.out) if self.cache_prompt else self.B
         if self.spec and room >= 2 and left >= 2:
             committed = self._round(min(self.B, room, left))
         elif self.spec and room >= 2:  # the last token: an AR step that keeps the ring in step
             committed = [int(eng._spec.ar_step(self.last, self.sampling))]
+            self.stats.ar_steps += 1
         else:
             # AR (also the last position of n_ctx in a speculative request: no room for a block)
             committed = [self._ar([self.last])]
