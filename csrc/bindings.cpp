@@ -512,25 +512,27 @@ void def_spec_drafting(py::class_<spec_session> & c) {
     c.def("reset", &spec_session::reset)
         .def(
             "prefill",
-            [](spec_session & s, const py::object & tokens, const sampling_params * sampling) {
+            [](spec_session & s, const py::object & tokens, const sampling_params * sampling, int64_t n_cached) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
-                if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling);
-                return s.prefill(t.data(), (int64_t) t.size());
+                if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling, nullptr, n_cached);
+                return s.prefill(t.data(), (int64_t) t.size(), n_cached);
             },
-            py::arg("tokens"), py::arg("sampling") = py::none(),
+            py::arg("tokens"), py::arg("sampling") = py::none(), py::arg("n_cached") = 0,
             "Reset, run the prompt through the target with taps, fill the ring; returns the first token (the "
-            "argmax, or with a Sampling its draw)")
+            "argmax, or with a Sampling its draw). n_cached > 0: the target and the ring already hold "
+            "tokens[:n_cached] (the prompt cache); only the rest runs, without a reset")
         .def(
             "prefill_logprobs",
-            [](spec_session & s, const py::object & tokens, const sampling_params & p) {
+            [](spec_session & s, const py::object & tokens, const sampling_params & p, int64_t n_cached) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
                 token_logprobs lp;
-                s.prefill_sampled(t.data(), (int64_t) t.size(), p, &lp);
+                s.prefill_sampled(t.data(), (int64_t) t.size(), p, &lp, n_cached);
                 return lp;
             },
-            py::arg("tokens"), py::arg("sampling"), "prefill() that returns the first token's TokenLogprobs")
+            py::arg("tokens"), py::arg("sampling"), py::arg("n_cached") = 0,
+            "prefill() that returns the first token's TokenLogprobs")
         .def(
             "draft",
             [](spec_session & s, int32_t last, int64_t B) {
@@ -573,6 +575,15 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             py::arg("last"), py::arg("sampling") = py::none(),
             "One exact AR step from `last` (the gate's probe), its features queued for the ring as a round's "
             "are; returns the greedy next token, or with a Sampling its draw")
+        .def(
+            "ar_step_logprobs",
+            [](spec_session & s, int32_t last, const sampling_params & p) {
+                py::gil_scoped_release release;
+                token_logprobs lp;
+                s.ar_step_sampled(last, p, &lp);
+                return lp;
+            },
+            py::arg("last"), py::arg("sampling"), "ar_step() that returns the token's TokenLogprobs")
         .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
 }
 

@@ -167,12 +167,25 @@ int32_t spec_session::ar_step(int32_t last) {
     return r.argmax[0];
 }
 
-int32_t spec_session::prefill(const int32_t * prompt, int64_t n) {
-    reset();
+decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only) {
+    if (n_cached == 0) {
+        reset();
+    } else {
+        const int64_t ring_next = pending_m_ > 0 ? pending_pos0_ + pending_m_ : ring_->n_pushed;
+        DFN_REQUIRE(n_cached > 0 && n_cached < n, "prefill", "n_cached = ", n_cached, " must be in [0, ", n,
+                    ") (at least one prompt token must run)");
+        DFN_REQUIRE(n_cached == target_.n_past() && n_cached == ring_next, "prefill", "n_cached = ", n_cached,
+                    " but the target holds ", target_.n_past(), " positions and the ring ", ring_next);
+        ctl_.begin_request();
+    }
+    decode_result r = target_.decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
+    push_features(r.taps.data(), n - n_cached, n_cached);
+    return r;
+}
+
+int32_t spec_session::prefill(const int32_t * prompt, int64_t n, int64_t n_cached) {
     // the next token by the in-graph argmax, as AR's decode_greedy takes it (and checked there)
-    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
-    push_features(r.taps.data(), n, 0);
-    return r.argmax[0];
+    return prefill_pass(prompt, n, n_cached, /*argmax_only=*/true).argmax[0];
 }
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {

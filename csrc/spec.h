@@ -58,7 +58,10 @@ public:
     spec_session(target_session & target, const std::string & drafter_path, const spec_params & params);
 
     // Prefill the prompt through the target with taps, fill the ring; returns the first token.
-    int32_t prefill(const int32_t * prompt, int64_t n);
+    // n_cached > 0 (the prompt cache): prompt[0, n_cached) is the sequence the target and the ring
+    // already hold (n_cached == target.n_past() == the ring's next position; the caller checks the
+    // tokens), so only prompt[n_cached, n) runs, its taps pushed as a prefill pushes them.
+    int32_t prefill(const int32_t * prompt, int64_t n, int64_t n_cached = 0);
 
     // Draft d_1 .. d_{B-1} after `last` at position target.n_past() (nothing is committed).
     std::vector<int32_t> draft(int32_t last, int64_t B);
@@ -104,8 +107,9 @@ public:
     // drafter proposing its own draw under the same noise. The committed tokens equal sampled AR
     // decoding's at p.seed (p.temperature > 0). At temperature 0 (a greedy request that wants
     // logprobs) they are greedy decoding's, each argmax taken from the logits rows on the host.
-    // lp, when given and p.want_logprobs(): the token's logprobs.
-    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr);
+    // lp, when given and p.want_logprobs(): the token's logprobs. n_cached: as prefill's.
+    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr,
+                            int64_t n_cached = 0);
     int32_t ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp = nullptr);
     round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
                                const std::vector<int32_t> * forced_draft = nullptr);
@@ -135,6 +139,9 @@ public:
     void reset();
 
 private:
+    // prefill's pass (either form): reset (n_cached 0) or check the continuation and begin the
+    // controller's request, then decode prompt[n_cached, n) with the taps and push them
+    decode_result prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only);
     // A run of ring slots [slot0, slot0 + k) taking positions [pos0, pos0 + k): no wrap inside.
     struct ring_segment {
         int64_t slot0, k, pos0, row0;  // row0: the first of the pushed rows it takes

@@ -17,11 +17,9 @@
 namespace dfn {
 
 int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p,
-                                      token_logprobs * lp) {
+                                      token_logprobs * lp, int64_t n_cached) {
     check_sampling_params(p);
-    reset();
-    decode_result r = target_.decode(prompt, n, false, drafter_->hparams().tap_layers);
-    push_features(r.taps.data(), n, 0);
+    decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false);
     return choose_token({r.logits.data(), target_.hparams().n_vocab}, p, n, "decode", lp);
 }
 

@@ -1,4 +1,4 @@
-"""dflash-native command line: generate, convert, quantize, demo."""
+"""dflash-native command line: generate, convert, quantize, demo, serve."""
 
 from __future__ import annotations
 
@@ -64,6 +64,23 @@ def _logprobs_rows(eng, logprobs) -> list[dict]:
 
     return [{"token": lp.token, "text": text(lp.token), "logprob": lp.logprob,
              "top": [{"token": t, "text": text(t), "logprob": v} for t, v in lp.top]} for lp in logprobs]
+
+
+def _cmd_serve(a) -> int:
+    from .server import serve
+
+    target, drafter = a.target, a.drafter
+    if target is None:
+        pair = default_pair()
+        if pair is None:
+            raise ValueError("[serve] no embedded default pair in this install: give --target")
+        target, drafter = pair if drafter is None else (pair[0], drafter)
+    if a.no_drafter:
+        drafter = None
+    serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
+          n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
+          gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget)
+    return 0
 
 
 def _cmd_convert(a) -> int:
@@ -224,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize_parser(sub)
     _add_train_drafter_parser(sub)
     _add_demo_parser(sub)
+    _add_serve_parser(sub)
     return p
 
 
@@ -350,6 +368,25 @@ def _add_demo_parser(sub) -> None:
     d.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_cmd_demo)
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
+    s.add_argument("--target", default=None, help="target model GGUF (default: the embedded pair)")
+    s.add_argument("--drafter", default=None, help="DFlash drafter GGUF (default: the embedded pair's, without --target)")
+    s.add_argument("--no-drafter", action="store_true", help="AR only")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--slots", type=int, default=1, help="engines, each running one request at a time")
+    s.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot (503 beyond)")
+    s.add_argument("--model-name", default=None, help="the model id clients send (default: the target file's stem)")
+    s.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
+    _add_speculation_args(s, draft_cutoff=0.0)
+    s.add_argument("--n-ctx", type=int, default=4096)
+    s.add_argument("--n-batch", type=int, default=512, help="prompt tokens per forward graph")
+    s.add_argument("--threads", type=int, default=None, help="threads per slot (default: cores / slots)")
+    s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    s.set_defaults(fn=_cmd_serve)
+
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)

@@ -21,6 +21,7 @@ from ._tokenizer import NoVocabulary, Tokenizer
 class GenerationStats:
     n_prompt_tokens: int = 0
     n_generated: int = 0
+    n_cached_tokens: int = 0  # leading prompt tokens the prompt cache reused (not prefilled again)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stop_reason: str = ""  # "eos", "stop", "length" or "context"
@@ -53,7 +54,8 @@ class GenerationStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.n_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        n = self.n_prompt_tokens - self.n_cached_tokens  # the tokens the prefill ran
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -231,6 +233,9 @@ class Engine:
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
         self._owner: _Claim | None = None
+        # The prompt cache (generate(cache_prompt=True)): the token sequence the core holds after
+        # the last request that ended normally, and whether the Spec's ring is in step with it.
+        self._held: tuple[list[int], bool] | None = None
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
@@ -439,6 +444,7 @@ class Engine:
         min_p: float = 0.0,
         seed: int | None = None,
         logprobs: int | None = None,
+        cache_prompt: bool = False,
     ) -> GenerationResult | Iterator[StreamPiece]:
         """Generation, greedy by default. speculative=None uses the drafter when there is one;
         speculative=False runs plain AR on the same engine (the lossless baseline).
@@ -454,13 +460,22 @@ class Engine:
         greedy and sampled report), the same with and without the drafter. None: not computed.
 
         stream=True returns an iterator of StreamPiece; the request starts at its first next(),
-        where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises."""
+        where a prompt the core rejects (empty, too long, ids outside the vocabulary) raises.
+
+        cache_prompt=True: when the prompt starts with the whole sequence the core holds from this
+        engine's previous request (its prompt and every committed token but the last; multi-turn
+        chat), only the rest of the prompt is prefilled, continuing the KV cursor, GDN and conv
+        states and the feature ring (stats.n_cached_tokens says how many tokens were reused).
+        Otherwise, or after eval(), an error or a stream that did not finish, a cold start. The
+        output equals a cold start's bit for bit when every prefill chunk is at most 64 tokens
+        (n_batch <= 64, or short prompts); else the near-tie rule (docs/architecture.md)."""
         self._live()
         max_tokens = _int("generate", "max_tokens", max_tokens)
         if max_tokens < 0:
             raise ValueError(f"[generate] max_tokens must be >= 0, got {max_tokens}")
         stop = _stop_strings(stop)
         stream = _bool("generate", "stream", stream)
+        cache_prompt = _bool("generate", "cache_prompt", cache_prompt)
         if speculative is not None:
             speculative = _bool("generate", "speculative", speculative)
         sampling = _sampling(temperature, top_k, top_p, min_p, seed, logprobs)
@@ -470,7 +485,7 @@ class Engine:
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
         spec = self._spec is not None if speculative is None else speculative
-        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling))
+        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt))
         if stream:
             return gen
         last = None
@@ -492,8 +507,9 @@ class Engine:
             return self.tokenize(prompt)
         return _token_ids(where, prompt)
 
-    def _claim(self, what: str, timeout: float | None = None) -> "_Claim":
-        """Makes a new call the owner of the core's sequence (caller holds _cv) and resets it.
+    def _claim(self, what: str, timeout: float | None = None, keep: bool = False) -> "_Claim":
+        """Makes a new call the owner of the core's sequence (caller holds _cv) and resets it
+        (keep=True: leaves the sequence for the call's prompt cache to continue or reset).
         Another thread's call or stream is waited for; a stream this thread left unfinished (or
         one whose thread has ended) is superseded: resuming it raises."""
         me = threading.current_thread()
@@ -512,8 +528,20 @@ class Engine:
             self._cv.wait(wait)  # woken by _release; the timeout re-checks the owner's thread
         claim = _Claim(me)
         self._owner = claim
-        core.reset()
+        if not keep:
+            self._held = None
+            core.reset()
         return claim
+
+    def _take_held(self, prompt: list[int], spec: bool) -> int:
+        """(caller owns the core) How many leading prompt tokens the core holds from the previous
+        request, reusable as they are: its whole sequence, a strict prefix of the prompt (a token
+        must run for the logits); a speculative request also needs the ring in step. 0: cold."""
+        held, self._held = self._held, None  # in flight: a request that fails leaves nothing held
+        if held is None or (spec and not held[1]):
+            return 0
+        seq = held[0]
+        return len(seq) if 0 < len(seq) < len(prompt) and prompt[:len(seq)] == seq else 0
 
     def _resume(self, claim: "_Claim"):
         """Before a stream's step (caller holds _cv): its core, or RuntimeError when it lost it."""
@@ -536,8 +564,8 @@ class Engine:
         claim = None
         try:
             with self._cv:
-                claim = self._claim("generate()")
-                pieces = run.start()
+                claim = self._claim("generate()", keep=run.cache_prompt)
+                pieces = run.start(self._take_held(run.prompt, run.spec) if run.cache_prompt else 0)
             while True:
                 for piece in pieces:
                     if claim.superseded_by is not None:
@@ -548,6 +576,9 @@ class Engine:
                 with self._cv:
                     self._resume(claim)
                     pieces = run.step()
+            with self._cv:
+                if self._owner is claim:
+                    self._held = run.held()
         finally:
             if claim is not None:
                 self._release(claim)
@@ -569,11 +600,12 @@ class _Run:
     rounds, each committing tokens that become text pieces. Every step runs under Engine._cv."""
 
     def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
-                 sampling: "_core.Sampling | None" = None):
+                 sampling: "_core.Sampling | None" = None, cache_prompt: bool = False):
         self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
         # None: greedy without logprobs (the argmax in the graph); temperature 0: greedy with them
         self.sampling = sampling
         sampled = sampling is not None and sampling.temperature > 0
+        self.cache_prompt = cache_prompt  # Engine.generate(cache_prompt=...): continue / leave a held sequence
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
                                      seed=sampling.seed if sampled else None)
         self.want_lp = sampling is not None and sampling.logprobs >= 0
@@ -588,6 +620,10 @@ class _Run:
         self.B = eng._spec.block_size if spec else 1
         self.hist = [0] * (self.B + 1)
         self.t_dec = 0.0
+        # every committed token, those past a stop / EOS / max_tokens too: the core has run all but
+        # the last (the prompt cache's sequence); ring_ok: the Spec's ring is in step with it
+        self.committed: list[int] = []
+        self.ring_ok = spec
 
     def emit(self, tokens: list[int], lps: list | None = None) -> list[StreamPiece]:
         """Appends committed tokens (and their core TokenLogprobs when the request wants them);
@@ -621,17 +657,22 @@ class _Run:
                 return pieces
         return pieces
 
-    def start(self) -> list[StreamPiece]:
-        """The prefill (also for max_tokens=0: the core checks the prompt)."""
+    def start(self, n_cached: int = 0) -> list[StreamPiece]:
+        """The prefill (also for max_tokens=0: the core checks the prompt); n_cached: the leading
+        prompt tokens the core already holds (Engine._take_held), else a cold start."""
         eng = self.eng
         t0 = time.perf_counter()
         if not self.spec:
-            tok, lps = self._ar(self.prompt)
+            if n_cached == 0:
+                eng._core.reset()
+            tok, lps = self._ar(self.prompt[n_cached:])
         elif self.want_lp:
-            lps = [eng._spec.prefill_logprobs(self.prompt, self.sampling)]
+            lps = [eng._spec.prefill_logprobs(self.prompt, self.sampling, n_cached)]
             tok = int(lps[0].token)
         else:
-            tok, lps = int(eng._spec.prefill(self.prompt, self.sampling)), None
+            tok, lps = int(eng._spec.prefill(self.prompt, self.sampling, n_cached)), None
+        self.committed.append(tok)
+        self.stats.n_cached_tokens = n_cached
         self.stats.prefill_s = time.perf_counter() - t0
         if self.max_tokens == 0:
             self.stats.stop_reason, self.done = "length", True
@@ -647,13 +688,26 @@ class _Run:
             self.stats.stop_reason, self.done = "context", True
             return []
         t0 = time.perf_counter()
-        if self.spec and room >= 2:
-            committed, lps = self._round(min(self.B, room))
+        # With the prompt cache, a round never commits past max_tokens (the tokens still wanted), so
+        # a request that ends there leaves the core holding exactly its prompt and tokens (what the
+        # next turn continues). Without it, every step is the controller's or a full round.
+        left = self.max_tokens - len(self.out) if self.cache_prompt else self.B
+        if self.spec and room >= 2 and left >= 2:
+            committed, lps = self._round(min(self.B, room, left))
+        elif self.spec and room >= 2:  # the last token: an AR step that keeps the ring in step
+            if self.want_lp:
+                lps = [eng._spec.ar_step_logprobs(self.last, self.sampling)]
+                committed = [int(lps[0].token)]
+            else:
+                committed, lps = [int(eng._spec.ar_step(self.last, self.sampling))], None
+            self.stats.ar_steps += 1
         else:
             # AR (also the last position of n_ctx in a speculative request: no room for a block)
             tok, lps = self._ar([self.last])
             committed = [tok]
+            self.ring_ok = False  # no taps: the ring falls behind the target
         self.t_dec += time.perf_counter() - t0
+        self.committed += committed
         self.last = committed[-1]
         return self.emit(committed, lps)
 
@@ -686,6 +740,10 @@ class _Run:
         stats.rollback_s += r.rollback_s
         stats.verified_tokens += r.n_verified
         return committed, lps
+
+    def held(self) -> tuple[list[int], bool]:
+        """What the core holds after this request: its sequence, and whether the ring is in step."""
+        return self.prompt + self.committed[:-1], self.ring_ok
 
     def final_piece(self) -> StreamPiece:
         """The rest of the text, carrying the GenerationResult."""

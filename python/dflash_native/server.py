@@ -1,0 +1,478 @@
+"""OpenAI-compatible HTTP server (`dflash-native serve`): Starlette on uvicorn, the [server] extra.
+
+A pool of slots, each an Engine that runs one sequence at a time on its own worker thread (the
+event loop never computes); requests wait in a bounded queue (503 when it is full). A request goes
+to a free slot whose held sequence its prompt continues (the prompt cache: Engine.generate's
+cache_prompt), else to the free slot holding the least. A streamed request whose client goes away
+is closed at the engine's next step, and its slot freed.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
+events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every response carries a
+`usage` block and, as an extension, `dflash`: the request's GenerationStats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+try:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+except ImportError as e:  # the optional extra
+    raise ImportError(f"the server needs the [server] extra: pip install 'dflash-native[server]' ({e})") from None
+
+from .engine import Engine, GenerationResult
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# ---- request fields ----------------------------------------------------------------------------
+
+def _field(body: dict, name: str, kinds: tuple, default=None, check=None, what: str = ""):
+    """body[name] when present and not null, of one of `kinds` (bool never counts as a number) and
+    passing `check`; else `default`. A wrong type or value is a 400 naming the field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise ApiError(400, f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, got {v!r}", name)
+    if check is not None and not check(v):
+        raise ApiError(400, f"'{name}' must be {what}, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 4:
+        return v
+    raise ApiError(400, f"'stop' must be a string or a list of at most 4 strings, got {v!r}", "stop")
+
+
+_GENERATE_TAKES_LOGPROBS = "logprobs" in inspect.signature(Engine.generate).parameters
+
+
+def _sampling_fields(body: dict, chat: bool) -> dict:
+    """generate() keyword arguments from the request's sampling fields (values the engine checks)."""
+    if _field(body, "n", (int,), 1) != 1:
+        raise ApiError(400, "only n = 1 is supported", "n")
+    num = (int, float)
+    kw = dict(
+        temperature=float(_field(body, "temperature", num, 0.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")),
+        top_p=float(_field(body, "top_p", num, 1.0, lambda x: 0 < x <= 1, "a number in (0, 1]")),
+        top_k=_field(body, "top_k", (int,), 0, lambda x: x >= 0, "an int >= 0"),
+        min_p=float(_field(body, "min_p", num, 0.0, lambda x: 0 <= x < 1, "a number in [0, 1)")),
+        seed=_field(body, "seed", (int,), None, lambda x: 0 <= x < 1 << 64, "an int in [0, 2**64)"),
+        stop=_stop(body),
+    )
+    spec = _field(body, "speculative", (bool,), None)  # extension: False runs AR on the same slot
+    if spec is not None:
+        kw["speculative"] = spec
+    # logprobs: completions take an int (top-N), chat a bool plus top_logprobs
+    lp = body.get("top_logprobs") if chat and body.get("logprobs") else body.get("logprobs")
+    if chat and body.get("logprobs") and lp is None:
+        lp = 0
+    if lp is not None and lp is not False:
+        if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
+            raise ApiError(400, f"'logprobs' must be an int >= 0, got {lp!r}", "logprobs")
+        if not _GENERATE_TAKES_LOGPROBS:
+            raise ApiError(400, "logprobs are not supported by this engine", "logprobs", "not_supported")
+        kw["logprobs"] = lp
+    return kw
+
+
+# ---- slots -------------------------------------------------------------------------------------
+
+class _Slot:
+    """One engine and the single thread that runs all its calls (Engine's thread model: one owner)."""
+
+    def __init__(self, index: int, engine: Engine):
+        self.index, self.engine = index, engine
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slot{index}")
+        self.last_used = 0.0
+
+    def held(self) -> list[int]:
+        held = self.engine._held  # the prompt cache's sequence (None: nothing reusable)
+        return held[0] if held is not None else []
+
+
+class SlotPool:
+    """Free slots and a bounded FIFO of waiting requests (event-loop side only)."""
+
+    def __init__(self, engines: list[Engine], max_queue: int):
+        self.slots = [_Slot(i, e) for i, e in enumerate(engines)]
+        self.free = list(self.slots)
+        self.waiting: list[asyncio.Future] = []
+        self.max_queue = max_queue
+
+    def _pick(self, prompt: list[int]) -> _Slot:
+        def reuse(s: _Slot) -> int:
+            h = s.held()
+            return len(h) if 0 < len(h) < len(prompt) and prompt[:len(h)] == h else 0
+
+        # the longest reuse; else the slot holding least (the cheapest cache to lose), least recently used
+        best = max(self.free, key=lambda s: (reuse(s), -len(s.held()), -s.last_used))
+        self.free.remove(best)
+        return best
+
+    async def acquire(self, prompt: list[int]) -> _Slot:
+        if self.free and not self.waiting:
+            return self._pick(prompt)
+        if len(self.waiting) >= self.max_queue:
+            raise ApiError(503, f"server busy: {len(self.slots)} slots busy and {len(self.waiting)} requests queued",
+                           code="queue_full", kind="server_error")
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut in self.waiting:
+                self.waiting.remove(fut)
+            elif fut.done() and not fut.cancelled():
+                self.release(fut.result())  # handed a slot just as the client left
+            raise
+
+    def release(self, slot: _Slot) -> None:
+        slot.last_used = time.monotonic()
+        while self.waiting:
+            fut = self.waiting.pop(0)
+            if not fut.done():
+                fut.set_result(slot)
+                return
+        self.free.append(slot)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+class Metrics:
+    def __init__(self):
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.cached_tokens = self.generated = 0
+        self.prefill_s = self.decode_s = self.draft_s = self.verify_s = self.rollback_s = 0.0
+        self.acceptance: dict[int, int] = {}  # committed tokens per round -> rounds
+        self.cancelled = 0
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+
+    def add(self, r: GenerationResult) -> None:
+        s = r.stats
+        self.prompt_tokens += s.n_prompt_tokens
+        self.cached_tokens += s.n_cached_tokens
+        self.generated += s.n_generated
+        self.prefill_s += s.prefill_s
+        self.decode_s += s.decode_s
+        self.draft_s += s.draft_s
+        self.verify_s += s.verify_s
+        self.rollback_s += s.rollback_s
+        for k, n in enumerate(s.acceptance_histogram):
+            if n:
+                self.acceptance[k] = self.acceptance.get(k, 0) + n
+
+    def text(self, pool: SlotPool) -> str:
+        p = "dflash_"
+        out = [f"# TYPE {p}requests_total counter"]
+        for (ep, st), n in sorted(self.requests.items()):
+            out.append(f'{p}requests_total{{endpoint="{ep}",status="{st}"}} {n}')
+        for name, v, kind in [
+            ("requests_cancelled_total", self.cancelled, "counter"),
+            ("prompt_tokens_total", self.prompt_tokens, "counter"),
+            ("prompt_tokens_cached_total", self.cached_tokens, "counter"),
+            ("generated_tokens_total", self.generated, "counter"),
+            ("prefill_seconds_total", self.prefill_s, "counter"),
+            ("decode_seconds_total", self.decode_s, "counter"),
+            ("draft_seconds_total", self.draft_s, "counter"),
+            ("verify_seconds_total", self.verify_s, "counter"),
+            ("rollback_seconds_total", self.rollback_s, "counter"),
+            ("decode_tokens_per_second", self.generated / self.decode_s if self.decode_s > 0 else 0.0, "gauge"),
+            ("slots", len(pool.slots), "gauge"),
+            ("slots_busy", len(pool.slots) - len(pool.free), "gauge"),
+            ("queue_length", len(pool.waiting), "gauge"),
+        ]:
+            out += [f"# TYPE {p}{name} {kind}", f"{p}{name} {v}"]
+        # acceptance length (committed tokens per speculative round) as a cumulative histogram
+        out.append(f"# TYPE {p}acceptance_length histogram")
+        cum = total = 0
+        for k in sorted(self.acceptance):
+            cum += self.acceptance[k]
+            total += k * self.acceptance[k]
+            out.append(f'{p}acceptance_length_bucket{{le="{k}"}} {cum}')
+        out += [f'{p}acceptance_length_bucket{{le="+Inf"}} {cum}', f"{p}acceptance_length_sum {total}",
+                f"{p}acceptance_length_count {cum}"]
+        return "\n".join(out) + "\n"
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+class _Job:
+    """A request running on a slot's worker: pieces go to the event loop through `queue`; setting
+    `cancel` closes the engine's stream before its next step."""
+
+    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop):
+        self.slot, self.prompt, self.kw, self.loop = slot, prompt, kw, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.result: GenerationResult | None = None
+
+    def run(self) -> None:  # on the slot's worker thread
+        put = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+        gen = None
+        try:
+            gen = self.slot.engine.generate(self.prompt, stream=True, cache_prompt=True, **self.kw)
+            for piece in gen:
+                if piece.result is not None:
+                    self.result = piece.result
+                put(("piece", piece))
+                if self.cancel.is_set():
+                    break
+        except Exception as e:  # noqa: BLE001 - reported to the client
+            put(("error", e))
+        finally:
+            if gen is not None:
+                gen.close()  # a cancelled stream ends here: the engine is free for the next request
+            put(("end", None))
+
+
+def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -> Starlette:
+    """The ASGI app over `engines` (one slot each; all load the same model)."""
+    pool = SlotPool(engines, max_queue)
+    metrics = Metrics()
+    eng0 = engines[0]
+    n_ctx = eng0.n_ctx
+    created = int(time.time())
+
+    def tokens_of(body: dict, chat: bool) -> list[int]:
+        if eng0.tokenizer is None and (chat or isinstance(body.get("prompt"), str)):
+            raise ApiError(400, "this model has no tokenizer: send token ids", "prompt")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "'messages' must be a non-empty list", "messages")
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ApiError(400, f"messages[{i}] must have a string 'role' and a string 'content'", "messages")
+            try:
+                text = eng0.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            return eng0.tokenize(text)
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            if not p:
+                raise ApiError(400, "'prompt' is empty", "prompt")
+            return eng0.tokenize(p)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if not all(0 <= t < eng0.n_vocab for t in p):
+                raise ApiError(400, f"'prompt' has token ids outside [0, {eng0.n_vocab})", "prompt")
+            return list(p)
+        raise ApiError(400, "'prompt' must be a non-empty string or list of token ids (one prompt: n = 1)", "prompt")
+
+    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, str]:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise ApiError(404, f"the model '{model}' does not exist (this server serves '{model_name}')", "model",
+                           "model_not_found")
+        stream = _field(body, "stream", (bool,), False)
+        include_usage = bool(stream and isinstance(body.get("stream_options"), dict)
+                             and body["stream_options"].get("include_usage"))
+        kw = _sampling_fields(body, chat)
+        prompt = tokens_of(body, chat)
+        if len(prompt) >= n_ctx:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        kw["max_tokens"] = _field(body, name, (int,), 16 if not chat else n_ctx - len(prompt),
+                                  lambda x: x >= 0, "an int >= 0")
+        return prompt, kw, stream, ("usage" if include_usage else "")
+
+    def usage(r: GenerationResult) -> dict:
+        s = r.stats
+        return {"prompt_tokens": s.n_prompt_tokens, "completion_tokens": s.n_generated,
+                "total_tokens": s.n_prompt_tokens + s.n_generated,
+                "prompt_tokens_details": {"cached_tokens": s.n_cached_tokens}}
+
+    def extras(r: GenerationResult) -> dict:
+        out = {"dflash": r.stats.as_dict()}
+        lp = getattr(r, "logprobs", None)
+        return out if lp is None else {**out, "logprobs_raw": lp}
+
+    async def handle(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            prompt, kw, stream, include_usage = await parse(request, chat)
+            slot = await pool.acquire(prompt)
+        except ApiError as e:
+            metrics.count(endpoint, e.status)
+            return e.response()
+        loop = asyncio.get_running_loop()
+        job = _Job(slot, prompt, kw, loop)
+        fut = loop.run_in_executor(slot.worker, job.run)
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(pool.release, slot))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            msg = {"content": text} if delta else {"role": "assistant", "content": text}
+            return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": None, "finish_reason": finish}
+
+        if not stream:
+            text, err = [], None
+            while True:
+                kind, item = await job.queue.get()
+                if kind == "piece":
+                    text.append(item)
+                elif kind == "error":
+                    err = item
+                else:
+                    break
+            if err is not None or job.result is None:
+                status = 400 if isinstance(err, ValueError) else 500
+                metrics.count(endpoint, status)
+                return ApiError(status, str(err), kind="invalid_request_error" if status == 400
+                                else "server_error").response()
+            r = job.result
+            metrics.add(r)
+            metrics.count(endpoint, 200)
+            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                 "choices": [choice("".join(text), _FINISH.get(r.stats.stop_reason, "stop"), False)],
+                                 "usage": usage(r), **extras(r)})
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def sse(choices: list, **more) -> str:
+            return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
+                                          "model": model_name, "choices": choices, **more}) + "\n\n"
+
+        async def events():
+            if chat:
+                yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}])
+            while True:
+                kind, item = await job.queue.get()
+                if kind == "end":
+                    break
+                if kind == "error":
+                    yield "data: " + json.dumps({"error": {"message": str(item), "type": "server_error"}}) + "\n\n"
+                    continue
+                if item:
+                    yield sse([choice(str(item), None, True)])
+                if item.result is not None:
+                    r = item.result
+                    metrics.add(r)
+                    yield sse([choice("", _FINISH.get(r.stats.stop_reason, "stop"), True)], **extras(r))
+                    if include_usage:
+                        yield sse([], usage=usage(r))
+            yield "data: [DONE]\n\n"
+
+        def closed() -> None:
+            if not fut.done():
+                job.cancel.set()
+                metrics.cancelled += 1
+
+        metrics.count(endpoint, 200)
+        return _EventStream(events(), closed)
+
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                         "owned_by": "dflash-native"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "model": model_name, "slots": len(pool.slots),
+                             "slots_busy": len(pool.slots) - len(pool.free), "queued": len(pool.waiting)})
+
+    async def metrics_text(request: Request):
+        return PlainTextResponse(metrics.text(pool), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        for s in pool.slots:  # at shutdown: running requests finish their step, then the engines go
+            s.worker.shutdown(wait=True, cancel_futures=True)
+            s.engine.close()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.pool = pool
+    return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (a client that went away too)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
+          model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
+          **engine_kwargs: Any) -> None:
+    """Load `slots` engines and serve them until interrupted (`dflash-native serve`)."""
+    import os
+    from pathlib import Path
+
+    import uvicorn
+
+    if slots < 1 or queue < 0:
+        raise ValueError(f"[serve] slots must be >= 1 and queue >= 0, got {slots} and {queue}")
+    if n_threads is None:
+        n_threads = max(1, (os.cpu_count() or 1) // slots)
+    engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
+    app = create_app(engines, model_name=model_name or Path(target).stem, max_queue=queue)
+    print(f"[dflash-native serve] {slots} slot(s) of {Path(target).name}"
+          f"{' + ' + Path(drafter).name if drafter else ''}, {n_threads} thread(s) each, "
+          f"on http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

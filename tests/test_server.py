@@ -1,0 +1,273 @@
+"""The OpenAI-compatible server: a real `dflash-native serve` process on a free loopback port, the
+embedded default pair (it has a chat template), driven by the official `openai` client. Outputs are
+compared with Engine.generate / Engine.chat on the same files and settings in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import dflash_native as dn  # noqa: E402
+from dflash_native.cli import default_pair  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+N_CTX, N_BATCH = 1024, 64  # n_batch 64: cached and cold prefills run the same kernels (bitwise)
+MODEL = "default-target-f16"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    if default_pair() is None:
+        pytest.skip("no embedded default pair in this install")
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--slots", "2",
+                             "--queue", "40", "--n-ctx", str(N_CTX), "--n-batch", str(N_BATCH)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if json.load(r)["status"] == "ok":
+                    break
+        except (OSError, ValueError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.stdout.read()}")
+        time.sleep(0.2)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    t, d = default_pair()
+    with dn.Engine(t, drafter=d, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as eng:
+        yield eng
+
+
+def client(base: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def post_raw(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+PROMPTS = ["def fib(n):\n", "import os\n\nclass Path", "    for i in range(", "def _parse(self, text):\n    "]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+    h = get_json(server + "/health")
+    assert h["status"] == "ok" and h["slots"] == 2
+
+
+def test_completions_equal_engine(server, offline):
+    c = client(server)
+    for p in PROMPTS[:2]:
+        want = offline.generate(p, max_tokens=24)
+        r = c.completions.create(model=MODEL, prompt=p, max_tokens=24)
+        assert r.choices[0].text == want.text
+        assert r.choices[0].finish_reason == ("length" if want.stats.stop_reason == "length" else "stop")
+        assert r.usage.prompt_tokens == len(offline.tokenize(p)) and r.usage.completion_tokens == len(want.tokens)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        ext = r.model_extra["dflash"]
+        assert ext["speculative"] and ext["n_generated"] == len(want.tokens)
+        # streamed: the pieces join to the same text, the last chunk says why it ended, usage at the end
+        chunks = list(c.completions.create(model=MODEL, prompt=p, max_tokens=24, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] is not None
+        assert chunks[-1].usage.completion_tokens == len(want.tokens)
+    # AR on the same server (extension field) and sampling at a seed
+    want = offline.generate(PROMPTS[2], max_tokens=16, speculative=False)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, extra_body={"speculative": False})
+    assert r.choices[0].text == want.text and not r.model_extra["dflash"]["speculative"]
+    want = offline.generate(PROMPTS[3], max_tokens=16, temperature=0.8, top_p=0.9, top_k=30, min_p=0.02, seed=7)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0.8, top_p=0.9, seed=7,
+                             extra_body={"top_k": 30, "min_p": 0.02})
+    assert r.choices[0].text == want.text
+
+
+def test_stop_strings(server, offline):
+    c = client(server)
+    full = offline.generate(PROMPTS[0], max_tokens=32).text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip()
+    want = offline.generate(PROMPTS[0], max_tokens=32, stop=[stop])
+    assert want.stats.stop_reason == "stop"
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, stop=[stop, "\x00never"])
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    s = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == want.text
+
+
+def test_chat_equal_engine(server, offline):
+    c = client(server)
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    want = offline.chat(msgs, max_tokens=24)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.tokens)
+    s = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, stream=True))
+    assert s[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in s) == want.text
+
+
+def test_prompt_cache_three_turns(server, offline):
+    """Each later turn's prompt continues the slot's held sequence: only the new tokens are
+    prefilled (usage's cached_tokens), and the reply equals a cold start's."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    cached = []
+    for turn in range(3):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32)
+        want = offline.chat(msgs, max_tokens=32)  # cold: no cache_prompt
+        assert r.choices[0].message.content == want.text, turn
+        n_cached = r.usage.prompt_tokens_details.cached_tokens
+        assert r.model_extra["dflash"]["n_cached_tokens"] == n_cached
+        assert r.usage.prompt_tokens == want.stats.n_prompt_tokens
+        cached.append(n_cached)
+        msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                       {"role": "user", "content": f"and turn {turn + 2}"}]
+    assert cached[0] == 0
+    # the later turns reuse at least the previous prompt and most of its reply
+    assert cached[1] > 15 and cached[2] > cached[1] + 16, cached
+
+
+def test_concurrent_clients(server, offline):
+    """32 clients x 4 requests on 2 slots (a queue of 40): every response complete and equal to its
+    offline output; the server healthy afterwards."""
+    prompts = [f"{PROMPTS[i % 4]}{i}" for i in range(32)]
+    want = {p: offline.generate(p, max_tokens=8).text for p in prompts}
+    c = client(server)
+
+    def one(i: int) -> list[bool]:
+        out = []
+        for k in range(4):
+            p = prompts[(i + k) % 32]
+            if k % 2:
+                text = "".join(ch.choices[0].text for ch in
+                               c.completions.create(model=MODEL, prompt=p, max_tokens=8, stream=True))
+            else:
+                text = c.completions.create(model=MODEL, prompt=p, max_tokens=8).choices[0].text
+            out.append(text == want[p])
+        return out
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as ex:
+        results = list(ex.map(one, range(32)))
+    assert time.monotonic() - t0 < 120
+    assert all(all(r) for r in results) and sum(map(len, results)) == 128
+    h = get_json(server + "/health")
+    assert h["status"] == "ok" and h["slots_busy"] == 0 and h["queued"] == 0
+
+
+def test_cancelled_stream_frees_its_slot(server, offline):
+    c = client(server)
+    before = _metric(server, "dflash_requests_cancelled_total")
+    s = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=800, stream=True)
+    it = iter(s)
+    next(it), next(it)
+    s.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while get_json(server + "/health")["slots_busy"] != 0:
+        assert time.monotonic() < deadline, "the cancelled request still holds its slot"
+        time.sleep(0.1)
+    assert _metric(server, "dflash_requests_cancelled_total") == before + 1
+    gen = _metric(server, "dflash_generated_tokens_total")
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20)
+    assert r.choices[0].text == offline.generate(PROMPTS[1], max_tokens=20).text
+    assert _metric(server, "dflash_generated_tokens_total") == gen + r.usage.completion_tokens
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics(server):
+    client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16)
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in ("dflash_requests_total{", "dflash_generated_tokens_total", "dflash_decode_tokens_per_second",
+                 "dflash_acceptance_length_bucket{le=\"+Inf\"}", "dflash_verify_seconds_total",
+                 "dflash_draft_seconds_total", "dflash_rollback_seconds_total", "dflash_prompt_tokens_cached_total"):
+        assert name in text, name
+    assert _metric(server, "dflash_acceptance_length_count") > 0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1, 2, 99999999]}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x " * 2000}, 400, "prompt"),
+])
+def test_bad_requests(server, body, status, param):
+    code, err = post_raw(server + "/v1/completions", json.dumps(body).encode())
+    assert code == status and err["error"]["param"] == param and err["error"]["message"], err
+
+
+def test_bad_json_and_chat_errors(server):
+    for data in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        code, err = post_raw(server + "/v1/completions", data)
+        assert code == 400 and "JSON" in err["error"]["message"]
+    code, err = post_raw(server + "/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode())
+    assert code == 400 and err["error"]["param"] == "messages"
+    if "logprobs" not in dn.Engine.generate.__code__.co_varnames:
+        code, err = post_raw(server + "/v1/completions", json.dumps({"prompt": "x", "logprobs": 2}).encode())
+        assert code == 400 and err["error"]["code"] == "not_supported"
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="nope", prompt="x", max_tokens=2)
+    # still serving
+    assert client(server).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+    assert get_json(server + "/health")["status"] == "ok"
