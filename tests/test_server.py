@@ -41,7 +41,10 @@ def server():
     if default_pair() is None:
         pytest.skip("no embedded default pair in this install")
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # the server imports the package this test run imported (the installed one, or python/ with a
+    # dev-built _core), never the bare source tree
+    pkg_root = str(Path(dn.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--slots", "2",
                              "--queue", "40", "--n-ctx", str(N_CTX), "--n-batch", str(N_BATCH)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -115,7 +115,10 @@ def test_tree_engine_is_ar(pair, budget):
         st = sp.stats
         assert st.rounds > 0 or gate
         if st.rounds:
-            assert st.rounds < st.verified_tokens <= st.rounds * (budget + 1)
+            # fixed settings verify nodes every round; the controller may verify the root alone
+            # (no node worth its cost: a random drafter's are rarely accepted)
+            assert (st.rounds <= st.verified_tokens if gate else st.rounds < st.verified_tokens)
+            assert st.verified_tokens <= st.rounds * (budget + 1)
             assert 1.0 <= st.mean_acceptance_length <= 16
 
 
