@@ -39,9 +39,7 @@ void controller::forget_rounds() {
     window_.clear();
     std::fill(std::begin(bin_hit_), std::end(bin_hit_), 0);
     std::fill(std::begin(bin_n_), std::end(bin_n_), 0);
-    win_s_ = 0;
-    win_tokens_ = 0;
-    win_timed_ = 0;
+    forget_rate();
 }
 
 void controller::forget_rate() {
