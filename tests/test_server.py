@@ -222,6 +222,43 @@ def test_cancelled_stream_frees_its_slot(server, offline):
     assert _metric(server, "dflash_generated_tokens_total") == gen + r.usage.completion_tokens
 
 
+def _post_and_drop(base: str, body: dict) -> socket.socket:
+    """Sends a non-streamed request on a raw connection and returns the socket (to close unread)."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _wait_health(base: str, pred, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred(get_json(base + "/health")):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_dropped_non_streamed_requests_are_cancelled(server, offline):
+    """A client that goes away before its non-streamed answer stops its generation at the next round
+    (running) or leaves the queue (waiting); the slots come free and later outputs are unaffected."""
+    before = _metric(server, "dflash_requests_cancelled_total")
+    long = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 900}
+    # both slots busy with long requests (~2 s each), a third one queued behind them
+    socks = [_post_and_drop(server, long) for _ in range(3)]
+    _wait_health(server, lambda h: h["slots_busy"] == 2 and h["queued"] == 1, "the three requests never all arrived")
+    gen0 = _metric(server, "dflash_generated_tokens_total")
+    for s in socks:
+        s.close()
+    _wait_health(server, lambda h: h["slots_busy"] == 0 and h["queued"] == 0,
+                 "a dropped non-streamed request still holds its slot or its place in the queue")
+    assert _metric(server, "dflash_requests_cancelled_total") == before + 3
+    # none of the three ran to its end (a cancelled request reports no tokens)
+    assert _metric(server, "dflash_generated_tokens_total") == gen0
+    r = client(server).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24)
+    assert r.choices[0].text == offline.generate(PROMPTS[2], max_tokens=24).text
+
+
 def _metric(base: str, name: str) -> float:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():

@@ -26,7 +26,7 @@ from typing import Any
 try:
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # the optional extra
     raise ImportError(f"the server needs the [server] extra: pip install 'dflash-native[server]' ({e})") from None
@@ -334,14 +334,35 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         endpoint = "chat" if chat else "completions"
         try:
             prompt, kw, stream, include_usage = await parse(request, chat)
-            slot = await pool.acquire(prompt)
         except ApiError as e:
+            metrics.count(endpoint, e.status)
+            return e.response()
+        # the body is read: the next ASGI message is http.disconnect, whenever the client goes away
+        gone = asyncio.ensure_future(_disconnected(request))
+        acq = asyncio.ensure_future(pool.acquire(prompt))
+        await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
+        if not acq.done():  # the client left while queued: its place in the queue goes
+            acq.cancel()
+            await asyncio.gather(acq, return_exceptions=True)
+            metrics.cancelled += 1
+            metrics.count(endpoint, 499)
+            return Response(status_code=499)
+        try:
+            slot = acq.result()
+        except ApiError as e:
+            gone.cancel()
             metrics.count(endpoint, e.status)
             return e.response()
         loop = asyncio.get_running_loop()
         job = _Job(slot, prompt, kw, loop)
+        gone.add_done_callback(lambda t: None if t.cancelled() or fut.done() else cancel_job())
         fut = loop.run_in_executor(slot.worker, job.run)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(pool.release, slot))
+
+        def cancel_job() -> None:  # the client went away: the engine stops before its next step
+            if not job.cancel.is_set():
+                job.cancel.set()
+                metrics.cancelled += 1
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
 
@@ -353,14 +374,20 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
 
         if not stream:
             text, err = [], None
-            while True:
-                kind, item = await job.queue.get()
-                if kind == "piece":
-                    text.append(item)
-                elif kind == "error":
-                    err = item
-                else:
-                    break
+            try:
+                while True:
+                    kind, item = await job.queue.get()
+                    if kind == "piece":
+                        text.append(item)
+                    elif kind == "error":
+                        err = item
+                    else:
+                        break
+            finally:
+                gone.cancel()
+            if job.cancel.is_set():  # nobody is listening any more
+                metrics.count(endpoint, 499)
+                return Response(status_code=499)
             if err is not None or job.result is None:
                 status = 400 if isinstance(err, ValueError) else 500
                 metrics.count(endpoint, status)
@@ -402,9 +429,9 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
 
         def closed() -> None:
             if not fut.done():
-                job.cancel.set()
-                metrics.cancelled += 1
+                cancel_job()
 
+        gone.cancel()  # from here StreamingResponse watches the client (closed() runs when it goes)
         metrics.count(endpoint, 200)
         return _EventStream(events(), closed)
 
@@ -441,6 +468,12 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     ], lifespan=lifespan)
     app.state.pool = pool
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (after the request body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _EventStream(StreamingResponse):
