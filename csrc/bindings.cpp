@@ -422,6 +422,34 @@ void bind_target(py::module_ & m) {
         .def("verify", &target_verify, py::arg("tokens"), py::arg("taps") = std::vector<int>{},
              "Verify pass: all logits; GDN layers record their tape and keep their state. Follow with commit(n_keep).")
         .def(
+            "verify_greedy",
+            [](target_session & s, const py::object & tokens) {
+                std::vector<int32_t> toks = to_tokens(tokens);
+                py::gil_scoped_release release;
+                return s.verify(toks.data(), (int64_t) toks.size(), {}, true).argmax;
+            },
+            py::arg("tokens"), "verify() that returns only the greedy token per row (what a chain round runs)")
+        .def(
+            "verify_tree",
+            [](target_session & s, const py::object & tokens, const py::object & parents) {
+                std::vector<int32_t> toks = to_tokens(tokens), par = to_tokens(parents);
+                if (par.size() != toks.size())
+                    throw input_error(cat("[verify] ", toks.size(), " tokens but ", par.size(), " parents"));
+                py::gil_scoped_release release;
+                return s.verify_tree(toks.data(), par.data(), (int64_t) toks.size(), {}, true).argmax;
+            },
+            py::arg("tokens"), py::arg("parents"),
+            "Tree verify (what a tree round runs): tokens[i] is node i, parents[i] < i its parent (-1 for the root); "
+            "returns the greedy token after each node. Follow with commit_tree(path).")
+        .def(
+            "commit_tree",
+            [](target_session & s, const py::object & path) {
+                std::vector<int32_t> p = to_tokens(path);
+                py::gil_scoped_release release;
+                s.commit_tree(p);
+            },
+            py::arg("path"), "Keep the accepted path (node indices from the root 0) of the pending tree verify")
+        .def(
             "commit",
             [](target_session & s, int64_t n_keep) {
                 py::gil_scoped_release release;

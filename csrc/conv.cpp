@@ -19,12 +19,37 @@ void silu_rows(float * __restrict y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = silu_fast(y[i]);
 }
 
-// One output before the SiLU: sum_j w[j] in[j] in order j = 0 .. d_conv - 1 (the chain and tree
-// kernels share it, so a tree node's sum is its path's AR sum).
-inline float conv_dot(const float * wc, const float * in, int64_t d_conv) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < d_conv; ++j) s += wc[j] * in[j];
-    return s;
+// One token's outputs before the SiLU for a run of nc channels: out[c] = sum_j wT[j][c] in[j][c]
+// in order j = 0 .. d_conv - 1, each product and sum rounded once (conv.cpp is built with
+// -ffp-contract=off, so no path fuses them): the bits of a channel's sum depend on its own inputs
+// only, whatever the vector width. in[j]: window element j's row of nc channels (the state's
+// transposed column, or an input row); wT: the weights transposed, [d_conv][nc]. The chain and
+// tree kernels both call it, so a tree node's sum is its path's AR sum.
+DFN_MULTIVERSION
+void conv_row(float * __restrict out, const float * const * in, const float * __restrict wT, int64_t nc, int64_t d_conv) {
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < d_conv; ++j) s = s + wT[j * nc + c] * in[j][c];
+        out[c] = s;
+    }
+}
+
+// Channels [c0, c1) of w [n_ch][d_conv] and of the state [n_ch][kc], transposed to [d_conv][nc]
+// and [kc][nc] (contiguous in the channel, as x's rows are) into thread scratch. False: out of
+// memory (noted; thrown after the compute).
+bool transpose_channels(const float * w, const float * state, int64_t d_conv, int64_t c0, int64_t c1,
+                        std::vector<float> & wT, std::vector<float> & stT) {
+    const int64_t kc = d_conv - 1, nc = c1 - c0;
+    if (!kernel_scratch(wT, (size_t) (d_conv * nc), "the GDN conv") ||
+        !kernel_scratch(stT, (size_t) (kc * nc), "the GDN conv")) {
+        return false;
+    }
+    for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t j = 0; j < d_conv; ++j) wT[j * nc + c] = w[(c0 + c) * d_conv + j];
+        for (int64_t j = 0; j < kc; ++j) stT[j * nc + c] = state[(c0 + c) * kc + j];
+    }
+    return true;
 }
 
 // Channels split over the threads; each thread reads its channels' state before it writes them.
@@ -48,58 +73,55 @@ void conv_silu_tree_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/)
 
 void conv_silu_channels(float * state, bool update_state, const float * x, int64_t ldx, const float * w, float * out,
                         int64_t d_conv, int64_t n_ch, int64_t n_tok, int64_t c0, int64_t c1) {
-    const int64_t kc = d_conv - 1;
-    thread_local std::vector<float> in;
-    if (!kernel_scratch(in, (size_t) (kc + n_tok), "the GDN conv")) return;  // noted; thrown after the compute
-    for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t j = 0; j < kc; ++j) in[j] = state[c * kc + j];
-        for (int64_t t = 0; t < n_tok; ++t) in[kc + t] = x[t * ldx + c];
-        const float * wc = w + c * d_conv;
-        for (int64_t t = 0; t < n_tok; ++t) out[t * n_ch + c] = conv_dot(wc, in.data() + t, d_conv);
-        if (update_state) {
-            for (int64_t j = 0; j < kc; ++j) state[c * kc + j] = in[n_tok + j];
+    if (c1 <= c0) return;
+    const int64_t kc = d_conv - 1, nc = c1 - c0;
+    thread_local std::vector<float> wT, stT;
+    thread_local std::vector<const float *> in;
+    if (!transpose_channels(w, state, d_conv, c0, c1, wT, stT) ||
+        !kernel_scratch(in, (size_t) d_conv, "the GDN conv")) {
+        return;  // noted; thrown after the compute
+    }
+    // element i of the sequence [state (kc); x (n_tok)], channels c0..c1
+    auto row = [&](int64_t i) { return i < kc ? stT.data() + i * nc : x + (i - kc) * ldx + c0; };
+    for (int64_t t = 0; t < n_tok; ++t) {
+        for (int64_t j = 0; j < d_conv; ++j) in[j] = row(t + j);
+        conv_row(out + t * n_ch + c0, in.data(), wT.data(), nc, d_conv);
+    }
+    if (update_state) {  // the last kc inputs (read from the transposed copy, so in place is safe)
+        for (int64_t j = 0; j < kc; ++j) {
+            const float * r = row(n_tok + j);
+            for (int64_t c = 0; c < nc; ++c) state[(c0 + c) * kc + j] = r[c];
         }
     }
-    if (c1 > c0) {
-        for (int64_t t = 0; t < n_tok; ++t) silu_rows(out + t * n_ch + c0, c1 - c0);
-    }
+    for (int64_t t = 0; t < n_tok; ++t) silu_rows(out + t * n_ch + c0, nc);
 }
 
 void conv_silu_tree_channels(const float * state, const float * x, int64_t ldx, const int32_t * parents, const float * w,
                              float * out, int64_t d_conv, int64_t n_ch, int64_t n_tok, int64_t c0, int64_t c1) {
-    const int64_t kc = d_conv - 1;
-    // src[t * kc + j]: where window element j of node t comes from: >= 0 an input row (a node),
-    // < 0 the state column -1 - src. The AR step of the path reads [state; path][depth + j].
-    thread_local std::vector<int64_t> src, anc;
-    thread_local std::vector<float> win;
-    if (!kernel_scratch(src, (size_t) (n_tok * kc), "the GDN tree conv") ||
-        !kernel_scratch(anc, (size_t) n_tok, "the GDN tree conv") || !kernel_scratch(win, (size_t) d_conv, "the GDN tree conv")) {
+    if (c1 <= c0) return;
+    const int64_t kc = d_conv - 1, nc = c1 - c0;
+    thread_local std::vector<float> wT, stT;
+    thread_local std::vector<int64_t> anc;
+    thread_local std::vector<const float *> in;
+    if (!transpose_channels(w, state, d_conv, c0, c1, wT, stT) || !kernel_scratch(anc, (size_t) n_tok, "the GDN tree conv") ||
+        !kernel_scratch(in, (size_t) d_conv, "the GDN tree conv")) {
         return;  // noted; thrown after the compute
     }
     for (int64_t t = 0; t < n_tok; ++t) {
+        // node t's window: [state; its path (ancestors root first, then t)][depth .. depth + kc],
+        // what the AR step of that path reads
         int64_t dep = 0;  // ancestors of t, root first: anc[0 .. dep)
         for (int64_t a = parents[t]; a >= 0; a = parents[a]) ++dep;
         int64_t d = dep;
         for (int64_t a = parents[t]; a >= 0; a = parents[a]) anc[--d] = a;
         for (int64_t j = 0; j < kc; ++j) {
             const int64_t i = dep + j;  // index into [state (kc); path]
-            src[t * kc + j] = i < kc ? -1 - i : anc[i - kc];
+            in[j] = i < kc ? stT.data() + i * nc : x + anc[i - kc] * ldx + c0;
         }
+        in[kc] = x + t * ldx + c0;
+        conv_row(out + t * n_ch + c0, in.data(), wT.data(), nc, d_conv);
     }
-    for (int64_t c = c0; c < c1; ++c) {
-        const float * wc = w + c * d_conv;
-        for (int64_t t = 0; t < n_tok; ++t) {
-            for (int64_t j = 0; j < kc; ++j) {
-                const int64_t sj = src[t * kc + j];
-                win[j] = sj >= 0 ? x[sj * ldx + c] : state[c * kc + (-1 - sj)];
-            }
-            win[kc] = x[t * ldx + c];
-            out[t * n_ch + c] = conv_dot(wc, win.data(), d_conv);
-        }
-    }
-    if (c1 > c0) {
-        for (int64_t t = 0; t < n_tok; ++t) silu_rows(out + t * n_ch + c0, c1 - c0);
-    }
+    for (int64_t t = 0; t < n_tok; ++t) silu_rows(out + t * n_ch + c0, nc);
 }
 
 bool conv_silu_supported(const ggml_tensor * state, const ggml_tensor * x, const ggml_tensor * w) {
