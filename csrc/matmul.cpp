@@ -1,5 +1,7 @@
 #include "matmul.h"
 #include "alloc.h"
+#include "matmul_blocks.h"
+#include "matmul_q8.h"
 
 #include "common.h"
 
@@ -15,48 +17,6 @@
 #endif
 
 namespace dfn {
-
-// Block layouts of the types matmul_dequant.inc decodes (the GGUF format's, as ggml-common.h has
-// them; matmul_weight_type checks their sizes against ggml's before they are used).
-struct blk_q8_0 {
-    ggml_fp16_t d;
-    int8_t qs[32];
-};
-struct blk_q4_0 {
-    ggml_fp16_t d;
-    uint8_t qs[16];
-};
-struct blk_q4_K {
-    ggml_fp16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qs[128];
-};
-struct blk_q5_K {
-    ggml_fp16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qh[32];
-    uint8_t qs[128];
-};
-struct blk_q6_K {
-    uint8_t ql[128];
-    uint8_t qh[64];
-    int8_t scales[16];
-    ggml_fp16_t d;
-};
-
-// F16 -> F32 (exact) for the block scales, inline: a call into ggml per block of 32 codes costs more
-// than dequantizing the block.
-static inline float half_to_float(ggml_fp16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in F32
-        const float v = (float) man * 5.9604644775390625e-08f;
-        return sign ? -v : v;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
 
 // ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
 namespace isa_portable {
@@ -86,11 +46,38 @@ static inline float vsum(const vec & v) {
     const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
     return s2a + s2b;
 }
+static inline vec vcvt(const int32_t * p) {
+    vec v;
+    for (int i = 0; i < 16; ++i) v.l[i] = (float) p[i];
+    return v;
+}
+static inline vec vmul(const vec & a, const vec & b) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
+    return r;
+}
+static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    for (int64_t b = 0; b < nb; ++b, w += 32, a += 32) {
+        int32_t s = 0;
+        for (int l = 0; l < 32; ++l) s += (int32_t) w[l] * a[l];
+        out[b] = s;
+    }
+}
+static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
+    int32_t S = 0;
+    for (int i = 0; i < 16; ++i, w += 16, a += 16) {
+        int32_t s = 0;
+        for (int l = 0; l < 16; ++l) s += (int32_t) w[l] * a[l];
+        S += sc16[i] * s;
+    }
+    return S;
+}
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -121,15 +108,83 @@ static inline vec vfma(const vec & a, const vec & b, const vec & c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
+static inline vec vcvt(const int32_t * p) {
+    return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) p)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (p + 8)))};
+}
+static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+// 8 vectors of 8 int32 partial sums (one vector per block) -> their 8 totals, in block order.
+static inline __m256i hsum8x8(const __m256i v[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);  // per 128-bit half: blocks 0..3 / 4..7
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+// int8 x int8 as |w| (unsigned) x sign(w) a: |w| <= 128, |a| <= 127, so the int16 pairs never saturate.
+static inline __m256i dot32_s8(__m256i w, __m256i a) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    for (int64_t b = 0; b < nb; b += 8) {
+        __m256i v[8];
+        for (int t = 0; t < 8; ++t)
+            v[t] = dot32_s8(_mm256_loadu_si256((const __m256i *) (w + 32 * (b + t))), _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t))));
+        _mm256_storeu_si256((__m256i *) (out + b), hsum8x8(v));
+    }
+}
+// The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
+static inline __m256i scales_pair(const int16_t * sc) {
+    int32_t two;
+    std::memcpy(&two, sc, sizeof(two));
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(two), pick);
+}
+static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {  // w <= 63, |a| <= 127: the int16 pairs never saturate
+        const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *) (w + 32 * t)),
+                                               _mm256_loadu_si256((const __m256i *) (a + 32 * t)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales_pair(sc16 + 2 * t)));
+    }
+    return hsum_i32(acc);
+}
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
 }  // namespace isa_avx2
+#pragma GCC pop_options
+
+// ---- AVX-512 VNNI integer sums (vpdpbusd on 256 bits), used by the AVX-512 path when present --
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+static const bool k_vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}();
+static __attribute__((noinline)) void isums_q8_0_vnni(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    for (int64_t b = 0; b < nb; b += 8) {
+        __m256i v[8];
+        for (int t = 0; t < 8; ++t) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * (b + t)));
+            const __m256i av = _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t)));
+            v[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+        }
+        _mm256_storeu_si256((__m256i *) (out + b), isa_avx2::hsum8x8(v));
+    }
+}
 #pragma GCC pop_options
 
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
@@ -148,11 +203,21 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) {
     return sum_halves(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *) p)); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+// The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
+// the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
+static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    if (k_vnni) isums_q8_0_vnni(w, a, nb, out);
+    else isa_avx2::isums_q8_0(w, a, nb, out);
+}
+static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) { return isa_avx2::sbdot(w, a, sc16); }
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -191,9 +256,29 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // Enough F32 rows for the largest tile of any path (TILE_RM / TILE_RM1 <= 8).
 constexpr int64_t k_dequant_rows = 8;
 
-// False (noted, thrown after the compute) when the dequantization scratch cannot be had.
+// The integer path (matmul_q8.inc): x quantized to Q8_0 / Q8_K here, by every thread for all N
+// columns (a column's codes are the same whoever computes them). False: no scratch (noted).
+bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
+                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+    thread_local q8_acts A;
+    thread_local q8_row R;
+    if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
+    switch (which) {
+#if DFN_X86_GCC
+        case isa::avx512: isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        case isa::avx2: isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+#endif
+        default: isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+    }
+    return true;
+}
+
+// False (noted, thrown after the compute) when the scratch cannot be had. f32_path: a type of the
+// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them).
 bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false) {
+    if (!f32_path && q8_kind_of(type) != q8_kind::none)
+        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
     if (type == GGML_TYPE_F16) {
         run_rows(which, (const uint16_t *) W, (int64_t) (w_row_bytes / sizeof(uint16_t)), x, ldx, y, ldy, K, N, r0, r1);
         return true;
@@ -239,7 +324,7 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     if (r0 >= r1) return;
     const float * xp = (const float *) x->data;
     int64_t ldx = (int64_t) (x->nb[1] / sizeof(float));
-    if ((uintptr_t) xp % 64 != 0 || (ldx * sizeof(float)) % 64 != 0) {
+    if (q8_kind_of(W->type) == q8_kind::none && ((uintptr_t) xp % 64 != 0 || (ldx * sizeof(float)) % 64 != 0)) {
         // ggml aligns tensors to 32 bytes; a 64-byte x load across two cache lines costs the tile a
         // second load per fma (measured: 24 vs 33 GMAC/s at N = 8). Copy x (N x K floats) to rows on
         // 64-byte lines: the values, and so the results, are the same.
@@ -267,7 +352,7 @@ const char * isa_name(isa which) {
 }  // namespace
 
 void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which) {
+                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which, bool f32_path) {
     DFN_REQUIRE(matmul_weight_type(w_type), "matmul", "weight type ", ggml_type_name(w_type), " is not one the kernel takes");
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
@@ -278,7 +363,7 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
                     "' is not available here");
         use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
     }
-    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1)) throw_kernel_oom("matmul");
+    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path)) throw_kernel_oom("matmul");
 }
 
 const char * matmul_isa() { return isa_name(k_isa); }

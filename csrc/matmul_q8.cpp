@@ -1,0 +1,222 @@
+#include "matmul_q8.h"
+#include "alloc.h"
+#include "matmul_blocks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+// Built with -ffp-contract=off (CMakeLists.txt): iscale * x + 12582912.f must stay two roundings,
+// as in ggml's reference quantizer, on every target (an FMA would round once).
+
+namespace dfn {
+
+q8_kind q8_kind_of(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q8_0: return q8_kind::q8_0;
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q5_K:
+        case GGML_TYPE_Q6_K: return q8_kind::q8_K;
+        default: return q8_kind::none;
+    }
+}
+
+namespace {
+
+// ggml's quantize_row_q8_0_ref for one block of 32; returns the F16-rounded scale.
+float quantize_q8_0_block(const float * x, int8_t * q) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; ++j) q[j] = (int8_t) std::roundf(x[j] * id);
+    return half_to_float(ggml_fp32_to_fp16(d));
+}
+
+// ggml's nearest_int: round half to even through the float's mantissa (|v| <= 2^22).
+inline int nearest_int(float v) {
+    const float r = v + 12582912.0f;
+    int32_t i;
+    std::memcpy(&i, &r, sizeof(i));
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+// ggml's quantize_row_q8_K_ref for one superblock of 256; returns d.
+float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums) {
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < 256; ++j) {
+        const float ax = std::fabs(x[j]);
+        if (ax > amax) {
+            amax = ax;
+            max = x[j];
+        }
+    }
+    if (amax == 0.0f) {
+        std::memset(q, 0, 256);
+        std::memset(bsums, 0, 16 * sizeof(int16_t));
+        return 0.0f;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; ++j) q[j] = (int8_t) std::min(127, nearest_int(iscale * x[j]));
+    for (int i = 0; i < 16; ++i) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += q[16 * i + j];
+        bsums[i] = (int16_t) s;
+    }
+    return 1.0f / iscale;
+}
+
+}  // namespace
+
+bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A) {
+    A.kind = kind;
+    A.K = K;
+    A.N = N;
+    if (kind == q8_kind::q8_0) {
+        const int64_t nb = K / 32;
+        A.nb8 = (nb + 7) / 8 * 8;
+        A.nb16 = (nb + 15) / 16 * 16;
+        A.ldq = A.nb8 * 32;
+        A.ldd = A.nb16;
+    } else {
+        A.nb8 = A.nb16 = 0;
+        A.ldq = K;
+        A.ldd = K / 256;
+    }
+    if (!kernel_scratch(A.qs, (size_t) (N * A.ldq), "the matmul's quantized activations") ||
+        !kernel_scratch(A.d, (size_t) (N * A.ldd), "the matmul's activation scales") ||
+        !kernel_scratch(A.bsums, (size_t) (kind == q8_kind::q8_K ? N * (K / 16) : 0), "the matmul's activation sums"))
+        return false;
+    for (int64_t n = 0; n < N; ++n) {
+        const float * xn = x + n * ldx;
+        int8_t * q = A.qs.data() + n * A.ldq;
+        float * d = A.d.data() + n * A.ldd;
+        if (kind == q8_kind::q8_0) {
+            const int64_t nb = K / 32;
+            for (int64_t b = 0; b < nb; ++b) d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
+            std::fill(q + K, q + A.ldq, (int8_t) 0);
+            std::fill(d + nb, d + A.ldd, 0.0f);
+        } else {
+            int16_t * bs = A.bsums.data() + n * (K / 16);
+            for (int64_t s = 0; s < K / 256; ++s) d[s] = quantize_q8_K_block(xn + 256 * s, q + 256 * s, bs + 16 * s);
+        }
+    }
+    return true;
+}
+
+bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R) {
+    const int64_t K = A.K;
+    if (A.kind == q8_kind::q8_0) {
+        if (!kernel_scratch(R.codes, (size_t) A.ldq, "the matmul's decoded row") ||
+            !kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
+            !kernel_scratch(R.isum, (size_t) A.nb16, "the matmul's block sums"))
+            return false;
+        std::fill(R.codes.begin() + K, R.codes.end(), (uint8_t) 0);
+        std::fill(R.d.begin() + K / 32, R.d.end(), 0.0f);
+        std::fill(R.isum.begin(), R.isum.end(), 0);
+    } else {
+        if (!kernel_scratch(R.codes, (size_t) K, "the matmul's decoded row") ||
+            !kernel_scratch(R.sc16, (size_t) (K / 16), "the matmul's row scales") ||
+            !kernel_scratch(R.mn16, (size_t) (K / 16), "the matmul's row mins") ||
+            !kernel_scratch(R.d, (size_t) (K / 256), "the matmul's row scales") ||
+            !kernel_scratch(R.dmin, (size_t) (K / 256), "the matmul's row mins"))
+            return false;
+    }
+    R.fold_min = type == GGML_TYPE_Q6_K;
+    return true;
+}
+
+namespace {
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
+inline void scale_min_k4(int j, const uint8_t * q, int & sc, int & m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K / Q5_K: sub-block j (32 codes) = nibble j % 2 of qs[32 (j / 2) ..], Q5_K's fifth bit qh bit j.
+template <typename B, bool HIGH_BIT>
+void decode_k4(const B * x, int64_t nsb, q8_row & R) {
+    for (int64_t s = 0; s < nsb; ++s) {
+        uint8_t * c = R.codes.data() + 256 * s;
+        R.d[s] = half_to_float(x[s].d);
+        R.dmin[s] = half_to_float(x[s].dmin);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            scale_min_k4(j, x[s].scales, sc, m);
+            R.sc16[16 * s + 2 * j] = R.sc16[16 * s + 2 * j + 1] = (int16_t) sc;
+            R.mn16[16 * s + 2 * j] = R.mn16[16 * s + 2 * j + 1] = (int16_t) m;
+            const uint8_t * q = x[s].qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; ++l) {
+                int v = (q[l] >> shift) & 0xF;
+                if constexpr (HIGH_BIT) v |= ((x[s].qh[l] >> j) & 1) << 4;
+                c[32 * j + l] = (uint8_t) v;
+            }
+        }
+    }
+}
+
+// Q6_K: codes 0..63 (the format's q + 32), 16 int8 scales of 16; mn16 = 32 * scale (folded).
+void decode_q6_k(const blk_q6_K * x, int64_t nsb, q8_row & R) {
+    for (int64_t s = 0; s < nsb; ++s) {
+        uint8_t * c = R.codes.data() + 256 * s;
+        R.d[s] = half_to_float(x[s].d);
+        R.dmin[s] = 0.0f;
+        for (int i = 0; i < 16; ++i) {
+            R.sc16[16 * s + i] = x[s].scales[i];
+            R.mn16[16 * s + i] = (int16_t) (32 * x[s].scales[i]);
+        }
+        for (int n = 0; n < 2; ++n) {
+            const uint8_t * ql = x[s].ql + 64 * n;
+            const uint8_t * qh = x[s].qh + 32 * n;
+            uint8_t * cn = c + 128 * n;
+            for (int l = 0; l < 32; ++l) {
+                cn[l] = (uint8_t) ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+                cn[l + 32] = (uint8_t) ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                cn[l + 64] = (uint8_t) ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                cn[l + 96] = (uint8_t) ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void q8_decode_row(ggml_type type, const uint8_t * w, int64_t K, q8_row & R) {
+    switch (type) {
+        case GGML_TYPE_Q8_0: {
+            const blk_q8_0 * x = (const blk_q8_0 *) w;
+            int8_t * c = (int8_t *) R.codes.data();
+            for (int64_t b = 0; b < K / 32; ++b) {
+                R.d[b] = half_to_float(x[b].d);
+                std::memcpy(c + 32 * b, x[b].qs, 32);
+            }
+            break;
+        }
+        case GGML_TYPE_Q4_0: {
+            const blk_q4_0 * x = (const blk_q4_0 *) w;
+            int8_t * c = (int8_t *) R.codes.data();
+            for (int64_t b = 0; b < K / 32; ++b) {
+                R.d[b] = half_to_float(x[b].d);
+                for (int l = 0; l < 16; ++l) {
+                    c[32 * b + l] = (int8_t) ((x[b].qs[l] & 0xF) - 8);
+                    c[32 * b + l + 16] = (int8_t) ((x[b].qs[l] >> 4) - 8);
+                }
+            }
+            break;
+        }
+        case GGML_TYPE_Q4_K: decode_k4<blk_q4_K, false>((const blk_q4_K *) w, K / 256, R); break;
+        case GGML_TYPE_Q5_K: decode_k4<blk_q5_K, true>((const blk_q5_K *) w, K / 256, R); break;
+        case GGML_TYPE_Q6_K: decode_q6_k((const blk_q6_K *) w, K / 256, R); break;
+        default: break;  // q8_kind_of(type) == none: not called
+    }
+}
+
+}  // namespace dfn
