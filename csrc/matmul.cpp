@@ -18,6 +18,31 @@
 
 namespace dfn {
 
+// The 32 signed codes of block b of a Q8_0 / Q4_0 row (Q4_0: q - 8, low nibbles first).
+static inline void block_codes(ggml_type type, const uint8_t * w, int64_t b, int8_t * c) {
+    if (type == GGML_TYPE_Q8_0) {
+        std::memcpy(c, ((const blk_q8_0 *) w)[b].qs, 32);
+    } else {
+        const uint8_t * q = ((const blk_q4_0 *) w)[b].qs;
+        for (int l = 0; l < 16; ++l) {
+            c[l] = (int8_t) ((q[l] & 0xF) - 8);
+            c[l + 16] = (int8_t) ((q[l] >> 4) - 8);
+        }
+    }
+}
+
+// out[b] = sum_l code_l a[32 b + l] for blocks [b0, b1) of a Q8_0 / Q4_0 row (plain C; exact).
+static inline void isums_q8_0_blocks(ggml_type type, const uint8_t * w, const int8_t * a, int64_t b0, int64_t b1,
+                                     int32_t * out) {
+    for (int64_t b = b0; b < b1; ++b) {
+        int8_t c[32];
+        block_codes(type, w, b, c);
+        int32_t s = 0;
+        for (int l = 0; l < 32; ++l) s += (int32_t) c[l] * a[32 * b + l];
+        out[b] = s;
+    }
+}
+
 // ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
 namespace isa_portable {
 struct vec {
@@ -56,12 +81,8 @@ static inline vec vmul(const vec & a, const vec & b) {
     for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
     return r;
 }
-static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    for (int64_t b = 0; b < nb; ++b, w += 32, a += 32) {
-        int32_t s = 0;
-        for (int l = 0; l < 32; ++l) s += (int32_t) w[l] * a[l];
-        out[b] = s;
-    }
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    isums_q8_0_blocks(type, w, a, 0, nb, out);
 }
 static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
     int32_t S = 0;
@@ -130,13 +151,27 @@ static inline int32_t hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
-static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    for (int64_t b = 0; b < nb; b += 8) {
+// The 32 signed codes of a Q8_0 / Q4_0 block (Q4_0: q - 8, low nibbles first), read in place.
+static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
+static inline __m256i codes_q4_0(const blk_q4_0 * x) {
+    const __m128i q = _mm_loadu_si128((const __m128i *) x->qs);
+    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+}
+// Whole groups of 8 blocks in SIMD, the rest in plain C (exact integers either way).
+template <typename B, __m256i (*CODES)(const B *), __m256i (*DOT)(__m256i, __m256i)>
+static inline void isums_blocks(const B * x, const int8_t * a, int64_t nb, int32_t * out) {
+    for (int64_t b = 0; b + 8 <= nb; b += 8) {
         __m256i v[8];
-        for (int t = 0; t < 8; ++t)
-            v[t] = dot32_s8(_mm256_loadu_si256((const __m256i *) (w + 32 * (b + t))), _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t))));
+        for (int t = 0; t < 8; ++t) v[t] = DOT(CODES(x + b + t), _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t))));
         _mm256_storeu_si256((__m256i *) (out + b), hsum8x8(v));
     }
+}
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    const int64_t n8 = nb / 8 * 8;
+    if (type == GGML_TYPE_Q8_0) isums_blocks<blk_q8_0, codes_q8_0, dot32_s8>((const blk_q8_0 *) w, a, n8, out);
+    else isums_blocks<blk_q4_0, codes_q4_0, dot32_s8>((const blk_q4_0 *) w, a, n8, out);
+    isums_q8_0_blocks(type, w, a, n8, nb, out);
 }
 // The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
 static inline __m256i scales_pair(const int16_t * sc) {
@@ -174,16 +209,25 @@ static const bool k_vnni = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }();
-static __attribute__((noinline)) void isums_q8_0_vnni(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    for (int64_t b = 0; b < nb; b += 8) {
+// isa_avx2::isums_blocks with vpdpbusd for maddubs + madd (a template instantiated there would
+// keep the AVX2 target and not inline it).
+template <typename B, __m256i (*CODES)(const B *)>
+static inline void isums_blocks_vnni(const B * x, const int8_t * a, int64_t nb, int32_t * out) {
+    for (int64_t b = 0; b + 8 <= nb; b += 8) {
         __m256i v[8];
         for (int t = 0; t < 8; ++t) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * (b + t)));
-            const __m256i av = _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t)));
-            v[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+            const __m256i w = CODES(x + b + t), av = _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t)));
+            v[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
         }
         _mm256_storeu_si256((__m256i *) (out + b), isa_avx2::hsum8x8(v));
     }
+}
+static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb,
+                                                      int32_t * out) {
+    const int64_t n8 = nb / 8 * 8;
+    if (type == GGML_TYPE_Q8_0) isums_blocks_vnni<blk_q8_0, isa_avx2::codes_q8_0>((const blk_q8_0 *) w, a, n8, out);
+    else isums_blocks_vnni<blk_q4_0, isa_avx2::codes_q4_0>((const blk_q4_0 *) w, a, n8, out);
+    isums_q8_0_blocks(type, w, a, n8, nb, out);
 }
 #pragma GCC pop_options
 
@@ -207,9 +251,9 @@ static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loa
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 // The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
 // the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
-static inline void isums_q8_0(const int8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    if (k_vnni) isums_q8_0_vnni(w, a, nb, out);
-    else isa_avx2::isums_q8_0(w, a, nb, out);
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
+    if (k_vnni) isums_q8_0_vnni(type, w, a, nb, out);
+    else isa_avx2::isums_q8_0(type, w, a, nb, out);
 }
 static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) { return isa_avx2::sbdot(w, a, sc16); }
 #define TILE_RM 3

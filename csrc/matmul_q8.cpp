@@ -75,15 +75,13 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
     A.N = N;
     if (kind == q8_kind::q8_0) {
         const int64_t nb = K / 32;
-        A.nb8 = (nb + 7) / 8 * 8;
         A.nb16 = (nb + 15) / 16 * 16;
-        A.ldq = A.nb8 * 32;
         A.ldd = A.nb16;
     } else {
-        A.nb8 = A.nb16 = 0;
-        A.ldq = K;
+        A.nb16 = 0;
         A.ldd = K / 256;
     }
+    A.ldq = K;
     if (!kernel_scratch(A.qs, (size_t) (N * A.ldq), "the matmul's quantized activations") ||
         !kernel_scratch(A.d, (size_t) (N * A.ldd), "the matmul's activation scales") ||
         !kernel_scratch(A.bsums, (size_t) (kind == q8_kind::q8_K ? N * (K / 16) : 0), "the matmul's activation sums"))
@@ -95,7 +93,6 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
         if (kind == q8_kind::q8_0) {
             const int64_t nb = K / 32;
             for (int64_t b = 0; b < nb; ++b) d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
-            std::fill(q + K, q + A.ldq, (int8_t) 0);
             std::fill(d + nb, d + A.ldd, 0.0f);
         } else {
             int16_t * bs = A.bsums.data() + n * (K / 16);
@@ -108,11 +105,9 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
 bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R) {
     const int64_t K = A.K;
     if (A.kind == q8_kind::q8_0) {
-        if (!kernel_scratch(R.codes, (size_t) A.ldq, "the matmul's decoded row") ||
-            !kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
+        if (!kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
             !kernel_scratch(R.isum, (size_t) A.nb16, "the matmul's block sums"))
             return false;
-        std::fill(R.codes.begin() + K, R.codes.end(), (uint8_t) 0);
         std::fill(R.d.begin() + K / 32, R.d.end(), 0.0f);
         std::fill(R.isum.begin(), R.isum.end(), 0);
     } else {
@@ -125,98 +120,6 @@ bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R) {
     }
     R.fold_min = type == GGML_TYPE_Q6_K;
     return true;
-}
-
-namespace {
-
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
-inline void scale_min_k4(int j, const uint8_t * q, int & sc, int & m) {
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-// Q4_K / Q5_K: sub-block j (32 codes) = nibble j % 2 of qs[32 (j / 2) ..], Q5_K's fifth bit qh bit j.
-template <typename B, bool HIGH_BIT>
-void decode_k4(const B * x, int64_t nsb, q8_row & R) {
-    for (int64_t s = 0; s < nsb; ++s) {
-        uint8_t * c = R.codes.data() + 256 * s;
-        R.d[s] = half_to_float(x[s].d);
-        R.dmin[s] = half_to_float(x[s].dmin);
-        for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            scale_min_k4(j, x[s].scales, sc, m);
-            R.sc16[16 * s + 2 * j] = R.sc16[16 * s + 2 * j + 1] = (int16_t) sc;
-            R.mn16[16 * s + 2 * j] = R.mn16[16 * s + 2 * j + 1] = (int16_t) m;
-            const uint8_t * q = x[s].qs + 32 * (j / 2);
-            const int shift = 4 * (j % 2);
-            for (int l = 0; l < 32; ++l) {
-                int v = (q[l] >> shift) & 0xF;
-                if constexpr (HIGH_BIT) v |= ((x[s].qh[l] >> j) & 1) << 4;
-                c[32 * j + l] = (uint8_t) v;
-            }
-        }
-    }
-}
-
-// Q6_K: codes 0..63 (the format's q + 32), 16 int8 scales of 16; mn16 = 32 * scale (folded).
-void decode_q6_k(const blk_q6_K * x, int64_t nsb, q8_row & R) {
-    for (int64_t s = 0; s < nsb; ++s) {
-        uint8_t * c = R.codes.data() + 256 * s;
-        R.d[s] = half_to_float(x[s].d);
-        R.dmin[s] = 0.0f;
-        for (int i = 0; i < 16; ++i) {
-            R.sc16[16 * s + i] = x[s].scales[i];
-            R.mn16[16 * s + i] = (int16_t) (32 * x[s].scales[i]);
-        }
-        for (int n = 0; n < 2; ++n) {
-            const uint8_t * ql = x[s].ql + 64 * n;
-            const uint8_t * qh = x[s].qh + 32 * n;
-            uint8_t * cn = c + 128 * n;
-            for (int l = 0; l < 32; ++l) {
-                cn[l] = (uint8_t) ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
-                cn[l + 32] = (uint8_t) ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
-                cn[l + 64] = (uint8_t) ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-                cn[l + 96] = (uint8_t) ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
-            }
-        }
-    }
-}
-
-}  // namespace
-
-void q8_decode_row(ggml_type type, const uint8_t * w, int64_t K, q8_row & R) {
-    switch (type) {
-        case GGML_TYPE_Q8_0: {
-            const blk_q8_0 * x = (const blk_q8_0 *) w;
-            int8_t * c = (int8_t *) R.codes.data();
-            for (int64_t b = 0; b < K / 32; ++b) {
-                R.d[b] = half_to_float(x[b].d);
-                std::memcpy(c + 32 * b, x[b].qs, 32);
-            }
-            break;
-        }
-        case GGML_TYPE_Q4_0: {
-            const blk_q4_0 * x = (const blk_q4_0 *) w;
-            int8_t * c = (int8_t *) R.codes.data();
-            for (int64_t b = 0; b < K / 32; ++b) {
-                R.d[b] = half_to_float(x[b].d);
-                for (int l = 0; l < 16; ++l) {
-                    c[32 * b + l] = (int8_t) ((x[b].qs[l] & 0xF) - 8);
-                    c[32 * b + l + 16] = (int8_t) ((x[b].qs[l] >> 4) - 8);
-                }
-            }
-            break;
-        }
-        case GGML_TYPE_Q4_K: decode_k4<blk_q4_K, false>((const blk_q4_K *) w, K / 256, R); break;
-        case GGML_TYPE_Q5_K: decode_k4<blk_q5_K, true>((const blk_q5_K *) w, K / 256, R); break;
-        case GGML_TYPE_Q6_K: decode_q6_k((const blk_q6_K *) w, K / 256, R); break;
-        default: break;  // q8_kind_of(type) == none: not called
-    }
 }
 
 }  // namespace dfn

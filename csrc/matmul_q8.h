@@ -16,12 +16,12 @@ namespace dfn {
 enum class q8_kind { none, q8_0, q8_K };
 q8_kind q8_kind_of(ggml_type type);
 
-// N columns of K activations, quantized. Q8_0: qs [N][ldq] (ldq = nb8 * 32, zero past K),
-// d [N][ldd] (F16-rounded block scales as F32, ldd = nb16, zero past K / 32). Q8_K: qs [N][ldq]
-// (ldq = K), d [N][ldd] (ldd = K / 256), bsums [N][K / 16] (sums of 16 codes).
+// N columns of K activations, quantized: qs [N][ldq = K] int8 codes. Q8_0: d [N][ldd] (the
+// F16-rounded block scales as F32, ldd = nb16 = K / 32 rounded up to 16, zero past K / 32).
+// Q8_K: d [N][ldd = K / 256], bsums [N][K / 16] (sums of 16 codes).
 struct q8_acts {
     q8_kind kind = q8_kind::none;
-    int64_t K = 0, N = 0, nb8 = 0, nb16 = 0, ldq = 0, ldd = 0;
+    int64_t K = 0, N = 0, nb16 = 0, ldq = 0, ldd = 0;
     std::vector<int8_t> qs;
     std::vector<float> d;
     std::vector<int16_t> bsums;
@@ -36,8 +36,8 @@ struct q8_acts {
 //        -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale (F32); all zero: d = 0.
 bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
 
-// One weight row decoded to integers. Q8_0 kind: codes are int8 (Q4_0: q - 8), d the F16 block
-// scales, ld nb8 * 32 / nb16 with zero padding. Q8_K kind: codes uint8 (Q4_K 0..15, Q5_K 0..31,
+// One weight row decoded to integers. Q8_0 kind: d the F16 block scales (nb16, zero padding;
+// the codes are read in place). Q8_K kind: codes uint8 (Q4_K 0..15, Q5_K 0..31,
 // Q6_K 0..63), sc16 / mn16 the scale and min of each 16 codes (Q4_K / Q5_K: the 6-bit scale and
 // min of their 32-code sub-block; Q6_K: its int8 scale and 32 * scale, folded, fold_min), d / dmin
 // per superblock.
@@ -47,13 +47,11 @@ struct q8_row {
     std::vector<float> d, dmin;
     std::vector<int32_t> isum;  // the per-block integer sums of one column (Q8_0 kind), nb16
     bool fold_min = false;
-    const int8_t * codes_s8() const { return (const int8_t *) codes.data(); }
 };
 
 // Sizes R for rows of K values of `type` against A (zeroing the padding). False: no scratch (noted).
 bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R);
 
-// Decodes one row (w: K values of `type`) into R, sized by q8_row_scratch.
-void q8_decode_row(ggml_type type, const uint8_t * w, int64_t K, q8_row & R);
+// matmul_q8.inc: q8_decode_row (one row into R, sized by q8_row_scratch) and the dot loops, per ISA.
 
 }  // namespace dfn
