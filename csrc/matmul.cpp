@@ -81,9 +81,11 @@ static inline vec vmul(const vec & a, const vec & b) {
     for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
     return r;
 }
-static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    isums_q8_0_blocks(type, w, a, 0, nb, out);
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * /*bsum*/,
+                              int32_t * const * out, int nc, int64_t nb) {
+    for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
+static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
 static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
     int32_t S = 0;
     for (int i = 0; i < 16; ++i, w += 16, a += 16) {
@@ -133,46 +135,25 @@ static inline vec vcvt(const int32_t * p) {
     return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) p)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (p + 8)))};
 }
 static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-// 8 vectors of 8 int32 partial sums (one vector per block) -> their 8 totals, in block order.
-static inline __m256i hsum8x8(const __m256i v[8]) {
-    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);  // per 128-bit half: blocks 0..3 / 4..7
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-// int8 x int8 as |w| (unsigned) x sign(w) a: |w| <= 128, |a| <= 127, so the int16 pairs never saturate.
-static inline __m256i dot32_s8(__m256i w, __m256i a) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
+static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
-// The 32 signed codes of a Q8_0 / Q4_0 block (Q4_0: q - 8, low nibbles first), read in place.
+// The 32 codes of a Q8_0 block (int8, in place) / a Q4_0 block (its nibbles 0..15, low ones first).
 static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
-static inline __m256i codes_q4_0(const blk_q4_0 * x) {
+static inline __m256i codes_q4_0_u(const blk_q4_0 * x) {
     const __m128i q = _mm_loadu_si128((const __m128i *) x->qs);
-    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
 }
-// Whole groups of 8 blocks in SIMD, the rest in plain C (exact integers either way).
-template <typename B, __m256i (*CODES)(const B *), __m256i (*DOT)(__m256i, __m256i)>
-static inline void isums_blocks(const B * x, const int8_t * a, int64_t nb, int32_t * out) {
-    for (int64_t b = 0; b + 8 <= nb; b += 8) {
-        __m256i v[8];
-        for (int t = 0; t < 8; ++t) v[t] = DOT(CODES(x + b + t), _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t))));
-        _mm256_storeu_si256((__m256i *) (out + b), hsum8x8(v));
-    }
-}
-static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    const int64_t n8 = nb / 8 * 8;
-    if (type == GGML_TYPE_Q8_0) isums_blocks<blk_q8_0, codes_q8_0, dot32_s8>((const blk_q8_0 *) w, a, n8, out);
-    else isums_blocks<blk_q4_0, codes_q4_0, dot32_s8>((const blk_q4_0 *) w, a, n8, out);
-    isums_q8_0_blocks(type, w, a, n8, nb, out);
-}
+// |w| <= 128 and |a| <= 127: the int16 pairs of maddubs never saturate.
+static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)); }
+static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+#define ISUMS_RC 2
+#include "matmul_q8_isums.inc"
+#undef ISUMS_RC
 // The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
 static inline __m256i scales_pair(const int16_t * sc) {
     int32_t two;
@@ -209,26 +190,19 @@ static const bool k_vnni = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }();
-// isa_avx2::isums_blocks with vpdpbusd for maddubs + madd (a template instantiated there would
-// keep the AVX2 target and not inline it).
-template <typename B, __m256i (*CODES)(const B *)>
-static inline void isums_blocks_vnni(const B * x, const int8_t * a, int64_t nb, int32_t * out) {
-    for (int64_t b = 0; b + 8 <= nb; b += 8) {
-        __m256i v[8];
-        for (int t = 0; t < 8; ++t) {
-            const __m256i w = CODES(x + b + t), av = _mm256_loadu_si256((const __m256i *) (a + 32 * (b + t)));
-            v[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(av, w));
-        }
-        _mm256_storeu_si256((__m256i *) (out + b), isa_avx2::hsum8x8(v));
-    }
+namespace isa_vnni {
+using isa_avx2::codes_q4_0_u;
+using isa_avx2::codes_q8_0;
+static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a); }
+static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+#define ISUMS_RC 4
+#include "matmul_q8_isums.inc"
+#undef ISUMS_RC
+static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint8_t * w, const int8_t * const * a,
+                                                      const int32_t * const * bsum, int32_t * const * out, int nc, int64_t nb) {
+    isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
-static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb,
-                                                      int32_t * out) {
-    const int64_t n8 = nb / 8 * 8;
-    if (type == GGML_TYPE_Q8_0) isums_blocks_vnni<blk_q8_0, isa_avx2::codes_q8_0>((const blk_q8_0 *) w, a, n8, out);
-    else isums_blocks_vnni<blk_q4_0, isa_avx2::codes_q4_0>((const blk_q4_0 *) w, a, n8, out);
-    isums_q8_0_blocks(type, w, a, n8, nb, out);
-}
+}  // namespace isa_vnni
 #pragma GCC pop_options
 
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
@@ -251,10 +225,12 @@ static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loa
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 // The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
 // the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
-static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * a, int64_t nb, int32_t * out) {
-    if (k_vnni) isums_q8_0_vnni(type, w, a, nb, out);
-    else isa_avx2::isums_q8_0(type, w, a, nb, out);
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * bsum,
+                              int32_t * const * out, int nc, int64_t nb) {
+    if (k_vnni) isa_vnni::isums_q8_0_vnni(type, w, a, bsum, out, nc, nb);
+    else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
+static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
 static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) { return isa_avx2::sbdot(w, a, sc16); }
 #define TILE_RM 3
 #define TILE_RN 8

@@ -84,7 +84,8 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
     A.ldq = K;
     if (!kernel_scratch(A.qs, (size_t) (N * A.ldq), "the matmul's quantized activations") ||
         !kernel_scratch(A.d, (size_t) (N * A.ldd), "the matmul's activation scales") ||
-        !kernel_scratch(A.bsums, (size_t) (kind == q8_kind::q8_K ? N * (K / 16) : 0), "the matmul's activation sums"))
+        !kernel_scratch(A.bsums, (size_t) (kind == q8_kind::q8_K ? N * (K / 16) : 0), "the matmul's activation sums") ||
+        !kernel_scratch(A.bsum32, (size_t) (kind == q8_kind::q8_0 ? N * (K / 32) : 0), "the matmul's activation sums"))
         return false;
     for (int64_t n = 0; n < N; ++n) {
         const float * xn = x + n * ldx;
@@ -92,7 +93,12 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
         float * d = A.d.data() + n * A.ldd;
         if (kind == q8_kind::q8_0) {
             const int64_t nb = K / 32;
-            for (int64_t b = 0; b < nb; ++b) d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
+            int32_t * bs = A.bsum32.data() + n * nb;
+            for (int64_t b = 0; b < nb; ++b) {
+                d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
+                bs[b] = 0;
+                for (int l = 0; l < 32; ++l) bs[b] += q[32 * b + l];
+            }
             std::fill(d + nb, d + A.ldd, 0.0f);
         } else {
             int16_t * bs = A.bsums.data() + n * (K / 16);
@@ -106,7 +112,7 @@ bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R) {
     const int64_t K = A.K;
     if (A.kind == q8_kind::q8_0) {
         if (!kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
-            !kernel_scratch(R.isum, (size_t) A.nb16, "the matmul's block sums"))
+            !kernel_scratch(R.isum, (size_t) (4 * A.nb16), "the matmul's block sums"))
             return false;
         std::fill(R.d.begin() + K / 32, R.d.end(), 0.0f);
         std::fill(R.isum.begin(), R.isum.end(), 0);

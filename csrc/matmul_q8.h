@@ -18,13 +18,15 @@ q8_kind q8_kind_of(ggml_type type);
 
 // N columns of K activations, quantized: qs [N][ldq = K] int8 codes. Q8_0: d [N][ldd] (the
 // F16-rounded block scales as F32, ldd = nb16 = K / 32 rounded up to 16, zero past K / 32).
-// Q8_K: d [N][ldd = K / 256], bsums [N][K / 16] (sums of 16 codes).
+// bsum32 [N][K / 32] (sums of each block's codes). Q8_K: d [N][ldd = K / 256], bsums [N][K / 16]
+// (sums of 16 codes).
 struct q8_acts {
     q8_kind kind = q8_kind::none;
     int64_t K = 0, N = 0, nb16 = 0, ldq = 0, ldd = 0;
     std::vector<int8_t> qs;
     std::vector<float> d;
     std::vector<int16_t> bsums;
+    std::vector<int32_t> bsum32;
 };
 
 // Quantizes x (N columns, column n at x + n * ldx, K values) into A, column by column with one
@@ -45,7 +47,7 @@ struct q8_row {
     std::vector<uint8_t> codes;
     std::vector<int16_t> sc16, mn16;
     std::vector<float> d, dmin;
-    std::vector<int32_t> isum;  // the per-block integer sums of one column (Q8_0 kind), nb16
+    std::vector<int32_t> isum;  // the per-block integer sums of up to 4 columns (Q8_0 kind), [4][nb16]
     bool fold_min = false;
 };
 
