@@ -86,14 +86,15 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
-static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
-    int32_t S = 0;
-    for (int i = 0; i < 16; ++i, w += 16, a += 16) {
-        int32_t s = 0;
-        for (int l = 0; l < 16; ++l) s += (int32_t) w[l] * a[l];
-        S += sc16[i] * s;
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    for (int c = 0; c < nc; ++c) {
+        S[c] = 0;
+        for (int i = 0; i < 16; ++i) {
+            int32_t s = 0;
+            for (int l = 0; l < 16; ++l) s += (int32_t) w[16 * i + l] * a[c][16 * i + l];
+            S[c] += sc16[i] * s;
+        }
     }
-    return S;
 }
 #define TILE_RM 2
 #define TILE_RN 4
@@ -162,14 +163,27 @@ static inline __m256i scales_pair(const int16_t * sc) {
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     return _mm256_shuffle_epi8(_mm256_set1_epi32(two), pick);
 }
-static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) {
-    __m256i acc = _mm256_setzero_si256();
+template <int RC>
+static inline void sbdot_cols(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int32_t * S) {
+    __m256i acc[RC];
+    for (int c = 0; c < RC; ++c) acc[c] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {  // w <= 63, |a| <= 127: the int16 pairs never saturate
-        const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *) (w + 32 * t)),
-                                               _mm256_loadu_si256((const __m256i *) (a + 32 * t)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales_pair(sc16 + 2 * t)));
+        const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * t)), sc = scales_pair(sc16 + 2 * t);
+        for (int c = 0; c < RC; ++c) {
+            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (a[c] + 32 * t)));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(p, sc));
+        }
     }
-    return hsum_i32(acc);
+    for (int c = 0; c < RC; ++c) S[c] = hsum_i32(acc[c]);
+}
+// S[c] for nc <= 4 columns of one superblock.
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    switch (nc) {
+        case 4: sbdot_cols<4>(w, a, sc16, S); break;
+        case 3: sbdot_cols<3>(w, a, sc16, S); break;
+        case 2: sbdot_cols<2>(w, a, sc16, S); break;
+        default: sbdot_cols<1>(w, a, sc16, S); break;
+    }
 }
 #define TILE_RM 1
 #define TILE_RN 4
@@ -231,7 +245,9 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-static inline int32_t sbdot(const uint8_t * w, const int8_t * a, const int16_t * sc16) { return isa_avx2::sbdot(w, a, sc16); }
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    isa_avx2::sbdot(w, a, sc16, nc, S);
+}
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
