@@ -118,9 +118,11 @@ def test_speculative_equals_ar(qpair):
 INT_PATH = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def int_path(path) -> bool:
-    """Whether some tensor of the file is of an INT_PATH type."""
-    return any(x.tensor_type.name in INT_PATH for x in GGUFReader(path).tensors)
+def int_path(path) -> str:
+    """'all' when every quantized 2-D tensor of the file is of an INT_PATH type, 'some' when some
+    are (a mix: IQ4_NL with a Q6_K output), else ''."""
+    types = {x.tensor_type.name for x in GGUFReader(path).tensors if len(x.shape) == 2 and x.tensor_type.name != "F32"}
+    return "" if not types & INT_PATH else "all" if types <= INT_PATH else "some"
 
 
 def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
@@ -128,7 +130,8 @@ def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_log
     activations stay F32); llama.cpp on the same file differs from that model by rounding its
     activations to Q8_0 / Q8_K, and from ours by no more than that (+ F32 noise). With them, ours
     rounds the activations as llama.cpp does (ggml's reference quantizers): an error against the
-    dequantized model of llama.cpp's size, and within half that error of llama.cpp's logits."""
+    dequantized model of llama.cpp's size, and within half that error of llama.cpp's logits (a mix
+    of both: within llama.cpp's error of either)."""
     ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
     deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
     llama = llama_logits(qpair["target"], PROMPT)
@@ -136,9 +139,13 @@ def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_log
     err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
     print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
           f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
-    if int_path(qpair["target"]):  # measured: ours - llama.cpp 2e-6..6e-6 (Q8_0 file: 4e-2), errors ~0.1..0.2
+    kind = int_path(qpair["target"])
+    if kind == "all":  # measured: ours - llama.cpp 2e-6..6e-6 (Q8_0 file: 4e-2), errors ~0.1..0.2
         assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
         assert diff <= 0.5 * err_llama + 1e-5 * scale + 1e-6
+    elif kind == "some":  # some matmuls round their activations as llama.cpp does, the rest do not
+        assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
+        assert diff <= err_llama + 1e-5 * scale + 1e-6
     else:
         assert err_ours <= 1e-5 * scale + 1e-6
         assert diff <= err_llama + 1e-5 * scale + 1e-6
