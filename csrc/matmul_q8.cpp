@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 // Built with -ffp-contract=off (CMakeLists.txt): iscale * x + 12582912.f must stay two roundings,
 // as in ggml's reference quantizer, on every target (an FMA would round once).
@@ -24,8 +25,20 @@ q8_kind q8_kind_of(ggml_type type) {
 
 namespace {
 
+// A block holding NaN or Inf: codes 0 and the scale NaN, so that every output it feeds is NaN, as
+// on the F32 path (the engine's non-finite-logits check then raises; ggml would convert NaN to int).
+inline bool all_finite(const float * x, int n) {
+    bool ok = true;
+    for (int j = 0; j < n; ++j) ok &= std::isfinite(x[j]);
+    return ok;
+}
+
 // ggml's quantize_row_q8_0_ref for one block of 32; returns the F16-rounded scale.
 float quantize_q8_0_block(const float * x, int8_t * q) {
+    if (!all_finite(x, 32)) {
+        std::memset(q, 0, 32);
+        return std::numeric_limits<float>::quiet_NaN();
+    }
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
     const float d = amax / 127.0f;
@@ -44,6 +57,11 @@ inline int nearest_int(float v) {
 
 // ggml's quantize_row_q8_K_ref for one superblock of 256; returns d.
 float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums) {
+    if (!all_finite(x, 256)) {
+        std::memset(q, 0, 256);
+        std::memset(bsums, 0, 16 * sizeof(int16_t));
+        return std::numeric_limits<float>::quiet_NaN();
+    }
     float max = 0.0f, amax = 0.0f;
     for (int j = 0; j < 256; ++j) {
         const float ax = std::fabs(x[j]);

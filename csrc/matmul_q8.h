@@ -36,6 +36,7 @@ struct q8_acts {
 //        id = d ? 1 / d : 0, q = roundf(x * id), and d is stored as F16.
 //   Q8_K (ggml's quantize_row_q8_K_ref): per 256, max = the x of largest |x| (first one), iscale =
 //        -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale (F32); all zero: d = 0.
+// A block holding NaN or Inf gets codes 0 and d = NaN: the outputs it feeds are NaN.
 bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
 
 // One weight row decoded to integers. Q8_0 kind: d the F16 block scales (nb16, zero padding;

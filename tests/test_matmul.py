@@ -185,6 +185,20 @@ def test_q8_0_block_counts_bitwise(qtype, K):
             np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, 2, qtype), cols[:n], err_msg=f"{isa} N={n}")
 
 
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_q8_path_non_finite_propagates(qtype):
+    """A NaN or Inf activation makes its column's outputs NaN (as on the F32 path, so the engine's
+    non-finite-logits check still raises); the other columns keep their bits."""
+    raw, _, x = _qcase(qtype, 9, 512, 3, seed=4)
+    clean = _core.testing.matmul(raw, x, "", 1, qtype)
+    x[1, 300] = np.nan
+    x[2, 7] = np.inf
+    for isa in ISAS:
+        y = _core.testing.matmul(raw, x, isa, 1, qtype)
+        assert np.isnan(y[1:]).all(), isa
+        np.testing.assert_array_equal(y[0], clean[0])
+
+
 def test_quantized_bad_input():
     raw, _, x = _qcase("Q4_K", 4, 256, 2)
     with pytest.raises(ValueError, match="unknown ggml type"):
