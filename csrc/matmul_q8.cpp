@@ -43,7 +43,12 @@ float quantize_q8_0_block(const float * x, int8_t * q) {
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int j = 0; j < 32; ++j) q[j] = (int8_t) std::roundf(x[j] * id);
+    for (int j = 0; j < 32; ++j) {  // roundf (half away from zero), inline: t exact, v - t exact
+        const float v = x[j] * id;
+        const int t = (int) v;
+        const float frac = v - (float) t;
+        q[j] = (int8_t) (t + (frac >= 0.5f) - (frac <= -0.5f));
+    }
     return half_to_float(ggml_fp32_to_fp16(d));
 }
 

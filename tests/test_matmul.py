@@ -129,6 +129,9 @@ def test_q8_path_matches_float64(qtype, M, K):
     raw, values, x = _qcase(qtype, M, K, 11)
     x[3, :32] = 0.0    # an all-zero block (and superblock part)
     x[4, 40] = 1e4     # one dominant value
+    # exact ties: a block / superblock whose scale is 1 (max |x| = 127), halves rounded away from
+    # zero (Q8_0: roundf) or to even (Q8_K: nearest_int)
+    x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)
     xq = q8_activations(x, Q8_TYPES[qtype])
     ref = xq @ values.astype(np.float64).T
     # the sum of |terms| per output (a K-quant weight's terms: d sc q and dmin m)
