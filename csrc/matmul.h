@@ -20,7 +20,7 @@
 //     w_k = d_s * sc_j * q_k - dmin_s * m_j per superblock s (256) and sub-block j (16 or 32);
 //  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, AVX2 maddubs +
 //     madd, or plain C: exact, so how they are grouped cannot change them):
-//       Q8_0 kind: isum_b = sum_{k in b} q_k a_k
+//       Q8_0 kind: isum_b = sum_{k in b} q_k a_k (Q4_0 on SIMD: sum nibble_k a_k - 8 sum a_k)
 //       Q8_K kind: S_s = sum_{i < 16} sc16_i sum_{k in 16-group i} q_k a_k,
 //                  M_s = sum_{i < 16} mn16_i bsum_i (bsum_i: the sum of the 16 codes a_k)
 //       (Q6_K: q in 0..63 is the format's q + 32, mn16_i = 32 sc_i, S_s := S_s - M_s);
@@ -36,8 +36,9 @@
 // and its x86 activation quantizers round differently from the reference: docs/architecture.md).
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
-// for up to 8 columns at a time; integer path: each row decoded to int8 codes once for all N), so
-// the cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
+// for up to 8 columns at a time; integer path: each row's scales (and K-quant codes) decoded once
+// for all N, each Q4_0 / Q8_0 block and K-quant superblock loaded once for up to 4 columns), so the
+// cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
 #pragma once
 
 #include "build_context.h"
