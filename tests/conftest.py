@@ -166,31 +166,39 @@ def hf_logits() -> Callable[..., np.ndarray]:
     return run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _llama_cpp_without_extra_buffer_types():
+    """Every llama.cpp model the tests load skips ggml's extra buffer types (AMX, repack): on a CPU
+    with AMX_INT8 its AMX path crashes (SIGSEGV) on batched quantized matmuls in llama-cpp-python
+    0.3.36 (Q4_0, Q4_K_M files; the one-token path is fine)."""
+    try:
+        import llama_cpp.llama_cpp as L
+    except ImportError:
+        yield
+        return
+    default = L.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    L.llama_model_default_params = params
+    yield
+    L.llama_model_default_params = default
+
+
 @pytest.fixture(scope="session")
 def llama_logits() -> Callable[..., np.ndarray]:
     """llama_logits(gguf_path, tokens) -> float32 [n_tokens, n_vocab] from llama.cpp
     (llama-cpp-python, CPU, F32 KV cache, one batch)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    import llama_cpp.llama_cpp as L
-
-    # No extra buffer types (AMX, repack): on a CPU with AMX_INT8, ggml's AMX path crashes
-    # (SIGSEGV) on batched quantized matmuls in llama-cpp-python 0.3.36 (Q4_0, Q4_K_M files).
-    default_params = L.llama_model_default_params
-
-    def params():
-        p = default_params()
-        p.use_extra_bufts = False
-        return p
 
     def run(gguf_path: Path, tokens: Sequence[int]) -> np.ndarray:
         n_ctx = max(64, len(tokens))
-        L.llama_model_default_params = params
-        try:
-            llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                  logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                                  n_threads=N_THREADS, n_threads_batch=N_THREADS, verbose=False)
-        finally:
-            L.llama_model_default_params = default_params
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                              logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                              n_threads=N_THREADS, n_threads_batch=N_THREADS, verbose=False)
         try:
             llm.eval(list(tokens))
             return np.array(llm.scores[: len(tokens)], dtype=np.float32, copy=True)
