@@ -80,6 +80,28 @@ def isa() -> str:
     return f"{_core.testing.matmul_isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
+def llama_amx_off() -> bool:
+    """On a CPU with AMX_INT8, make llama-cpp-python load models without ggml's extra buffer types
+    (AMX, repack): its AMX path crashes (SIGSEGV) on batched quantized matmuls (seen with Q4_0 and
+    Q4_K_M files, llama-cpp-python 0.3.36, Intel Xeon with AMX). Returns whether it did; the
+    benchmarks record it, since llama.cpp's prefill there runs without AMX."""
+    import llama_cpp.llama_cpp as L
+
+    if not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read():
+        return False
+    if not getattr(L.llama_model_default_params, "_dfn_amx_off", False):
+        default = L.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        params._dfn_amx_off = True
+        L.llama_model_default_params = params
+    return True
+
+
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:
     """Build (once) a random model with the package's own converter."""
     from fixtures import make_random_gguf

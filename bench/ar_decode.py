@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN35_05B, Timer, cached_typed_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import QWEN35_05B, Timer, cached_typed_gguf, git_rev, llama_amx_off, machine, summarize, write_jsonl  # noqa: E402
 
 
 def bench_ours(path, prompt, n_decode, threads, n_ctx):
@@ -127,6 +127,9 @@ def main():
           f"reps={a.reps} (+1 warm-up); rev {git_rev()}")
     print(f"{'model':<16}{'type':<8}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
     rows = []
+    amx_off = llama_amx_off()
+    if amx_off:
+        print("# llama.cpp without extra buffer types (AMX, repack): its AMX path crashes here (_common.llama_amx_off)")
     for outtype in a.outtypes.split(","):
         path = cached_typed_gguf(name, "qwen3_5", outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
@@ -143,14 +146,15 @@ def main():
             print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
-                         "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev()})
+                         "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev(),
+                         "llama_amx_off": amx_off})
         ours, ref = res["dflash-native"], res["llama.cpp"]
         rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
         rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]
         print(f"{name:<16}{outtype:<8}{'ratio':<14}{rp:>14.3f}{rd:>14.3f}")
         rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": "ratio ours/llama.cpp",
                      "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "machine": machine(),
-                     "rev": git_rev()})
+                     "rev": git_rev(), "llama_amx_off": amx_off})
         if a.verify_curve:
             curve = verify_curve(path, prompt[:32], a.threads, a.reps)
             for k, c in curve.items():
@@ -159,7 +163,7 @@ def main():
                 rows.append({"bench": "verify_curve", "model": name, "outtype": outtype, "engine": k,
                              "threads": a.threads, "context": 32, "ar_step_s": c["step_s"],
                              "verify_over_ar": {str(n): c[n] for n in VERIFY_SIZES}, "machine": machine(),
-                             "rev": git_rev()})
+                             "rev": git_rev(), "llama_amx_off": amx_off})
     write_jsonl(a.json, rows)
 
 

@@ -697,10 +697,11 @@ ggml_type ggml_type_named(const std::string & name) {
 void bind_testing_kernels(py::module_ & t) {
     t.def(
         "matmul",
-        [](py::array W, farr x, const std::string & isa, int n_threads, const std::string & type) {
+        [](py::array W, farr x, const std::string & isa, int n_threads, const std::string & type, bool f32_path) {
             // W [M, K] float16 or float32, or W [M, row bytes] uint8 holding rows of the ggml type `type`
             // (e.g. "q4_K", as gguf-py quantizes them); x [N, K] float32 -> y [N, M] float32 (matmul.h's
-            // kernel; rows split over n_threads threads as the graph op splits them)
+            // kernel; rows split over n_threads threads as the graph op splits them). f32_path: the
+            // integer-path types through the dequantize-to-F32 path instead.
             DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2, "matmul", "W and x must be 2-D");
             DFN_REQUIRE(W.flags() & py::array::c_style, "matmul", "W must be C-contiguous");
             const int64_t M = W.shape(0), K = x.shape(1), N = x.shape(0);
@@ -730,14 +731,15 @@ void bind_testing_kernels(py::module_ & t) {
             for (int t = 1; t < n_threads; ++t) {
                 pool.emplace_back([=, &errs] {
                     try {
-                        matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa);
+                        matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, M * t / n_threads, M * (t + 1) / n_threads, isa,
+                                    f32_path);
                     } catch (...) {
                         errs[(size_t) t] = std::current_exception();
                     }
                 });
             }
             try {
-                matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, 0, M / n_threads, isa);
+                matmul_rows(w, wt, row_bytes, xp, K, yp, M, K, N, 0, M / n_threads, isa, f32_path);
             } catch (...) {
                 errs[0] = std::current_exception();
             }
@@ -745,7 +747,8 @@ void bind_testing_kernels(py::module_ & t) {
             for (auto & e : errs) if (e) std::rethrow_exception(e);
             return y;
         },
-        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1, py::arg("type") = "");
+        py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1, py::arg("type") = "",
+        py::arg("f32_path") = false);
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
     t.def(

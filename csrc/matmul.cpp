@@ -1,5 +1,7 @@
 #include "matmul.h"
 #include "alloc.h"
+#include "matmul_blocks.h"
+#include "matmul_q8.h"
 
 #include "common.h"
 
@@ -16,46 +18,29 @@
 
 namespace dfn {
 
-// Block layouts of the types matmul_dequant.inc decodes (the GGUF format's, as ggml-common.h has
-// them; matmul_weight_type checks their sizes against ggml's before they are used).
-struct blk_q8_0 {
-    ggml_fp16_t d;
-    int8_t qs[32];
-};
-struct blk_q4_0 {
-    ggml_fp16_t d;
-    uint8_t qs[16];
-};
-struct blk_q4_K {
-    ggml_fp16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qs[128];
-};
-struct blk_q5_K {
-    ggml_fp16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qh[32];
-    uint8_t qs[128];
-};
-struct blk_q6_K {
-    uint8_t ql[128];
-    uint8_t qh[64];
-    int8_t scales[16];
-    ggml_fp16_t d;
-};
-
-// F16 -> F32 (exact) for the block scales, inline: a call into ggml per block of 32 codes costs more
-// than dequantizing the block.
-static inline float half_to_float(ggml_fp16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in F32
-        const float v = (float) man * 5.9604644775390625e-08f;
-        return sign ? -v : v;
+// The 32 signed codes of block b of a Q8_0 / Q4_0 row (Q4_0: q - 8, low nibbles first).
+static inline void block_codes(ggml_type type, const uint8_t * w, int64_t b, int8_t * c) {
+    if (type == GGML_TYPE_Q8_0) {
+        std::memcpy(c, ((const blk_q8_0 *) w)[b].qs, 32);
+    } else {
+        const uint8_t * q = ((const blk_q4_0 *) w)[b].qs;
+        for (int l = 0; l < 16; ++l) {
+            c[l] = (int8_t) ((q[l] & 0xF) - 8);
+            c[l + 16] = (int8_t) ((q[l] >> 4) - 8);
+        }
     }
-    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
+}
+
+// out[b] = sum_l code_l a[32 b + l] for blocks [b0, b1) of a Q8_0 / Q4_0 row (plain C; exact).
+static inline void isums_q8_0_blocks(ggml_type type, const uint8_t * w, const int8_t * a, int64_t b0, int64_t b1,
+                                     int32_t * out) {
+    for (int64_t b = b0; b < b1; ++b) {
+        int8_t c[32];
+        block_codes(type, w, b, c);
+        int32_t s = 0;
+        for (int l = 0; l < 32; ++l) s += (int32_t) c[l] * a[32 * b + l];
+        out[b] = s;
+    }
 }
 
 // ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
@@ -86,11 +71,37 @@ static inline float vsum(const vec & v) {
     const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
     return s2a + s2b;
 }
+static inline vec vcvt(const int32_t * p) {
+    vec v;
+    for (int i = 0; i < 16; ++i) v.l[i] = (float) p[i];
+    return v;
+}
+static inline vec vmul(const vec & a, const vec & b) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
+    return r;
+}
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * /*bsum*/,
+                              int32_t * const * out, int nc, int64_t nb) {
+    for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
+}
+static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    for (int c = 0; c < nc; ++c) {
+        S[c] = 0;
+        for (int i = 0; i < 16; ++i) {
+            int32_t s = 0;
+            for (int l = 0; l < 16; ++l) s += (int32_t) w[16 * i + l] * a[c][16 * i + l];
+            S[c] += sc16[i] * s;
+        }
+    }
+}
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -121,15 +132,91 @@ static inline vec vfma(const vec & a, const vec & b, const vec & c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
+static inline vec vcvt(const int32_t * p) {
+    return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) p)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (p + 8)))};
+}
+static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+// The 32 codes of a Q8_0 block (int8, in place) / a Q4_0 block (its nibbles 0..15, low ones first).
+static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
+static inline __m256i codes_q4_0_u(const blk_q4_0 * x) {
+    const __m128i q = _mm_loadu_si128((const __m128i *) x->qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+// |w| <= 128 and |a| <= 127: the int16 pairs of maddubs never saturate.
+static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)); }
+static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+#define ISUMS_RC 2
+#include "matmul_q8_isums.inc"
+#undef ISUMS_RC
+// The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
+static inline __m256i scales_pair(const int16_t * sc) {
+    int32_t two;
+    std::memcpy(&two, sc, sizeof(two));
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(two), pick);
+}
+template <int RC>
+static inline void sbdot_cols(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int32_t * S) {
+    __m256i acc[RC];
+    for (int c = 0; c < RC; ++c) acc[c] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {  // w <= 63, |a| <= 127: the int16 pairs never saturate
+        const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * t)), sc = scales_pair(sc16 + 2 * t);
+        for (int c = 0; c < RC; ++c) {
+            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (a[c] + 32 * t)));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(p, sc));
+        }
+    }
+    for (int c = 0; c < RC; ++c) S[c] = hsum_i32(acc[c]);
+}
+// S[c] for nc <= 4 columns of one superblock.
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    switch (nc) {
+        case 4: sbdot_cols<4>(w, a, sc16, S); break;
+        case 3: sbdot_cols<3>(w, a, sc16, S); break;
+        case 2: sbdot_cols<2>(w, a, sc16, S); break;
+        default: sbdot_cols<1>(w, a, sc16, S); break;
+    }
+}
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
 }  // namespace isa_avx2
+#pragma GCC pop_options
+
+// ---- AVX-512 VNNI integer sums (vpdpbusd on 256 bits), used by the AVX-512 path when present --
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+static const bool k_vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}();
+namespace isa_vnni {
+using isa_avx2::codes_q4_0_u;
+using isa_avx2::codes_q8_0;
+static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a); }
+static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
+#define ISUMS_RC 4
+#include "matmul_q8_isums.inc"
+#undef ISUMS_RC
+static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint8_t * w, const int8_t * const * a,
+                                                      const int32_t * const * bsum, int32_t * const * out, int nc, int64_t nb) {
+    isums_q8_0(type, w, a, bsum, out, nc, nb);
+}
+}  // namespace isa_vnni
 #pragma GCC pop_options
 
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
@@ -148,11 +235,25 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) {
     return sum_halves(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *) p)); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+// The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
+// the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
+static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * bsum,
+                              int32_t * const * out, int nc, int64_t nb) {
+    if (k_vnni) isa_vnni::isums_q8_0_vnni(type, w, a, bsum, out, nc, nb);
+    else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
+}
+static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
+static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
+    isa_avx2::sbdot(w, a, sc16, nc, S);
+}
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
+#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
@@ -191,9 +292,29 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // Enough F32 rows for the largest tile of any path (TILE_RM / TILE_RM1 <= 8).
 constexpr int64_t k_dequant_rows = 8;
 
-// False (noted, thrown after the compute) when the dequantization scratch cannot be had.
+// The integer path (matmul_q8.inc): x quantized to Q8_0 / Q8_K here, by every thread for all N
+// columns (a column's codes are the same whoever computes them). False: no scratch (noted).
+bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
+                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+    thread_local q8_acts A;
+    thread_local q8_row R;
+    if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
+    switch (which) {
+#if DFN_X86_GCC
+        case isa::avx512: isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        case isa::avx2: isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+#endif
+        default: isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+    }
+    return true;
+}
+
+// False (noted, thrown after the compute) when the scratch cannot be had. f32_path: a type of the
+// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them).
 bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false) {
+    if (!f32_path && q8_kind_of(type) != q8_kind::none)
+        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
     if (type == GGML_TYPE_F16) {
         run_rows(which, (const uint16_t *) W, (int64_t) (w_row_bytes / sizeof(uint16_t)), x, ldx, y, ldy, K, N, r0, r1);
         return true;
@@ -239,7 +360,7 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     if (r0 >= r1) return;
     const float * xp = (const float *) x->data;
     int64_t ldx = (int64_t) (x->nb[1] / sizeof(float));
-    if ((uintptr_t) xp % 64 != 0 || (ldx * sizeof(float)) % 64 != 0) {
+    if (q8_kind_of(W->type) == q8_kind::none && ((uintptr_t) xp % 64 != 0 || (ldx * sizeof(float)) % 64 != 0)) {
         // ggml aligns tensors to 32 bytes; a 64-byte x load across two cache lines costs the tile a
         // second load per fma (measured: 24 vs 33 GMAC/s at N = 8). Copy x (N x K floats) to rows on
         // 64-byte lines: the values, and so the results, are the same.
@@ -267,7 +388,7 @@ const char * isa_name(isa which) {
 }  // namespace
 
 void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which) {
+                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & which, bool f32_path) {
     DFN_REQUIRE(matmul_weight_type(w_type), "matmul", "weight type ", ggml_type_name(w_type), " is not one the kernel takes");
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
@@ -278,7 +399,7 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
                     "' is not available here");
         use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
     }
-    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1)) throw_kernel_oom("matmul");
+    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path)) throw_kernel_oom("matmul");
 }
 
 const char * matmul_isa() { return isa_name(k_isa); }

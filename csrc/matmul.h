@@ -1,21 +1,44 @@
 // Batch-invariant CPU matmul: y = W x for F16 / F32 / BF16 / quantized weights and F32 activations.
 //
-// Every output y[n, r] is one 16-lane accumulator over k = 0, 16, 32, ... (fused multiply-add,
-// the tail zero-padded) followed by a fixed pairwise sum of the lanes. Its bits therefore do not
-// depend on the number of columns N, on the tile the output falls in, on the thread that
-// computes it, or on the instruction set (AVX-512, AVX2 and the portable path round alike).
-// That makes a verify pass over L tokens compute each token's matmuls exactly as the AR step
-// over that token alone does.
+// The contract: every output y[n, r] is computed by one fixed sequence of IEEE operations that
+// depends on row r of W and column n of x only -- not on the number of columns N, the tile the
+// output falls in, the thread that computes it, or the instruction set (AVX-512, AVX2 and the
+// portable path round alike; tests/test_matmul.py compares them bit for bit). That makes a verify
+// pass over L tokens compute each token's matmuls exactly as the AR step over that token alone.
 //
-// Other weight types (BF16, Q4_0 .. Q8_0, the K- and IQ-quants) are dequantized to F32 a tile of
-// rows at a time by ggml's own dequantization of the type (one function, whatever N, tile, thread
-// or ISA), then multiplied as F32 rows: the activations stay F32 (ggml's quantized matmul rounds
-// them to Q8_0 / Q8_K first, and its batched paths -- llamafile sgemm, the tiled K-quant GEMM --
-// sum in another order than its one-column vec_dot: not batch-invariant, docs/architecture.md).
+// F32 path (F16, F32, BF16, and the quantized types not on the integer path): one 16-lane
+// accumulator over k = 0, 16, 32, ... (fused multiply-add, the tail zero-padded) followed by a
+// fixed pairwise sum of the lanes. Quantized / BF16 rows are dequantized to F32 a tile of rows at
+// a time (one function per type) and multiplied as F32 rows; the activations stay F32.
 //
-// Speed: W is converted F16 -> F32 once per tile and reused for up to 8 columns, so the cost
-// of a verify pass grows with its FLOPs, not with re-converting the weights per column (ggml's
-// small-N F16 paths convert W for every column block and round x to F16).
+// Integer path (Q4_0, Q8_0 -> activations as Q8_0; Q4_K, Q5_K, Q6_K -> activations as Q8_K: the
+// vec_dot_type ggml's CPU backend pairs with each), what llama.cpp computes, in a fixed order:
+//  1. each column of x is quantized (matmul_q8.h, ggml's reference quantize_row_q8_0 / q8_K:
+//     one function per column, so the codes do not depend on N or the thread): x_k ~ da_b * a_k
+//     with int8 codes a_k and one scale da_b per block b (32 values for Q8_0, 256 for Q8_K);
+//  2. the weights are w_k = dw_b * q_k (Q4_0: q - 8; Q8_0: q), or for the K-quants
+//     w_k = d_s * sc_j * q_k - dmin_s * m_j per superblock s (256) and sub-block j (16 or 32);
+//  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, AVX2 maddubs +
+//     madd, or plain C: exact, so how they are grouped cannot change them):
+//       Q8_0 kind: isum_b = sum_{k in b} q_k a_k (Q4_0 on SIMD: sum nibble_k a_k - 8 sum a_k)
+//       Q8_K kind: S_s = sum_{i < 16} sc16_i sum_{k in 16-group i} q_k a_k,
+//                  M_s = sum_{i < 16} mn16_i bsum_i (bsum_i: the sum of the 16 codes a_k)
+//       (Q6_K: q in 0..63 is the format's q + 32, mn16_i = 32 sc_i, S_s := S_s - M_s);
+//  4. the float combination, per output, one fixed order:
+//       Q8_0 kind: 16 lanes; lane l = fmaf(fl(dw_b * da_b), (float) isum_b, lane l) over blocks
+//                  b = l, l + 16, ... in order (from +0); y = the F32 path's pairwise lane sum;
+//       Q8_K kind: acc = +0; per superblock s in order: acc = fmaf(fl(d_s * da_s), (float) S_s, acc),
+//                  then (Q4_K / Q5_K) acc = fmaf(-fl(dmin_s * da_s), (float) M_s, acc); y = acc.
+//     (float) of an int32 rounds to nearest even, the same everywhere. The sources are built with
+//     -ffp-contract=off so that no compiler fuses what is written as separate operations.
+// So the integer path rounds the activations as llama.cpp's quantized matmul does (but its batched
+// GEMMs -- llamafile sgemm, repacked tiles -- sum in other orders than its one-column vec_dot,
+// and its x86 activation quantizers round differently from the reference: docs/architecture.md).
+//
+// Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
+// for up to 8 columns at a time; integer path: each row's scales (and K-quant codes) decoded once
+// for all N, each Q4_0 / Q8_0 block and K-quant superblock loaded once for up to 4 columns), so the
+// cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
 #pragma once
 
 #include "build_context.h"
@@ -52,8 +75,10 @@ ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 // The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
 // sum_k W_r[k] x[n * ldx + k], n < N, where row W_r (w_type, K elements) starts at byte
 // r * w_row_bytes of W. isa: one of matmul_isas(), or empty for the one matmul_op uses.
+// f32_path: a type of the integer path (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) through the F32 path instead.
 void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "");
+                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "",
+                 bool f32_path = false);
 
 // The instruction set matmul_op runs on this machine: "avx512f", "avx2" or "portable".
 const char * matmul_isa();

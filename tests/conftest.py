@@ -166,6 +166,28 @@ def hf_logits() -> Callable[..., np.ndarray]:
     return run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _llama_cpp_without_extra_buffer_types():
+    """Every llama.cpp model the tests load skips ggml's extra buffer types (AMX, repack): on a CPU
+    with AMX_INT8 its AMX path crashes (SIGSEGV) on batched quantized matmuls in llama-cpp-python
+    0.3.36 (Q4_0, Q4_K_M files; the one-token path is fine)."""
+    try:
+        import llama_cpp.llama_cpp as L
+    except ImportError:
+        yield
+        return
+    default = L.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    L.llama_model_default_params = params
+    yield
+    L.llama_model_default_params = default
+
+
 @pytest.fixture(scope="session")
 def llama_logits() -> Callable[..., np.ndarray]:
     """llama_logits(gguf_path, tokens) -> float32 [n_tokens, n_vocab] from llama.cpp

@@ -76,32 +76,130 @@ def _qcase(qtype: str, M: int, K: int, N: int, seed: int = 0):
     return raw, values, rng.standard_normal((N, K)).astype(np.float32)
 
 
+# The types on the integer path (activations quantized to Q8_0 / Q8_K, integer block dots).
+Q8_TYPES = {"Q4_0": "Q8_0", "Q8_0": "Q8_0", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+
+
+def q8_activations(x: np.ndarray, kind: str) -> np.ndarray:
+    """x [N, K] F32 quantized as ggml's reference quantizers do (quantize_row_q8_0_ref /
+    quantize_row_q8_K_ref), returned as the values they stand for (code * scale, float64)."""
+    N, K = x.shape
+    if kind == "Q8_0":
+        xb = x.reshape(N, K // 32, 32)
+        d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        v = (xb * inv[..., None]).astype(np.float32).astype(np.float64)
+        q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: half away from zero
+        scale = d.astype(np.float16).astype(np.float64)  # the block's d as F16
+    else:
+        xb = x.reshape(N, K // 256, 256)
+        first = np.abs(xb).argmax(-1)  # the first of largest |x|
+        mx = np.take_along_axis(xb, first[..., None], -1)[..., 0]
+        with np.errstate(divide="ignore"):
+            iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
+        q = np.minimum(np.rint((xb * iscale[..., None]).astype(np.float32)), 127).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            scale = np.where(mx != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32).astype(np.float64)
+    assert np.abs(q).max() <= 127
+    return (q * scale[..., None]).reshape(N, K)
+
+
+def k_quant_mins(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """|dmin * m_j| of each weight's 32-value sub-block (Q4_K / Q5_K; 0 for other types): the
+    term that w = d sc q - dmin m subtracts, which cancellation can leave larger than |w|."""
+    M = raw.shape[0]
+    if qtype not in ("Q4_K", "Q5_K"):
+        return np.zeros((M, raw.shape[1] * 0 + 1))
+    blk = raw.reshape(M, -1, 144 if qtype == "Q4_K" else 176)
+    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc = blk[..., 4:16].astype(np.int64)
+    m = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)  # [M, nsb, 8]
+    return np.repeat(np.abs(dmin[..., None] * m).reshape(M, -1), 32, axis=1)
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+@pytest.mark.parametrize("M,K", [(1, 256), (29, 512), (70, 768), (33, 2560)])
+def test_q8_path_matches_float64(qtype, M, K):
+    """The integer path against float64: weights dequantized (gguf-py), activations quantized to
+    Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer block
+    sums are exact; what is left is F32 rounding of the scales' products and of the accumulation,
+    a few ulps of the terms' magnitudes (measured: up to ~5e-8 of them). Unquantized activations
+    (the F32 path) miss the bar by orders of magnitude."""
+    raw, values, x = _qcase(qtype, M, K, 11)
+    x[3, :32] = 0.0    # an all-zero block (and superblock part)
+    x[4, 40] = 1e4     # one dominant value
+    # exact ties: a block / superblock whose scale is 1 (max |x| = 127), halves rounded away from
+    # zero (Q8_0: roundf) or to even (Q8_K: nearest_int)
+    x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)
+    xq = q8_activations(x, Q8_TYPES[qtype])
+    ref = xq @ values.astype(np.float64).T
+    # the sum of |terms| per output (a K-quant weight's terms: d sc q and dmin m)
+    mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
+    bound = 2e-7 * mag + 1e-30
+    for isa in ISAS:
+        y = _core.testing.matmul(raw, x, isa, 1, qtype)
+        assert y.shape == (11, M) and y.dtype == np.float32
+        assert (np.abs(y - ref) <= bound).all(), (isa, float((np.abs(y - ref) / bound).max()))
+    f32 = _core.testing.matmul(raw, x, "", 1, qtype, f32_path=True)
+    assert (np.abs(f32 - ref) > bound).any()
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("M,K", [(1, 256), (29, 512), (70, 768)])
 def test_quantized_matches_float64(qtype, M, K):
-    """The kernel on quantized rows against a float64 dot over the dequantized values. The
-    activations stay F32 (no Q8 rounding as in ggml), so the tolerance is the F32 path's."""
+    """The F32 path on quantized rows against a float64 dot over the dequantized values. The
+    activations stay F32 (no Q8 rounding as in ggml), so the tolerance is the F32 path's (the
+    integer-path types taken through the F32 path: f32_path)."""
     raw, values, x = _qcase(qtype, M, K, 11)
     ref = x.astype(np.float64) @ values.astype(np.float64).T
     for isa in ISAS:
-        y = _core.testing.matmul(raw, x, isa, 1, qtype)
+        y = _core.testing.matmul(raw, x, isa, 1, qtype, f32_path=qtype in Q8_TYPES)
         assert y.shape == (11, M) and y.dtype == np.float32
         np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(ref).max() + 1e-6, err_msg=isa)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_quantized_batch_invariant_bitwise(qtype):
-    """Batch sizes 2..64, every ISA, 1..3 threads: each column's bits are those of that column
-    alone on the portable path (the AR step's computation, whatever the ISA)."""
+    """Batch sizes 2..64 (every one for the integer path), every ISA, 1..3 threads: each column's
+    bits are those of that column alone on the portable path (the AR step's computation, whatever
+    the ISA)."""
     M, K = 37, 512
     raw, values, x = _qcase(qtype, M, K, 64, seed=1)
     cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(64)])
+    sizes = range(1, 65) if qtype in Q8_TYPES else [2, 3, 5, 8, 9, 16, 17, 24, 31, 32, 33, 48, 63, 64]
     for isa in ISAS:
-        for n in [2, 3, 5, 8, 9, 16, 17, 24, 31, 32, 33, 48, 63, 64]:
+        for n in sizes:
             for nt in (1, 2, 3):
                 np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
                                               err_msg=f"{qtype} {isa} N={n} threads={nt}")
         np.testing.assert_array_equal(_core.testing.matmul(raw, x[5:6], isa, 2, qtype)[0], cols[5])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("K", [32, 96, 800, 1024])
+def test_q8_0_block_counts_bitwise(qtype, K):
+    """Q8_0-kind rows of any block count (the 16 float lanes' padding, the 8-block integer groups):
+    every ISA and batch size gives the portable path's single-column bits."""
+    raw, _, x = _qcase(qtype, 21, K, 19, seed=K)
+    cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(19)])
+    for isa in ISAS:
+        for n in (1, 4, 19):
+            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, 2, qtype), cols[:n], err_msg=f"{isa} N={n}")
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_q8_path_non_finite_propagates(qtype):
+    """A NaN or Inf activation makes its column's outputs NaN (as on the F32 path, so the engine's
+    non-finite-logits check still raises); the other columns keep their bits."""
+    raw, _, x = _qcase(qtype, 9, 512, 3, seed=4)
+    clean = _core.testing.matmul(raw, x, "", 1, qtype)
+    x[1, 300] = np.nan
+    x[2, 7] = np.inf
+    for isa in ISAS:
+        y = _core.testing.matmul(raw, x, isa, 1, qtype)
+        assert np.isnan(y[1:]).all(), isa
+        np.testing.assert_array_equal(y[0], clean[0])
 
 
 def test_quantized_bad_input():

@@ -113,10 +113,25 @@ def test_speculative_equals_ar(qpair):
     assert len(set(lengths)) > 2, lengths
 
 
+# Weight types on the own kernel's integer path (csrc/matmul.h): their matmuls round the
+# activations to Q8_0 / Q8_K, as llama.cpp's do.
+INT_PATH = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def int_path(path) -> str:
+    """'all' when every quantized 2-D tensor of the file is of an INT_PATH type, 'some' when some
+    are (a mix: IQ4_NL with a Q6_K output), else ''."""
+    types = {x.tensor_type.name for x in GGUFReader(path).tensors if len(x.shape) == 2 and x.tensor_type.name != "F32"}
+    return "" if not types & INT_PATH else "all" if types <= INT_PATH else "some"
+
+
 def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
-    """Ours is the dequantized model up to F32 summation order (the activations stay F32);
-    llama.cpp on the same file differs from that model by rounding its activations to Q8_0 /
-    Q8_K, and from ours by no more than that (+ F32 noise)."""
+    """Without integer-path weights, ours is the dequantized model up to F32 summation order (the
+    activations stay F32); llama.cpp on the same file differs from that model by rounding its
+    activations to Q8_0 / Q8_K, and from ours by no more than that (+ F32 noise). With them, ours
+    rounds the activations as llama.cpp does (ggml's reference quantizers): an error against the
+    dequantized model of llama.cpp's size, and within half that error of llama.cpp's logits (a mix
+    of both: within about llama.cpp's error of either)."""
     ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
     deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
     llama = llama_logits(qpair["target"], PROMPT)
@@ -124,20 +139,35 @@ def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_log
     err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
     print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
           f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
-    assert err_ours <= 1e-5 * scale + 1e-6
-    assert diff <= err_llama + 1e-5 * scale + 1e-6
+    kind = int_path(qpair["target"])
+    if kind == "all":  # measured: ours - llama.cpp 2e-6..6e-6 (Q8_0 file: 4e-2), errors ~0.1..0.2
+        assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
+        assert diff <= 0.5 * err_llama + 1e-5 * scale + 1e-6
+    elif kind == "some":  # some matmuls round their activations as llama.cpp does, the rest do not
+        # measured (IQ4_NL, IQ4_XS, Q2_K, Q3_K_M, Q4_1, Q5_0, Q5_1 with a Q6_K output): ours -
+        # dequantized 0.35..1.1x llama.cpp's error, ours - llama.cpp 0.97..1.11x
+        assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
+        assert diff <= 1.5 * err_llama + 1e-5 * scale + 1e-6
+    else:
+        assert err_ours <= 1e-5 * scale + 1e-6
+        assert diff <= err_llama + 1e-5 * scale + 1e-6
     assert err_llama <= 5e-2 * scale  # llama.cpp reads the file as gguf-py does (the bar above is meaningful)
 
 
 def test_draft_logits_match_dequantized_drafter(qpair, f32_pair, tmp_path):
-    """The quantized drafter drafts as its dequantized twin does (F32 rounding only)."""
+    """The quantized drafter drafts as its dequantized twin does: F32 rounding only, or with
+    integer-path weights the rounding of the activations to Q8_0 / Q8_K (its size measured on the
+    target's logits by test_logits_match_dequantized_model_and_llama_cpp)."""
     def draft(drafter):
         t = _core.Target(str(qpair["target"]), n_ctx=64, kv_type="f32", max_verify=BLOCK, n_threads=2)
         s = _core.Spec(t, str(drafter), block_size=BLOCK, ring_capacity=32, window=0)
         return s.draft_logits(s.prefill(PROMPT), BLOCK, t)
 
     got, want = draft(qpair["drafter"]), draft(dequantized(qpair["drafter"], tmp_path / "dq.gguf"))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max() + 1e-6)
+    rel = 3e-2 if int_path(qpair["drafter"]) or int_path(qpair["target"]) else 1e-5
+    print(f"{qpair['type']}: |draft - dequantized draft| {float(np.abs(got - want).max()):.2e} "
+          f"(logits up to {float(np.abs(want).max()):.1f})")
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * np.abs(want).max() + 1e-6)
 
 
 # ---- dflash-native quantize -------------------------------------------------------------------

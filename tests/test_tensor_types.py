@@ -303,7 +303,8 @@ def llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
 def check_against_dequantized(path: Path, d: Path) -> str:
     """Ours on a quantized file against ours on its dequantized F32 twin, with llama.cpp's error on
     the same file as the bar: ggml's quantized matmul quantizes the activations (to Q8_0 / Q8_K),
-    ours keeps them F32 (matmul.h); ours must be as close to llama.cpp as llama.cpp is to the
+    ours keeps them F32 on its F32 path and quantizes them too on its integer path (Q4_0, Q8_0,
+    Q4_K, Q5_K, Q6_K; matmul.h); ours must be about as close to llama.cpp as llama.cpp is to the
     dequantized model, and no further from that model than llama.cpp. (Tighter, per type:
     test_quantized.py.)"""
     ref = np.array(isolated(_logits, dequantized(path, d / "deq.gguf"), PROMPT))[: len(PROMPT)]
@@ -311,7 +312,9 @@ def check_against_dequantized(path: Path, d: Path) -> str:
     llama = llama_cpp_logits(path, PROMPT)
     err_ours, err_llama, diff = (float(np.abs(x).max()) for x in (ours - ref, llama - ref, ours - llama))
     assert np.isfinite(ours).all()
-    assert diff <= err_llama + 1e-3, (diff, err_llama)
+    # 1.5: a mix of integer-path and F32-path types (an IQ4_XS file with a Q6_K output) lands a
+    # little beyond llama.cpp's error of llama.cpp (test_quantized.py measures it per type)
+    assert diff <= 1.5 * err_llama + 1e-3, (diff, err_llama)
     assert err_ours <= 1.5 * err_llama + 1e-3, (err_ours, err_llama)
     return (f"|ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
             f"|ours - llama.cpp| {diff:.2e}")

@@ -1,0 +1,60 @@
+// The integer path of the batch-invariant matmul (matmul.h has the contract and the math):
+// activations quantized to Q8_0 / Q8_K as ggml's reference quantizers do, weight rows decoded to
+// integer codes and integer scales. Internal to matmul*.cpp; the per-ISA dot loops are in
+// matmul_q8.inc.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace dfn {
+
+// How a weight type's activations are quantized: none (the type takes the F32 path), Q8_0
+// (Q4_0, Q8_0: blocks of 32) or Q8_K (Q4_K, Q5_K, Q6_K: superblocks of 256).
+enum class q8_kind { none, q8_0, q8_K };
+q8_kind q8_kind_of(ggml_type type);
+
+// N columns of K activations, quantized: qs [N][ldq = K] int8 codes. Q8_0: d [N][ldd] (the
+// F16-rounded block scales as F32, ldd = nb16 = K / 32 rounded up to 16, zero past K / 32).
+// bsum32 [N][K / 32] (sums of each block's codes). Q8_K: d [N][ldd = K / 256], bsums [N][K / 16]
+// (sums of 16 codes).
+struct q8_acts {
+    q8_kind kind = q8_kind::none;
+    int64_t K = 0, N = 0, nb16 = 0, ldq = 0, ldd = 0;
+    std::vector<int8_t> qs;
+    std::vector<float> d;
+    std::vector<int16_t> bsums;
+    std::vector<int32_t> bsum32;
+};
+
+// Quantizes x (N columns, column n at x + n * ldx, K values) into A, column by column with one
+// function per kind (so a column's codes do not depend on N). False when the scratch cannot be had
+// (noted; matmul.cpp throws it after the compute).
+//   Q8_0 (ggml's quantize_row_q8_0_ref): per block of 32, amax = max |x|, d = amax / 127,
+//        id = d ? 1 / d : 0, q = roundf(x * id), and d is stored as F16.
+//   Q8_K (ggml's quantize_row_q8_K_ref): per 256, max = the x of largest |x| (first one), iscale =
+//        -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale (F32); all zero: d = 0.
+// A block holding NaN or Inf gets codes 0 and d = NaN: the outputs it feeds are NaN.
+bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
+
+// One weight row decoded to integers. Q8_0 kind: d the F16 block scales (nb16, zero padding;
+// the codes are read in place). Q8_K kind: codes uint8 (Q4_K 0..15, Q5_K 0..31,
+// Q6_K 0..63), sc16 / mn16 the scale and min of each 16 codes (Q4_K / Q5_K: the 6-bit scale and
+// min of their 32-code sub-block; Q6_K: its int8 scale and 32 * scale, folded, fold_min), d / dmin
+// per superblock.
+struct q8_row {
+    std::vector<uint8_t> codes;
+    std::vector<int16_t> sc16, mn16;
+    std::vector<float> d, dmin;
+    std::vector<int32_t> isum;  // the per-block integer sums of up to 4 columns (Q8_0 kind), [4][nb16]
+    bool fold_min = false;
+};
+
+// Sizes R for rows of K values of `type` against A (zeroing the padding). False: no scratch (noted).
+bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R);
+
+// matmul_q8.inc: q8_decode_row (one row into R, sized by q8_row_scratch) and the dot loops, per ISA.
+
+}  // namespace dfn
