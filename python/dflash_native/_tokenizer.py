@@ -26,7 +26,12 @@ def _llama_cpp():
     global _backend_ready
     try:
         import llama_cpp
-    except (ImportError, OSError, RuntimeError) as e:  # a shared library that cannot be mapped
+    except ImportError as e:  # an optional extra since the wheels carry no llama-cpp-python (issue 19)
+        if out_of_memory(e):
+            raise MemoryError(f"[tokenizer] out of memory loading llama-cpp-python: {e}") from None
+        raise ImportError(f"[tokenizer] text needs llama.cpp's vocabulary code from llama-cpp-python, which is not "
+                          f"installed: pip install 'dflash-native[llama]' (token ids work without it; {e})") from None
+    except (OSError, RuntimeError) as e:  # a shared library that cannot be mapped
         if out_of_memory(e):
             raise MemoryError(f"[tokenizer] out of memory loading llama-cpp-python: {e}") from None
         raise

@@ -49,8 +49,13 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
     """Write `src` (a GGUF target or DFlash drafter, usually F32 / F16 / BF16) to `dst` quantized to
     `type` (see `quantize_types()`, e.g. "q4_k_m", "q8_0", "iq4_xs") by llama.cpp's quantizer.
     progress: a per-tensor progress bar on stderr. Returns dst. Bad arguments, a missing or
-    non-GGUF source, or a failure inside llama.cpp (its last error lines quoted) raise ValueError."""
-    import llama_cpp
+    non-GGUF source, or a failure inside llama.cpp (its last error lines quoted) raise ValueError.
+    Needs the [llama] extra (llama-cpp-python); without it, ImportError saying so."""
+    try:
+        import llama_cpp
+    except ImportError as e:  # an optional extra: the wheels carry no llama-cpp-python (issue 19)
+        raise ImportError(f"[quantize] quantizing uses llama.cpp's quantizer from llama-cpp-python, which is not "
+                          f"installed: pip install 'dflash-native[llama]' ({e})") from None
 
     name = str(type).strip().lower()
     name = ALIASES.get(name, name)
