@@ -42,7 +42,8 @@ PORTABLE_GGML = ["-DGGML_NATIVE=OFF", "-DLLAVA_BUILD=OFF"]
 if platform.machine() in ("x86_64", "AMD64"):
     PORTABLE_GGML += ["-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                       "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]
-BUILD_REQUIRES = ["scikit-build-core>=0.10", "pybind11>=2.13"]
+# scikit-build-core asks for cmake and ninja wheels when it finds none it can use
+BUILD_REQUIRES = ["scikit-build-core>=0.10", "pybind11>=2.13", "cmake>=3.21", "ninja>=1.10"]
 DEFAULT_WHEELHOUSE = Path.home() / ".cache" / "dflash-native-wheels"
 
 
@@ -67,7 +68,9 @@ def portable_wheelhouse(house: Path) -> Path:
         # --no-cache-dir: pip's wheel cache may hold a -march=native build of the same version
         run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", house, LLAMA_CPP_PYTHON],
             env=env)
-    run([sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", house, *BUILD_REQUIRES])
+    # the build requirements and llama-cpp-python's own dependencies (numpy, jinja2, ...), as wheels
+    (llama,) = house.glob("llama_cpp_python-0.3.36-*.whl")
+    run([sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", house, llama, *BUILD_REQUIRES])
     return house
 
 
@@ -76,9 +79,16 @@ def build_wheel(house: Path, out: Path) -> Path:
     dist, repaired = out / "dist", out / "wheelhouse"
     for d in (dist, repaired):
         shutil.rmtree(d, ignore_errors=True)
-    # offline and from the wheelhouse only: the build-isolation environment gets exactly the
-    # portable llama-cpp-python (an index or pip's cache could offer a native build of 0.3.36)
-    run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-index", "--find-links", house, "-w", dist])
+    # pip wheel from a bare venv, as cibuildwheel builds: CMake searches the interpreter's own
+    # site-packages too (CMakeLists.txt), and one holding llama-cpp-python (a dev env) would shadow
+    # the build-isolation environment's. Offline, from the wheelhouse only: the isolation
+    # environment gets exactly the portable llama-cpp-python (an index or pip's cache could offer a
+    # native build of 0.3.36).
+    buildenv = out / "buildenv"
+    if not (buildenv / "bin" / "python").exists():
+        run([sys.executable, "-m", "venv", buildenv])
+    run([buildenv / "bin" / "python", "-m", "pip", "wheel", ROOT, "--no-deps", "--no-index", "--find-links", house,
+         "-w", dist], env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
     (wheel,) = dist.glob("dflash_native-*.whl")
     auditwheel = shutil.which("auditwheel") or str(Path(sys.executable).parent / "auditwheel")
     run([auditwheel, "repair", "-w", repaired, wheel])
@@ -87,7 +97,7 @@ def build_wheel(house: Path, out: Path) -> Path:
     return fixed
 
 
-def measure(wheel: Path, *, extras: str, pip_cache: bool) -> dict:
+def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | None) -> dict:
     """Fresh venv, install the wheel (binary only), run the demo; wall times."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     with tempfile.TemporaryDirectory(prefix="dfn-wheel-") as tmp:
@@ -96,7 +106,8 @@ def measure(wheel: Path, *, extras: str, pip_cache: bool) -> dict:
         py = venv / "bin" / "python"
         target = f"{wheel}[{extras}]" if extras else str(wheel)
         pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary", ":all:"]
-        install_s = run(pip + ([] if pip_cache else ["--no-cache-dir"]) + [target], env=env, cwd=tmp)
+        pip += ([] if pip_cache else ["--no-cache-dir"]) + (["--find-links", find_links] if find_links else [])
+        install_s = run(pip + [target], env=env, cwd=tmp)
         demo_s = run([venv / "bin" / "dflash-native", "demo"], env=env, cwd=tmp)
         # where the loaded ggml came from, and that llama-cpp-python is not what provided it
         probe = ("import dflash_native, importlib.util as u\n"
@@ -118,6 +129,8 @@ def main() -> int:
                     help="portable llama-cpp-python wheel + build requirements (built/downloaded once)")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "wheel", help="dist/ and wheelhouse/ go here")
     ap.add_argument("--extras", default="", help="extras to install with the wheel, e.g. 'llama'")
+    ap.add_argument("--find-links", type=Path, default=None,
+                    help="also install from this directory (e.g. the --llama-wheelhouse for --extras llama)")
     ap.add_argument("--pip-cache", action="store_true", help="let pip use its cache (default: a cold install)")
     ap.add_argument("--json", type=Path, default=None, help="append the JSON line to this file")
     a = ap.parse_args()
@@ -129,11 +142,11 @@ def main() -> int:
         t0 = time.perf_counter()
         wheel = build_wheel(portable_wheelhouse(a.llama_wheelhouse), a.out)
         build_s = round(time.perf_counter() - t0, 1)
-    m = measure(wheel.resolve(), extras=a.extras, pip_cache=a.pip_cache)
+    m = measure(wheel.resolve(), extras=a.extras, pip_cache=a.pip_cache, find_links=a.find_links)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor())
     row = dict(bench="wheel_install", wheel=wheel.name, wheel_mb=round(wheel.stat().st_size / 2**20, 2),
-               build_s=build_s, **m, extras=a.extras, pip_cache=a.pip_cache, load=round(load, 2),
+               build_s=build_s, **m, extras=a.extras, find_links=str(a.find_links or ""), pip_cache=a.pip_cache, load=round(load, 2),
                smoke=load > 1.0, machine=f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
                python=platform.python_version(), rev=_git_rev())
     print(json.dumps(row), flush=True)
