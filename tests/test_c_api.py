@@ -138,7 +138,8 @@ def test_c_program_greedy_equals_engine(consumer, pair, engines, drafter, verify
     stop, spec, n_gen, rounds, hist_rounds, ar_steps, block = got["stats"]
     assert n_gen == len(want.tokens) and spec == int(drafter)
     assert stop == {"eos": 1, "length": 2}[want.stats.stop_reason]
-    assert rounds == hist_rounds == want.stats.rounds
+    # the controller's AR-or-round choices follow measured times, so rounds differ between processes
+    assert rounds == hist_rounds and (rounds + ar_steps >= 1 if drafter else rounds == ar_steps == 0)
     if drafter:
         assert block == engines[verify].block_size and rounds + ar_steps >= 1
 

@@ -33,6 +33,7 @@ def generate(str target, drafter, str prompt, int max_tokens, double temperature
     cdef dfn.dfn_generate_params g = dfn.dfn_generate_params_default()
     cdef int left = stop_after
     cdef dfn.dfn_stats st
+    cdef dfn.dfn_token_callback cb = _stop_after if stop_after > 0 else <dfn.dfn_token_callback> NULL
     try:
         p = prompt.encode()
         s = dfn.dfn_tokenize(e, p, len(p), ids, 4096, &n)
@@ -41,7 +42,7 @@ def generate(str target, drafter, str prompt, int max_tokens, double temperature
         g.temperature = temperature
         g.seed = seed
         with nogil:
-            s = dfn.dfn_generate(e, ids, n, &g, out, max_tokens, _stop_after if stop_after > 0 else NULL, &left, &n_out)
+            s = dfn.dfn_generate(e, ids, n, &g, out, max_tokens, cb, &left, &n_out)
         if s != dfn.DFN_OK:
             raise RuntimeError(dfn.dfn_last_error().decode())
         st.struct_size = sizeof(dfn.dfn_stats)
