@@ -109,15 +109,16 @@ def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | Non
         pip += ([] if pip_cache else ["--no-cache-dir"]) + (["--find-links", find_links] if find_links else [])
         install_s = run(pip + [target], env=env, cwd=tmp)
         demo_s = run([venv / "bin" / "dflash-native", "demo"], env=env, cwd=tmp)
-        # where the loaded ggml came from, and that llama-cpp-python is not what provided it
+        # where the loaded ggml, libllama and the core came from (the wheel, not llama-cpp-python)
         probe = ("import dflash_native, importlib.util as u\n"
                  "from dflash_native import _core\n"
-                 "libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l})\n"
-                 "print(json.dumps({'isa': _core.testing.matmul_isa(), 'libggml': libs,\n"
+                 "libs = sorted({l.split()[-1] for l in open('/proc/self/maps')\n"
+                 "               if any(n in l for n in ('libggml', 'libllama', 'libdflash_native', 'libgomp'))})\n"
+                 "print(json.dumps({'isa': _core.testing.matmul_isa(), 'libs': libs,\n"
                  "                  'llama_cpp_installed': u.find_spec('llama_cpp') is not None}))\n")
         facts = json.loads(capture([py, "-c", "import json\n" + probe], env=env, cwd=tmp))
         n_files = len(capture([py, "-m", "pip", "list", "--format", "freeze"], env=env, cwd=tmp).split())
-    facts["libggml"] = [p.split("site-packages/", 1)[-1] for p in facts["libggml"]]
+    facts["libs"] = [p.split("site-packages/", 1)[-1] for p in facts["libs"]]
     return dict(venv_s=round(venv_s, 2), install_s=round(install_s, 2), demo_s=round(demo_s, 2),
                 total_s=round(install_s + demo_s, 2), packages_installed=n_files, **facts)
 
@@ -128,9 +129,9 @@ def main() -> int:
     ap.add_argument("--llama-wheelhouse", type=Path, default=DEFAULT_WHEELHOUSE,
                     help="portable llama-cpp-python wheel + build requirements (built/downloaded once)")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "wheel", help="dist/ and wheelhouse/ go here")
-    ap.add_argument("--extras", default="", help="extras to install with the wheel, e.g. 'llama'")
+    ap.add_argument("--extras", default="", help="extras to install with the wheel, e.g. 'server'")
     ap.add_argument("--find-links", type=Path, default=None,
-                    help="also install from this directory (e.g. the --llama-wheelhouse for --extras llama)")
+                    help="also install from this directory (wheels the index does not have)")
     ap.add_argument("--pip-cache", action="store_true", help="let pip use its cache (default: a cold install)")
     ap.add_argument("--json", type=Path, default=None, help="append the JSON line to this file")
     a = ap.parse_args()

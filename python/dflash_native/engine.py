@@ -251,13 +251,10 @@ class Engine:
         self._spec = None
         if drafter is not None:
             self._spec = _core.Spec(self._core, drafter, block_size=block_size, **spec_kw)
-        self._no_tokenizer: ImportError | None = None
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.path)
         except NoVocabulary:
             self.tokenizer = None  # token ids still work; text does not (a broken vocabulary raises)
-        except ImportError as e:  # llama-cpp-python (the [llama] extra) absent: token ids still work
-            self.tokenizer, self._no_tokenizer = None, e
         if self.tokenizer is not None and self.tokenizer.n_vocab > self._core.n_vocab:
             raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                              f"embedding has only {self._core.n_vocab} rows")
@@ -392,8 +389,6 @@ class Engine:
     def _tok(self) -> Tokenizer:
         self._live()
         if self.tokenizer is None:
-            if self._no_tokenizer is not None:
-                raise ImportError(str(self._no_tokenizer))
             raise ValueError(f"[tokenizer] '{self.path}' has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
