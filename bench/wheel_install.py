@@ -97,7 +97,7 @@ def build_wheel(house: Path, out: Path) -> Path:
     return fixed
 
 
-def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | None) -> dict:
+def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | None, demo_args: list[str]) -> dict:
     """Fresh venv, install the wheel (binary only), run the demo; wall times."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     with tempfile.TemporaryDirectory(prefix="dfn-wheel-") as tmp:
@@ -108,7 +108,7 @@ def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | Non
         pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary", ":all:"]
         pip += ([] if pip_cache else ["--no-cache-dir"]) + (["--find-links", find_links] if find_links else [])
         install_s = run(pip + [target], env=env, cwd=tmp)
-        demo_s = run([venv / "bin" / "dflash-native", "demo"], env=env, cwd=tmp)
+        demo_s = run([venv / "bin" / "dflash-native", "demo", *demo_args], env=env, cwd=tmp)
         # where the loaded ggml, libllama and the core came from (the wheel, not llama-cpp-python)
         probe = ("import dflash_native, importlib.util as u\n"
                  "from dflash_native import _core\n"
@@ -133,6 +133,7 @@ def main() -> int:
     ap.add_argument("--find-links", type=Path, default=None,
                     help="also install from this directory (wheels the index does not have)")
     ap.add_argument("--pip-cache", action="store_true", help="let pip use its cache (default: a cold install)")
+    ap.add_argument("--demo-args", default="", help="extra arguments for `dflash-native demo` (default: none)")
     ap.add_argument("--json", type=Path, default=None, help="append the JSON line to this file")
     a = ap.parse_args()
 
@@ -143,11 +144,13 @@ def main() -> int:
         t0 = time.perf_counter()
         wheel = build_wheel(portable_wheelhouse(a.llama_wheelhouse), a.out)
         build_s = round(time.perf_counter() - t0, 1)
-    m = measure(wheel.resolve(), extras=a.extras, pip_cache=a.pip_cache, find_links=a.find_links)
+    m = measure(wheel.resolve(), extras=a.extras, pip_cache=a.pip_cache, find_links=a.find_links,
+                demo_args=a.demo_args.split())
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor())
     row = dict(bench="wheel_install", wheel=wheel.name, wheel_mb=round(wheel.stat().st_size / 2**20, 2),
-               build_s=build_s, **m, extras=a.extras, find_links=str(a.find_links or ""), pip_cache=a.pip_cache, load=round(load, 2),
+               build_s=build_s, **m, extras=a.extras, find_links=str(a.find_links or ""), demo_args=a.demo_args,
+               pip_cache=a.pip_cache, load=round(load, 2),
                smoke=load > 1.0, machine=f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
                python=platform.python_version(), rev=_git_rev())
     print(json.dumps(row), flush=True)
