@@ -47,7 +47,8 @@ eng = dn.Engine({str(target)!r}, drafter={str(drafter)!r}, n_ctx=256)
 ar = eng.generate("def fibonacci(n):", max_tokens=16, speculative=False)
 sp = eng.generate("def fibonacci(n):", max_tokens=16)
 assert ar.tokens == sp.tokens and ar.text == sp.text and ar.tokens, (ar.tokens, sp.tokens)
-assert eng.detokenize(eng.tokenize("def f(x):\n    return x")) == "def f(x):\n    return x"
+text = "def f(x):\\n    return x"
+assert eng.detokenize(eng.tokenize(text)) == text
 dn.quantize({str(drafter)!r}, {str(out)!r}, "q8_0", progress=False)
 import sys
 assert "llama_cpp" not in sys.modules or sys.modules["llama_cpp"] is None
