@@ -5,8 +5,9 @@ wheel < 60 MB with the embedded default pair.)
 Builds here what cibuildwheel builds in CI ([tool.cibuildwheel] in pyproject.toml), then measures:
 
 1. ggml, portable: llama-cpp-python==0.3.36 built once as a wheel with ggml's portable CPU flags
-   (GGML_NATIVE=OFF; on x86-64 SSE4.2 AVX AVX2 FMA F16C BMI2, no AVX-512), cached in
-   --llama-wheelhouse. A -march=native ggml would make a wheel that faults on other CPUs.
+   (the CMAKE_ARGS of [tool.cibuildwheel]: GGML_NATIVE=OFF; on x86-64 SSE4.2 AVX AVX2 FMA F16C BMI2,
+   no AVX-512), cached in --llama-wheelhouse. A -march=native ggml would make a wheel that faults
+   on other CPUs.
 2. `pip wheel . --no-deps` against that ggml (offline: --no-index, the build requirements from the
    wheelhouse), then `auditwheel repair` (manylinux; the policy follows this machine's glibc).
 3. A fresh venv, `pip install --only-binary :all: <repaired wheel>` (numpy, gguf, jinja2 and their
@@ -14,7 +15,7 @@ Builds here what cibuildwheel builds in CI ([tool.cibuildwheel] in pyproject.tom
    `dflash-native demo` from a directory outside the source tree, PYTHONPATH unset.
 
     python bench/wheel_install.py --json bench/results/wheel_install.jsonl
-    python bench/wheel_install.py --wheel dist/wheelhouse/dflash_native-*.whl   # measure a built wheel
+    python bench/wheel_install.py --wheel build/wheel/wheelhouse/dflash_native-*.whl  # a built wheel
 
 Prints the steps and one JSON line (written with --json). Timings on a loaded machine are smoke
 figures: the JSON line says `"load"` (1-minute load average at the start) so they can be told apart.
@@ -35,13 +36,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # = [build-system].requires
-# ggml's portable CPU build: no -march=native. On x86-64 the fixed set below (x86-64-v3: Haswell,
-# Zen 1 and later) is what the wheel requires of the CPU; the package's own kernels (matmul.cpp)
-# pick AVX-512 at run time where there is one. On arm64, GGML_NATIVE=OFF builds for the baseline.
-PORTABLE_GGML = ["-DGGML_NATIVE=OFF", "-DLLAVA_BUILD=OFF"]
-if platform.machine() in ("x86_64", "AMD64"):
-    PORTABLE_GGML += ["-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                      "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]
+
+
+def portable_cmake_args() -> str:
+    """ggml's portable CPU flags for this machine's manylinux wheels: the CMAKE_ARGS of the
+    `*-manylinux_<arch>` override in [tool.cibuildwheel] (pyproject.toml), one source for both.
+    On x86-64: x86-64-v3 (AVX2 FMA F16C BMI2), what the wheel requires of the CPU; the package's own
+    kernels (matmul.cpp) pick AVX-512 at run time where there is one."""
+    import tomllib  # this script runs on Python >= 3.11 (the package itself on >= 3.10)
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["cibuildwheel"]
+    for o in cfg.get("overrides", []):
+        if o["select"] == f"*-manylinux_{platform.machine()}":
+            return o["environment"]["CMAKE_ARGS"]
+    raise SystemExit(f"no [[tool.cibuildwheel.overrides]] for *-manylinux_{platform.machine()} in pyproject.toml")
+
+
 # scikit-build-core asks for cmake and ninja wheels when it finds none it can use
 BUILD_REQUIRES = ["scikit-build-core>=0.10", "pybind11>=2.13", "cmake>=3.21", "ninja>=1.10"]
 DEFAULT_WHEELHOUSE = Path.home() / ".cache" / "dflash-native-wheels"
@@ -64,7 +74,8 @@ def portable_wheelhouse(house: Path) -> Path:
     house.mkdir(parents=True, exist_ok=True)
     if not list(house.glob("llama_cpp_python-0.3.36-*.whl")):
         print(f"[wheel_install] building {LLAMA_CPP_PYTHON} with portable ggml (once; minutes)", flush=True)
-        env = dict(os.environ, CMAKE_ARGS=" ".join(PORTABLE_GGML))
+        env = dict(os.environ, CMAKE_ARGS=portable_cmake_args())
+        print(f"[wheel_install] CMAKE_ARGS={env['CMAKE_ARGS']}", flush=True)
         # --no-cache-dir: pip's wheel cache may hold a -march=native build of the same version
         run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", house, LLAMA_CPP_PYTHON],
             env=env)
@@ -117,10 +128,10 @@ def measure(wheel: Path, *, extras: str, pip_cache: bool, find_links: Path | Non
                  "print(json.dumps({'isa': _core.testing.matmul_isa(), 'libs': libs,\n"
                  "                  'llama_cpp_installed': u.find_spec('llama_cpp') is not None}))\n")
         facts = json.loads(capture([py, "-c", "import json\n" + probe], env=env, cwd=tmp))
-        n_files = len(capture([py, "-m", "pip", "list", "--format", "freeze"], env=env, cwd=tmp).split())
+        n_packages = len(capture([py, "-m", "pip", "list", "--format", "freeze"], env=env, cwd=tmp).split())
     facts["libs"] = [p.split("site-packages/", 1)[-1] for p in facts["libs"]]
     return dict(venv_s=round(venv_s, 2), install_s=round(install_s, 2), demo_s=round(demo_s, 2),
-                total_s=round(install_s + demo_s, 2), packages_installed=n_files, **facts)
+                total_s=round(install_s + demo_s, 2), packages_installed=n_packages, **facts)
 
 
 def main() -> int:
