@@ -970,6 +970,8 @@ void bind_testing_caches(py::module_ & t) {
 
 }  // namespace
 
+void bind_tokenizer(py::module_ & m);  // bindings_tokenizer.cpp
+
 PYBIND11_MODULE(_core, m) {
     m.doc() = "dflash-native C++ core over ggml";
     bind_module_info(m);
@@ -978,6 +980,7 @@ PYBIND11_MODULE(_core, m) {
     bind_sampling(m);
     bind_target(m);
     bind_spec(m);
+    bind_tokenizer(m);
     py::module_ t = m.def_submodule("testing", "Kernels, tape and cache inspection for tests and benchmarks");
     bind_testing_kernels(t);
     bind_testing_sampler(t);

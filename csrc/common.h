@@ -1,6 +1,8 @@
 // Shared error handling and small utilities for the dflash-native core.
 #pragma once
 
+#include "ggml.h"
+
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -34,6 +36,8 @@ std::string cat(const Args &... args) {
 // because gguf/ggml report the reason of a failure only through the log.
 std::string last_ggml_error();
 void install_ggml_log();  // keeps ggml quiet unless DFLASH_NATIVE_VERBOSE is set
+// The logger install_ggml_log sets, for llama.cpp's llama_log_set (tokenizer.cpp).
+void core_log_callback(ggml_log_level level, const char * text, void * user);
 
 }  // namespace dfn
 

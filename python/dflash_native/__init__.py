@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 
 from . import _core
 from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
+from ._embed import get_cmake_dir, get_include, get_library_dir
 from .tape import GdnTape
 
 RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec.h)
@@ -73,6 +74,9 @@ __all__ = [
     "accept_tree",
     "convert_dflash_to_gguf",
     "convert_hf_to_gguf",
+    "get_cmake_dir",
+    "get_include",
+    "get_library_dir",
     "gpu_available",
     "quantize",
     "__version__",

@@ -1,5 +1,5 @@
-"""Quantize a GGUF with llama.cpp's own quantizer (`llama_model_quantize` in the llama-cpp-python
-binding the package builds over): targets (qwen3, qwen35, ...) and DFlash drafters (arch `dflash`,
+"""Quantize a GGUF with llama.cpp's own quantizer (`llama_model_quantize` in libllama, which the
+core links: csrc/quantize.h): targets (qwen3, qwen35, ...) and DFlash drafters (arch `dflash`,
 which llama.cpp's quantizer accepts like any arch it knows), so users need no second tool.
 
 The file types are llama.cpp's `LLAMA_FTYPE_MOSTLY_*` (the names `llama-quantize` takes): a mix
@@ -11,19 +11,20 @@ batch-invariant matmul (docs/architecture.md, "Weight types").
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import sys
 from pathlib import Path
 
-# CLI / API name -> LLAMA_FTYPE_MOSTLY_* suffix (llama-quantize's names, lower case).
+from . import _core
+
+# CLI / API name -> llama.cpp's LLAMA_FTYPE_* (llama.h's enum llama_ftype; llama-quantize's names, lower case).
 FTYPES = {
-    "f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-    "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
-    "q2_k": "MOSTLY_Q2_K", "q2_k_s": "MOSTLY_Q2_K_S", "q3_k_s": "MOSTLY_Q3_K_S", "q3_k_m": "MOSTLY_Q3_K_M",
-    "q3_k_l": "MOSTLY_Q3_K_L", "q4_k_s": "MOSTLY_Q4_K_S", "q4_k_m": "MOSTLY_Q4_K_M", "q5_k_s": "MOSTLY_Q5_K_S",
-    "q5_k_m": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K", "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS",
+    "f32": 0, "f16": 1, "bf16": 32, "q8_0": 7,
+    "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
+    "q2_k": 10, "q2_k_s": 21, "q3_k_s": 11, "q3_k_m": 12,
+    "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16,
+    "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30,
 }
 # The plain K-quant names mean llama-quantize's default mix of that family.
 ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
@@ -50,8 +51,6 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
     `type` (see `quantize_types()`, e.g. "q4_k_m", "q8_0", "iq4_xs") by llama.cpp's quantizer.
     progress: a per-tensor progress bar on stderr. Returns dst. Bad arguments, a missing or
     non-GGUF source, or a failure inside llama.cpp (its last error lines quoted) raise ValueError."""
-    import llama_cpp
-
     name = str(type).strip().lower()
     name = ALIASES.get(name, name)
     if name not in FTYPES:
@@ -65,15 +64,11 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
     if n_threads is not None and (not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1):
         raise ValueError(f"[quantize] n_threads must be a positive int, got {n_threads!r}")
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{FTYPES[name]}")
-    params.nthread = n_threads or os.cpu_count() or 1
     errors: list[str] = []
 
-    # llama.cpp reports through its log callback only: one "[ i/ n] tensor ..." line per tensor,
-    # and its errors. Listen while it runs, then give the binding its own callback back.
-    @llama_cpp.llama_log_callback
-    def on_log(level, text, _user):
+    # llama.cpp reports through its log only: one "[ i/ n] tensor ..." line per tensor, and its
+    # errors; the core hands us every line while it runs.
+    def on_log(level: int, text: bytes) -> None:
         line = text.decode("utf-8", "replace")
         m = _PROGRESS.match(line)
         if m and progress:
@@ -83,16 +78,10 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
             if i == n:
                 sys.stderr.write("\n")
             sys.stderr.flush()
-        if level == 3 or "error" in line.lower() or "failed" in line.lower():
+        if level in (3, 4) or "error" in line.lower() or "failed" in line.lower():  # ggml: WARN, ERROR
             errors.append(line.strip())
 
-    from llama_cpp import _logger
-
-    llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
-    try:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    rc = _core.quantize(str(src), str(dst), FTYPES[name], n_threads or os.cpu_count() or 1, on_log)
     if rc != 0:
         detail = "; ".join(e for e in errors[-3:] if e) or "no message"
         raise ValueError(f"[quantize] llama.cpp could not quantize '{src}' to {name}: {detail}")

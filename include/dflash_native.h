@@ -1,0 +1,198 @@
+/* dflash-native C API: exact DFlash speculative decoding of GGUF models, for C programs and other
+ * C-extension stacks (Cython: dflash_native/dflash_native.pxd). The Python package's _core is a
+ * client of the same library (libdflash_native), so both run one core.
+ *
+ * Finding it: `python -c "import dflash_native; print(dflash_native.get_cmake_dir())"` into
+ * CMAKE_PREFIX_PATH, then find_package(dflash_native CONFIG) and link dflash_native::dflash_native;
+ * or dflash_native.get_include() / get_library_dir() for other build systems.
+ *
+ * ABI rules (within one DFN_VERSION_MAJOR):
+ *   - Functions are only added, never removed or changed in signature.
+ *   - Enum values keep their numbers; new values are appended.
+ *   - Option and statistics structs start with `size_t struct_size`, set by the caller (the
+ *     *_default() initializers set it to the size the caller was compiled with). New fields are
+ *     only appended: the library reads (options) or writes (statistics) only the first
+ *     struct_size bytes, and uses defaults for fields past them. A struct_size smaller than the
+ *     first release's struct, or larger than the library knows, is DFN_ERR_INVALID_ARGUMENT.
+ *   - Handles are opaque; their layout is not part of the ABI.
+ *   - Nothing aborts, exits or throws across this API: every failure returns a dfn_status and
+ *     leaves a message in dfn_last_error() (thread-local: the calling thread's last failure).
+ *
+ * Threads: different engines may run on different threads at once. One engine runs one call at a
+ * time (calls on the same engine from several threads at once must be serialised by the caller).
+ */
+#ifndef DFLASH_NATIVE_H
+#define DFLASH_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#  if defined(DFN_BUILDING_LIBRARY)
+#    define DFN_API __declspec(dllexport)
+#  else
+#    define DFN_API __declspec(dllimport)
+#  endif
+#else
+#  define DFN_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The version this header belongs to; dfn_version() is the library's at run time. */
+#define DFN_VERSION_MAJOR 0
+#define DFN_VERSION_MINOR 1
+#define DFN_VERSION_PATCH 0
+#define DFN_VERSION_STRING "0.1.0"
+/* MAJOR * 10000 + MINOR * 100 + PATCH, as dfn_version_number() returns it */
+#define DFN_VERSION_NUMBER (DFN_VERSION_MAJOR * 10000 + DFN_VERSION_MINOR * 100 + DFN_VERSION_PATCH)
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+typedef enum dfn_status {
+    DFN_OK = 0,
+    DFN_ERR_INVALID_ARGUMENT = 1,  /* a NULL where a pointer is needed, an option or value out of range,
+                                      a token id outside the vocabulary, a prompt too long for n_ctx */
+    DFN_ERR_FILE = 2,              /* a GGUF that cannot be opened, or is not a model this library runs
+                                      (bad magic, missing tensors, unsupported architecture, broken vocabulary) */
+    DFN_ERR_BUFFER_TOO_SMALL = 3,  /* the caller's buffer is too small: *n_needed says how much is needed */
+    DFN_ERR_NO_VOCABULARY = 4,     /* text asked of a model whose GGUF has no tokenizer (token ids still work) */
+    DFN_ERR_OUT_OF_MEMORY = 5,     /* memory ran out (the message names the buffer) */
+    DFN_ERR_RUNTIME = 6            /* any other failure while running (a backend, non-finite logits) */
+} dfn_status;
+
+/* The calling thread's last failure message ("" when none yet), valid until its next failing call.
+ * Never NULL. Messages start with "[where]", e.g. "[dfn_engine_create] cannot open '...'". */
+DFN_API const char * dfn_last_error(void);
+/* A constant name for a status, e.g. "DFN_ERR_FILE". */
+DFN_API const char * dfn_status_name(dfn_status status);
+
+/* ---- version --------------------------------------------------------------------------------- */
+
+DFN_API const char * dfn_version(void);  /* "MAJOR.MINOR.PATCH" of the library */
+DFN_API int dfn_version_number(void);    /* as DFN_VERSION_NUMBER */
+
+/* ---- engine ---------------------------------------------------------------------------------- */
+
+typedef struct dfn_engine dfn_engine; /* opaque */
+
+typedef enum dfn_kv_type { DFN_KV_F16 = 0, DFN_KV_F32 = 1 } dfn_kv_type;
+typedef enum dfn_device { DFN_DEVICE_CPU = 0, DFN_DEVICE_GPU = 1 } dfn_device;
+/* DFN_MATMUL_OWN: the package's batch-invariant kernel (speculative output equals AR bit for bit);
+ * DFN_MATMUL_GGML: ggml_mul_mat (a benchmark baseline) */
+typedef enum dfn_matmul { DFN_MATMUL_OWN = 0, DFN_MATMUL_GGML = 1 } dfn_matmul;
+typedef enum dfn_verify { DFN_VERIFY_CHAIN = 0, DFN_VERIFY_TREE = 1 } dfn_verify;
+
+/* The Engine's options (see dflash_native.Engine for what each does). */
+typedef struct dfn_engine_options {
+    size_t struct_size;            /* sizeof(dfn_engine_options) as the caller was compiled */
+    int64_t n_ctx;                 /* context length in tokens (4096) */
+    int32_t n_threads;             /* CPU threads, 0: every core (0) */
+    int32_t block_size;            /* tokens verified per round, 2..64; 0: the drafter's trained block size (0) */
+    int64_t n_batch;               /* tokens per prefill graph (512) */
+    int32_t kv_type;               /* dfn_kv_type (DFN_KV_F16) */
+    int32_t device;                /* dfn_device (DFN_DEVICE_CPU) */
+    int32_t matmul;                /* dfn_matmul (DFN_MATMUL_OWN) */
+    int32_t verify;                /* dfn_verify (DFN_VERIFY_CHAIN); tree needs a drafter */
+    int32_t tree_budget;           /* tree nodes below the root, 1..63 (32) */
+    int32_t gate;                  /* the speculation controller on (1) or fixed settings (0) (1) */
+    int64_t feature_ring_capacity; /* drafter context ring positions (4096) */
+    int64_t drafter_window;        /* committed positions a draft attends to; 0: the drafter's trained context (0) */
+    double draft_cutoff;           /* verify drafts while the product of their probabilities >= this (0: all) (0) */
+    int32_t draft_vocab;           /* draft over the drafter's draft vocabulary when it has one (1) */
+    int32_t use_mmap;              /* weights are the mapped file's pages (1) */
+} dfn_engine_options;
+
+DFN_API dfn_engine_options dfn_engine_options_default(void);
+
+/* Loads the target GGUF and, when drafter_path is not NULL, its DFlash drafter; options NULL: the
+ * defaults. On success *out is the engine (free it with dfn_engine_destroy); on failure *out is NULL. */
+DFN_API dfn_status dfn_engine_create(const char * target_path, const char * drafter_path,
+                                     const dfn_engine_options * options, dfn_engine ** out);
+DFN_API void dfn_engine_destroy(dfn_engine * engine); /* NULL: nothing */
+
+DFN_API int32_t dfn_engine_n_vocab(const dfn_engine * engine);     /* rows of the embedding; -1 for NULL */
+DFN_API int64_t dfn_engine_n_ctx(const dfn_engine * engine);       /* -1 for NULL */
+DFN_API int32_t dfn_engine_block_size(const dfn_engine * engine);  /* 0 without a drafter; -1 for NULL */
+DFN_API int32_t dfn_engine_eos_token(const dfn_engine * engine);   /* -1: none (or no vocabulary) */
+
+/* ---- text ------------------------------------------------------------------------------------ */
+
+/* Token ids of UTF-8 text (n_text bytes), as llama.cpp tokenizes it on the same GGUF (BOS/EOS as
+ * the vocabulary asks, special-token text parsed). Writes up to `capacity` ids; *n_tokens is the
+ * number of ids (on DFN_ERR_BUFFER_TOO_SMALL: the capacity needed, nothing useful written). */
+DFN_API dfn_status dfn_tokenize(const dfn_engine * engine, const char * text, size_t n_text, int32_t * tokens,
+                                size_t capacity, size_t * n_tokens);
+
+/* The bytes of the tokens' pieces, concatenated, into `text` (capacity bytes), followed by a NUL
+ * when there is room. *n_bytes is their number without the NUL (on DFN_ERR_BUFFER_TOO_SMALL: the
+ * bytes needed, without the NUL). The bytes are UTF-8 except where a cut splits a character. */
+DFN_API dfn_status dfn_detokenize(const dfn_engine * engine, const int32_t * tokens, size_t n_tokens, char * text,
+                                  size_t capacity, size_t * n_bytes);
+
+/* ---- generation ------------------------------------------------------------------------------ */
+
+/* temperature 0: greedy. > 0: the filters top_k (0: off), top_p (in (0, 1], 1: off), min_p
+ * (in [0, 1), 0: off), then a draw from softmax(kept logits / temperature) with noise fixed by
+ * (seed, position, token): speculative output equals AR output at the same seed. */
+typedef struct dfn_generate_params {
+    size_t struct_size;  /* sizeof(dfn_generate_params) */
+    double temperature;  /* (0) */
+    int32_t top_k;       /* (0) */
+    double top_p;        /* (1) */
+    double min_p;        /* (0) */
+    uint64_t seed;       /* (0) */
+    int32_t speculative; /* -1: with the drafter when there is one; 0: plain AR; 1: speculative (-1) */
+} dfn_generate_params;
+
+DFN_API dfn_generate_params dfn_generate_params_default(void);
+
+/* Called once per generated token, in order; return non-zero to stop after this token. */
+typedef int (*dfn_token_callback)(int32_t token, void * user_data);
+
+typedef enum dfn_stop_reason {
+    DFN_STOP_NONE = 0,      /* no generate yet (or it failed) */
+    DFN_STOP_EOS = 1,       /* an end-of-generation token (not written to the output) */
+    DFN_STOP_LENGTH = 2,    /* max_tokens tokens */
+    DFN_STOP_CONTEXT = 3,   /* n_ctx is full */
+    DFN_STOP_CALLBACK = 4   /* the callback returned non-zero */
+} dfn_stop_reason;
+
+/* Generates up to max_tokens tokens after the prompt into out[0 .. max_tokens) (the caller's
+ * buffer); *n_out is how many were written. params NULL: greedy, with the drafter when there is
+ * one. callback may be NULL. Tokens equal dflash_native.Engine.generate's for the same settings. */
+DFN_API dfn_status dfn_generate(dfn_engine * engine, const int32_t * prompt, size_t n_prompt,
+                                const dfn_generate_params * params, int32_t * out, size_t max_tokens,
+                                dfn_token_callback callback, void * user_data, size_t * n_out);
+
+#define DFN_MAX_BLOCK_SIZE 64
+
+/* The last dfn_generate's statistics (also after a stop by the callback). */
+typedef struct dfn_stats {
+    size_t struct_size;          /* sizeof(dfn_stats) */
+    int64_t n_prompt_tokens;
+    int64_t n_generated;
+    double prefill_s;            /* seconds in the prefill (which gives the first token) */
+    double decode_s;             /* seconds after it */
+    int32_t stop_reason;         /* dfn_stop_reason */
+    int32_t speculative;         /* 1 when the drafter ran */
+    int32_t block_size;          /* B (0 for AR) */
+    int64_t rounds;              /* speculative rounds (AR steps are not rounds) */
+    int64_t ar_steps;            /* tokens committed by AR steps of the controller */
+    int64_t controller_switches;
+    int64_t verified_tokens;     /* tokens through the verify passes */
+    double draft_s, verify_s, rollback_s;
+    int64_t acceptance_histogram[DFN_MAX_BLOCK_SIZE + 1]; /* [k]: rounds that committed k tokens */
+    uint64_t seed;               /* the sampling seed (0 when greedy) */
+} dfn_stats;
+
+/* Copies the last generate's statistics into *stats (stats->struct_size set by the caller). */
+DFN_API dfn_status dfn_engine_last_stats(const dfn_engine * engine, dfn_stats * stats);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DFLASH_NATIVE_H */

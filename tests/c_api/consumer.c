@@ -1,0 +1,148 @@
+/* A C program on dflash-native's C API (tests/test_c_api.py builds and runs it).
+ *
+ *   dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY
+ *       tokenizes PROMPT, generates (STOP_AFTER > 0: the callback stops after that many tokens;
+ *       VERIFY: chain or tree) and prints "key: values" lines.
+ *   dfn_consumer errors TARGET
+ *       the error paths: one "case: STATUS_NAME | message" line each.
+ */
+#include <dflash_native.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int stop_after_cb(int32_t token, void * user) {
+    int * left = (int *) user;
+    (void) token;
+    return --*left <= 0;
+}
+
+static void print_ids(const char * key, const int32_t * ids, size_t n) {
+    printf("%s:", key);
+    for (size_t i = 0; i < n; ++i) printf(" %d", (int) ids[i]);
+    printf("\n");
+}
+
+static int die(const char * what, dfn_status s) {
+    fprintf(stderr, "%s: %s | %s\n", what, dfn_status_name(s), dfn_last_error());
+    return 1;
+}
+
+static int cmd_generate(char ** argv) {
+    const char * drafter = strcmp(argv[3], "-") == 0 ? NULL : argv[3];
+    dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = 1024;
+    o.n_threads = 2;
+    o.verify = strcmp(argv[9], "tree") == 0 ? DFN_VERIFY_TREE : DFN_VERIFY_CHAIN;
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], drafter, &o, &e);
+    if (s != DFN_OK) return die("create", s);
+
+    int32_t prompt[4096];
+    size_t n_prompt = 0;
+    s = dfn_tokenize(e, argv[4], strlen(argv[4]), prompt, 4096, &n_prompt);
+    if (s != DFN_OK) return die("tokenize", s);
+    print_ids("prompt", prompt, n_prompt);
+
+    dfn_generate_params g = dfn_generate_params_default();
+    g.temperature = atof(argv[6]);
+    g.seed = strtoull(argv[7], NULL, 10);
+    size_t max_tokens = (size_t) atoi(argv[5]);
+    int left = atoi(argv[8]);
+    int32_t * out = malloc((max_tokens + 1) * sizeof(int32_t));
+    size_t n_out = 0;
+    s = dfn_generate(e, prompt, n_prompt, &g, out, max_tokens, left > 0 ? stop_after_cb : NULL, &left, &n_out);
+    if (s != DFN_OK) return die("generate", s);
+    print_ids("tokens", out, n_out);
+
+    char text[65536];
+    size_t n_text = 0;
+    s = dfn_detokenize(e, out, n_out, text, sizeof text, &n_text);
+    if (s != DFN_OK) return die("detokenize", s);
+    printf("text_bytes: %zu\n", n_text);
+
+    dfn_stats st;
+    st.struct_size = sizeof st;
+    s = dfn_engine_last_stats(e, &st);
+    if (s != DFN_OK) return die("stats", s);
+    int64_t hist_rounds = 0;
+    for (int k = 0; k <= DFN_MAX_BLOCK_SIZE; ++k) hist_rounds += st.acceptance_histogram[k];
+    printf("stats: %d %d %lld %lld %lld %lld %d\n", st.stop_reason, st.speculative, (long long) st.n_generated,
+           (long long) st.rounds, (long long) hist_rounds, (long long) st.ar_steps, st.block_size);
+    free(out);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
+static void report(const char * name, dfn_status s) {
+    printf("%s: %s | %s\n", name, dfn_status_name(s), s == DFN_OK ? "" : dfn_last_error());
+}
+
+static int cmd_errors(const char * target) {
+    dfn_engine * e = NULL;
+    printf("version: %s %d %s\n", dfn_version(), dfn_version_number(), DFN_VERSION_STRING);
+    report("missing_file", dfn_engine_create("/nonexistent/dir/model.gguf", NULL, NULL, &e));
+    printf("missing_file_handle: %s\n", e == NULL ? "null" : "set");
+
+    dfn_engine_options o = dfn_engine_options_default();
+    o.kv_type = 7;
+    report("bad_kv_type", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
+    o.n_ctx = 0;
+    report("bad_n_ctx", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
+    o.verify = DFN_VERIFY_TREE;
+    report("tree_without_drafter", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
+    o.struct_size = 3;
+    report("bad_struct_size", dfn_engine_create(target, NULL, &o, &e));
+    report("not_gguf", dfn_engine_create("/proc/self/cmdline", NULL, NULL, &e));
+
+    o = dfn_engine_options_default();
+    o.n_ctx = 64;
+    dfn_status s = dfn_engine_create(target, NULL, &o, &e);
+    report("create", s);
+    if (s != DFN_OK) return 1;
+    int32_t ids[2];
+    size_t n = 0;
+    const char * text = "def fibonacci(n):\n    return n";
+    report("tokenize_small", dfn_tokenize(e, text, strlen(text), ids, 2, &n));
+    printf("tokenize_needed: %zu\n", n);
+    int32_t all[256];
+    report("tokenize", dfn_tokenize(e, text, strlen(text), all, 256, &n));
+    char buf[4];
+    size_t nb = 0;
+    report("detokenize_small", dfn_detokenize(e, all, n, buf, sizeof buf, &nb));
+    printf("detokenize_needed: %zu\n", nb);
+    int32_t bad = dfn_engine_n_vocab(e) + 5;
+    report("detokenize_bad_id", dfn_detokenize(e, &bad, 1, buf, sizeof buf, &nb));
+    int32_t out[8];
+    size_t n_out = 0;
+    report("generate_bad_id", dfn_generate(e, &bad, 1, NULL, out, 8, NULL, NULL, &n_out));
+    report("generate_empty_prompt", dfn_generate(e, all, 0, NULL, out, 8, NULL, NULL, &n_out));
+    dfn_generate_params g = dfn_generate_params_default();
+    g.temperature = 0.8;
+    g.top_p = 1.5;
+    report("generate_bad_top_p", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    g = dfn_generate_params_default();
+    g.speculative = 1;
+    report("generate_spec_without_drafter", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    report("generate_defaults", dfn_generate(e, all, n, NULL, out, 8, NULL, NULL, &n_out) == DFN_OK && n_out == 8
+                                     ? DFN_OK : DFN_ERR_RUNTIME);
+    int32_t longp[80];
+    for (int i = 0; i < 80; ++i) longp[i] = all[i % n];
+    report("prompt_over_n_ctx", dfn_generate(e, longp, 80, NULL, out, 8, NULL, NULL, &n_out));
+    report("null_out", dfn_generate(e, all, n, NULL, NULL, 8, NULL, NULL, &n_out));
+    dfn_engine_destroy(e);
+    dfn_engine_destroy(NULL);
+    return 0;
+}
+
+int main(int argc, char ** argv) {
+    if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
+    if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
+    fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
+                    "       dfn_consumer errors TARGET\n");
+    return 2;
+}

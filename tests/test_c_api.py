@@ -1,0 +1,216 @@
+"""The C API (include/dflash_native.h) from real consumers built against the package: a C program
+configured by CMake with find_package(dflash_native CONFIG) (tests/c_api/), and a Cython extension
+built by setuptools from the package's .pxd declarations. Their tokens must equal
+Engine.generate's on the embedded default pair; the error paths return the documented codes.
+
+The header, library and CMake package are found only through dflash_native.get_include(),
+get_library_dir() and get_cmake_dir(): in CI the installed package's, in a source checkout the
+build tree's (tools/devbuild)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import dflash_native
+from dflash_native import Engine
+from dflash_native.cli import default_pair
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "def fibonacci(n):\n    "
+N_TOKENS = 24
+
+
+def _run(cmd, cwd=None, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _check(p: subprocess.CompletedProcess, what: str) -> str:
+    assert p.returncode == 0, f"{what} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[str, str]:
+    pair = default_pair()
+    assert pair is not None, "the embedded default pair ships with the package (dflash_native/models)"
+    return str(pair[0]), str(pair[1])
+
+
+@pytest.fixture(scope="module")
+def engines(pair):
+    """Engine.generate's side: the pair with the drafter (chain and tree) and the target alone."""
+    kw = dict(n_ctx=1024, n_threads=2)
+    made = {"chain": Engine(pair[0], drafter=pair[1], **kw),
+            "tree": Engine(pair[0], drafter=pair[1], verify="tree", **kw),
+            "ar": Engine(pair[0], **kw)}
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory) -> Path:
+    """tests/c_api built by CMake against the package's CMake config."""
+    if shutil.which("cmake") is None:
+        pytest.fail("cmake is needed to build the C consumer (pip install cmake)")
+    build = tmp_path_factory.mktemp("c_api_build")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _check(_run(["cmake", "-S", HERE / "c_api", "-B", build, *gen, "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={dflash_native.get_cmake_dir()}"]), "cmake configure")
+    _check(_run(["cmake", "--build", build]), "cmake build")
+    exe = build / "dfn_consumer"
+    assert exe.is_file()
+    return exe
+
+
+@pytest.fixture(scope="module")
+def cython_ext(tmp_path_factory):
+    """tests/c_api/dfn_cy.pyx built by setuptools (cythonize) in a temporary directory, imported."""
+    pytest.importorskip("Cython", reason="cython is in the test extra")
+    d = tmp_path_factory.mktemp("cython_build")
+    shutil.copy(HERE / "c_api" / "dfn_cy.pyx", d / "dfn_cy.pyx")
+    pkg_parent = Path(dflash_native.__file__).resolve().parent.parent  # where `cimport dflash_native` finds it
+    (d / "setup.py").write_text(textwrap.dedent(f"""
+        from Cython.Build import cythonize
+        from setuptools import Extension, setup
+        ext = Extension("dfn_cy", ["dfn_cy.pyx"], include_dirs=[{dflash_native.get_include()!r}],
+                        library_dirs=[{dflash_native.get_library_dir()!r}], libraries=["dflash_native"],
+                        runtime_library_dirs=[{dflash_native.get_library_dir()!r}])
+        setup(name="dfn_cy", ext_modules=cythonize([ext], include_path=[{str(pkg_parent)!r}]))
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg_parent), os.environ.get("PYTHONPATH", "")]))
+    _check(_run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=d, env=env), "cython build")
+    sys.path.insert(0, str(d))
+    try:
+        import dfn_cy
+    finally:
+        sys.path.remove(str(d))
+    return dfn_cy
+
+
+def _c_generate(exe: Path, pair, *, drafter=True, max_tokens=N_TOKENS, temperature=0.0, seed=0, stop_after=0,
+                verify="chain") -> dict[str, list[int]]:
+    out = _check(_run([exe, "generate", pair[0], pair[1] if drafter else "-", PROMPT, max_tokens, temperature, seed,
+                       stop_after, verify]), "dfn_consumer generate")
+    lines = dict(line.split(":", 1) for line in out.splitlines())
+    return {k: [int(x) for x in v.split()] for k, v in lines.items()}
+
+
+def _engine(engines, *, drafter=True, verify="chain", **kw):
+    eng = engines[verify] if drafter else engines["ar"]
+    return eng.generate(PROMPT, max_tokens=kw.pop("max_tokens", N_TOKENS), **kw)
+
+
+# ---- the package's locations ---------------------------------------------------------------------------
+
+
+def test_package_locations():
+    inc, lib, cmake_dir = Path(dflash_native.get_include()), Path(dflash_native.get_library_dir()), \
+        Path(dflash_native.get_cmake_dir())
+    assert (inc / "dflash_native.h").is_file()
+    assert any(p.name.startswith("libdflash_native.") for p in lib.iterdir())
+    assert (cmake_dir / "dflash_nativeConfig.cmake").is_file()
+    assert (cmake_dir / "dflash_nativeConfigVersion.cmake").is_file()
+    pkg = Path(dflash_native.__file__).resolve().parent
+    assert (pkg / "dflash_native.pxd").is_file() and (pkg / "__init__.pxd").is_file()
+    # the library _core runs on is the one C API users link: one core
+    assert dflash_native._core.c_api_version() == dflash_native.__version__
+
+
+# ---- the C program ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter,verify", [(True, "chain"), (True, "tree"), (False, "chain")])
+def test_c_program_greedy_equals_engine(consumer, pair, engines, drafter, verify):
+    got = _c_generate(consumer, pair, drafter=drafter, verify=verify)
+    want = _engine(engines, drafter=drafter, verify=verify)
+    assert got["prompt"] == want.prompt_tokens
+    assert got["tokens"] == want.tokens and len(want.tokens) > 0
+    text = engines["ar"].detokenize(want.tokens)
+    assert got["text_bytes"] == [len(text.encode("utf-8"))] or "\ufffd" in text
+    stop, spec, n_gen, rounds, hist_rounds, ar_steps, block = got["stats"]
+    assert n_gen == len(want.tokens) and spec == int(drafter)
+    assert stop == {"eos": 1, "length": 2}[want.stats.stop_reason]
+    # the controller's AR-or-round choices follow measured times, so rounds differ between processes
+    assert rounds == hist_rounds and (rounds + ar_steps >= 1 if drafter else rounds == ar_steps == 0)
+    if drafter:
+        assert block == engines[verify].block_size and rounds + ar_steps >= 1
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_c_program_sampled_equals_engine(consumer, pair, engines, drafter):
+    got = _c_generate(consumer, pair, drafter=drafter, temperature=0.8, seed=1234)
+    want = _engine(engines, drafter=drafter, temperature=0.8, seed=1234)
+    assert got["tokens"] == want.tokens and len(want.tokens) > 0
+    other = _c_generate(consumer, pair, drafter=drafter, temperature=0.8, seed=99)
+    assert other["tokens"] == _engine(engines, drafter=drafter, temperature=0.8, seed=99).tokens
+
+
+def test_c_program_callback_stops(consumer, pair, engines):
+    got = _c_generate(consumer, pair, stop_after=5)
+    want = _engine(engines)
+    assert len(want.tokens) > 5
+    assert got["tokens"] == want.tokens[:5]
+    assert got["stats"][0] == 4  # DFN_STOP_CALLBACK
+    assert got["stats"][2] == 5
+
+
+def test_c_program_error_paths(consumer, pair):
+    out = _check(_run([consumer, "errors", pair[0]]), "dfn_consumer errors")
+    r = {}
+    for line in out.splitlines():
+        key, rest = line.split(": ", 1)
+        status, _, msg = rest.partition(" | ")
+        r[key] = (status, msg)
+    version = r["version"][0].split()
+    assert version[0] == version[2] == dflash_native.__version__
+    assert r["missing_file"][0] == "DFN_ERR_FILE" and "cannot open target '/nonexistent/dir/model.gguf'" in r["missing_file"][1]
+    assert r["missing_file_handle"][0] == "null"
+    assert r["bad_kv_type"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got 7")
+    assert r["bad_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "n_ctx must be >= 1" in r["bad_n_ctx"][1]
+    assert r["tree_without_drafter"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] verify=tree needs a drafter")
+    assert r["bad_struct_size"][0] == "DFN_ERR_INVALID_ARGUMENT" and "struct_size = 3" in r["bad_struct_size"][1]
+    assert r["not_gguf"][0] == "DFN_ERR_FILE" and "/proc/self/cmdline" in r["not_gguf"][1]
+    assert r["create"][0] == "DFN_OK"
+    n_tok = int(r["tokenize_needed"][0])
+    assert n_tok > 2
+    assert r["tokenize_small"][0] == "DFN_ERR_BUFFER_TOO_SMALL" and f"has {n_tok} tokens" in r["tokenize_small"][1]
+    assert r["tokenize"][0] == "DFN_OK"
+    assert r["detokenize_small"][0] == "DFN_ERR_BUFFER_TOO_SMALL"
+    assert int(r["detokenize_needed"][0]) == len("def fibonacci(n):\n    return n")
+    assert r["detokenize_bad_id"][0] == "DFN_ERR_INVALID_ARGUMENT" and "outside the vocabulary" in r["detokenize_bad_id"][1]
+    assert r["generate_bad_id"][0] == "DFN_ERR_INVALID_ARGUMENT" and "outside" in r["generate_bad_id"][1]
+    assert r["generate_empty_prompt"][0] == "DFN_ERR_INVALID_ARGUMENT" and "empty" in r["generate_empty_prompt"][1]
+    assert r["generate_bad_top_p"][0] == "DFN_ERR_INVALID_ARGUMENT" and "top_p" in r["generate_bad_top_p"][1]
+    assert r["generate_spec_without_drafter"][0] == "DFN_ERR_INVALID_ARGUMENT"
+    assert r["generate_defaults"][0] == "DFN_OK"
+    assert r["prompt_over_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "context" in r["prompt_over_n_ctx"][1]
+    assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
+
+
+# ---- the Cython extension --------------------------------------------------------------------------------
+
+
+def test_cython_greedy_and_sampled_equal_engine(cython_ext, pair, engines):
+    prompt, tokens, stop = cython_ext.generate(pair[0], pair[1], PROMPT, N_TOKENS)
+    want = _engine(engines)
+    assert prompt == want.prompt_tokens and tokens == want.tokens and len(tokens) > 0
+    _, tokens, _ = cython_ext.generate(pair[0], None, PROMPT, N_TOKENS, temperature=0.8, seed=7)
+    assert tokens == _engine(engines, drafter=False, temperature=0.8, seed=7).tokens
+    _, tokens, stop = cython_ext.generate(pair[0], pair[1], PROMPT, N_TOKENS, stop_after=3)
+    assert tokens == want.tokens[:3] and stop == 4
+
+
+def test_cython_errors(cython_ext, pair):
+    status, msg = cython_ext.create_error(pair[0], -3)
+    assert status == "DFN_ERR_INVALID_ARGUMENT" and "block_size must be >= 2" in msg
+    with pytest.raises(RuntimeError, match="DFN_ERR_FILE: .*cannot open target"):
+        cython_ext.generate("/nonexistent.gguf", None, PROMPT, 4)
+    assert cython_ext.version() == (dflash_native.__version__, dflash_native.__version__)
