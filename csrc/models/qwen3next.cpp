@@ -38,7 +38,7 @@ public:
             L.attn_norm = F.tensor(n("attn_norm"), {E}, TENSOR_ROLE_F32);
             L.post_attn_norm = F.tensor(n("post_attention_norm"), {E}, TENSOR_ROLE_F32);
             if (hp_.is_gdn[il]) {
-                DFN_REQUIRE(!F.has_tensor(n("ssm_in")), W, "'", F.path(), "': ", n("ssm_in"), " (the fused qkvz ",
+                DFN_REQUIRE(!F.has_tensor(n("ssm_in")), W, "'", F.path(), "': '", n("ssm_in"), "' (the fused qkvz ",
                             "projection of older llama.cpp converters) is not supported; convert the checkpoint ",
                             "again (attn_qkv + attn_gate)");
                 load_gdn_layer(F, il, hp_, L);
