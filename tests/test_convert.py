@@ -270,7 +270,7 @@ def test_tensor_types_and_shapes(arch, variant, outtype, hf_checkpoint, gguf_mod
             n_exp, n_ff, n_sh = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
             assert shape["ffn_gate_exps.weight"] == [h, n_ff, n_exp]
             assert shape["ffn_down_exps.weight"] == [n_ff, h, n_exp]
-            assert shape["ffn_gate_inp_shexp.weight"] == [h]
+            assert shape["ffn_gate_inp_shexp.weight"] == [h, 1]  # HF [1, n_embd], not squeezed (as llama.cpp)
             assert shape["ffn_down_shexp.weight"] == [n_sh, h]
 
 

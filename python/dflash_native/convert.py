@@ -8,7 +8,9 @@ layers with routed experts and a gated shared expert) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
-`qwen35`).
+`qwen35`), and Qwen3-Next (`Qwen3NextForCausalLM` / `qwen3_next`, GGUF arch
+`qwen3next`: the hybrid layout with fused GDN projections and routed experts plus
+a gated shared expert in every layer).
 
 The output follows llama.cpp's own converter (conversion/qwen.py in the
 llama.cpp that llama-cpp-python 0.3.36 vendors) key for key and tensor for
@@ -19,8 +21,12 @@ conventions. The transforms that are not plain renames:
   the GDN output norm `linear_attn.norm`, which is already multiplicative.
 - `A_log` is stored as `ssm_a = -exp(A_log)`; `dt_bias` becomes `ssm_dt.bias`.
 - `conv1d.weight` [C, 1, K] is squeezed to [C, K] (ggml ne = [K, C]) and kept F32.
-- GDN value heads are reordered from grouped-by-key-head order to tiled order
+- Qwen3.5's GDN value heads are reordered from grouped-by-key-head order to tiled order
   when n_v_heads != n_k_heads, so ggml can broadcast q/k heads by tiling.
+- Qwen3-Next's `in_proj_qkvz` (rows per key head [q, k, v x r, z x r]) is split into
+  `attn_qkv` [q all heads, k all heads, v all heads] and `attn_gate` [z], as llama.cpp's
+  Qwen3NextModel does; its value heads stay grouped (no reorder) and `in_proj_ba` is kept
+  fused (`ssm_ba`).
 - Llama's W_q / W_k rows are permuted per head from HF's rotate-half order to the
   interleaved order of llama.cpp's NORM RoPE; `rope_type: llama3` becomes the
   `rope_freqs` tensor of per-frequency divisors.

@@ -5,8 +5,8 @@ and stand-ins of any size for benchmarks (NumPy only).
 model.safetensors, tokenizer.json, tokenizer_config.json) that transformers
 loads with `AutoModelForCausalLM.from_pretrained` and `convert_hf_to_gguf`
 converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
-`qwen3_5_text`) model with random weights at a scale that keeps logits
+(`Qwen3MoeForCausalLM`), Qwen3.5 text (`Qwen3_5ForCausalLM`, `qwen3_5_text`),
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`) or Qwen3-Next (`Qwen3NextForCausalLM`) model with random weights at a scale that keeps logits
 informative and long decodes stable. `make_random_drafter_checkpoint` writes a
 z-lab DFlash drafter (`DFlashDraftModel`), and `make_random_drafter_gguf`
 one that matches a target, converted with `convert_dflash_to_gguf`.
