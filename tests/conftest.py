@@ -69,6 +69,7 @@ def _llama_cpp_plain_cpu_kernels() -> None:
     ggml_mul_mat (1.7e-2 on the MoE parity models, 1.3e-3 without them): the peer the parity tests
     hold us to is llama.cpp's graph on ggml's CPU kernels."""
     try:
+        import llama_cpp
         import llama_cpp.llama as llama_module
     except ImportError:
         return
@@ -83,7 +84,10 @@ def _llama_cpp_plain_cpu_kernels() -> None:
         return p
 
     plain_params._dflash_plain = True
+    # the binding's own name (what llama_cpp.Llama calls) and the package's re-export (the tests
+    # that load models through the C API)
     low.llama_model_default_params = plain_params
+    llama_cpp.llama_model_default_params = plain_params
 
 
 _llama_cpp_plain_cpu_kernels()
