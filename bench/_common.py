@@ -62,6 +62,25 @@ def bench_target(moe: bool, tiny: bool) -> tuple[str, str, dict]:
     return "qwen35-0.5b", "qwen3_5", dict(QWEN35_05B)
 
 
+def llama_cpp_without_extra_bufts() -> None:
+    """Every llama_cpp.Llama loaded afterwards in this process skips llama.cpp's extra buffer types
+    (weights repacked for AMX / wider CPU kernels). On a CPU with AMX, llama-cpp-python 0.3.36's
+    repacked Q8_0 weights segfault on hybrid (GDN) models (measured 2026-11-23, tests/conftest.py):
+    the benches' --no-extra-bufts, whose llama.cpp figures are then those of its plain CPU kernels."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_module.llama_cpp.llama_model_default_params
+
+    def plain_params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = plain_params
+    llama_cpp.llama_model_default_params = plain_params
+
+
 def resolve_pair(target, drafter) -> tuple[Path, Path]:
     """--target/--drafter, each defaulting to the embedded pair's file."""
     from dflash_native.cli import default_pair

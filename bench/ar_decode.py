@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Timer, bench_target, cached_typed_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import (Timer, bench_target, cached_typed_gguf, git_rev, llama_cpp_without_extra_bufts,  # noqa: E402
+                     machine, summarize, write_jsonl)
 
 
 def bench_ours(path, prompt, n_decode, threads, n_ctx):
@@ -146,8 +147,13 @@ def main():
     ap.add_argument("--moe", action="store_true", help="the ~1B Qwen3.5-MoE shape (16 experts, top-4) instead")
     ap.add_argument("--verify-curve", action="store_true",
                     help="also time verifies of 2..32 tokens over one AR step, per type, ours and llama.cpp's")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra buffer types (AMX / repacked weights; they crash on Q8_0 "
+                         "hybrids on AMX CPUs): its plain CPU kernels")
     ap.add_argument("--json", type=Path, default=None, help="append JSON lines here")
     a = ap.parse_args()
+    if a.no_extra_bufts:
+        llama_cpp_without_extra_bufts()
 
     name, arch, shape = bench_target(a.moe, a.tiny)
     rng = np.random.default_rng(0)
@@ -155,7 +161,8 @@ def main():
     n_ctx = a.prompt_len + a.decode + 16
 
     print(f"# ar_decode: {machine()}; threads={a.threads}; prompt={a.prompt_len}; decode={a.decode}; "
-          f"reps={a.reps} (+1 warm-up); rev {git_rev()}")
+          f"reps={a.reps} (+1 warm-up); llama.cpp extra buffer types {'off' if a.no_extra_bufts else 'on'}; "
+          f"rev {git_rev()}", flush=True)
     print(f"{'model':<16}{'type':<8}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
     rows = []
     for outtype in a.outtypes.split(","):
@@ -171,10 +178,11 @@ def main():
                     res[k]["decode"].append(a.decode / td)
         for k in runners:
             p, d = summarize(res[k]["prefill"]), summarize(res[k]["decode"])
-            print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
+            print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}", flush=True)
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
-                         "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev()})
+                         "prefill_tok_s": p, "decode_tok_s": d, "llama_extra_bufts": not a.no_extra_bufts,
+                         "machine": machine(), "rev": git_rev()})
         ours, ref = res["dflash-native"], res["llama.cpp"]
         rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
         rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]
