@@ -37,6 +37,31 @@ QWEN35_4B = dict(
 )
 
 
+# A mixture-of-experts target of about 1B parameters that fits this machine, in Qwen3.5-MoE's
+# layout (the flagship DFlash target family): the 0.5B hybrid's attention and GDN layers with 16
+# routed experts of width 512 (top-4) and a shared expert of width 512 in every layer: ~1.03B
+# parameters in all (0.60B in experts), ~0.58B read per token.
+QWEN35MOE_1B = dict(
+    {k: v for k, v in QWEN35_05B.items() if k != "intermediate_size"},
+    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+QWEN35MOE_TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, head_dim=64, linear_key_head_dim=64,
+                      linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+
+
+def bench_target(moe: bool, tiny: bool) -> tuple[str, str, dict]:
+    """(cache name, random_models arch, config overrides) of the benchmarks' random target: the
+    0.5B hybrid or, with moe, the 1B Qwen3.5-MoE shape; tiny: a smoke-run size of either."""
+    if moe:
+        return ("qwen35moe-tiny", "qwen3_5_moe", dict(QWEN35MOE_TINY)) if tiny else \
+            ("qwen35moe-1b", "qwen3_5_moe", dict(QWEN35MOE_1B))
+    if tiny:
+        return "qwen35-tiny", "qwen3_5", dict(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                                              num_hidden_layers=4)
+    return "qwen35-0.5b", "qwen3_5", dict(QWEN35_05B)
+
+
 def resolve_pair(target, drafter) -> tuple[Path, Path]:
     """--target/--drafter, each defaulting to the embedded pair's file."""
     from dflash_native.cli import default_pair
@@ -80,14 +105,15 @@ def isa() -> str:
     return f"{_core.testing.matmul_isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
-def llama_amx_off() -> bool:
-    """On a CPU with AMX_INT8, make llama-cpp-python load models without ggml's extra buffer types
-    (AMX, repack): its AMX path crashes (SIGSEGV) on batched quantized matmuls (seen with Q4_0 and
-    Q4_K_M files, llama-cpp-python 0.3.36, Intel Xeon with AMX). Returns whether it did; the
-    benchmarks record it, since llama.cpp's prefill there runs without AMX."""
+def llama_amx_off(force: bool = False) -> bool:
+    """On a CPU with AMX_INT8 (or with force: the benches' --no-extra-bufts, llama.cpp's plain CPU
+    kernels anywhere), make llama-cpp-python load models without ggml's extra buffer types (AMX,
+    repack): its AMX path crashes (SIGSEGV) on batched quantized matmuls (seen with Q4_0, Q4_K_M and
+    Q8_0 files, hybrids too, llama-cpp-python 0.3.36, Intel Xeon with AMX; tests/conftest.py).
+    Returns whether it did; the benchmarks record it, since llama.cpp's prefill then runs without AMX."""
     import llama_cpp.llama_cpp as L
 
-    if not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read():
+    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()):
         return False
     if not getattr(L.llama_model_default_params, "_dfn_amx_off", False):
         default = L.llama_model_default_params

@@ -11,6 +11,12 @@ llama-bench pp-N, over eval of 1): the number that decides the best block size o
 
     python bench/ar_decode.py --threads 2 --outtypes f16,q8_0,q4_k_m,q6_k,q4_0 --verify-curve \
         --json bench/results/ar_decode.jsonl
+
+--moe runs the ~1B Qwen3.5-MoE shape instead (_common.QWEN35MOE_1B: 16 experts, top-4, a shared
+expert); with --verify-curve it also prints the routed experts' time (ggml's MUL_MAT_ID nodes,
+op profiler level 2) per verified token: a verify batch touches more experts than one token.
+
+    python bench/ar_decode.py --moe --outtypes q8_0 --verify-curve --json bench/results/ar_decode.jsonl
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN35_05B, Timer, cached_typed_gguf, git_rev, llama_amx_off, machine, summarize, write_jsonl  # noqa: E402
+from _common import (Timer, bench_target, cached_typed_gguf, git_rev, llama_amx_off,  # noqa: E402
+                     machine, summarize, write_jsonl)
 
 
 def bench_ours(path, prompt, n_decode, threads, n_ctx):
@@ -66,8 +73,31 @@ def bench_llama(path, prompt, n_decode, threads, n_ctx):
 VERIFY_SIZES = (2, 4, 8, 16, 32)
 
 
-def verify_curve(path, prompt, threads, reps):
-    """{engine: {n: median seconds of an n-token pass / median seconds of a 1-token step}}."""
+def expert_cost(t, ours, reps):
+    """{n: (median ms of the routed experts' MUL_MAT_ID nodes per token of an n-token pass, the
+    share of the pass they take)} for n = 1 and VERIFY_SIZES, with the op profiler at level 2
+    (each node timed alone: read the ratios, not the absolute times)."""
+    from dflash_native import _core
+
+    out = {}
+    for n in (1,) + VERIFY_SIZES:
+        per_tok, share = [], []
+        for _ in range(reps):
+            _core.profile(2)
+            ours(n)
+            rep = _core.profile_report()
+            _core.profile(0)
+            moe = sum(s for k, (c, s) in rep.items() if k.startswith("target") and k.endswith("/MUL_MAT_ID"))
+            total = sum(s for k, (c, s) in rep.items() if k.startswith("target") and "/" in k)
+            per_tok.append(1e3 * moe / n)
+            share.append(moe / total if total else 0.0)
+        out[n] = (summarize(per_tok)["median"], summarize(share)["median"])
+    return out
+
+
+def verify_curve(path, prompt, threads, reps, experts=False):
+    """{engine: {n: median seconds of an n-token pass / median seconds of a 1-token step}}; with
+    experts, also "experts": expert_cost."""
     import llama_cpp
     from dflash_native import _core
 
@@ -97,6 +127,8 @@ def verify_curve(path, prompt, threads, reps):
         return tm.s
 
     out = {}
+    if experts:
+        out["experts"] = expert_cost(t, ours, reps)
     for name, fn in (("dflash-native", ours), ("llama.cpp", llama)):
         fn(1)  # warm-up (graph plans)
         times = {n: summarize([fn(n) for _ in range(reps)])["median"] for n in (1,) + VERIFY_SIZES}
@@ -112,26 +144,30 @@ def main():
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape (smoke run)")
+    ap.add_argument("--moe", action="store_true", help="the ~1B Qwen3.5-MoE shape (16 experts, top-4) instead")
     ap.add_argument("--verify-curve", action="store_true",
                     help="also time verifies of 2..32 tokens over one AR step, per type, ours and llama.cpp's")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra buffer types (AMX / repacked weights; they crash on Q8_0 "
+                         "hybrids on AMX CPUs): its plain CPU kernels")
     ap.add_argument("--json", type=Path, default=None, help="append JSON lines here")
     a = ap.parse_args()
+    amx_off = llama_amx_off(force=a.no_extra_bufts)
 
-    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4) if a.tiny else QWEN35_05B
-    name = "qwen35-tiny" if a.tiny else "qwen35-0.5b"
+    name, arch, shape = bench_target(a.moe, a.tiny)
     rng = np.random.default_rng(0)
     prompt = [int(x) for x in rng.integers(10, 600, a.prompt_len)]
     n_ctx = a.prompt_len + a.decode + 16
 
     print(f"# ar_decode: {machine()}; threads={a.threads}; prompt={a.prompt_len}; decode={a.decode}; "
-          f"reps={a.reps} (+1 warm-up); rev {git_rev()}")
+          f"reps={a.reps} (+1 warm-up); llama.cpp extra buffer types {'off' if amx_off else 'on'}; "
+          f"rev {git_rev()}", flush=True)
     print(f"{'model':<16}{'type':<8}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
     rows = []
-    amx_off = llama_amx_off()
-    if amx_off:
+    if amx_off and not a.no_extra_bufts:
         print("# llama.cpp without extra buffer types (AMX, repack): its AMX path crashes here (_common.llama_amx_off)")
     for outtype in a.outtypes.split(","):
-        path = cached_typed_gguf(name, "qwen3_5", outtype, **shape)
+        path = cached_typed_gguf(name, arch, outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
                    "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
         res = {k: {"prefill": [], "decode": []} for k in runners}
@@ -143,7 +179,7 @@ def main():
                     res[k]["decode"].append(a.decode / td)
         for k in runners:
             p, d = summarize(res[k]["prefill"]), summarize(res[k]["decode"])
-            print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}")
+            print(f"{name:<16}{outtype:<8}{k:<14}{p['median']:>14.1f}{d['median']:>14.1f}", flush=True)
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
                          "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev(),
@@ -156,7 +192,15 @@ def main():
                      "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "machine": machine(),
                      "rev": git_rev(), "llama_amx_off": amx_off})
         if a.verify_curve:
-            curve = verify_curve(path, prompt[:32], a.threads, a.reps)
+            curve = verify_curve(path, prompt[:32], a.threads, a.reps, experts=a.moe)
+            if a.moe:
+                ex = curve.pop("experts")
+                print(f"{name:<16}{outtype:<8}{'experts':<14}MUL_MAT_ID ms per token (share of the pass): "
+                      + "  ".join(f"{n}: {ms:.2f} ({sh:.0%})" for n, (ms, sh) in ex.items()))
+                rows.append({"bench": "verify_experts", "model": name, "outtype": outtype, "threads": a.threads,
+                             "profile_level": 2, "mul_mat_id_ms_per_token": {str(n): v[0] for n, v in ex.items()},
+                             "mul_mat_id_share": {str(n): v[1] for n, v in ex.items()}, "machine": machine(),
+                             "rev": git_rev()})
             for k, c in curve.items():
                 print(f"{name:<16}{outtype:<8}{k:<14}verify cost / AR step ({1e3 * c['step_s']:.1f} ms): "
                       + "  ".join(f"{n}: {c[n]:.2f}" for n in VERIFY_SIZES))

@@ -9,6 +9,8 @@ sampling, Python, graph building).
 
     python bench/spec_e2e.py --json bench/results/spec_e2e.jsonl
 
+--moe measures the ~1B Qwen3.5-MoE target (_common.QWEN35MOE_1B) instead of the 0.5B hybrid.
+
 With --pair (the trained pair: the embedded default, or --target/--drafter), the real drafter
 drafts and the measurement is on held-out code prompts (stdlib files the pair never trained on):
 mean acceptance length, tok/s and speedup vs AR on the same engine, block sizes 4, 8, 16.
@@ -36,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (QWEN35_05B, cached_drafter, cached_gguf, git_rev, heldout_eval, machine,  # noqa: E402
+from _common import (bench_target, cached_drafter, cached_gguf, git_rev, heldout_eval, machine,  # noqa: E402
                      resolve_pair, write_jsonl)
 
 
@@ -160,6 +162,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--drafter-layers", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke run)")
+    ap.add_argument("--moe", action="store_true", help="the ~1B Qwen3.5-MoE target (_common.QWEN35MOE_1B)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--pair", action="store_true", help="the trained pair on held-out prompts (no forced drafts)")
     ap.add_argument("--target", type=Path, default=None, help="--pair: target GGUF (default: the embedded one)")
@@ -180,14 +183,13 @@ def main():
     if a.pair:
         return main_pair(a)
 
-    shape = dict(QWEN35_05B)
-    name = "qwen35-0.5b"
+    name, arch, shape = bench_target(a.moe, False)
     if a.tiny:
-        shape.update(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64,
-                     linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4)
-        name = "qwen35-tiny"
+        name, _, tiny = bench_target(a.moe, True)
+        shape.update(tiny, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                     linear_num_value_heads=4)
     blocks = [int(b) for b in a.blocks.split(",")]
-    target = cached_gguf(name, "qwen3_5", a.outtype, **shape)
+    target = cached_gguf(name, arch, a.outtype, **shape)
     drafter = cached_drafter(name, a.outtype, shape, max(blocks), a.drafter_layers)
     prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, a.prompt_len)]
     n_ctx = a.prompt_len + a.gen + 2 * max(blocks) + 8

@@ -173,25 +173,37 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
 
 }  // namespace
 
-ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
+ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope) {
+    ggml_context * ctx = g.ctx;
+    const int64_t hd = g.hp->head_dim, n_tok = g.n_tokens, n_head = g.hp->n_head;
+    ggml_tensor * qg = matmul(g, L.wq, x);  // [2 * hd * n_head, n_tok]
+    const size_t es = ggml_element_size(qg);
+    ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
+    ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
+    gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
+
+    ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, g.hp->n_head_kv, n_tok);
+    ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, g.hp->n_head_kv, n_tok);
+    q = rope(rms_norm(g, q, L.q_norm));
+    k = rope(rms_norm(g, k, L.k_norm));
+
+    ggml_tensor * a = attention_kv(g, il, q, k, v, 1.0f / sqrtf((float) hd));  // [hd * n_head, n_tok]
+    return matmul(g, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
+}
+
+ggml_tensor * gdn_block(graph_inputs & g, int il, const layer_weights & w, const gdn_proj & p, bool v_grouped) {
     ggml_context * ctx = g.ctx;
     const target_hparams & hp = *g.hp;
     const gdn_layer & st = g.cache->gdn[il];
     const int64_t n_tok = g.n_tokens;
     const int64_t S = hp.ssm_head_dim, H_k = hp.ssm_n_k_heads, H_v = hp.ssm_n_v_heads;
 
-    ggml_tensor * qkv = matmul(g, w.wqkv, x);  // [n_ch, n_tok]
-    ggml_tensor * z = matmul(g, w.wgate, x);   // [S * H_v, n_tok]
-
-    ggml_tensor * beta = ggml_sigmoid(ctx, matmul(g, w.ssm_beta, x));  // [H_v, n_tok]
-    beta = ggml_reshape_4d(ctx, beta, 1, H_v, n_tok, 1);
-
-    // g = softplus(alpha + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
-    ggml_tensor * alpha = matmul(g, w.ssm_alpha, x);  // [H_v, n_tok]
-    ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, w.ssm_dt)), w.ssm_a);
+    ggml_tensor * beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, p.b), 1, H_v, n_tok, 1);
+    // g = softplus(a + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
+    ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, p.a, w.ssm_dt)), w.ssm_a);
     gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
 
-    ggml_tensor * conv_out = gdn_conv(g, st, w, qkv);  // [n_ch, n_tok]
+    ggml_tensor * conv_out = gdn_conv(g, st, w, p.qkv);  // [n_ch, n_tok]
     const size_t es = ggml_element_size(conv_out);
     const size_t row = conv_out->nb[1];
     ggml_tensor * q = ggml_view_4d(ctx, conv_out, S, H_k, n_tok, 1, S * es, row, row * n_tok, 0);
@@ -201,14 +213,33 @@ ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_
     // L2 normalisation as rms_norm scaled by 1/sqrt(S): x / sqrt(sum x^2 + eps).
     q = ggml_scale(ctx, ggml_rms_norm(ctx, q, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
     k = ggml_scale(ctx, ggml_rms_norm(ctx, k, hp.rms_eps / (float) S), 1.0f / sqrtf((float) S));
+    if (v_grouped && H_v != H_k) {
+        // key head j serves value heads j*r .. j*r + r-1: [S, H_k] -> [S, r, H_k] -> [S, H_v]
+        const int64_t r = H_v / H_k;
+        auto repeat = [&](ggml_tensor * t) {
+            t = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, t, S, 1, H_k, n_tok), S, r, H_k, n_tok);
+            return ggml_reshape_4d(ctx, t, S, H_v, n_tok, 1);
+        };
+        q = repeat(q);
+        k = repeat(k);
+    }
 
     ggml_tensor * o = gdn_recurrence(g, st, q, k, v, gate, beta);  // [S, H_v, n_tok, 1]
 
     // Per-head RMSNorm of the output, gated by SiLU(z).
-    ggml_tensor * z4 = ggml_reshape_4d(ctx, z, S, H_v, n_tok, 1);
+    ggml_tensor * z4 = ggml_reshape_4d(ctx, p.z, S, H_v, n_tok, 1);
     o = ggml_mul(ctx, rms_norm(g, o, w.ssm_norm), ggml_silu(ctx, z4));
     o = ggml_reshape_2d(ctx, o, S * H_v, n_tok);
     return matmul(g, w.ssm_out, o);  // [n_embd, n_tok]
+}
+
+ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x) {
+    gdn_proj p;
+    p.qkv = matmul(g, w.wqkv, x);      // [n_ch, n_tok]
+    p.z = matmul(g, w.wgate, x);       // [S * H_v, n_tok]
+    p.b = matmul(g, w.ssm_beta, x);    // [H_v, n_tok]
+    p.a = matmul(g, w.ssm_alpha, x);   // [H_v, n_tok]
+    return gdn_block(g, il, w, p, /*v_grouped=*/false);
 }
 
 }  // namespace dfn

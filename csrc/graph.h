@@ -89,7 +89,28 @@ ggml_tensor * self_attention(graph_inputs & g, int il, const layer_weights & L, 
 // Returns F32 [head_dim * n_head, n_tokens].
 ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale);
 
-// Gated DeltaNet mixer with its short conv, reading and updating the layer's GDN state.
+// Gated attention of layer il (Qwen3.5, Qwen3-Next): W_q emits [q | gate] per head, q/k RMSNorm,
+// `rope`, attention_kv with 1/sqrt(head_dim), then attn * sigmoid(gate) and W_o.
+// x: F32 [n_embd, n_tokens] (after attn_norm). Returns F32 [n_embd, n_tokens].
+ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope);
+
+// What a GDN layer's input projections give for one batch; each architecture lays its weights
+// out differently (Qwen3.5: separate W_beta / W_alpha; Qwen3-Next: one fused W_ba) and splits them.
+struct gdn_proj {
+    ggml_tensor * qkv = nullptr;  // F32 [n_ch, n_tok]: conv input, channels [q (S*H_k) | k (S*H_k) | v (S*H_v)]
+    ggml_tensor * z = nullptr;    // F32 [S * H_v, n_tok]: output gate
+    ggml_tensor * b = nullptr;    // F32 [H_v, n_tok]: beta = sigmoid(b)
+    ggml_tensor * a = nullptr;    // F32 [H_v, n_tok]: log decay g = softplus(a + dt_bias) * ssm_a
+};
+
+// The GDN block from its projections: short conv (and its state), L2-normalised q/k, the delta rule
+// over the layer's state (or the tape on a verify), per-head RMSNorm gated by SiLU(z), ssm_out.
+// v_grouped: value head h reads key head h / (H_v / H_k) (Qwen3-Next; HF's repeat_interleave), so
+// q/k are repeated to H_v heads first; otherwise key head h % H_k (Qwen3.5's tiled order, which
+// the GDN ops broadcast themselves). Returns F32 [n_embd, n_tokens].
+ggml_tensor * gdn_block(graph_inputs & g, int il, const layer_weights & w, const gdn_proj & p, bool v_grouped);
+
+// Qwen3.5's Gated DeltaNet mixer: the W_qkv, W_z, W_beta, W_alpha projections, then gdn_block.
 // x: F32 [n_embd, n_tokens] (after attn_norm). Returns F32 [n_embd, n_tokens].
 ggml_tensor * gdn_mixer(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * x);
 

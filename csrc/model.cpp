@@ -17,8 +17,9 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
     if (arch == "qwen3moe") return make_qwen3moe(std::move(f));
     if (arch == "qwen35") return make_qwen35(std::move(f));
     if (arch == "qwen35moe") return make_qwen35moe(std::move(f));
+    if (arch == "qwen3next") return make_qwen3next(std::move(f));
     throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
-                          "' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe)"));
+                          "' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next)"));
 }
 
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers, bool ff_required) {
@@ -117,6 +118,12 @@ void target_model::read_common_hparams(bool ff_required) {
     hp_.arch = f.arch();
     hp_.n_tokenizer_tokens = f.arr_len("tokenizer.ggml.tokens");
     static_cast<block_hparams &>(hp_) = read_block_hparams(f, hp_.arch, 1024, ff_required);
+    // llama.cpp's converters count MTP blocks (nextn) in block_count, after the trunk; they are not
+    // part of the forward pass
+    const uint32_t n_nextn = f.get_u32(key("nextn_predict_layers"), 0);
+    DFN_REQUIRE(n_nextn < hp_.n_layer, W, "'", f.path(), "': nextn_predict_layers ", n_nextn,
+                " leaves no trunk layers of block_count ", hp_.n_layer);
+    hp_.n_layer -= n_nextn;
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
@@ -160,6 +167,53 @@ void load_ffn(gguf_file & F, int il, int64_t E, int64_t n_ff, layer_weights & L)
     L.ffn_gate = F.tensor(n("ffn_gate"), {E, n_ff}, TENSOR_ROLE_MATMUL);
     L.ffn_up = F.tensor(n("ffn_up"), {E, n_ff}, TENSOR_ROLE_MATMUL);
     L.ffn_down = F.tensor(n("ffn_down"), {n_ff, E}, TENSOR_ROLE_MATMUL);
+}
+
+void read_gdn_hparams(const gguf_file & F, target_hparams & hp) {
+    const std::string & P = F.path();
+    auto key = [&](const char * suffix) { return hp.arch + "." + suffix; };
+    hp.ssm_d_conv = F.get_u32(key("ssm.conv_kernel"));
+    const int64_t d_inner = F.get_u32(key("ssm.inner_size"));
+    hp.ssm_head_dim = F.get_u32(key("ssm.state_size"));
+    hp.ssm_n_v_heads = F.get_u32(key("ssm.time_step_rank"));
+    hp.ssm_n_k_heads = F.get_u32(key("ssm.group_count"));
+    DFN_REQUIRE(hp.ssm_d_conv >= 2, W, "'", P, "': ssm.conv_kernel ", hp.ssm_d_conv, " must be >= 2");
+    DFN_REQUIRE(hp.ssm_d_conv <= 1024, W, "'", P, "': ssm.conv_kernel ", hp.ssm_d_conv, " must be <= 1024");
+    DFN_REQUIRE(hp.ssm_head_dim > 0 && hp.ssm_n_v_heads > 0 && hp.ssm_n_k_heads > 0 && hp.ssm_head_dim <= k_max_dim &&
+                hp.ssm_n_v_heads <= k_max_heads && hp.ssm_n_k_heads <= k_max_heads, W, "'", P,
+                "': ssm.state_size, ssm.time_step_rank and ssm.group_count must be > 0 (and at most ", k_max_dim,
+                ", ", k_max_heads, ", ", k_max_heads, ")");
+    DFN_REQUIRE(hp.ssm_n_v_heads % hp.ssm_n_k_heads == 0, W, "'", P, "': value heads ", hp.ssm_n_v_heads,
+                " must be a multiple of key heads ", hp.ssm_n_k_heads);
+    DFN_REQUIRE(d_inner == hp.ssm_head_dim * hp.ssm_n_v_heads, W, "'", P, "': ssm.inner_size ", d_inner,
+                " != value head dim x value heads; GDN needs d_k == d_v (", hp.ssm_head_dim, " x ",
+                hp.ssm_n_v_heads, ")");
+
+    // Layer pattern: explicit per-layer flags, else every interval-th layer is attention.
+    hp.is_gdn.assign(hp.n_layer, false);
+    const auto recurrent = F.get_int_arr(key("attention.recurrent_layers"));
+    if (!recurrent.empty()) {
+        DFN_REQUIRE((int64_t) recurrent.size() >= hp.n_layer, W, "'", P, "': attention.recurrent_layers has ",
+                    recurrent.size(), " entries for ", hp.n_layer, " layers");
+        for (int il = 0; il < hp.n_layer; ++il) hp.is_gdn[il] = recurrent[il] != 0;
+    } else {
+        const uint32_t interval = F.get_u32(key("full_attention_interval"), 4);
+        DFN_REQUIRE(interval >= 1, W, "'", P, "': full_attention_interval must be >= 1");
+        for (int il = 0; il < hp.n_layer; ++il) hp.is_gdn[il] = (il + 1) % interval != 0;
+    }
+}
+
+void load_gdn_layer(gguf_file & F, int il, const target_hparams & hp, layer_weights & L) {
+    auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
+    const int64_t E = hp.n_embd, S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
+    const tensor_role MM = TENSOR_ROLE_MATMUL, V32 = TENSOR_ROLE_F32;
+    L.wqkv = F.tensor(n("attn_qkv"), {E, n_ch}, MM);
+    L.wgate = F.tensor(n("attn_gate"), {E, S * H_v}, MM);
+    L.ssm_conv1d = F.tensor(n("ssm_conv1d"), {hp.ssm_d_conv, n_ch}, V32);
+    L.ssm_dt = F.tensor(cat("blk.", il, ".ssm_dt.bias"), {H_v}, V32);
+    L.ssm_a = F.tensor(cat("blk.", il, ".ssm_a"), {H_v}, V32);
+    L.ssm_norm = F.tensor(n("ssm_norm"), {S}, V32);
+    L.ssm_out = F.tensor(n("ssm_out"), {S * H_v, E}, MM);
 }
 
 void load_qwen3_layer(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv,

@@ -91,6 +91,7 @@ struct layer_weights {
     ggml_tensor * ssm_a = nullptr;      // F32 [n_v_heads]   -exp(A_log)
     ggml_tensor * ssm_beta = nullptr;   // [n_embd, n_v_heads]
     ggml_tensor * ssm_alpha = nullptr;  // [n_embd, n_v_heads]
+    ggml_tensor * ssm_ba = nullptr;     // [n_embd, 2 * n_v_heads]  Qwen3-Next's fused beta/alpha, per key head [b x r | a x r]
     ggml_tensor * ssm_norm = nullptr;   // F32 [head_dim]
     ggml_tensor * ssm_out = nullptr;    // [d_inner, n_embd]
 
@@ -138,6 +139,16 @@ void load_attention(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int
                     int64_t q_mult, layer_weights & L, bool qk_norm = true);
 // The SwiGLU FFN of layer il: gate, up [n_embd, n_ff], down [n_ff, n_embd].
 void load_ffn(gguf_file & F, int il, int64_t n_embd, int64_t n_ff, layer_weights & L);
+
+// Gated DeltaNet hybrids (qwen35, qwen35moe, qwen3next): `ssm.conv_kernel`, `ssm.inner_size`,
+// `ssm.state_size`, `ssm.time_step_rank`, `ssm.group_count` and the layer pattern
+// (`attention.recurrent_layers`, else every `full_attention_interval`-th layer is attention) into
+// hp, checked (d_k == d_v, value heads a multiple of key heads).
+void read_gdn_hparams(const gguf_file & f, target_hparams & hp);
+// The GDN tensors of layer il every hybrid shares: attn_qkv [n_embd, conv_channels], attn_gate (z)
+// [n_embd, d_inner], ssm_conv1d, ssm_dt.bias, ssm_a, ssm_norm, ssm_out. The beta/alpha projections
+// differ per arch and are left to it.
+void load_gdn_layer(gguf_file & F, int il, const target_hparams & hp, layer_weights & L);
 
 // Layer il of a Qwen3-style block as Qwen3 targets and DFlash drafters store it: attention with
 // q/k RMSNorm (attn_norm before it, ffn_norm after it) and a SwiGLU FFN. Shapes are checked.
@@ -194,5 +205,6 @@ std::unique_ptr<target_model> make_qwen3(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen3moe(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35(std::unique_ptr<gguf_file> f);
 std::unique_ptr<target_model> make_qwen35moe(std::unique_ptr<gguf_file> f);
+std::unique_ptr<target_model> make_qwen3next(std::unique_ptr<gguf_file> f);
 
 }  // namespace dfn

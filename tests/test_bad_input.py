@@ -687,3 +687,40 @@ def test_bad_llama_file(good_llama, tmp_path, edit, msg):
 def test_bad_moe_file(good_moe, tmp_path, edit, msg):
     out = load_in_subprocess(rewrite_gguf(good_moe, tmp_path / "bad.gguf", **edit))
     assert out.startswith("VALUEERROR:") and msg in out, out
+
+
+@pytest.fixture(scope="module")
+def good_next(tmp_path_factory) -> Path:
+    """A tiny qwen3next file: layers [GDN, attention, GDN, attention], 8 experts (top 2, width 32), a
+    shared expert of width 48, 2 key / 4 value GDN heads of 16."""
+    return make_random_gguf(tmp_path_factory.mktemp("bad-next") / "next.gguf", "qwen3_next", outtype="f16", seed=3)
+
+
+def test_qwen3next_file_loads(good_next):
+    assert load_in_subprocess(good_next) == "LOADED"
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (dict(kv={"qwen3next.expert_count": 9}), "'blk.0.ffn_gate_inp.weight' has shape [64, 8], expected [64, 9]"),
+    (dict(kv={"qwen3next.expert_used_count": 0}), "expert_used_count 0 must be in [1, expert_count 8]"),
+    (dict(kv={"qwen3next.expert_shared_feed_forward_length": 40}),
+     "'blk.0.ffn_gate_shexp.weight' has shape [64, 48], expected [64, 40]"),
+    # without its own key the shared expert is feed_forward_length wide, as llama.cpp reads it
+    (dict(drop_keys=("qwen3next.expert_shared_feed_forward_length",)),
+     "'blk.0.ffn_gate_shexp.weight' has shape [64, 48], expected [64, 128]"),
+    (dict(drop_keys=("qwen3next.expert_shared_feed_forward_length", "qwen3next.feed_forward_length")),
+     "qwen3next needs a shared expert"),
+    (dict(kv={"qwen3next.ssm.time_step_rank": 6}), "ssm.inner_size 64 != value head dim x value heads"),
+    (dict(kv={"qwen3next.ssm.group_count": 3}), "value heads 4 must be a multiple of key heads 3"),
+    (dict(tensor_fn=lambda n, a: a[:7].copy() if n == "blk.2.ssm_ba.weight" else a),
+     "'blk.2.ssm_ba.weight' has shape [64, 7], expected [64, 8]"),
+    (dict(tensor_fn=_drop("blk.0.ssm_ba.weight")), "missing tensor 'blk.0.ssm_ba.weight'"),
+    (dict(tensor_fn=_drop("blk.1.ffn_gate_inp_shexp.weight")), "missing tensor 'blk.1.ffn_gate_inp_shexp.weight'"),
+    (dict(tensor_fn=lambda n, a: a[:7].copy() if n == "blk.3.ffn_up_exps.weight" else a),
+     "'blk.3.ffn_up_exps.weight' has shape [64, 32, 7], expected [64, 32, 8]"),
+    (dict(add_tensors={"blk.0.ssm_in.weight": np.zeros((192, 64))}), "'blk.0.ssm_in.weight' (the fused qkvz"),
+    (dict(kv={"qwen3next.nextn_predict_layers": 4}), "nextn_predict_layers 4 leaves no trunk layers"),
+])
+def test_bad_qwen3next_file(good_next, tmp_path, edit, msg):
+    out = load_in_subprocess(rewrite_gguf(good_next, tmp_path / "bad.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and msg in out, out

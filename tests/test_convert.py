@@ -53,7 +53,8 @@ N_TOKENS = 80  # > 64: crosses a chunk boundary of HF's chunked gated-delta rule
 
 VARIANTS = [(arch, variant) for arch, variants in TINY_VARIANTS.items() for variant in variants]
 GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35",
-             "qwen3_5_moe": "qwen35moe"}
+             "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+MOE_ARCHS = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
 OUT_QTYPE = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 
@@ -105,7 +106,7 @@ def test_llama_cpp_logits_match_transformers(arch, variant, outtype, hf_checkpoi
     ref = hf_logits(ckpt, tokens, weights_as=outtype)
     got = llama_logits(gguf_model(arch, variant, outtype), tokens)
     assert got.shape == ref.shape
-    if "moe" in arch and outtype != "f32":
+    if arch in MOE_ARCHS and outtype != "f32":
         # Routing is discontinuous: where two experts' router scores nearly tie, llama.cpp's F16 / BF16 /
         # Q8_0 activations pick another expert than HF's F32 ones and that token's logits jump (measured:
         # one position of 80 at 0.65 in BF16). Such a flip stays local: at most 2 positions may pass the
@@ -254,6 +255,45 @@ def test_tensor_types_and_shapes(arch, variant, outtype, hf_checkpoint, gguf_mod
                 assert f"blk.{il}.ssm_a" not in tensors
 
 
+    if arch == "qwen3_next":
+        n_k, n_v, d = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+        for il, layer_type in enumerate(cfg["layer_types"]):
+            shape = {n[len(f"blk.{il}."):]: [int(x) for x in t.shape] for n, t in tensors.items()
+                     if n.startswith(f"blk.{il}.")}
+            if layer_type == "linear_attention":
+                # llama.cpp's layout: in_proj_qkvz split into attn_qkv + attn_gate, in_proj_ba kept fused
+                assert shape["attn_qkv.weight"] == [h, 2 * n_k * d + n_v * d]
+                assert shape["attn_gate.weight"] == [h, n_v * d]
+                assert shape["ssm_ba.weight"] == [h, 2 * n_v]
+                assert shape["ssm_conv1d.weight"] == [cfg["linear_conv_kernel_dim"], 2 * n_k * d + n_v * d]
+                assert "ssm_beta.weight" not in shape and "ssm_in.weight" not in shape
+            n_exp, n_ff, n_sh = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+            assert shape["ffn_gate_exps.weight"] == [h, n_ff, n_exp]
+            assert shape["ffn_down_exps.weight"] == [n_ff, h, n_exp]
+            assert shape["ffn_gate_inp_shexp.weight"] == [h, 1]  # HF [1, n_embd], not squeezed (as llama.cpp)
+            assert shape["ffn_down_shexp.weight"] == [n_sh, h]
+
+
+def test_qwen3next_qkvz_split_matches_hf(hf_checkpoint):
+    """The converter's split of in_proj_qkvz equals HF's own fix_query_key_value_ordering on a random
+    input: q, k, v (grouped value heads) and z come out of attn_qkv / attn_gate in HF's order."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ckpt = hf_checkpoint("qwen3_next", "odd")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    la = hf.model.layers[1].linear_attn
+    x = torch.randn(1, 5, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        q, k, v, z, b, a = la.fix_query_key_value_ordering(la.in_proj_qkvz(x), la.in_proj_ba(x))
+    spec = convert._load_model_spec(ckpt)
+    qkv_w, z_w = convert.qwen3next_split_qkvz(la.in_proj_qkvz.weight.detach().numpy(), convert._gdn_dims(spec))
+    xs = x[0].numpy()
+    qkv, zz = xs @ qkv_w.T, xs @ z_w.T
+    ref_qkv = torch.cat([t.reshape(1, 5, -1) for t in (q, k, v)], -1)[0].numpy()
+    np.testing.assert_allclose(qkv, ref_qkv, atol=1e-5)
+    np.testing.assert_allclose(zz, z.reshape(5, -1).numpy(), atol=1e-5)
+
+
 def test_q8_0_falls_back_to_f16_for_partial_blocks(gguf_model):
     _, tensors = _fields(gguf_model("qwen3_5", "odd", "q8_0"))
     assert tensors["blk.0.attn_output.weight"].tensor_type == QT.F16  # row of 3 heads x 24 = 72
@@ -293,8 +333,11 @@ def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
         assert fields[f"{a}.expert_weights_norm"] is cfg["norm_topk_prob"]
     if arch in ("qwen3", "qwen3_moe"):
         return
-    if arch == "qwen3_5_moe":
-        assert f"{a}.feed_forward_length" not in fields  # no dense FFN (llama.cpp writes none either)
+    if arch in ("qwen3_5_moe", "qwen3_next"):
+        if arch == "qwen3_5_moe":
+            assert f"{a}.feed_forward_length" not in fields  # no dense FFN (llama.cpp writes none either)
+        else:
+            assert fields[f"{a}.expert_weights_norm"] is cfg["norm_topk_prob"]
         assert fields[f"{a}.expert_count"] == cfg["num_experts"]
         assert fields[f"{a}.expert_used_count"] == cfg["num_experts_per_tok"]
         assert fields[f"{a}.expert_feed_forward_length"] == cfg["moe_intermediate_size"]
@@ -305,9 +348,12 @@ def test_hparam_keys(arch, variant, hf_checkpoint, gguf_model):
         assert f"{a}.rope.scaling.type" not in fields  # llama3 scaling is the rope_freqs tensor
         return
     n_rot = int(cfg["head_dim"] * 0.25)
-    sections = fields[f"{a}.rope.dimension_sections"]
     assert fields[f"{a}.rope.dimension_count"] == n_rot
-    assert len(sections) == 4 and sections[3] == 0 and sum(sections) == n_rot // 2
+    if arch == "qwen3_next":
+        assert f"{a}.rope.dimension_sections" not in fields  # NeoX RoPE, one position per token
+    else:
+        sections = fields[f"{a}.rope.dimension_sections"]
+        assert len(sections) == 4 and sections[3] == 0 and sum(sections) == n_rot // 2
     assert fields[f"{a}.ssm.conv_kernel"] == cfg["linear_conv_kernel_dim"]
     assert fields[f"{a}.ssm.state_size"] == cfg["linear_key_head_dim"]
     assert fields[f"{a}.ssm.group_count"] == cfg["linear_num_key_heads"]
@@ -331,7 +377,7 @@ def test_tokenizer_keys(arch, hf_checkpoint, gguf_model):
     n_bpe = len(tok["model"]["vocab"])
     assert fields["tokenizer.ggml.model"] == "gpt2"
     assert fields["tokenizer.ggml.pre"] == {"llama": "llama-bpe", "qwen3": "qwen2", "qwen3_moe": "qwen2",
-                                            "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35"}[arch]
+                                            "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35", "qwen3_next": "qwen2"}[arch]
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == cfg["vocab_size"] > n_bpe + len(SPECIAL_TOKENS)
     for text, i in tok["model"]["vocab"].items():

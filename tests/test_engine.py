@@ -34,6 +34,14 @@ CONFIGS = {
                                        num_key_value_heads=1, head_dim=40, tie_word_embeddings=False)),
     "qwen35": ("qwen3_5", {}),
     "qwen35moe": ("qwen3_5_moe", {}),
+    "qwen3next": ("qwen3_next", {}),
+    "qwen3next-odd": ("qwen3_next", dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=3,
+                                         num_key_value_heads=1, head_dim=40, layer_types=["linear_attention",
+                                         "full_attention", "linear_attention", "linear_attention"],
+                                         linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=24,
+                                         linear_value_head_dim=24, moe_intermediate_size=40, num_experts=6,
+                                         num_experts_per_tok=3, shared_expert_intermediate_size=56,
+                                         tie_word_embeddings=False)),
     "qwen35-odd": ("qwen3_5", dict(hidden_size=96, intermediate_size=136, num_hidden_layers=5, num_attention_heads=3,
                                    num_key_value_heads=1, head_dim=40, layer_types=["linear_attention", "full_attention",
                                    "linear_attention", "linear_attention", "full_attention"],
@@ -117,7 +125,7 @@ def test_logits_match_llamacpp(model, outtype, hf_logits_rounded):
         print(f"{model['name']} {outtype}: max |ours - llama.cpp| = {diff:.2e}")
         assert diff < TOL_LLAMA_F32
         return
-    if "moe" in model["name"]:
+    if "moe" in model["name"] or "next" in model["name"]:
         # Routing is discontinuous: where two experts' router scores nearly tie, the activations'
         # rounding (ours F32, llama.cpp's F16 / Q8_0 dot products) picks the expert, and the logits
         # jump (measured: one flip at F16, |diff| 0.44). So: under ggml's kernels ours is llama.cpp's
@@ -127,10 +135,19 @@ def test_logits_match_llamacpp(model, outtype, hf_logits_rounded):
               f"{np.abs(same_kernels - ref).max():.2e}")
         # odd head dims: the attention kernels differ (measured 1.8e-3 at F16), and Q8_0 activations
         # amplify that (3.1e-2); the layout itself is pinned at F32 above
-        assert np.abs(same_kernels - ref).max() <= (1e-2 if outtype == "f16" else 1e-1)
+        # The routed experts are ggml_mul_mat_id under every matmul setting (F16 / Q8_0 activations),
+        # so a near-tie can flip a token's expert in either comparison: as in test_convert's
+        # llama.cpp-vs-HF check, at most 2 of the 33 positions may pass the bar (measured on
+        # qwen3next: max 1.35e-2 against HF on F16 weights, 0.116 with ggml's kernels at Q8_0).
+        def over(a, b, tol):
+            return np.flatnonzero(np.abs(a - b).max(-1) > tol).tolist()
+
+        bad = over(same_kernels, ref, 1e-2 if outtype == "f16" else 1e-1)
+        assert len(bad) <= 2, f"positions over the bar with ggml's kernels: {bad}"
         if outtype == "f16":
             rounded = hf_logits_rounded(model["ckpt"], toks, weights_as=outtype)
-            assert np.abs(ours - rounded).max() <= 1e-2
+            bad = over(ours, rounded, 1e-2)
+            assert len(bad) <= 2, f"positions over the bar against HF on F16 weights: {bad}"
         return
     truth = hf_logits(model["hf"], toks)  # HF on the unquantized weights
     err_ours, err_llama = np.abs(ours - truth).max(), np.abs(ref - truth).max()

@@ -8,7 +8,9 @@ layers with routed experts and a gated shared expert) and Qwen3.5 text
 models (`Qwen3_5ForCausalLM` / `qwen3_5_text`, and the multimodal
 `Qwen3_5ForConditionalGeneration` / `qwen3_5`, whose text weights sit under
 `model.language_model.` and whose hparams sit under `text_config`; GGUF arch
-`qwen35`).
+`qwen35`), and Qwen3-Next (`Qwen3NextForCausalLM` / `qwen3_next`, GGUF arch
+`qwen3next`: the hybrid layout with fused GDN projections and routed experts plus
+a gated shared expert in every layer).
 
 The output follows llama.cpp's own converter (conversion/qwen.py in the
 llama.cpp that llama-cpp-python 0.3.36 vendors) key for key and tensor for
@@ -19,8 +21,12 @@ conventions. The transforms that are not plain renames:
   the GDN output norm `linear_attn.norm`, which is already multiplicative.
 - `A_log` is stored as `ssm_a = -exp(A_log)`; `dt_bias` becomes `ssm_dt.bias`.
 - `conv1d.weight` [C, 1, K] is squeezed to [C, K] (ggml ne = [K, C]) and kept F32.
-- GDN value heads are reordered from grouped-by-key-head order to tiled order
+- Qwen3.5's GDN value heads are reordered from grouped-by-key-head order to tiled order
   when n_v_heads != n_k_heads, so ggml can broadcast q/k heads by tiling.
+- Qwen3-Next's `in_proj_qkvz` (rows per key head [q, k, v x r, z x r]) is split into
+  `attn_qkv` [q all heads, k all heads, v all heads] and `attn_gate` [z], as llama.cpp's
+  Qwen3NextModel does; its value heads stay grouped (no reorder) and `in_proj_ba` is kept
+  fused (`ssm_ba`).
 - Llama's W_q / W_k rows are permuted per head from HF's rotate-half order to the
   interleaved order of llama.cpp's NORM RoPE; `rope_type: llama3` becomes the
   `rope_freqs` tensor of per-frequency divisors.
@@ -318,7 +324,7 @@ def _tensor_name(key: MODEL_TENSOR, bid: int | None = None, suffix: str = ".weig
 @dataclass
 class _ModelSpec:
     src_dir: Path
-    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35" | "qwen35moe"
+    gguf_arch: str            # "llama" | "qwen3" | "qwen3moe" | "qwen35" | "qwen35moe" | "qwen3next"
     config: dict[str, Any]    # the full config.json
     text: dict[str, Any]      # the text model's hparams (config or config["text_config"])
     tied: bool                # tie_word_embeddings
@@ -345,9 +351,10 @@ _ARCHS = {
     "Qwen3_5ForConditionalGeneration": "qwen35",
     "Qwen3_5MoeForCausalLM": "qwen35moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
+    "Qwen3NextForCausalLM": "qwen3next",
 }
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
-                "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
+                "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 
 # Defaults of the transformers 5 config classes for keys a config.json may omit.
 _DEFAULTS = {
@@ -367,6 +374,12 @@ _DEFAULTS = {
                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_num_key_heads=16, linear_num_value_heads=32,
                       num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, norm_topk_prob=True),
+    "qwen3next": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, attention_bias=False, intermediate_size=5632,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, mlp_only_layers=[],
+                      num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                       shared_expert_intermediate_size=512, norm_topk_prob=True),
 }
 
@@ -977,6 +990,115 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     return out
 
 
+# ---------------------------------------------------------------------------
+# Qwen3-Next (Qwen3.5's hybrid layout with fused GDN projections, NeoX partial RoPE, and routed
+# experts plus a gated shared expert in every layer)
+# ---------------------------------------------------------------------------
+
+def _qwen3next_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """llama.cpp's Qwen3NextModel keys (Qwen2MoeModel's expert keys, the ssm keys, the layer pattern,
+    `rope.dimension_count` = head_dim x partial_rotary_factor), plus `expert_weights_norm` (HF
+    norm_topk_prob; llama.cpp's qwen3next graph always renormalises and does not read it)."""
+    _common_kv(writer, spec)
+    where = spec.src_dir / "config.json"
+    rp = _rope_parameters(spec)
+    writer.add_rope_freq_base(float(rp["rope_theta"]))
+    _add_rope_scaling(writer, spec, rp)
+    head_dim = int(spec.get("head_dim"))
+    n_rot = int(head_dim * float(rp.get("partial_rotary_factor", 0.25)))
+    if n_rot <= 0 or n_rot % 2 != 0:
+        raise ValueError(f"[convert] {where}: head_dim x partial_rotary_factor = {n_rot} must be even and > 0")
+    writer.add_rope_dimension_count(n_rot)
+
+    d = _gdn_dims(spec)
+    writer.add_ssm_conv_kernel(d.conv_kernel)
+    writer.add_ssm_state_size(d.head_k_dim)
+    writer.add_ssm_group_count(d.n_k_heads)
+    writer.add_ssm_time_step_rank(d.n_v_heads)
+    writer.add_ssm_inner_size(d.value_dim)
+    layer_types = _qwen35_layer_types(spec)
+    writer.add_array(f"{spec.gguf_arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_types])
+    interval = _full_attention_interval(layer_types)
+    if interval is not None:
+        writer.add_full_attention_interval(interval)
+
+    if int(spec.get("decoder_sparse_step")) != 1 or spec.get("mlp_only_layers"):
+        raise ValueError(f"[convert] {where}: dense layers among the MoE ones (decoder_sparse_step "
+                         f"{spec.get('decoder_sparse_step')}, mlp_only_layers {spec.get('mlp_only_layers')}) "
+                         f"are not supported (llama.cpp's qwen3next has experts in every layer)")
+    n_expert, n_used, n_ff = _moe_dims(spec)
+    n_sh = int(spec.get("shared_expert_intermediate_size"))
+    if n_sh <= 0:
+        raise ValueError(f"[convert] {where}: shared_expert_intermediate_size {n_sh} must be > 0")
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_expert_shared_feed_forward_length(n_sh)
+    writer.add_expert_weights_norm(bool(spec.get("norm_topk_prob")))
+
+
+def qwen3next_split_qkvz(x: np.ndarray, d: _GdnDims) -> tuple[np.ndarray, np.ndarray]:
+    """HF's in_proj_qkvz [(2 d_k + 2 r d_v) n_k, n_embd], rows per key head [q | k | v x r | z x r],
+    -> (attn_qkv rows [q all heads | k all heads | v all heads], attn_gate rows [z all heads]) as
+    llama.cpp's Qwen3NextModel splits it; value heads keep their grouped order."""
+    h = x.shape[-1]
+    per_head = 2 * d.head_k_dim + 2 * d.v_per_k * d.head_v_dim
+    y = x.reshape(d.n_k_heads, per_head, h)
+    q, k, v, z = np.split(y, np.cumsum([d.head_k_dim, d.head_k_dim, d.v_per_k * d.head_v_dim])[:3], axis=1)
+    flat = [np.ascontiguousarray(t).reshape(-1, h) for t in (q, k, v, z)]
+    return np.concatenate(flat[:3], axis=0), flat[3]
+
+
+def _qwen3next_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+    prefix = _text_prefix(ckpt)
+    out = _embedding_and_head(spec, ckpt, prefix, _plus_one)
+    d = _gdn_dims(spec)
+    h = int(spec.require("hidden_size"))
+
+    for il, layer_type in enumerate(_qwen35_layer_types(spec)):
+        p = f"{prefix}layers.{il}."
+        out.append(_copy(ckpt, p + "input_layernorm.weight", _tensor_name(MODEL_TENSOR.ATTN_NORM, il), _plus_one))
+        if layer_type == "full_attention":
+            for hf_suffix, key, fn in (
+                ("self_attn.q_proj.weight", MODEL_TENSOR.ATTN_Q, None),  # rows: per head [q | gate]
+                ("self_attn.k_proj.weight", MODEL_TENSOR.ATTN_K, None),
+                ("self_attn.v_proj.weight", MODEL_TENSOR.ATTN_V, None),
+                ("self_attn.o_proj.weight", MODEL_TENSOR.ATTN_OUT, None),
+                ("self_attn.q_norm.weight", MODEL_TENSOR.ATTN_Q_NORM, _plus_one),
+                ("self_attn.k_norm.weight", MODEL_TENSOR.ATTN_K_NORM, _plus_one),
+            ):
+                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il), fn))
+        else:
+            a = p + "linear_attn."
+            want = {"in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, h),
+                    "in_proj_ba.weight": (2 * d.n_v_heads, h),
+                    "conv1d.weight": (d.conv_dim, 1, d.conv_kernel)}
+            for name, shape in want.items():
+                t = ckpt.get(a + name)
+                if t.shape != shape:
+                    raise ValueError(f"[convert] {ckpt.src_dir}: {t.name} has shape {list(t.shape)}, expected "
+                                     f"{list(shape)} from config.json")
+            out += [
+                _copy(ckpt, a + "in_proj_qkvz.weight", _tensor_name(MODEL_TENSOR.ATTN_QKV, il),
+                      lambda x: qwen3next_split_qkvz(x, d)[0], shape=(d.conv_dim, h)),
+                _copy(ckpt, a + "in_proj_qkvz.weight", _tensor_name(MODEL_TENSOR.ATTN_GATE, il),
+                      lambda x: qwen3next_split_qkvz(x, d)[1], shape=(d.value_dim, h)),
+                # per key head [b x r | a x r]: the engine splits it, as llama.cpp's graph does
+                _copy(ckpt, a + "in_proj_ba.weight", _tensor_name(MODEL_TENSOR.SSM_BETA_ALPHA, il)),
+                _copy(ckpt, a + "conv1d.weight", _tensor_name(MODEL_TENSOR.SSM_CONV1D, il),
+                      lambda x: x.reshape(x.shape[0], x.shape[-1]), shape=(d.conv_dim, d.conv_kernel), keep_f32=True),
+                _copy(ckpt, a + "dt_bias", _tensor_name(MODEL_TENSOR.SSM_DT, il, ".bias")),
+                _copy(ckpt, a + "A_log", _tensor_name(MODEL_TENSOR.SSM_A, il, ""), lambda x: -np.exp(x)),
+                _copy(ckpt, a + "norm.weight", _tensor_name(MODEL_TENSOR.SSM_NORM, il)),
+                _copy(ckpt, a + "out_proj.weight", _tensor_name(MODEL_TENSOR.SSM_OUT, il)),
+            ]
+        out.append(_copy(ckpt, p + "post_attention_layernorm.weight",
+                         _tensor_name(MODEL_TENSOR.ATTN_POST_NORM, il), _plus_one))
+        out += moe_expert_tensors(spec, ckpt, p, il) + moe_shared_expert_tensors(spec, ckpt, p, il)
+    _check_unused(ckpt, prefix, out)
+    return out
+
+
 # GGUF arch -> (hparam keys writer, tensor planner)
 _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
                                   Callable[[_ModelSpec, _Checkpoint], list[_SourceTensor]]]] = {
@@ -985,6 +1107,7 @@ _ARCH_WRITERS: Mapping[str, tuple[Callable[[gguf.GGUFWriter, _ModelSpec], None],
     "qwen3": (_qwen3_kv, _qwen3_tensors),
     "qwen35": (_qwen35_kv, _qwen35_tensors),
     "qwen35moe": (_qwen35moe_kv, _qwen35_tensors),
+    "qwen3next": (_qwen3next_kv, _qwen3next_tensors),
 }
 
 

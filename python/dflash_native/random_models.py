@@ -5,8 +5,8 @@ and stand-ins of any size for benchmarks (NumPy only).
 model.safetensors, tokenizer.json, tokenizer_config.json) that transformers
 loads with `AutoModelForCausalLM.from_pretrained` and `convert_hf_to_gguf`
 converts: a Llama (`LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) or Qwen3.5 text (`Qwen3_5ForCausalLM`,
-`qwen3_5_text`) model with random weights at a scale that keeps logits
+(`Qwen3MoeForCausalLM`), Qwen3.5 text (`Qwen3_5ForCausalLM`, `qwen3_5_text`),
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`) or Qwen3-Next (`Qwen3NextForCausalLM`) model with random weights at a scale that keeps logits
 informative and long decodes stable. `make_random_drafter_checkpoint` writes a
 z-lab DFlash drafter (`DFlashDraftModel`), and `make_random_drafter_gguf`
 one that matches a target, converted with `convert_dflash_to_gguf`.
@@ -159,14 +159,28 @@ _BASE_CONFIG = {**_BASE_CONFIG, "llama": {  # Llama 3.x: no q/k norms (target_we
     "shared_expert_intermediate_size": 48,
     "num_experts": 8,
     "num_experts_per_tok": 2,
+}, "qwen3_next": {  # Qwen3-Next: Qwen3.5's hybrid with fused GDN projections, NeoX partial RoPE, MoE
+    **{k: v for k, v in _BASE_CONFIG["qwen3_5"].items() if k not in ("rope_parameters",)},
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }}
 
 _ARCH_ALIASES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
                  "qwen3_5": "qwen3_5", "qwen35": "qwen3_5", "qwen3_5_text": "qwen3_5",
-                 "qwen3_5_moe": "qwen3_5_moe", "qwen35moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+                 "qwen3_5_moe": "qwen3_5_moe", "qwen35moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
+                 "qwen3_next": "qwen3_next", "qwen3next": "qwen3_next"}
 _PRETOKENIZE_REGEX = {"llama": LLAMA3_PRETOKENIZE_REGEX, "qwen3": QWEN2_PRETOKENIZE_REGEX,
                       "qwen3_moe": QWEN2_PRETOKENIZE_REGEX,
-                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX, "qwen3_5_moe": QWEN35_PRETOKENIZE_REGEX}
+                      "qwen3_5": QWEN35_PRETOKENIZE_REGEX, "qwen3_5_moe": QWEN35_PRETOKENIZE_REGEX,
+                      "qwen3_next": QWEN2_PRETOKENIZE_REGEX}
 
 # safetensors dtype name -> (header dtype, bytes per element)
 ST_DTYPES: Mapping[str, tuple[str, int]] = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
@@ -181,7 +195,7 @@ WeightSpecs = dict[str, tuple[tuple[int, ...], tuple, str]]
 # ---------------------------------------------------------------------------
 
 def canonical_arch(arch: str) -> str:
-    """"llama", "qwen3", "qwen3_moe", "qwen3_5" or "qwen3_5_moe" for any accepted spelling; ValueError
+    """"llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe" or "qwen3_next" for any accepted spelling; ValueError
     otherwise."""
     out = _ARCH_ALIASES.get(arch)
     if out is None:
@@ -192,7 +206,8 @@ def canonical_arch(arch: str) -> str:
 def make_random_checkpoint(dst_dir: str | os.PathLike[str], arch: str = "qwen3_5", *, seed: int = 0,
                            dtype: str = "float32", merges: Sequence[tuple[str, str]] | None = None,
                            **config_overrides: Any) -> Path:
-    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen3_moe" or "llama")
+    """Write a random HF checkpoint of `arch` ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "qwen3_moe" or
+    "llama")
     to `dst_dir`.
 
     `config_overrides` replace config.json keys. `dtype` is the safetensors
@@ -233,9 +248,9 @@ def target_config(arch: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The text config.json of a random `arch` target, without token ids."""
     cfg = json.loads(json.dumps(_BASE_CONFIG[arch]))
     cfg.update(json.loads(json.dumps(dict(overrides))))
-    if arch in ("qwen3_5", "qwen3_5_moe"):
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         rp = cfg["rope_parameters"]
-        if "mrope_section" not in rp:
+        if "mrope_section" not in rp and arch != "qwen3_next":
             rp["mrope_section"] = default_mrope_section(int(cfg["head_dim"] * rp.get("partial_rotary_factor", 0.25)))
         if "layer_types" not in overrides:
             cfg["layer_types"] = hybrid_layer_types(cfg["num_hidden_layers"], cfg["full_attention_interval"])
@@ -256,8 +271,8 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
     h = int(cfg["hidden_size"])
     n_vocab = int(cfg["vocab_size"])
     n_head, n_kv, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
-    hybrid = arch in ("qwen3_5", "qwen3_5_moe")
-    centered = hybrid  # Qwen3.5 RMSNorm computes x * (1 + w)
+    hybrid = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    centered = hybrid  # Qwen3.5 / Qwen3-Next RMSNorm computes x * (1 + w)
     norm = ("normal", 0.1) if centered else ("one_plus", 0.1)
     # Output projections of the residual branches shrink with depth (GPT-2 style)
     # so that deep shapes stay as well-conditioned as the tiny ones.
@@ -270,7 +285,7 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
         pre = f"model.layers.{il}."
         p[pre + "input_layernorm.weight"] = ((h,), norm)
         if hybrid and layer_types[il] == "linear_attention":
-            _gdn_params(p, pre + "linear_attn.", cfg, depth_scale)
+            _gdn_params(p, pre + "linear_attn.", cfg, depth_scale, fused=arch == "qwen3_next")
         else:
             q_out = n_head * hd * (2 if hybrid else 1)  # Qwen3.5: per head [q | gate]
             s = pre + "self_attn."
@@ -282,7 +297,7 @@ def target_weights(arch: str, cfg: Mapping[str, Any]) -> WeightSpecs:
                 p[s + "q_norm.weight"] = ((hd,), norm)
                 p[s + "k_norm.weight"] = ((hd,), norm)
         p[pre + "post_attention_layernorm.weight"] = ((h,), norm)
-        if arch in ("qwen3_moe", "qwen3_5_moe"):
+        if arch in ("qwen3_moe", "qwen3_5_moe", "qwen3_next"):
             _moe_params(p, pre + "mlp.", cfg, depth_scale)
             continue
         ff = int(cfg["intermediate_size"])
@@ -314,17 +329,23 @@ def _moe_params(p: dict, m: str, cfg: Mapping[str, Any], depth_scale: float) -> 
         p[m + "shared_expert_gate.weight"] = _linear_init(1, h)
 
 
-def _gdn_params(p: dict, a: str, cfg: Mapping[str, Any], depth_scale: float) -> None:
-    """A Qwen3.5 Gated DeltaNet mixer (prefix `a`) into p: name -> (shape, init)."""
+def _gdn_params(p: dict, a: str, cfg: Mapping[str, Any], depth_scale: float, fused: bool = False) -> None:
+    """A Gated DeltaNet mixer (prefix `a`) into p: name -> (shape, init). Qwen3.5's projections
+    (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), or with `fused` Qwen3-Next's (in_proj_qkvz,
+    in_proj_ba: rows per key head, same init)."""
     h = int(cfg["hidden_size"])
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
     kernel = int(cfg["linear_conv_kernel_dim"])
     conv_dim = 2 * nk * dk + nv * dv
-    p[a + "in_proj_qkv.weight"] = _linear_init(conv_dim, h)
-    p[a + "in_proj_z.weight"] = _linear_init(nv * dv, h)
-    p[a + "in_proj_b.weight"] = _linear_init(nv, h)
-    p[a + "in_proj_a.weight"] = _linear_init(nv, h)
+    if fused:
+        p[a + "in_proj_qkvz.weight"] = _linear_init(conv_dim + nv * dv, h)
+        p[a + "in_proj_ba.weight"] = _linear_init(2 * nv, h)
+    else:
+        p[a + "in_proj_qkv.weight"] = _linear_init(conv_dim, h)
+        p[a + "in_proj_z.weight"] = _linear_init(nv * dv, h)
+        p[a + "in_proj_b.weight"] = _linear_init(nv, h)
+        p[a + "in_proj_a.weight"] = _linear_init(nv, h)
     p[a + "conv1d.weight"] = ((conv_dim, 1, kernel), ("normal", 1.0 / math.sqrt(kernel)))
     p[a + "dt_bias"] = ((nv,), ("uniform", -1.0, 1.0))
     p[a + "A_log"] = ((nv,), ("log_uniform", 0.5, 8.0))  # decay rate A in [0.5, 8]

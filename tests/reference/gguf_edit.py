@@ -8,8 +8,10 @@ import numpy as np
 from gguf import GGUFReader, GGUFWriter
 
 
-def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), tensor_fn=None) -> Path:
-    """Copy a GGUF with some keys changed or dropped, and tensors passed through tensor_fn(name, array).
+def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), tensor_fn=None,
+                 add_tensors: dict | None = None) -> Path:
+    """Copy a GGUF with some keys changed or dropped, tensors passed through tensor_fn(name, array),
+    and the F32 arrays of add_tensors (name -> array) appended.
 
     tensor_fn returns the new array (same type), None (drop the tensor), or (array, type) to store
     it as another GGMLQuantizationType (the array then holds that type's raw data, e.g.
@@ -36,6 +38,8 @@ def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), 
                 continue
         data, ttype = data if isinstance(data, tuple) else (data, t.tensor_type)
         w.add_tensor(t.name, data, raw_dtype=ttype)
+    for name, data in (add_tensors or {}).items():
+        w.add_tensor(name, np.asarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
