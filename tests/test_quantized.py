@@ -114,15 +114,19 @@ def test_speculative_equals_ar(qpair):
 
 
 def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
+    assert_matches_dequantized_and_llama_cpp(qpair["target"], PROMPT, tmp_path, llama_logits, qpair["type"])
+
+
+def assert_matches_dequantized_and_llama_cpp(path, prompt, tmp_path, llama_logits, what: str) -> None:
     """Ours is the dequantized model up to F32 summation order (the activations stay F32);
     llama.cpp on the same file differs from that model by rounding its activations to Q8_0 /
     Q8_K, and from ours by no more than that (+ F32 noise)."""
-    ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    llama = llama_logits(qpair["target"], PROMPT)
+    ours = dn.Engine(path, n_ctx=64, kv_type="f32", n_threads=2).eval(prompt)
+    deq = dn.Engine(dequantized(path, tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(prompt)
+    llama = llama_logits(path, prompt)
     scale = float(np.abs(deq).max())
     err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
-    print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
+    print(f"{what}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
           f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
     assert err_ours <= 1e-5 * scale + 1e-6
     assert diff <= err_llama + 1e-5 * scale + 1e-6

@@ -1,0 +1,225 @@
+"""GGUFs written by llama.cpp's own tools: its convert_hf_to_gguf.py (from the llama-cpp-python
+sdist pip fetches, tests/llamacpp_tools.py) on tiny random HF checkpoints of every target arch,
+and its quantizer (llama_model_quantize, through dflash_native.quantize and `dflash-native
+quantize`):
+
+- metadata: llama.cpp's file and our converter's file of the same checkpoint hold the same keys,
+  values, tensor names, types and shapes, but for the differences listed in EXPECTED_KEY_DIFFS
+  (docs/architecture.md, "Files from llama.cpp's converter");
+- the same logits: F32 and F16 files of the two converters store the same bytes (but Qwen3.5's
+  `ssm_a = -exp(A_log)`, within 1 ulp: torch's F32 exp against ours rounded from float64), so our
+  Engine's logits on them are bitwise equal, or within F32 rounding where ssm_a differs;
+- Qwen3.5 checkpoints carry an MTP head, which llama.cpp's converter appends as a last block
+  (`nextn_predict_layers`): the Engine must not run it;
+- quantized by llama.cpp to Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K: our logits are the dequantized
+  model's and llama.cpp's on the same file are within llama.cpp's own error of them (the helper
+  of test_quantized.py), and greedy speculative decoding with a Q8_0 drafter equals AR bit for bit;
+- what our loader does not run (a fused QKV, `--fuse-qkv`) raises a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.cli import main as cli_main
+from dflash_native.convert import convert_hf_to_gguf
+from fixtures import TINY_VARIANTS, make_random_checkpoint, make_random_drafter_gguf
+from llamacpp_tools import convert_with_llamacpp, llamacpp_source
+from reference.gguf_edit import rewrite_gguf
+from test_quantized import assert_matches_dequantized_and_llama_cpp
+
+# fixture arch -> (GGUF arch, checkpoint layout): the Qwen3.5 archs with the MTP head their hub
+# checkpoints carry
+ARCHS = {"llama": ("llama", "causal_lm"), "qwen3": ("qwen3", "causal_lm"), "qwen3_moe": ("qwen3moe", "causal_lm"),
+         "qwen3_5": ("qwen35", "mtp"), "qwen3_5_moe": ("qwen35moe", "mtp")}
+# Quantized targets: every matmul row 256 wide or a multiple, so the K-quants really apply.
+HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+QUANT_MODELS = {
+    "qwen3": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, **HEADS),
+    "qwen3_5": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, **HEADS),
+}
+QUANT_TYPES = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K"}
+BLOCK = 8
+PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 12)]
+
+# Keys where llama.cpp's file and ours differ, and why (nextn_* / block_count / recurrent_layers:
+# only files with an MTP head, checked apart).
+EXPECTED_KEY_DIFFS = {
+    "general.name": "llama.cpp title-cases the directory name (gguf.Metadata heuristics); ours keeps it",
+    "tokenizer.ggml.mask_token_id": "ours: the mask token a DFlash drafter of this target needs (llama.cpp: drafters)",
+    "qwen3moe.expert_weights_norm": "ours: HF norm_topk_prob; llama.cpp's qwen3moe graph always renormalises",
+}
+
+
+def _fields(path) -> tuple[dict, dict]:
+    r = GGUFReader(path)
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return kv, {t.name: t for t in r.tensors}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    """The checkpoints and both converters' files: files[(arch, who, outtype)] for who in
+    ("ours", "llama.cpp"), the tiny TINY_VARIANTS shapes; files[(arch, "quant-src")]: llama.cpp's
+    F16 file of QUANT_MODELS[arch]; files["fused-qkv"]: a Qwen3 converted with --fuse-qkv."""
+    pytest.importorskip("sentencepiece", reason="llama.cpp's convert_hf_to_gguf.py imports sentencepiece")
+    src = llamacpp_source(tmp_path_factory.getbasetemp() / "llamacpp-src")
+    d = tmp_path_factory.mktemp("lcfiles")
+    out, jobs, ckpts = {}, [], {}
+    for arch, (_, layout) in ARCHS.items():
+        ckpts[arch] = make_random_checkpoint(d / f"hf-{arch}", arch, seed=0, layout=layout,
+                                             **TINY_VARIANTS[arch]["default"])
+    for arch, shape in QUANT_MODELS.items():
+        ckpts[arch, "q"] = make_random_checkpoint(d / f"hf-{arch}-q", arch, seed=21, layout=ARCHS[arch][1], **shape)
+    for arch in ARCHS:
+        for outtype in ("f32", "f16"):
+            ours = out[arch, "ours", outtype] = convert_hf_to_gguf(ckpts[arch], d / f"ours-{arch}-{outtype}.gguf",
+                                                                   outtype=outtype)
+            # our converter's name for the fixture tokenizer, which llama.cpp's hash lookup cannot know
+            pre = _fields(ours)[0]["tokenizer.ggml.pre"]
+            out[arch, "llama.cpp", outtype] = d / f"lc-{arch}-{outtype}.gguf"
+            jobs.append(dict(model=ckpts[arch], outfile=out[arch, "llama.cpp", outtype], outtype=outtype,
+                             tokenizer_pre=pre))
+    for arch in QUANT_MODELS:
+        out[arch, "quant-src"] = d / f"lc-{arch}-q-f16.gguf"
+        jobs.append(dict(model=ckpts[arch, "q"], outfile=out[arch, "quant-src"], outtype="f16",
+                         tokenizer_pre=_fields(out[arch, "ours", "f32"])[0]["tokenizer.ggml.pre"]))
+    out["fused-qkv"] = d / "lc-qwen3-fused-qkv.gguf"
+    jobs.append(dict(model=ckpts["qwen3"], outfile=out["fused-qkv"], outtype="f32", tokenizer_pre="qwen2",
+                     args=["--fuse-qkv"]))
+    convert_with_llamacpp(src, jobs)
+    out["ckpt"] = ckpts
+    out["dir"] = d
+    return out
+
+
+# ---- the two converters ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_metadata_matches_our_converter(files, arch):
+    """F16 files: the same keys and values, tensor names, types and shapes, but the listed
+    differences; llama.cpp's MTP block is the only extra one."""
+    (kv_o, t_o), (kv_l, t_l) = _fields(files[arch, "ours", "f16"]), _fields(files[arch, "llama.cpp", "f16"])
+    g = ARCHS[arch][0]
+    n_nextn = kv_l.pop(f"{g}.nextn_predict_layers", 0)
+    assert n_nextn == (1 if ARCHS[arch][1] == "mtp" else 0)
+    assert kv_l[f"{g}.block_count"] == kv_o[f"{g}.block_count"] + n_nextn
+    kv_l[f"{g}.block_count"] -= n_nextn
+    if f"{g}.attention.recurrent_layers" in kv_l:  # the MTP block is an attention layer
+        assert kv_l[f"{g}.attention.recurrent_layers"] == kv_o[f"{g}.attention.recurrent_layers"] + [False] * n_nextn
+        kv_l[f"{g}.attention.recurrent_layers"] = kv_o[f"{g}.attention.recurrent_layers"]
+    diffs = {k for k in kv_o.keys() | kv_l.keys() if kv_o.get(k, "<absent>") != kv_l.get(k, "<absent>")}
+    if n_nextn:  # llama.cpp's size label counts the MTP block's parameters too
+        diffs.discard("general.size_label")
+    unexpected = {k: (kv_o.get(k, "<absent>"), kv_l.get(k, "<absent>")) for k in diffs - EXPECTED_KEY_DIFFS.keys()}
+    assert not unexpected, f"keys that differ (ours, llama.cpp's): {unexpected}"
+    assert "general.name" in diffs and "tokenizer.ggml.mask_token_id" in diffs  # the listed reasons still hold
+
+    mtp = {n for n in t_l if n.startswith(f"blk.{kv_o[f'{g}.block_count']}.")}
+    nextn = {f"blk.{kv_o[f'{g}.block_count']}.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    assert (mtp >= nextn) if n_nextn else not mtp, sorted(mtp)
+    assert t_l.keys() - mtp == t_o.keys(), (sorted(t_l.keys() - mtp - t_o.keys()), sorted(t_o.keys() - t_l.keys()))
+    for name, t in t_o.items():
+        assert (t.tensor_type, list(t.shape)) == (t_l[name].tensor_type, list(t_l[name].shape)), name
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_same_logits_as_our_converter(files, arch, outtype):
+    """The same bytes in every tensor but Qwen3.5's ssm_a (1 ulp at most: torch's F32 exp in
+    llama.cpp's converter, float64 rounded once in ours), hence bitwise equal logits, or equal to
+    F32 rounding where ssm_a differs. The Engine ignores llama.cpp's MTP block."""
+    ours, lc = files[arch, "ours", outtype], files[arch, "llama.cpp", outtype]
+    t_o, t_l = _fields(ours)[1], _fields(lc)[1]
+    differ = []
+    for name, t in t_o.items():
+        a, b = np.asarray(t.data), np.asarray(t_l[name].data)
+        if a.tobytes() != b.tobytes():
+            assert name.endswith("ssm_a") and a.dtype == np.float32, name
+            ulp = np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+            assert ulp.max() <= 1, (name, a, b)
+            differ.append(name)
+    toks = list(range(5, 37))
+    got = dn.Engine(lc, n_ctx=64, kv_type="f32", n_threads=2).eval(toks)
+    want = dn.Engine(ours, n_ctx=64, kv_type="f32", n_threads=2).eval(toks)
+    if not differ:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert ARCHS[arch][0].startswith("qwen35")
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    t = _core.Target(str(lc), n_ctx=64)
+    assert t.n_layer == len(t.layer_types) == _fields(ours)[0][f"{ARCHS[arch][0]}.block_count"]
+
+
+def test_nextn_layers_must_leave_a_layer(files, tmp_path):
+    lc = files["qwen3_5", "llama.cpp", "f32"]
+    bad = rewrite_gguf(lc, tmp_path / "bad.gguf", kv={"qwen35.nextn_predict_layers": 5})
+    with pytest.raises(ValueError, match="nextn_predict_layers 5 must be less than block_count 5"):
+        dn.Engine(bad, n_ctx=64)
+
+
+def test_fused_qkv_is_refused_by_name(files):
+    assert "blk.0.attn_qkv.weight" in _fields(files["fused-qkv"])[1]
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight.*--fuse-qkv"):
+        dn.Engine(files["fused-qkv"], n_ctx=64)
+
+
+# ---- quantized by llama.cpp --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized(files) -> dict:
+    """quantized[(arch, type)]: llama.cpp's F16 file of QUANT_MODELS[arch] through llama.cpp's
+    quantizer; quantized[(arch, "drafter")]: a DFlash drafter of that target, quantized to Q8_0."""
+    out = {}
+    for arch in QUANT_MODELS:
+        src = files[arch, "quant-src"]
+        for t, ggml_type in QUANT_TYPES.items():
+            path = dn.quantize(src, files["dir"] / f"{arch}-{t}.gguf", t, n_threads=2, progress=False)
+            w = [x.tensor_type.name for x in GGUFReader(path).tensors if x.name.endswith("ffn_up.weight")]
+            assert w and set(w) == {ggml_type}, (arch, t, w)
+            out[arch, t] = path
+        ckpt = files["ckpt"][arch, "q"]
+        d = make_random_drafter_gguf(files["dir"] / f"{arch}-drafter.gguf", ckpt, outtype="f16", seed=22,
+                                     block_size=BLOCK, target_gguf=src, target_layer_ids=[0], num_hidden_layers=1,
+                                     intermediate_size=512, **HEADS)
+        out[arch, "drafter"] = dn.quantize(d, files["dir"] / f"{arch}-drafter-q8_0.gguf", "q8_0", n_threads=2,
+                                           progress=False)
+    return out
+
+
+QUANT_CASES = [(a, t) for a in QUANT_MODELS for t in QUANT_TYPES]
+
+
+@pytest.mark.parametrize("arch,qtype", QUANT_CASES)
+def test_quantized_logits_match_llama_cpp(quantized, arch, qtype, tmp_path, llama_logits):
+    assert_matches_dequantized_and_llama_cpp(quantized[arch, qtype], PROMPT, tmp_path, llama_logits, f"{arch} {qtype}")
+
+
+@pytest.mark.parametrize("arch,qtype", QUANT_CASES)
+def test_quantized_speculative_equals_ar(quantized, arch, qtype):
+    """llama.cpp's quantized target with a Q8_0 drafter: greedy speculative output is the AR output."""
+    eng = dn.Engine(quantized[arch, qtype], drafter=quantized[arch, "drafter"], block_size=BLOCK,
+                    feature_ring_capacity=24, n_ctx=128, kv_type="f32", n_threads=2, gate=False)
+    ar = eng.generate(PROMPT, max_tokens=32, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=32)
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
+
+
+def test_quantize_cli_on_llamacpp_file(files, quantized, tmp_path, capsys):
+    """`dflash-native quantize` on llama.cpp's file: the progress bar, and the very file the
+    quantizer writes through the API (the same tensors, bytes for bytes)."""
+    src, out = files["qwen3_5", "quant-src"], tmp_path / "q.gguf"
+    assert cli_main(["quantize", str(src), str(out), "--type", "q4_k_m"]) == 0
+    n = len(GGUFReader(src).tensors)
+    assert f"[{'#' * 30}] {n}/{n}" in capsys.readouterr().err
+    got, want = _fields(out)[1], _fields(quantized["qwen3_5", "q4_k_m"])[1]
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert t.tensor_type == got[name].tensor_type and np.asarray(t.data).tobytes() == np.asarray(
+            got[name].data).tobytes(), name
