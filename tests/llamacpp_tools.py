@@ -144,6 +144,7 @@ def _child(src: Path, jobs_file: Path) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "fetch":
+        os.environ.pop(ENV_SRC, None)  # fetch into DIR
         print(llamacpp_source(sys.argv[2]))
     elif len(sys.argv) == 4 and sys.argv[1] == "convert":
         sys.exit(_child(Path(sys.argv[2]), Path(sys.argv[3])))
