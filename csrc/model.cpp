@@ -153,12 +153,13 @@ void target_model::load_common_tensors() {
 void load_attention(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv, int64_t q_mult,
                     layer_weights & L, bool qk_norm) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-    DFN_REQUIRE(F.has_tensor(n("attn_q")) || !F.has_tensor(n("attn_qkv")), W, "'", F.path(), "': attention layer ", il,
-                " has a fused '", n("attn_qkv"), "' (llama.cpp's convert_hf_to_gguf.py --fuse-qkv), which is not ",
-                "supported: convert without --fuse-qkv");
-    L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
-    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
-    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    if (!F.has_tensor(n("attn_q")) && F.has_tensor(n("attn_qkv"))) {  // llama.cpp's --fuse-qkv
+        L.wqkv_fused = F.tensor(n("attn_qkv"), {E, hd * (q_mult * n_head + 2 * n_head_kv)}, TENSOR_ROLE_MATMUL);
+    } else {
+        L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
+        L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+        L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    }
     L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, TENSOR_ROLE_MATMUL);
     if (!qk_norm) return;
     L.q_norm = F.tensor(n("attn_q_norm"), {hd}, TENSOR_ROLE_F32);

@@ -14,7 +14,7 @@ quantize`):
 - quantized by llama.cpp to Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K: our logits are the dequantized
   model's and llama.cpp's on the same file are within llama.cpp's own error of them (the helper
   of test_quantized.py), and greedy speculative decoding with a Q8_0 drafter equals AR bit for bit;
-- what our loader does not run (a fused QKV, `--fuse-qkv`) raises a ValueError naming it.
+- `--fuse-qkv` files (one attn_qkv per attention layer) give the unfused file's logits, bit for bit.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ QUANT_MODELS = {
                     layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                     linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, **HEADS),
 }
+FUSED_QKV_ARCHS = ["llama", "qwen3", "qwen3_5"]
 QUANT_TYPES = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K"}
 BLOCK = 8
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 12)]
@@ -67,7 +68,7 @@ def _fields(path) -> tuple[dict, dict]:
 def files(tmp_path_factory) -> dict:
     """The checkpoints and both converters' files: files[(arch, who, outtype)] for who in
     ("ours", "llama.cpp"), the tiny TINY_VARIANTS shapes; files[(arch, "quant-src")]: llama.cpp's
-    F16 file of QUANT_MODELS[arch]; files["fused-qkv"]: a Qwen3 converted with --fuse-qkv."""
+    F16 file of QUANT_MODELS[arch]; files[(arch, "fused-qkv")]: F32 with --fuse-qkv."""
     pytest.importorskip("sentencepiece", reason="llama.cpp's convert_hf_to_gguf.py imports sentencepiece")
     src = llamacpp_source(tmp_path_factory.getbasetemp() / "llamacpp-src")
     d = tmp_path_factory.mktemp("lcfiles")
@@ -90,9 +91,9 @@ def files(tmp_path_factory) -> dict:
         out[arch, "quant-src"] = d / f"lc-{arch}-q-f16.gguf"
         jobs.append(dict(model=ckpts[arch, "q"], outfile=out[arch, "quant-src"], outtype="f16",
                          tokenizer_pre=_fields(out[arch, "ours", "f32"])[0]["tokenizer.ggml.pre"]))
-    out["fused-qkv"] = d / "lc-qwen3-fused-qkv.gguf"
-    jobs.append(dict(model=ckpts["qwen3"], outfile=out["fused-qkv"], outtype="f32", tokenizer_pre="qwen2",
-                     args=["--fuse-qkv"]))
+    for arch in FUSED_QKV_ARCHS:  # the F32 job of arch, with --fuse-qkv
+        out[arch, "fused-qkv"] = d / f"lc-{arch}-fused-qkv.gguf"
+        jobs.append(dict(jobs[list(ARCHS).index(arch) * 2], outfile=out[arch, "fused-qkv"], args=["--fuse-qkv"]))
     convert_with_llamacpp(src, jobs)
     out["ckpt"] = ckpts
     out["dir"] = d
@@ -164,10 +165,28 @@ def test_nextn_layers_must_leave_a_layer(files, tmp_path):
         dn.Engine(bad, n_ctx=64)
 
 
-def test_fused_qkv_is_refused_by_name(files):
-    assert "blk.0.attn_qkv.weight" in _fields(files["fused-qkv"])[1]
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight.*--fuse-qkv"):
-        dn.Engine(files["fused-qkv"], n_ctx=64)
+@pytest.mark.parametrize("arch", FUSED_QKV_ARCHS)
+def test_fused_qkv_gives_the_same_logits(files, arch):
+    """`--fuse-qkv` stores one attn_qkv per attention layer: its rows are W_q's, W_k's and W_v's,
+    each output the same dot product, so the logits are bitwise those of the unfused file."""
+    fused, plain = files[arch, "fused-qkv"], files[arch, "llama.cpp", "f32"]
+    t = _fields(fused)[1]
+    attn_layer = 1 if arch == "qwen3_5" else 0  # Qwen3.5's layer 0 is a GDN layer (its own attn_qkv)
+    assert f"blk.{attn_layer}.attn_qkv.weight" in t and f"blk.{attn_layer}.attn_q.weight" not in t
+    toks = list(range(5, 37))
+    got = dn.Engine(fused, n_ctx=64, kv_type="f32", n_threads=2).eval(toks)
+    np.testing.assert_array_equal(got, dn.Engine(plain, n_ctx=64, kv_type="f32", n_threads=2).eval(toks))
+    core = dn.Engine(fused, n_ctx=64, kv_type="f32", n_threads=2)._core  # the batch is the steps, bit for bit
+    np.testing.assert_array_equal(np.stack([core.decode([x])[-1] for x in toks[:8]]), got[:8])
+
+
+def test_fused_qkv_of_the_wrong_size_is_refused(files, tmp_path):
+    def fn(name, a):
+        return a[:-1] if name == "blk.0.attn_qkv.weight" else a
+
+    bad = rewrite_gguf(files["qwen3", "fused-qkv"], tmp_path / "bad.gguf", tensor_fn=fn)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight"):
+        dn.Engine(bad, n_ctx=64)
 
 
 # ---- quantized by llama.cpp --------------------------------------------------------------------

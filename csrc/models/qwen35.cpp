@@ -133,14 +133,14 @@ private:
     ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x) const {
         ggml_context * ctx = g.ctx;
         const int64_t hd = hp_.head_dim, n_tok = g.n_tokens, n_head = hp_.n_head;
-        ggml_tensor * qg = matmul(g, L.wq, x);  // [2 * hd * n_head, n_tok]
+        const qkv_proj p = project_qkv(g, L, x);
+        ggml_tensor * qg = p.q;  // [2 * hd * n_head, n_tok]
         const size_t es = ggml_element_size(qg);
-        ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
-        ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
+        ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, qg->nb[1], 0);
+        ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, qg->nb[1], hd * es);
         gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
 
-        ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, hp_.n_head_kv, n_tok);
-        ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, hp_.n_head_kv, n_tok);
+        ggml_tensor * k = p.k, * v = p.v;
         q = rope(g, rms_norm(g, q, L.q_norm));
         k = rope(g, rms_norm(g, k, L.k_norm));
 
