@@ -166,29 +166,39 @@ def hf_logits() -> Callable[..., np.ndarray]:
     return run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _llama_cpp_without_extra_buffer_types():
+    """Every llama_cpp.Llama the tests make uses llama.cpp's plain CPU kernels: ggml's extra CPU
+    buffer types (AMX, repacked weights) segfault in llama_decode on the tiny quantized models on an
+    AMX CPU (Xeon with amx_int8; llama-cpp-python 0.3.36)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        yield
+        return
+    defaults = llama_cpp.llama_model_default_params
+
+    def plain():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", plain)
+        yield
+
+
 @pytest.fixture(scope="session")
 def llama_logits() -> Callable[..., np.ndarray]:
     """llama_logits(gguf_path, tokens) -> float32 [n_tokens, n_vocab] from llama.cpp
     (llama-cpp-python, CPU, F32 KV cache, one batch)."""
     llama_cpp = pytest.importorskip("llama_cpp")
 
-    defaults = llama_cpp.llama_model_default_params
-
-    def without_extra_buffer_types():
-        # ggml's extra CPU buffer types (AMX, repacked weights) segfault in llama_decode on tiny
-        # quantized models on an AMX CPU (Xeon with amx_int8, llama-cpp-python 0.3.36): use
-        # llama.cpp's plain CPU kernels
-        p = defaults()
-        p.use_extra_bufts = False
-        return p
-
     def run(gguf_path: Path, tokens: Sequence[int]) -> np.ndarray:
         n_ctx = max(64, len(tokens))
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", without_extra_buffer_types)
-            llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                  logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                                  n_threads=N_THREADS, n_threads_batch=N_THREADS, verbose=False)
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                              logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                              n_threads=N_THREADS, n_threads_batch=N_THREADS, verbose=False)
         try:
             llm.eval(list(tokens))
             return np.array(llm.scores[: len(tokens)], dtype=np.float32, copy=True)

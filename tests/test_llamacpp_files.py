@@ -56,6 +56,10 @@ EXPECTED_KEY_DIFFS = {
     "tokenizer.ggml.mask_token_id": "ours: the mask token a DFlash drafter of this target needs (llama.cpp: drafters)",
     "qwen3moe.expert_weights_norm": "ours: HF norm_topk_prob; llama.cpp's qwen3moe graph always renormalises",
 }
+EXPECTED_DRAFTER_KEY_DIFFS = {
+    "general.name": EXPECTED_KEY_DIFFS["general.name"],
+    "dflash.attention.causal": "ours states the default (false: no sliding layers) that llama.cpp leaves out",
+}
 
 
 def _fields(path) -> tuple[dict, dict]:
@@ -88,9 +92,17 @@ def files(tmp_path_factory) -> dict:
             jobs.append(dict(model=ckpts[arch], outfile=out[arch, "llama.cpp", outtype], outtype=outtype,
                              tokenizer_pre=pre))
     for arch in QUANT_MODELS:
+        pre = _fields(out[arch, "ours", "f32"])[0]["tokenizer.ggml.pre"]
         out[arch, "quant-src"] = d / f"lc-{arch}-q-f16.gguf"
-        jobs.append(dict(model=ckpts[arch, "q"], outfile=out[arch, "quant-src"], outtype="f16",
-                         tokenizer_pre=_fields(out[arch, "ours", "f32"])[0]["tokenizer.ggml.pre"]))
+        jobs.append(dict(model=ckpts[arch, "q"], outfile=out[arch, "quant-src"], outtype="f16", tokenizer_pre=pre))
+        # its DFlash drafter, by our convert_dflash and by llama.cpp's converter (DFlashDraftModel)
+        out[arch, "drafter", "ours"] = make_random_drafter_gguf(
+            d / f"ours-{arch}-drafter.gguf", ckpts[arch, "q"], outtype="f16", seed=22, block_size=BLOCK,
+            ckpt_dir=d / f"hf-{arch}-drafter", target_layer_ids=[0], num_hidden_layers=1, intermediate_size=512,
+            **HEADS)
+        out[arch, "drafter", "llama.cpp"] = d / f"lc-{arch}-drafter.gguf"
+        jobs.append(dict(model=d / f"hf-{arch}-drafter", outfile=out[arch, "drafter", "llama.cpp"], outtype="f16",
+                         tokenizer_pre=pre, args=["--target-model-dir", str(ckpts[arch, "q"])]))
     for arch in FUSED_QKV_ARCHS:  # the F32 job of arch, with --fuse-qkv
         out[arch, "fused-qkv"] = d / f"lc-{arch}-fused-qkv.gguf"
         jobs.append(dict(jobs[list(ARCHS).index(arch) * 2], outfile=out[arch, "fused-qkv"], args=["--fuse-qkv"]))
@@ -158,6 +170,27 @@ def test_same_logits_as_our_converter(files, arch, outtype):
     assert t.n_layer == len(t.layer_types) == _fields(ours)[0][f"{ARCHS[arch][0]}.block_count"]
 
 
+@pytest.mark.parametrize("arch", sorted(QUANT_MODELS))
+def test_drafter_matches_our_converter(files, arch):
+    """llama.cpp's DFlash converter (DFlashDraftModel, --target-model-dir) and our convert_dflash
+    write the same tensors, bytes for bytes, and the same keys but the name and one explicit
+    default; the two drafters draft the same tokens."""
+    (kv_o, t_o), (kv_l, t_l) = _fields(files[arch, "drafter", "ours"]), _fields(files[arch, "drafter", "llama.cpp"])
+    diffs = {k for k in kv_o.keys() | kv_l.keys() if kv_o.get(k, "<absent>") != kv_l.get(k, "<absent>")}
+    assert diffs == set(EXPECTED_DRAFTER_KEY_DIFFS), {k: (kv_o.get(k), kv_l.get(k)) for k in diffs}
+    assert t_o.keys() == t_l.keys()
+    for name, t in t_o.items():
+        assert t.tensor_type == t_l[name].tensor_type and list(t.shape) == list(t_l[name].shape), name
+        assert np.asarray(t.data).tobytes() == np.asarray(t_l[name].data).tobytes(), name
+    target = files[arch, "quant-src"]
+    drafts = []
+    for who in ("ours", "llama.cpp"):
+        t = _core.Target(str(target), n_ctx=64, kv_type="f32", max_verify=BLOCK, n_threads=2)
+        s = _core.Spec(t, str(files[arch, "drafter", who]), block_size=BLOCK, ring_capacity=32, window=0)
+        drafts.append(s.draft_logits(s.prefill(PROMPT), BLOCK, t))
+    np.testing.assert_array_equal(drafts[0], drafts[1])
+
+
 def test_nextn_layers_must_leave_a_layer(files, tmp_path):
     lc = files["qwen3_5", "llama.cpp", "f32"]
     bad = rewrite_gguf(lc, tmp_path / "bad.gguf", kv={"qwen35.nextn_predict_layers": 5})
@@ -194,7 +227,7 @@ def test_fused_qkv_of_the_wrong_size_is_refused(files, tmp_path):
 @pytest.fixture(scope="module")
 def quantized(files) -> dict:
     """quantized[(arch, type)]: llama.cpp's F16 file of QUANT_MODELS[arch] through llama.cpp's
-    quantizer; quantized[(arch, "drafter")]: a DFlash drafter of that target, quantized to Q8_0."""
+    quantizer; quantized[(arch, "drafter")]: llama.cpp's F16 DFlash drafter of it, quantized to Q8_0."""
     out = {}
     for arch in QUANT_MODELS:
         src = files[arch, "quant-src"]
@@ -203,12 +236,8 @@ def quantized(files) -> dict:
             w = [x.tensor_type.name for x in GGUFReader(path).tensors if x.name.endswith("ffn_up.weight")]
             assert w and set(w) == {ggml_type}, (arch, t, w)
             out[arch, t] = path
-        ckpt = files["ckpt"][arch, "q"]
-        d = make_random_drafter_gguf(files["dir"] / f"{arch}-drafter.gguf", ckpt, outtype="f16", seed=22,
-                                     block_size=BLOCK, target_gguf=src, target_layer_ids=[0], num_hidden_layers=1,
-                                     intermediate_size=512, **HEADS)
-        out[arch, "drafter"] = dn.quantize(d, files["dir"] / f"{arch}-drafter-q8_0.gguf", "q8_0", n_threads=2,
-                                           progress=False)
+        out[arch, "drafter"] = dn.quantize(files[arch, "drafter", "llama.cpp"], files["dir"] / f"{arch}-drafter-q8_0.gguf",
+                                           "q8_0", n_threads=2, progress=False)
     return out
 
 
@@ -222,7 +251,8 @@ def test_quantized_logits_match_llama_cpp(quantized, arch, qtype, tmp_path, llam
 
 @pytest.mark.parametrize("arch,qtype", QUANT_CASES)
 def test_quantized_speculative_equals_ar(quantized, arch, qtype):
-    """llama.cpp's quantized target with a Q8_0 drafter: greedy speculative output is the AR output."""
+    """llama.cpp's quantized target with llama.cpp's drafter at Q8_0: greedy speculative output is
+    the AR output."""
     eng = dn.Engine(quantized[arch, qtype], drafter=quantized[arch, "drafter"], block_size=BLOCK,
                     feature_ring_capacity=24, n_ctx=128, kv_type="f32", n_threads=2, gate=False)
     ar = eng.generate(PROMPT, max_tokens=32, speculative=False)
