@@ -249,14 +249,18 @@ def test_quantized_logits_match_llama_cpp(quantized, arch, qtype, tmp_path, llam
     assert_matches_dequantized_and_llama_cpp(quantized[arch, qtype], PROMPT, tmp_path, llama_logits, f"{arch} {qtype}")
 
 
-@pytest.mark.parametrize("arch,qtype", QUANT_CASES)
+# every type on the hybrid; two on Qwen3 (test_quantized.py sweeps the types on our converter's files)
+SPEC_CASES = [("qwen3_5", t) for t in QUANT_TYPES] + [("qwen3", "q4_0"), ("qwen3", "q4_k_m")]
+
+
+@pytest.mark.parametrize("arch,qtype", SPEC_CASES)
 def test_quantized_speculative_equals_ar(quantized, arch, qtype):
     """llama.cpp's quantized target with llama.cpp's drafter at Q8_0: greedy speculative output is
     the AR output."""
     eng = dn.Engine(quantized[arch, qtype], drafter=quantized[arch, "drafter"], block_size=BLOCK,
                     feature_ring_capacity=24, n_ctx=128, kv_type="f32", n_threads=2, gate=False)
-    ar = eng.generate(PROMPT, max_tokens=32, speculative=False)
-    sp = eng.generate(PROMPT, max_tokens=32)
+    ar = eng.generate(PROMPT, max_tokens=24, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=24)
     assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
 
 
