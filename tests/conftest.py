@@ -166,6 +166,17 @@ def hf_logits() -> Callable[..., np.ndarray]:
     return run
 
 
+@pytest.fixture(scope="session")
+def llamacpp_converter(tmp_path_factory) -> Path:
+    """The directory of llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py, from the
+    llama-cpp-python sdist pip fetches, once per session ($DFLASH_LLAMACPP_SRC: an extracted copy);
+    run it with llamacpp_tools.convert_with_llamacpp."""
+    pytest.importorskip("sentencepiece", reason="llama.cpp's convert_hf_to_gguf.py imports sentencepiece")
+    from llamacpp_tools import llamacpp_source
+
+    return llamacpp_source(tmp_path_factory.getbasetemp() / "llamacpp-src")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _llama_cpp_without_extra_buffer_types():
     """Every llama_cpp.Llama the tests make uses llama.cpp's plain CPU kernels: ggml's extra CPU

@@ -13,7 +13,9 @@ quantize`):
   (`nextn_predict_layers`): the Engine must not run it;
 - quantized by llama.cpp to Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K: our logits are the dequantized
   model's and llama.cpp's on the same file are within llama.cpp's own error of them (the helper
-  of test_quantized.py), and greedy speculative decoding with a Q8_0 drafter equals AR bit for bit;
+  of test_quantized.py), and greedy speculative decoding with llama.cpp's DFlash drafter (its
+  converter's DFlashDraftModel, quantized to Q8_0) equals AR bit for bit;
+- that drafter is our convert_dflash's, byte for byte;
 - `--fuse-qkv` files (one attn_qkv per attention layer) give the unfused file's logits, bit for bit.
 """
 
@@ -28,7 +30,7 @@ from dflash_native import _core
 from dflash_native.cli import main as cli_main
 from dflash_native.convert import convert_hf_to_gguf
 from fixtures import TINY_VARIANTS, make_random_checkpoint, make_random_drafter_gguf
-from llamacpp_tools import convert_with_llamacpp, llamacpp_source
+from llamacpp_tools import convert_with_llamacpp
 from reference.gguf_edit import rewrite_gguf
 from test_quantized import assert_matches_dequantized_and_llama_cpp
 
@@ -69,12 +71,10 @@ def _fields(path) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
+def files(tmp_path_factory, llamacpp_converter) -> dict:
     """The checkpoints and both converters' files: files[(arch, who, outtype)] for who in
     ("ours", "llama.cpp"), the tiny TINY_VARIANTS shapes; files[(arch, "quant-src")]: llama.cpp's
     F16 file of QUANT_MODELS[arch]; files[(arch, "fused-qkv")]: F32 with --fuse-qkv."""
-    pytest.importorskip("sentencepiece", reason="llama.cpp's convert_hf_to_gguf.py imports sentencepiece")
-    src = llamacpp_source(tmp_path_factory.getbasetemp() / "llamacpp-src")
     d = tmp_path_factory.mktemp("lcfiles")
     out, jobs, ckpts = {}, [], {}
     for arch, (_, layout) in ARCHS.items():
@@ -106,8 +106,7 @@ def files(tmp_path_factory) -> dict:
     for arch in FUSED_QKV_ARCHS:  # the F32 job of arch, with --fuse-qkv
         out[arch, "fused-qkv"] = d / f"lc-{arch}-fused-qkv.gguf"
         jobs.append(dict(jobs[list(ARCHS).index(arch) * 2], outfile=out[arch, "fused-qkv"], args=["--fuse-qkv"]))
-    convert_with_llamacpp(src, jobs)
-    out["ckpt"] = ckpts
+    convert_with_llamacpp(llamacpp_converter, jobs)
     out["dir"] = d
     return out
 
@@ -135,7 +134,8 @@ def test_metadata_matches_our_converter(files, arch):
     assert "general.name" in diffs and "tokenizer.ggml.mask_token_id" in diffs  # the listed reasons still hold
 
     mtp = {n for n in t_l if n.startswith(f"blk.{kv_o[f'{g}.block_count']}.")}
-    nextn = {f"blk.{kv_o[f'{g}.block_count']}.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    nextn = {f"blk.{kv_o[f'{g}.block_count']}.nextn.{n}.weight"
+             for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
     assert (mtp >= nextn) if n_nextn else not mtp, sorted(mtp)
     assert t_l.keys() - mtp == t_o.keys(), (sorted(t_l.keys() - mtp - t_o.keys()), sorted(t_o.keys() - t_l.keys()))
     for name, t in t_o.items():
@@ -236,8 +236,9 @@ def quantized(files) -> dict:
             w = [x.tensor_type.name for x in GGUFReader(path).tensors if x.name.endswith("ffn_up.weight")]
             assert w and set(w) == {ggml_type}, (arch, t, w)
             out[arch, t] = path
-        out[arch, "drafter"] = dn.quantize(files[arch, "drafter", "llama.cpp"], files["dir"] / f"{arch}-drafter-q8_0.gguf",
-                                           "q8_0", n_threads=2, progress=False)
+        out[arch, "drafter"] = dn.quantize(files[arch, "drafter", "llama.cpp"],
+                                           files["dir"] / f"{arch}-drafter-q8_0.gguf", "q8_0", n_threads=2,
+                                           progress=False)
     return out
 
 
