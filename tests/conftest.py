@@ -179,9 +179,9 @@ def llamacpp_converter(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _llama_cpp_without_extra_buffer_types():
-    """Every llama_cpp.Llama the tests make uses llama.cpp's plain CPU kernels: ggml's extra CPU
-    buffer types (AMX, repacked weights) segfault in llama_decode on the tiny quantized models on an
-    AMX CPU (Xeon with amx_int8; llama-cpp-python 0.3.36)."""
+    """Every llama.cpp model the tests load uses llama.cpp's plain CPU kernels: ggml's extra CPU
+    buffer types (AMX, repacked weights) crash llama_decode (SIGSEGV, SIGILL) on the tiny quantized
+    models on an AMX CPU (Xeon with amx_int8; llama-cpp-python 0.3.36)."""
     try:
         import llama_cpp
     except ImportError:
@@ -195,7 +195,8 @@ def _llama_cpp_without_extra_buffer_types():
         return p
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", plain)
+        mp.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", plain)  # what Llama() calls
+        mp.setattr(llama_cpp, "llama_model_default_params", plain)  # the low-level API's users
         yield
 
 
