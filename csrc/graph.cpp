@@ -76,12 +76,28 @@ ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tenso
     return attention(g, q, K, V, g.kq_mask, scale, /*gather=*/g.tree_parents != nullptr);  // [hd * n_head, n_tokens]
 }
 
+qkv_proj project_qkv(graph_inputs & g, const layer_weights & L, ggml_tensor * x) {
+    ggml_context * ctx = g.ctx;
+    const int64_t hd = g.hp->head_dim, n_kv = g.hp->n_head_kv, n_tok = g.n_tokens;
+    if (!L.wqkv_fused) {
+        return {matmul(g, L.wq, x), ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, n_kv, n_tok),
+                ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, n_kv, n_tok)};
+    }
+    ggml_tensor * qkv = matmul(g, L.wqkv_fused, x);  // [q_rows + 2 * hd * n_kv, n_tok]
+    const int64_t q_rows = qkv->ne[0] - 2 * hd * n_kv;
+    const size_t es = ggml_element_size(qkv), nb1 = qkv->nb[1];
+    return {ggml_view_2d(ctx, qkv, q_rows, n_tok, nb1, 0),
+            ggml_view_3d(ctx, qkv, hd, n_kv, n_tok, hd * es, nb1, q_rows * es),
+            ggml_view_3d(ctx, qkv, hd, n_kv, n_tok, hd * es, nb1, (q_rows + hd * n_kv) * es)};
+}
+
 ggml_tensor * self_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope) {
     ggml_context * ctx = g.ctx;
     const int64_t hd = g.hp->head_dim, n_tok = g.n_tokens;
-    ggml_tensor * q = ggml_reshape_3d(ctx, matmul(g, L.wq, x), hd, g.hp->n_head, n_tok);
-    ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, g.hp->n_head_kv, n_tok);
-    ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, g.hp->n_head_kv, n_tok);
+    const qkv_proj p = project_qkv(g, L, x);
+    const size_t es = ggml_element_size(p.q);
+    ggml_tensor * q = ggml_view_3d(ctx, p.q, hd, g.hp->n_head, n_tok, hd * es, p.q->nb[1], 0);
+    ggml_tensor * k = p.k, * v = p.v;
     if (L.q_norm) q = rms_norm(g, q, L.q_norm);
     if (L.k_norm) k = rms_norm(g, k, L.k_norm);
     return matmul(g, L.wo, attention_kv(g, il, rope(q), rope(k), v, 1.0f / sqrtf((float) hd)));
@@ -176,14 +192,14 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
 ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L, ggml_tensor * x, const rope_fn & rope) {
     ggml_context * ctx = g.ctx;
     const int64_t hd = g.hp->head_dim, n_tok = g.n_tokens, n_head = g.hp->n_head;
-    ggml_tensor * qg = matmul(g, L.wq, x);  // [2 * hd * n_head, n_tok]
+    const qkv_proj p = project_qkv(g, L, x);  // W_q emits [q | gate] per head
+    ggml_tensor * qg = p.q;                   // [2 * hd * n_head, n_tok] (a view of a fused qkv: row stride nb[1])
     const size_t es = ggml_element_size(qg);
-    ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, 0);
-    ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, 2 * hd * n_head * es, hd * es);
+    ggml_tensor * q = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, qg->nb[1], 0);
+    ggml_tensor * gate = ggml_view_3d(ctx, qg, hd, n_head, n_tok, 2 * hd * es, qg->nb[1], hd * es);
     gate = ggml_cont_2d(ctx, gate, hd * n_head, n_tok);
 
-    ggml_tensor * k = ggml_reshape_3d(ctx, matmul(g, L.wk, x), hd, g.hp->n_head_kv, n_tok);
-    ggml_tensor * v = ggml_reshape_3d(ctx, matmul(g, L.wv, x), hd, g.hp->n_head_kv, n_tok);
+    ggml_tensor * k = p.k, * v = p.v;
     q = rope(rms_norm(g, q, L.q_norm));
     k = rope(rms_norm(g, k, L.k_norm));
 

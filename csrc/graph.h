@@ -79,6 +79,16 @@ void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, 
 // RoPE as an architecture applies it to q or k F32 [head_dim, n_heads, n_tokens].
 using rope_fn = std::function<ggml_tensor *(ggml_tensor *)>;
 
+// The q, k, v projections of x F32 [n_embd, n_tokens], from W_q, W_k, W_v or from one fused W_qkv (the
+// same dot products, so the same bits): q F32 [q_mult * head_dim * n_head, n_tokens] (a view: step
+// tokens by q->nb[1]), k and v F32 [head_dim, n_head_kv, n_tokens] (views too when fused).
+struct qkv_proj {
+    ggml_tensor * q;
+    ggml_tensor * k;
+    ggml_tensor * v;
+};
+qkv_proj project_qkv(graph_inputs & g, const layer_weights & L, ggml_tensor * x);
+
 // Grouped-query self-attention of layer il over the cache (Llama, Qwen3, Qwen3-MoE): W_q, W_k, W_v,
 // q/k RMSNorm when L has them, `rope`, attention_kv with 1/sqrt(head_dim), W_o.
 // x: F32 [n_embd, n_tokens] (after attn_norm). Returns F32 [n_embd, n_tokens].

@@ -118,11 +118,12 @@ void target_model::read_common_hparams(bool ff_required) {
     hp_.arch = f.arch();
     hp_.n_tokenizer_tokens = f.arr_len("tokenizer.ggml.tokens");
     static_cast<block_hparams &>(hp_) = read_block_hparams(f, hp_.arch, 1024, ff_required);
-    // llama.cpp's converters count MTP blocks (nextn) in block_count, after the trunk; they are not
-    // part of the forward pass
+    // llama.cpp's converter appends a checkpoint's multi-token-prediction layers (Qwen3.5's `mtp.*`)
+    // as the last `nextn_predict_layers` blocks; llama.cpp's own forward pass stops before them,
+    // and so does ours: their tensors are never read
     const uint32_t n_nextn = f.get_u32(key("nextn_predict_layers"), 0);
     DFN_REQUIRE(n_nextn < hp_.n_layer, W, "'", f.path(), "': nextn_predict_layers ", n_nextn,
-                " leaves no trunk layers of block_count ", hp_.n_layer);
+                " must be less than block_count ", hp_.n_layer);
     hp_.n_layer -= n_nextn;
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
@@ -153,9 +154,13 @@ void target_model::load_common_tensors() {
 void load_attention(gguf_file & F, int il, int64_t E, int64_t hd, int64_t n_head, int64_t n_head_kv, int64_t q_mult,
                     layer_weights & L, bool qk_norm) {
     auto n = [il](const char * s) { return cat("blk.", il, ".", s, ".weight"); };
-    L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
-    L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
-    L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    if (!F.has_tensor(n("attn_q")) && F.has_tensor(n("attn_qkv"))) {  // llama.cpp's --fuse-qkv
+        L.wqkv_fused = F.tensor(n("attn_qkv"), {E, hd * (q_mult * n_head + 2 * n_head_kv)}, TENSOR_ROLE_MATMUL);
+    } else {
+        L.wq = F.tensor(n("attn_q"), {E, q_mult * hd * n_head}, TENSOR_ROLE_MATMUL);
+        L.wk = F.tensor(n("attn_k"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+        L.wv = F.tensor(n("attn_v"), {E, hd * n_head_kv}, TENSOR_ROLE_MATMUL);
+    }
     L.wo = F.tensor(n("attn_output"), {hd * n_head, E}, TENSOR_ROLE_MATMUL);
     if (!qk_norm) return;
     L.q_norm = F.tensor(n("attn_q_norm"), {hd}, TENSOR_ROLE_F32);

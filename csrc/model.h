@@ -80,6 +80,9 @@ struct layer_weights {
     ggml_tensor * wk = nullptr;  // [n_embd, head_dim * n_head_kv]
     ggml_tensor * wv = nullptr;  // [n_embd, head_dim * n_head_kv]
     ggml_tensor * wo = nullptr;  // [head_dim * n_head, n_embd]
+    // llama.cpp's `convert_hf_to_gguf.py --fuse-qkv`: one attn_qkv with the rows of W_q, W_k, W_v in
+    // turn, [n_embd, head_dim * (q_mult * n_head + 2 * n_head_kv)]; wq, wk, wv are then null
+    ggml_tensor * wqkv_fused = nullptr;
     ggml_tensor * q_norm = nullptr;  // F32 [head_dim]
     ggml_tensor * k_norm = nullptr;  // F32 [head_dim]
 
@@ -133,7 +136,8 @@ block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, 
 rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, int64_t n_ctx_train);
 
 // The attention weights of layer il: W_q [n_embd, q_mult * head_dim * n_head] (q_mult 2: Qwen3.5's
-// [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv], W_o [head_dim * n_head, n_embd] and
+// [q | gate] per head), W_k, W_v [n_embd, head_dim * n_head_kv] (or, in a file without attn_q, the
+// fused attn_qkv: layer_weights::wqkv_fused), W_o [head_dim * n_head, n_embd] and
 // the q/k RMSNorm weights F32 [head_dim] (unless qk_norm is false: Llama has none); shapes and types checked.
 void load_attention(gguf_file & F, int il, int64_t n_embd, int64_t head_dim, int64_t n_head, int64_t n_head_kv,
                     int64_t q_mult, layer_weights & L, bool qk_norm = true);

@@ -64,7 +64,8 @@ def _llama_cpp_plain_cpu_kernels() -> None:
     """Every llama.cpp model the tests load (llama_cpp.Llama) uses llama.cpp's plain CPU buffers,
     without its extra buffer types (weights repacked for AMX / the CPU's wider kernels). On a CPU
     with AMX (amx_tile), llama-cpp-python 0.3.36's extra buffer types segfault on Q8_0 hybrid files
-    (qwen35, qwen35moe, qwen3next; measured 2026-11-23), as on batched Q4_0 / Q4_K_M matmuls, and round F16 matmuls differently from
+    (qwen35, qwen35moe, qwen3next; measured 2026-11-23), as on batched Q4_0 / Q4_K_M matmuls and
+    the tiny quantized drafters (SIGSEGV, SIGILL), and round F16 matmuls differently from
     ggml_mul_mat (1.7e-2 on the MoE parity models, 1.3e-3 without them): the peer the parity tests
     hold us to is llama.cpp's graph on ggml's CPU kernels."""
     try:
@@ -196,6 +197,17 @@ def hf_logits() -> Callable[..., np.ndarray]:
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def llamacpp_converter(tmp_path_factory) -> Path:
+    """The directory of llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py, from the
+    llama-cpp-python sdist pip fetches, once per session ($DFLASH_LLAMACPP_SRC: an extracted copy);
+    run it with llamacpp_tools.convert_with_llamacpp."""
+    pytest.importorskip("sentencepiece", reason="llama.cpp's convert_hf_to_gguf.py imports sentencepiece")
+    from llamacpp_tools import llamacpp_source
+
+    return llamacpp_source(tmp_path_factory.getbasetemp() / "llamacpp-src")
 
 
 @pytest.fixture(scope="session")

@@ -719,7 +719,7 @@ def test_qwen3next_file_loads(good_next):
     (dict(tensor_fn=lambda n, a: a[:7].copy() if n == "blk.3.ffn_up_exps.weight" else a),
      "'blk.3.ffn_up_exps.weight' has shape [64, 32, 7], expected [64, 32, 8]"),
     (dict(add_tensors={"blk.0.ssm_in.weight": np.zeros((192, 64))}), "'blk.0.ssm_in.weight' (the fused qkvz"),
-    (dict(kv={"qwen3next.nextn_predict_layers": 4}), "nextn_predict_layers 4 leaves no trunk layers"),
+    (dict(kv={"qwen3next.nextn_predict_layers": 4}), "nextn_predict_layers 4 must be less than block_count"),
 ])
 def test_bad_qwen3next_file(good_next, tmp_path, edit, msg):
     out = load_in_subprocess(rewrite_gguf(good_next, tmp_path / "bad.gguf", **edit))

@@ -126,20 +126,24 @@ def int_path(path) -> str:
 
 
 def test_logits_match_dequantized_model_and_llama_cpp(qpair, tmp_path, llama_logits):
+    assert_matches_dequantized_and_llama_cpp(qpair["target"], PROMPT, tmp_path, llama_logits, qpair["type"])
+
+
+def assert_matches_dequantized_and_llama_cpp(path, prompt, tmp_path, llama_logits, what: str) -> None:
     """Without integer-path weights, ours is the dequantized model up to F32 summation order (the
     activations stay F32); llama.cpp on the same file differs from that model by rounding its
     activations to Q8_0 / Q8_K, and from ours by no more than that (+ F32 noise). With them, ours
     rounds the activations as llama.cpp does (ggml's reference quantizers): an error against the
     dequantized model of llama.cpp's size, and within half that error of llama.cpp's logits (a mix
     of both: within about llama.cpp's error of either)."""
-    ours = dn.Engine(qpair["target"], n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    deq = dn.Engine(dequantized(qpair["target"], tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(PROMPT)
-    llama = llama_logits(qpair["target"], PROMPT)
+    ours = dn.Engine(path, n_ctx=64, kv_type="f32", n_threads=2).eval(prompt)
+    deq = dn.Engine(dequantized(path, tmp_path / "deq.gguf"), n_ctx=64, kv_type="f32", n_threads=2).eval(prompt)
+    llama = llama_logits(path, prompt)
     scale = float(np.abs(deq).max())
     err_ours, err_llama, diff = (float(np.abs(a - b).max()) for a, b in ((ours, deq), (llama, deq), (ours, llama)))
-    print(f"{qpair['type']}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
+    print(f"{what}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
           f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
-    kind = int_path(qpair["target"])
+    kind = int_path(path)
     if kind == "all":  # measured: ours - llama.cpp 2e-6..6e-6 (Q8_0 file: 4e-2), errors ~0.1..0.2
         assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
         assert diff <= 0.5 * err_llama + 1e-5 * scale + 1e-6

@@ -293,6 +293,9 @@ def _write_gguf(dst_path: Path, arch: str, write_kv: Callable[[gguf.GGUFWriter],
             # tensor_dtype float32 + raw_dtype keeps `shape` as the logical shape.
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(t.shape, t.qtype),
                                    raw_dtype=t.qtype)
+        total, shared, expert, n_expert = writer.get_total_parameter_count()
+        if total > 0:  # general.size_label, as llama.cpp's converter derives it ("115K", "8x120K")
+            writer.add_size_label(gguf.size_label(total, shared, expert, n_expert))
         writer.write_header_to_file(path=tmp_path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -941,7 +944,9 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         return tile(0, d.head_v_dim, 2 * d.key_dim)(x.reshape(x.shape[0], x.shape[-1]))
 
     def neg_exp(x: np.ndarray) -> np.ndarray:
-        return -np.exp(x)
+        # in float64, then rounded once: the F32 result is the same on every machine (NumPy's F32
+        # exp differs by SIMD path) and is torch's (HF's, llama.cpp's converter's) within 1 ulp
+        return (-np.exp(x.astype(np.float64))).astype(np.float32)
 
     for il, layer_type in enumerate(_qwen35_layer_types(spec)):
         p = f"{prefix}layers.{il}."
@@ -1206,6 +1211,8 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
     writer.add_token_merges(_merge_strings(model.get("merges", []), tok_path))
 
     tok_config = _read_json_object(src / "tokenizer_config.json")
+    if writer.arch == "llama" and isinstance(tok_config.get("add_prefix_space"), bool):
+        writer.add_add_space_prefix(tok_config["add_prefix_space"])  # as llama.cpp's LlamaModel copies it
     for typ, tid in _special_token_ids(tok_config, config, added, vocab_size).items():
         getattr(writer, f"add_{typ}_token_id")(tid)
     for typ, value in _add_special_flags(tok, tok_config).items():

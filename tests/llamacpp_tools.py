@@ -1,0 +1,152 @@
+"""llama.cpp's own converter, as pip fetches it: the llama-cpp-python sdist's
+vendor/llama.cpp/convert_hf_to_gguf.py with its `conversion` package and its matching gguf-py.
+
+- `llamacpp_source(cache_dir)` downloads the sdist (`pip download --no-binary llama-cpp-python`:
+  pip's cache makes a second download cheap) and extracts only the converter, `conversion/` and
+  gguf-py. `DFLASH_LLAMACPP_SRC` may name an already-extracted tree instead (the sdist root or its
+  vendor/llama.cpp).
+- `convert_with_llamacpp(src, jobs)` runs the converter in one child process (imports once, one
+  forked child per job) with PYTHONPATH on the sdist's gguf-py: the converter's gguf-py is not the
+  installed `gguf` the package and the tests use, and must not replace it in this process.
+
+`python tests/llamacpp_tools.py fetch DIR` extracts into DIR and prints the converter's directory
+(CI fetches it once, before the tests). `python tests/llamacpp_tools.py convert SRC JOBS.json` is
+the child process itself.
+
+The one thing the child changes in llama.cpp's converter: its BPE pre-tokenizer lookup
+(`TextModel.get_vocab_base_pre`) identifies a tokenizer by the hash of its output on a fixed text
+and refuses hashes of tokenizers it does not list. The tests' tokenizer is learned from a fixture
+corpus, so no hash can list it; when the lookup refuses, the job's `tokenizer_pre` (the name our
+converter derives from the tokenizer's regex, e.g. "qwen2") is used. Everything else is llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+ENV_SRC = "DFLASH_LLAMACPP_SRC"
+_SDIST_PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+
+
+def _converter_dir(root: Path) -> Path | None:
+    for d in (root, root / "vendor" / "llama.cpp", root / _SDIST_PREFIX):
+        if (d / "convert_hf_to_gguf.py").is_file() and (d / "gguf-py" / "gguf").is_dir():
+            return d
+    return None
+
+
+def llamacpp_source(cache_dir: str | os.PathLike[str]) -> Path:
+    """The directory holding llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py/ from the
+    llama-cpp-python sdist: $DFLASH_LLAMACPP_SRC when set, else extracted under cache_dir (once)."""
+    if os.environ.get(ENV_SRC):
+        d = _converter_dir(Path(os.environ[ENV_SRC]))
+        if d is None:
+            raise FileNotFoundError(f"{ENV_SRC}={os.environ[ENV_SRC]} holds no convert_hf_to_gguf.py with gguf-py")
+        return d
+    cache = Path(cache_dir)
+    d = _converter_dir(cache)
+    if d is not None:
+        return d
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        # --no-binary for this one package only: ":all:" would also build its build dependencies
+        # (cmake) from source to read the sdist's metadata
+        subprocess.run([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-deps",
+                        "--no-binary", "llama-cpp-python", "-d", tmp, "-q"], check=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(_SDIST_PREFIX)
+                       and m.name[len(_SDIST_PREFIX):].startswith(_MEMBERS) and (m.isfile() or m.isdir())]
+            tar.extractall(cache, members=members, filter="data")
+    d = _converter_dir(cache)
+    assert d is not None, f"the sdist of {LLAMA_CPP_PYTHON} has no {_SDIST_PREFIX}convert_hf_to_gguf.py"
+    return d
+
+
+def convert_with_llamacpp(src: Path, jobs: Sequence[Mapping[str, Any]], *, timeout: float = 600) -> None:
+    """Run llama.cpp's converter in `src` on each job: {"model": HF dir, "outfile": path,
+    "outtype": "f32" | "f16" | ..., "args": [more CLI args], "tokenizer_pre": name}. Raises
+    RuntimeError with the converter's output when a job fails."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(src / "gguf-py"), str(src)] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([dict(j, model=str(j["model"]), outfile=str(j["outfile"])) for j in jobs], f)
+    try:
+        r = subprocess.run([sys.executable, __file__, "convert", str(src), f.name], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed (exit {r.returncode}):\n{r.stderr[-6000:]}")
+
+
+def _child(src: Path, jobs_file: Path) -> int:
+    sys.path[:0] = [str(src / "gguf-py"), str(src)]
+    import importlib.util
+
+    import gguf
+    assert Path(gguf.__file__).resolve().is_relative_to(src.resolve()), f"not the sdist's gguf-py: {gguf.__file__}"
+    from conversion import base
+
+    spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", src / "convert_hf_to_gguf.py")
+    converter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(converter)
+    lookup = base.TextModel.get_vocab_base_pre
+    failed = 0
+    for job in json.loads(jobs_file.read_text()):
+        def pre(self, tokenizer, _pre=job.get("tokenizer_pre")):
+            try:
+                return lookup(self, tokenizer)
+            except NotImplementedError:
+                if _pre is None:
+                    raise
+                return _pre
+
+        log = Path(job["outfile"] + ".log")
+        pid = os.fork()  # one job per child: the converter keeps state on its model classes
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                base.TextModel.get_vocab_base_pre = pre
+                sys.argv = ["convert_hf_to_gguf.py", job["model"], "--outfile", job["outfile"],
+                            "--outtype", job["outtype"], *job.get("args", [])]
+                converter.main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            print(f"job failed: {job}\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
+            failed += 1
+        log.unlink(missing_ok=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "fetch":
+        os.environ.pop(ENV_SRC, None)  # fetch into DIR
+        print(llamacpp_source(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "convert":
+        sys.exit(_child(Path(sys.argv[2]), Path(sys.argv[3])))
+    else:
+        sys.exit("usage: llamacpp_tools.py fetch DIR | convert SRC JOBS.json")
