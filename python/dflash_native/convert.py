@@ -952,15 +952,7 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         p = f"{prefix}layers.{il}."
         out.append(_copy(ckpt, p + "input_layernorm.weight", _tensor_name(MODEL_TENSOR.ATTN_NORM, il), _plus_one))
         if layer_type == "full_attention":
-            for hf_suffix, key, fn in (
-                ("self_attn.q_proj.weight", MODEL_TENSOR.ATTN_Q, None),  # rows: per head [q | gate]
-                ("self_attn.k_proj.weight", MODEL_TENSOR.ATTN_K, None),
-                ("self_attn.v_proj.weight", MODEL_TENSOR.ATTN_V, None),
-                ("self_attn.o_proj.weight", MODEL_TENSOR.ATTN_OUT, None),
-                ("self_attn.q_norm.weight", MODEL_TENSOR.ATTN_Q_NORM, _plus_one),
-                ("self_attn.k_norm.weight", MODEL_TENSOR.ATTN_K_NORM, _plus_one),
-            ):
-                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il), fn))
+            out += _gated_attention_tensors(ckpt, p, il)
         else:
             conv = ckpt.get(p + "linear_attn.conv1d.weight")
             if conv.shape != (d.conv_dim, 1, d.conv_kernel):
@@ -1054,6 +1046,19 @@ def qwen3next_split_qkvz(x: np.ndarray, d: _GdnDims) -> tuple[np.ndarray, np.nda
     return np.concatenate(flat[:3], axis=0), flat[3]
 
 
+def _gated_attention_tensors(ckpt: _Checkpoint, p: str, il: int) -> list[_SourceTensor]:
+    """A hybrid's (Qwen3.5, Qwen3-Next) gated attention layer: W_q rows per head [q | gate], q/k
+    RMSNorm weights stored as 1 + w (HF's zero-centred norms)."""
+    return [_copy(ckpt, p + hf_suffix, _tensor_name(key, il), fn) for hf_suffix, key, fn in (
+        ("self_attn.q_proj.weight", MODEL_TENSOR.ATTN_Q, None),
+        ("self_attn.k_proj.weight", MODEL_TENSOR.ATTN_K, None),
+        ("self_attn.v_proj.weight", MODEL_TENSOR.ATTN_V, None),
+        ("self_attn.o_proj.weight", MODEL_TENSOR.ATTN_OUT, None),
+        ("self_attn.q_norm.weight", MODEL_TENSOR.ATTN_Q_NORM, _plus_one),
+        ("self_attn.k_norm.weight", MODEL_TENSOR.ATTN_K_NORM, _plus_one),
+    )]
+
+
 def _qwen3next_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     prefix = _text_prefix(ckpt)
     out = _embedding_and_head(spec, ckpt, prefix, _plus_one)
@@ -1064,15 +1069,7 @@ def _qwen3next_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTenso
         p = f"{prefix}layers.{il}."
         out.append(_copy(ckpt, p + "input_layernorm.weight", _tensor_name(MODEL_TENSOR.ATTN_NORM, il), _plus_one))
         if layer_type == "full_attention":
-            for hf_suffix, key, fn in (
-                ("self_attn.q_proj.weight", MODEL_TENSOR.ATTN_Q, None),  # rows: per head [q | gate]
-                ("self_attn.k_proj.weight", MODEL_TENSOR.ATTN_K, None),
-                ("self_attn.v_proj.weight", MODEL_TENSOR.ATTN_V, None),
-                ("self_attn.o_proj.weight", MODEL_TENSOR.ATTN_OUT, None),
-                ("self_attn.q_norm.weight", MODEL_TENSOR.ATTN_Q_NORM, _plus_one),
-                ("self_attn.k_norm.weight", MODEL_TENSOR.ATTN_K_NORM, _plus_one),
-            ):
-                out.append(_copy(ckpt, p + hf_suffix, _tensor_name(key, il), fn))
+            out += _gated_attention_tensors(ckpt, p, il)
         else:
             a = p + "linear_attn."
             want = {"in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, h),
