@@ -862,6 +862,29 @@ def v_heads_grouped_to_tiled(x: np.ndarray, axis: int, n_k_heads: int, v_per_k: 
     return np.ascontiguousarray(y).reshape(shape)
 
 
+def _neg_exp(x: np.ndarray) -> np.ndarray:
+    """ssm_a = -exp(A_log) in float64, then rounded once: the F32 result is the same on every machine
+    (NumPy's F32 exp differs by SIMD path) and is torch's (HF's, llama.cpp's converter's) within 1 ulp."""
+    return (-np.exp(x.astype(np.float64))).astype(np.float32)
+
+
+def _gdn_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """The hybrids' (Qwen3.5, Qwen3-Next) GDN keys and layer pattern."""
+    d = _gdn_dims(spec)
+    writer.add_ssm_conv_kernel(d.conv_kernel)
+    writer.add_ssm_state_size(d.head_k_dim)
+    writer.add_ssm_group_count(d.n_k_heads)
+    writer.add_ssm_time_step_rank(d.n_v_heads)
+    writer.add_ssm_inner_size(d.value_dim)
+    layer_types = _qwen35_layer_types(spec)
+    # The per-layer array is what llama.cpp reads first; the interval is its fallback.
+    writer.add_array(f"{spec.gguf_arch}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in layer_types])
+    interval = _full_attention_interval(layer_types)
+    if interval is not None:
+        writer.add_full_attention_interval(interval)
+
+
 def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     _common_kv(writer, spec)
     rp = _rope_parameters(spec)
@@ -872,20 +895,7 @@ def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     _add_rope_scaling(writer, spec, rp)
     writer.add_rope_dimension_count(n_rot)
 
-    d = _gdn_dims(spec)
-    writer.add_ssm_conv_kernel(d.conv_kernel)
-    writer.add_ssm_state_size(d.head_k_dim)
-    writer.add_ssm_group_count(d.n_k_heads)
-    writer.add_ssm_time_step_rank(d.n_v_heads)
-    writer.add_ssm_inner_size(d.value_dim)
-
-    layer_types = _qwen35_layer_types(spec)
-    # The per-layer array is what llama.cpp reads first; the interval is its fallback.
-    writer.add_array(f"{spec.gguf_arch}.attention.recurrent_layers",
-                     [t == "linear_attention" for t in layer_types])
-    interval = _full_attention_interval(layer_types)
-    if interval is not None:
-        writer.add_full_attention_interval(interval)
+    _gdn_kv(writer, spec)
 
 
 def _qwen35moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
@@ -943,11 +953,6 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         # [C, 1, K] -> [C, K]; ggml's ssm_conv1d has ne = [K, C]
         return tile(0, d.head_v_dim, 2 * d.key_dim)(x.reshape(x.shape[0], x.shape[-1]))
 
-    def neg_exp(x: np.ndarray) -> np.ndarray:
-        # in float64, then rounded once: the F32 result is the same on every machine (NumPy's F32
-        # exp differs by SIMD path) and is torch's (HF's, llama.cpp's converter's) within 1 ulp
-        return (-np.exp(x.astype(np.float64))).astype(np.float32)
-
     for il, layer_type in enumerate(_qwen35_layer_types(spec)):
         p = f"{prefix}layers.{il}."
         out.append(_copy(ckpt, p + "input_layernorm.weight", _tensor_name(MODEL_TENSOR.ATTN_NORM, il), _plus_one))
@@ -969,7 +974,7 @@ def _qwen35_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
                       shape=(d.conv_dim, d.conv_kernel), keep_f32=True),
                 _copy(ckpt, p + "linear_attn.dt_bias", _tensor_name(MODEL_TENSOR.SSM_DT, il, ".bias"), tile(0, 1)),
                 _copy(ckpt, p + "linear_attn.A_log", _tensor_name(MODEL_TENSOR.SSM_A, il, ""),
-                      lambda x, t=tile(0, 1): neg_exp(t(x))),
+                      lambda x, t=tile(0, 1): _neg_exp(t(x))),
                 _copy(ckpt, p + "linear_attn.norm.weight", _tensor_name(MODEL_TENSOR.SSM_NORM, il)),
                 _copy(ckpt, p + "linear_attn.out_proj.weight", _tensor_name(MODEL_TENSOR.SSM_OUT, il),
                       tile(1, d.head_v_dim)),
@@ -1007,17 +1012,7 @@ def _qwen3next_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
         raise ValueError(f"[convert] {where}: head_dim x partial_rotary_factor = {n_rot} must be even and > 0")
     writer.add_rope_dimension_count(n_rot)
 
-    d = _gdn_dims(spec)
-    writer.add_ssm_conv_kernel(d.conv_kernel)
-    writer.add_ssm_state_size(d.head_k_dim)
-    writer.add_ssm_group_count(d.n_k_heads)
-    writer.add_ssm_time_step_rank(d.n_v_heads)
-    writer.add_ssm_inner_size(d.value_dim)
-    layer_types = _qwen35_layer_types(spec)
-    writer.add_array(f"{spec.gguf_arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_types])
-    interval = _full_attention_interval(layer_types)
-    if interval is not None:
-        writer.add_full_attention_interval(interval)
+    _gdn_kv(writer, spec)
 
     if int(spec.get("decoder_sparse_step")) != 1 or spec.get("mlp_only_layers"):
         raise ValueError(f"[convert] {where}: dense layers among the MoE ones (decoder_sparse_step "
@@ -1090,7 +1085,7 @@ def _qwen3next_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTenso
                 _copy(ckpt, a + "conv1d.weight", _tensor_name(MODEL_TENSOR.SSM_CONV1D, il),
                       lambda x: x.reshape(x.shape[0], x.shape[-1]), shape=(d.conv_dim, d.conv_kernel), keep_f32=True),
                 _copy(ckpt, a + "dt_bias", _tensor_name(MODEL_TENSOR.SSM_DT, il, ".bias")),
-                _copy(ckpt, a + "A_log", _tensor_name(MODEL_TENSOR.SSM_A, il, ""), lambda x: -np.exp(x)),
+                _copy(ckpt, a + "A_log", _tensor_name(MODEL_TENSOR.SSM_A, il, ""), _neg_exp),
                 _copy(ckpt, a + "norm.weight", _tensor_name(MODEL_TENSOR.SSM_NORM, il)),
                 _copy(ckpt, a + "out_proj.weight", _tensor_name(MODEL_TENSOR.SSM_OUT, il)),
             ]
