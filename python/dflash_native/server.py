@@ -355,14 +355,14 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             return e.response()
         loop = asyncio.get_running_loop()
         job = _Job(slot, prompt, kw, loop)
-        gone.add_done_callback(lambda t: None if t.cancelled() or fut.done() else cancel_job())
         fut = loop.run_in_executor(slot.worker, job.run)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(pool.release, slot))
 
         def cancel_job() -> None:  # the client went away: the engine stops before its next step
-            if not job.cancel.is_set():
+            if not fut.done() and not job.cancel.is_set():
                 job.cancel.set()
                 metrics.cancelled += 1
+
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
 
@@ -373,6 +373,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": None, "finish_reason": finish}
 
         if not stream:
+            gone.add_done_callback(lambda t: None if t.cancelled() else cancel_job())
             text, err = [], None
             try:
                 while True:
@@ -428,8 +429,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             yield "data: [DONE]\n\n"
 
         def closed() -> None:
-            if not fut.done():
-                cancel_job()
+            cancel_job()
 
         gone.cancel()  # from here StreamingResponse watches the client (closed() runs when it goes)
         metrics.count(endpoint, 200)
