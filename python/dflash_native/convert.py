@@ -902,6 +902,11 @@ def _qwen35moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     """Qwen3.5's keys plus the experts' (llama.cpp's Qwen3_5MoeTextModel): HF's router always
     renormalises its top-k, as llama.cpp's qwen35moe graph does."""
     _qwen35_kv(writer, spec)
+    _shared_expert_moe_kv(writer, spec)
+
+
+def _shared_expert_moe_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
+    """The expert keys of the archs with routed experts plus a shared expert (qwen35moe, qwen3next)."""
     n_expert, n_used, n_ff = _moe_dims(spec)
     n_sh = int(spec.get("shared_expert_intermediate_size"))
     if n_sh <= 0:
@@ -1018,14 +1023,7 @@ def _qwen3next_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
         raise ValueError(f"[convert] {where}: dense layers among the MoE ones (decoder_sparse_step "
                          f"{spec.get('decoder_sparse_step')}, mlp_only_layers {spec.get('mlp_only_layers')}) "
                          f"are not supported (llama.cpp's qwen3next has experts in every layer)")
-    n_expert, n_used, n_ff = _moe_dims(spec)
-    n_sh = int(spec.get("shared_expert_intermediate_size"))
-    if n_sh <= 0:
-        raise ValueError(f"[convert] {where}: shared_expert_intermediate_size {n_sh} must be > 0")
-    writer.add_expert_count(n_expert)
-    writer.add_expert_used_count(n_used)
-    writer.add_expert_feed_forward_length(n_ff)
-    writer.add_expert_shared_feed_forward_length(n_sh)
+    _shared_expert_moe_kv(writer, spec)
     writer.add_expert_weights_norm(bool(spec.get("norm_topk_prob")))
 
 
