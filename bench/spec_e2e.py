@@ -198,8 +198,10 @@ def main():
           f"prompt={a.prompt_len}, gen={a.gen}; rev {git_rev()}")
     rows = []
     for B in blocks:
+        # gate=False: every step is a round of B (the controller would take AR steps where forced drafts
+        # commit little, and those would not measure a round)
         eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=n_ctx, n_threads=a.threads,
-                        feature_ring_capacity=4096)
+                        feature_ring_capacity=4096, gate=False)
         # AR on the same engine: the reference tokens and t_AR
         eng.generate(prompt, max_tokens=8, speculative=False)  # warm-up
         ar = eng.generate(prompt, max_tokens=a.gen + B + 1, speculative=False)
@@ -234,7 +236,8 @@ def main():
                          "mean_acceptance_length": tau_m, "tok_s": tok_s, "ar_tok_s": 1 / t_ar,
                          "speedup": tok_s * t_ar, "bound": bound, "measured_over_bound": tok_s * t_ar / bound,
                          "t_draft_s": t_draft, "t_verify_s": t_verify, "rollback_s_per_round": st.rollback_s / st.rounds,
-                         "overhead_share": overhead, "rounds": st.rounds, "threads": a.threads,
+                         "overhead_share": overhead, "rounds": st.rounds, "gen": a.gen, "gate": False,
+                         "threads": a.threads,
                          "machine": machine(), "rev": git_rev()})
         eng._draft_override = None
     write_jsonl(a.json, rows)
