@@ -86,16 +86,8 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    for (int c = 0; c < nc; ++c) {
-        S[c] = 0;
-        for (int i = 0; i < 16; ++i) {
-            int32_t s = 0;
-            for (int l = 0; l < 16; ++l) s += (int32_t) w[16 * i + l] * a[c][16 * i + l];
-            S[c] += sc16[i] * s;
-        }
-    }
-}
+template <ggml_type T, int RC>
+static inline void ksums(const uint8_t * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S, int32_t * M);
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -105,6 +97,10 @@ static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int1
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+template <ggml_type T, int RC>
+static inline void ksums(const uint8_t * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S, int32_t * M) {
+    ksums_c<T, RC>(x, a, bs, S, M);
+}
 }  // namespace isa_portable
 
 #if DFN_X86_GCC
@@ -155,36 +151,7 @@ static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_e
 #define ISUMS_RC 2
 #include "matmul_q8_isums.inc"
 #undef ISUMS_RC
-// The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
-static inline __m256i scales_pair(const int16_t * sc) {
-    int32_t two;
-    std::memcpy(&two, sc, sizeof(two));
-    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    return _mm256_shuffle_epi8(_mm256_set1_epi32(two), pick);
-}
-template <int RC>
-static inline void sbdot_cols(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int32_t * S) {
-    __m256i acc[RC];
-    for (int c = 0; c < RC; ++c) acc[c] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {  // w <= 63, |a| <= 127: the int16 pairs never saturate
-        const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * t)), sc = scales_pair(sc16 + 2 * t);
-        for (int c = 0; c < RC; ++c) {
-            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (a[c] + 32 * t)));
-            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(p, sc));
-        }
-    }
-    for (int c = 0; c < RC; ++c) S[c] = hsum_i32(acc[c]);
-}
-// S[c] for nc <= 4 columns of one superblock.
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    switch (nc) {
-        case 4: sbdot_cols<4>(w, a, sc16, S); break;
-        case 3: sbdot_cols<3>(w, a, sc16, S); break;
-        case 2: sbdot_cols<2>(w, a, sc16, S); break;
-        default: sbdot_cols<1>(w, a, sc16, S); break;
-    }
-}
+#include "matmul_kq_simd.inc"
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -219,6 +186,28 @@ static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint
 }  // namespace isa_vnni
 #pragma GCC pop_options
 
+// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present -------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static const bool k_avx512bw = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
+namespace isa_avx512bw {
+static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
+#include "matmul_kq_avx512.inc"
+#include "matmul_kq_rows.inc"
+static __attribute__((noinline)) void rows_kq_bw(ggml_type type, const uint8_t * W, size_t w_row_bytes, const q8_acts & A,
+                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
+    rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+}
+}  // namespace isa_avx512bw
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
@@ -238,16 +227,14 @@ static inline float vsum(vec v) {
 static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *) p)); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 // The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
-// the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
+// the K-quant superblock sums are the AVX2 ones (matmul_kq_simd.inc).
 static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * bsum,
                               int32_t * const * out, int nc, int64_t nb) {
     if (k_vnni) isa_vnni::isums_q8_0_vnni(type, w, a, bsum, out, nc, nb);
     else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    isa_avx2::sbdot(w, a, sc16, nc, S);
-}
+using isa_avx2::ksums;
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
@@ -301,7 +288,10 @@ bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes
     if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
     switch (which) {
 #if DFN_X86_GCC
-        case isa::avx512: isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        case isa::avx512:
+            if (k_avx512bw && A.kind == q8_kind::q8_K) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            break;
         case isa::avx2: isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
 #endif
         default: isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
