@@ -86,8 +86,9 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
-template <ggml_type T, int RC>
-static inline void ksums(const uint8_t * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S, int32_t * M);
+template <ggml_type T, int RR, int RC>
+static inline void ksums(const uint8_t * const * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S,
+                         int32_t * M);
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -97,9 +98,10 @@ static inline void ksums(const uint8_t * x, const int8_t * const * a, const int1
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
-template <ggml_type T, int RC>
-static inline void ksums(const uint8_t * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S, int32_t * M) {
-    ksums_c<T, RC>(x, a, bs, S, M);
+template <ggml_type T, int RR, int RC>
+static inline void ksums(const uint8_t * const * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S,
+                         int32_t * M) {
+    ksums_c<T, RR, RC>(x, a, bs, S, M);
 }
 }  // namespace isa_portable
 
