@@ -755,6 +755,7 @@ void bind_testing_kernels(py::module_ & t) {
         [](py::array_t<uint8_t, py::array::c_style> W, farr x, const std::string & type) {
             // ggml's own one-column CPU path, for benchmarks beside matmul: x [N, K] quantized by the
             // type's vec_dot_type from_float, then y[n, r] = vec_dot(W row r, column n), one thread.
+            ggml_cpu_init();  // ggml's CPU tables (idempotent)
             const ggml_type wt = ggml_type_named(type);
             const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(wt);
             DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2 && tr->vec_dot && ggml_is_quantized(wt), "ggml_vec_dot",

@@ -188,6 +188,42 @@ def test_q8_0_block_counts_bitwise(qtype, K):
             np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, 2, qtype), cols[:n], err_msg=f"{isa} N={n}")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("M,K", [(1, 256), (7, 2560), (35, 768)])
+def test_k_quant_tiles_bitwise(qtype, M, K):
+    """The K-quant tiles (4 rows x 1 column for one column, 2 rows x 4 columns else, in blocks of 16
+    rows; the AVX-512BW path unpacks 64 codes per vector, AVX2 32, portable none): row counts that
+    are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every ISA --
+    each output has the bits of the portable path's single-column result, which is within the
+    float64 bound of test_q8_path_matches_float64."""
+    raw, values, x = _qcase(qtype, M, K, 13, seed=M + K)
+    cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(13)])
+    xq = q8_activations(x, "Q8_K")
+    ref = xq @ values.astype(np.float64).T
+    mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
+    assert (np.abs(cols - ref) <= 2e-7 * mag + 1e-30).all()
+    for isa in ISAS:
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13):
+            for nt in (1, 2):
+                np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
+                                              err_msg=f"{qtype} {isa} M={M} K={K} N={n} threads={nt}")
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_ggml_vec_dot_agrees(qtype):
+    """_core.testing.ggml_vec_dot (ggml's one-column CPU dot, the benchmarks' reference) computes the
+    same matmul: within the activations' Q8 rounding of the own kernel (ggml's x86 quantizers may
+    round a code differently from the reference one)."""
+    raw, values, x = _qcase(qtype, 19, 512, 3, seed=2)
+    ours = _core.testing.matmul(raw, x, "", 1, qtype)
+    theirs = _core.testing.ggml_vec_dot(raw, x, qtype)
+    assert theirs.shape == ours.shape and theirs.dtype == np.float32
+    mag = np.abs(x.astype(np.float64)) @ np.abs(values.astype(np.float64)).T
+    np.testing.assert_array_less(np.abs(theirs - ours), 2e-2 * mag / np.sqrt(512) + 1e-6)
+    with pytest.raises(ValueError, match="ggml_vec_dot"):
+        _core.testing.ggml_vec_dot(raw[:, :-1], x, qtype)
+
+
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
 def test_q8_path_non_finite_propagates(qtype):
     """A NaN or Inf activation makes its column's outputs NaN (as on the F32 path, so the engine's
