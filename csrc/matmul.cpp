@@ -86,9 +86,6 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
-template <ggml_type T, int RR, int RC>
-static inline void ksums(const uint8_t * const * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S,
-                         int32_t * M);
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -99,10 +96,19 @@ static inline void ksums(const uint8_t * const * x, const int8_t * const * a, co
 #undef TILE_RN
 #undef TILE_RM1
 template <ggml_type T, int RR, int RC>
-static inline void ksums(const uint8_t * const * x, const int8_t * const * a, const int16_t * const * bs, int32_t * S,
-                         int32_t * M) {
-    ksums_c<T, RR, RC>(x, a, bs, S, M);
+static inline void kq_superblock(const uint8_t * const * x, const float * d, const float * dmin, const int8_t * const * a,
+                                 const int16_t * const * bs, const float * da, vec * acc) {
+    float * lanes[RR * RC];
+    for (int p = 0; p < RR * RC; ++p) lanes[p] = acc[p].l;
+    kq_superblock_c<T, RR, RC>(x, d, dmin, a, bs, da, lanes);
 }
+#define KQ_RR1 1
+#define KQ_RR 1
+#define KQ_RC 4
+#include "matmul_kq_rows.inc"
+#undef KQ_RR1
+#undef KQ_RR
+#undef KQ_RC
 }  // namespace isa_portable
 
 #if DFN_X86_GCC
@@ -153,7 +159,6 @@ static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_e
 #define ISUMS_RC 2
 #include "matmul_q8_isums.inc"
 #undef ISUMS_RC
-#include "matmul_kq_simd.inc"
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -163,6 +168,14 @@ static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_e
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+#define KQ_RR1 2  // 16 ymm registers: 2 x 2 integer lane halves x KQ_RR x KQ_RC <= 8 accumulators
+#define KQ_RR 1
+#define KQ_RC 4
+#include "matmul_kq_simd.inc"
+#include "matmul_kq_rows.inc"
+#undef KQ_RR1
+#undef KQ_RR
+#undef KQ_RC
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
@@ -186,28 +199,6 @@ static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint
     isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
 }  // namespace isa_vnni
-#pragma GCC pop_options
-
-// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present -------
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-static const bool k_avx512bw = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}();
-namespace isa_avx512bw {
-static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-#include "matmul_kq_avx512.inc"
-#include "matmul_kq_rows.inc"
-static __attribute__((noinline)) void rows_kq_bw(ggml_type type, const uint8_t * W, size_t w_row_bytes, const q8_acts & A,
-                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
-    rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
-}
-}  // namespace isa_avx512bw
-#pragma GCC diagnostic pop
 #pragma GCC pop_options
 
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
@@ -236,7 +227,6 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-using isa_avx2::ksums;
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
@@ -249,6 +239,37 @@ using isa_avx2::ksums;
 }  // namespace isa_avx512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present -------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static const bool k_avx512bw = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
+namespace isa_avx512bw {
+using isa_avx512::h2f;
+using isa_avx512::vec;
+using isa_avx512::vsum;
+using isa_avx512::vzero;
+#include "matmul_kq_avx512.inc"
+#define KQ_RR1 2  // 32 zmm registers: KQ_RR x KQ_RC integer + as many F32 accumulators
+#define KQ_RR 2
+#define KQ_RC 4
+#include "matmul_kq_rows.inc"
+#undef KQ_RR1
+#undef KQ_RR
+#undef KQ_RC
+static __attribute__((noinline)) void rows_kq_bw(ggml_type type, const uint8_t * W, size_t w_row_bytes, const q8_acts & A,
+                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
+    rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+}
+}  // namespace isa_avx512bw
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 #endif  // DFN_X86_GCC
 
 namespace {
@@ -288,15 +309,23 @@ bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes
     thread_local q8_acts A;
     thread_local q8_row R;
     if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
+    const bool kquant = A.kind == q8_kind::q8_K;
     switch (which) {
 #if DFN_X86_GCC
-        case isa::avx512:
-            if (k_avx512bw && A.kind == q8_kind::q8_K) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
-            else isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+        case isa::avx512:  // the K-quants: 512-bit integer sums with AVX-512BW, else the AVX2 ones
+            if (!kquant) isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            else if (k_avx512bw) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
             break;
-        case isa::avx2: isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        case isa::avx2:
+            if (kquant) isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            break;
 #endif
-        default: isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        default:
+            if (kquant) isa_portable::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            break;
     }
     return true;
 }
