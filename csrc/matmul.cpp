@@ -239,7 +239,8 @@ static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
 }  // namespace isa_avx512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
-// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present -------
+// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present; with
+// AVX-512 VNNI, madd + add fused (vpdpwssd: the same int32 sums) ---------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #pragma GCC diagnostic push
@@ -250,23 +251,22 @@ static const bool k_avx512bw = [] {
     return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }();
 namespace isa_avx512bw {
-using isa_avx512::h2f;
-using isa_avx512::vec;
-using isa_avx512::vsum;
-using isa_avx512::vzero;
+#define KQ_DPWSSD 0
 #include "matmul_kq_avx512.inc"
-#define KQ_RR1 2  // 32 zmm registers: KQ_RR x KQ_RC integer + as many F32 accumulators
-#define KQ_RR 2
-#define KQ_RC 4
-#include "matmul_kq_rows.inc"
-#undef KQ_RR1
-#undef KQ_RR
-#undef KQ_RC
-static __attribute__((noinline)) void rows_kq_bw(ggml_type type, const uint8_t * W, size_t w_row_bytes, const q8_acts & A,
-                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
-    rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
-}
+#undef KQ_DPWSSD
 }  // namespace isa_avx512bw
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace isa_avx512vnni {
+#define KQ_DPWSSD 1
+#include "matmul_kq_avx512.inc"
+#undef KQ_DPWSSD
+}  // namespace isa_avx512vnni
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 
@@ -305,15 +305,17 @@ constexpr int64_t k_dequant_rows = 8;
 // The integer path (matmul_q8.inc): x quantized to Q8_0 / Q8_K here, by every thread for all N
 // columns (a column's codes are the same whoever computes them). False: no scratch (noted).
 bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool no_vnni) {
     thread_local q8_acts A;
     thread_local q8_row R;
     if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
     const bool kquant = A.kind == q8_kind::q8_K;
+    (void) no_vnni;  // x86 only
     switch (which) {
 #if DFN_X86_GCC
-        case isa::avx512:  // the K-quants: 512-bit integer sums with AVX-512BW, else the AVX2 ones
+        case isa::avx512:  // the K-quants: 512-bit integer sums with AVX-512BW (VNNI), else the AVX2 ones
             if (!kquant) isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            else if (k_vnni && !no_vnni) isa_avx512vnni::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
             else if (k_avx512bw) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
             else isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
             break;
@@ -331,11 +333,12 @@ bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes
 }
 
 // False (noted, thrown after the compute) when the scratch cannot be had. f32_path: a type of the
-// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them).
+// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them);
+// no_vnni: the AVX-512 K-quant rows without VNNI, as on a CPU that lacks it (tests).
 bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false) {
+             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false, bool no_vnni = false) {
     if (!f32_path && q8_kind_of(type) != q8_kind::none)
-        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
+        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, no_vnni);
     if (type == GGML_TYPE_F16) {
         run_rows(which, (const uint16_t *) W, (int64_t) (w_row_bytes / sizeof(uint16_t)), x, ldx, y, ldy, K, N, r0, r1);
         return true;
@@ -414,13 +417,15 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
     isa use = k_isa;
+    const bool no_vnni = which == "avx512f-novnni";
     if (!which.empty()) {
         const std::vector<std::string> ok = matmul_isas();
-        DFN_REQUIRE(std::find(ok.begin(), ok.end(), which) != ok.end(), "matmul", "instruction set '", which,
+        const std::string base = no_vnni ? "avx512f" : which;
+        DFN_REQUIRE(std::find(ok.begin(), ok.end(), base) != ok.end(), "matmul", "instruction set '", which,
                     "' is not available here");
-        use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
+        use = base == "avx512f" ? isa::avx512 : base == "avx2" ? isa::avx2 : isa::portable;
     }
-    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path)) throw_kernel_oom("matmul");
+    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path, no_vnni)) throw_kernel_oom("matmul");
 }
 
 const char * matmul_isa() { return isa_name(k_isa); }
