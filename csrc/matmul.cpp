@@ -141,12 +141,6 @@ static inline vec vcvt(const int32_t * p) {
 }
 static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
 // The 32 codes of a Q8_0 block (int8, in place) / a Q4_0 block (its nibbles 0..15, low ones first).
 static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
 static inline __m256i codes_q4_0_u(const blk_q4_0 * x) {
