@@ -5,6 +5,7 @@
 // (bind_target, bind_spec), and the hooks
 // only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
 #include "common.h"
+#include "ggml-cpu.h"
 #include "conv.h"
 #include "matmul.h"
 #include "profile.h"
@@ -749,6 +750,34 @@ void bind_testing_kernels(py::module_ & t) {
         },
         py::arg("W"), py::arg("x"), py::arg("isa") = "", py::arg("n_threads") = 1, py::arg("type") = "",
         py::arg("f32_path") = false);
+    t.def(
+        "ggml_vec_dot",
+        [](py::array_t<uint8_t, py::array::c_style> W, farr x, const std::string & type) {
+            // ggml's own one-column CPU path, for benchmarks beside matmul: x [N, K] quantized by the
+            // type's vec_dot_type from_float, then y[n, r] = vec_dot(W row r, column n), one thread.
+            ggml_cpu_init();  // ggml's CPU tables (idempotent)
+            const ggml_type wt = ggml_type_named(type);
+            const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(wt);
+            DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2 && tr->vec_dot && ggml_is_quantized(wt), "ggml_vec_dot",
+                        "W [M, row bytes] of a quantized type and x [N, K] needed");
+            const int64_t M = W.shape(0), K = x.shape(1), N = x.shape(0);
+            DFN_REQUIRE(K % ggml_blck_size(wt) == 0 && (size_t) W.shape(1) == ggml_row_size(wt, K), "ggml_vec_dot",
+                        "W rows do not hold ", K, " values of ", type);
+            const ggml_type vt = tr->vec_dot_type;
+            const size_t qrow = ggml_row_size(vt, K);
+            std::vector<uint8_t> xq((size_t) N * qrow);
+            py::array_t<float> y({N, M});
+            const uint8_t * w = W.data();
+            const float * xp = x.data();
+            float * yp = y.mutable_data();
+            py::gil_scoped_release release;
+            for (int64_t n = 0; n < N; ++n) ggml_get_type_traits_cpu(vt)->from_float(xp + n * K, xq.data() + n * qrow, K);
+            for (int64_t n = 0; n < N; ++n)
+                for (int64_t r = 0; r < M; ++r)
+                    tr->vec_dot((int) K, yp + n * M + r, 0, w + r * W.shape(1), 0, xq.data() + n * qrow, 0, 1);
+            return y;
+        },
+        py::arg("W"), py::arg("x"), py::arg("type"));
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
     t.def(

@@ -86,16 +86,6 @@ static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * 
     for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    for (int c = 0; c < nc; ++c) {
-        S[c] = 0;
-        for (int i = 0; i < 16; ++i) {
-            int32_t s = 0;
-            for (int l = 0; l < 16; ++l) s += (int32_t) w[16 * i + l] * a[c][16 * i + l];
-            S[c] += sc16[i] * s;
-        }
-    }
-}
 #define TILE_RM 2
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -105,6 +95,20 @@ static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int1
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+template <ggml_type T, int RR, int RC>
+static inline void kq_superblock(const uint8_t * const * x, const float * d, const float * dmin, const int8_t * const * a,
+                                 const int16_t * const * bs, const float * da, vec * acc) {
+    float * lanes[RR * RC];
+    for (int p = 0; p < RR * RC; ++p) lanes[p] = acc[p].l;
+    kq_superblock_c<T, RR, RC>(x, d, dmin, a, bs, da, lanes);
+}
+#define KQ_RR1 1
+#define KQ_RR 1
+#define KQ_RC 4
+#include "matmul_kq_rows.inc"
+#undef KQ_RR1
+#undef KQ_RR
+#undef KQ_RC
 }  // namespace isa_portable
 
 #if DFN_X86_GCC
@@ -137,12 +141,6 @@ static inline vec vcvt(const int32_t * p) {
 }
 static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
 // The 32 codes of a Q8_0 block (int8, in place) / a Q4_0 block (its nibbles 0..15, low ones first).
 static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
 static inline __m256i codes_q4_0_u(const blk_q4_0 * x) {
@@ -155,36 +153,6 @@ static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_e
 #define ISUMS_RC 2
 #include "matmul_q8_isums.inc"
 #undef ISUMS_RC
-// The int16 scales of codes 32 t .. 32 t + 31 (two of sc16) spread over the 16 int16 lanes of maddubs.
-static inline __m256i scales_pair(const int16_t * sc) {
-    int32_t two;
-    std::memcpy(&two, sc, sizeof(two));
-    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    return _mm256_shuffle_epi8(_mm256_set1_epi32(two), pick);
-}
-template <int RC>
-static inline void sbdot_cols(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int32_t * S) {
-    __m256i acc[RC];
-    for (int c = 0; c < RC; ++c) acc[c] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {  // w <= 63, |a| <= 127: the int16 pairs never saturate
-        const __m256i wv = _mm256_loadu_si256((const __m256i *) (w + 32 * t)), sc = scales_pair(sc16 + 2 * t);
-        for (int c = 0; c < RC; ++c) {
-            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (a[c] + 32 * t)));
-            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(p, sc));
-        }
-    }
-    for (int c = 0; c < RC; ++c) S[c] = hsum_i32(acc[c]);
-}
-// S[c] for nc <= 4 columns of one superblock.
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    switch (nc) {
-        case 4: sbdot_cols<4>(w, a, sc16, S); break;
-        case 3: sbdot_cols<3>(w, a, sc16, S); break;
-        case 2: sbdot_cols<2>(w, a, sc16, S); break;
-        default: sbdot_cols<1>(w, a, sc16, S); break;
-    }
-}
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
@@ -194,6 +162,14 @@ static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int1
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+#define KQ_RR1 2  // 16 ymm registers: 2 x 2 integer lane halves x KQ_RR x KQ_RC <= 8 accumulators
+#define KQ_RR 1
+#define KQ_RC 4
+#include "matmul_kq_simd.inc"
+#include "matmul_kq_rows.inc"
+#undef KQ_RR1
+#undef KQ_RR
+#undef KQ_RC
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
@@ -238,16 +214,13 @@ static inline float vsum(vec v) {
 static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *) p)); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 // The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
-// the K-quant superblock sums are the AVX2 ones (maddubs + madd by the scales is as short).
+// the K-quant superblock sums are the AVX2 ones (matmul_kq_simd.inc).
 static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * bsum,
                               int32_t * const * out, int nc, int64_t nb) {
     if (k_vnni) isa_vnni::isums_q8_0_vnni(type, w, a, bsum, out, nc, nb);
     else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
 }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int16_t * sc16, int nc, int32_t * S) {
-    isa_avx2::sbdot(w, a, sc16, nc, S);
-}
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
@@ -260,6 +233,37 @@ static inline void sbdot(const uint8_t * w, const int8_t * const * a, const int1
 }  // namespace isa_avx512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present; with
+// AVX-512 VNNI, madd + add fused (vpdpwssd: the same int32 sums) ---------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static const bool k_avx512bw = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
+namespace isa_avx512bw {
+#define KQ_DPWSSD 0
+#include "matmul_kq_avx512.inc"
+#undef KQ_DPWSSD
+}  // namespace isa_avx512bw
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace isa_avx512vnni {
+#define KQ_DPWSSD 1
+#include "matmul_kq_avx512.inc"
+#undef KQ_DPWSSD
+}  // namespace isa_avx512vnni
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 #endif  // DFN_X86_GCC
 
 namespace {
@@ -295,26 +299,40 @@ constexpr int64_t k_dequant_rows = 8;
 // The integer path (matmul_q8.inc): x quantized to Q8_0 / Q8_K here, by every thread for all N
 // columns (a column's codes are the same whoever computes them). False: no scratch (noted).
 bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+                int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool no_vnni) {
     thread_local q8_acts A;
     thread_local q8_row R;
     if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
+    const bool kquant = A.kind == q8_kind::q8_K;
+    (void) no_vnni;  // x86 only
     switch (which) {
 #if DFN_X86_GCC
-        case isa::avx512: isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
-        case isa::avx2: isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        case isa::avx512:  // the K-quants: 512-bit integer sums with AVX-512BW (VNNI), else the AVX2 ones
+            if (!kquant) isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            else if (k_vnni && !no_vnni) isa_avx512vnni::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else if (k_avx512bw) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            break;
+        case isa::avx2:
+            if (kquant) isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            break;
 #endif
-        default: isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1); break;
+        default:
+            if (kquant) isa_portable::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            else isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            break;
     }
     return true;
 }
 
 // False (noted, thrown after the compute) when the scratch cannot be had. f32_path: a type of the
-// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them).
+// integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them);
+// no_vnni: the AVX-512 K-quant rows without VNNI, as on a CPU that lacks it (tests).
 bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false) {
+             int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false, bool no_vnni = false) {
     if (!f32_path && q8_kind_of(type) != q8_kind::none)
-        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
+        return rows_q8_on(which, (const uint8_t *) W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, no_vnni);
     if (type == GGML_TYPE_F16) {
         run_rows(which, (const uint16_t *) W, (int64_t) (w_row_bytes / sizeof(uint16_t)), x, ldx, y, ldy, K, N, r0, r1);
         return true;
@@ -393,13 +411,15 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
     isa use = k_isa;
+    const bool no_vnni = which == "avx512f-novnni";
     if (!which.empty()) {
         const std::vector<std::string> ok = matmul_isas();
-        DFN_REQUIRE(std::find(ok.begin(), ok.end(), which) != ok.end(), "matmul", "instruction set '", which,
+        const std::string base = no_vnni ? "avx512f" : which;
+        DFN_REQUIRE(std::find(ok.begin(), ok.end(), base) != ok.end(), "matmul", "instruction set '", which,
                     "' is not available here");
-        use = which == "avx512f" ? isa::avx512 : which == "avx2" ? isa::avx2 : isa::portable;
+        use = base == "avx512f" ? isa::avx512 : base == "avx2" ? isa::avx2 : isa::portable;
     }
-    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path)) throw_kernel_oom("matmul");
+    if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path, no_vnni)) throw_kernel_oom("matmul");
 }
 
 const char * matmul_isa() { return isa_name(k_isa); }

@@ -18,17 +18,19 @@
 //     with int8 codes a_k and one scale da_b per block b (32 values for Q8_0, 256 for Q8_K);
 //  2. the weights are w_k = dw_b * q_k (Q4_0: q - 8; Q8_0: q), or for the K-quants
 //     w_k = d_s * sc_j * q_k - dmin_s * m_j per superblock s (256) and sub-block j (16 or 32);
-//  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, AVX2 maddubs +
-//     madd, or plain C: exact, so how they are grouped cannot change them):
+//  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, maddubs + madd on
+//     512 / 256 bits, or plain C: exact, so how they are grouped cannot change them):
 //       Q8_0 kind: isum_b = sum_{k in b} q_k a_k (Q4_0 on SIMD: sum nibble_k a_k - 8 sum a_k)
-//       Q8_K kind: S_s = sum_{i < 16} sc16_i sum_{k in 16-group i} q_k a_k,
-//                  M_s = sum_{i < 16} mn16_i bsum_i (bsum_i: the sum of the 16 codes a_k)
-//       (Q6_K: q in 0..63 is the format's q + 32, mn16_i = 32 sc_i, S_s := S_s - M_s);
+//       Q8_K kind, per superblock s, 16 lanes l: L_l = sum sc_k q_k a_k over the codes
+//                  k = 64 u + 4 l + j (u, j < 4; sc_k the scale of k's 16-code group; Q6_K: the
+//                  signed q - 32), and (Q4_K / Q5_K) for l < 4: M_l = sum_{i = 4 l .. 4 l + 3} m_i bsum_i
+//                  (m_i the min of group i, bsum_i the sum of its 16 codes a_k);
 //  4. the float combination, per output, one fixed order:
 //       Q8_0 kind: 16 lanes; lane l = fmaf(fl(dw_b * da_b), (float) isum_b, lane l) over blocks
 //                  b = l, l + 16, ... in order (from +0); y = the F32 path's pairwise lane sum;
-//       Q8_K kind: acc = +0; per superblock s in order: acc = fmaf(fl(d_s * da_s), (float) S_s, acc),
-//                  then (Q4_K / Q5_K) acc = fmaf(-fl(dmin_s * da_s), (float) M_s, acc); y = acc.
+//       Q8_K kind: 16 lanes from +0; per superblock s in order: lane l = fmaf(fl(d_s * da_s),
+//                  (float) L_l, lane l), then (Q4_K / Q5_K, l < 4) lane l = fmaf(-fl(dmin_s * da_s),
+//                  (float) M_l, lane l); y = the pairwise lane sum.
 //     (float) of an int32 rounds to nearest even, the same everywhere. The sources are built with
 //     -ffp-contract=off so that no compiler fuses what is written as separate operations.
 // So the integer path rounds the activations as llama.cpp's quantized matmul does (but its batched
@@ -36,9 +38,10 @@
 // and its x86 activation quantizers round differently from the reference: docs/architecture.md).
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
-// for up to 8 columns at a time; integer path: each row's scales (and K-quant codes) decoded once
-// for all N, each Q4_0 / Q8_0 block and K-quant superblock loaded once for up to 4 columns), so the
-// cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
+// for up to 8 columns at a time; integer path: each Q4_0 / Q8_0 block loaded once for up to 4
+// columns; each K-quant superblock unpacked in registers once per tile of 2 rows x 4 columns, the
+// lanes kept across superblocks), so the cost of a verify pass grows with its FLOPs, not with
+// re-converting the weights per column.
 #pragma once
 
 #include "build_context.h"
@@ -74,7 +77,8 @@ ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 
 // The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
 // sum_k W_r[k] x[n * ldx + k], n < N, where row W_r (w_type, K elements) starts at byte
-// r * w_row_bytes of W. isa: one of matmul_isas(), or empty for the one matmul_op uses.
+// r * w_row_bytes of W. isa: one of matmul_isas(), or empty for the one matmul_op uses, or
+// "avx512f-novnni" (where "avx512f" is listed): the AVX-512 K-quant rows a CPU without VNNI runs.
 // f32_path: a type of the integer path (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) through the F32 path instead.
 void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                  int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "",

@@ -131,23 +131,13 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
     return true;
 }
 
-bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R) {
-    const int64_t K = A.K;
-    if (A.kind == q8_kind::q8_0) {
-        if (!kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
-            !kernel_scratch(R.isum, (size_t) (4 * A.nb16), "the matmul's block sums"))
-            return false;
-        std::fill(R.d.begin() + K / 32, R.d.end(), 0.0f);
-        std::fill(R.isum.begin(), R.isum.end(), 0);
-    } else {
-        if (!kernel_scratch(R.codes, (size_t) K, "the matmul's decoded row") ||
-            !kernel_scratch(R.sc16, (size_t) (K / 16), "the matmul's row scales") ||
-            !kernel_scratch(R.mn16, (size_t) (K / 16), "the matmul's row mins") ||
-            !kernel_scratch(R.d, (size_t) (K / 256), "the matmul's row scales") ||
-            !kernel_scratch(R.dmin, (size_t) (K / 256), "the matmul's row mins"))
-            return false;
-    }
-    R.fold_min = type == GGML_TYPE_Q6_K;
+bool q8_row_scratch(ggml_type /*type*/, const q8_acts & A, q8_row & R) {
+    if (A.kind != q8_kind::q8_0) return true;
+    if (!kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
+        !kernel_scratch(R.isum, (size_t) (4 * A.nb16), "the matmul's block sums"))
+        return false;
+    std::fill(R.d.begin() + A.K / 32, R.d.end(), 0.0f);
+    std::fill(R.isum.begin(), R.isum.end(), 0);
     return true;
 }
 

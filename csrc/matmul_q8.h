@@ -39,22 +39,17 @@ struct q8_acts {
 // A block holding NaN or Inf gets codes 0 and d = NaN: the outputs it feeds are NaN.
 bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
 
-// One weight row decoded to integers. Q8_0 kind: d the F16 block scales (nb16, zero padding;
-// the codes are read in place). Q8_K kind: codes uint8 (Q4_K 0..15, Q5_K 0..31,
-// Q6_K 0..63), sc16 / mn16 the scale and min of each 16 codes (Q4_K / Q5_K: the 6-bit scale and
-// min of their 32-code sub-block; Q6_K: its int8 scale and 32 * scale, folded, fold_min), d / dmin
-// per superblock.
+// One Q8_0-kind weight row's scratch: d the F16 block scales as F32 (nb16, zero padding; the codes
+// are read in place), isum the per-block integer sums of up to 4 columns, [4][nb16]. The K-quants
+// need none (matmul_q8.inc unpacks each superblock in registers).
 struct q8_row {
-    std::vector<uint8_t> codes;
-    std::vector<int16_t> sc16, mn16;
-    std::vector<float> d, dmin;
-    std::vector<int32_t> isum;  // the per-block integer sums of up to 4 columns (Q8_0 kind), [4][nb16]
-    bool fold_min = false;
+    std::vector<float> d;
+    std::vector<int32_t> isum;
 };
 
 // Sizes R for rows of K values of `type` against A (zeroing the padding). False: no scratch (noted).
 bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R);
 
-// matmul_q8.inc: q8_decode_row (one row into R, sized by q8_row_scratch) and the dot loops, per ISA.
+// matmul_q8.inc: the dot loops, per ISA.
 
 }  // namespace dfn

@@ -118,14 +118,22 @@ def k_quant_mins(raw: np.ndarray, qtype: str) -> np.ndarray:
     return np.repeat(np.abs(dmin[..., None] * m).reshape(M, -1), 32, axis=1)
 
 
+def q8_bound(qtype: str, K: int, mag: np.ndarray) -> np.ndarray:
+    """The integer path's F32 rounding bound (test_q8_path_matches_float64) for the sums of |terms| mag."""
+    chain = -(-K // 512) if Q8_TYPES[qtype] == "Q8_0" else (1 if qtype == "Q6_K" else 2) * K // 256
+    return (1 + chain + 4) * 2.0**-24 * mag + 1e-30
+
+
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
 @pytest.mark.parametrize("M,K", [(1, 256), (29, 512), (70, 768), (33, 2560)])
 def test_q8_path_matches_float64(qtype, M, K):
     """The integer path against float64: weights dequantized (gguf-py), activations quantized to
-    Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer block
-    sums are exact; what is left is F32 rounding of the scales' products and of the accumulation,
-    a few ulps of the terms' magnitudes (measured: up to ~5e-8 of them). Unquantized activations
-    (the F32 path) miss the bar by orders of magnitude."""
+    Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer lane sums
+    are exact (and exact as F32); what is left is F32 rounding, each at most u = 2^-24 of a partial
+    sum bounded by the sum of |terms|: the scale products (1), the fmaf chain of each of the 16
+    lanes (one per Q8_0 block group, two per Q4_K / Q5_K superblock: S and M, one for Q6_K) and the
+    pairwise lane sum (4). Measured: up to ~5 u. Unquantized activations (the F32 path) miss the
+    bar by orders of magnitude."""
     raw, values, x = _qcase(qtype, M, K, 11)
     x[3, :32] = 0.0    # an all-zero block (and superblock part)
     x[4, 40] = 1e4     # one dominant value
@@ -136,7 +144,7 @@ def test_q8_path_matches_float64(qtype, M, K):
     ref = xq @ values.astype(np.float64).T
     # the sum of |terms| per output (a K-quant weight's terms: d sc q and dmin m)
     mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
-    bound = 2e-7 * mag + 1e-30
+    bound = q8_bound(qtype, K, mag)
     for isa in ISAS:
         y = _core.testing.matmul(raw, x, isa, 1, qtype)
         assert y.shape == (11, M) and y.dtype == np.float32
@@ -186,6 +194,43 @@ def test_q8_0_block_counts_bitwise(qtype, K):
     for isa in ISAS:
         for n in (1, 4, 19):
             np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, 2, qtype), cols[:n], err_msg=f"{isa} N={n}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("M,K", [(1, 256), (7, 2560), (35, 768)])
+def test_k_quant_tiles_bitwise(qtype, M, K):
+    """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, 2 x 4
+    else; AVX2: 2 x 1 and 1 x 4; in blocks of 16 rows; 64 codes per vector on AVX-512BW, 32 on
+    AVX2): row counts that
+    are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every ISA --
+    each output has the bits of the portable path's single-column result, which is within the
+    float64 bound of test_q8_path_matches_float64 (here over 1..10 superblocks)."""
+    raw, values, x = _qcase(qtype, M, K, 13, seed=M + K)
+    cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(13)])
+    xq = q8_activations(x, "Q8_K")
+    ref = xq @ values.astype(np.float64).T
+    mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
+    assert (np.abs(cols - ref) <= q8_bound(qtype, K, mag)).all()
+    for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13):
+            for nt in (1, 2):
+                np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
+                                              err_msg=f"{qtype} {isa} M={M} K={K} N={n} threads={nt}")
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_ggml_vec_dot_agrees(qtype):
+    """_core.testing.ggml_vec_dot (ggml's one-column CPU dot, the benchmarks' reference) computes the
+    same matmul: within the activations' Q8 rounding of the own kernel (ggml's x86 quantizers may
+    round a code differently from the reference one)."""
+    raw, values, x = _qcase(qtype, 19, 512, 3, seed=2)
+    ours = _core.testing.matmul(raw, x, "", 1, qtype)
+    theirs = _core.testing.ggml_vec_dot(raw, x, qtype)
+    assert theirs.shape == ours.shape and theirs.dtype == np.float32
+    mag = np.abs(x.astype(np.float64)) @ np.abs(values.astype(np.float64)).T
+    np.testing.assert_array_less(np.abs(theirs - ours), 2e-2 * mag / np.sqrt(512) + 1e-6)
+    with pytest.raises(ValueError, match="ggml_vec_dot"):
+        _core.testing.ggml_vec_dot(raw[:, :-1], x, qtype)
 
 
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))

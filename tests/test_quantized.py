@@ -144,13 +144,15 @@ def assert_matches_dequantized_and_llama_cpp(path, prompt, tmp_path, llama_logit
     print(f"{what}: |ours - dequantized| {err_ours:.2e}, |llama.cpp - dequantized| {err_llama:.2e}, "
           f"|ours - llama.cpp| {diff:.2e} (logits up to {scale:.1f})")
     kind = int_path(path)
-    if kind == "all":  # measured: ours - llama.cpp 2e-6..6e-6, errors ~0.1..0.2
+    if kind == "all":  # measured: ours - llama.cpp 2e-6..6e-6 where no Q8 code flips (below), errors ~0.1..0.2
         assert err_ours <= 2 * err_llama + 1e-5 * scale + 1e-6
-        # files with Q8_0 weights: ours - llama.cpp measured 0.04 (our converter's file) and 0.059
-        # (llama.cpp's, qwen3), about 0.5x llama.cpp's own error; the cause is not found yet (both
-        # round the activations to Q8_0), so these are held to llama.cpp's error, as other files
-        q8 = "Q8_0" in {x.tensor_type.name for x in GGUFReader(path).tensors}
-        assert diff <= (1.0 if q8 else 0.5) * err_llama + 1e-5 * scale + 1e-6
+        # Both round the activations to Q8, a step function: where an upstream result differs by
+        # an ulp (the two sum in different F32 orders), a code can flip and move that matmul by a
+        # whole quantization step, which later layers carry on. Measured: Q8_0 files 0.04 / 0.059
+        # (about 0.5x llama.cpp's error); the K-quant target at Q4_K_M 0.086 (0.53x: one code of
+        # 3072 flipped in layer 1's attn_k input; 6e-6 where no code flips). So ours is held to
+        # llama.cpp's own error, as the other files.
+        assert diff <= err_llama + 1e-5 * scale + 1e-6
     elif kind == "some":  # some matmuls round their activations as llama.cpp does, the rest do not
         # measured (IQ4_NL, IQ4_XS, Q2_K, Q3_K_M, Q4_1, Q5_0, Q5_1 with a Q6_K output): ours -
         # dequantized 0.35..1.1x llama.cpp's error, ours - llama.cpp 0.97..1.11x
