@@ -2,6 +2,7 @@
 #include "alloc.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +14,7 @@ namespace dfn {
 
 namespace {
 
-// Hot loops: DFN_MULTIVERSION (common.h) compiles them for AVX-512 / AVX2 / baseline.
+// Hot loops: DFN_MULTIVERSION (cpu_isa.h) compiles them for AVX-512 / AVX2 / baseline.
 
 // The state update of one token, shared word for word by the forward kernels and replay: an
 // explicit fmaf so every build and clone rounds it the same way. This is what makes a replayed
@@ -23,10 +24,11 @@ namespace {
 // One token on one head, row by row (row j of M is column j of S, contiguous in k):
 //   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
 // The decay is folded into the row pass: one sweep over the state per token.
-DFN_MULTIVERSION
-void forward_token(float * __restrict M, const float * __restrict k, const float * __restrict q,
-                   const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
-                   float scale, int64_t S) {
+DFN_MULTIVERSION(void, forward_token,
+                 (float * __restrict M, const float * __restrict k, const float * __restrict q,
+                  const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
+                  float scale, int64_t S),
+                 (M, k, q, v, u, o, eg, beta, scale, S)) {
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
         float d = 0.0f;
@@ -46,8 +48,9 @@ void forward_token(float * __restrict M, const float * __restrict k, const float
 }
 
 // S = e S + k u^T on one head: forward_token's state update without the dot products.
-DFN_MULTIVERSION
-void replay_token(float * __restrict M, const float * __restrict k, const float * __restrict u, float eg, int64_t S) {
+DFN_MULTIVERSION(void, replay_token,
+                 (float * __restrict M, const float * __restrict k, const float * __restrict u, float eg, int64_t S),
+                 (M, k, u, eg, S)) {
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
         const float uj = u[j];
