@@ -72,9 +72,7 @@ DFN_MULTIVERSION(float, softmax_num, (float * __restrict s, int64_t n, float m),
             acc[l] += p;
         }
     }
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
+    return sum16(acc);
 }
 
 // o = sum_j p[j] v[j] over the keys in order (o zeroed first; keys with p = 0 skipped).

@@ -3,6 +3,7 @@
 
 #include "common.h"
 #include "cpu_isa.h"
+#include "vmath.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,27 +24,40 @@ namespace {
 
 // One token on one head, row by row (row j of M is column j of S, contiguous in k):
 //   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
-// The decay is folded into the row pass: one sweep over the state per token.
+// The decay is folded into the row pass: one sweep over the state per token. The dot products
+// run in one fixed order on every ISA: 16 lanes, element i on lane i % 16 (an fmaf chain), then
+// sum16; gdn_tape.cpp is built with -ffp-contract=off, so nothing else is fused either.
 DFN_MULTIVERSION(void, forward_token,
                  (float * __restrict M, const float * __restrict k, const float * __restrict q,
                   const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
                   float scale, int64_t S),
                  (M, k, q, v, u, o, eg, beta, scale, S)) {
+    const int64_t S16 = S / 16 * 16;
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
-        float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-        for (int64_t i = 0; i < S; ++i) d += row[i] * k[i];
-        const float uj = beta * (v[j] - eg * d);
-        float od = 0.0f;
-#pragma omp simd reduction(+ : od)
-        for (int64_t i = 0; i < S; ++i) {
+        float dl[16] = {};
+        for (int64_t i0 = 0; i0 < S16; i0 += 16) {
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) dl[l] = fmaf(row[i0 + l], k[i0 + l], dl[l]);
+        }
+        for (int64_t i = S16; i < S; ++i) dl[i - S16] = fmaf(row[i], k[i], dl[i - S16]);
+        const float uj = beta * (v[j] - eg * sum16(dl));
+        float ol[16] = {};
+        for (int64_t i0 = 0; i0 < S16; i0 += 16) {
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) {
+                const float x = DFN_GDN_UPDATE(row, i0 + l, uj, k, eg);
+                row[i0 + l] = x;
+                ol[l] = fmaf(x, q[i0 + l], ol[l]);
+            }
+        }
+        for (int64_t i = S16; i < S; ++i) {
             const float x = DFN_GDN_UPDATE(row, i, uj, k, eg);
             row[i] = x;
-            od += x * q[i];
+            ol[i - S16] = fmaf(x, q[i], ol[i - S16]);
         }
         u[j] = uj;
-        o[j] = od * scale;
+        o[j] = sum16(ol) * scale;
     }
 }
 

@@ -1,4 +1,4 @@
-// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp, conv.cpp). Inline, so
+// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp, conv.cpp, gdn_tape.cpp). Inline, so
 // each multiversioned caller compiles it for its own instruction set and vectorises it.
 #pragma once
 
@@ -28,6 +28,14 @@ inline float exp_neg(float x) {
 inline float silu_fast(float x) {
     const float e = exp_neg(x >= 0.0f ? -x : x);
     return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+// The sum of 16 lanes by a fixed tree (i + 8, then i + 4, i + 2, i + 1): the last step of the
+// kernels' fixed-order sums (16 lanes, each an in-order chain), the same bits on every ISA.
+inline float sum16(float * acc) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
 }
 
 }  // namespace dfn
