@@ -129,8 +129,9 @@ def llama_amx_off(force: bool = False) -> bool:
     Returns whether it did; the benchmarks record it, since llama.cpp's prefill then runs without AMX."""
     import llama_cpp.llama_cpp as L
 
-    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()):
-        return False
+    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()
+                      or "AMX_INT8 = 1" not in L.llama_print_system_info().decode(errors="replace")):
+        return False  # no AMX in the CPU, or none in this ggml (bench/isa_env.py's AVX2-only build)
     if not getattr(L.llama_model_default_params, "_dfn_amx_off", False):
         default = L.llama_model_default_params
 

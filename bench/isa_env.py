@@ -109,9 +109,9 @@ def ensure_package(venv: Path, rebuild: bool) -> None:
 PROBE = r"""
 import json, llama_cpp
 from dflash_native import _core
-libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l or 'libllama' in l})
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if any(n in l for n in ('libggml', 'libllama', 'libdflash'))})
 print(json.dumps({'system_info': llama_cpp.llama_print_system_info().decode(), 'libs': libs,
-                  'isa': _core.testing.matmul_isa()}))
+                  'isa': _core.isa()}))
 """
 
 
