@@ -154,11 +154,18 @@ def prepare_files(bench_args: list[str]) -> None:
     ap.add_argument("--moe", action="store_true")
     a, _ = ap.parse_known_args(bench_args)
     sys.path.insert(0, str(ROOT / "bench"))
-    from _common import bench_target, cached_typed_gguf
+    from _common import CACHE as BENCH_CACHE, bench_target, cached_typed_gguf
 
     name, arch, shape = bench_target(a.moe, a.tiny)
     for t in a.outtypes.split(","):
-        print(f"[isa_env] {cached_typed_gguf(name, arch, t, **shape)}", flush=True)
+        path = BENCH_CACHE / f"{name}-{t}-s0.gguf"  # _common.cached_gguf's name
+        if not path.exists():
+            try:
+                import dflash_native  # noqa: F401
+            except ImportError:
+                sys.path.insert(0, str(ROOT / "python"))  # this checkout's dev build (tools/devbuild.sh)
+            path = cached_typed_gguf(name, arch, t, **shape)
+        print(f"[isa_env] {path}", flush=True)
 
 
 def main() -> int:
