@@ -25,39 +25,55 @@ namespace {
 // One token on one head, row by row (row j of M is column j of S, contiguous in k):
 //   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
 // The decay is folded into the row pass: one sweep over the state per token. The dot products
-// run in one fixed order on every ISA: 16 lanes, element i on lane i % 16 (an fmaf chain), then
-// sum16; gdn_tape.cpp is built with -ffp-contract=off, so nothing else is fused either.
+// run in one fixed order on every ISA: 32 lanes in two vectors of 16 (two independent chains keep
+// the FMA units busy), element i on lane i % 32 as an fmaf chain, then lane l + 16 added to lane
+// l and sum16; gdn_tape.cpp is built with -ffp-contract=off, so nothing else is fused either.
+struct lanes32 {
+    float a[16] = {}, b[16] = {};  // lanes 0..15, 16..31
+    float & operator[](int64_t l) { return l < 16 ? a[l] : b[l - 16]; }
+    float sum() {
+        for (int l = 0; l < 16; ++l) a[l] += b[l];
+        return sum16(a);
+    }
+};
+
 DFN_MULTIVERSION(void, forward_token,
                  (float * __restrict M, const float * __restrict k, const float * __restrict q,
                   const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
                   float scale, int64_t S),
                  (M, k, q, v, u, o, eg, beta, scale, S)) {
-    const int64_t S16 = S / 16 * 16;
+    const int64_t S32 = S / 32 * 32;
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
-        float dl[16] = {};
-        for (int64_t i0 = 0; i0 < S16; i0 += 16) {
-#pragma omp simd
-            for (int l = 0; l < 16; ++l) dl[l] = fmaf(row[i0 + l], k[i0 + l], dl[l]);
-        }
-        for (int64_t i = S16; i < S; ++i) dl[i - S16] = fmaf(row[i], k[i], dl[i - S16]);
-        const float uj = beta * (v[j] - eg * sum16(dl));
-        float ol[16] = {};
-        for (int64_t i0 = 0; i0 < S16; i0 += 16) {
+        lanes32 d;
+        for (int64_t i0 = 0; i0 < S32; i0 += 32) {
 #pragma omp simd
             for (int l = 0; l < 16; ++l) {
-                const float x = DFN_GDN_UPDATE(row, i0 + l, uj, k, eg);
-                row[i0 + l] = x;
-                ol[l] = fmaf(x, q[i0 + l], ol[l]);
+                d.a[l] = fmaf(row[i0 + l], k[i0 + l], d.a[l]);
+                d.b[l] = fmaf(row[i0 + 16 + l], k[i0 + 16 + l], d.b[l]);
             }
         }
-        for (int64_t i = S16; i < S; ++i) {
+        for (int64_t i = S32; i < S; ++i) d[i - S32] = fmaf(row[i], k[i], d[i - S32]);
+        const float uj = beta * (v[j] - eg * d.sum());
+        lanes32 od;
+        for (int64_t i0 = 0; i0 < S32; i0 += 32) {
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) {
+                const float x0 = DFN_GDN_UPDATE(row, i0 + l, uj, k, eg);
+                const float x1 = DFN_GDN_UPDATE(row, i0 + 16 + l, uj, k, eg);
+                row[i0 + l] = x0;
+                row[i0 + 16 + l] = x1;
+                od.a[l] = fmaf(x0, q[i0 + l], od.a[l]);
+                od.b[l] = fmaf(x1, q[i0 + 16 + l], od.b[l]);
+            }
+        }
+        for (int64_t i = S32; i < S; ++i) {
             const float x = DFN_GDN_UPDATE(row, i, uj, k, eg);
             row[i] = x;
-            ol[i - S16] = fmaf(x, q[i], ol[i - S16]);
+            od[i - S32] = fmaf(x, q[i], od[i - S32]);
         }
         u[j] = uj;
-        o[j] = sum16(ol) * scale;
+        o[j] = od.sum() * scale;
     }
 }
 
