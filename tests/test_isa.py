@@ -163,14 +163,15 @@ print('alive')
 
 def test_set_isa(pairs):
     """dflash_native.set_isa in-process: the description, the same tokens as uncapped, bad names."""
-    best = _core.testing.matmul_isas()[0]
+    levels = _core.testing.matmul_isas()  # this CPU's, best first (under a cap: those at or below it)
+    best = levels[0]
     case = next(p for p in pairs if p["name"] == "hybrid-q4_k_m")
     eng = dn.Engine(case["target"], drafter=case["drafter"], block_size=BLOCK, n_ctx=96, n_threads=2, gate=False)
     prompt = [5, 17, 99, 3, 250, 41]
     try:
         want = eng.generate(prompt, max_tokens=16)
         assert want.stats.isa == dn.isa() == best
-        for isa in _core.testing.matmul_isas():
+        for isa in levels:
             dn.set_isa(ENV_NAME[isa].upper())  # names are case-insensitive
             got = eng.generate(prompt, max_tokens=16)
             assert got.tokens == want.tokens
@@ -178,7 +179,8 @@ def test_set_isa(pairs):
         for bad, msg in (("avx1024", "is not an instruction set"), (3, "takes a str or None")):
             with pytest.raises(ValueError, match=msg):
                 dn.set_isa(bad)
-        assert dn.isa() == (best if len(_core.testing.matmul_isas()) == 1 else "portable (capped)")  # the last set
+        assert dn.isa() == (best if len(levels) == 1 else "portable (capped)")  # the last one set
+        assert _core.testing.matmul_isas() == ["portable"]  # the explicit-ISA kernels follow the cap
     finally:
         dn.set_isa(None)
     assert dn.isa() == best
