@@ -24,6 +24,7 @@ is made first by this interpreter (the converter needs torch, the venv has none)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -99,8 +100,10 @@ def ensure_package(venv: Path, rebuild: bool) -> None:
         return
     # no build isolation: an isolated build would fetch and build llama-cpp-python natively again;
     # DFLASH_NATIVE_BUNDLE_GGML=OFF: _core loads the venv's libggml beside llama_cpp (one copy for both engines)
+    # one CMake build folder per checkout (a CMake cache belongs to one source folder), kept: rebuilds are incremental
+    build_dir = venv / f"dfn-build-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:10]}"
     run([py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--force-reinstall",
-         "-C", f"build-dir={venv / 'dfn-build'}", "-C", "cmake.define.DFLASH_NATIVE_BUNDLE_GGML=OFF", ROOT],
+         "-C", f"build-dir={build_dir}", "-C", "cmake.define.DFLASH_NATIVE_BUNDLE_GGML=OFF", ROOT],
         env=clean_env())
     run([py, "-m", "pip", "install", "-q", "numpy>=1.24", "gguf>=0.17", "jinja2>=3.0"], env=clean_env())
     stamp.write_text(json.dumps(want))
