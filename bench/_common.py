@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -85,11 +86,26 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, ISA {isa()}"
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, ISA {isa()}, ggml {ggml_isa()}"
+
+
+def ggml_isa() -> str:
+    """The x86 / vector features the ggml both engines load was built with (llama.cpp's system
+    info: "AVX AVX2 F16C FMA ..."; the dev env's -march=native ggml lists AVX512 here, the
+    AVX2-only one of bench/isa_env.py does not); "unknown" without llama_cpp."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return "unknown"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    on = [f for f, v in re.findall(r"(\w+) = (\d+)", info) if v == "1" and f.startswith(("SSE", "AVX", "F16C", "FMA",
+                                                                                              "AMX", "NEON", "SVE"))]
+    return " ".join(on) or "no vector features"
 
 
 def isa() -> str:
-    """The engine's matmul ISA and the CPU's vector flags (what the numbers depend on)."""
+    """The ISA the engine's own kernels run ("avx2 (capped)" under DFLASH_NATIVE_ISA=avx2:
+    bench/isa_env.py) and the CPU's vector flags (what the numbers depend on)."""
     from dflash_native import _core
 
     flags: set[str] = set()
@@ -102,7 +118,7 @@ def isa() -> str:
         pass
     keep = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile")
             if f in flags]
-    return f"{_core.testing.matmul_isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
+    return f"{_core.isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
 def llama_amx_off(force: bool = False) -> bool:
@@ -113,8 +129,9 @@ def llama_amx_off(force: bool = False) -> bool:
     Returns whether it did; the benchmarks record it, since llama.cpp's prefill then runs without AMX."""
     import llama_cpp.llama_cpp as L
 
-    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()):
-        return False
+    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()
+                      or "AMX_INT8 = 1" not in L.llama_print_system_info().decode(errors="replace")):
+        return False  # no AMX in the CPU, or none in this ggml (bench/isa_env.py's AVX2-only build)
     if not getattr(L.llama_model_default_params, "_dfn_amx_off", False):
         default = L.llama_model_default_params
 

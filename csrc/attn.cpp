@@ -2,6 +2,7 @@
 #include "alloc.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 #include "matmul.h"
 #include "vmath.h"
 
@@ -43,8 +44,10 @@ void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
 
 // s[j] = sum_d q[d] kT[d][j] for j < n (n a multiple of 64): 64 keys at a time, each key's sum
 // one fma chain over d in order, so its bits depend on nothing else.
-DFN_MULTIVERSION
-void scores(const float * __restrict q, const float * __restrict kT, float * __restrict s, int64_t hd, int64_t n) {
+DFN_MULTIVERSION(void, scores,
+                 (const float * __restrict q, const float * __restrict kT, float * __restrict s, int64_t hd,
+                  int64_t n),
+                 (q, kT, s, hd, n)) {
     for (int64_t j0 = 0; j0 < n; j0 += 64) {
         float acc[64] = {};
         for (int64_t d = 0; d < hd; ++d) {
@@ -58,8 +61,7 @@ void scores(const float * __restrict q, const float * __restrict kT, float * __r
 }
 
 // p[j] = exp(s[j] - m) (0 where s[j] = -inf); returns their sum in 16 lanes, then a fixed tree.
-DFN_MULTIVERSION
-float softmax_num(float * __restrict s, int64_t n, float m) {
+DFN_MULTIVERSION(float, softmax_num, (float * __restrict s, int64_t n, float m), (s, n, m)) {
     float acc[16] = {};
     for (int64_t j0 = 0; j0 < n; j0 += 16) {  // n is a multiple of 16
 #pragma omp simd
@@ -70,14 +72,14 @@ float softmax_num(float * __restrict s, int64_t n, float m) {
             acc[l] += p;
         }
     }
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
+    return sum16(acc);
 }
 
 // o = sum_j p[j] v[j] over the keys in order (o zeroed first; keys with p = 0 skipped).
-DFN_MULTIVERSION
-void pv(float * __restrict o, const float * __restrict p, const float * __restrict v, int64_t n_kv, int64_t hd) {
+DFN_MULTIVERSION(void, pv,
+                 (float * __restrict o, const float * __restrict p, const float * __restrict v, int64_t n_kv,
+                  int64_t hd),
+                 (o, p, v, n_kv, hd)) {
     std::memset(o, 0, hd * sizeof(float));
     for (int64_t j = 0; j < n_kv; ++j) {
         const float a = p[j];
@@ -91,9 +93,10 @@ void pv(float * __restrict o, const float * __restrict p, const float * __restri
 // The softmax sum and P.V over the kept keys only, gathered to indices 0..n_kept-1 (the AR
 // step's indices for a tree node: attn.h). Returns the sum; o as pv() leaves it: each element
 // the same fmaf chain over the same keys in the same order.
-DFN_MULTIVERSION
-float gathered_softmax_pv(float * o, const float * s, float * sg, const int64_t * kept, int64_t n_kept, float m,
-                          const float * vf, int64_t hd) {
+DFN_MULTIVERSION(float, gathered_softmax_pv,
+                 (float * o, const float * s, float * sg, const int64_t * kept, int64_t n_kept, float m,
+                  const float * vf, int64_t hd),
+                 (o, s, sg, kept, n_kept, m, vf, hd)) {
     const int64_t n16 = (n_kept + 15) / 16 * 16;
     for (int64_t k = 0; k < n_kept; ++k) sg[k] = s[kept[k]];
     for (int64_t k = n_kept; k < n16; ++k) sg[k] = -INFINITY;  // exact zeros in the sum

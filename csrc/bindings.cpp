@@ -7,6 +7,7 @@
 #include "common.h"
 #include "ggml-cpu.h"
 #include "conv.h"
+#include "cpu_isa.h"
 #include "matmul.h"
 #include "profile.h"
 #include "sampler.h"
@@ -128,6 +129,12 @@ void bind_module_info(py::module_ & m) {
     }, "CUDA kernels compiled in and a device usable");
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
+    m.def("isa", [] { return isa_description(); },
+          "The instruction set the package's own CPU kernels run ('avx512f', 'avx2' or 'portable'; "
+          "' (capped)' when DFLASH_NATIVE_ISA or set_isa holds it below the CPU's best)");
+    m.def("set_isa", [](const std::string & name) { set_isa_cap(name); }, py::arg("name"),
+          "Cap the own kernels' instruction set: 'avx512', 'avx2', 'portable', or '' for the CPU's best");
+    m.def("isa_check", [] { isa_check(); }, "Raise ValueError when DFLASH_NATIVE_ISA is not one this CPU runs");
 
     // What Python reads from a GGUF before (or besides) loading it, through the same checked parser.
     m.def(
@@ -779,6 +786,8 @@ void bind_testing_kernels(py::module_ & t) {
         },
         py::arg("W"), py::arg("x"), py::arg("type"));
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
+    t.def("pretend_cpu_isa", [](const std::string & name) { testing_pretend_cpu_best(name); }, py::arg("name"),
+          "Treat the CPU's best instruction set as `name` ('' undoes it): the ISA checks on a CPU that has every level");
     t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
     t.def(
         "top1",

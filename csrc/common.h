@@ -41,14 +41,12 @@ void core_log_callback(ggml_log_level level, const char * text, void * user);
 
 }  // namespace dfn
 
-// GCC on x86-64: where the CPU kernels pick AVX-512 / AVX2 / baseline code at load time (the
-// package is built once for every x86-64 machine, so -march=native is not an option).
+// GCC on x86-64: where the CPU kernels pick AVX-512 / AVX2 / baseline code at run time
+// (cpu_isa.h: the level in use, DFN_MULTIVERSION).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DFN_X86_GCC 1
-#define DFN_MULTIVERSION __attribute__((target_clones("avx512f", "arch=haswell", "default")))
 #else
 #define DFN_X86_GCC 0
-#define DFN_MULTIVERSION
 #endif
 
 // Throw input_error with "[where] message" when cond is false.

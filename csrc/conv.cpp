@@ -2,6 +2,7 @@
 #include "alloc.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 #include "vmath.h"
 
 #include "ggml-backend.h"
@@ -13,8 +14,7 @@ namespace dfn {
 
 namespace {
 
-DFN_MULTIVERSION
-void silu_rows(float * __restrict y, int64_t n) {
+DFN_MULTIVERSION(void, silu_rows, (float * __restrict y, int64_t n), (y, n)) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) y[i] = silu_fast(y[i]);
 }
@@ -25,8 +25,10 @@ void silu_rows(float * __restrict y, int64_t n) {
 // only, whatever the vector width. in[j]: window element j's row of nc channels (the state's
 // transposed column, or an input row); wT: the weights transposed, [d_conv][nc]. The chain and
 // tree kernels both call it, so a tree node's sum is its path's AR sum.
-DFN_MULTIVERSION
-void conv_row(float * __restrict out, const float * const * in, const float * __restrict wT, int64_t nc, int64_t d_conv) {
+DFN_MULTIVERSION(void, conv_row,
+                 (float * __restrict out, const float * const * in, const float * __restrict wT, int64_t nc,
+                  int64_t d_conv),
+                 (out, in, wT, nc, d_conv)) {
 #pragma omp simd
     for (int64_t c = 0; c < nc; ++c) {
         float s = 0.0f;

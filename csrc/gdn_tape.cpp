@@ -2,6 +2,8 @@
 #include "alloc.h"
 
 #include "common.h"
+#include "cpu_isa.h"
+#include "vmath.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +15,7 @@ namespace dfn {
 
 namespace {
 
-// Hot loops: DFN_MULTIVERSION (common.h) compiles them for AVX-512 / AVX2 / baseline.
+// Hot loops: DFN_MULTIVERSION (cpu_isa.h) compiles them for AVX-512 / AVX2 / baseline.
 
 // The state update of one token, shared word for word by the forward kernels and replay: an
 // explicit fmaf so every build and clone rounds it the same way. This is what makes a replayed
@@ -22,32 +24,63 @@ namespace {
 
 // One token on one head, row by row (row j of M is column j of S, contiguous in k):
 //   d = S_j . k;  u_j = beta (v_j - e d);  S_j = e S_j + u_j k;  o_j = S_j . q / sqrt(S)
-// The decay is folded into the row pass: one sweep over the state per token.
-DFN_MULTIVERSION
-void forward_token(float * __restrict M, const float * __restrict k, const float * __restrict q,
-                   const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
-                   float scale, int64_t S) {
+// The decay is folded into the row pass: one sweep over the state per token. The dot products
+// run in one fixed order on every ISA: 32 lanes in two vectors of 16 (two independent chains keep
+// the FMA units busy), element i on lane i % 32 as an fmaf chain, then lane l + 16 added to lane
+// l and sum16; gdn_tape.cpp is built with -ffp-contract=off, so nothing else is fused either.
+struct lanes32 {
+    float a[16] = {}, b[16] = {};  // lanes 0..15, 16..31
+    float & operator[](int64_t l) { return l < 16 ? a[l] : b[l - 16]; }
+    float sum() {
+        for (int l = 0; l < 16; ++l) a[l] += b[l];
+        return sum16(a);
+    }
+};
+
+DFN_MULTIVERSION(void, forward_token,
+                 (float * __restrict M, const float * __restrict k, const float * __restrict q,
+                  const float * __restrict v, float * __restrict u, float * __restrict o, float eg, float beta,
+                  float scale, int64_t S),
+                 (M, k, q, v, u, o, eg, beta, scale, S)) {
+    const int64_t S32 = S / 32 * 32;
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
-        float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-        for (int64_t i = 0; i < S; ++i) d += row[i] * k[i];
-        const float uj = beta * (v[j] - eg * d);
-        float od = 0.0f;
-#pragma omp simd reduction(+ : od)
-        for (int64_t i = 0; i < S; ++i) {
+        lanes32 d;
+        for (int64_t i0 = 0; i0 < S32; i0 += 32) {
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) {
+                d.a[l] = fmaf(row[i0 + l], k[i0 + l], d.a[l]);
+                d.b[l] = fmaf(row[i0 + 16 + l], k[i0 + 16 + l], d.b[l]);
+            }
+        }
+        for (int64_t i = S32; i < S; ++i) d[i - S32] = fmaf(row[i], k[i], d[i - S32]);
+        const float uj = beta * (v[j] - eg * d.sum());
+        lanes32 od;
+        for (int64_t i0 = 0; i0 < S32; i0 += 32) {
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) {
+                const float x0 = DFN_GDN_UPDATE(row, i0 + l, uj, k, eg);
+                const float x1 = DFN_GDN_UPDATE(row, i0 + 16 + l, uj, k, eg);
+                row[i0 + l] = x0;
+                row[i0 + 16 + l] = x1;
+                od.a[l] = fmaf(x0, q[i0 + l], od.a[l]);
+                od.b[l] = fmaf(x1, q[i0 + 16 + l], od.b[l]);
+            }
+        }
+        for (int64_t i = S32; i < S; ++i) {
             const float x = DFN_GDN_UPDATE(row, i, uj, k, eg);
             row[i] = x;
-            od += x * q[i];
+            od[i - S32] = fmaf(x, q[i], od[i - S32]);
         }
         u[j] = uj;
-        o[j] = od * scale;
+        o[j] = od.sum() * scale;
     }
 }
 
 // S = e S + k u^T on one head: forward_token's state update without the dot products.
-DFN_MULTIVERSION
-void replay_token(float * __restrict M, const float * __restrict k, const float * __restrict u, float eg, int64_t S) {
+DFN_MULTIVERSION(void, replay_token,
+                 (float * __restrict M, const float * __restrict k, const float * __restrict u, float eg, int64_t S),
+                 (M, k, u, eg, S)) {
     for (int64_t j = 0; j < S; ++j) {
         float * __restrict row = M + j * S;
         const float uj = u[j];

@@ -4,6 +4,7 @@
 #include "matmul_q8.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 
 #include "ggml-backend.h"
 
@@ -268,18 +269,11 @@ namespace isa_avx512vnni {
 
 namespace {
 
-enum class isa { portable, avx2, avx512 };
+// portable < avx2 < avx512 (VNNI integer sums on the AVX-512 path where the CPU has them)
+using isa = isa_level;
 
-isa detect() {
-#if DFN_X86_GCC
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return isa::avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return isa::avx2;
-#endif
-    return isa::portable;
-}
-
-const isa k_isa = detect();
+// The level matmul_op runs: the CPU's best, capped by DFLASH_NATIVE_ISA / set_isa (cpu_isa.h).
+isa detect() { return isa_in_use(); }
 
 template <typename TW>
 void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t K,
@@ -391,7 +385,7 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
         ldx = ld;
     }
     // false: no dequantization scratch (noted; the graph runner throws it after the compute)
-    rows_on(k_isa, W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
+    rows_on(detect(), W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
             N, r0, r1);
 }
 
@@ -410,7 +404,7 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     DFN_REQUIRE(matmul_weight_type(w_type), "matmul", "weight type ", ggml_type_name(w_type), " is not one the kernel takes");
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
-    isa use = k_isa;
+    isa use = detect();
     const bool no_vnni = which == "avx512f-novnni";
     if (!which.empty()) {
         const std::vector<std::string> ok = matmul_isas();
@@ -422,12 +416,12 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path, no_vnni)) throw_kernel_oom("matmul");
 }
 
-const char * matmul_isa() { return isa_name(k_isa); }
+const char * matmul_isa() { return isa_name(detect()); }
 
 std::vector<std::string> matmul_isas() {
     std::vector<std::string> out;
     for (isa i : {isa::avx512, isa::avx2, isa::portable}) {
-        if (i <= k_isa) out.push_back(isa_name(i));
+        if (i <= detect()) out.push_back(isa_name(i));
     }
     return out;
 }

@@ -1,6 +1,7 @@
 #include "sampler.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 #include "top1.h"
 
 #include <algorithm>
@@ -158,8 +159,9 @@ double prune_gumbel() {
 
 // noise_bits(seed, pos, tokens[j]) for j < n: the same Philox rounds as philox4x32_10, written
 // over a block of tokens so that the compiler runs them in vector lanes (the draw's main cost).
-DFN_MULTIVERSION
-void noise_bits_block(uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out) {
+DFN_MULTIVERSION(void, noise_bits_block,
+                 (uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out),
+                 (seed, pos, tokens, n, out)) {
     const uint32_t p0 = (uint32_t) (uint64_t) pos, p1 = (uint32_t) ((uint64_t) pos >> 32);
     const uint32_t key0 = (uint32_t) seed, key1 = (uint32_t) (seed >> 32);
     for (int64_t j = 0; j < n; ++j) {

@@ -1,6 +1,7 @@
 #include "session.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 #include "gdn_tape.h"
 #ifdef DFN_CUDA
 #include "cuda/gdn_tape_cuda.h"
@@ -22,6 +23,7 @@ static const char * W = "decode";
 
 target_session::target_session(const std::string & path, const session_params & params) : params_(params) {
     install_ggml_log();
+    isa_check();  // a bad DFLASH_NATIVE_ISA raises here, before any kernel runs
     DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
     DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
     DFN_REQUIRE(params.n_threads >= 0 && params.n_threads <= GGML_MAX_N_THREADS, "engine",

@@ -1,6 +1,7 @@
 #include "top1.h"
 
 #include "common.h"
+#include "cpu_isa.h"
 #include "vmath.h"
 
 #include <cmath>
@@ -15,8 +16,7 @@ namespace {
 // The row's maximum, and in the same pass whether every element is finite: l - l is 0 for a
 // finite l and NaN for inf or NaN, so the sum stays 0 exactly when the row is finite (the max
 // alone would skip a NaN).
-DFN_MULTIVERSION
-float max_of(const float * l, int64_t n, bool & finite) {
+DFN_MULTIVERSION(float, max_of, (const float * l, int64_t n, bool & finite), (l, n, finite)) {
     float mx = l[0];
     float z = 0.0f;
 #pragma omp simd reduction(max : mx) reduction(+ : z)
@@ -28,12 +28,17 @@ float max_of(const float * l, int64_t n, bool & finite) {
     return mx;
 }
 
-DFN_MULTIVERSION
-float sum_exp(const float * l, int64_t n, float mx) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < n; ++j) s += exp_neg(l[j] - mx);
-    return s;
+// sum_j exp(l[j] - mx) in a fixed order (16 lanes, element j on lane j % 16, then sum16): the
+// same bits on every ISA (a vector reduction's order would follow the vector width).
+DFN_MULTIVERSION(float, sum_exp, (const float * l, int64_t n, float mx), (l, n, mx)) {
+    float acc[16] = {};
+    int64_t j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) {
+#pragma omp simd
+        for (int c = 0; c < 16; ++c) acc[c] += exp_neg(l[j0 + c] - mx);
+    }
+    for (int c = 0; j0 + c < n; ++c) acc[c] += exp_neg(l[j0 + c] - mx);
+    return sum16(acc);
 }
 
 void top1_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {

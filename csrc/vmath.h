@@ -1,4 +1,4 @@
-// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp, conv.cpp). Inline, so
+// Small vectorisable math shared by our CPU kernels (top1.cpp, attn.cpp, conv.cpp, gdn_tape.cpp). Inline, so
 // each multiversioned caller compiles it for its own instruction set and vectorises it.
 #pragma once
 
@@ -28,6 +28,28 @@ inline float exp_neg(float x) {
 inline float silu_fast(float x) {
     const float e = exp_neg(x >= 0.0f ? -x : x);
     return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+// The sum of 16 lanes by a fixed tree (i + 8, then i + 4, i + 2, i + 1): the last step of the
+// kernels' fixed-order sums (16 lanes, each an in-order chain), the same bits on every ISA. Written
+// on GCC vectors so that each clone reduces in registers (halves of a zmm / ymm / xmm), not on the
+// stack one float at a time.
+inline float sum16(const float * acc) {
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+    typedef float v16 __attribute__((vector_size(64), aligned(4)));
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const v16 v = *(const v16 *) acc;
+    const v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#else
+    float s8[8], s4[4];
+    for (int l = 0; l < 8; ++l) s8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
 }
 
 }  // namespace dfn

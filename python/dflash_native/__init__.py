@@ -17,6 +17,23 @@ def gpu_available() -> bool:
     return bool(_core.gpu_available())
 
 
+def isa() -> str:
+    """The instruction set the package's own CPU kernels (matmul, attention, GDN, conv, sampling)
+    run: "avx512f", "avx2" or "portable", the CPU's best unless capped, then with " (capped)"
+    ("avx2 (capped)"). ggml's own kernels run the ISA ggml was built for."""
+    return _core.isa()
+
+
+def set_isa(name: str | None) -> None:
+    """Cap the own kernels' instruction set at "avx512", "avx2" or "portable" (None or "": the
+    CPU's best), overriding the DFLASH_NATIVE_ISA environment variable (read once, at the first
+    kernel or engine). Output is the same bits at every level; only speed differs. ValueError for
+    an unknown name or one this CPU lacks."""
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"[isa] set_isa takes a str or None, got {type(name).__name__}")
+    _core.set_isa(name or "")
+
+
 def accept_prefix(draft, target) -> list[int]:
     """Committed tokens of one chain-verify round.
 
@@ -78,6 +95,8 @@ __all__ = [
     "get_include",
     "get_library_dir",
     "gpu_available",
+    "isa",
     "quantize",
+    "set_isa",
     "__version__",
 ]

@@ -39,6 +39,9 @@ class GenerationStats:
     ar_steps: int = 0
     controller_switches: int = 0
     seed: int | None = None  # the sampling seed (drawn when generate got seed=None); None when greedy
+    # the instruction set the own CPU kernels ran (dflash_native.isa(): "avx512f", "avx2", "portable",
+    # "... (capped)" under DFLASH_NATIVE_ISA / set_isa), so that timings from different ISAs are never mixed
+    isa: str = ""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -607,7 +610,7 @@ class _Run:
         sampled = sampling is not None and sampling.temperature > 0
         self.cache_prompt = cache_prompt  # Engine.generate(cache_prompt=...): continue / leave a held sequence
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
-                                     seed=sampling.seed if sampled else None)
+                                     seed=sampling.seed if sampled else None, isa=_core.isa())
         self.want_lp = sampling is not None and sampling.logprobs >= 0
         self.out: list[int] = []
         self.lps: list[TokenLogprobs] = []  # one per token of `out` when want_lp
