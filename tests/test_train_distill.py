@@ -155,6 +155,26 @@ def test_sampled_continuations_are_reproducible_and_not_greedy(env):
     assert sum(x != o for x, o in zip(a, other)) >= 3
 
 
+def test_continuations_file_is_reused_and_continued(env, tmp_path):
+    """A file of the same prompts and plan is read (a partial one continued); another plan is
+    generated afresh."""
+    rng = np.random.default_rng(6)
+    prompts = [[int(x) for x in rng.integers(3, 400, 5)] for _ in range(4)]
+    plan = pipeline.sampling_plan(4, 0.5, [1.0])
+    f = tmp_path / "c.json"
+    full = pipeline._cached_continuations(f, env["target_gguf"], prompts, 8, plan, N_THREADS, 0, save_every=2)
+    saved = json.loads(f.read_text())
+    assert saved["sequences"] == full and saved["plan"] == plan
+    marked = full[0][:-1] + [0 if full[0][-1] else 1]  # a stopped run's first continuation, marked
+    saved["sequences"] = [marked, full[1]]
+    f.write_text(json.dumps(saved))
+    again = pipeline._cached_continuations(f, env["target_gguf"], prompts, 8, plan, N_THREADS, 0, save_every=2)
+    assert again == [marked] + full[1:]
+    greedy = pipeline._cached_continuations(f, env["target_gguf"], prompts, 8, [None] * 4, N_THREADS, 0)
+    assert greedy[0] != marked and greedy == pipeline.engine_continuations(env["target_gguf"], prompts, 8,
+                                                                          n_threads=N_THREADS)
+
+
 # ---------------------------------------------------------------------------
 # GGUF -> PyTorch
 # ---------------------------------------------------------------------------

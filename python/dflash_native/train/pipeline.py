@@ -145,18 +145,27 @@ def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_
 
 
 def _cached_continuations(path, target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                          plan: Sequence[dict | None], n_threads: int | None, log_every: int) -> list[list[int]]:
-    """engine_continuations, read from / written to the JSON file `path` (None: not kept)."""
+                          plan: Sequence[dict | None], n_threads: int | None, log_every: int,
+                          save_every: int = 16) -> list[list[int]]:
+    """engine_continuations, kept in the JSON file `path` (None: not kept): a file of the same
+    prompts and plan is read, and a partial one (a run that stopped) is continued, the file being
+    rewritten every `save_every` prompts."""
     key = {"target_gguf_size": Path(target_gguf).stat().st_size, "max_new_tokens": max_new_tokens,
            "prompts": [list(map(int, p)) for p in prompts], "plan": list(plan)}
+    seqs: list[list[int]] = []
     if path is not None and Path(path).is_file():
         saved = json.loads(Path(path).read_text())
         if {k: saved.get(k) for k in key} == key:
-            return saved["sequences"]
-    seqs = engine_continuations(target_gguf, prompts, max_new_tokens, n_threads=n_threads, sampling=plan,
-                                log_every=log_every)
-    if path is not None:
-        Path(path).write_text(json.dumps({**key, "sequences": seqs}))
+            seqs = saved["sequences"]
+    step = len(prompts) if path is None else save_every
+    while len(seqs) < len(prompts):
+        part = slice(len(seqs), min(len(seqs) + step, len(prompts)))
+        seqs += engine_continuations(target_gguf, prompts[part], max_new_tokens, n_threads=n_threads,
+                                     sampling=plan[part], log_every=0)
+        if path is not None:
+            Path(path).write_text(json.dumps({**key, "sequences": seqs}))
+        if log_every:
+            print(f"[train_drafter] engine continuations {len(seqs)}/{len(prompts)}", flush=True)
     return seqs
 
 
