@@ -47,13 +47,15 @@ def main_pair(a) -> None:
     blocks = [int(b) for b in a.blocks.split(",")]
     gen = a.gen if a.gen != 48 else 128
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
-          f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated; rev {git_rev()}")
+          f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated, gate {'off' if a.no_gate else 'on'}; "
+          f"rev {git_rev()}")
     cutoffs = [float(c) for c in a.cutoffs.split(",")]
     for mm in a.matmul.split(","):
         print(f"## matmul = {mm}")
         write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
                                          threads=a.threads, matmul=mm,
-                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps))
+                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps,
+                                         gate=not a.no_gate))
 
 
 def _fastest(runs):
@@ -180,7 +182,7 @@ def main():
     ap.add_argument("--temps", default="0.3,0.7,1.0", help="--sampling: temperatures")
     ap.add_argument("--top-p", type=float, default=0.95, help="--sampling: top_p of the sampled settings")
     ap.add_argument("--no-gate", action="store_true",
-                    help="--sampling: fixed settings (every step a round of B), so the acceptance lengths are the "
+                    help="--sampling / --pair: fixed settings (every step a round of B), so the acceptance lengths are the "
                          "drafter's and not the controller's load-dependent choices")
     ap.add_argument("--tree-budget", type=int, default=0, help="--sampling: tree verify with this budget (0: chain)")
     a = ap.parse_args()
