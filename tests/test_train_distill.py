@@ -218,8 +218,8 @@ def test_drafter_reader_refuses_a_target_file(env, tmp_path):
 
 
 def test_target_gguf_round_trip(env, tmp_path):
-    """qwen35 target GGUF -> HF checkpoint -> GGUF: the same tensors (ssm_a = -exp(A_log) within
-    1 ulp), and the re-created model's logits are the original's."""
+    """qwen35 target GGUF -> HF checkpoint -> GGUF: the same tensors bit for bit, and the
+    re-created model's logits are the original's."""
     from tokenizers import Tokenizer  # noqa: F401  (the tokenizer files travel with the checkpoint)
 
     back = target_checkpoint_from_gguf(env["target_gguf"], tmp_path / "t", tokenizer_dir=env["ckpt"])
@@ -227,12 +227,8 @@ def test_target_gguf_round_trip(env, tmp_path):
     again = convert_hf_to_gguf(back, tmp_path / "t.gguf", outtype="f32")
     a, b = _tensors(env["target_gguf"]), _tensors(again)
     assert a.keys() == b.keys()
-    for name in a:
-        x, y = np.frombuffer(a[name][1], np.float32), np.frombuffer(b[name][1], np.float32)
-        if name.endswith("ssm_a"):
-            assert (np.abs(x.view(np.int32) - y.view(np.int32)) <= 1).all(), name
-        else:
-            assert a[name] == b[name], name
+    for name in a:  # a file today's converter wrote: ssm_a too maps back exactly (from_gguf._a_log)
+        assert a[name] == b[name], name
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(back), dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     ids = torch.tensor([[5, 9, 11, 30, 2, 7, 100, 3]])

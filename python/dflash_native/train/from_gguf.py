@@ -9,7 +9,8 @@ fine-tuned without its (unkept) HF checkpoints:
   tensors bit for bit.
 - `target_checkpoint_from_gguf`: a `qwen35` target GGUF (convert.convert_hf_to_gguf) -> a
   Qwen3.5 HF checkpoint: F16 weights widened, norms stored as w + 1 back to w, ssm_a =
-  -exp(A_log) back to A_log (float64 log, rounded once), V heads untiled. The tokenizer is not in
+  -exp(A_log) back to A_log (float64 log, rounded once, or a float32 neighbour that maps back
+  exactly; converting back gives ssm_a within 1 ulp), V heads untiled. The tokenizer is not in
   it: give the tokenizer directory (train/tokenizer.train_tokenizer is deterministic).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from ..convert import _neg_exp
 from ..convert_dflash import DFLASH_ARCH, target_layer_ids_from_gguf
 from ..hf_formats import TRAINED_CONTEXT_KEY, drafter_config
 
@@ -142,20 +144,20 @@ def _untile(x: np.ndarray, axis: int, n_k: int, v_per_k: int, head_dim: int, sta
 
 
 def _a_log(ssm_a: np.ndarray) -> np.ndarray:
-    """A_log with convert._neg_exp(A_log) == ssm_a exactly: the float32 nearest log(-ssm_a), then
-    the neighbour (a few ulps either way) that maps back, where rounding makes them differ."""
+    """A_log with convert._neg_exp(A_log) == ssm_a: the float32 nearest log(-ssm_a), or a
+    neighbour within 4 ulps that maps back exactly where the nearest does not. Some ssm_a (written
+    by an older float32 exp) have no such float32: those keep the nearest, 1 ulp off on the way back."""
     a = np.log(-ssm_a.astype(np.float64)).astype(np.float32)
-    back = lambda x: (-np.exp(x.astype(np.float64))).astype(np.float32)  # noqa: E731  convert._neg_exp
-    for i in np.flatnonzero(back(a) != ssm_a):
+    for i in np.flatnonzero(_neg_exp(a) != ssm_a):
+        cands = [a[i]]
         for direction in (np.float32(-np.inf), np.float32(np.inf)):
             c = a[i]
             for _ in range(4):
                 c = np.nextafter(c, direction)
-                if back(np.array([c]))[0] == ssm_a[i]:
-                    a[i] = c
-                    break
-            if back(a[i:i + 1])[0] == ssm_a[i]:
-                break
+                cands.append(c)
+        hits = [c for c in cands if _neg_exp(np.array([c], np.float32))[0] == ssm_a[i]]
+        if hits:
+            a[i] = hits[0]
     return a
 
 
