@@ -226,7 +226,7 @@ def git_rev() -> str:
 
 def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16, prompt_tokens: int = 96,
                  gen: int = 128, threads: int = 2, seed: int = 0, label: str = "pair",
-                 matmul: str = "own", draft_vocabs=(True,), reps: int = 1) -> list[dict]:
+                 matmul: str = "own", draft_vocabs=(True,), reps: int = 1, gate: bool = True) -> list[dict]:
     """Greedy AR vs DFlash on held-out code prompts (train/corpus.heldout_prompts: stdlib files
     never trained on), one engine per block size; per prompt AR runs, then DFlash at each
     `cutoffs` value (Engine.draft_cutoff), side by side. Prints a table; returns one row per
@@ -249,7 +249,7 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for B in blocks:
         eng = dn.Engine.for_benchmark(target, drafter=drafter, block_size=B, n_ctx=prompt_tokens + gen + 2 * B + 8,
-                                      n_threads=threads, matmul=matmul)
+                                      n_threads=threads, matmul=matmul, gate=gate)
         prompts = corpus.heldout_prompts(n_prompts, prompt_tokens, eng, seed=seed)
         eng.draft_vocab = True
         n_dv = len(eng._spec.draft_vocab)  # tokens in the drafter's draft vocabulary (0: it has none)

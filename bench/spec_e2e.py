@@ -47,13 +47,15 @@ def main_pair(a) -> None:
     blocks = [int(b) for b in a.blocks.split(",")]
     gen = a.gen if a.gen != 48 else 128
     print(f"# spec_e2e --pair: {machine()}; {Path(target).name} + {Path(drafter).name}, threads={a.threads}, "
-          f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated; rev {git_rev()}")
+          f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated, gate {'off' if a.no_gate else 'on'}; "
+          f"rev {git_rev()}")
     cutoffs = [float(c) for c in a.cutoffs.split(",")]
     for mm in a.matmul.split(","):
         print(f"## matmul = {mm}")
         write_jsonl(a.json, heldout_eval(target, drafter, blocks, cutoffs=cutoffs, n_prompts=a.prompts, gen=gen,
                                          threads=a.threads, matmul=mm,
-                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps))
+                                         draft_vocabs=[v == "on" for v in a.draft_vocab.split(",")], reps=a.reps,
+                                         gate=not a.no_gate))
 
 
 def _fastest(runs):
@@ -95,12 +97,14 @@ def main_sampling(a) -> None:
     tree = dict(verify="tree", tree_budget=a.tree_budget) if a.tree_budget else {}
     verify = f"tree {a.tree_budget}" if a.tree_budget else "chain"
     print(f"# spec_e2e --sampling: {machine()}; {Path(target).name} + {Path(drafter).name}, verify {verify}, "
+          f"gate {'off' if a.no_gate else 'on'}, "
           f"threads={a.threads}, "
           f"{a.prompts} held-out prompts of ~96 tokens, {gen} generated, top_p={a.top_p}, reps={a.reps} "
           f"(fastest kept); rev {git_rev()}")
     rows = []
     for B in blocks:
-        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=96 + gen + 2 * B + 8, n_threads=a.threads, **tree)
+        eng = dn.Engine(target, drafter=drafter, block_size=B, n_ctx=96 + gen + 2 * B + 8, n_threads=a.threads,
+                        gate=not a.no_gate, **tree)
         prompts = corpus.heldout_prompts(a.prompts, 96, eng, seed=0)
         for _, kw in settings:  # warm-up: graph plans of every path
             eng.generate(prompts[0].text, max_tokens=16, speculative=False, seed=1, **kw)
@@ -138,7 +142,8 @@ def main_sampling(a) -> None:
                   f"| {ar_tok_s:.1f} | {sp_tok_s:.1f} | {speedup:.2f}x | {speedup / greedy_speedup:.2f} "
                   f"| {step_ratio:.3f} | {'-' if us is None else f'{us:.1f} us ({us * 1e-6 * greedy_ar:.1%})'} "
                   f"| {t['same']}/{len(prompts)} |")
-            rows.append({"bench": "spec_e2e_sampling", "B": B, "verify": verify, "setting": name, **kw,
+            rows.append({"bench": "spec_e2e_sampling", "B": B, "verify": verify, "gate": not a.no_gate,
+                         "setting": name, **kw,
                          "mean_acceptance_length": t["committed"] / max(t["rounds"], 1), "ar_tok_s": ar_tok_s,
                          "spec_tok_s": sp_tok_s, "speedup": speedup, "speedup_over_greedy_speedup": speedup / greedy_speedup,
                          "ar_step_over_greedy_ar_step": step_ratio, "sampler_us_per_draw": us,
@@ -176,6 +181,9 @@ def main():
     ap.add_argument("--sampling", action="store_true", help="the trained pair: greedy vs sampled settings")
     ap.add_argument("--temps", default="0.3,0.7,1.0", help="--sampling: temperatures")
     ap.add_argument("--top-p", type=float, default=0.95, help="--sampling: top_p of the sampled settings")
+    ap.add_argument("--no-gate", action="store_true",
+                    help="--sampling / --pair: fixed settings (every step a round of B), so the acceptance lengths are the "
+                         "drafter's and not the controller's load-dependent choices")
     ap.add_argument("--tree-budget", type=int, default=0, help="--sampling: tree verify with this budget (0: chain)")
     a = ap.parse_args()
     if a.sampling:

@@ -59,12 +59,24 @@ def main():
     ap.add_argument("--window", type=int, default=None, help="the drafter's attention window (default: context length)")
     ap.add_argument("--long-share", type=float, default=None,
                     help="with --context-length: the share of drafter prompts drawn long (default 1)")
+    ap.add_argument("--drafter-lr", type=float, default=3e-3)
+    ap.add_argument("--w-kl", type=float, default=0.0,
+                    help="weight of the distillation term KL(p_target || p_drafter) beside the block CE (0: CE only)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="fine-tune this drafter GGUF (e.g. the embedded one) instead of training a fresh one")
+    ap.add_argument("--sampled-share", type=float, default=0.0,
+                    help="share of the drafter's engine continuations sampled instead of greedy")
+    ap.add_argument("--sample-temperatures", default="0.7,1.0")
+    ap.add_argument("--seed", type=int, default=0, help="drafter prompts, anchors and sampling seeds")
     ap.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training and engine threads")
     ap.add_argument("--reuse-target", action="store_true",
                     help="take the tokenizer and target already in --out (a finished run) and train only the drafter")
+    ap.add_argument("--target-gguf", type=Path, default=None,
+                    help="train only the drafter, for this target GGUF (e.g. the embedded one): its HF checkpoint is "
+                         "re-created from the file (train/from_gguf.py) with the tokenizer retrained deterministically")
     ap.add_argument("--install", type=Path, default=None,
                     help="copy the pair and its recipes here as default-{target,drafter}-OUTTYPE.gguf")
     ap.add_argument("--json", type=Path, default=None)
@@ -73,7 +85,15 @@ def main():
     t_start = time.perf_counter()
     times = {}
 
-    if a.reuse_target:
+    if a.target_gguf is not None:
+        from dflash_native.train.from_gguf import target_checkpoint_from_gguf
+
+        t0 = time.perf_counter()
+        tok_dir = train_tokenizer(a.out / "tokenizer", vocab_size=4096)
+        target_dir = target_checkpoint_from_gguf(a.target_gguf, a.out / "target", tok_dir)
+        target_recipe = {"results": {}}
+        times.update(tokenizer_s=time.perf_counter() - t0, target_s=0.0)
+    elif a.reuse_target:
         target_dir = a.out / "target"
         target_recipe = json.loads((target_dir / "recipe.json").read_text())
         times.update(tokenizer_s=0.0, target_s=target_recipe["results"]["wall_s"])
@@ -88,7 +108,8 @@ def main():
                                   eval_every=max(a.target_steps // 4, 1), log_every=10)
         times["target_s"] = time.perf_counter() - t0
         target_recipe = json.loads((Path(target_dir) / "recipe.json").read_text())
-    target_gguf = dn.convert_hf_to_gguf(target_dir, a.out / f"target-{a.outtype}.gguf", outtype=a.outtype)
+    target_gguf = a.target_gguf or dn.convert_hf_to_gguf(target_dir, a.out / f"target-{a.outtype}.gguf",
+                                                         outtype=a.outtype)
     drafter_gguf = a.out / f"drafter-{a.outtype}.gguf"
 
     t0 = time.perf_counter()
@@ -99,7 +120,9 @@ def main():
         block_size=a.block_size, steps=a.drafter_steps, seqs_per_step=a.seqs_per_step,
         anchors_per_seq=a.anchors_per_seq, draft_vocab_size=a.draft_vocab, n_threads=a.threads,
         engine_threads=a.threads, log_every=100, context_length=a.context_length, window=a.window,
-        long_share=a.long_share)
+        long_share=a.long_share, lr=a.drafter_lr, w_kl=a.w_kl, init_from=a.init_from, seed=a.seed,
+        sampled_share=a.sampled_share, sample_temperatures=[float(x) for x in a.sample_temperatures.split(",")],
+        continuations_file=a.out / "continuations.json")
     times["drafter_s"] = time.perf_counter() - t0
     times["train_wall_s"] = time.perf_counter() - t_start
 
@@ -124,9 +147,11 @@ def main():
 
     if a.install is not None:
         a.install.mkdir(parents=True, exist_ok=True)
-        shutil.copy(target_gguf, a.install / f"default-target-{a.outtype}.gguf")
+        if Path(target_gguf).resolve() != (a.install / f"default-target-{a.outtype}.gguf").resolve():
+            shutil.copy(target_gguf, a.install / f"default-target-{a.outtype}.gguf")
         shutil.copy(drafter_gguf, a.install / f"default-drafter-{a.outtype}.gguf")
-        shutil.copy(Path(target_dir) / "recipe.json", a.install / "default-target-recipe.json")
+        if (Path(target_dir) / "recipe.json").is_file():
+            shutil.copy(Path(target_dir) / "recipe.json", a.install / "default-target-recipe.json")
         shutil.copy(a.out / "drafter" / "recipe.json", a.install / "default-drafter-recipe.json")
 
 

@@ -123,7 +123,10 @@ def _cmd_train_drafter(a) -> int:
                           steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every,
                           seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors_per_seq,
                           draft_vocab_size=a.draft_vocab, context_length=a.context_length, window=a.window,
-                          long_share=a.long_share,
+                          long_share=a.long_share, w_ce=a.w_ce, w_kl=a.w_kl, init_from=a.init_from,
+                          sampled_share=a.sampled_share,
+                          sample_temperatures=[float(x) for x in a.sample_temperatures.split(",") if x.strip()],
+                          sample_top_p=a.sample_top_p, continuations_file=a.continuations_file,
                           continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
     return 0
@@ -337,6 +340,19 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--long-share", type=float, default=None,
                    help="with --context-length: the share of prompts drawn long (default 1); the rest have "
                         "--prompt-tokens tokens")
+    t.add_argument("--w-ce", type=float, default=1.0, help="weight of the cross-entropy on the continuation's tokens")
+    t.add_argument("--w-kl", type=float, default=0.0,
+                   help="weight of the distillation term KL(p_target || p_drafter) at T = 1 (0: CE only)")
+    t.add_argument("--init-from", default=None,
+                   help="fine-tune this drafter (a GGUF this package wrote, or a checkpoint directory) instead of "
+                        "training a fresh one")
+    t.add_argument("--sampled-share", type=float, default=0.0,
+                   help="share of the engine continuations that are sampled instead of greedy (0..1)")
+    t.add_argument("--sample-temperatures", default="0.7,1.0",
+                   help="comma-separated temperatures the sampled continuations cycle through")
+    t.add_argument("--sample-top-p", type=float, default=0.95)
+    t.add_argument("--continuations-file", default=None,
+                   help="JSON cache of the engine continuations: reused when it matches, else written")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--log-every", type=int, default=20)

@@ -47,8 +47,8 @@ from ..hf_formats import (MASK_TOKEN_TEXT, MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_
                           drafter_config, mask_token_id_of)
 from .schedule import warmup_cosine_lr
 
-__all__ = ["DFlashDrafter", "TrainResult", "block_batch", "context_window_mask", "dflash_loss", "greedy_continuations",
-           "target_features", "train_drafter"]
+__all__ = ["DFlashDrafter", "TrainResult", "block_batch", "context_window_mask", "distill_kl", "dflash_loss",
+           "greedy_continuations", "target_features", "train_drafter"]
 
 IGNORE = -100
 
@@ -343,11 +343,15 @@ def greedy_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], ma
     return out
 
 
-def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: Sequence[int]) -> torch.Tensor:
-    """float32 [n_tokens, n_taps*H]: HF hidden_states[i + 1] for i in target_layer_ids, concatenated."""
+def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: Sequence[int], *,
+                    final: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """float32 [n_tokens, n_taps*H]: HF hidden_states[i + 1] for i in target_layer_ids, concatenated.
+    With `final`, also the final (post-norm) hidden state [n_tokens, H], whose product with the
+    lm_head is the target's logits: the soft labels of the distillation term at H floats a token."""
     with torch.no_grad():
         out = target(torch.tensor([list(tokens)], dtype=torch.long), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1][0].float() for i in target_layer_ids], -1)
+    taps = torch.cat([out.hidden_states[i + 1][0].float() for i in target_layer_ids], -1)
+    return (taps, out.hidden_states[-1][0].float()) if final else taps
 
 
 # ---------------------------------------------------------------------------
@@ -423,12 +427,29 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return w
 
 
+def distill_kl(target_logits: torch.Tensor, drafter_logits: torch.Tensor,
+               vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """[n]: KL(p_target || p_drafter) per row at temperature 1, p = softmax over the last axis of
+    logits [n, V], restricted to and renormalised over the token ids `vocab` when given (the
+    drafter's draft vocabulary: the tokens it can propose)."""
+    if vocab is not None:
+        target_logits, drafter_logits = target_logits[:, vocab], drafter_logits[:, vocab]
+    log_t = F.log_softmax(target_logits.float(), -1)
+    log_d = F.log_softmax(drafter_logits.float(), -1)
+    return (log_t.exp() * (log_t - log_d)).sum(-1)
+
+
 def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[str, torch.Tensor],
-                gamma: float | None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Position-weighted block cross-entropy over every labelled block row of
-    `batch` (from `block_batch`) given context `features` [S, L, n_taps*H].
-    Returns (loss, stats): stats has the unweighted mean CE and the top-1
-    accuracy over labelled rows."""
+                gamma: float | None, *, target_hidden: torch.Tensor | None = None, w_ce: float = 1.0,
+                w_kl: float = 0.0, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position-weighted block loss over every labelled block row of `batch` (from
+    `block_batch`) given context `features` [S, L, n_taps*H]: w_ce * CE(label) + w_kl *
+    KL(p_target || p_drafter) per row, weighted by w_i and normalised by sum w_i.
+    `target_hidden` [n, H] (needed when w_kl > 0): the target's final hidden state at the position
+    before each labelled row (row-major order of labels != IGNORE), so target_hidden @ lm_head.T
+    are the logits the target predicted that row's token with; `vocab`: see `distill_kl`.
+    Returns (loss, stats): stats has the unweighted mean CE (and KL) and the top-1 accuracy
+    over labelled rows."""
     B = drafter.block_size
     labels = batch["labels"]
     hidden = drafter.hidden(features, batch["block_tokens"], batch["block_pos"], batch["mask"], batch.get("ctx_pos"))
@@ -437,10 +458,21 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
     logits = drafter.logits(rows)
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
     w = position_weights(B, gamma).repeat(labels.shape[1] // B)[None].expand_as(labels)[valid]
-    loss = (w * ce).sum() / w.sum()
+    per_row = w_ce * ce
+    stats: dict[str, float] = {}
+    if w_kl:
+        if target_hidden is None or target_hidden.shape[0] != rows.shape[0]:
+            raise ValueError(f"[dflash_loss] w_kl > 0 needs target_hidden with one row per labelled row "
+                             f"({rows.shape[0]})")
+        with torch.no_grad():
+            target_logits = target_hidden.to(rows.dtype) @ drafter.lm_head.to(rows.dtype).T   # [n, vocab]
+        kl = distill_kl(target_logits, logits, vocab)
+        per_row = per_row + w_kl * kl
+        stats["kl"] = kl.mean().item()
+    loss = (w * per_row).sum() / w.sum()
     with torch.no_grad():
         acc = (logits.argmax(-1) == labels[valid]).float().mean().item()
-    return loss, {"ce": ce.mean().item(), "acc": acc, "n_rows": int(valid.sum())}
+    return loss, {"ce": ce.mean().item(), "acc": acc, "n_rows": int(valid.sum()), **stats}
 
 
 def draft_vocabulary(continuations: Sequence[Sequence[int]], size: int) -> list[int]:
@@ -496,18 +528,31 @@ class _Features:
     ~30 GB at 4 taps x 320 floats)."""
     rows: list[torch.Tensor]     # float32 [n_i - offsets[i], n_taps*H]
     offsets: list[int]
+    finals: list[torch.Tensor] | None = None  # float32 [n_i - offsets[i], H]: the target's final hidden state
 
     @classmethod
     def of(cls, target: nn.Module, data: Sequence[Sequence[int]], min_anchor: Sequence[int],
-           target_layer_ids: Sequence[int], window: int | None, log_every: int = 0) -> "_Features":
-        rows, offsets = [], []
+           target_layer_ids: Sequence[int], window: int | None, log_every: int = 0,
+           final: bool = False) -> "_Features":
+        """With `final`, also the final hidden states (the distillation term's soft labels)."""
+        rows, offsets, finals = [], [], []
         for i, (seq, m) in enumerate(zip(data, min_anchor)):
             off = _ctx_start([m], window)
-            rows.append(target_features(target, seq, target_layer_ids)[off:].clone())
+            taps = target_features(target, seq, target_layer_ids, final=final)
+            if final:
+                taps, last = taps
+                finals.append(last[off:].clone())
+            rows.append(taps[off:].clone())
             offsets.append(off)
             if log_every and (i + 1) % (50 * log_every) == 0:
                 print(f"[train_drafter] target taps of {i + 1}/{len(data)} sequences", flush=True)
-        return cls(rows, offsets)
+        return cls(rows, offsets, finals if final else None)
+
+    def final_at(self, i: int, positions: torch.Tensor) -> torch.Tensor:
+        """[n, H]: sequence i's final hidden states at `positions` [n]."""
+        if self.finals is None:
+            raise ValueError("[train_drafter] the target's final hidden states were not kept")
+        return self.finals[i][positions - self.offsets[i]]
 
     def window(self, i: int, start: int, n: int) -> torch.Tensor:
         """[n, n_taps*H]: sequence i's taps at positions start .. start+n-1, zero past its end."""
@@ -581,6 +626,9 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                   draft_vocab_size: int = 0,
                   context_length: int | None = None,
                   window: int | None = None,
+                  w_ce: float = 1.0,
+                  w_kl: float = 0.0,
+                  init_from: str | os.PathLike[str] | None = None,
                   log_every: int = 0) -> TrainResult:
     """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
@@ -605,12 +653,26 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     config.json records the context the drafter attended to at most, min(W, the longest
     anchor's context) (without W: the longest anchor's context), as
     dflash_config.trained_context_length: the engine's default drafter window.
+    Loss per labelled row: `w_ce` * CE(the sequence's token) + `w_kl` * KL(p_target || p_drafter),
+    the target's distribution there at T = 1 (over the draft vocabulary when there is one), from
+    the same target forward as the taps (`dflash_loss`, `distill_kl`).
+    `init_from`: start from this drafter (a GGUF this package wrote, or a checkpoint directory)
+    instead of a fresh one: its taps, layers, block size and mask token replace the arguments,
+    and its draft vocabulary is kept (joined with this data's `draft_vocab_size` most frequent
+    tokens when that is > 0).
     Returns the loss history and throughput (TrainResult).
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
     _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length, window)
+    if not (w_ce >= 0 and w_kl >= 0 and w_ce + w_kl > 0):
+        raise ValueError(f"[train_drafter] w_ce and w_kl must be >= 0, not both 0; got {w_ce!r}, {w_kl!r}")
     window = context_length if window is None else window
+    init_cfg = _init_config(init_from) if init_from is not None else None
+    if init_cfg is not None:
+        dc = init_cfg["dflash_config"]
+        target_layer_ids, mask_token_id = dc["target_layer_ids"], dc["mask_token_id"]
+        num_layers, block_size = int(init_cfg["num_hidden_layers"]), int(dc.get("block_size", block_size))
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
@@ -618,12 +680,20 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                                                                           mask_token_id)
     data, min_anchor = _training_sequences(target, target_path, prompts, sequences, sequence_prompt_lengths,
                                            max_new_tokens, seed)
-    feats = _Features.of(target, data, min_anchor, target_layer_ids, window, log_every)
+    feats = _Features.of(target, data, min_anchor, target_layer_ids, window, log_every, final=bool(w_kl))
     t_data = time.perf_counter() - t0
 
-    drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
-                                       num_layers=num_layers, block_size=block_size, seed=seed, init_std=init_std,
-                                       **dict(drafter_overrides or {}))
+    if init_cfg is not None:
+        drafter = _initial_drafter(init_from, target)
+    else:
+        drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                           num_layers=num_layers, block_size=block_size, seed=seed,
+                                           init_std=init_std, **dict(drafter_overrides or {}))
+    draft_vocab = sorted(set(drafter.config.get("draft_vocab") or []))
+    if draft_vocab_size:
+        new = draft_vocabulary([s[m:] for s, m in zip(data, min_anchor)], draft_vocab_size)
+        draft_vocab = sorted(set(draft_vocab) | set(new))
+    vocab = torch.tensor(draft_vocab, dtype=torch.long) if draft_vocab else None
     anchors = _AnchorSampler(data, min_anchor, anchors_per_seq, gen)
     # A fixed evaluation set of anchors (the training distribution) for acceptance before/after.
     eval_anchors = [anchors.sample(i) for i in range(len(data))]
@@ -631,15 +701,13 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     losses, accs, n_anchors, t_train = _train_steps(drafter, data, feats, anchors, steps=steps,
                                                     seqs_per_step=seqs_per_step, lr=lr, weight_decay=weight_decay,
                                                     warmup=warmup, grad_clip=grad_clip, gamma=gamma, window=window,
-                                                    log_every=log_every)
+                                                    log_every=log_every, w_ce=w_ce, w_kl=w_kl, vocab=vocab)
     drafter.eval()
     acc_after = acceptance_on(drafter, data, feats, eval_anchors, window)
     trained_context = anchors.longest_context() if window is None else min(window, anchors.longest_context())
     drafter.config["dflash_config"][TRAINED_CONTEXT_KEY] = trained_context
 
-    draft_vocab: list[int] = []
-    if draft_vocab_size:
-        draft_vocab = draft_vocabulary([s[m:] for s, m in zip(data, min_anchor)], draft_vocab_size)
+    if draft_vocab:
         drafter.config["draft_vocab"] = draft_vocab
     out = drafter.save_pretrained(out_dir)
     settings = {
@@ -651,9 +719,39 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
         "draft_vocab_size": draft_vocab_size, "context_length": context_length, "window": window,
         "trained_context_length": trained_context,
+        "w_ce": w_ce, "w_kl": w_kl, "init_from": None if init_from is None else str(init_from),
     }
     return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
                          n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
+
+
+def _init_config(init_from: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.json of the drafter `init_from` (a GGUF file or a checkpoint directory)."""
+    p = Path(init_from)
+    if p.is_dir() and (p / "config.json").is_file():
+        return json.loads((p / "config.json").read_text())
+    if p.is_file():
+        import tempfile
+
+        from .from_gguf import drafter_checkpoint_from_gguf
+
+        with tempfile.TemporaryDirectory() as d:
+            return json.loads((drafter_checkpoint_from_gguf(p, d) / "config.json").read_text())
+    raise ValueError(f"[train_drafter] init_from '{p}' is neither a drafter GGUF nor a checkpoint directory")
+
+
+def _initial_drafter(init_from: str | os.PathLike[str], target: nn.Module) -> DFlashDrafter:
+    """DFlashDrafter from `init_from` (GGUF or checkpoint directory) over `target`'s embeddings."""
+    p = Path(init_from)
+    if p.is_dir():
+        return DFlashDrafter.from_pretrained(p, target)
+    import tempfile
+
+    from .from_gguf import drafter_checkpoint_from_gguf
+
+    n_target = int(target.config.get_text_config().num_hidden_layers)
+    with tempfile.TemporaryDirectory() as d:
+        return DFlashDrafter.from_pretrained(drafter_checkpoint_from_gguf(p, d, n_target_layers=n_target), target)
 
 
 def _check_train_args(block_size: int, prompts, sequences, draft_vocab_size, context_length, window) -> None:
@@ -698,7 +796,10 @@ def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int,
     """out/recipe.json: the settings, the data, the throughput, acceptance and loss history."""
     steps = settings["steps"]
     recipe = {
-        "objective": "dflash block CE, position weights exp(-(i-1)/gamma) normalised",
+        "objective": ("dflash block loss w_ce * CE + w_kl * KL(p_target || p_drafter) (T = 1, over the draft "
+                      "vocabulary when there is one), position weights exp(-(i-1)/gamma) normalised"
+                      if settings.get("w_kl") else
+                      "dflash block CE, position weights exp(-(i-1)/gamma) normalised"),
         **settings,
         "n_draft_vocab": n_draft_vocab,
         "n_sequences": len(data), "n_tokens": sum(len(s) for s in data),
@@ -778,10 +879,13 @@ class _AnchorSampler:
 def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "_Features",
                  anchors: _AnchorSampler, *, steps: int, seqs_per_step: int, lr: float, weight_decay: float,
                  warmup: int, grad_clip: float, gamma: float | None, window: int | None,
-                 log_every: int) -> tuple[list[float], list[float], int, float]:
+                 log_every: int, w_ce: float = 1.0, w_kl: float = 0.0,
+                 vocab: torch.Tensor | None = None) -> tuple[list[float], list[float], int, float]:
     """AdamW over `steps` steps of `seqs_per_step` random sequences with their random anchors, all
     in one forward per step, each block attending to at most `window` context positions (None:
-    all before it). Returns (losses, accuracies, anchors trained, seconds)."""
+    all before it); the loss is `dflash_loss` with w_ce / w_kl (the KL's soft labels from
+    `feats`' final hidden states, over `vocab`). Returns (losses, accuracies, anchors trained,
+    seconds)."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     block_size = drafter.block_size
@@ -798,7 +902,9 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "
         f = torch.stack([feats.window(i, st, batch["ctx_pos"].shape[1]) for i, st in zip(idx, starts)])
         for g in opt.param_groups:
             g["lr"] = warmup_cosine_lr(step, lr=lr, warmup=warmup, steps=steps)
-        loss, stats = dflash_loss(drafter, f, batch, gamma)
+        target_hidden = _target_hidden(feats, idx, batch) if w_kl else None
+        loss, stats = dflash_loss(drafter, f, batch, gamma, target_hidden=target_hidden, w_ce=w_ce, w_kl=w_kl,
+                                  vocab=vocab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip:
@@ -808,5 +914,15 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "
         accs.append(stats["acc"])
         n_anchors += sum(len(a) for a in step_anchors)
         if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"[train_drafter] step {step:5d} loss {losses[-1]:.4f} ce {stats['ce']:.4f} acc {stats['acc']:.3f}")
+            kl = f" kl {stats['kl']:.4f}" if "kl" in stats else ""
+            print(f"[train_drafter] step {step:5d} loss {losses[-1]:.4f} ce {stats['ce']:.4f}{kl} acc {stats['acc']:.3f}",
+                  flush=True)
     return losses, accs, n_anchors, time.perf_counter() - t1
+
+
+def _target_hidden(feats: "_Features", idx: Sequence[int], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[n, H]: for each labelled row of `batch` (row-major, as dflash_loss takes them) the
+    target's final hidden state at the position before it (row a+i predicts x_{a+i}, which the
+    target predicted at a+i-1)."""
+    valid = batch["labels"] != IGNORE
+    return torch.cat([feats.final_at(i, batch["block_pos"][s][valid[s]] - 1) for s, i in enumerate(idx)])

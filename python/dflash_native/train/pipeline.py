@@ -98,30 +98,91 @@ def _length_summary(lengths: Sequence[int]) -> dict:
     return {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "mean": sum(s) / len(s)}
 
 
+def sampling_plan(n: int, sampled_share: float, temperatures: Sequence[float], top_p: float = 0.95,
+                  seed: int = 0) -> list[dict | None]:
+    """Per continuation, how the target writes it: None (greedy) or the sampling settings
+    {temperature, top_p, seed}. A share `sampled_share` of them sample, spread evenly over the
+    list (continuation i samples when floor((i + 1) * share) > floor(i * share), so short and long
+    prompts alike), cycling through `temperatures`; continuation i draws with seed
+    `seed * 1_000_003 + i` (reproducible, a different noise per prompt)."""
+    if not 0.0 <= sampled_share <= 1.0:
+        raise ValueError(f"[train_drafter] sampled_share must be in [0, 1], got {sampled_share!r}")
+    sampled = [int((i + 1) * sampled_share) > int(i * sampled_share) for i in range(n)]
+    n_sampled = sum(sampled)
+    temps = [float(t) for t in temperatures]
+    if n_sampled and (not temps or any(not t > 0.0 for t in temps)):
+        raise ValueError(f"[train_drafter] sample_temperatures must be > 0 (and given when sampled_share > 0), "
+                         f"got {list(temperatures)!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"[train_drafter] sample_top_p must be in (0, 1], got {top_p!r}")
+    plan: list[dict | None] = []
+    for i, s in enumerate(sampled):
+        plan.append({"temperature": temps[sum(sampled[:i]) % len(temps)], "top_p": float(top_p),
+                     "seed": seed * 1_000_003 + i} if s else None)
+    return plan
+
+
 def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                         n_threads: int | None = None) -> list[list[int]]:
-    """prompt + `max_new_tokens` greedy tokens of our engine on `target_gguf` (AR, stopping early
-    only at the end-of-generation token), one prompt at a time."""
+                         n_threads: int | None = None, sampling: Sequence[dict | None] | None = None,
+                         log_every: int = 0) -> list[list[int]]:
+    """prompt + `max_new_tokens` tokens of our engine on `target_gguf` (AR, stopping early only
+    at the end-of-generation token), one prompt at a time: greedy, or sampled with
+    `sampling[i]` ({temperature, top_p, seed}, see `sampling_plan`) where that is not None."""
     from ..engine import Engine
 
+    if sampling is not None and len(sampling) != len(prompts):
+        raise ValueError("[train_drafter] sampling needs one entry per prompt")
     longest = max(len(p) for p in prompts)
     eng = Engine(target_gguf, n_ctx=longest + max_new_tokens + 8, n_threads=n_threads)
     out = []
-    for p in prompts:
-        r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False)
+    for i, p in enumerate(prompts):
+        kw = (sampling[i] if sampling is not None else None) or {}
+        r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False, **kw)
         out.append([int(t) for t in p] + list(r.tokens))
+        if log_every and (i + 1) % (10 * log_every) == 0:
+            print(f"[train_drafter] engine continuations {i + 1}/{len(prompts)}", flush=True)
     return out
+
+
+def _cached_continuations(path, target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          plan: Sequence[dict | None], n_threads: int | None, log_every: int,
+                          save_every: int = 16) -> list[list[int]]:
+    """engine_continuations, kept in the JSON file `path` (None: not kept): a file of the same
+    prompts and plan is read, and a partial one (a run that stopped) is continued, the file being
+    rewritten every `save_every` prompts."""
+    key = {"target_gguf_size": Path(target_gguf).stat().st_size, "max_new_tokens": max_new_tokens,
+           "prompts": [list(map(int, p)) for p in prompts], "plan": list(plan)}
+    seqs: list[list[int]] = []
+    if path is not None and Path(path).is_file():
+        saved = json.loads(Path(path).read_text())
+        if {k: saved.get(k) for k in key} == key:
+            seqs = saved["sequences"]
+    step = len(prompts) if path is None else save_every
+    while len(seqs) < len(prompts):
+        part = slice(len(seqs), min(len(seqs) + step, len(prompts)))
+        seqs += engine_continuations(target_gguf, prompts[part], max_new_tokens, n_threads=n_threads,
+                                     sampling=plan[part], log_every=0)
+        if path is not None:
+            Path(path).write_text(json.dumps({**key, "sequences": seqs}))
+        if log_every:
+            print(f"[train_drafter] engine continuations {len(seqs)}/{len(prompts)}", flush=True)
+    return seqs
 
 
 def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 64, max_new_tokens: int = 64,
         target_layer_ids: Sequence[int] | None = None, target_gguf=None, out_gguf=None, outtype: str = "f16",
         continuations: str | None = None, engine_threads: int | None = None, long_share: float | None = None,
-        **train_kwargs) -> dict:
+        sampled_share: float = 0.0, sample_temperatures: Sequence[float] = (0.7, 1.0), sample_top_p: float = 0.95,
+        continuations_file=None, **train_kwargs) -> dict:
     """Check, sample prompts, generate the target's continuations, train, and (with out_gguf)
     convert. `continuations`: "engine" (our engine on `target_gguf`, the default when it is
     given) or "torch" (the PyTorch target). With train_kwargs' `context_length` N, a
     `long_share` of the prompts (default all) have lengths spread over [prompt_tokens,
-    N - max_new_tokens] and the rest `prompt_tokens` (see `_prompt_mix`). Returns the recipe."""
+    N - max_new_tokens] and the rest `prompt_tokens` (see `_prompt_mix`). A `sampled_share` of
+    the engine continuations are sampled at `sample_temperatures` / `sample_top_p` instead of
+    greedy (see `sampling_plan`; seeds from train_kwargs' `seed`). `continuations_file` (JSON):
+    the engine continuations are read from it when it holds those of the same prompts and plan,
+    else generated and written to it (a rerun or a crash skips the slow part). Returns the recipe."""
     from .drafter import check_context_args, train_drafter
 
     target_dir = Path(target_dir)
@@ -137,15 +198,20 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
         raise ValueError("[train_drafter] continuations='engine' needs the target's GGUF (target_gguf)")
     if target_gguf is not None and not Path(target_gguf).is_file():
         raise ValueError(f"[train_drafter] target GGUF '{target_gguf}' does not exist")
+    if sampled_share and continuations != "engine":
+        raise ValueError("[train_drafter] sampled continuations (sampled_share > 0) need continuations='engine'")
+    seed = train_kwargs.get("seed", 0)
+    plan = sampling_plan(n_prompts, sampled_share, sample_temperatures, sample_top_p, seed)
     files = check_request(target_dir, data, target_layer_ids)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = _prompt_mix(files, tok, n_prompts, prompt_tokens, max_new_tokens, train_kwargs.get("context_length"),
-                          long_share, train_kwargs.get("seed", 0))
+                          long_share, seed)
     t0 = time.perf_counter()
     if continuations == "engine":
-        seqs = engine_continuations(target_gguf, prompts, max_new_tokens, n_threads=engine_threads)
+        seqs = _cached_continuations(continuations_file, target_gguf, prompts, max_new_tokens, plan,
+                                     engine_threads, train_kwargs.get("log_every", 0))
         result = train_drafter(target_dir, out_dir, sequences=seqs, sequence_prompt_lengths=[len(p) for p in prompts],
                                max_new_tokens=max_new_tokens, target_layer_ids=target_layer_ids, **train_kwargs)
     else:
@@ -155,6 +221,8 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     recipe.update(acceptance_before=result.acceptance_before, acceptance_after=result.acceptance_after,
                   final_loss=result.losses[-1] if result.losses else None, continuations=continuations,
                   n_prompts=n_prompts, prompt_tokens=prompt_tokens, long_share=long_share,
+                  sampled_share=sampled_share, sample_temperatures=[float(t) for t in sample_temperatures],
+                  sample_top_p=sample_top_p, n_sampled=sum(p is not None for p in plan),
                   prompt_lengths=_length_summary([len(p) for p in prompts]),
                   pipeline_seconds=time.perf_counter() - t0)
     if out_gguf is not None:
