@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B shape (smoke run)")
     ap.add_argument("--moe", action="store_true", help="the ~1B Qwen3.5-MoE shape (16 experts, top-4) instead")
+    ap.add_argument("--embedded", action="store_true",
+                    help="the embedded default pair's target (its F16 file as shipped) instead; --outtypes is ignored")
     ap.add_argument("--verify-curve", action="store_true",
                     help="also time verifies of 2..32 tokens over one AR step, per type, ours and llama.cpp's")
     ap.add_argument("--no-extra-bufts", action="store_true",
@@ -166,8 +168,14 @@ def main():
     rows = []
     if amx_off and not a.no_extra_bufts:
         print("# llama.cpp without extra buffer types (AMX, repack): its AMX path crashes here (_common.llama_amx_off)")
-    for outtype in a.outtypes.split(","):
-        path = cached_typed_gguf(name, arch, outtype, **shape)
+    if a.embedded:
+        from dflash_native.cli import default_pair
+
+        name, files = "embedded-target", {"f16": default_pair()[0]}
+    else:
+        files = {t: None for t in a.outtypes.split(",")}
+    for outtype, path in files.items():
+        path = path or cached_typed_gguf(name, arch, outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
                    "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
         res = {k: {"prefill": [], "decode": []} for k in runners}

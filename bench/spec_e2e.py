@@ -166,6 +166,8 @@ def main():
     ap.add_argument("--gen", type=int, default=48, help="tokens generated per measurement")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--drafter-layers", type=int, default=1)
+    ap.add_argument("--drafter-outtype", default=None,
+                    help="drafter weights (f32/f16/bf16/q8_0; default: --outtype when it is one of them, else q8_0)")
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke run)")
     ap.add_argument("--moe", action="store_true", help="the ~1B Qwen3.5-MoE target (_common.QWEN35MOE_1B)")
     ap.add_argument("--json", type=Path, default=None)
@@ -198,11 +200,14 @@ def main():
                      linear_num_value_heads=4)
     blocks = [int(b) for b in a.blocks.split(",")]
     target = cached_gguf(name, arch, a.outtype, **shape)
-    drafter = cached_drafter(name, a.outtype, shape, max(blocks), a.drafter_layers)
+    # our drafter converter writes f32/f16/bf16/q8_0: a llama.cpp-quantized target (q4_k_m, ...) is paired with
+    # a Q8_0 drafter, as users pair them
+    drafter_outtype = a.drafter_outtype or (a.outtype if a.outtype in ("f32", "f16", "bf16", "q8_0") else "q8_0")
+    drafter = cached_drafter(name, drafter_outtype, shape, max(blocks), a.drafter_layers)
     prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, a.prompt_len)]
     n_ctx = a.prompt_len + a.gen + 2 * max(blocks) + 8
 
-    print(f"# spec_e2e: {machine()}; {name} {a.outtype}, drafter {a.drafter_layers} layer(s), threads={a.threads}, "
+    print(f"# spec_e2e: {machine()}; {name} {a.outtype}, drafter {a.drafter_layers} layer(s) {drafter_outtype}, threads={a.threads}, "
           f"prompt={a.prompt_len}, gen={a.gen}; rev {git_rev()}")
     rows = []
     for B in blocks:
@@ -240,7 +245,8 @@ def main():
             print(f"{tau_m:>6.2f}{tok_s:>9.2f}{tok_s * t_ar:>9.2f}{bound:>8.2f}{tok_s * t_ar / bound:>11.3f}"
                   f"{t_draft * 1e3:>11.1f}{t_verify * 1e3:>12.1f}{st.rollback_s / st.rounds * 1e3:>12.2f}"
                   f"{overhead:>9.1%}")
-            rows.append({"bench": "spec_e2e", "model": name, "outtype": a.outtype, "B": B, "tau_target": tau,
+            rows.append({"bench": "spec_e2e", "model": name, "outtype": a.outtype, "drafter_outtype": drafter_outtype,
+                         "B": B, "tau_target": tau,
                          "mean_acceptance_length": tau_m, "tok_s": tok_s, "ar_tok_s": 1 / t_ar,
                          "speedup": tok_s * t_ar, "bound": bound, "measured_over_bound": tok_s * t_ar / bound,
                          "t_draft_s": t_draft, "t_verify_s": t_verify, "rollback_s_per_round": st.rollback_s / st.rounds,
