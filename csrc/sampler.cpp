@@ -101,20 +101,32 @@ void filter_top_p(const float * l, double l_max, double top_p, std::vector<int32
         z += e[j];
     }
     const double t = (1.0 - top_p) / (double) n;
-    std::vector<int32_t> cand;
+    // (token, e) of the candidates; the prefix is walked in by_logit order by popping a heap, so
+    // only the tokens up to the cut are ordered (a broad row keeps a few hundred of ~n candidates).
+    // The walk visits the same tokens in the same order as a full sort would, and adds the same
+    // terms e / z: the cut, and so the kept set, is the same bit for bit.
+    std::vector<std::pair<int32_t, double>> cand;
     for (size_t j = 0; j < n; ++j) {
-        if (e[j] / z >= t) cand.push_back(kept[j]);
+        if (e[j] / z >= t) cand.emplace_back(kept[j], e[j]);
     }
+    const auto after = [l](const std::pair<int32_t, double> & a, const std::pair<int32_t, double> & b) {
+        return by_logit{l}(b.first, a.first);  // heap order: the top is the first in by_logit order
+    };
     for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1) cand = kept;  // rounding kept the mass of the candidates below top_p
-        std::sort(cand.begin(), cand.end(), by_logit{l});
+        if (pass == 1) {  // rounding kept the mass of the candidates below top_p: walk every token
+            cand.clear();
+            for (size_t j = 0; j < n; ++j) cand.emplace_back(kept[j], e[j]);
+        }
+        std::make_heap(cand.begin(), cand.end(), after);
         double mass = 0.0;
-        for (size_t j = 0; j < cand.size(); ++j) {
-            mass += std::exp((double) l[cand[j]] - l_max) / z;
+        std::vector<int32_t> prefix;
+        for (auto end = cand.end(); end != cand.begin(); --end) {
+            std::pop_heap(cand.begin(), end, after);  // the next token in by_logit order, at end - 1
+            prefix.push_back((end - 1)->first);
+            mass += (end - 1)->second / z;
             if (mass >= top_p) {
-                cand.resize(j + 1);
-                std::sort(cand.begin(), cand.end());
-                kept.swap(cand);
+                std::sort(prefix.begin(), prefix.end());
+                kept.swap(prefix);
                 return;
             }
         }
