@@ -20,7 +20,7 @@ from dflash_native.train.drafter import (IGNORE, DFlashDrafter, _Features, _targ
                                          distill_kl, dflash_loss, greedy_continuations, position_weights,
                                          train_drafter)
 from dflash_native.train.from_gguf import drafter_checkpoint_from_gguf, target_checkpoint_from_gguf  # noqa: E402
-from fixtures import make_random_checkpoint, mask_token_id_of  # noqa: E402
+from fixtures import hf_training_target  # noqa: E402
 
 B = 4
 TAPS = [0, 2]
@@ -29,14 +29,8 @@ N_THREADS = 1
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    torch.set_num_threads(N_THREADS)
-    transformers.logging.set_verbosity_error()
-    d = tmp_path_factory.mktemp("distill")
-    ckpt = make_random_checkpoint(d / "target", "qwen3_5", seed=5)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    return {"dir": d, "ckpt": ckpt, "hf": hf, "mask": mask_token_id_of(ckpt), "target_gguf": tg}
+    e = hf_training_target(tmp_path_factory.mktemp("distill"), seed=5, n_threads=N_THREADS)
+    return e | {"target_gguf": convert_hf_to_gguf(e["ckpt"], e["dir"] / "target.gguf", outtype="f32")}
 
 
 # ---------------------------------------------------------------------------

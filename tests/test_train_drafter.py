@@ -22,7 +22,7 @@ import dflash_native as dn  # noqa: E402
 from dflash_native import _core  # noqa: E402
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from dflash_native.convert_dflash import convert_dflash_to_gguf  # noqa: E402
-from fixtures import make_random_checkpoint, mask_token_id_of  # noqa: E402
+from fixtures import hf_training_target  # noqa: E402
 from dflash_native.train.drafter import (DFlashDrafter, _AnchorSampler, _Features, block_batch,  # noqa: E402
                                          context_window_mask, dflash_loss, draft_vocabulary, greedy_continuations,
                                          target_features, train_drafter)
@@ -37,13 +37,7 @@ N_THREADS = 1
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    torch.set_num_threads(N_THREADS)
-    transformers.logging.set_verbosity_error()
-    d = tmp_path_factory.mktemp("train-drafter")
-    ckpt = make_random_checkpoint(d / "target", "qwen3_5", seed=0)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    return {"dir": d, "ckpt": ckpt, "hf": hf, "mask": mask_token_id_of(ckpt)}
+    return hf_training_target(tmp_path_factory.mktemp("train-drafter"), seed=0, n_threads=N_THREADS)
 
 
 @pytest.fixture(scope="module")
