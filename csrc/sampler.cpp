@@ -88,9 +88,12 @@ void filter_top_k(const float * l, int64_t k, std::vector<int32_t> & kept) {
 
 // Keeps the shortest prefix, in by_logit order, whose probability mass reaches top_p. The
 // probabilities are exp(l - l_max) / Z with Z summed over `kept` in ascending index order, and the
-// mass is summed along the prefix, so the cut is a fixed function of the logits. Only the tokens
-// with p >= (1 - top_p) / n are sorted: the others hold less than 1 - top_p together, so the cut
-// falls among the sorted ones (in exact arithmetic; if rounding says otherwise, all are sorted).
+// mass is summed along the prefix, so the cut is a fixed function of the logits.
+// Only candidates are ordered: the tokens within a distance of l_max picked from a histogram of
+// (l_max - l) in half-nat buckets, so that the tokens left out hold at most half of 1 - top_p.
+// They are a by_logit prefix (exp rises with l), so the walk over them adds the same terms in the
+// same order as a walk over every token, and the cut falls among them (in exact arithmetic; if
+// rounding says otherwise, every token is walked). A broad row keeps a few hundred tokens of n.
 void filter_top_p(const float * l, double l_max, double top_p, std::vector<int32_t> & kept) {
     if (top_p >= 1.0) return;
     const size_t n = kept.size();
@@ -100,33 +103,41 @@ void filter_top_p(const float * l, double l_max, double top_p, std::vector<int32
         e[j] = std::exp((double) l[kept[j]] - l_max);
         z += e[j];
     }
-    const double t = (1.0 - top_p) / (double) n;
-    // (token, e) of the candidates; the prefix is walked in by_logit order by popping a heap, so
-    // only the tokens up to the cut are ordered (a broad row keeps a few hundred of ~n candidates).
-    // The walk visits the same tokens in the same order as a full sort would, and adds the same
-    // terms e / z: the cut, and so the kept set, is the same bit for bit.
-    std::vector<std::pair<int32_t, double>> cand;
-    for (size_t j = 0; j < n; ++j) {
-        if (e[j] / z >= t) cand.emplace_back(kept[j], e[j]);
-    }
-    const auto after = [l](const std::pair<int32_t, double> & a, const std::pair<int32_t, double> & b) {
-        return by_logit{l}(b.first, a.first);  // heap order: the top is the first in by_logit order
+    constexpr int k_buckets = 128;  // half-nat buckets of l_max - l; the last one takes the rest
+    const auto bucket = [&](size_t j) {
+        const double d = 2.0 * (l_max - (double) l[kept[j]]);
+        return d >= k_buckets - 1 ? k_buckets - 1 : (int) d;
     };
+    double in_bucket[k_buckets] = {};
+    for (size_t j = 0; j < n; ++j) in_bucket[bucket(j)] += e[j];
+    const double left_out = 0.5 * (1.0 - top_p) * z;
+    double tail = 0.0;
+    int last = k_buckets - 1;  // candidates: buckets 0..last
+    while (last > 0 && tail + in_bucket[last] <= left_out) tail += in_bucket[last--];
+
+    struct cand_t {
+        float l;
+        int32_t id;
+        double e;
+    };
+    const auto first = [](const cand_t & a, const cand_t & b) { return a.l > b.l || (a.l == b.l && a.id < b.id); };
+    std::vector<cand_t> cand;
+    for (size_t j = 0; j < n; ++j) {
+        if (bucket(j) <= last) cand.push_back({l[kept[j]], kept[j], e[j]});
+    }
     for (int pass = 0; pass < 2; ++pass) {
         if (pass == 1) {  // rounding kept the mass of the candidates below top_p: walk every token
             cand.clear();
-            for (size_t j = 0; j < n; ++j) cand.emplace_back(kept[j], e[j]);
+            for (size_t j = 0; j < n; ++j) cand.push_back({l[kept[j]], kept[j], e[j]});
         }
-        std::make_heap(cand.begin(), cand.end(), after);
+        std::sort(cand.begin(), cand.end(), first);
         double mass = 0.0;
-        std::vector<int32_t> prefix;
-        for (auto end = cand.end(); end != cand.begin(); --end) {
-            std::pop_heap(cand.begin(), end, after);  // the next token in by_logit order, at end - 1
-            prefix.push_back((end - 1)->first);
-            mass += (end - 1)->second / z;
+        for (size_t j = 0; j < cand.size(); ++j) {
+            mass += cand[j].e / z;
             if (mass >= top_p) {
-                std::sort(prefix.begin(), prefix.end());
-                kept.swap(prefix);
+                kept.resize(j + 1);
+                for (size_t i = 0; i <= j; ++i) kept[i] = cand[i].id;
+                std::sort(kept.begin(), kept.end());
                 return;
             }
         }
