@@ -125,24 +125,16 @@ def llama_amx_off(force: bool = False) -> bool:
     """On a CPU with AMX_INT8 (or with force: the benches' --no-extra-bufts, llama.cpp's plain CPU
     kernels anywhere), make llama-cpp-python load models without ggml's extra buffer types (AMX,
     repack): its AMX path crashes (SIGSEGV) on batched quantized matmuls (seen with Q4_0, Q4_K_M and
-    Q8_0 files, hybrids too, llama-cpp-python 0.3.36, Intel Xeon with AMX; tests/conftest.py).
+    Q8_0 files, hybrids too, llama-cpp-python 0.3.36, Intel Xeon with AMX; tests/llamacpp_tools.py).
     Returns whether it did; the benchmarks record it, since llama.cpp's prefill then runs without AMX."""
     import llama_cpp.llama_cpp as L
 
     if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()
                       or "AMX_INT8 = 1" not in L.llama_print_system_info().decode(errors="replace")):
         return False  # no AMX in the CPU, or none in this ggml (bench/isa_env.py's AVX2-only build)
-    if not getattr(L.llama_model_default_params, "_dfn_amx_off", False):
-        default = L.llama_model_default_params
+    from llamacpp_tools import plain_cpu_kernels
 
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-
-        params._dfn_amx_off = True
-        L.llama_model_default_params = params
-    return True
+    return plain_cpu_kernels()
 
 
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:

@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bench_target, cached_drafter, cached_gguf, git_rev, heldout_eval, machine,  # noqa: E402
                      resolve_pair, write_jsonl)
+from dflash_native.convert_dflash import OUTTYPES as DRAFTER_OUTTYPES  # noqa: E402
 
 
 def main_pair(a) -> None:
@@ -200,9 +201,9 @@ def main():
                      linear_num_value_heads=4)
     blocks = [int(b) for b in a.blocks.split(",")]
     target = cached_gguf(name, arch, a.outtype, **shape)
-    # our drafter converter writes f32/f16/bf16/q8_0: a llama.cpp-quantized target (q4_k_m, ...) is paired with
+    # our drafter converter writes DRAFTER_OUTTYPES: a llama.cpp-quantized target (q4_k_m, ...) is paired with
     # a Q8_0 drafter, as users pair them
-    drafter_outtype = a.drafter_outtype or (a.outtype if a.outtype in ("f32", "f16", "bf16", "q8_0") else "q8_0")
+    drafter_outtype = a.drafter_outtype or (a.outtype if a.outtype in DRAFTER_OUTTYPES else "q8_0")
     drafter = cached_drafter(name, drafter_outtype, shape, max(blocks), a.drafter_layers)
     prompt = [int(x) for x in np.random.default_rng(0).integers(10, 600, a.prompt_len)]
     n_ctx = a.prompt_len + a.gen + 2 * max(blocks) + 8

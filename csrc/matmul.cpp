@@ -270,10 +270,7 @@ namespace isa_avx512vnni {
 namespace {
 
 // portable < avx2 < avx512 (VNNI integer sums on the AVX-512 path where the CPU has them)
-using isa = isa_level;
-
-// The level matmul_op runs: the CPU's best, capped by DFLASH_NATIVE_ISA / set_isa (cpu_isa.h).
-isa detect() { return isa_in_use(); }
+using isa = isa_level;  // matmul_op runs isa_in_use(): the CPU's best, capped by DFLASH_NATIVE_ISA / set_isa
 
 template <typename TW>
 void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t K,
@@ -385,7 +382,7 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
         ldx = ld;
     }
     // false: no dequantization scratch (noted; the graph runner throws it after the compute)
-    rows_on(detect(), W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
+    rows_on(isa_in_use(), W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
             N, r0, r1);
 }
 
@@ -404,7 +401,7 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     DFN_REQUIRE(matmul_weight_type(w_type), "matmul", "weight type ", ggml_type_name(w_type), " is not one the kernel takes");
     DFN_REQUIRE(K % ggml_blck_size(w_type) == 0, "matmul", "K = ", K, " is not a multiple of ", ggml_type_name(w_type),
                 "'s block of ", ggml_blck_size(w_type));
-    isa use = detect();
+    isa use = isa_in_use();
     const bool no_vnni = which == "avx512f-novnni";
     if (!which.empty()) {
         const std::vector<std::string> ok = matmul_isas();
@@ -416,12 +413,12 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path, no_vnni)) throw_kernel_oom("matmul");
 }
 
-const char * matmul_isa() { return isa_name(detect()); }
+const char * matmul_isa() { return isa_name(isa_in_use()); }
 
 std::vector<std::string> matmul_isas() {
     std::vector<std::string> out;
     for (isa i : {isa::avx512, isa::avx2, isa::portable}) {
-        if (i <= detect()) out.push_back(isa_name(i));
+        if (i <= isa_in_use()) out.push_back(isa_name(i));
     }
     return out;
 }

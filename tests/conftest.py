@@ -58,39 +58,12 @@ _import_package()
 
 from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
 from fixtures import TINY_VARIANTS, make_random_checkpoint  # noqa: E402
+from llamacpp_tools import plain_cpu_kernels  # noqa: E402
 
 
-def _llama_cpp_plain_cpu_kernels() -> None:
-    """Every llama.cpp model the tests load (llama_cpp.Llama) uses llama.cpp's plain CPU buffers,
-    without its extra buffer types (weights repacked for AMX / the CPU's wider kernels). On a CPU
-    with AMX (amx_tile), llama-cpp-python 0.3.36's extra buffer types segfault on Q8_0 hybrid files
-    (qwen35, qwen35moe, qwen3next; measured 2026-11-23), as on batched Q4_0 / Q4_K_M matmuls and
-    the tiny quantized drafters (SIGSEGV, SIGILL), and round F16 matmuls differently from
-    ggml_mul_mat (1.7e-2 on the MoE parity models, 1.3e-3 without them): the peer the parity tests
-    hold us to is llama.cpp's graph on ggml's CPU kernels."""
-    try:
-        import llama_cpp
-        import llama_cpp.llama as llama_module
-    except ImportError:
-        return
-    low = llama_module.llama_cpp
-    default = low.llama_model_default_params
-    if getattr(default, "_dflash_plain", False):
-        return
-
-    def plain_params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    plain_params._dflash_plain = True
-    # the binding's own name (what llama_cpp.Llama calls) and the package's re-export (the tests
-    # that load models through the C API)
-    low.llama_model_default_params = plain_params
-    llama_cpp.llama_model_default_params = plain_params
-
-
-_llama_cpp_plain_cpu_kernels()
+# Every llama.cpp model the tests load uses llama.cpp's plain CPU kernels (see plain_cpu_kernels):
+# the peer the parity tests hold us to is llama.cpp's graph on ggml's CPU kernels.
+plain_cpu_kernels()
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 N_THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -37,6 +37,35 @@ _SDIST_PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 _MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
 
+def plain_cpu_kernels() -> bool:
+    """Make llama-cpp-python load every model without ggml's extra buffer types (weights repacked
+    for AMX / the CPU's wider kernels): llama.cpp's plain CPU kernels. On a CPU with AMX,
+    llama-cpp-python 0.3.36's extra buffer types segfault on Q8_0 hybrid files (qwen35, qwen35moe,
+    qwen3next; measured 2026-11-23), as on batched Q4_0 / Q4_K_M matmuls and the tiny quantized
+    drafters (SIGSEGV, SIGILL), and round F16 matmuls differently from ggml_mul_mat (1.7e-2 on the
+    MoE parity models, 1.3e-3 without them). Patches the binding's own name (what llama_cpp.Llama
+    calls) and the package's re-export (the C-API loads); idempotent. False without llama_cpp."""
+    try:
+        import llama_cpp
+        import llama_cpp.llama as llama_module
+    except ImportError:
+        return False
+    low = llama_module.llama_cpp
+    default = low.llama_model_default_params
+    if getattr(default, "_dflash_plain", False):
+        return True
+
+    def plain_params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    plain_params._dflash_plain = True
+    low.llama_model_default_params = plain_params
+    llama_cpp.llama_model_default_params = plain_params
+    return True
+
+
 def _converter_dir(root: Path) -> Path | None:
     for d in (root, root / "vendor" / "llama.cpp", root / _SDIST_PREFIX):
         if (d / "convert_hf_to_gguf.py").is_file() and (d / "gguf-py" / "gguf").is_dir():
