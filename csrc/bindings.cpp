@@ -878,6 +878,15 @@ void bind_testing_sampler(py::module_ & t) {
         },
         py::arg("seed"), py::arg("pos"), py::arg("tokens"), "G(seed, pos, token) per token, float64");
     t.def(
+        "noise_bits",
+        [](uint64_t seed, int64_t pos, iarr tokens) {
+            py::array_t<uint64_t> out(tokens.size());
+            noise_bits_block(seed, pos, tokens.data(), tokens.size(), out.mutable_data());
+            return out;
+        },
+        py::arg("seed"), py::arg("pos"), py::arg("tokens"),
+        "noise_bits per token through the draw's vectorised block (the ISA in use), uint64");
+    t.def(
         "sample",
         [](farr logits, const sampling_params & p, int64_t pos, std::optional<iarr> ids) {
             const sample_result r = sample_row(to_logits_row(logits, ids), p, pos, "sampling", true);

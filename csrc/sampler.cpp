@@ -3,9 +3,14 @@
 #include "common.h"
 #include "cpu_isa.h"
 #include "top1.h"
+#include "vmath.h"
 
 #include <algorithm>
+#if DFN_X86_GCC
+#include <immintrin.h>
+#endif
 #include <cmath>
+#include <numeric>
 
 namespace dfn {
 
@@ -56,19 +61,134 @@ double gumbel_of_bits(uint64_t bits) {
     return -std::log(-std::log(u));
 }
 
+// noise_bits(seed, pos, tokens[j]) for j < n: the rounds of philox4x32_10 over a block of tokens.
+// The portable form runs the tokens round by round so that the compiler puts them in vector lanes;
+// AVX-512 runs 4 x 16 tokens in registers through all rounds (philox_avx512 below).
+constexpr int64_t k_block = 256;
+
+DFN_MULTIVERSION(void, noise_bits_lanes,
+                 (uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out),
+                 (seed, pos, tokens, n, out)) {
+    const uint32_t p0 = (uint32_t) (uint64_t) pos, p1 = (uint32_t) ((uint64_t) pos >> 32);
+    uint32_t k0 = (uint32_t) seed, k1 = (uint32_t) (seed >> 32);
+    uint32_t c0[k_block], c1[k_block], c2[k_block], c3[k_block];
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) c0[j] = p0, c1[j] = p1, c2[j] = (uint32_t) tokens[j], c3[j] = 0u;
+    for (int r = 0; r < 10; ++r) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+            const uint64_t m0 = (uint64_t) 0xD2511F53u * c0[j], m1 = (uint64_t) 0xCD9E8D57u * c2[j];
+            const uint32_t n0 = (uint32_t) (m1 >> 32) ^ c1[j] ^ k0, n2 = (uint32_t) (m0 >> 32) ^ c3[j] ^ k1;
+            c1[j] = (uint32_t) m1;
+            c3[j] = (uint32_t) m0;
+            c0[j] = n0;
+            c2[j] = n2;
+        }
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = ((((uint64_t) c0[j]) << 32) | c1[j]) >> 12;
+}
+
+#if DFN_X86_GCC
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512 shift intrinsics
+// 32-bit lanes x 16: (hi, lo) of the 64-bit products m * c per lane. vpmuludq multiplies the even
+// lanes; the odd ones are shifted down first, and the halves are blended back into place.
+static inline __attribute__((always_inline)) void mul_hi_lo(__m512i c, __m512i m, __m512i & hi, __m512i & lo) {
+    const __m512i e = _mm512_mul_epu32(c, m), o = _mm512_mul_epu32(_mm512_srli_epi64(c, 32), m);
+    hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e, 32), o);
+    lo = _mm512_mask_blend_epi32(0xAAAA, e, _mm512_slli_epi64(o, 32));
+}
+
+static void philox_avx512(uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out) {
+    constexpr int G = 4;  // independent groups of 16 tokens in flight (hides the multiply latency)
+    const __m512i M0 = _mm512_set1_epi64(0xD2511F53u), M1 = _mm512_set1_epi64(0xCD9E8D57u);
+    const __m512i P0 = _mm512_set1_epi32((int32_t) (uint32_t) (uint64_t) pos);
+    const __m512i P1 = _mm512_set1_epi32((int32_t) (uint32_t) ((uint64_t) pos >> 32));
+    // output order: 64-bit lane i of the first half = (c0[i] << 32) | c1[i], i < 8; then i + 8
+    const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t j0 = 0; j0 < n; j0 += 16 * G) {
+        __m512i c0[G], c1[G], c2[G], c3[G];
+        for (int g = 0; g < G; ++g) {
+            const int64_t at = j0 + 16 * g, m = std::max<int64_t>(0, std::min<int64_t>(16, n - at));
+            c0[g] = P0;
+            c1[g] = P1;
+            c2[g] = _mm512_maskz_loadu_epi32((__mmask16) ((1u << m) - 1u), tokens + (m > 0 ? at : 0));
+            c3[g] = _mm512_setzero_si512();
+        }
+        uint32_t k0 = (uint32_t) seed, k1 = (uint32_t) (seed >> 32);
+        for (int r = 0; r < 10; ++r) {
+            const __m512i K0 = _mm512_set1_epi32((int32_t) k0), K1 = _mm512_set1_epi32((int32_t) k1);
+            for (int g = 0; g < G; ++g) {
+                __m512i hi0, lo0, hi1, lo1;
+                mul_hi_lo(c0[g], M0, hi0, lo0);
+                mul_hi_lo(c2[g], M1, hi1, lo1);
+                c0[g] = _mm512_ternarylogic_epi32(hi1, c1[g], K0, 0x96);  // hi1 ^ c1 ^ k0
+                c2[g] = _mm512_ternarylogic_epi32(hi0, c3[g], K1, 0x96);  // hi0 ^ c3 ^ k1
+                c1[g] = lo1;
+                c3[g] = lo0;
+            }
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        for (int g = 0; g < G; ++g) {
+            const int64_t at = j0 + 16 * g, m = std::min<int64_t>(16, n - at);
+            if (m <= 0) break;
+            const __m512i a = _mm512_srli_epi64(_mm512_permutex2var_epi32(c1[g], lo_idx, c0[g]), 12);
+            const __m512i b = _mm512_srli_epi64(_mm512_permutex2var_epi32(c1[g], hi_idx, c0[g]), 12);
+            _mm512_mask_storeu_epi64(out + at, (__mmask8) ((1u << std::min<int64_t>(m, 8)) - 1u), a);
+            if (m > 8) _mm512_mask_storeu_epi64(out + at + 8, (__mmask8) ((1u << (m - 8)) - 1u), b);
+        }
+    }
+}
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+void noise_bits_block(uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out) {
+#if DFN_X86_GCC
+    if (isa_in_use() == isa_level::avx512) return philox_avx512(seed, pos, tokens, n, out);
+#endif
+    for (int64_t j0 = 0; j0 < n; j0 += k_block) noise_bits_lanes(seed, pos, tokens + j0, std::min(k_block, n - j0), out + j0);
+}
+
 namespace {
 
 // ---- filters --------------------------------------------------------------------------------------
 
-// The row's largest logit and its first index; NaN or +inf, or a row without a finite logit, raise.
-int64_t checked_argmax(const logits_row & row, const char * where, int64_t pos) {
-    int64_t best = -1;
-    for (int64_t i = 0; i < row.n; ++i) {
-        const float x = row.l[i];
-        if (std::isnan(x) || x == INFINITY) throw_non_finite_logits(where, pos);
-        if (x > -INFINITY && (best < 0 || x > row.l[best])) best = i;
+// The row's largest logit and, in the same pass, how many entries are NaN or +inf and how many
+// are -inf (counts, so the loop vectorises).
+DFN_MULTIVERSION(float, scan_row, (const float * l, int64_t n, int64_t & n_bad, int64_t & n_neg_inf),
+                 (l, n, n_bad, n_neg_inf)) {
+    float mx = -INFINITY;
+    int64_t bad = 0, ninf = 0;
+#pragma omp simd reduction(max : mx) reduction(+ : bad, ninf)
+    for (int64_t j = 0; j < n; ++j) {
+        const float x = l[j];
+        mx = x > mx ? x : mx;
+        bad += (x != x) | (x == INFINITY);
+        ninf += x == -INFINITY;
     }
-    if (best < 0) throw runtime_error(cat("[", where, "] every logit is -inf at position ", pos, ": nothing to sample"));
+    n_bad = bad;
+    n_neg_inf = ninf;
+    return mx;
+}
+
+// The row's largest logit and its first index; NaN or +inf, or a row without a finite logit,
+// raise. all_finite: no -inf entry either.
+int64_t checked_argmax(const logits_row & row, const char * where, int64_t pos, bool * all_finite = nullptr) {
+    int64_t n_bad = 0, n_neg_inf = 0;
+    const float mx = row.n > 0 ? scan_row(row.l, row.n, n_bad, n_neg_inf) : -INFINITY;
+    if (n_bad > 0) throw_non_finite_logits(where, pos);
+    if (mx == -INFINITY) throw runtime_error(cat("[", where, "] every logit is -inf at position ", pos, ": nothing to sample"));
+    if (all_finite) *all_finite = n_neg_inf == 0;
+    int64_t best = 0;
+    while (!(row.l[best] == mx)) ++best;
     return best;
 }
 
@@ -79,70 +199,96 @@ struct by_logit {
     bool operator()(int32_t a, int32_t b) const { return l[a] > l[b] || (l[a] == l[b] && a < b); }
 };
 
-void filter_top_k(const float * l, int64_t k, std::vector<int32_t> & kept) {
-    if (k <= 0 || k >= (int64_t) kept.size()) return;
-    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), by_logit{l});
-    kept.resize(k);
-    std::sort(kept.begin(), kept.end());
+// Buckets of the distance below the largest logit, d = l_max - l (float): bucket floor(8 d) for
+// d < 64, the last one above. d rises as l falls, so the buckets come in by_logit order.
+constexpr int k_buckets = 513;
+
+static inline int32_t bucket(float l_max, float l) {
+    const float d = l_max - l;
+    return (int32_t) ((d < 64.0f ? d : 64.0f) * 8.0f);  // 64 -> k_buckets - 1
 }
 
-// Keeps the shortest prefix, in by_logit order, whose probability mass reaches top_p. The
-// probabilities are exp(l - l_max) / Z with Z summed over `kept` in ascending index order, and the
-// mass is summed along the prefix, so the cut is a fixed function of the logits.
-// Only candidates are ordered: the tokens within a distance of l_max picked from a histogram of
-// (l_max - l) in half-nat buckets, so that the tokens left out hold at most half of 1 - top_p.
-// They are a by_logit prefix (exp rises with l), so the walk over them adds the same terms in the
-// same order as a walk over every token, and the cut falls among them (in exact arithmetic; if
-// rounding says otherwise, every token is walked). A broad row keeps a few hundred tokens of n.
-void filter_top_p(const float * l, double l_max, double top_p, std::vector<int32_t> & kept) {
-    if (top_p >= 1.0) return;
-    const size_t n = kept.size();
-    std::vector<double> e(n);
-    double z = 0.0;
-    for (size_t j = 0; j < n; ++j) {
-        e[j] = std::exp((double) l[kept[j]] - l_max);
-        z += e[j];
+DFN_MULTIVERSION(void, bucket_of, (const float * l, const int32_t * kept, int64_t n, float l_max, int32_t * out),
+                 (l, kept, n, l_max, out)) {
+    if (kept) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) out[j] = bucket(l_max, l[kept[j]]);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) out[j] = bucket(l_max, l[j]);
     }
-    constexpr int k_buckets = 128;  // half-nat buckets of l_max - l; the last one takes the rest
-    const auto bucket = [&](size_t j) {
-        const double d = 2.0 * (l_max - (double) l[kept[j]]);
-        return d >= k_buckets - 1 ? k_buckets - 1 : (int) d;
-    };
-    double in_bucket[k_buckets] = {};
-    for (size_t j = 0; j < n; ++j) in_bucket[bucket(j)] += e[j];
-    const double left_out = 0.5 * (1.0 - top_p) * z;
-    double tail = 0.0;
-    int last = k_buckets - 1;  // candidates: buckets 0..last
-    while (last > 0 && tail + in_bucket[last] <= left_out) tail += in_bucket[last--];
+}
 
-    struct cand_t {
-        float l;
-        int32_t id;
-        double e;
-    };
-    const auto first = [](const cand_t & a, const cand_t & b) { return a.l > b.l || (a.l == b.l && a.id < b.id); };
-    std::vector<cand_t> cand;
-    for (size_t j = 0; j < n; ++j) {
-        if (bucket(j) <= last) cand.push_back({l[kept[j]], kept[j], e[j]});
-    }
-    for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1) {  // rounding kept the mass of the candidates below top_p: walk every token
-            cand.clear();
-            for (size_t j = 0; j < n; ++j) cand.push_back({l[kept[j]], kept[j], e[j]});
-        }
-        std::sort(cand.begin(), cand.end(), first);
-        double mass = 0.0;
-        for (size_t j = 0; j < cand.size(); ++j) {
-            mass += cand[j].e / z;
-            if (mass >= top_p) {
-                kept.resize(j + 1);
-                for (size_t i = 0; i <= j; ++i) kept[i] = cand[i].id;
-                std::sort(kept.begin(), kept.end());
-                return;
-            }
+// Keeps the shortest prefix of `kept` in by_logit order whose integer weights (w[j] >= 0 for
+// kept[j]) sum to at least need (1 <= need <= their total); kept stays ascending. The sums are of
+// integers, so they are exact and do not depend on the order of the terms: only the tokens of the
+// bucket where the sum reaches need are sorted, and the cut is where a walk over every token in
+// by_logit order would put it. all: kept holds every entry 0..n-1 (l is read directly).
+void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & kept, bool all, const int32_t * w,
+                          int64_t need) {
+    const int64_t n = (int64_t) kept.size();
+    std::vector<int32_t> b(n);
+    bucket_of(l, all ? nullptr : kept.data(), n, l_max, b.data());
+    int64_t in_bucket[k_buckets] = {};
+    for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += w[j];
+    int64_t acc = 0;
+    int cut = 0;  // the bucket where the prefix sum reaches need
+    while (cut < k_buckets - 1 && acc + in_bucket[cut] < need) acc += in_bucket[cut++];
+    // kept[0..m): the entries above the cut bucket, ascending; edge: the cut bucket's (entry, weight)
+    std::vector<std::pair<int32_t, int32_t>> edge;
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        if (b[j] < cut) {
+            kept[m++] = kept[j];
+        } else if (b[j] == cut) {
+            edge.push_back({kept[j], w[j]});
         }
     }
-    // the whole mass rounds below top_p: every token stays
+    std::sort(edge.begin(), edge.end(), [&](const auto & x, const auto & y) { return by_logit{l}(x.first, y.first); });
+    size_t taken = 0;
+    while (taken < edge.size() && acc < need) acc += edge[taken++].second;
+    std::vector<int32_t> add(taken);
+    for (size_t k = 0; k < taken; ++k) add[k] = edge[k].first;
+    std::sort(add.begin(), add.end());
+    kept.resize(m + taken);
+    std::inplace_merge(kept.begin(), kept.begin() + m, std::copy(add.begin(), add.end(), kept.begin() + m));
+}
+
+void filter_top_k(const float * l, float l_max, int64_t k, std::vector<int32_t> & kept, bool all) {
+    if (k <= 0 || k >= (int64_t) kept.size()) return;
+    const std::vector<int32_t> ones(kept.size(), 1);
+    keep_prefix_reaching(l, l_max, kept, all, ones.data(), k);
+}
+
+// Top-p's weights: w_j = floor(2^30 exp_neg(l_j - l_max)), exp_neg the package's float exp
+// (vmath.h: plain IEEE float operations, the same bits on every ISA; the NumPy reference
+// repeats them). So w_max = 2^30, and a token below l_max - 20.8 weighs 0.
+static inline int32_t top_p_weight(float l_max, float l) { return (int32_t) (exp_neg(l - l_max) * 1073741824.0f); }
+
+DFN_MULTIVERSION(void, top_p_weights, (const float * l, const int32_t * kept, int64_t n, float l_max, int32_t * w),
+                 (l, kept, n, l_max, w)) {
+    if (kept) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) w[j] = top_p_weight(l_max, l[kept[j]]);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) w[j] = top_p_weight(l_max, l[j]);
+    }
+}
+
+// Keeps the shortest prefix, in by_logit order, whose weight reaches ceil(top_p * total weight):
+// the tokens holding top_p of the softmax of the raw logits, with that softmax in 30-bit fixed
+// point. Integer sums are exact, so the cut is a fixed function of the logits whatever order the
+// terms are added in (a vocabulary below 2^21 keeps the total below 2^51).
+void filter_top_p(const float * l, float l_max, double top_p, std::vector<int32_t> & kept, bool all) {
+    if (top_p >= 1.0) return;
+    const int64_t n = (int64_t) kept.size();
+    std::vector<int32_t> w(n);
+    top_p_weights(l, all ? nullptr : kept.data(), n, l_max, w.data());
+    int64_t total = 0;
+    for (int64_t j = 0; j < n; ++j) total += w[j];
+    const int64_t need = (int64_t) std::ceil(top_p * (double) total);  // in [1, total]: w_max = 2^30
+    keep_prefix_reaching(l, l_max, kept, all, w.data(), need);
 }
 
 void filter_min_p(const float * l, double l_max, double min_p, std::vector<int32_t> & kept) {
@@ -153,90 +299,102 @@ void filter_min_p(const float * l, double l_max, double min_p, std::vector<int32
                kept.end());
 }
 
-std::vector<int32_t> filter(const logits_row & row, const sampling_params & p, int64_t i_max) {
+std::vector<int32_t> filter(const logits_row & row, const sampling_params & p, int64_t i_max, bool all_finite) {
+    DFN_REQUIRE(row.n < (int64_t) 1 << 21, "sampling", "rows of more than 2^21 logits are not supported, got ", row.n);
     std::vector<int32_t> kept;
-    kept.reserve(row.n);
-    for (int64_t i = 0; i < row.n; ++i) {
-        if (row.l[i] > -INFINITY) kept.push_back((int32_t) i);
+    if (all_finite) {
+        kept.resize(row.n);
+        std::iota(kept.begin(), kept.end(), 0);
+    } else {
+        kept.reserve(row.n);
+        for (int64_t i = 0; i < row.n; ++i) {
+            if (row.l[i] > -INFINITY) kept.push_back((int32_t) i);
+        }
     }
-    const double l_max = row.l[i_max];
-    filter_top_k(row.l, p.top_k, kept);
-    filter_top_p(row.l, l_max, p.top_p, kept);
+    const float l_max = row.l[i_max];
+    filter_top_k(row.l, l_max, p.top_k, kept, all_finite);
+    filter_top_p(row.l, l_max, p.top_p, kept, all_finite && (int64_t) kept.size() == row.n);
     filter_min_p(row.l, l_max, p.min_p, kept);
     return kept;
 }
 
 // ---- the draw -------------------------------------------------------------------------------------
 
-// Noise bits at or below this give G <= k_prune_gumbel (G rises with the bits); above it come 1 in
-// 1024 draws. A token whose l/T lies more than k_prune_gumbel below the best score so far can only
-// win with such bits, so for most tokens the draw computes Philox and skips the two logs.
-constexpr uint64_t k_prune_bits = (1ull << 52) - (1ull << 42);
+// The pruning ladder: noise bits at or below bits_at_most(k) give G <= g(k) = k / 8 - 4 (G is
+// non-decreasing in the bits). A token whose score l/T needs G > m to beat the K-th best so far can
+// be skipped without its two logs when its bits are at or below the ladder's rung under m.
+constexpr int k_rungs = 128;  // g from -4 to 11.875
 
-double prune_gumbel() {
-    // G(k_prune_bits) plus a margin that covers any rounding wiggle of log's monotonicity: the test
-    // below stays conservative, and the draw equals the plain argmax over every kept token
-    static const double g = gumbel_of_bits(k_prune_bits) + 1e-9;
-    return g;
+const int64_t * ladder() {  // rungs1: -1, then rung 0 .. k_rungs - 1
+    static const std::vector<int64_t> rungs = [] {
+        std::vector<int64_t> r(k_rungs + 1, -1);
+        for (int k = 0; k < k_rungs; ++k) {
+            const double g = k / 8.0 - 4.0;
+            // U = exp(-exp(-g)), bits = U 2^52 - 0.5; then stepped so that it is the last bits value
+            // whose G is <= g (-1: none)
+            int64_t b = (int64_t) std::floor(std::exp(-std::exp(-g)) * 0x1p52 - 0.5);
+            b = std::min<int64_t>(std::max<int64_t>(b, -1), ((int64_t) 1 << 52) - 1);
+            while (b >= 0 && gumbel_of_bits((uint64_t) b) > g) --b;
+            while (b + 1 < ((int64_t) 1 << 52) && gumbel_of_bits((uint64_t) (b + 1)) <= g) ++b;
+            r[k + 1] = b;
+        }
+        return r;
+    }();
+    return rungs.data();
 }
 
-// noise_bits(seed, pos, tokens[j]) for j < n: the same Philox rounds as philox4x32_10, written
-// over a block of tokens so that the compiler runs them in vector lanes (the draw's main cost).
-DFN_MULTIVERSION(void, noise_bits_block,
-                 (uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out),
-                 (seed, pos, tokens, n, out)) {
-    const uint32_t p0 = (uint32_t) (uint64_t) pos, p1 = (uint32_t) ((uint64_t) pos >> 32);
-    const uint32_t key0 = (uint32_t) seed, key1 = (uint32_t) (seed >> 32);
+// Per token of a block: whether its draw could reach s (the K-th best score at the block's start):
+// false only when its bits sit at or below the rung under m = s - l/T, i.e. G <= m and its score is
+// below s. m is computed in float with a margin far above float rounding (the test only skips work:
+// a token it lets through is scored exactly). rungs1[0] = -1 (no rung below m), rungs1[k + 1] = rung k.
+DFN_MULTIVERSION(void, could_reach,
+                 (const float * l, const int32_t * kept, const uint64_t * bits, int64_t n, double s, double inv_t,
+                  const int64_t * rungs1, uint8_t * out),
+                 (l, kept, bits, n, s, inv_t, rungs1, out)) {
+    const float s_f = (float) (s - 1e-3 * (1.0 + std::fabs(s))), it = (float) inv_t;
+    int32_t r[k_block];
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
-        uint32_t c0 = p0, c1 = p1, c2 = (uint32_t) tokens[j], c3 = 0u, k0 = key0, k1 = key1;
-        for (int r = 0; r < 10; ++r) {
-            const uint64_t m0 = (uint64_t) 0xD2511F53u * c0, m1 = (uint64_t) 0xCD9E8D57u * c2;
-            const uint32_t n0 = (uint32_t) (m1 >> 32) ^ c1 ^ k0, n2 = (uint32_t) (m0 >> 32) ^ c3 ^ k1;
-            c1 = (uint32_t) m1;
-            c3 = (uint32_t) m0;
-            c0 = n0;
-            c2 = n2;
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        out[j] = ((((uint64_t) c0) << 32) | c1) >> 12;
+        float k = ((s_f - l[kept[j]] * it) + 4.0f) * 8.0f + 1.0f;
+        k = k < 0.0f ? 0.0f : (k > (float) k_rungs ? (float) k_rungs : k);
+        r[j] = (int32_t) k;
     }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = (int64_t) bits[j] > rungs1[r[j]];
 }
 
 // The K best kept entries by l/T + G(seed, pos, id), score descending, the lower index first
 // among equal scores: (entry, score) pairs in `top`.
 void gumbel_topk(const logits_row & row, const std::vector<int32_t> & kept, int64_t i_max, double T, uint64_t seed,
                  int64_t pos, int64_t K, std::vector<std::pair<int32_t, double>> & top) {
-    const double g_prune = prune_gumbel();
     auto before = [](const std::pair<int32_t, double> & a, const std::pair<int32_t, double> & b) {
         return a.second > b.second || (a.second == b.second && a.first < b.first);
     };
     top.assign(1, {(int32_t) i_max, (double) row.l[i_max] / T + gumbel(seed, pos, row.id(i_max))});  // kept by every filter
-    // s_K: the score an entry must beat once K are held. l < l_lim implies l/T + g_prune < s_K
-    // (the relative margin covers the rounding of both sides), so the test needs no division for
-    // the tokens it skips.
-    auto lim = [&] {
-        if ((int64_t) top.size() < K) return (double) -INFINITY;
-        const double s_k = top.back().second;
-        return (s_k - g_prune - 1e-9 * (1.0 + std::fabs(s_k))) * T;
-    };
-    double l_lim = lim();
-    constexpr int64_t k_block = 256;
+    const int64_t * rungs = ladder();
     int32_t ids[k_block];
     uint64_t bits[k_block];
+    uint8_t reach[k_block];
     for (size_t j0 = 0; j0 < kept.size(); j0 += k_block) {
         const int64_t nb = std::min<int64_t>(k_block, (int64_t) (kept.size() - j0));
-        for (int64_t j = 0; j < nb; ++j) ids[j] = row.id(kept[j0 + j]);
+        const int32_t * kb = kept.data() + j0;
+        for (int64_t j = 0; j < nb; ++j) ids[j] = row.id(kb[j]);
         noise_bits_block(seed, pos, ids, nb, bits);
+        // s only rises during the block, so a token that cannot reach its value at the start
+        // cannot enter later either
+        const double s = (int64_t) top.size() < K ? -INFINITY : top.back().second;
+        if (s > -INFINITY) {
+            could_reach(row.l, kb, bits, nb, s, 1.0 / T, rungs, reach);
+        } else {
+            std::fill(reach, reach + nb, 1);
+        }
         for (int64_t j = 0; j < nb; ++j) {
-            const int32_t i = kept[j0 + j];
-            // bits at or below k_prune_bits give a score <= l/T + G(k_prune_bits) < s_K
-            if (i == i_max || (bits[j] <= k_prune_bits && (double) row.l[i] < l_lim)) continue;
+            const int32_t i = kb[j];
+            if (!reach[j] || i == i_max) continue;
             const std::pair<int32_t, double> c{i, (double) row.l[i] / T + gumbel_of_bits(bits[j])};
             if ((int64_t) top.size() == K && !before(c, top.back())) continue;
             top.insert(std::upper_bound(top.begin(), top.end(), c, before), c);
             if ((int64_t) top.size() > K) top.pop_back();
-            l_lim = lim();
         }
     }
 }
@@ -277,7 +435,9 @@ void fill_logprobs(const logits_row & row, const std::vector<int32_t> & kept, in
 }  // namespace
 
 std::vector<int32_t> sampling_filter(const logits_row & row, const sampling_params & p, const char * where, int64_t pos) {
-    return filter(row, p, checked_argmax(row, where, pos));
+    bool all_finite;
+    const int64_t i_max = checked_argmax(row, where, pos, &all_finite);
+    return filter(row, p, i_max, all_finite);
 }
 
 sample_result sample_row(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
@@ -294,7 +454,8 @@ sample_result sample_row(const logits_row & row, const sampling_params & p, int6
 
 int32_t choose_token(const logits_row & row, const sampling_params & p, int64_t pos, const char * where,
                      token_logprobs * lp) {
-    const int64_t i_max = checked_argmax(row, where, pos);
+    bool all_finite;
+    const int64_t i_max = checked_argmax(row, where, pos, &all_finite);
     const bool want = lp && p.want_logprobs();
     if (p.greedy()) {
         if (want) {
@@ -307,7 +468,7 @@ int32_t choose_token(const logits_row & row, const sampling_params & p, int64_t 
         }
         return row.id(i_max);
     }
-    const std::vector<int32_t> kept = filter(row, p, i_max);
+    const std::vector<int32_t> kept = filter(row, p, i_max, all_finite);
     const int64_t i = gumbel_argmax(row, kept, i_max, p.temperature, p.seed, pos);
     if (want) fill_logprobs(row, kept, i_max, p.temperature, i, p.n_logprobs, *lp);
     return row.id(i);
@@ -316,9 +477,10 @@ int32_t choose_token(const logits_row & row, const sampling_params & p, int64_t 
 void perturbed_topk(const logits_row & row, const sampling_params & p, int64_t pos, int64_t K, const char * where,
                     std::vector<int32_t> & idx, std::vector<float> & weight) {
     DFN_REQUIRE(p.temperature > 0.0 && K >= 1, where, "perturbed_topk needs a temperature > 0 and K >= 1");
-    const int64_t i_max = checked_argmax(row, where, pos);
+    bool all_finite;
+    const int64_t i_max = checked_argmax(row, where, pos, &all_finite);
     std::vector<std::pair<int32_t, double>> top;
-    gumbel_topk(row, filter(row, p, i_max), i_max, p.temperature, p.seed, pos, K, top);
+    gumbel_topk(row, filter(row, p, i_max, all_finite), i_max, p.temperature, p.seed, pos, K, top);
     idx.resize(top.size());
     weight.resize(top.size());
     double z = 0.0;

@@ -48,6 +48,8 @@ uint64_t noise_bits(uint64_t seed, int64_t pos, int32_t token);
 // U = (bits + 0.5) / 2^52, exact and inside (0, 1); G = -log(-log(U)), in [-3.6, 36.4].
 double gumbel_of_bits(uint64_t bits);
 inline double gumbel(uint64_t seed, int64_t pos, int32_t token) { return gumbel_of_bits(noise_bits(seed, pos, token)); }
+// noise_bits(seed, pos, tokens[j]) into out[j] for j < n, vectorised (the draw's main cost).
+void noise_bits_block(uint64_t seed, int64_t pos, const int32_t * tokens, int64_t n, uint64_t * out);
 
 // One row of logits, as the sampler sees it. `ids` gives the token id of each entry (the drafter's
 // draft vocabulary: ascending ids), or nullptr when entry i is token i. NaN and +inf raise
@@ -62,8 +64,9 @@ struct logits_row {
 
 // The entries the filters keep, ascending. Order of the filters as llama.cpp's chain: top-k
 // (ties broken by the lower index), top-p over the softmax of the raw logits (T = 1) of the tokens
-// top-k kept, min-p against the largest logit; the largest logit is always kept. Every sum runs
-// in a fixed order (see sampler.cpp), so the kept set does not depend on threads or sort details.
+// top-k kept, min-p against the largest logit; the largest logit is always kept. Top-p's
+// probabilities are integers (30-bit fixed point through exp_neg, see sampler.cpp), so its sums
+// are exact and the kept set does not depend on threads, ISA or the order of the terms.
 std::vector<int32_t> sampling_filter(const logits_row & row, const sampling_params & p, const char * where, int64_t pos);
 
 struct sample_result {

@@ -201,3 +201,64 @@ def test_pruned_draw_equals_reference_on_a_large_vocabulary(params):
     for seed in range(25):
         s = _sampling(seed=seed * 7919 + 3, **params)
         assert T.sample(logits, s, 123)[0] == ref.sample(logits, seed=s.seed, pos=123, **params)
+
+
+# ---- the vectorised paths: every ISA, large rows ---------------------------------------------------
+
+@pytest.fixture(params=T.matmul_isas())
+def each_isa(request):
+    """Runs the test with the package's kernels capped at each ISA this machine runs."""
+    import dflash_native as dn
+
+    dn.set_isa(request.param)
+    yield request.param
+    dn.set_isa("")
+
+
+def test_noise_block_matches_reference(each_isa):
+    """The draw's block Philox (AVX-512: 4 x 16 lanes in registers, masked tails) gives the scalar
+    definition's bits for every length and for seeds and positions past 32 bits."""
+    rng = np.random.default_rng(11)
+    for n in [1, 7, 15, 16, 17, 63, 64, 65, 100, 255, 256, 257, 1000]:
+        tokens = rng.integers(0, 2**31 - 1, n).astype(np.int32)
+        seed, pos = int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 2**40))
+        assert np.array_equal(T.noise_bits(seed, pos, tokens), ref.noise_bits(seed, pos, tokens)), (each_isa, n)
+
+
+def _large_rows(rng):
+    """4096-entry rows the small hypothesis rows do not reach: broad and peaked, spans past the
+    filter's 64-nat bucket range, logits on the bucket edges (multiples of 1/8) with many ties,
+    and -inf entries (the kept list is then not every entry)."""
+    yield (rng.standard_normal(4096) * 2).astype(np.float32)  # broad
+    yield (rng.standard_normal(4096) * 8).astype(np.float32)  # peaked
+    yield (rng.standard_normal(4096) * 40).astype(np.float32)  # spans > 64 nats
+    yield (rng.integers(-80, 8, 4096) / 8).astype(np.float32)  # ties on the bucket edges
+    row = (rng.standard_normal(4096) * 3).astype(np.float32)
+    row[rng.integers(0, 4096, 700)] = -np.inf
+    yield row
+
+
+@pytest.mark.parametrize("params", [
+    dict(top_p=0.95), dict(top_p=0.5), dict(top_p=0.999), dict(top_p=1e-6), dict(top_k=40),
+    dict(top_k=1000), dict(top_k=3000, top_p=0.9), dict(top_k=50, top_p=0.95, min_p=0.02), dict(min_p=0.001),
+])
+def test_filters_on_large_rows_match_reference(each_isa, params):
+    """The bucketed top-k / top-p selection (sorting only the bucket where the cut falls) keeps the
+    reference's set, which sorts every token; the draws agree as well."""
+    rng = np.random.default_rng(3)
+    for r, logits in enumerate(_large_rows(rng)):
+        s = _sampling(0.7, seed=r + 1, **params)
+        assert T.sample_filter(logits, s) == ref.filter_kept(logits, **params), (each_isa, r)
+        for pos in (5, 4000):
+            assert T.sample(logits, s, pos)[0] == ref.sample(logits, temperature=0.7, seed=r + 1, pos=pos, **params)
+
+
+def test_pruned_draws_match_reference_at_every_isa(each_isa):
+    """The pruning ladder and its vector pre-test skip tokens that cannot win; the draw still
+    equals the reference's plain argmax over every kept token."""
+    rng = np.random.default_rng(5)
+    for r, logits in enumerate(_large_rows(rng)):
+        for temp in (0.05, 0.7, 1.5):
+            seed = 1000 * r + int(temp * 100)
+            s = _sampling(temp, seed=seed)
+            assert T.sample(logits, s, 77)[0] == ref.sample(logits, temperature=temp, seed=seed, pos=77), (each_isa, r, temp)

@@ -50,8 +50,32 @@ def gumbel(seed: int, pos: int, tokens) -> np.ndarray:
     return np.array([-math.log(-math.log((float(int(b)) + 0.5) * 2.0 ** -52)) for b in bits], dtype=np.float64)
 
 
+def exp_neg(x) -> np.ndarray:
+    """The package's float exp for x <= 0 (csrc/vmath.h: exp_neg), operation by operation in
+    float32: 2^n 2^f with n the nearest integer to x log2(e) and 2^f a degree-6 polynomial; x below
+    -87 gives 0."""
+    f32 = np.float32
+    x = np.asarray(x, dtype=np.float32)
+    y = np.where(x > f32(-87.0), x, f32(-87.0)).astype(np.float32) * f32(1.44269504)
+    n = (y + f32(12582912.0)) - f32(12582912.0)
+    f = y - n
+    p = f32(0.000154035304)
+    for c in (0.00133335581, 0.00961812911, 0.0555041087, 0.240226507, 0.693147182, 1.0):
+        p = f32(c) + f * p
+    bits = p.astype(np.float32).view(np.int32) + n.astype(np.int32) * np.int32(1 << 23)
+    return np.where(x < f32(-87.0), f32(0.0), bits.view(np.float32))
+
+
+def top_p_weights(logits, l_max: float) -> np.ndarray:
+    """Top-p's integer weights: floor(2^30 exp_neg(l - l_max)), l - l_max in float32."""
+    d = np.asarray(logits, dtype=np.float32) - np.float32(l_max)
+    return (exp_neg(d) * np.float32(2.0 ** 30)).astype(np.int64)
+
+
 def filter_kept(logits, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> list[int]:
-    """Indices kept by top-k, then top-p, then min-p (see sampler.h), ascending."""
+    """Indices kept by top-k, then top-p, then min-p (see sampler.h), ascending. Top-p keeps the
+    shortest prefix in (larger logit, lower index) order whose integer weights reach
+    ceil(top_p * their total over the tokens top-k kept)."""
     lg = [float(x) for x in np.asarray(logits, dtype=np.float32)]
     kept = [i for i, x in enumerate(lg) if x > -math.inf]
     l_max = max(lg[i] for i in kept)
@@ -59,17 +83,11 @@ def filter_kept(logits, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) 
     if 0 < top_k < len(kept):
         kept = sorted(order[:top_k])
     if top_p < 1.0:
-        z = 0.0
-        for i in kept:  # ascending index order
-            z += math.exp(lg[i] - l_max)
-        mass, cut = 0.0, None
-        for n, i in enumerate(sorted(kept, key=lambda i: (-lg[i], i))):
-            mass += math.exp(lg[i] - l_max) / z
-            if mass >= top_p:
-                cut = n + 1
-                break
-        if cut is not None:
-            kept = sorted(sorted(kept, key=lambda i: (-lg[i], i))[:cut])
+        order = sorted(kept, key=lambda i: (-lg[i], i))
+        w = top_p_weights([lg[i] for i in order], l_max)
+        need = math.ceil(top_p * float(int(w.sum())))
+        cut = int(np.searchsorted(np.cumsum(w), need)) + 1  # the first prefix whose sum reaches need
+        kept = sorted(order[:cut])
     if min_p > 0.0:
         lim = math.log(min_p)
         kept = [i for i in kept if lg[i] - l_max >= lim]
