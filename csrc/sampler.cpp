@@ -224,25 +224,36 @@ DFN_MULTIVERSION(void, bucket_of, (const float * l, const int32_t * kept, int64_
 // integers, so they are exact and do not depend on the order of the terms: only the tokens of the
 // bucket where the sum reaches need are sorted, and the cut is where a walk over every token in
 // by_logit order would put it. all: kept holds every entry 0..n-1 (l is read directly).
+// w null: every weight is 1 (top-k).
 void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & kept, bool all, const int32_t * w,
                           int64_t need) {
     const int64_t n = (int64_t) kept.size();
-    std::vector<int32_t> b(n);
+    thread_local std::vector<int32_t> b;  // scratch, reused across draws
+    b.resize(n);
     bucket_of(l, all ? nullptr : kept.data(), n, l_max, b.data());
     int64_t in_bucket[k_buckets] = {};
-    for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += w[j];
+    if (w) {
+        for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += w[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += 1;
+    }
     int64_t acc = 0;
     int cut = 0;  // the bucket where the prefix sum reaches need
     while (cut < k_buckets - 1 && acc + in_bucket[cut] < need) acc += in_bucket[cut++];
-    // kept[0..m): the entries above the cut bucket, ascending; edge: the cut bucket's (entry, weight)
-    std::vector<std::pair<int32_t, int32_t>> edge;
+    // edge: the cut bucket's (entry, weight) (few, and a predictable branch); then kept[0..m):
+    // the entries above it, ascending, by a branch-free compaction in place (m <= j): whether a
+    // token of a broad row is kept is a coin flip the branch predictor would lose
+    thread_local std::vector<std::pair<int32_t, int32_t>> edge;
+    edge.clear();
+    int32_t * k = kept.data();
+    const int32_t * bb = b.data();
+    for (int64_t j = 0; j < n; ++j) {
+        if (bb[j] == cut) edge.push_back({k[j], w ? w[j] : 1});
+    }
     int64_t m = 0;
     for (int64_t j = 0; j < n; ++j) {
-        if (b[j] < cut) {
-            kept[m++] = kept[j];
-        } else if (b[j] == cut) {
-            edge.push_back({kept[j], w[j]});
-        }
+        k[m] = k[j];
+        m += bb[j] < cut;
     }
     std::sort(edge.begin(), edge.end(), [&](const auto & x, const auto & y) { return by_logit{l}(x.first, y.first); });
     size_t taken = 0;
@@ -256,8 +267,7 @@ void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & k
 
 void filter_top_k(const float * l, float l_max, int64_t k, std::vector<int32_t> & kept, bool all) {
     if (k <= 0 || k >= (int64_t) kept.size()) return;
-    const std::vector<int32_t> ones(kept.size(), 1);
-    keep_prefix_reaching(l, l_max, kept, all, ones.data(), k);
+    keep_prefix_reaching(l, l_max, kept, all, nullptr, k);
 }
 
 // Top-p's weights: w_j = floor(2^30 exp_neg(l_j - l_max)), exp_neg the package's float exp
@@ -283,7 +293,8 @@ DFN_MULTIVERSION(void, top_p_weights, (const float * l, const int32_t * kept, in
 void filter_top_p(const float * l, float l_max, double top_p, std::vector<int32_t> & kept, bool all) {
     if (top_p >= 1.0) return;
     const int64_t n = (int64_t) kept.size();
-    std::vector<int32_t> w(n);
+    thread_local std::vector<int32_t> w;  // scratch, reused across draws
+    w.resize(n);
     top_p_weights(l, all ? nullptr : kept.data(), n, l_max, w.data());
     int64_t total = 0;
     for (int64_t j = 0; j < n; ++j) total += w[j];
