@@ -513,6 +513,8 @@ py::dict controller_state(spec_session & s) {
     std::vector<std::pair<int64_t, int64_t>> bins;
     for (int b = 0; b < controller::k_bins; ++b) bins.push_back(c.bin_counts(b));
     d["bins"] = bins;  // [k_bins]: (drafts observed, accepted) in the window, by drafter p-bin
+    d["round_can_win"] = c.round_can_win();  // by the calibration's best case at the current costs
+    d["regimes"] = c.n_regimes();            // sampling regimes with a calibration of their own
     return d;
 }
 

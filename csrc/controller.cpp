@@ -16,11 +16,36 @@ constexpr double k_prior_weight = 2.0;
 constexpr double k_prior_slope = 0.15;
 }  // namespace
 
+uint64_t regime_key(double temperature, int64_t top_k, double top_p, double min_p) {
+    if (temperature == 0.0) return 0;
+    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the settings' bytes
+    auto mix = [&](const void * v, size_t n) {
+        for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char *) v)[i]) * 0x100000001b3ull;
+    };
+    mix(&temperature, sizeof temperature);
+    mix(&top_k, sizeof top_k);
+    mix(&top_p, sizeof top_p);
+    mix(&min_p, sizeof min_p);
+    return h == 0 ? 1 : h;
+}
+
 controller::controller(int64_t max_block, controller_params p)
     : p_(p), max_block_(max_block), t_verify_(max_block + 1, 0.0), n_verify_(max_block + 1, 0),
-      seen_verify_(max_block + 1, 0) {}
+      seen_verify_(max_block + 1, 0) {
+    regimes_.emplace_front(0, regime_state{});
+    r_ = &regimes_.front().second;
+}
 
-void controller::begin_request() {
+void controller::begin_request(uint64_t regime) {
+    r_->ar_left = mode_ == mode::ar && backoff_ > 0 ? ar_left_ : 0;  // the outgoing request's count-down
+    auto it = std::find_if(regimes_.begin(), regimes_.end(), [&](const auto & e) { return e.first == regime; });
+    if (it != regimes_.end()) {
+        regimes_.splice(regimes_.begin(), regimes_, it);
+    } else {
+        regimes_.emplace_front(regime, regime_state{});
+        if (regimes_.size() > k_max_regimes) regimes_.pop_back();
+    }
+    r_ = &regimes_.front().second;
     // The window's calibration carries over: how often this drafter's drafts of a given
     // confidence are accepted changes slowly, and a short request would otherwise spend its few
     // rounds on the prior (a request's own rounds replace the old ones as they run). Its
@@ -33,20 +58,46 @@ void controller::begin_request() {
     backoff_ = 0;
     rounds_since_ar_ = 0;
     switches_ = 0;
+    if (!round_can_win()) {
+        // the regime's calibration says speculation loses: AR first, continuing the count-down
+        // its last request left (so that short requests still reach a probe), then a probe
+        backoff_ = std::max(r_->backoff, p_.backoff_min);
+        ar_left_ = r_->ar_left > 0 ? r_->ar_left : backoff_;
+    }
+}
+
+bool controller::round_can_win() const {
+    // q: the best acceptance the calibration allows, over the p-bins it has seen drafts in (each
+    // at its upper edge, so the prior leans optimistic)
+    double q = -1.0;
+    for (int b = 0; b < k_bins; ++b) {
+        if (r_->bin_n[b] == 0) continue;
+        const double p = b < k_bins - 1 ? k_bin_edges[b] : 1.0;
+        q = std::max(q, (r_->bin_hit[b] + k_prior_weight * p) / (r_->bin_n[b] + k_prior_weight));
+    }
+    if (t_ar_ <= 0 || q < 0) return true;  // nothing measured: find out
+    const double ar_rate = 1.0 / t_ar_;
+    double expect = 1.0, run = 1.0;
+    for (int64_t k = 1; k < max_block_; ++k) {
+        run *= q;
+        expect += run;
+        if (expect / (t_draft_ + verify_cost(k + 1)) > ar_rate) return true;
+    }
+    return false;
 }
 
 void controller::forget_rounds() {
-    window_.clear();
-    std::fill(std::begin(bin_hit_), std::end(bin_hit_), 0);
-    std::fill(std::begin(bin_n_), std::end(bin_n_), 0);
+    r_->window.clear();
+    std::fill(std::begin(r_->bin_hit), std::end(r_->bin_hit), 0);
+    std::fill(std::begin(r_->bin_n), std::end(r_->bin_n), 0);
     forget_rate();
 }
 
 void controller::forget_rate() {
-    for (round_obs & o : window_) o.timed = false;
-    win_s_ = 0;
-    win_tokens_ = 0;
-    win_timed_ = 0;
+    for (round_obs & o : r_->window) o.timed = false;
+    r_->win_s = 0;
+    r_->win_tokens = 0;
+    r_->win_timed = 0;
 }
 
 controller::mode controller::next() const {
@@ -65,10 +116,10 @@ int controller::bin_of(float p) {
 
 double controller::calibrated(float p) const {
     const int b = bin_of(p);
-    return (bin_hit_[b] + k_prior_weight * p) / (bin_n_[b] + k_prior_weight);
+    return (r_->bin_hit[b] + k_prior_weight * p) / (r_->bin_n[b] + k_prior_weight);
 }
 
-double controller::spec_rate() const { return win_s_ > 0 ? win_tokens_ / win_s_ : 0.0; }
+double controller::spec_rate() const { return r_->win_s > 0 ? r_->win_tokens / r_->win_s : 0.0; }
 
 double controller::verify_cost(int64_t n) const {
     if (fixed_) return fixed_v0_ + fixed_v1_ * n;
@@ -154,10 +205,12 @@ void controller::observe_ar(double seconds) {
     settle_mode();
 }
 
-void controller::observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s) {
+void controller::observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s,
+                               int next_hit) {
     round_obs o;
     o.tokens = accepted + 1;
     for (int64_t i = 0; i < std::min(accepted + 1, k); ++i) o.outcomes.emplace_back((uint8_t) bin_of(p[i]), i < accepted);
+    if (next_hit >= 0 && accepted == k) o.outcomes.emplace_back((uint8_t) bin_of(p[k]), next_hit == 1);
     observe(std::move(o), k + 1, draft_s, verify_s);
 }
 
@@ -188,20 +241,21 @@ void controller::observe(round_obs o, int64_t n, double draft_s, double verify_s
         }
     }
     o.seconds = draft_s + verify_s;
-    for (auto [b, hit] : o.outcomes) bin_n_[b] += 1, bin_hit_[b] += hit;
-    win_s_ += o.seconds;
-    win_tokens_ += o.tokens;
-    ++win_timed_;
-    window_.push_back(std::move(o));
-    if ((int64_t) window_.size() > p_.window_rounds) {
-        const round_obs & old = window_.front();
-        for (auto [b, hit] : old.outcomes) bin_n_[b] -= 1, bin_hit_[b] -= hit;
+    regime_state & r = *r_;
+    for (auto [b, hit] : o.outcomes) r.bin_n[b] += 1, r.bin_hit[b] += hit;
+    r.win_s += o.seconds;
+    r.win_tokens += o.tokens;
+    ++r.win_timed;
+    r.window.push_back(std::move(o));
+    if ((int64_t) r.window.size() > p_.window_rounds) {
+        const round_obs & old = r.window.front();
+        for (auto [b, hit] : old.outcomes) r.bin_n[b] -= 1, r.bin_hit[b] -= hit;
         if (old.timed) {
-            win_s_ -= old.seconds;
-            win_tokens_ -= old.tokens;
-            --win_timed_;
+            r.win_s -= old.seconds;
+            r.win_tokens -= old.tokens;
+            --r.win_timed;
         }
-        window_.pop_front();
+        r.window.pop_front();
     }
     ++rounds_since_ar_;
     ++n_rounds_;
@@ -222,9 +276,10 @@ void controller::settle_mode() {
         rounds_since_ar_ = 0;
         return;
     }
-    if (win_timed_ < p_.min_rounds || t_ar_ <= 0) return;
+    if (r_->win_timed < p_.min_rounds || t_ar_ <= 0) return;
     if (spec_rate() < 1.0 / t_ar_) {  // losing to AR: fall back, for longer after a failed probe
         backoff_ = probing_ ? std::min(2 * backoff_, p_.backoff_max) : p_.backoff_min;
+        r_->backoff = backoff_;
         ar_left_ = backoff_;
         probing_ = false;
         mode_ = mode::ar;
@@ -232,6 +287,7 @@ void controller::settle_mode() {
     } else if (probing_) {  // the probe won: the next fall-back starts from the shortest backoff
         probing_ = false;
         backoff_ = 0;
+        r_->backoff = 0;
     }
 }
 

@@ -25,11 +25,17 @@
 // the line steeper than it is now.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <vector>
 
 namespace dfn {
+
+// The controller's regime key of a request's sampling settings: 0 for greedy, else a hash of
+// (temperature, top_k, top_p, min_p) that is never 0.
+uint64_t regime_key(double temperature, int64_t top_k, double top_p, double min_p);
 
 struct controller_params {
     int64_t window_rounds = 64;   // rounds the calibration and the speculative rate look back on
@@ -46,9 +52,14 @@ public:
 
     explicit controller(int64_t max_block, controller_params p = {});
 
-    // A new request: its mode and back-off start afresh; the cost estimates and the window carry
-    // over as starting points (properties of the machine and the pair, re-measured as it runs).
-    void begin_request();
+    // A new request in sampling regime `regime` (0: greedy; else a key of the sampling settings,
+    // regime_key): its mode and back-off start afresh; the cost estimates carry over as starting
+    // points (properties of the machine and the pair, re-measured as it runs), and so does the
+    // regime's window (the drafter's calibration depends on how the target's tokens are chosen: at
+    // a temperature a confident draft is accepted far less often than under the argmax). When that
+    // calibration says no round can beat an AR step, the request starts in AR: the count-down the
+    // regime's last request left, or its last back-off (at least backoff_min), then a probe.
+    void begin_request(uint64_t regime = 0);
     // What the next step is: AR or a round. The first step of a request is AR (it measures AR).
     mode next() const;
     // Drafts to verify, 0..n, from the drafter's top-1 probabilities p[0..n) of one draft pass.
@@ -61,8 +72,11 @@ public:
 
     // What a step cost and did (seconds: measured, or the fixed costs under set_fixed_costs).
     void observe_ar(double seconds);
-    // k verified drafts with probabilities p[0..k), `accepted` of them accepted.
-    void observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s);
+    // k verified drafts with probabilities p[0..k), `accepted` of them accepted; next_hit (0 or 1,
+    // -1: unknown): whether draft k + 1 (probability p[k]), drafted but not verified, equals the
+    // bonus token after all k were accepted.
+    void observe_round(const float * p, int64_t k, int64_t accepted, double draft_s, double verify_s,
+                       int next_hit = -1);
     // A tree round of n_verified tokens (root included) that committed `committed`; outcomes:
     // each child of each accepted node (the root first), (its probability, accepted or not).
     void observe_tree_round(const std::vector<std::pair<float, bool>> & outcomes, int64_t n_verified,
@@ -77,10 +91,14 @@ public:
     double verify_cost(int64_t n) const;  // c(n): the age-weighted line through the timed sizes
     double calibrated(float p) const;     // acceptance probability of a draft of top-1 probability p
     double spec_rate() const;             // tokens/s of the window's rounds (0: none yet)
+    // Whether a round of the best case the calibration allows (every draft in the top p-bin, any
+    // number of drafts) would commit tokens faster than AR steps, at the current costs.
+    bool round_can_win() const;
+    int64_t n_regimes() const { return (int64_t) regimes_.size(); }
     mode current() const { return mode_; }
     int64_t switches() const { return switches_; }
     // The window's drafts per p-bin: (observed, accepted), bins split at k_bin_edges.
-    std::pair<int64_t, int64_t> bin_counts(int b) const { return {bin_n_[b], bin_hit_[b]}; }
+    std::pair<int64_t, int64_t> bin_counts(int b) const { return {r_->bin_n[b], r_->bin_hit[b]}; }
 
 private:
     struct round_obs {
@@ -109,12 +127,21 @@ private:
     int64_t n_rounds_ = 0;              // rounds observed (all requests): the clock of seen_verify_
     bool fixed_ = false;
     double fixed_v0_ = 0, fixed_v1_ = 0;
-    // acceptance calibration over the window
-    std::deque<round_obs> window_;
-    int64_t bin_hit_[k_bins] = {}, bin_n_[k_bins] = {};
-    double win_s_ = 0;             // seconds and tokens of the window's timed rounds
-    int64_t win_tokens_ = 0;
-    int64_t win_timed_ = 0;        // the window's timed rounds
+    // Per sampling regime: the acceptance calibration over the window, the window's rate, and the
+    // back-off its last fall-back left (kept for the regime's next request). The most recently
+    // used k_max_regimes regimes are kept, the current one first.
+    struct regime_state {
+        std::deque<round_obs> window;
+        int64_t bin_hit[k_bins] = {}, bin_n[k_bins] = {};
+        double win_s = 0;  // seconds and tokens of the window's timed rounds
+        int64_t win_tokens = 0;
+        int64_t win_timed = 0;  // the window's timed rounds
+        int64_t backoff = 0;
+        int64_t ar_left = 0;  // AR steps its last request had left before a probe (0: none)
+    };
+    static constexpr size_t k_max_regimes = 8;
+    std::list<std::pair<uint64_t, regime_state>> regimes_;
+    regime_state * r_ = nullptr;  // the current request's: regimes_.front()
     // mode
     mode mode_ = mode::ar;
     bool probing_ = false;

@@ -167,16 +167,18 @@ int32_t spec_session::ar_step(int32_t last) {
     return r.argmax[0];
 }
 
-decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only) {
+decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only,
+                                         uint64_t regime) {
     if (n_cached == 0) {
         reset();
+        ctl_.begin_request(regime);
     } else {
         const int64_t ring_next = pending_m_ > 0 ? pending_pos0_ + pending_m_ : ring_->n_pushed;
         DFN_REQUIRE(n_cached > 0 && n_cached < n, "prefill", "n_cached = ", n_cached, " must be in [0, ", n,
                     ") (at least one prompt token must run)");
         DFN_REQUIRE(n_cached == target_.n_past() && n_cached == ring_next, "prefill", "n_cached = ", n_cached,
                     " but the target holds ", target_.n_past(), " positions and the ring ", ring_next);
-        ctl_.begin_request();
+        ctl_.begin_request(regime);
     }
     decode_result r = target_.decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
     push_features(r.taps.data(), n - n_cached, n_cached);
@@ -397,13 +399,18 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
         r.draft = *forced_draft;
     }
     const int64_t k = std::min(ctl_.choose(p.data(), B - 1), cutoff_keep(p));
+    // the first draft left unverified: when every verified one is accepted, the bonus token says
+    // whether it would have been too (calibration for free, also when k = 0)
+    const int32_t next = k < (int64_t) r.draft.size() ? r.draft[k] : -1;
     r.draft.resize(k);
     if (sampling) {
         verify_sampled(last, r, *sampling, t0, profile_now());
     } else {
         verify_and_commit(last, r, t0, profile_now());
     }
-    ctl_.observe_round(p.data(), k, (int64_t) r.committed.size() - 1, r.draft_s, r.verify_s + r.rollback_s);
+    const int64_t accepted = (int64_t) r.committed.size() - 1;
+    const int next_hit = next >= 0 && accepted == k ? (int) (r.committed.back() == next) : -1;
+    ctl_.observe_round(p.data(), k, accepted, r.draft_s, r.verify_s + r.rollback_s, next_hit);
     return r;
 }
 

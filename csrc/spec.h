@@ -141,7 +141,8 @@ public:
 private:
     // prefill's pass (either form): reset (n_cached 0) or check the continuation and begin the
     // controller's request, then decode prompt[n_cached, n) with the taps and push them
-    decode_result prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only);
+    decode_result prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only,
+                               uint64_t regime = 0);
     // A run of ring slots [slot0, slot0 + k) taking positions [pos0, pos0 + k): no wrap inside.
     struct ring_segment {
         int64_t slot0, k, pos0, row0;  // row0: the first of the pushed rows it takes

@@ -19,7 +19,8 @@ namespace dfn {
 int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p,
                                       token_logprobs * lp, int64_t n_cached) {
     check_sampling_params(p);
-    decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false);
+    decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false,
+                                   regime_key(p.temperature, p.top_k, p.top_p, p.min_p));
     return choose_token({r.logits.data(), target_.hparams().n_vocab}, p, n, "decode", lp);
 }
 

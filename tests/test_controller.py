@@ -184,6 +184,38 @@ def test_a_request_keeps_the_calibration_but_measures_its_own_rate(embedded):
     assert again.tokens == first.tokens
 
 
+def test_each_sampling_regime_keeps_its_own_calibration(embedded):
+    """How often a draft of a given confidence is accepted depends on how the target's token is
+    chosen: at T = 1.5 the embedded drafter's draws are rarely the target's. Once a sampled request
+    has measured that, the next one at the same settings starts with AR steps and probes later
+    (fewer rounds), while greedy requests, calibrated apart, speculate as before; exact throughout."""
+    eng = embedded
+    fixed_costs(eng, ar=1.0, draft=1.0, v0=1.0, v1=0.2)
+    hot = dict(temperature=1.5, seed=5)
+    greedy_before = eng.generate(TEXT, max_tokens=40)
+    ar = eng.generate(TEXT, max_tokens=40, speculative=False, **hot)
+    first = eng.generate(TEXT, max_tokens=40, **hot)
+    st = eng._spec.controller_state()
+    assert st["regimes"] == 2 and not st["round_can_win"]
+    assert sum(n for n, _ in st["bins"]) > 0 and sum(h for _, h in st["bins"]) < sum(n for n, _ in st["bins"]) / 2
+    second = eng.generate(TEXT, max_tokens=40, **hot)
+    assert first.tokens == ar.tokens and second.tokens == ar.tokens
+    assert first.stats.rounds >= 4 and second.stats.rounds < first.stats.rounds
+    assert second.stats.ar_steps >= 16  # the count-down before a probe
+    greedy_after = eng.generate(TEXT, max_tokens=40)
+    assert greedy_after.tokens == greedy_before.tokens
+    assert greedy_after.stats.rounds == greedy_before.stats.rounds  # its calibration untouched
+
+
+def test_a_round_of_no_verified_drafts_still_calibrates(embedded):
+    """When the controller verifies none of the drafts (k = 0), the bonus token still says whether
+    the first draft would have been accepted: the calibration learns instead of staying empty."""
+    eng = embedded
+    fixed_costs(eng, ar=1.0, draft=1.0, v0=1.0, v1=0.2)
+    eng.generate(TEXT, max_tokens=40, temperature=1.5, seed=5)
+    assert sum(n for n, _ in eng._spec.controller_state()["bins"]) > 0
+
+
 def test_probes_ar_less_often_the_further_ahead_speculation_is(embedded):
     """The AR cost decides only near the margin: with speculation at >= 4x AR's rate, the AR
     cost probe comes every 128 rounds (32 x 4), not every 32."""
