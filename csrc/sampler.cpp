@@ -208,15 +208,18 @@ static inline int32_t bucket(float l_max, float l) {
     return (int32_t) ((d < 64.0f ? d : 64.0f) * 8.0f);  // 64 -> k_buckets - 1
 }
 
-DFN_MULTIVERSION(void, bucket_of, (const float * l, const int32_t * kept, int64_t n, float l_max, int32_t * out),
-                 (l, kept, n, l_max, out)) {
-    if (kept) {
+DFN_MULTIVERSION(void, bucket_of, (const float * x, int64_t n, float l_max, int32_t * out), (x, n, l_max, out)) {
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) out[j] = bucket(l_max, l[kept[j]]);
-    } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) out[j] = bucket(l_max, l[j]);
-    }
+    for (int64_t j = 0; j < n; ++j) out[j] = bucket(l_max, x[j]);
+}
+
+// The logits of the kept entries, contiguous: l itself when every entry is kept (all), else
+// gathered into `scratch`.
+const float * kept_logits(const float * l, const std::vector<int32_t> & kept, bool all, std::vector<float> & scratch) {
+    if (all) return l;
+    scratch.resize(kept.size());
+    for (size_t j = 0; j < kept.size(); ++j) scratch[j] = l[kept[j]];
+    return scratch.data();
 }
 
 // Keeps the shortest prefix of `kept` in by_logit order whose integer weights (w[j] >= 0 for
@@ -229,8 +232,9 @@ void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & k
                           int64_t need) {
     const int64_t n = (int64_t) kept.size();
     thread_local std::vector<int32_t> b;  // scratch, reused across draws
+    thread_local std::vector<float> x;
     b.resize(n);
-    bucket_of(l, all ? nullptr : kept.data(), n, l_max, b.data());
+    bucket_of(kept_logits(l, kept, all, x), n, l_max, b.data());
     int64_t in_bucket[k_buckets] = {};
     if (w) {
         for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += w[j];
@@ -273,17 +277,9 @@ void filter_top_k(const float * l, float l_max, int64_t k, std::vector<int32_t> 
 // Top-p's weights: w_j = floor(2^30 exp_neg(l_j - l_max)), exp_neg the package's float exp
 // (vmath.h: plain IEEE float operations, the same bits on every ISA; the NumPy reference
 // repeats them). So w_max = 2^30, and a token below l_max - 20.8 weighs 0.
-static inline int32_t top_p_weight(float l_max, float l) { return (int32_t) (exp_neg(l - l_max) * 1073741824.0f); }
-
-DFN_MULTIVERSION(void, top_p_weights, (const float * l, const int32_t * kept, int64_t n, float l_max, int32_t * w),
-                 (l, kept, n, l_max, w)) {
-    if (kept) {
+DFN_MULTIVERSION(void, top_p_weights, (const float * x, int64_t n, float l_max, int32_t * w), (x, n, l_max, w)) {
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) w[j] = top_p_weight(l_max, l[kept[j]]);
-    } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) w[j] = top_p_weight(l_max, l[j]);
-    }
+    for (int64_t j = 0; j < n; ++j) w[j] = (int32_t) (exp_neg(x[j] - l_max) * 1073741824.0f);
 }
 
 // Keeps the shortest prefix, in by_logit order, whose weight reaches ceil(top_p * total weight):
@@ -294,8 +290,9 @@ void filter_top_p(const float * l, float l_max, double top_p, std::vector<int32_
     if (top_p >= 1.0) return;
     const int64_t n = (int64_t) kept.size();
     thread_local std::vector<int32_t> w;  // scratch, reused across draws
+    thread_local std::vector<float> x;
     w.resize(n);
-    top_p_weights(l, all ? nullptr : kept.data(), n, l_max, w.data());
+    top_p_weights(kept_logits(l, kept, all, x), n, l_max, w.data());
     int64_t total = 0;
     for (int64_t j = 0; j < n; ++j) total += w[j];
     const int64_t need = (int64_t) std::ceil(top_p * (double) total);  // in [1, total]: w_max = 2^30
