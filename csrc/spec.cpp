@@ -150,8 +150,10 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
     std::copy(feats.begin(), feats.begin() + (size_t) m * row, pending_feats_.begin() + (size_t) pending_m_ * row);
     pending_m_ += m;
     // A long run of AR steps (the controller's AR mode) queues a row each: rows older than the
-    // ring's capacity would be overwritten by the newer ones anyway, so they are dropped here.
-    const int64_t drop = pending_m_ - ring_->capacity;
+    // ring's capacity would be overwritten by the newer ones anyway (the push skips them:
+    // ring_segments), so once twice the capacity is queued the older ones are dropped at once
+    // (one move per capacity steps, not a move of the whole queue every step).
+    const int64_t drop = pending_m_ > 2 * ring_->capacity ? pending_m_ - ring_->capacity : 0;
     if (drop > 0) {
         pending_feats_.erase(pending_feats_.begin(), pending_feats_.begin() + (size_t) drop * row);
         pending_m_ -= drop;
