@@ -51,6 +51,8 @@ public:
     static constexpr int k_bins = 12;
 
     explicit controller(int64_t max_block, controller_params p = {});
+    controller(const controller &) = delete;  // r_ points into regimes_
+    controller & operator=(const controller &) = delete;
 
     // A new request in sampling regime `regime` (0: greedy; else a key of the sampling settings,
     // regime_key): its mode and back-off start afresh; the cost estimates carry over as starting
