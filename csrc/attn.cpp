@@ -42,6 +42,17 @@ void row_f32(const ggml_tensor * t, const char * p, float * out, int64_t n) {
     else std::memcpy(out, p, n * sizeof(float));
 }
 
+// kT[d * n_pad + j0 + l] = rows[l][d] for l < 16, d < hd: one block of 16 keys (rows: 16 rows of
+// hd floats, converted to F32) written transposed, 16 contiguous floats per d.
+DFN_MULTIVERSION(void, transpose16, (const float * __restrict rows, int64_t hd, float * __restrict kT, int64_t n_pad),
+                 (rows, hd, kT, n_pad)) {
+    for (int64_t d = 0; d < hd; ++d) {
+        float * __restrict out = kT + d * n_pad;
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) out[l] = rows[l * hd + d];
+    }
+}
+
 // s[j] = sum_d q[d] kT[d][j] for j < n (n a multiple of 64): 64 keys at a time, each key's sum
 // one fma chain over d in order, so its bits depend on nothing else.
 DFN_MULTIVERSION(void, scores,
@@ -122,7 +133,7 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     thread_local std::vector<float> kT, vf, row, s, mf, sg;
     thread_local std::vector<int64_t> kept;
     if (!kernel_scratch(kT, (size_t) hd * n_pad, "attention keys") ||
-        !kernel_scratch(vf, (size_t) n_kv * hd, "attention values") || !kernel_scratch(row, (size_t) hd, "attention") ||
+        !kernel_scratch(vf, (size_t) n_kv * hd, "attention values") || !kernel_scratch(row, (size_t) 16 * hd, "attention") ||
         !kernel_scratch(s, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask") ||
         (gather && (!kernel_scratch(sg, (size_t) n_pad, "attention scores") ||
                     !kernel_scratch(kept, (size_t) n_kv, "attention keys")))) {
@@ -136,11 +147,15 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     for (int64_t u = ith; u < n_kv_head * n_chunks; u += nth) {
         const int64_t hk = u % n_kv_head, c = u / n_kv_head;
         const int64_t t0 = c * n_tok / n_chunks, t1 = (c + 1) * n_tok / n_chunks;
-        for (int64_t j = 0; j < n_kv; ++j) {
-            row_f32(K, (const char *) K->data + hk * K->nb[1] + j * K->nb[2], row.data(), hd);
-            for (int64_t d = 0; d < hd; ++d) kT[d * n_pad + j] = row[d];
-            row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
+        for (int64_t j0 = 0; j0 < n_kv; j0 += 16) {  // K: 16 rows at a time, then transposed
+            const int64_t m = std::min<int64_t>(16, n_kv - j0);
+            for (int64_t l = 0; l < m; ++l)
+                row_f32(K, (const char *) K->data + hk * K->nb[1] + (j0 + l) * K->nb[2], row.data() + l * hd, hd);
+            std::fill(row.begin() + m * hd, row.begin() + 16 * hd, 0.0f);  // padding keys: 0 (n_pad >= j0 + 16)
+            transpose16(row.data(), hd, kT.data() + j0, n_pad);
         }
+        for (int64_t j = 0; j < n_kv; ++j)
+            row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
         for (int64_t t = t0; t < t1; ++t) {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]), mf.data(), n_kv);
             int64_t n_kept = 0;
