@@ -67,8 +67,7 @@ void spec_session::set_tree_budget(int64_t n) {
 void spec_session::reset() {
     target_.reset();
     ring_->clear();
-    pending_m_ = 0;
-    ctl_.begin_request();
+    pending_m_ = 0;  // the controller's request begins in prefill_pass (with its sampling regime)
 }
 
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {
