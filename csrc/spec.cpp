@@ -45,6 +45,7 @@ void spec_session::add_memory(memory_usage & m) const {
     m.drafter_weights_mapped = drafter_->weights_mapped();
     m.drafter_weights_copied = drafter_->weights_copied();
     m.feature_ring = ring_->bytes();
+    m.feature_queue = pending_feats_.capacity() * sizeof(float);
     m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
 
