@@ -357,7 +357,7 @@ py::dict memory_report(const target_session & t, const spec_session * s) {
         {"target_weights_mapped", u.target_weights_mapped}, {"target_weights_copied", u.target_weights_copied},
         {"drafter_weights_mapped", u.drafter_weights_mapped}, {"drafter_weights_copied", u.drafter_weights_copied},
         {"kv_cache", u.kv_cache}, {"gdn_state", u.gdn_state}, {"gdn_tape", u.gdn_tape},
-        {"feature_ring", u.feature_ring}, {"compute_target", u.compute_target}, {"compute_drafter", u.compute_drafter}};
+        {"feature_ring", u.feature_ring}, {"feature_queue", u.feature_queue}, {"compute_target", u.compute_target}, {"compute_drafter", u.compute_drafter}};
     size_t total = 0;
     for (const auto & p : parts) {
         d[p.first] = p.second;

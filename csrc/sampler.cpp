@@ -364,7 +364,8 @@ DFN_MULTIVERSION(void, could_reach,
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
         float k = ((s_f - l[kept[j]] * it) + 4.0f) * 8.0f + 1.0f;
-        k = k < 0.0f ? 0.0f : (k > (float) k_rungs ? (float) k_rungs : k);
+        // NaN (a tiny T: l * it = 0 * inf or inf - inf) goes to rung -1, scored exactly
+        k = k > 0.0f ? (k < (float) k_rungs ? k : (float) k_rungs) : 0.0f;
         r[j] = (int32_t) k;
     }
 #pragma omp simd

@@ -45,6 +45,7 @@ void spec_session::add_memory(memory_usage & m) const {
     m.drafter_weights_mapped = drafter_->weights_mapped();
     m.drafter_weights_copied = drafter_->weights_copied();
     m.feature_ring = ring_->bytes();
+    m.feature_queue = pending_feats_.capacity() * sizeof(float);
     m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
 
@@ -67,8 +68,7 @@ void spec_session::set_tree_budget(int64_t n) {
 void spec_session::reset() {
     target_.reset();
     ring_->clear();
-    pending_m_ = 0;
-    ctl_.begin_request();
+    pending_m_ = 0;  // the controller's request begins in prefill_pass (with its sampling regime)
 }
 
 std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, int64_t pos0) const {

@@ -207,6 +207,22 @@ def test_each_sampling_regime_keeps_its_own_calibration(embedded):
     assert greedy_after.stats.rounds == greedy_before.stats.rounds  # its calibration untouched
 
 
+def test_the_last_eight_sampling_regimes_keep_their_calibration(embedded):
+    """The controller keeps the calibration of the 8 most recently used regimes: after a request at
+    T = 1.5 and 7 requests at other settings (no greedy request in between), a request at
+    T = 1.5 again starts from its calibration (a cold start must not count as a greedy request)."""
+    eng = embedded
+    fixed_costs(eng, ar=1.0, draft=1.0, v0=1.0, v1=0.2)
+    eng.generate(TEXT, max_tokens=40, temperature=1.5, seed=5)
+    kept = eng._spec.controller_state()["bins"]
+    assert sum(n for n, _ in kept) > 0
+    for i in range(7):
+        eng.generate(TEXT, max_tokens=1, temperature=1.0 + i / 16, seed=5)
+    eng.generate(TEXT, max_tokens=1, temperature=1.5, seed=5)  # the prefill only: no step
+    st = eng._spec.controller_state()
+    assert st["regimes"] == 8 and st["bins"] == kept
+
+
 def test_a_round_of_no_verified_drafts_still_calibrates(embedded):
     """When the controller verifies none of the drafts (k = 0), the bonus token still says whether
     the first draft would have been accepted: the calibration learns instead of staying empty."""

@@ -117,7 +117,7 @@ def test_memory_report_parts(small):
         assert r["total"] == sum(v for k, v in r.items() if k != "total")
         assert r["target_weights_mapped"] > 0 and r["kv_cache"] > 0
         # a dense target without a drafter: no GDN layers, no drafter parts
-        for k in ("gdn_state", "gdn_tape", "feature_ring", "drafter_weights_mapped", "drafter_weights_copied",
+        for k in ("gdn_state", "gdn_tape", "feature_ring", "feature_queue", "drafter_weights_mapped", "drafter_weights_copied",
                   "compute_drafter"):
             assert r[k] == 0, k
     assert rb["kv_cache"] == 2 * ra["kv_cache"]

@@ -203,6 +203,34 @@ def test_ar_step_keeps_the_ring_in_step(pair):
     np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
 
 
+@pytest.mark.parametrize("n_ar", [12, 13, 24, 25, 37])
+def test_long_ar_stretch_then_draft_equals_prefill(pair, n_ar):
+    """A long AR stretch queues a feature row per step; queue_features drops the older ones only past
+    twice the ring capacity (12) and the draft's push skips those beyond it: at and past the
+    capacity and twice it, the ring and the next draft equal a fresh prefill's."""
+    B = 8
+    t, s = make(pair, B=B, capacity=12)
+    ref = ar_tokens(t, PROMPT, n_ar + 2)
+    out = [s.prefill(PROMPT)]
+    pending = 0  # rows queued: one per AR step, the older ones dropped past twice the capacity
+    for _ in range(n_ar):
+        out.append(s.ar_step(out[-1]))
+        pending = pending + 1 if pending < 24 else 12
+    assert out == ref[:len(out)]
+    # the memory report counts the queue (host floats: n_taps * n_embd a row)
+    row_bytes = 4 * len(s.tap_layers) * t.n_embd
+    assert pending * row_bytes <= t.memory_report(s)["feature_queue"] <= 2 * 25 * row_bytes
+    t2, s2 = make(pair, B=B, capacity=12)
+    assert s2.prefill(PROMPT + out[:-1]) == out[-1]
+    d1 = s.draft_logits(out[-1], B, t)
+    d2 = s2.draft_logits(out[-1], B, t2)
+    assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    for il in range(s.drafter_n_layer):
+        for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
+            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
+    np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
+
+
 def test_ar_step_bad_token_is_an_error(pair):
     t, s = make(pair)
     s.prefill(PROMPT)
