@@ -146,19 +146,25 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
     DFN_REQUIRE(pos0 == pending_pos0_ + pending_m_, "feature_ring", "features queued out of order: got position ",
                 pos0, ", expected ", pending_pos0_ + pending_m_);
     const size_t row = (size_t) drafter_->hparams().n_feature_row();
-    pending_feats_.resize((size_t) (pending_m_ + m) * row);  // drops the verify's rejected rows
-    std::copy(feats.begin(), feats.begin() + (size_t) m * row, pending_feats_.begin() + (size_t) pending_m_ * row);
-    pending_m_ += m;
     // A long run of AR steps (the controller's AR mode) queues a row each: rows older than the
     // ring's capacity would be overwritten by the newer ones anyway (the push skips them:
-    // ring_segments), so once twice the capacity is queued the older ones are dropped at once
-    // (one move per capacity steps, not a move of the whole queue every step).
-    const int64_t drop = pending_m_ > 2 * ring_->capacity ? pending_m_ - ring_->capacity : 0;
+    // ring_segments), so once `slack` rows past the capacity are queued the older ones are dropped
+    // in one move: capacity / slack = 8 rows moved per step on average, and the queue holds at
+    // most capacity + slack rows (growth capped there, not doubled past it).
+    const int64_t cap = ring_->capacity, slack = std::max<int64_t>(1, cap / 8);
+    const int64_t drop = pending_m_ + m > cap + slack ? std::min(pending_m_, pending_m_ + m - cap) : 0;
     if (drop > 0) {
         pending_feats_.erase(pending_feats_.begin(), pending_feats_.begin() + (size_t) drop * row);
         pending_m_ -= drop;
         pending_pos0_ += drop;
     }
+    const size_t need = (size_t) (pending_m_ + m) * row, most = (size_t) (cap + slack) * row;
+    if (need > pending_feats_.capacity() && need <= most) {
+        pending_feats_.reserve(std::min(std::max(need, 2 * pending_feats_.capacity()), most));
+    }
+    pending_feats_.resize(need);  // drops the verify's rejected rows
+    std::copy(feats.begin(), feats.begin() + (size_t) m * row, pending_feats_.begin() + (size_t) pending_m_ * row);
+    pending_m_ += m;
 }
 
 int32_t spec_session::ar_step(int32_t last) {

@@ -414,7 +414,7 @@ class Engine:
         - gdn_state, gdn_tape: the GDN layers' recurrent + conv state, and the tape of one verify;
         - feature_ring: the drafter's context K/V (ring capacity + one block of scratch);
         - feature_queue: host memory of the target's taps queued for the ring (a long AR stretch
-          queues a row per step, up to twice the ring capacity, n_taps * n_embd floats a row);
+          queues a row per step, up to 1.125x the ring capacity, n_taps * n_embd floats a row);
         - compute_target, compute_drafter: the compute buffers of the graph plans cached so far
           (target forward passes; draft and ring-push graphs), which grow as new graph shapes run;
         - total: the sum of the above.
