@@ -56,15 +56,21 @@ def bench_llama(path, prompt, n_decode, threads, n_ctx):
     ll = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
 
+    n_vocab = ll.n_vocab()
+
+    def last_logits():
+        # the last evaluated token's row (Llama.scores is only filled with logits_all=True)
+        return np.ctypeslib.as_array(ll._ctx.get_logits(), shape=(n_vocab,))
+
     def run():
         ll.reset()  # clears llama.cpp's memory (KV and recurrent state) too
         with Timer() as tp:
             ll.eval(prompt)
-        tok = int(np.argmax(ll.scores[ll.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         with Timer() as td:
             for _ in range(n_decode):
                 ll.eval([tok])
-                tok = int(np.argmax(ll.scores[ll.n_tokens - 1]))
+                tok = int(np.argmax(last_logits()))
         return tp.s, td.s
 
     return run
