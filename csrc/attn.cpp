@@ -10,6 +10,9 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#if DFN_X86_GCC
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -52,6 +55,82 @@ DFN_MULTIVERSION(void, transpose16, (const float * __restrict rows, int64_t hd, 
         for (int l = 0; l < 16; ++l) out[l] = rows[l * hd + d];
     }
 }
+
+#if DFN_X86_GCC
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512 intrinsics
+// r[0..16) := its transpose (r[i] lane j <- r[j] lane i).
+static inline void transpose16x16(__m512 * r) {
+    __m512 t[16], u[16], v[16];
+    for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks within each 128-bit lane
+        u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int h = 0; h < 2; ++h) {  // then the 128-bit lanes
+        for (int i = 0; i < 4; ++i) {
+            v[8 * h + i] = _mm512_shuffle_f32x4(u[8 * h + i], u[8 * h + 4 + i], 0x88);
+            v[8 * h + 4 + i] = _mm512_shuffle_f32x4(u[8 * h + i], u[8 * h + 4 + i], 0xDD);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(v[i], v[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(v[i], v[8 + i], 0xDD);
+    }
+}
+
+// r[d] = dims d0 + d of keys 0..15 (F16 or F32 rows `stride` bytes apart from p; keys m.. are 0).
+static inline void key_tile(bool f16, const char * p, size_t stride, int64_t m, int64_t d0, __m512 * r) {
+    for (int l = 0; l < 16; ++l) {
+        const char * row = p + l * stride;
+        r[l] = l >= m ? _mm512_setzero_ps()
+             : f16    ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const uint16_t *) row + d0)))
+                      : _mm512_loadu_ps((const float *) row + d0);
+    }
+    transpose16x16(r);
+}
+
+// kT[d * n_pad + l] = key l's dim d (F16 or F32 rows `stride` bytes apart from p) for l < 16 (rows
+// m.. are 0), d < hd (a multiple of 16): 16 x 16 tiles (key_tile).
+static void keys_transposed_avx512(bool f16, const char * p, size_t stride, int64_t m, int64_t hd, float * kT,
+                                   int64_t n_pad) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        __m512 r[16];
+        key_tile(f16, p, stride, m, d0, r);
+        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kT + (d0 + d) * n_pad, r[d]);
+    }
+}
+// s[g * n_pad + j] = sum_d qs[g][d] key_j[d] for g < G (<= 8), j < n_kv (keys: F16 or F32 rows
+// `stride` bytes apart from p; hd a multiple of 16): the scores of a KV head's G query heads straight
+// from the key rows, 16 keys at a time, each tile converted and transposed in registers. Each key's
+// sum is one fma chain over d in order from 0, as scores() computes it from kT: the same bits,
+// without writing kT (one token: nothing to share it with).
+static void scores_from_keys_avx512(bool f16, const char * p, size_t stride, int64_t n_kv, int64_t hd,
+                                    const float * const * qs, int64_t G, float * s, int64_t n_pad) {
+    for (int64_t j0 = 0; j0 < n_kv; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n_kv - j0);
+        __m512 acc[8];
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+        for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+            __m512 r[16];
+            key_tile(f16, p + j0 * stride, stride, m, d0, r);
+            for (int d = 0; d < 16; ++d) {
+                for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d0 + d]), r[d], acc[g]);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(s + g * n_pad + j0, acc[g]);
+    }
+}
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
 
 // s[j] = sum_d q[d] kT[d][j] for j < n (n a multiple of 64): 64 keys at a time, each key's sum
 // one fma chain over d in order, so its bits depend on nothing else.
@@ -130,11 +209,12 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t hd = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
     const int64_t n_kv_head = K->ne[1], n_kv = K->ne[2], G = n_head / n_kv_head;
     const int64_t n_pad = (n_kv + 63) / 64 * 64;
-    thread_local std::vector<float> kT, vf, row, s, mf, sg;
+    thread_local std::vector<float> kT, vf, row, s_one, mf, sg, sG;
     thread_local std::vector<int64_t> kept;
     if (!kernel_scratch(kT, (size_t) hd * n_pad, "attention keys") ||
         !kernel_scratch(vf, (size_t) n_kv * hd, "attention values") || !kernel_scratch(row, (size_t) 16 * hd, "attention") ||
-        !kernel_scratch(s, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask") ||
+        !kernel_scratch(s_one, (size_t) n_pad, "attention scores") || !kernel_scratch(mf, (size_t) n_kv, "attention mask") ||
+        !kernel_scratch(sG, (size_t) std::min<int64_t>(G, 8) * n_pad, "attention scores") ||
         (gather && (!kernel_scratch(sg, (size_t) n_pad, "attention scores") ||
                     !kernel_scratch(kept, (size_t) n_kv, "attention keys")))) {
         return;  // noted; the graph runner throws MemoryError after the compute
@@ -147,10 +227,23 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     for (int64_t u = ith; u < n_kv_head * n_chunks; u += nth) {
         const int64_t hk = u % n_kv_head, c = u / n_kv_head;
         const int64_t t0 = c * n_tok / n_chunks, t1 = (c + 1) * n_tok / n_chunks;
-        for (int64_t j0 = 0; j0 < n_kv; j0 += 16) {  // K: 16 rows at a time, then transposed
+#if DFN_X86_GCC
+        const bool tiles = isa_in_use() == isa_level::avx512 && hd % 16 == 0;
+#else
+        const bool tiles = false;
+#endif
+        // one token (an AR step): its G heads' scores straight from the key rows, no kT
+        const bool direct = tiles && t1 - t0 == 1 && G <= 8;
+        for (int64_t j0 = 0; j0 < n_kv && !direct; j0 += 16) {  // K: 16 rows at a time, then transposed
             const int64_t m = std::min<int64_t>(16, n_kv - j0);
-            for (int64_t l = 0; l < m; ++l)
-                row_f32(K, (const char *) K->data + hk * K->nb[1] + (j0 + l) * K->nb[2], row.data() + l * hd, hd);
+            const char * k0 = (const char *) K->data + hk * K->nb[1] + j0 * K->nb[2];
+#if DFN_X86_GCC
+            if (tiles) {
+                keys_transposed_avx512(K->type == GGML_TYPE_F16, k0, K->nb[2], m, hd, kT.data() + j0, n_pad);
+                continue;
+            }
+#endif
+            for (int64_t l = 0; l < m; ++l) row_f32(K, k0 + l * K->nb[2], row.data() + l * hd, hd);
             std::fill(row.begin() + m * hd, row.begin() + 16 * hd, 0.0f);  // padding keys: 0 (n_pad >= j0 + 16)
             transpose16(row.data(), hd, kT.data() + j0, n_pad);
         }
@@ -164,12 +257,22 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                     if (mf[j] != -INFINITY) kept[n_kept++] = j;
                 }
             }
+#if DFN_X86_GCC
+            if (direct) {
+                const float * qs[8];
+                for (int64_t g = 0; g < G; ++g)
+                    qs[g] = (const float *) ((const char *) q->data + (hk * G + g) * q->nb[1] + t * q->nb[2]);
+                scores_from_keys_avx512(K->type == GGML_TYPE_F16, (const char *) K->data + hk * K->nb[1], K->nb[2], n_kv,
+                                        hd, qs, G, sG.data(), n_pad);
+            }
+#endif
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = hk * G + g;
                 const float * qr = (const float *) ((const char *) q->data + h * q->nb[1] + t * q->nb[2]);
                 float * o = (float *) ((char *) dst->data + h * dst->nb[1] + t * dst->nb[2]);
                 // scores, then softmax and P.V over the keys in order
-                scores(qr, kT.data(), s.data(), hd, n_pad);
+                float * s = direct ? sG.data() + g * n_pad : s_one.data();
+                if (!direct) scores(qr, kT.data(), s, hd, n_pad);
                 float m = -INFINITY;
                 for (int64_t j = 0; j < n_pad; ++j) {
                     const float mv = j < n_kv ? mf[j] : -INFINITY;
@@ -178,10 +281,10 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 }
                 float sum;
                 if (gather) {
-                    sum = gathered_softmax_pv(o, s.data(), sg.data(), kept.data(), n_kept, m, vf.data(), hd);
+                    sum = gathered_softmax_pv(o, s, sg.data(), kept.data(), n_kept, m, vf.data(), hd);
                 } else {
-                    sum = m == -INFINITY ? 0.0f : softmax_num(s.data(), n_pad, m);
-                    pv(o, s.data(), vf.data(), n_kv, hd);
+                    sum = m == -INFINITY ? 0.0f : softmax_num(s, n_pad, m);
+                    pv(o, s, vf.data(), n_kv, hd);
                 }
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t i = 0; i < hd; ++i) o[i] *= inv;

@@ -336,6 +336,24 @@ def test_attention_is_batch_invariant_across_thread_splits(gguf_model, threads):
     np.testing.assert_array_equal(batch, steps)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("n_prefix", [16, 150, 203])
+def test_attention_one_token_equals_batch_past_many_keys(gguf_model, kv_type, n_prefix):
+    """An AR step's attention (AVX-512: its heads' scores straight from the key rows, 16 keys a tile)
+    and a batch's (keys converted once into a transposed copy) give the same bits, for key counts
+    that are and are not multiples of 16, with F16 and F32 caches."""
+    path = gguf_model("qwen3", outtype="f32")
+    toks = [int(t) for t in np.random.default_rng(n_prefix).integers(0, 500, n_prefix + 9)]
+    core = dn.Engine(path, n_ctx=256, n_threads=2, kv_type=kv_type)._core
+    core.reset()
+    core.decode(toks[:n_prefix])
+    batch = core.decode(toks[n_prefix:], all_logits=True)
+    core.reset()
+    core.decode(toks[:n_prefix])
+    steps = np.stack([core.decode([t])[-1] for t in toks[n_prefix:]])
+    np.testing.assert_array_equal(batch, steps)
+
+
 @pytest.mark.parametrize("n_tok,n_ch,d_conv", [(1, 512, 4), (6, 37, 4), (32, 16, 2), (3, 8, 5)])
 def test_conv_silu_matches_float64(n_tok, n_ch, d_conv):
     """The GDN conv op (conv.h): silu of the causal depthwise conv over [state; x], and the state
