@@ -128,6 +128,26 @@ static void scores_from_keys_avx512(bool f16, const char * p, size_t stride, int
         for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(s + g * n_pad + j0, acc[g]);
     }
 }
+// o = sum_j p[j] value_j (value rows F16 or F32, `stride` bytes apart from v; hd a multiple of 16,
+// at most 256): pv()'s fmaf chain per element over the keys in order, skipping p[j] == 0, with o in
+// registers and each row converted as it is read (the same bits, without the F32 copy of V).
+static void pv_from_rows_avx512(float * o, const float * p, bool f16, const char * v, size_t stride, int64_t n_kv,
+                                int64_t hd) {
+    __m512 acc[16];
+    const int64_t nc = hd / 16;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_kv; ++j) {
+        if (p[j] == 0.0f) continue;
+        const __m512 a = _mm512_set1_ps(p[j]);
+        const char * row = v + j * stride;
+        for (int64_t c = 0; c < nc; ++c) {
+            const __m512 x = f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const uint16_t *) row + 16 * c)))
+                                 : _mm512_loadu_ps((const float *) row + 16 * c);
+            acc[c] = _mm512_fmadd_ps(a, x, acc[c]);
+        }
+    }
+    for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+}
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
@@ -247,7 +267,9 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
             std::fill(row.begin() + m * hd, row.begin() + 16 * hd, 0.0f);  // padding keys: 0 (n_pad >= j0 + 16)
             transpose16(row.data(), hd, kT.data() + j0, n_pad);
         }
-        for (int64_t j = 0; j < n_kv; ++j)
+        // ... and its P.V straight from the value rows (not with gather: it reads the F32 copy)
+        const bool direct_v = direct && !gather && hd <= 256;
+        for (int64_t j = 0; j < n_kv && !direct_v; ++j)
             row_f32(V, (const char *) V->data + hk * V->nb[1] + j * V->nb[2], vf.data() + j * hd, hd);
         for (int64_t t = t0; t < t1; ++t) {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) mask->data + t * mask->nb[1]), mf.data(), n_kv);
@@ -284,7 +306,13 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
                     sum = gathered_softmax_pv(o, s, sg.data(), kept.data(), n_kept, m, vf.data(), hd);
                 } else {
                     sum = m == -INFINITY ? 0.0f : softmax_num(s, n_pad, m);
-                    pv(o, s, vf.data(), n_kv, hd);
+#if DFN_X86_GCC
+                    if (direct_v) {
+                        pv_from_rows_avx512(o, s, V->type == GGML_TYPE_F16, (const char *) V->data + hk * V->nb[1],
+                                            V->nb[2], n_kv, hd);
+                    } else
+#endif
+                        pv(o, s, vf.data(), n_kv, hd);
                 }
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                 for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
