@@ -86,14 +86,15 @@ static inline void transpose16x16(__m512 * r) {
     }
 }
 
+// Elements d0 .. d0 + 15 of an F16 or F32 row, as F32.
+static inline __m512 load16(bool f16, const char * row, int64_t d0) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const uint16_t *) row + d0)))
+               : _mm512_loadu_ps((const float *) row + d0);
+}
+
 // r[d] = dims d0 + d of keys 0..15 (F16 or F32 rows `stride` bytes apart from p; keys m.. are 0).
 static inline void key_tile(bool f16, const char * p, size_t stride, int64_t m, int64_t d0, __m512 * r) {
-    for (int l = 0; l < 16; ++l) {
-        const char * row = p + l * stride;
-        r[l] = l >= m ? _mm512_setzero_ps()
-             : f16    ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const uint16_t *) row + d0)))
-                      : _mm512_loadu_ps((const float *) row + d0);
-    }
+    for (int l = 0; l < 16; ++l) r[l] = l < m ? load16(f16, p + l * stride, d0) : _mm512_setzero_ps();
     transpose16x16(r);
 }
 
@@ -140,11 +141,7 @@ static void pv_from_rows_avx512(float * o, const float * p, bool f16, const char
         if (p[j] == 0.0f) continue;
         const __m512 a = _mm512_set1_ps(p[j]);
         const char * row = v + j * stride;
-        for (int64_t c = 0; c < nc; ++c) {
-            const __m512 x = f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const uint16_t *) row + 16 * c)))
-                                 : _mm512_loadu_ps((const float *) row + 16 * c);
-            acc[c] = _mm512_fmadd_ps(a, x, acc[c]);
-        }
+        for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(a, load16(f16, row, 16 * c), acc[c]);
     }
     for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
 }
@@ -244,14 +241,14 @@ void attn_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     // A unit is one KV head and a run of tokens: its K (transposed) and V rows are converted once
     // for those tokens and all their GQA heads. Tokens are split only as far as there are threads.
     const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(n_tok, nth / n_kv_head));
+#if DFN_X86_GCC
+    const bool tiles = isa_in_use() == isa_level::avx512 && hd % 16 == 0;  // the AVX-512 key tiles
+#else
+    const bool tiles = false;
+#endif
     for (int64_t u = ith; u < n_kv_head * n_chunks; u += nth) {
         const int64_t hk = u % n_kv_head, c = u / n_kv_head;
         const int64_t t0 = c * n_tok / n_chunks, t1 = (c + 1) * n_tok / n_chunks;
-#if DFN_X86_GCC
-        const bool tiles = isa_in_use() == isa_level::avx512 && hd % 16 == 0;
-#else
-        const bool tiles = false;
-#endif
         // one token (an AR step): its G heads' scores straight from the key rows, no kT
         const bool direct = tiles && t1 - t0 == 1 && G <= 8;
         for (int64_t j0 = 0; j0 < n_kv && !direct; j0 += 16) {  // K: 16 rows at a time, then transposed

@@ -71,9 +71,7 @@ bool controller::round_can_win() const {
     // at its upper edge, so the prior leans optimistic)
     double q = -1.0;
     for (int b = 0; b < k_bins; ++b) {
-        if (r_->bin_n[b] == 0) continue;
-        const double p = b < k_bins - 1 ? k_bin_edges[b] : 1.0;
-        q = std::max(q, (r_->bin_hit[b] + k_prior_weight * p) / (r_->bin_n[b] + k_prior_weight));
+        if (r_->bin_n[b] > 0) q = std::max(q, calibrated_in(b, b < k_bins - 1 ? k_bin_edges[b] : 1.0));
     }
     if (t_ar_ <= 0 || q < 0) return true;  // nothing measured: find out
     const double ar_rate = 1.0 / t_ar_;
@@ -114,10 +112,11 @@ int controller::bin_of(float p) {
     return b;
 }
 
-double controller::calibrated(float p) const {
-    const int b = bin_of(p);
+double controller::calibrated_in(int b, double p) const {
     return (r_->bin_hit[b] + k_prior_weight * p) / (r_->bin_n[b] + k_prior_weight);
 }
+
+double controller::calibrated(float p) const { return calibrated_in(bin_of(p), p); }
 
 double controller::spec_rate() const { return r_->win_s > 0 ? r_->win_tokens / r_->win_s : 0.0; }
 

@@ -110,6 +110,8 @@ private:
         bool timed = true;  // counts in the speculative rate (false: a round of an earlier request)
     };
     static int bin_of(float p);
+    // bin b's observed acceptance with the prior "q = p" (weight k_prior_weight) folded in
+    double calibrated_in(int b, double p) const;
     static double ewma(double old, double sample, int64_t n_seen);
     void forget_rounds();  // empties the window (a new probe measures fresh)
     void forget_rate();    // keeps the window's calibration, drops its rounds from the rate

@@ -226,15 +226,14 @@ const float * kept_logits(const float * l, const std::vector<int32_t> & kept, bo
 // kept[j]) sum to at least need (1 <= need <= their total); kept stays ascending. The sums are of
 // integers, so they are exact and do not depend on the order of the terms: only the tokens of the
 // bucket where the sum reaches need are sorted, and the cut is where a walk over every token in
-// by_logit order would put it. all: kept holds every entry 0..n-1 (l is read directly).
-// w null: every weight is 1 (top-k).
-void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & kept, bool all, const int32_t * w,
-                          int64_t need) {
+// by_logit order would put it. x: the kept entries' logits, contiguous (kept_logits). w null:
+// every weight is 1 (top-k).
+void keep_prefix_reaching(const float * l, const float * x, float l_max, std::vector<int32_t> & kept,
+                          const int32_t * w, int64_t need) {
     const int64_t n = (int64_t) kept.size();
     thread_local std::vector<int32_t> b;  // scratch, reused across draws
-    thread_local std::vector<float> x;
     b.resize(n);
-    bucket_of(kept_logits(l, kept, all, x), n, l_max, b.data());
+    bucket_of(x, n, l_max, b.data());
     int64_t in_bucket[k_buckets] = {};
     if (w) {
         for (int64_t j = 0; j < n; ++j) in_bucket[b[j]] += w[j];
@@ -249,14 +248,14 @@ void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & k
     // token of a broad row is kept is a coin flip the branch predictor would lose
     thread_local std::vector<std::pair<int32_t, int32_t>> edge;
     edge.clear();
-    int32_t * k = kept.data();
+    int32_t * kp = kept.data();
     const int32_t * bb = b.data();
     for (int64_t j = 0; j < n; ++j) {
-        if (bb[j] == cut) edge.push_back({k[j], w ? w[j] : 1});
+        if (bb[j] == cut) edge.push_back({kp[j], w ? w[j] : 1});
     }
     int64_t m = 0;
     for (int64_t j = 0; j < n; ++j) {
-        k[m] = k[j];
+        kp[m] = kp[j];
         m += bb[j] < cut;
     }
     std::sort(edge.begin(), edge.end(), [&](const auto & x, const auto & y) { return by_logit{l}(x.first, y.first); });
@@ -271,7 +270,8 @@ void keep_prefix_reaching(const float * l, float l_max, std::vector<int32_t> & k
 
 void filter_top_k(const float * l, float l_max, int64_t k, std::vector<int32_t> & kept, bool all) {
     if (k <= 0 || k >= (int64_t) kept.size()) return;
-    keep_prefix_reaching(l, l_max, kept, all, nullptr, k);
+    thread_local std::vector<float> x;  // scratch, reused across draws
+    keep_prefix_reaching(l, kept_logits(l, kept, all, x), l_max, kept, nullptr, k);
 }
 
 // Top-p's weights: w_j = floor(2^30 exp_neg(l_j - l_max)), exp_neg the package's float exp
@@ -290,13 +290,14 @@ void filter_top_p(const float * l, float l_max, double top_p, std::vector<int32_
     if (top_p >= 1.0) return;
     const int64_t n = (int64_t) kept.size();
     thread_local std::vector<int32_t> w;  // scratch, reused across draws
-    thread_local std::vector<float> x;
+    thread_local std::vector<float> xs;
+    const float * x = kept_logits(l, kept, all, xs);
     w.resize(n);
-    top_p_weights(kept_logits(l, kept, all, x), n, l_max, w.data());
+    top_p_weights(x, n, l_max, w.data());
     int64_t total = 0;
     for (int64_t j = 0; j < n; ++j) total += w[j];
     const int64_t need = (int64_t) std::ceil(top_p * (double) total);  // in [1, total]: w_max = 2^30
-    keep_prefix_reaching(l, l_max, kept, all, w.data(), need);
+    keep_prefix_reaching(l, x, l_max, kept, w.data(), need);
 }
 
 void filter_min_p(const float * l, double l_max, double min_p, std::vector<int32_t> & kept) {
@@ -328,7 +329,7 @@ std::vector<int32_t> filter(const logits_row & row, const sampling_params & p, i
 
 // ---- the draw -------------------------------------------------------------------------------------
 
-// The pruning ladder: noise bits at or below bits_at_most(k) give G <= g(k) = k / 8 - 4 (G is
+// The pruning ladder: noise bits at or below rung k give G <= g(k) = k / 8 - 4 (G is
 // non-decreasing in the bits). A token whose score l/T needs G > m to beat the K-th best so far can
 // be skipped without its two logs when its bits are at or below the ladder's rung under m.
 constexpr int k_rungs = 128;  // g from -4 to 11.875

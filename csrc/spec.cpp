@@ -179,15 +179,14 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
                                          uint64_t regime) {
     if (n_cached == 0) {
         reset();
-        ctl_.begin_request(regime);
     } else {
         const int64_t ring_next = pending_m_ > 0 ? pending_pos0_ + pending_m_ : ring_->n_pushed;
         DFN_REQUIRE(n_cached > 0 && n_cached < n, "prefill", "n_cached = ", n_cached, " must be in [0, ", n,
                     ") (at least one prompt token must run)");
         DFN_REQUIRE(n_cached == target_.n_past() && n_cached == ring_next, "prefill", "n_cached = ", n_cached,
                     " but the target holds ", target_.n_past(), " positions and the ring ", ring_next);
-        ctl_.begin_request(regime);
     }
+    ctl_.begin_request(regime);
     decode_result r = target_.decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
     push_features(r.taps.data(), n - n_cached, n_cached);
     return r;
