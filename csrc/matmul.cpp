@@ -32,18 +32,6 @@ static inline void block_codes(ggml_type type, const uint8_t * w, int64_t b, int
     }
 }
 
-// out[b] = sum_l code_l a[32 b + l] for blocks [b0, b1) of a Q8_0 / Q4_0 row (plain C; exact).
-static inline void isums_q8_0_blocks(ggml_type type, const uint8_t * w, const int8_t * a, int64_t b0, int64_t b1,
-                                     int32_t * out) {
-    for (int64_t b = b0; b < b1; ++b) {
-        int8_t c[32];
-        block_codes(type, w, b, c);
-        int32_t s = 0;
-        for (int l = 0; l < 32; ++l) s += (int32_t) c[l] * a[32 * b + l];
-        out[b] = s;
-    }
-}
-
 // ---- portable: 16 lanes in an array, fmaf per lane ------------------------------------------
 namespace isa_portable {
 struct vec {
@@ -55,6 +43,7 @@ static inline vec vload(const float * p) {
     std::memcpy(v.l, p, sizeof(v.l));
     return v;
 }
+static inline void vstore(float * p, const vec & v) { std::memcpy(p, v.l, sizeof(v.l)); }
 static inline vec vload(const uint16_t * p) {
     vec v;
     for (int i = 0; i < 16; ++i) v.l[i] = ggml_fp16_to_fp32(p[i]);
@@ -72,19 +61,10 @@ static inline float vsum(const vec & v) {
     const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
     return s2a + s2b;
 }
-static inline vec vcvt(const int32_t * p) {
-    vec v;
-    for (int i = 0; i < 16; ++i) v.l[i] = (float) p[i];
-    return v;
-}
 static inline vec vmul(const vec & a, const vec & b) {
     vec r;
     for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
     return r;
-}
-static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * /*bsum*/,
-                              int32_t * const * out, int nc, int64_t nb) {
-    for (int c = 0; c < nc; ++c) isums_q8_0_blocks(type, w, a[c], 0, nb, out[c]);
 }
 static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
 #define TILE_RM 2
@@ -96,6 +76,11 @@ static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+#define Q8_RR1 1
+#define Q8_RC 4
+#include "matmul_q8_0_rows.inc"
+#undef Q8_RR1
+#undef Q8_RC
 template <ggml_type T, int RR, int RC>
 static inline void kq_superblock(const uint8_t * const * x, const float * d, const float * dmin, const int8_t * const * a,
                                  const int16_t * const * bs, const float * da, vec * acc) {
@@ -130,6 +115,10 @@ struct vec {
 };
 static inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline vec vload(const float * p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float * p, const vec & v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
 static inline vec vload(const uint16_t * p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 8)))};
 }
@@ -137,32 +126,22 @@ static inline vec vfma(const vec & a, const vec & b, const vec & c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
-static inline vec vcvt(const int32_t * p) {
-    return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) p)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *) (p + 8)))};
-}
 static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
-// The 32 codes of a Q8_0 block (int8, in place) / a Q4_0 block (its nibbles 0..15, low ones first).
-static inline __m256i codes_q8_0(const blk_q8_0 * x) { return _mm256_loadu_si256((const __m256i *) x->qs); }
-static inline __m256i codes_q4_0_u(const blk_q4_0 * x) {
-    const __m128i q = _mm_loadu_si128((const __m128i *) x->qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-}
-// |w| <= 128 and |a| <= 127: the int16 pairs of maddubs never saturate.
-static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)); }
-static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
-#define ISUMS_RC 2
-#include "matmul_q8_isums.inc"
-#undef ISUMS_RC
 #define TILE_RM 1
 #define TILE_RN 4
 #define TILE_RM1 4
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
-#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
+#include "matmul_q8_0_simd.inc"
+#define Q8_RR1 2  // 16 ymm registers: 2 halves x Q8_RR1 accumulators, the codes, their signs
+#define Q8_RC 4
+#include "matmul_q8_0_rows.inc"
+#undef Q8_RR1
+#undef Q8_RC
 #define KQ_RR1 2  // 16 ymm registers: 2 x 2 integer lane halves x KQ_RR x KQ_RC <= 8 accumulators
 #define KQ_RR 1
 #define KQ_RC 4
@@ -172,28 +151,6 @@ static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_e
 #undef KQ_RR
 #undef KQ_RC
 }  // namespace isa_avx2
-#pragma GCC pop_options
-
-// ---- AVX-512 VNNI integer sums (vpdpbusd on 256 bits), used by the AVX-512 path when present --
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
-static const bool k_vnni = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-}();
-namespace isa_vnni {
-using isa_avx2::codes_q4_0_u;
-using isa_avx2::codes_q8_0;
-static inline __m256i dot_u8(__m256i w, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a); }
-static inline __m256i dot_s8(__m256i w, __m256i a) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)); }
-#define ISUMS_RC 4
-#include "matmul_q8_isums.inc"
-#undef ISUMS_RC
-static __attribute__((noinline)) void isums_q8_0_vnni(ggml_type type, const uint8_t * w, const int8_t * const * a,
-                                                      const int32_t * const * bsum, int32_t * const * out, int nc, int64_t nb) {
-    isums_q8_0(type, w, a, bsum, out, nc, nb);
-}
-}  // namespace isa_vnni
 #pragma GCC pop_options
 
 // ---- AVX-512: one zmm per accumulator (32 registers: 3 x 8 accumulators + 3 rows of W + x) ---
@@ -207,35 +164,28 @@ namespace isa_avx512 {
 typedef __m512 vec;
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vload(const float * p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float * p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vload(const uint16_t * p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p)); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) {
     return sum_halves(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
-static inline vec vcvt(const int32_t * p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *) p)); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-// The integer sums: AVX-512 VNNI where the CPU has it, else the AVX2 ones (integers: same values);
-// the K-quant superblock sums are the AVX2 ones (matmul_kq_simd.inc).
-static inline void isums_q8_0(ggml_type type, const uint8_t * w, const int8_t * const * a, const int32_t * const * bsum,
-                              int32_t * const * out, int nc, int64_t nb) {
-    if (k_vnni) isa_vnni::isums_q8_0_vnni(type, w, a, bsum, out, nc, nb);
-    else isa_avx2::isums_q8_0(type, w, a, bsum, out, nc, nb);
-}
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
 #define TILE_RM 3
 #define TILE_RN 8
 #define TILE_RM1 8
 #include "matmul_tile.inc"
 #include "matmul_dequant.inc"
-#include "matmul_q8.inc"
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
 }  // namespace isa_avx512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
-// ---- AVX-512BW K-quant rows (64 codes per vector), used by the AVX-512 path when present; with
-// AVX-512 VNNI, madd + add fused (vpdpwssd: the same int32 sums) ---------------------------------
+// ---- AVX-512BW integer rows (K-quants and Q8_0 kind, 64 codes per vector), used by the AVX-512
+// path when present; with AVX-512 VNNI, madd + add fused (vpdpwssd) and vpdpbusd: the same int32
+// sums --------------------------------------------------------------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #pragma GCC diagnostic push
@@ -245,10 +195,33 @@ static const bool k_avx512bw = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }();
+static const bool k_vnni = k_avx512bw && [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni");
+}();
 namespace isa_avx512bw {
+using isa_avx512::h2f;
+using isa_avx512::vec;
+using isa_avx512::vload;
+using isa_avx512::vmul;
+using isa_avx512::vstore;
+using isa_avx512::vsum;
+using isa_avx512::vzero;
 #define KQ_DPWSSD 0
 #include "matmul_kq_avx512.inc"
 #undef KQ_DPWSSD
+#define Q8_DPBUSD 0
+#include "matmul_q8_0_avx512.inc"
+#undef Q8_DPBUSD
+#define Q8_RR1 4  // 32 zmm registers: up to 8 accumulators, the rows' codes, the columns' codes and sums
+#define Q8_RC 8
+#include "matmul_q8_0_rows.inc"
+#undef Q8_RR1
+#undef Q8_RC
+static __attribute__((noinline)) void rows_q8_bw(const uint8_t * W, size_t w_row_bytes, ggml_type type, const q8_acts & A,
+                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
+    rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
+}
 }  // namespace isa_avx512bw
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -258,9 +231,28 @@ namespace isa_avx512bw {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace isa_avx512vnni {
+using isa_avx512::h2f;
+using isa_avx512::vec;
+using isa_avx512::vload;
+using isa_avx512::vmul;
+using isa_avx512::vstore;
+using isa_avx512::vsum;
+using isa_avx512::vzero;
 #define KQ_DPWSSD 1
 #include "matmul_kq_avx512.inc"
 #undef KQ_DPWSSD
+#define Q8_DPBUSD 1
+#include "matmul_q8_0_avx512.inc"
+#undef Q8_DPBUSD
+#define Q8_RR1 4  // 32 zmm registers: up to 8 accumulators, the rows' codes, the columns' codes and sums
+#define Q8_RC 8
+#include "matmul_q8_0_rows.inc"
+#undef Q8_RR1
+#undef Q8_RC
+static __attribute__((noinline)) void rows_q8_bw(const uint8_t * W, size_t w_row_bytes, ggml_type type, const q8_acts & A,
+                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
+    rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
+}
 }  // namespace isa_avx512vnni
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -292,26 +284,32 @@ constexpr int64_t k_dequant_rows = 8;
 bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool no_vnni) {
     thread_local q8_acts A;
-    thread_local q8_row R;
-    if (!q8_quantize_acts(q8_kind_of(type), x, ldx, K, N, A) || !q8_row_scratch(type, A, R)) return false;
+    if (!q8_quantize_acts(type, x, ldx, K, N, A)) return false;
     const bool kquant = A.kind == q8_kind::q8_K;
     (void) no_vnni;  // x86 only
     switch (which) {
 #if DFN_X86_GCC
-        case isa::avx512:  // the K-quants: 512-bit integer sums with AVX-512BW (VNNI), else the AVX2 ones
-            if (!kquant) isa_avx512::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
-            else if (k_vnni && !no_vnni) isa_avx512vnni::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
-            else if (k_avx512bw) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
-            else isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+        case isa::avx512:  // 512-bit integer sums with AVX-512BW (VNNI), else the AVX2 ones
+            if (k_vnni && !no_vnni) {
+                if (kquant) isa_avx512vnni::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+                else isa_avx512vnni::rows_q8_bw(W, w_row_bytes, type, A, y, ldy, r0, r1);
+            } else if (k_avx512bw) {
+                if (kquant) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
+                else isa_avx512bw::rows_q8_bw(W, w_row_bytes, type, A, y, ldy, r0, r1);
+            } else if (kquant) {
+                isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
+            } else {
+                isa_avx2::rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
+            }
             break;
         case isa::avx2:
             if (kquant) isa_avx2::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
-            else isa_avx2::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            else isa_avx2::rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
             break;
 #endif
         default:
             if (kquant) isa_portable::rows_kq_any(type, W, w_row_bytes, A, y, ldy, r0, r1);
-            else isa_portable::rows_q8(W, w_row_bytes, type, A, R, y, ldy, r0, r1);
+            else isa_portable::rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
             break;
     }
     return true;

@@ -20,14 +20,17 @@
 //     w_k = d_s * sc_j * q_k - dmin_s * m_j per superblock s (256) and sub-block j (16 or 32);
 //  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, maddubs + madd on
 //     512 / 256 bits, or plain C: exact, so how they are grouped cannot change them):
-//       Q8_0 kind: isum_b = sum_{k in b} q_k a_k (Q4_0 on SIMD: sum nibble_k a_k - 8 sum a_k)
+//       Q8_0 kind, per block b and 4-code chunk j < 8: s_{b,j} = sum_{i < 4} q_k a_k, k = 32 b + 4 j + i
+//                  (on SIMD from unsigned codes: Q4_0 nibble_k, Q8_0 q_k xor 0x80, plus the
+//                  activations' -8 or -128 x the chunk's sum of a: the same integer)
 //       Q8_K kind, per superblock s, 16 lanes l: L_l = sum sc_k q_k a_k over the codes
 //                  k = 64 u + 4 l + j (u, j < 4; sc_k the scale of k's 16-code group; Q6_K: the
 //                  signed q - 32), and (Q4_K / Q5_K) for l < 4: M_l = sum_{i = 4 l .. 4 l + 3} m_i bsum_i
 //                  (m_i the min of group i, bsum_i the sum of its 16 codes a_k);
 //  4. the float combination, per output, one fixed order:
-//       Q8_0 kind: 16 lanes; lane l = fmaf(fl(dw_b * da_b), (float) isum_b, lane l) over blocks
-//                  b = l, l + 16, ... in order (from +0); y = the F32 path's pairwise lane sum;
+//       Q8_0 kind: 16 lanes from +0; per block b in order, for j < 8: lane 8 (b % 2) + j =
+//                  fmaf(fl(dw_b * da_b), (float) s_{b,j}, lane); y = the F32 path's pairwise lane
+//                  sum (so two blocks' chunk sums are one 16-lane fma, no horizontal sums);
 //       Q8_K kind: 16 lanes from +0; per superblock s in order: lane l = fmaf(fl(d_s * da_s),
 //                  (float) L_l, lane l), then (Q4_K / Q5_K, l < 4) lane l = fmaf(-fl(dmin_s * da_s),
 //                  (float) M_l, lane l); y = the pairwise lane sum.
@@ -38,10 +41,10 @@
 // and its x86 activation quantizers round differently from the reference: docs/architecture.md).
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
-// for up to 8 columns at a time; integer path: each Q4_0 / Q8_0 block loaded once for up to 4
-// columns; each K-quant superblock unpacked in registers once per tile of 2 rows x 4 columns, the
-// lanes kept across superblocks), so the cost of a verify pass grows with its FLOPs, not with
-// re-converting the weights per column.
+// for up to 8 columns at a time; integer path: each pair of Q4_0 / Q8_0 blocks decoded once for
+// up to 8 columns, 4 rows at a time for one column; each K-quant superblock unpacked in registers
+// once per tile of 2 rows x 4 columns, the lanes kept across superblocks), so the cost of a verify
+// pass grows with its FLOPs, not with re-converting the weights per column.
 #pragma once
 
 #include "build_context.h"

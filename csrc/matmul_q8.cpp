@@ -92,7 +92,8 @@ float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums) {
 
 }  // namespace
 
-bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A) {
+bool q8_quantize_acts(ggml_type type, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A) {
+    const q8_kind kind = q8_kind_of(type);
     A.kind = kind;
     A.K = K;
     A.N = N;
@@ -108,7 +109,7 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
     if (!kernel_scratch(A.qs, (size_t) (N * A.ldq), "the matmul's quantized activations") ||
         !kernel_scratch(A.d, (size_t) (N * A.ldd), "the matmul's activation scales") ||
         !kernel_scratch(A.bsums, (size_t) (kind == q8_kind::q8_K ? N * (K / 16) : 0), "the matmul's activation sums") ||
-        !kernel_scratch(A.bsum32, (size_t) (kind == q8_kind::q8_0 ? N * (K / 32) : 0), "the matmul's activation sums"))
+        !kernel_scratch(A.bias, (size_t) (kind == q8_kind::q8_0 ? N * (K / 4) : 0), "the matmul's activation sums"))
         return false;
     for (int64_t n = 0; n < N; ++n) {
         const float * xn = x + n * ldx;
@@ -116,28 +117,16 @@ bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int
         float * d = A.d.data() + n * A.ldd;
         if (kind == q8_kind::q8_0) {
             const int64_t nb = K / 32;
-            int32_t * bs = A.bsum32.data() + n * nb;
-            for (int64_t b = 0; b < nb; ++b) {
-                d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
-                bs[b] = 0;
-                for (int l = 0; l < 32; ++l) bs[b] += q[32 * b + l];
-            }
+            const int32_t off = type == GGML_TYPE_Q4_0 ? 8 : 128;
+            int32_t * bias = A.bias.data() + n * (K / 4);
+            for (int64_t b = 0; b < nb; ++b) d[b] = quantize_q8_0_block(xn + 32 * b, q + 32 * b);
+            for (int64_t j = 0; j < K / 4; ++j) bias[j] = -off * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
             std::fill(d + nb, d + A.ldd, 0.0f);
         } else {
             int16_t * bs = A.bsums.data() + n * (K / 16);
             for (int64_t s = 0; s < K / 256; ++s) d[s] = quantize_q8_K_block(xn + 256 * s, q + 256 * s, bs + 16 * s);
         }
     }
-    return true;
-}
-
-bool q8_row_scratch(ggml_type /*type*/, const q8_acts & A, q8_row & R) {
-    if (A.kind != q8_kind::q8_0) return true;
-    if (!kernel_scratch(R.d, (size_t) A.nb16, "the matmul's row scales") ||
-        !kernel_scratch(R.isum, (size_t) (4 * A.nb16), "the matmul's block sums"))
-        return false;
-    std::fill(R.d.begin() + A.K / 32, R.d.end(), 0.0f);
-    std::fill(R.isum.begin(), R.isum.end(), 0);
     return true;
 }
 

@@ -17,39 +17,31 @@ enum class q8_kind { none, q8_0, q8_K };
 q8_kind q8_kind_of(ggml_type type);
 
 // N columns of K activations, quantized: qs [N][ldq = K] int8 codes. Q8_0: d [N][ldd] (the
-// F16-rounded block scales as F32, ldd = nb16 = K / 32 rounded up to 16, zero past K / 32).
-// bsum32 [N][K / 32] (sums of each block's codes). Q8_K: d [N][ldd = K / 256], bsums [N][K / 16]
-// (sums of 16 codes).
+// F16-rounded block scales as F32, ldd = nb16 = K / 32 rounded up to 16, zero past K / 32), and
+// bias [N][K / 4]: -off x the sum of each 4 codes, off the offset of the weight type's unsigned
+// codes on the SIMD paths (Q4_0: 8, its nibbles; Q8_0: 128, its codes xor 0x80), so that a
+// 4-code sum of unsigned codes u times a plus the bias is the sum of the signed codes times a.
+// Q8_K: d [N][ldd = K / 256], bsums [N][K / 16] (sums of 16 codes).
 struct q8_acts {
     q8_kind kind = q8_kind::none;
     int64_t K = 0, N = 0, nb16 = 0, ldq = 0, ldd = 0;
     std::vector<int8_t> qs;
     std::vector<float> d;
     std::vector<int16_t> bsums;
-    std::vector<int32_t> bsum32;
+    std::vector<int32_t> bias;
 };
 
-// Quantizes x (N columns, column n at x + n * ldx, K values) into A, column by column with one
-// function per kind (so a column's codes do not depend on N). False when the scratch cannot be had
-// (noted; matmul.cpp throws it after the compute).
+// Quantizes x (N columns, column n at x + n * ldx, K values) into A for weights of `type` (a
+// q8_kind_of type), column by column with one function per kind (so a column's codes do not
+// depend on N). False when the scratch cannot be had (noted; matmul.cpp throws it after the
+// compute).
 //   Q8_0 (ggml's quantize_row_q8_0_ref): per block of 32, amax = max |x|, d = amax / 127,
 //        id = d ? 1 / d : 0, q = roundf(x * id), and d is stored as F16.
 //   Q8_K (ggml's quantize_row_q8_K_ref): per 256, max = the x of largest |x| (first one), iscale =
 //        -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale (F32); all zero: d = 0.
 // A block holding NaN or Inf gets codes 0 and d = NaN: the outputs it feeds are NaN.
-bool q8_quantize_acts(q8_kind kind, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
+bool q8_quantize_acts(ggml_type type, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
 
-// One Q8_0-kind weight row's scratch: d the F16 block scales as F32 (nb16, zero padding; the codes
-// are read in place), isum the per-block integer sums of up to 4 columns, [4][nb16]. The K-quants
-// need none (matmul_q8.inc unpacks each superblock in registers).
-struct q8_row {
-    std::vector<float> d;
-    std::vector<int32_t> isum;
-};
-
-// Sizes R for rows of K values of `type` against A (zeroing the padding). False: no scratch (noted).
-bool q8_row_scratch(ggml_type type, const q8_acts & A, q8_row & R);
-
-// matmul_q8.inc: the dot loops, per ISA.
+// matmul_q8.inc, matmul_q8_0_rows.inc, matmul_kq_rows.inc: the dot loops, per ISA.
 
 }  // namespace dfn

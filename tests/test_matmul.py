@@ -120,7 +120,7 @@ def k_quant_mins(raw: np.ndarray, qtype: str) -> np.ndarray:
 
 def q8_bound(qtype: str, K: int, mag: np.ndarray) -> np.ndarray:
     """The integer path's F32 rounding bound (test_q8_path_matches_float64) for the sums of |terms| mag."""
-    chain = -(-K // 512) if Q8_TYPES[qtype] == "Q8_0" else (1 if qtype == "Q6_K" else 2) * K // 256
+    chain = -(-K // 64) if Q8_TYPES[qtype] == "Q8_0" else (1 if qtype == "Q6_K" else 2) * K // 256
     return (1 + chain + 4) * 2.0**-24 * mag + 1e-30
 
 
@@ -131,8 +131,8 @@ def test_q8_path_matches_float64(qtype, M, K):
     Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer lane sums
     are exact (and exact as F32); what is left is F32 rounding, each at most u = 2^-24 of a partial
     sum bounded by the sum of |terms|: the scale products (1), the fmaf chain of each of the 16
-    lanes (one per Q8_0 block group, two per Q4_K / Q5_K superblock: S and M, one for Q6_K) and the
-    pairwise lane sum (4). Measured: up to ~5 u. Unquantized activations (the F32 path) miss the
+    lanes (one per pair of Q8_0 blocks, two per Q4_K / Q5_K superblock: S and M, one for Q6_K) and
+    the pairwise lane sum (4). Measured: up to ~5 u. Unquantized activations (the F32 path) miss the
     bar by orders of magnitude."""
     raw, values, x = _qcase(qtype, M, K, 11)
     x[3, :32] = 0.0    # an all-zero block (and superblock part)
@@ -187,13 +187,17 @@ def test_quantized_batch_invariant_bitwise(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("K", [32, 96, 800, 1024])
 def test_q8_0_block_counts_bitwise(qtype, K):
-    """Q8_0-kind rows of any block count (the 16 float lanes' padding, the 8-block integer groups):
-    every ISA and batch size gives the portable path's single-column bits."""
+    """Q8_0-kind rows of any block count (groups of 16 blocks; an odd last block on the AVX-512
+    path's two-block steps) and every tile (AVX-512: 4 rows x 1 column, 2 rows x 2-3 columns, up to
+    8 columns sharing a block; AVX2: 2 x 1, 2 x 2-3, up to 4 columns; 21 rows: row remainders):
+    every ISA (AVX-512 with and without VNNI), thread split and batch size gives the portable
+    path's single-column bits."""
     raw, _, x = _qcase(qtype, 21, K, 19, seed=K)
     cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(19)])
-    for isa in ISAS:
-        for n in (1, 4, 19):
-            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, 2, qtype), cols[:n], err_msg=f"{isa} N={n}")
+    for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
+        for n, nt in ((1, 1), (1, 2), (2, 1), (3, 2), (4, 1), (5, 1), (8, 2), (9, 1), (19, 2)):
+            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
+                                          err_msg=f"{isa} N={n} threads={nt}")
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
