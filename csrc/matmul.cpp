@@ -200,28 +200,9 @@ static const bool k_vnni = k_avx512bw && [] {
     return __builtin_cpu_supports("avx512vnni");
 }();
 namespace isa_avx512bw {
-using isa_avx512::h2f;
-using isa_avx512::vec;
-using isa_avx512::vload;
-using isa_avx512::vmul;
-using isa_avx512::vstore;
-using isa_avx512::vsum;
-using isa_avx512::vzero;
-#define KQ_DPWSSD 0
-#include "matmul_kq_avx512.inc"
-#undef KQ_DPWSSD
-#define Q8_DPBUSD 0
-#include "matmul_q8_0_avx512.inc"
-#undef Q8_DPBUSD
-#define Q8_RR1 4  // 32 zmm registers: up to 8 accumulators, the rows' codes, the columns' codes and sums
-#define Q8_RC 8
-#include "matmul_q8_0_rows.inc"
-#undef Q8_RR1
-#undef Q8_RC
-static __attribute__((noinline)) void rows_q8_bw(const uint8_t * W, size_t w_row_bytes, ggml_type type, const q8_acts & A,
-                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
-    rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
-}
+#define INT_VNNI 0
+#include "matmul_int_avx512.inc"
+#undef INT_VNNI
 }  // namespace isa_avx512bw
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -231,28 +212,9 @@ static __attribute__((noinline)) void rows_q8_bw(const uint8_t * W, size_t w_row
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace isa_avx512vnni {
-using isa_avx512::h2f;
-using isa_avx512::vec;
-using isa_avx512::vload;
-using isa_avx512::vmul;
-using isa_avx512::vstore;
-using isa_avx512::vsum;
-using isa_avx512::vzero;
-#define KQ_DPWSSD 1
-#include "matmul_kq_avx512.inc"
-#undef KQ_DPWSSD
-#define Q8_DPBUSD 1
-#include "matmul_q8_0_avx512.inc"
-#undef Q8_DPBUSD
-#define Q8_RR1 4  // 32 zmm registers: up to 8 accumulators, the rows' codes, the columns' codes and sums
-#define Q8_RC 8
-#include "matmul_q8_0_rows.inc"
-#undef Q8_RR1
-#undef Q8_RC
-static __attribute__((noinline)) void rows_q8_bw(const uint8_t * W, size_t w_row_bytes, ggml_type type, const q8_acts & A,
-                                                 float * y, int64_t ldy, int64_t r0, int64_t r1) {
-    rows_q8(W, w_row_bytes, type, A, y, ldy, r0, r1);
-}
+#define INT_VNNI 1
+#include "matmul_int_avx512.inc"
+#undef INT_VNNI
 }  // namespace isa_avx512vnni
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
