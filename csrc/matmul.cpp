@@ -279,7 +279,7 @@ bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes
 
 // False (noted, thrown after the compute) when the scratch cannot be had. f32_path: a type of the
 // integer path through the dequantize-to-F32 path instead (tests and benchmarks compare them);
-// no_vnni: the AVX-512 K-quant rows without VNNI, as on a CPU that lacks it (tests).
+// no_vnni: the AVX-512 integer rows without VNNI, as on a CPU that lacks it (tests).
 bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
              int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool f32_path = false, bool no_vnni = false) {
     if (!f32_path && q8_kind_of(type) != q8_kind::none)

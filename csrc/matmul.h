@@ -81,7 +81,7 @@ ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 // The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
 // sum_k W_r[k] x[n * ldx + k], n < N, where row W_r (w_type, K elements) starts at byte
 // r * w_row_bytes of W. isa: one of matmul_isas(), or empty for the one matmul_op uses, or
-// "avx512f-novnni" (where "avx512f" is listed): the AVX-512 K-quant rows a CPU without VNNI runs.
+// "avx512f-novnni" (where "avx512f" is listed): the AVX-512 integer rows a CPU without VNNI runs.
 // f32_path: a type of the integer path (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) through the F32 path instead.
 void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                  int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "",
