@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "cpu_isa.h"
+#include "vmath.h"
 
 #include "ggml-backend.h"
 
@@ -54,13 +55,7 @@ static inline vec vfma(const vec & a, const vec & b, const vec & c) {
     for (int i = 0; i < 16; ++i) r.l[i] = std::fmaf(a.l[i], b.l[i], c.l[i]);
     return r;
 }
-static inline float vsum(const vec & v) {
-    float s8[8], s4[4];
-    for (int i = 0; i < 8; ++i) s8[i] = v.l[i] + v.l[i + 8];
-    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-    const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
-    return s2a + s2b;
-}
+static inline float vsum(const vec & v) { return sum16(v.l); }  // the fixed lane tree (vmath.h)
 static inline vec vmul(const vec & a, const vec & b) {
     vec r;
     for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i];
