@@ -8,6 +8,7 @@
 #include "ggml-cpu.h"
 #include "conv.h"
 #include "cpu_isa.h"
+#include "matmul_dispatch.h"
 #include "matmul.h"
 #include "profile.h"
 #include "sampler.h"
@@ -387,6 +388,24 @@ void bind_target(py::module_ & m) {
         })
         .def_property_readonly("weights_bytes", [](const target_session & s) { return s.model().file().weights_bytes(); })
         .def_property_readonly("cache_bytes", [](target_session & s) { return s.cache().bytes(); })
+        .def_property_readonly("isa", [](target_session & s) {
+            const std::string dev = s.runner().dispatch().deviations();
+            return dev.empty() ? isa_description() : cat(isa_description(), "; ", dev);
+        }, "The instruction set the own kernels run (dflash_native.isa()), and after '; ' the weight types "
+           "whose matmul this engine measured faster at another (matmul_dispatch.h): 'avx512f; matmul q4_K x1 avx2'")
+        .def("matmul_dispatch", [](target_session & s) {
+            py::list out;
+            for (const matmul_dispatch::choice & c : s.runner().dispatch().choices) {
+                py::dict seconds;
+                for (const auto & kv : c.seconds) seconds[isa_level_name(kv.first)] = kv.second;
+                out.append(py::dict(py::arg("type") = ggml_type_name(c.type), py::arg("columns") = c.N,
+                                    py::arg("tensor") = c.tensor, py::arg("rows") = c.rows, py::arg("K") = c.K,
+                                    py::arg("seconds") = seconds, py::arg("chosen") = isa_level_name(c.level),
+                                    py::arg("in_use") = isa_level_name(s.runner().dispatch().isa_for(c.type, c.N))));
+            }
+            return out;
+        }, "The matmul levels this engine measured at load (matmul_dispatch.h), one dict per weight type and "
+           "column count: the matrix timed, its fastest run per level (seconds), the level chosen and the one in use")
         .def("memory_report", &memory_report, py::arg("spec") = nullptr,
              "Bytes held by this target and, given its Spec, the drafter beside it (see memory_usage in "
              "session.h): a dict of the parts and their total")
@@ -791,6 +810,9 @@ void bind_testing_kernels(py::module_ & t) {
     t.def("pretend_cpu_isa", [](const std::string & name) { testing_pretend_cpu_best(name); }, py::arg("name"),
           "Treat the CPU's best instruction set as `name` ('' undoes it): the ISA checks on a CPU that has every level");
     t.def("matmul_isas", &matmul_isas, "Instruction sets the matmul kernel can run on this machine");
+    t.def("slow_matmul", &testing_slow_matmul, py::arg("level"), py::arg("seconds"),
+          "Every engine matmul at `level` ('avx512f', 'avx2', 'portable') also spins `seconds` per call and "
+          "thread (0 undoes it): tune_matmul must then choose another level");
     t.def(
         "top1",
         [](farr logits) {

@@ -6,6 +6,8 @@
 
 namespace dfn {
 
+struct matmul_dispatch;
+
 // Which kernels the graph builders use for weight matmuls (and attention, the conv and the
 // argmax): MATMUL_OWN, this package's batch-invariant CPU ops where they apply, or MATMUL_GGML.
 enum matmul_kind { MATMUL_OWN, MATMUL_GGML };
@@ -16,6 +18,7 @@ struct build_context {
     ggml_context * ctx = nullptr;  // the runner's metadata arena (no_alloc)
     ggml_cgraph * gf = nullptr;
     matmul_kind kernels = MATMUL_OWN;
+    const matmul_dispatch * dispatch = nullptr;  // the runner's matmul levels per weight type (matmul_dispatch.h)
     bool own_kernels() const { return kernels == MATMUL_OWN; }
 };
 

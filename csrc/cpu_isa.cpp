@@ -1,5 +1,6 @@
 #include "cpu_isa.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
@@ -17,9 +18,14 @@ std::atomic<int> g_level{k_unresolved};
 std::mutex g_mutex;
 std::string g_error;
 std::atomic<int> g_pretend_best{k_unresolved};  // testing_pretend_cpu_best
+std::atomic<bool> g_user_chosen{false};          // a non-empty DFLASH_NATIVE_ISA or set_isa name
 
 const char * cpu_feature_name(isa_level level) {
     return level == isa_level::avx512 ? "AVX-512F" : level == isa_level::avx2 ? "AVX2 + FMA + F16C" : "";
+}
+
+bool blank(const std::string & s) {
+    return std::all_of(s.begin(), s.end(), [](char c) { return std::isspace((unsigned char) c); });
 }
 
 // The level `name` asks for, checked against the CPU (throws input_error naming `source`).
@@ -51,6 +57,7 @@ void resolve() {
     isa_level level = isa_cpu_best();
     try {
         level = parse_level(env ? env : "", k_env);
+        g_user_chosen.store(env && !blank(env), std::memory_order_relaxed);
     } catch (const input_error & e) {
         g_error = e.what();
     }
@@ -96,7 +103,13 @@ void set_isa_cap(const std::string & name) {
     resolve();
     std::lock_guard<std::mutex> lock(g_mutex);
     g_error.clear();  // an explicit choice supersedes the environment's
+    g_user_chosen.store(!blank(name), std::memory_order_relaxed);
     g_level.store((int) level, std::memory_order_release);
+}
+
+bool isa_user_chosen() {
+    resolve();
+    return g_user_chosen.load(std::memory_order_relaxed);
 }
 
 void testing_pretend_cpu_best(const std::string & name) {

@@ -24,6 +24,11 @@ isa_level isa_in_use();
 // Throws input_error when DFLASH_NATIVE_ISA names no level or one this CPU lacks.
 void isa_check();
 
+// True when the level was chosen by the user (a non-empty DFLASH_NATIVE_ISA, or set_isa with a
+// name): every kernel then runs exactly that level, and no engine measures another one for its
+// matmuls (matmul_dispatch.h).
+bool isa_user_chosen();
+
 // Cap the level at `name` ("avx512", "avx2", "portable"; "" the CPU's best, no cap), overriding
 // DFLASH_NATIVE_ISA; throws input_error as isa_check does.
 void set_isa_cap(const std::string & name);

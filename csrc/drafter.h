@@ -80,6 +80,12 @@ public:
 
     void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
     const drafter_hparams & hparams() const { return hp_; }
+    // Every weight tensor (the file's, and the draft head once gathered): tune_matmul's candidates.
+    std::vector<ggml_tensor *> weight_tensors() const {
+        std::vector<ggml_tensor *> out = file_->tensors();
+        if (draft_head) out.push_back(draft_head);
+        return out;
+    }
     size_t weights_bytes() const { return file_->weights_bytes(); }
     size_t weights_mapped() const { return file_->mapped_bytes(); }
     // weights in buffers of their own: converted tensors, unmapped files, the draft head's rows

@@ -59,6 +59,12 @@ public:
     // converts its data; so roles must be given before load_weights().
     ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, tensor_role role, bool required = true);
     bool has_tensor(const std::string & name) const { return tensors_.count(name) != 0; }
+    // Every tensor of the file, by name.
+    std::vector<ggml_tensor *> tensors() const {
+        std::vector<ggml_tensor *> out;
+        for (const auto & kv : tensors_) out.push_back(kv.second);
+        return out;
+    }
 
     // Gives every tensor its data. use_mmap and a host `buft` whose device takes host pointers
     // (the CPU): the file is mapped read-only (pages read ahead) and each tensor stored as it is

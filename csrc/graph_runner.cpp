@@ -113,6 +113,12 @@ ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, gg
 }
 
 // Drops the least recently used plans beyond k_max_plans and k_max_plan_bytes, never `keep`.
+void graph_runner::drop_plans(const std::string & prefix) {
+    for (auto it = plans_.begin(); it != plans_.end();) {
+        it = it->first.compare(0, prefix.size(), prefix) == 0 ? plans_.erase(it) : std::next(it);
+    }
+}
+
 void graph_runner::drop_old_plans(const std::string & keep) {
     auto bytes = [&](const graph_plan & q) {
         return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
@@ -158,7 +164,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     if (!ctx) throw runtime_error("[graph] ggml_init failed");
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    build(build_context{ctx, gf, kernels_});
+    build(build_context{ctx, gf, kernels_, &dispatch_});
     phase(":build");
     ggml_backend_sched_t sched = plan_for(shape_key, gf);
     phase(":plan");

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "build_context.h"
+#include "matmul_dispatch.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -49,9 +50,15 @@ public:
     // True when `buf` lives on the GPU this runner computes on and that GPU is ggml's CUDA device
     // (csrc/cuda/ kernels can work on it in place).
     bool on_cuda(ggml_backend_buffer_t buf) const;
+    bool on_gpu() const { return gpu_ != nullptr; }
     int n_threads() const { return n_threads_; }
     matmul_kind kernels() const { return kernels_; }
     size_t n_plans() const { return plans_.size(); }
+    // Drops the cached plans whose shape key starts with `prefix` (tune_matmul's, once measured).
+    void drop_plans(const std::string & prefix);
+    // The level each weight type's matmul runs at on this runner (tune_matmul measures it).
+    matmul_dispatch & dispatch() { return dispatch_; }
+    const matmul_dispatch & dispatch() const { return dispatch_; }
     // Bytes of the compute buffers the cached plans hold, on every backend, summed over the plans
     // whose shape key starts with one of `prefixes`.
     size_t compute_bytes(const std::vector<std::string> & prefixes) const;
@@ -83,6 +90,7 @@ private:
     std::vector<uint8_t> meta_;             // graph metadata arena
     std::unordered_map<std::string, graph_plan> plans_;  // shape key -> its scheduler (see run)
     uint64_t plan_clock_ = 0;
+    matmul_dispatch dispatch_;
     std::string broken_;  // set when ggml failed mid-compute in a way that cannot be undone
 };
 

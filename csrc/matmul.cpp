@@ -314,7 +314,7 @@ bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, cons
 // only the last thread runs single-row tails.
 constexpr int64_t k_row_unit = 24;
 
-void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+void matmul_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * W = dst->src[0];
     const ggml_tensor * x = dst->src[1];
     const int64_t K = W->ne[0], M = W->ne[1], N = x->ne[1];
@@ -336,8 +336,11 @@ void matmul_fn(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
         xp = a;
         ldx = ld;
     }
+    const auto * dispatch = (const matmul_dispatch *) userdata;
+    const isa use = dispatch ? dispatch->isa_for(W->type, N) : isa_in_use();
+    testing_matmul_delay(use);
     // false: no dequantization scratch (noted; the graph runner throws it after the compute)
-    rows_on(isa_in_use(), W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
+    rows_on(use, W->data, W->type, W->nb[1], xp, ldx, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)), K,
             N, r0, r1);
 }
 
@@ -404,15 +407,16 @@ bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x) {
     return true;
 }
 
-ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
+ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, const matmul_dispatch * dispatch) {
     ggml_tensor * args[2] = {W, x};
-    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, args, 2, matmul_fn, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, args, 2, matmul_fn, GGML_N_TASKS_MAX,
+                                     (void *) dispatch);
     ggml_set_name(y, "matmul");
     return y;
 }
 
 ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
-    if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x);
+    if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x, b.dispatch);
     return ggml_mul_mat(b.ctx, W, x);
 }
 

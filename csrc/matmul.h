@@ -48,6 +48,7 @@
 #pragma once
 
 #include "build_context.h"
+#include "matmul_dispatch.h"
 
 #include "ggml.h"
 
@@ -64,8 +65,9 @@ bool matmul_weight_type(ggml_type type);
 // host buffer (or not yet allocated), x F32 2-D with contiguous rows, W->ne[0] == x->ne[0].
 bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x);
 
-// ggml CPU custom op: W [K, M], x [K, N] -> F32 [M, N].
-ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
+// ggml CPU custom op: W [K, M], x [K, N] -> F32 [M, N], at dispatch's level for W's type and N
+// (nullptr: isa_in_use()). dispatch must outlive the graph (the runner's own does).
+ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, const matmul_dispatch * dispatch = nullptr);
 
 // Columns up to which matmul() takes matmul_op: decode steps, verify blocks and draft blocks.
 // Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster

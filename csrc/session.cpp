@@ -8,6 +8,7 @@
 #endif
 #include "graph.h"
 #include "matmul.h"
+#include "matmul_dispatch.h"
 #include "profile.h"
 #include "top1.h"
 #include "verify.h"
@@ -44,6 +45,7 @@ target_session::target_session(const std::string & path, const session_params & 
 
     ggml_backend_buffer_type_t buft = runner_->buffer_type();
     model_->load_weights(buft, params.use_mmap);
+    tune_matmul(*runner_, model_->file().tensors());  // each weight type's matmul level (matmul_dispatch.h)
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
                                            params.rollback == ROLLBACK_SNAPSHOT, buft);
 }

@@ -1,5 +1,7 @@
 #include "spec.h"
+
 #include "matmul.h"
+#include "matmul_dispatch.h"
 
 #include "common.h"
 #include "profile.h"
@@ -39,6 +41,7 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     drafter_->load_weights(runner_.buffer_type(), target.params().use_mmap);
     ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
     drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
+    tune_matmul(runner_, drafter_->weight_tensors());  // the types the target did not measure
 }
 
 void spec_session::add_memory(memory_usage & m) const {

@@ -170,7 +170,8 @@ def test_set_isa(pairs):
     prompt = [5, 17, 99, 3, 250, 41]
     try:
         want = eng.generate(prompt, max_tokens=16)
-        assert want.stats.isa == dn.isa() == best
+        # uncapped, the engine's own measured matmul choices may follow "; " (test_matmul_dispatch.py)
+        assert want.stats.isa.split("; ")[0] == dn.isa() == best
         for isa in levels:
             dn.set_isa(ENV_NAME[isa].upper())  # names are case-insensitive
             got = eng.generate(prompt, max_tokens=16)

@@ -40,7 +40,9 @@ class GenerationStats:
     controller_switches: int = 0
     seed: int | None = None  # the sampling seed (drawn when generate got seed=None); None when greedy
     # the instruction set the own CPU kernels ran (dflash_native.isa(): "avx512f", "avx2", "portable",
-    # "... (capped)" under DFLASH_NATIVE_ISA / set_isa), so that timings from different ISAs are never mixed
+    # "... (capped)" under DFLASH_NATIVE_ISA / set_isa), then after "; " the weight types whose matmul
+    # this engine measured faster at another level (Engine.matmul_dispatch: "avx512f; matmul q4_K x1
+    # avx2"), so that timings from different ISAs are never mixed
     isa: str = ""
 
     @property
@@ -401,6 +403,18 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._tok().detokenize(_token_ids("detokenize", tokens))  # the tokenizer checks the range
 
+    def matmul_dispatch(self) -> list[dict]:
+        """The instruction set each weight type's matmul runs at, as this engine measured it at load
+        (csrc/matmul_dispatch.h). One dict per weight type and column count (1: a decode step; 16: a
+        verify or draft block): `type`, `columns`, the matrix timed (`tensor`, its first `rows` rows
+        of `K`), `seconds` (the fastest run at each level tried), `chosen` (the fastest; the CPU's best
+        unless another beat it by more than 5%) and `in_use` (`chosen`, held under any cap set later).
+        Empty when nothing was measured: a CPU with one level, a level chosen by DFLASH_NATIVE_ISA or
+        set_isa, DFLASH_NATIVE_TUNE=0, ggml's kernels (for_benchmark(matmul="ggml")), or the GPU. The choice changes speed only: every
+        level computes the same bits."""
+        with self._cv:
+            return list(self._live().matmul_dispatch())
+
     def memory_report(self) -> dict[str, int]:
         """What this engine holds in memory, in bytes, by part (csrc/session.h: memory_usage):
 
@@ -612,7 +626,7 @@ class _Run:
         sampled = sampling is not None and sampling.temperature > 0
         self.cache_prompt = cache_prompt  # Engine.generate(cache_prompt=...): continue / leave a held sequence
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
-                                     seed=sampling.seed if sampled else None, isa=_core.isa())
+                                     seed=sampling.seed if sampled else None, isa=eng._live().isa)
         self.want_lp = sampling is not None and sampling.logprobs >= 0
         self.out: list[int] = []
         self.lps: list[TokenLogprobs] = []  # one per token of `out` when want_lp
