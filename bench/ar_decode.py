@@ -36,6 +36,8 @@ def bench_ours(path, prompt, n_decode, threads, n_ctx):
     from dflash_native import _core
 
     t = _core.Target(str(path), n_ctx=n_ctx, n_threads=threads, kv_type="f16")
+    # the engine's measured matmul levels (csrc/matmul_dispatch.h), recorded with its rows
+    run_info = {"engine_isa": t.isa, "matmul_dispatch": t.matmul_dispatch()}
 
     def run():
         t.reset()
@@ -47,6 +49,7 @@ def bench_ours(path, prompt, n_decode, threads, n_ctx):
                 tok = int(np.argmax(t.decode([tok])[-1]))
         return tp.s, td.s
 
+    run.info = run_info
     return run
 
 
@@ -184,6 +187,11 @@ def main():
         path = path or cached_typed_gguf(name, arch, outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
                    "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
+        disp = runners["dflash-native"].info["matmul_dispatch"]
+        print(f"# {outtype}: matmul levels measured at load ({1e3 * sum(c['wall_seconds'] for c in disp):.0f} ms): "
+              + ("; ".join(f"{c['type']} x{c['columns']} {c['chosen']} ("
+                           + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in c['seconds'].items()) + " ms)" for c in disp)
+                 or "none (one level, or the level set by the user)"), flush=True)
         res = {k: {"prefill": [], "decode": []} for k in runners}
         for rep in range(a.reps + 1):
             for k, run in runners.items():  # alternate engines within each repetition
@@ -197,7 +205,7 @@ def main():
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
                          "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev(),
-                         "llama_amx_off": amx_off})
+                         "llama_amx_off": amx_off, **getattr(runners[k], "info", {})})
         ours, ref = res["dflash-native"], res["llama.cpp"]
         rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
         rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]

@@ -401,11 +401,13 @@ void bind_target(py::module_ & m) {
                 out.append(py::dict(py::arg("type") = ggml_type_name(c.type), py::arg("columns") = c.N,
                                     py::arg("tensor") = c.tensor, py::arg("rows") = c.rows, py::arg("K") = c.K,
                                     py::arg("seconds") = seconds, py::arg("chosen") = isa_level_name(c.level),
-                                    py::arg("in_use") = isa_level_name(s.runner().dispatch().isa_for(c.type, c.N))));
+                                    py::arg("in_use") = isa_level_name(s.runner().dispatch().isa_for(c.type, c.N)),
+                                    py::arg("wall_seconds") = c.wall));
             }
             return out;
         }, "The matmul levels this engine measured at load (matmul_dispatch.h), one dict per weight type and "
-           "column count: the matrix timed, its fastest run per level (seconds), the level chosen and the one in use")
+           "column count: the matrix timed, its fastest run per level (seconds), the level chosen and the one in use, "
+           "and the measurement's own time (wall_seconds)")
         .def("memory_report", &memory_report, py::arg("spec") = nullptr,
              "Bytes held by this target and, given its Spec, the drafter beside it (see memory_usage in "
              "session.h): a dict of the parts and their total")

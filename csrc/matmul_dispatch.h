@@ -20,9 +20,9 @@
 // level everywhere), with DFLASH_NATIVE_TUNE=0, with ggml's kernels (matmul="ggml"), or on the GPU.
 // The other own kernels (attention, conv, GDN, top-1, sampler) run isa_in_use() always.
 //
-// Cost: per type 2 regimes x 2 levels x (1 + k_tune_reps) matmuls over <= k_tune_bytes of weights,
-// tens of milliseconds at load for a 0.5B model (bench/ar_decode.py records it); microseconds for
-// the tiny test models.
+// Cost: per type 2 regimes x 2 levels x (1 + k_tune_reps) matmuls over <= k_tune_bytes of weights:
+// tens of milliseconds at load for a 0.5B model (bench/ar_decode.py records it per file), about a
+// millisecond for the tiny test models.
 #pragma once
 
 #include "cpu_isa.h"
@@ -54,6 +54,7 @@ struct matmul_dispatch {
         int64_t rows = 0, K = 0, N = 0;
         std::vector<std::pair<isa_level, double>> seconds;
         isa_level level = isa_level::portable;
+        double wall = 0.0;  // seconds the measurement took (warm-up and every run)
     };
 
     matmul_dispatch() {

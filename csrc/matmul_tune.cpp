@@ -75,6 +75,7 @@ matmul_dispatch::choice measure(graph_runner & runner, ggml_tensor * W, int regi
         ggml_build_forward_expand(b.gf, y);
     };
     auto set_inputs = [&] { ggml_backend_tensor_set(x, xv.data(), 0, xv.size() * sizeof(float)); };
+    const double t_start = now_s();
     std::vector<double> best(levels.size(), 1e30);
     auto run_at = [&](size_t i) {
         d.force(W->type, regime, levels[i]);
@@ -93,6 +94,7 @@ matmul_dispatch::choice measure(graph_runner & runner, ggml_tensor * W, int regi
     }
     for (size_t i = 0; i < levels.size(); ++i) c.seconds.emplace_back(levels[i], best[i]);
     c.level = levels[pick];
+    c.wall = now_s() - t_start;
     return c;
 }
 

@@ -408,7 +408,8 @@ class Engine:
         (csrc/matmul_dispatch.h). One dict per weight type and column count (1: a decode step; 16: a
         verify or draft block): `type`, `columns`, the matrix timed (`tensor`, its first `rows` rows
         of `K`), `seconds` (the fastest run at each level tried), `chosen` (the fastest; the CPU's best
-        unless another beat it by more than 5%) and `in_use` (`chosen`, held under any cap set later).
+        unless another beat it by more than 5%), `in_use` (`chosen`, held under any cap set later) and
+        `wall_seconds` (what measuring it cost the load).
         Empty when nothing was measured: a CPU with one level, a level chosen by DFLASH_NATIVE_ISA or
         set_isa, DFLASH_NATIVE_TUNE=0, ggml's kernels (for_benchmark(matmul="ggml")), or the GPU. The choice changes speed only: every
         level computes the same bits."""
