@@ -121,20 +121,37 @@ def isa() -> str:
     return f"{_core.isa()} ({' '.join(keep) or 'no cpuinfo flags'})"
 
 
-def llama_amx_off(force: bool = False) -> bool:
-    """On a CPU with AMX_INT8 (or with force: the benches' --no-extra-bufts, llama.cpp's plain CPU
-    kernels anywhere), make llama-cpp-python load models without ggml's extra buffer types (AMX,
-    repack): its AMX path crashes (SIGSEGV) on batched quantized matmuls (seen with Q4_0, Q4_K_M and
-    Q8_0 files, hybrids too, llama-cpp-python 0.3.36, Intel Xeon with AMX; tests/llamacpp_tools.py).
-    Returns whether it did; the benchmarks record it, since llama.cpp's prefill then runs without AMX."""
+def llama_bufts(plain: bool = False) -> str:
+    """How the benchmarks let llama.cpp (llama-cpp-python) place its weights, recorded in their
+    JSON lines as `llama_bufts`; call llama_prepare(path) before each llama_cpp.Llama:
+
+    - "default": llama.cpp's own choice (its extra buffer types: AMX where the CPU and this ggml
+      have it, else CPU_REPACK's repacked GEMV / GEMM weights), on a CPU without AMX;
+    - "repack (no AMX)": on a CPU with AMX_INT8, whose AMX path crashes (SIGSEGV) on batched
+      quantized matmuls (llama-cpp-python 0.3.36; tests/llamacpp_tools.py): the matrices CPU_REPACK
+      takes are repacked as on a CPU without AMX (AMD Zen 4, most Intel parts), the rest plain
+      (llamacpp_tools.repack_without_amx);
+    - "plain" (plain=True, the benches' --no-extra-bufts): no extra buffer types, llama.cpp's plain
+      CPU kernels anywhere."""
     import llama_cpp.llama_cpp as L
 
-    if not force and (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()
-                      or "AMX_INT8 = 1" not in L.llama_print_system_info().decode(errors="replace")):
-        return False  # no AMX in the CPU, or none in this ggml (bench/isa_env.py's AVX2-only build)
-    from llamacpp_tools import plain_cpu_kernels
+    if plain:
+        from llamacpp_tools import plain_cpu_kernels
 
-    return plain_cpu_kernels()
+        plain_cpu_kernels()
+        return "plain"
+    if (not os.path.exists("/proc/cpuinfo") or "amx_int8" not in open("/proc/cpuinfo").read()
+            or "AMX_INT8 = 1" not in L.llama_print_system_info().decode(errors="replace")):
+        return "default"  # no AMX in the CPU, or none in this ggml (bench/isa_env.py's AVX2-only build)
+    return "repack (no AMX)"
+
+
+def llama_prepare(path, bufts: str) -> None:
+    """Before llama_cpp.Llama(model_path=path): the overrides that "repack (no AMX)" needs."""
+    if bufts == "repack (no AMX)":
+        from llamacpp_tools import repack_without_amx
+
+        repack_without_amx(path)
 
 
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:

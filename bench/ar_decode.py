@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (Timer, bench_target, cached_typed_gguf, git_rev, llama_amx_off,  # noqa: E402
+from _common import (Timer, bench_target, cached_typed_gguf, git_rev, llama_bufts, llama_prepare,  # noqa: E402
                      machine, summarize, write_jsonl)
 
 
@@ -53,9 +53,10 @@ def bench_ours(path, prompt, n_decode, threads, n_ctx):
     return run
 
 
-def bench_llama(path, prompt, n_decode, threads, n_ctx):
+def bench_llama(path, prompt, n_decode, threads, n_ctx, bufts):
     import llama_cpp
 
+    llama_prepare(path, bufts)
     ll = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
 
@@ -104,7 +105,7 @@ def expert_cost(t, ours, reps):
     return out
 
 
-def verify_curve(path, prompt, threads, reps, experts=False):
+def verify_curve(path, prompt, threads, reps, bufts, experts=False):
     """{engine: {n: median seconds of an n-token pass / median seconds of a 1-token step}}; with
     experts, also "experts": expert_cost."""
     import llama_cpp
@@ -113,6 +114,7 @@ def verify_curve(path, prompt, threads, reps, experts=False):
     block = [int(x) for x in np.random.default_rng(1).integers(10, 600, max(VERIFY_SIZES))]
     t = _core.Target(str(path), n_ctx=len(prompt) + 2 * max(VERIFY_SIZES) + 8, n_threads=threads, kv_type="f16",
                      max_verify=max(VERIFY_SIZES))
+    llama_prepare(path, bufts)
     ll = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 2 * max(VERIFY_SIZES) + 8, n_threads=threads,
                          n_threads_batch=threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
 
@@ -159,11 +161,12 @@ def main():
     ap.add_argument("--verify-curve", action="store_true",
                     help="also time verifies of 2..32 tokens over one AR step, per type, ours and llama.cpp's")
     ap.add_argument("--no-extra-bufts", action="store_true",
-                    help="llama.cpp without its extra buffer types (AMX / repacked weights; they crash on Q8_0 "
-                         "hybrids on AMX CPUs): its plain CPU kernels")
+                    help="llama.cpp without its extra buffer types (no AMX, no repacked weights): its plain CPU "
+                         "kernels. By default an AMX machine runs it with repacked weights but no AMX, as a CPU "
+                         "without AMX does (_common.llama_bufts)")
     ap.add_argument("--json", type=Path, default=None, help="append JSON lines here")
     a = ap.parse_args()
-    amx_off = llama_amx_off(force=a.no_extra_bufts)
+    bufts = llama_bufts(plain=a.no_extra_bufts)
 
     name, arch, shape = bench_target(a.moe, a.tiny)
     rng = np.random.default_rng(0)
@@ -171,12 +174,12 @@ def main():
     n_ctx = a.prompt_len + a.decode + 16
 
     print(f"# ar_decode: {machine()}; threads={a.threads}; prompt={a.prompt_len}; decode={a.decode}; "
-          f"reps={a.reps} (+1 warm-up); llama.cpp extra buffer types {'off' if amx_off else 'on'}; "
+          f"reps={a.reps} (+1 warm-up); llama.cpp weights: {bufts}; "
           f"rev {git_rev()}", flush=True)
     print(f"{'model':<16}{'type':<8}{'engine':<14}{'prefill tok/s':>14}{'decode tok/s':>14}")
     rows = []
-    if amx_off and not a.no_extra_bufts:
-        print("# llama.cpp without extra buffer types (AMX, repack): its AMX path crashes here (_common.llama_amx_off)")
+    if bufts == "repack (no AMX)":
+        print("# llama.cpp's repacked weights without AMX (its AMX path crashes here): as a CPU without AMX runs it")
     if a.embedded:
         from dflash_native.cli import default_pair
 
@@ -186,7 +189,7 @@ def main():
     for outtype, path in files.items():
         path = path or cached_typed_gguf(name, arch, outtype, **shape)
         runners = {"dflash-native": bench_ours(path, prompt, a.decode, a.threads, n_ctx),
-                   "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx)}
+                   "llama.cpp": bench_llama(path, prompt, a.decode, a.threads, n_ctx, bufts)}
         disp = runners["dflash-native"].info["matmul_dispatch"]
         print(f"# {outtype}: matmul levels measured at load ({1e3 * sum(c['wall_seconds'] for c in disp):.0f} ms): "
               + ("; ".join(f"{c['type']} x{c['columns']} {c['chosen']} ("
@@ -205,16 +208,16 @@ def main():
             rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": k,
                          "threads": a.threads, "prompt_len": a.prompt_len, "n_decode": a.decode,
                          "prefill_tok_s": p, "decode_tok_s": d, "machine": machine(), "rev": git_rev(),
-                         "llama_amx_off": amx_off, **getattr(runners[k], "info", {})})
+                         "llama_bufts": bufts, **getattr(runners[k], "info", {})})
         ours, ref = res["dflash-native"], res["llama.cpp"]
         rp = summarize(ours["prefill"])["median"] / summarize(ref["prefill"])["median"]
         rd = summarize(ours["decode"])["median"] / summarize(ref["decode"])["median"]
         print(f"{name:<16}{outtype:<8}{'ratio':<14}{rp:>14.3f}{rd:>14.3f}")
         rows.append({"bench": "ar_decode", "model": name, "outtype": outtype, "engine": "ratio ours/llama.cpp",
                      "prefill_ratio": rp, "decode_ratio": rd, "threads": a.threads, "machine": machine(),
-                     "rev": git_rev(), "llama_amx_off": amx_off})
+                     "rev": git_rev(), "llama_bufts": bufts})
         if a.verify_curve:
-            curve = verify_curve(path, prompt[:32], a.threads, a.reps, experts=a.moe)
+            curve = verify_curve(path, prompt[:32], a.threads, a.reps, bufts, experts=a.moe)
             if a.moe:
                 ex = curve.pop("experts")
                 print(f"{name:<16}{outtype:<8}{'experts':<14}MUL_MAT_ID ms per token (share of the pass): "
@@ -229,7 +232,7 @@ def main():
                 rows.append({"bench": "verify_curve", "model": name, "outtype": outtype, "engine": k,
                              "threads": a.threads, "context": 32, "ar_step_s": c["step_s"],
                              "verify_over_ar": {str(n): c[n] for n in VERIFY_SIZES}, "machine": machine(),
-                             "rev": git_rev(), "llama_amx_off": amx_off})
+                             "rev": git_rev(), "llama_bufts": bufts})
     write_jsonl(a.json, rows)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -64,6 +65,94 @@ def plain_cpu_kernels() -> bool:
     low.llama_model_default_params = plain_params
     llama_cpp.llama_model_default_params = plain_params
     return True
+
+
+# The weight types llama.cpp's CPU_REPACK buffer repacks on x86 (ggml-cpu/repack.cpp,
+# ggml_repack_get_optimal_repack_type, llama-cpp-python 0.3.36): with AVX2, Q4_0, Q4_K, IQ4_NL and
+# MXFP4; with AVX-512 also Q2_K; each for a 2-D matrix whose rows are a multiple of 8. (Q5_K, Q6_K
+# and Q8_0 repack on ARM only.)
+_REPACK_X86 = {"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"}
+_REPACK_X86_AVX512 = {"Q2_K"}
+_repack = {"overrides": None, "keep": []}
+
+
+def _cpu_repack_buft():
+    """ggml's CPU_REPACK buffer type in llama-cpp-python's ggml (through the CPU backend registry's
+    ggml_backend_dev_get_extra_bufts), or None."""
+    import ctypes
+
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    g = ctypes.CDLL(str(lib / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
+    gb = ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    vp = ctypes.c_void_p
+    g.ggml_backend_dev_by_type.restype, g.ggml_backend_dev_by_type.argtypes = vp, [ctypes.c_int]
+    g.ggml_backend_dev_backend_reg.restype, g.ggml_backend_dev_backend_reg.argtypes = vp, [vp]
+    g.ggml_backend_reg_get_proc_address.restype = vp
+    g.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+    gb.ggml_backend_buft_name.restype, gb.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [vp]
+    dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    fn = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+    if not dev or not fn:
+        return None
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(fn)(dev)
+    i = 0
+    while bufts and bufts[i]:
+        if gb.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
+            return bufts[i]
+        i += 1
+    return None
+
+
+def repack_without_amx(gguf_path: str | os.PathLike[str]) -> int:
+    """Make the next llama_cpp.Llama load `gguf_path` as llama.cpp runs it on an x86 CPU without
+    AMX (AMD Zen 4, most Intel parts): the matrices its CPU_REPACK buffer takes repacked for its
+    GEMV / GEMM kernels, everything else in plain CPU buffers. On this AMX machine llama.cpp would
+    put them in its AMX buffer, which crashes (plain_cpu_kernels); so extra buffer types are off
+    and each repackable matrix is named in tensor_buft_overrides (llama.cpp's --override-tensor).
+    The token embedding stays plain (a row lookup, which a repacked buffer cannot serve). Returns
+    how many matrices were repacked (0: nothing repackable, or no CPU_REPACK in this ggml)."""
+    import ctypes
+
+    import gguf
+    import llama_cpp.llama as llama_module
+
+    avx512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    kinds = _REPACK_X86 | (_REPACK_X86_AVX512 if avx512 else set())
+    names = [t.name for t in gguf.GGUFReader(str(gguf_path)).tensors
+             if t.tensor_type.name in kinds and len(t.shape) == 2 and int(t.shape[1]) % 8 == 0
+             and t.name != "token_embd.weight"]
+    buft = _cpu_repack_buft() if names else None
+
+    class Override(ctypes.Structure):  # llama_model_tensor_buft_override
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    arr = (Override * (len(names) + 1 if buft else 1))()  # the last {NULL, NULL} ends the list
+    for i, n in enumerate(names if buft else []):
+        pat = ("^" + re.escape(n) + "$").encode()
+        _repack["keep"].append(pat)
+        arr[i].pattern, arr[i].buft = pat, buft
+    _repack["keep"].append(arr)
+    _repack["overrides"] = arr
+    low = llama_module.llama_cpp
+    if not getattr(low.llama_model_default_params, "_dflash_repack", False):
+        default = getattr(low.llama_model_default_params, "_dflash_default", low.llama_model_default_params)
+
+        def repack_params():
+            p = default()
+            p.use_extra_bufts = False
+            if _repack["overrides"] is not None:
+                p.tensor_buft_overrides = ctypes.cast(_repack["overrides"], ctypes.c_void_p)
+            return p
+
+        repack_params._dflash_repack = True
+        repack_params._dflash_default = default
+        low.llama_model_default_params = repack_params
+        import llama_cpp
+
+        llama_cpp.llama_model_default_params = repack_params
+    return len(names) if buft else 0
 
 
 def _converter_dir(root: Path) -> Path | None:
