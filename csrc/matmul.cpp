@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "cpu_isa.h"
+#include "matmul_wide.h"
 #include "vmath.h"
 
 #include "ggml-backend.h"
@@ -417,6 +418,7 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, co
 
 ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
     if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x, b.dispatch);
+    if (matmul_wide_applies(b, W, x)) return matmul_wide(b.ctx, W, x);  // a prompt chunk of Q4_0 / Q8_0
     return ggml_mul_mat(b.ctx, W, x);
 }
 

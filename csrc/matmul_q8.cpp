@@ -33,6 +33,8 @@ inline bool all_finite(const float * x, int n) {
     return ok;
 }
 
+}  // namespace
+
 // ggml's quantize_row_q8_0_ref for one block of 32; returns the F16-rounded scale.
 float quantize_q8_0_block(const float * x, int8_t * q) {
     if (!all_finite(x, 32)) {
@@ -51,6 +53,8 @@ float quantize_q8_0_block(const float * x, int8_t * q) {
     }
     return half_to_float(ggml_fp32_to_fp16(d));
 }
+
+namespace {
 
 // ggml's nearest_int: round half to even through the float's mantissa (|v| <= 2^22).
 inline int nearest_int(float v) {

@@ -42,6 +42,10 @@ struct q8_acts {
 // A block holding NaN or Inf gets codes 0 and d = NaN: the outputs it feeds are NaN.
 bool q8_quantize_acts(ggml_type type, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A);
 
+// One block of 32 as quantize_row_q8_0_ref (above): the codes into q, the F16-rounded scale
+// returned (NaN with codes 0 for a block holding NaN or Inf).
+float quantize_q8_0_block(const float * x, int8_t * q);
+
 // matmul_q8.inc, matmul_q8_0_rows.inc, matmul_kq_rows.inc: the dot loops, per ISA.
 
 }  // namespace dfn

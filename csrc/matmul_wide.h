@@ -1,0 +1,51 @@
+// Prompt-sized matmuls of Q4_0 / Q8_0 weights: a GEMM on AVX-512 VNNI for x with more columns than
+// the batch-invariant matmul takes (k_matmul_max_cols: prompt chunks, not verify passes).
+//
+// Why: llama.cpp on a CPU without AMX repacks Q4_0 weights for its GEMM (ggml's CPU_REPACK), and
+// there its prefill ran 1.2x ours, which went through ggml_mul_mat on the plain layout (llamafile's
+// tinyBLAS, one 32-code block dot per output and block, on 256 bits). This GEMM keeps the file's
+// layout and gets its speed from the activations instead, packed once per matmul so that one
+// vpdpbusd sums 4 codes for 16 columns at once:
+//
+//   pack (op "q8_pack", columns split across threads): each column quantized per block of 32 by
+//     ggml's quantize_row_q8_0_ref (the codes a, the F16-rounded scale da), into groups of 16
+//     columns; per group g and block b, 640 bytes:
+//       8 x 64 bytes: chunk j < 8, lane c < 16: the codes a[16 g + c][32 b + 4 j .. + 3]
+//       16 int32:     bias[c] = -off x sum of the block's 32 codes of column 16 g + c
+//       16 float:     da[c]
+//     (columns past N in the last group: codes 0, da 0). off is the offset of the weight's
+//     unsigned codes u: Q4_0 8 (u the nibble), Q8_0 128 (u = q xor 0x80), so that
+//     sum_k u_k a_k + bias = sum_k w_k a_k with w the signed codes, exactly (int32).
+//   gemm (op "matmul_wide", rows split across threads): per tile of 8 rows, the rows' blocks
+//     unpacked once to unsigned code bytes and F32 scales dw (L1-sized scratch); per group of 16
+//     columns, per row r, 16 float lanes (one per column), from 0, for each block b in order:
+//       s = bias + sum_{j < 8} vpdpbusd(broadcast(u[r][b][4 j .. 4 j + 3]), a-chunk j)   (exact)
+//       lane = fmaf(fl(dw[r][b] * da[c]), (float) s, lane)
+//     then lane c is y[16 g + c][r]: llama.cpp's own per-block arithmetic (vec_dot_q4_0_q8_0's
+//     sumf += d * sumi), rounded as its reference does, a different order from the batch-invariant
+//     contract (matmul.h), which these prompt chunks were never under (they ran ggml before).
+//
+// Taken (matmul_wide_applies) for Q4_0 / Q8_0 weights in host memory, K a multiple of 32, more
+// than k_matmul_max_cols columns, the own kernels, when the level in use is AVX-512 on a CPU with
+// AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake); else ggml_mul_mat, as before.
+#pragma once
+
+#include "build_context.h"
+
+#include "ggml.h"
+
+namespace dfn {
+
+bool matmul_wide_applies(const build_context & b, const ggml_tensor * W, const ggml_tensor * x);
+
+// W [K, M] (Q4_0 / Q8_0), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops above.
+ggml_tensor * matmul_wide(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
+
+// Tests: the GEMM on rows [0, M) of W against x (N columns, any N), one thread.
+void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
+                      int64_t ldy, int64_t K, int64_t M, int64_t N);
+
+// True when this machine can run it (AVX-512 with VNNI, and the level in use is AVX-512).
+bool matmul_wide_available();
+
+}  // namespace dfn

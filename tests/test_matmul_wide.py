@@ -1,0 +1,133 @@
+"""The prompt-sized Q4_0 / Q8_0 GEMM on AVX-512 VNNI (csrc/matmul_wide.h): matmuls of more than 64
+columns (prompt chunks), which ran ggml_mul_mat before.
+
+- Against float64 over the dequantized weights and the activations quantized as ggml's reference
+  quantize_row_q8_0 does: exact integer block sums, then one scale product and one fma per block
+  and output, so the error is within (blocks + 2) F32 roundings of the sum of |terms|; unquantized
+  activations miss that bound.
+- Every column is computed alone: its bits do not depend on N, on the other columns, or on how
+  the rows are split (so a prompt's logits do not depend on the chunk size either).
+- NaN / Inf in a column gives NaN in that column only.
+- In the engine: prompts of more than 64 tokens take it (the graph's node names say so), their
+  logits agree with ggml's kernels within the models' own spread, and speculative output still
+  equals AR output after such a prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.convert import convert_hf_to_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from test_matmul import _qcase, q8_activations
+
+needs_wide = pytest.mark.skipif(not _core.testing.matmul_wide_available(),
+                                reason="no AVX-512 VNNI here: prompt matmuls stay with ggml_mul_mat")
+
+
+@needs_wide
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("M,K,N", [(1, 32, 1), (8, 256, 16), (37, 800, 65), (70, 1024, 100)])
+def test_wide_matches_float64(qtype, M, K, N):
+    raw, values, x = _qcase(qtype, M, K, N, seed=K + N)
+    if K > 32:
+        x[0, :32] = 0.0  # an all-zero block
+    if N > 3:
+        x[3, 5] = 1e4  # one dominant value
+    xq = q8_activations(x, "Q8_0")
+    ref = xq @ values.astype(np.float64).T
+    mag = np.abs(xq) @ np.abs(values.astype(np.float64)).T
+    bound = (K // 32 + 2) * 2.0**-24 * mag + 1e-30
+    y = _core.testing.matmul_wide(raw, x, qtype)
+    assert y.shape == (N, M) and y.dtype == np.float32
+    assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / bound).max())
+    # the bound is tight enough to see the activations' rounding: F32 activations miss it
+    f32 = x.astype(np.float64) @ values.astype(np.float64).T
+    assert (np.abs(f32 - ref) > bound).any()
+
+
+@needs_wide
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_wide_columns_are_independent(qtype):
+    """Each column's bits are those of that column alone, for any N (groups of 16 columns, a
+    partial last group) and any row count (tiles of 8 rows, single-row tails)."""
+    M, K = 21, 512
+    raw, _, x = _qcase(qtype, M, K, 70, seed=5)
+    alone = np.stack([_core.testing.matmul_wide(raw, x[i:i + 1], qtype)[0] for i in range(70)])
+    for n in (2, 15, 16, 17, 33, 65, 70):
+        np.testing.assert_array_equal(_core.testing.matmul_wide(raw, x[:n], qtype), alone[:n], err_msg=f"N={n}")
+    for m in (1, 7, 8, 9, 16):  # rows are independent too
+        np.testing.assert_array_equal(_core.testing.matmul_wide(raw[:m], x, qtype), alone[:, :m], err_msg=f"M={m}")
+
+
+@needs_wide
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_wide_non_finite_stays_in_its_column(qtype):
+    raw, _, x = _qcase(qtype, 9, 256, 20, seed=4)
+    clean = _core.testing.matmul_wide(raw, x, qtype)
+    x[3, 100] = np.nan
+    x[17, 7] = np.inf
+    y = _core.testing.matmul_wide(raw, x, qtype)
+    assert np.isnan(y[[3, 17]]).all()
+    keep = [i for i in range(20) if i not in (3, 17)]
+    np.testing.assert_array_equal(y[keep], clean[keep])
+
+
+def test_wide_bad_input():
+    raw, _, x = _qcase("Q4_K", 4, 256, 2)
+    with pytest.raises(ValueError, match="takes Q4_0 / Q8_0"):
+        _core.testing.matmul_wide(raw, x, "q4_K")
+    raw, _, x = _qcase("Q4_0", 4, 256, 2)
+    with pytest.raises(ValueError, match="bytes"):
+        _core.testing.matmul_wide(raw[:, :-2].copy(), x, "q4_0")
+
+
+@pytest.fixture(scope="module")
+def q4_pair(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("wide")
+    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    ckpt = make_random_checkpoint(d / "ckpt", "qwen3_5", seed=21, num_hidden_layers=2,
+                                  layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                  linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, **kw)
+    tg = convert_hf_to_gguf(ckpt, d / "t-f32.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "d-f32.gguf", ckpt, outtype="f32", seed=22, block_size=8, target_gguf=tg,
+                                  target_layer_ids=[0], num_hidden_layers=1, **kw)
+    out = {}
+    for t in ("q4_0", "q8_0"):
+        out[t] = (str(dn.quantize(tg, d / f"t-{t}.gguf", t, n_threads=2, progress=False)),
+                  str(dn.quantize(dg, d / f"d-{t}.gguf", t, n_threads=2, progress=False)))
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_engine_prompts_take_it_and_stay_exact(q4_pair, qtype):
+    target, drafter = q4_pair[qtype]
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, 150)]
+    eng = dn.Engine(target, drafter=drafter, block_size=8, n_ctx=320, n_threads=2, gate=False)
+    ref = dn.Engine.for_benchmark(target, matmul="ggml", n_ctx=320, n_threads=2)
+    try:
+        _core.profile(2)
+        ours = eng.eval(prompt)
+        rep = _core.profile_report()
+        _core.profile(0)
+        wide_nodes = sum(c for k, (c, _) in rep.items() if k.endswith("/matmul_wide"))
+        if _core.testing.matmul_wide_available():
+            assert wide_nodes > 0, sorted(rep)
+        else:
+            assert wide_nodes == 0
+        theirs = ref.eval(prompt)
+        # ggml's kernels round the same quantized model differently; this random model's own spread
+        # between two kernels is ~1e-3 of its logits' scale
+        scale = np.abs(theirs).max()
+        assert np.abs(ours - theirs).max() <= 2e-2 * scale, (np.abs(ours - theirs).max(), scale)
+        assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.95
+        spec = eng.generate(prompt, max_tokens=40)
+        ar = eng.generate(prompt, max_tokens=40, speculative=False)
+        assert spec.stats.rounds > 0 and spec.tokens == ar.tokens
+    finally:
+        _core.profile(0)
+        eng.close()
+        ref.close()
