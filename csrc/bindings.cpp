@@ -811,9 +811,9 @@ void bind_testing_kernels(py::module_ & t) {
         py::arg("W"), py::arg("x"), py::arg("type"));
     t.def(
         "matmul_wide",
-        [](py::array W, farr x, const std::string & type) {
+        [](py::array W, farr x, const std::string & type, const std::string & isa) {
             // W [M, row bytes] uint8 rows of Q4_0 / Q8_0, x [N, K] float32 -> y [N, M] float32: the prompt
-            // GEMM of matmul_wide.h (one thread)
+            // GEMM of matmul_wide.h (one thread) at isa "avx512f" / "avx2" / "" (the engine's)
             DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2 && (W.flags() & py::array::c_style), "matmul",
                         "W and x must be 2-D, W C-contiguous");
             DFN_REQUIRE(W.dtype().is(py::dtype::of<uint8_t>()), "matmul", "W must be uint8 bytes");
@@ -822,12 +822,12 @@ void bind_testing_kernels(py::module_ & t) {
             DFN_REQUIRE(K % 32 == 0 && (size_t) W.shape(1) == ggml_row_size(wt, K), "matmul", "W rows have ", W.shape(1),
                         " bytes, not those of ", K, " columns of ", type);
             py::array_t<float> y({N, M});
-            matmul_wide_rows(W.data(), wt, (size_t) W.strides(0), x.data(), K, y.mutable_data(), M, K, M, N);
+            matmul_wide_rows(W.data(), wt, (size_t) W.strides(0), x.data(), K, y.mutable_data(), M, K, M, N, isa);
             return y;
         },
-        py::arg("W"), py::arg("x"), py::arg("type"));
+        py::arg("W"), py::arg("x"), py::arg("type"), py::arg("isa") = "");
     t.def("matmul_wide_available", &matmul_wide_available,
-          "True when prompt-sized Q4_0 / Q8_0 matmuls take the wide GEMM here (AVX-512 VNNI, level AVX-512)");
+          "True when prompt-sized Q4_0 / Q8_0 matmuls take the wide GEMM here (level AVX-512 with VNNI, or AVX2)");
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");
     t.def("pretend_cpu_isa", [](const std::string & name) { testing_pretend_cpu_best(name); }, py::arg("name"),
           "Treat the CPU's best instruction set as `name` ('' undoes it): the ISA checks on a CPU that has every level");

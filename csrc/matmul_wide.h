@@ -1,5 +1,6 @@
-// Prompt-sized matmuls of Q4_0 / Q8_0 weights: a GEMM on AVX-512 VNNI for x with more columns than
-// the batch-invariant matmul takes (k_matmul_max_cols: prompt chunks, not verify passes).
+// Prompt-sized matmuls of Q4_0 / Q8_0 weights: a GEMM on AVX-512 VNNI (groups of 16 columns) or AVX2
+// (groups of 8) for x with more columns than the batch-invariant matmul takes (k_matmul_max_cols:
+// prompt chunks, not verify passes).
 //
 // Why: llama.cpp on a CPU without AMX repacks Q4_0 weights for its GEMM (ggml's CPU_REPACK), and
 // there its prefill ran 1.2x ours, which went through ggml_mul_mat on the plain layout (llamafile's
@@ -21,18 +22,24 @@
 //     columns, per row r, 16 float lanes (one per column), from 0, for each block b in order:
 //       s = bias + sum_{j < 8} vpdpbusd(broadcast(u[r][b][4 j .. 4 j + 3]), a-chunk j)   (exact)
 //       lane = fmaf(fl(dw[r][b] * da[c]), (float) s, lane)
-//     then lane c is y[16 g + c][r]: llama.cpp's own per-block arithmetic (vec_dot_q4_0_q8_0's
+//     then lane c is y[16 g + c][r]. AVX2 (groups of 8, tiles of 4 rows): the same integer sums by
+//     maddubs + madd (Q4_0: the nibbles' pairs summed in int16 over the 8 chunks, at most
+//     8 x 2 x 15 x 127; Q8_0: |w| times a signed by w, off 0) and the same float operations, so
+//     the same bits as AVX-512. This is llama.cpp's own per-block arithmetic (vec_dot_q4_0_q8_0's
 //     sumf += d * sumi), rounded as its reference does, a different order from the batch-invariant
 //     contract (matmul.h), which these prompt chunks were never under (they ran ggml before).
 //
 // Taken (matmul_wide_applies) for Q4_0 / Q8_0 weights in host memory, K a multiple of 32, more
 // than k_matmul_max_cols columns, the own kernels, when the level in use is AVX-512 on a CPU with
-// AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake); else ggml_mul_mat, as before.
+// AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake: 16 columns) or AVX2 (8 columns); else (the
+// portable level) ggml_mul_mat, as before.
 #pragma once
 
 #include "build_context.h"
 
 #include "ggml.h"
+
+#include <string>
 
 namespace dfn {
 
@@ -41,11 +48,12 @@ bool matmul_wide_applies(const build_context & b, const ggml_tensor * W, const g
 // W [K, M] (Q4_0 / Q8_0), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops above.
 ggml_tensor * matmul_wide(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
 
-// Tests: the GEMM on rows [0, M) of W against x (N columns, any N), one thread.
+// Tests: the GEMM on rows [0, M) of W against x (N columns, any N), one thread; isa "avx512f"
+// (16 columns, VNNI), "avx2" (8 columns) or "" (the one the engine runs).
 void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
-                      int64_t ldy, int64_t K, int64_t M, int64_t N);
+                      int64_t ldy, int64_t K, int64_t M, int64_t N, const std::string & isa = "");
 
-// True when this machine can run it (AVX-512 with VNNI, and the level in use is AVX-512).
+// True when the engine's prompt matmuls take it here (the level in use is AVX-512 with VNNI, or AVX2).
 bool matmul_wide_available();
 
 }  // namespace dfn

@@ -1,4 +1,4 @@
-"""The prompt-sized Q4_0 / Q8_0 GEMM on AVX-512 VNNI (csrc/matmul_wide.h): matmuls of more than 64
+"""The prompt-sized Q4_0 / Q8_0 GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more than 64
 columns (prompt chunks), which ran ggml_mul_mat before.
 
 - Against float64 over the dequantized weights and the activations quantized as ggml's reference
@@ -8,9 +8,10 @@ columns (prompt chunks), which ran ggml_mul_mat before.
 - Every column is computed alone: its bits do not depend on N, on the other columns, or on how
   the rows are split (so a prompt's logits do not depend on the chunk size either).
 - NaN / Inf in a column gives NaN in that column only.
+- AVX-512 (groups of 16 columns) and AVX2 (groups of 8) compute the same bits.
 - In the engine: prompts of more than 64 tokens take it (the graph's node names say so), their
-  logits agree with ggml's kernels within the models' own spread, and speculative output still
-  equals AR output after such a prefill.
+  logits agree with ggml's kernels within the models' own spread and are the same bits under an
+  AVX2 cap, and speculative output still equals AR output after such a prefill.
 """
 
 from __future__ import annotations
@@ -24,8 +25,23 @@ from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_gguf
 from test_matmul import _qcase, q8_activations
 
-needs_wide = pytest.mark.skipif(not _core.testing.matmul_wide_available(),
-                                reason="no AVX-512 VNNI here: prompt matmuls stay with ggml_mul_mat")
+
+
+def _wide_isas() -> list[str]:
+    """The levels the GEMM runs at on this CPU: "avx512f" (16 columns, needs VNNI), "avx2" (8)."""
+    raw, _, x = _qcase("Q4_0", 1, 32, 1)
+    out = []
+    for isa in ("avx512f", "avx2"):
+        try:
+            _core.testing.matmul_wide(raw, x, "q4_0", isa)
+            out.append(isa)
+        except ValueError:
+            pass
+    return out
+
+
+WIDE_ISAS = _wide_isas()
+needs_wide = pytest.mark.skipif(not WIDE_ISAS, reason="no AVX2 here: prompt matmuls stay with ggml_mul_mat")
 
 
 @needs_wide
@@ -41,9 +57,10 @@ def test_wide_matches_float64(qtype, M, K, N):
     ref = xq @ values.astype(np.float64).T
     mag = np.abs(xq) @ np.abs(values.astype(np.float64)).T
     bound = (K // 32 + 2) * 2.0**-24 * mag + 1e-30
-    y = _core.testing.matmul_wide(raw, x, qtype)
-    assert y.shape == (N, M) and y.dtype == np.float32
-    assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / bound).max())
+    for isa in WIDE_ISAS:
+        y = _core.testing.matmul_wide(raw, x, qtype, isa)
+        assert y.shape == (N, M) and y.dtype == np.float32
+        assert (np.abs(y - ref) <= bound).all(), (isa, float((np.abs(y - ref) / bound).max()))
     # the bound is tight enough to see the activations' rounding: F32 activations miss it
     f32 = x.astype(np.float64) @ values.astype(np.float64).T
     assert (np.abs(f32 - ref) > bound).any()
@@ -52,15 +69,19 @@ def test_wide_matches_float64(qtype, M, K, N):
 @needs_wide
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_wide_columns_are_independent(qtype):
-    """Each column's bits are those of that column alone, for any N (groups of 16 columns, a
-    partial last group) and any row count (tiles of 8 rows, single-row tails)."""
+    """Each column's bits are those of that column alone, for any N (groups of 16 or 8 columns, a
+    partial last group) and any row count (tiles of 8 or 4 rows, single-row tails), and the same
+    on AVX-512 and AVX2 (the same exact integer block sums and float operations)."""
     M, K = 21, 512
     raw, _, x = _qcase(qtype, M, K, 70, seed=5)
-    alone = np.stack([_core.testing.matmul_wide(raw, x[i:i + 1], qtype)[0] for i in range(70)])
-    for n in (2, 15, 16, 17, 33, 65, 70):
-        np.testing.assert_array_equal(_core.testing.matmul_wide(raw, x[:n], qtype), alone[:n], err_msg=f"N={n}")
-    for m in (1, 7, 8, 9, 16):  # rows are independent too
-        np.testing.assert_array_equal(_core.testing.matmul_wide(raw[:m], x, qtype), alone[:, :m], err_msg=f"M={m}")
+    alone = np.stack([_core.testing.matmul_wide(raw, x[i:i + 1], qtype, WIDE_ISAS[-1])[0] for i in range(70)])
+    for isa in WIDE_ISAS:
+        for n in (2, 7, 8, 9, 15, 16, 17, 33, 65, 70):
+            np.testing.assert_array_equal(_core.testing.matmul_wide(raw, x[:n], qtype, isa), alone[:n],
+                                          err_msg=f"{isa} N={n}")
+        for m in (1, 3, 4, 5, 7, 8, 9, 16):  # rows are independent too
+            np.testing.assert_array_equal(_core.testing.matmul_wide(raw[:m], x, qtype, isa), alone[:, :m],
+                                          err_msg=f"{isa} M={m}")
 
 
 @needs_wide
@@ -70,10 +91,11 @@ def test_wide_non_finite_stays_in_its_column(qtype):
     clean = _core.testing.matmul_wide(raw, x, qtype)
     x[3, 100] = np.nan
     x[17, 7] = np.inf
-    y = _core.testing.matmul_wide(raw, x, qtype)
-    assert np.isnan(y[[3, 17]]).all()
-    keep = [i for i in range(20) if i not in (3, 17)]
-    np.testing.assert_array_equal(y[keep], clean[keep])
+    for isa in WIDE_ISAS:
+        y = _core.testing.matmul_wide(raw, x, qtype, isa)
+        assert np.isnan(y[[3, 17]]).all(), isa
+        keep = [i for i in range(20) if i not in (3, 17)]
+        np.testing.assert_array_equal(y[keep], clean[keep])
 
 
 def test_wide_bad_input():
@@ -83,6 +105,8 @@ def test_wide_bad_input():
     raw, _, x = _qcase("Q4_0", 4, 256, 2)
     with pytest.raises(ValueError, match="bytes"):
         _core.testing.matmul_wide(raw[:, :-2].copy(), x, "q4_0")
+    with pytest.raises(ValueError, match="runs at 'avx512f' or 'avx2'"):
+        _core.testing.matmul_wide(raw, x, "q4_0", "sse2")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +148,13 @@ def test_engine_prompts_take_it_and_stay_exact(q4_pair, qtype):
         scale = np.abs(theirs).max()
         assert np.abs(ours - theirs).max() <= 2e-2 * scale, (np.abs(ours - theirs).max(), scale)
         assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.95
+        # at every level the GEMM runs (16 or 8 columns), the same logits, bit for bit
+        for isa in WIDE_ISAS[1:]:
+            dn.set_isa(isa.replace("avx512f", "avx512"))
+            try:
+                np.testing.assert_array_equal(eng.eval(prompt).view(np.uint32), ours.view(np.uint32), err_msg=isa)
+            finally:
+                dn.set_isa(None)
         spec = eng.generate(prompt, max_tokens=40)
         ar = eng.generate(prompt, max_tokens=40, speculative=False)
         assert spec.stats.rounds > 0 and spec.tokens == ar.tokens
