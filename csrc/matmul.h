@@ -72,7 +72,7 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, co
 // Columns up to which matmul() takes matmul_op: decode steps, verify blocks and draft blocks.
 // Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster
 // (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns), except Q4_0 /
-// Q8_0 on AVX-512 VNNI, which take the GEMM of matmul_wide.h. 64 covers every verify
+// Q8_0, which take the GEMM of matmul_wide.h (AVX-512 VNNI or AVX2). 64 covers every verify
 // (k_max_block_size tokens, or a tree of up to 63 nodes + root), so each is bitwise.
 constexpr int64_t k_matmul_max_cols = 64;
 
