@@ -147,11 +147,14 @@ def llama_bufts(plain: bool = False) -> str:
 
 
 def llama_prepare(path, bufts: str) -> None:
-    """Before llama_cpp.Llama(model_path=path): the overrides that "repack (no AMX)" needs."""
-    if bufts == "repack (no AMX)":
-        from llamacpp_tools import repack_without_amx
+    """Before llama_cpp.Llama(model_path=path): the overrides that "repack (no AMX)" needs for this
+    file (none left from another file in the other modes)."""
+    from llamacpp_tools import clear_repack, repack_without_amx
 
+    if bufts == "repack (no AMX)":
         repack_without_amx(path)
+    else:
+        clear_repack()
 
 
 def cached_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overrides) -> Path:

@@ -112,13 +112,13 @@ ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, gg
     }
 }
 
-// Drops the least recently used plans beyond k_max_plans and k_max_plan_bytes, never `keep`.
 void graph_runner::drop_plans(const std::string & prefix) {
     for (auto it = plans_.begin(); it != plans_.end();) {
         it = it->first.compare(0, prefix.size(), prefix) == 0 ? plans_.erase(it) : std::next(it);
     }
 }
 
+// Drops the least recently used plans beyond k_max_plans and k_max_plan_bytes, never `keep`.
 void graph_runner::drop_old_plans(const std::string & keep) {
     auto bytes = [&](const graph_plan & q) {
         return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +

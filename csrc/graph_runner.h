@@ -51,6 +51,8 @@ public:
     // (csrc/cuda/ kernels can work on it in place).
     bool on_cuda(ggml_backend_buffer_t buf) const;
     bool on_gpu() const { return gpu_ != nullptr; }
+    // True after a failure inside ggml's compute left the CPU backend unusable (every run throws).
+    bool broken() const { return !broken_.empty(); }
     int n_threads() const { return n_threads_; }
     matmul_kind kernels() const { return kernels_; }
     size_t n_plans() const { return plans_.size(); }

@@ -220,7 +220,7 @@ namespace isa_avx512vnni {
 namespace {
 
 // portable < avx2 < avx512 (VNNI integer sums on the AVX-512 path where the CPU has them)
-using isa = isa_level;  // matmul_op runs isa_in_use(): the CPU's best, capped by DFLASH_NATIVE_ISA / set_isa
+using isa = isa_level;  // matmul_op runs its dispatch's level (matmul_dispatch.h), never above isa_in_use()
 
 template <typename TW>
 void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t K,
@@ -418,7 +418,7 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, co
 
 ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
     if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x, b.dispatch);
-    if (matmul_wide_applies(b, W, x)) return matmul_wide(b.ctx, W, x);  // a prompt chunk of Q4_0 / Q8_0
+    if (ggml_tensor * y = matmul_wide(b, W, x)) return y;  // a prompt chunk of Q4_0 / Q8_0 / Q4_K
     return ggml_mul_mat(b.ctx, W, x);
 }
 

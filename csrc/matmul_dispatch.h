@@ -29,6 +29,7 @@
 
 #include "ggml.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -74,6 +75,12 @@ struct matmul_dispatch {
         choices.push_back(c);
     }
     void force(ggml_type type, int regime, isa_level level) { level_[type][regime] = (int8_t) level; }
+    // Undoes a type's measurement (both regimes back to isa_in_use(); its choices dropped).
+    void forget(ggml_type type) {
+        level_[type].fill(-1);
+        choices.erase(std::remove_if(choices.begin(), choices.end(), [&](const choice & c) { return c.type == type; }),
+                      choices.end());
+    }
     // The measured choices that differ from isa_in_use(), for stats and benchmark lines:
     // "" or "matmul q4_K x1 avx2, q6_K x16 avx2".
     std::string deviations() const;
@@ -85,7 +92,9 @@ private:
 };
 
 // Measures the levels for the weight types among `weights` not measured yet on this runner (see
-// above) and records them in runner.dispatch(). Does nothing where nothing is to be chosen.
+// above) and records them in runner.dispatch(). Does nothing where nothing is to be chosen. Never
+// throws for the measurement itself: a run that fails (out of memory) undoes that type's
+// measurement and ends the tuning, and the engine loads with the types left at isa_in_use().
 void tune_matmul(graph_runner & runner, const std::vector<ggml_tensor *> & weights);
 
 // matmul_op's per-call hook for testing_slow_matmul (a relaxed atomic load when not slowed).

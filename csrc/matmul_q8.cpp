@@ -64,6 +64,8 @@ inline int nearest_int(float v) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
+}  // namespace
+
 // ggml's quantize_row_q8_K_ref for one superblock of 256; returns d.
 float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums) {
     if (!all_finite(x, 256)) {
@@ -93,8 +95,6 @@ float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums) {
     }
     return 1.0f / iscale;
 }
-
-}  // namespace
 
 bool q8_quantize_acts(ggml_type type, const float * x, int64_t ldx, int64_t K, int64_t N, q8_acts & A) {
     const q8_kind kind = q8_kind_of(type);

@@ -46,6 +46,10 @@ bool q8_quantize_acts(ggml_type type, const float * x, int64_t ldx, int64_t K, i
 // returned (NaN with codes 0 for a block holding NaN or Inf).
 float quantize_q8_0_block(const float * x, int8_t * q);
 
+// One superblock of 256 as quantize_row_q8_K_ref (above): the codes into q, their sums per 16 into
+// bsums, d returned (NaN with codes 0 for a superblock holding NaN or Inf).
+float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums);
+
 // matmul_q8.inc, matmul_q8_0_rows.inc, matmul_kq_rows.inc: the dot loops, per ISA.
 
 }  // namespace dfn

@@ -117,9 +117,13 @@ void tune_matmul(graph_runner & runner, const std::vector<ggml_tensor *> & weigh
     matmul_dispatch & d = runner.dispatch();
     for (const auto & kv : largest_per_type(weights)) {
         if (d.measured(kv.first)) continue;
-        for (int regime = 0; regime < matmul_dispatch::k_regimes; ++regime) {
-            const matmul_dispatch::choice c = measure(runner, kv.second, regime, levels);
-            d.set(c);
+        try {
+            for (int regime = 0; regime < matmul_dispatch::k_regimes; ++regime) d.set(measure(runner, kv.second, regime, levels));
+        } catch (const std::exception &) {
+            d.forget(kv.first);  // a measurement is only an optimisation: load without it
+            runner.drop_plans("tune:");
+            if (runner.broken()) throw;  // the engine cannot run at all: say so at load
+            return;
         }
     }
     runner.drop_plans("tune:");

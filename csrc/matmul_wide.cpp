@@ -1,4 +1,5 @@
-// The prompt-sized Q4_0 / Q8_0 GEMM on AVX-512 VNNI (matmul_wide.h has the layout and the math).
+// The prompt-sized Q4_0 / Q8_0 / Q4_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
+// the math).
 #include "matmul_wide.h"
 
 #include "alloc.h"
@@ -9,6 +10,7 @@
 #include "matmul_q8.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -28,6 +30,8 @@ template <int G> constexpr int64_t bias_at = 32 * G;
 template <int G> constexpr int64_t scale_at = 36 * G;
 constexpr int k_tile_rows = 8;  // rows per tile on AVX-512 (8 int32 + 8 float accumulators)
 constexpr int k_tile_rows_avx2 = 4;  // on AVX2 (16 ymm registers)
+constexpr int k_kq_tile_rows = 4;
+constexpr int64_t k_max_rows = INT32_MAX / 16;  // the AVX-512 scatter's int32 column offsets: 15 ldy (ldy = M)    // Q4_K, both levels (per row: the sub-block sums, S, M, the lanes)
 
 template <int G>
 int64_t packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 32) * group_bytes<G>; }
@@ -63,6 +67,90 @@ void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, ui
     }
 }
 
+// Q4_K: the packed layout for groups of G columns per superblock of 256 (activations as Q8_K):
+// 64 chunks of 4 G code bytes (chunk c: codes 4 c .. 4 c + 3, lane = column), then 4 pairs of
+// int16 lanes (pair p: the sums of the 32 codes of sub-blocks 2 p and 2 p + 1, per column), then
+// G float scales da.
+template <int G> constexpr int64_t kq_group_bytes = 276 * G;
+template <int G> constexpr int64_t kq_asum_at = 256 * G;
+template <int G> constexpr int64_t kq_scale_at = 272 * G;
+
+template <int G>
+int64_t kq_packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 256) * kq_group_bytes<G>; }
+
+// Groups [g0, g1) of x's N columns into P for Q4_K weights (ggml's quantize_row_q8_K_ref).
+template <int G>
+void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1) {
+    const int64_t nsb = K / 256;
+    int8_t q[256];
+    int16_t bsums[16];
+    for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t c = 0; c < G; ++c) {
+            const int64_t n = g * G + c;
+            for (int64_t s = 0; s < nsb; ++s) {
+                uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<G>;
+                float d = 0.0f;
+                if (n < N) {
+                    d = quantize_q8_K_block(x + n * ldx + 256 * s, q, bsums);
+                } else {
+                    std::memset(q, 0, sizeof(q));
+                    std::memset(bsums, 0, sizeof(bsums));
+                }
+                for (int j = 0; j < 64; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
+                for (int p = 0; p < 4; ++p) {
+                    const int16_t pair[2] = {(int16_t) (bsums[4 * p] + bsums[4 * p + 1]),
+                                             (int16_t) (bsums[4 * p + 2] + bsums[4 * p + 3])};
+                    std::memcpy(blk + kq_asum_at<G> + 4 * G * p + 4 * c, pair, 4);
+                }
+                std::memcpy(blk + kq_scale_at<G> + 4 * c, &d, 4);
+            }
+        }
+    }
+}
+
+// One Q4_K superblock unpacked: the 256 codes in order (nibbles), the 8 sub-block scales, the mins
+// as 4 int16 pairs (m_{2p}, m_{2p+1}) in an int32 each, d and dmin (ggml's get_scale_min_k4).
+struct kq_unpacked {
+    uint8_t u[256];
+    int32_t sc[8];
+    int32_t mpair[4];
+    float d, dmin;
+};
+
+inline void kq_unpack(const blk_q4_K & x, kq_unpacked & o) {
+    o.d = half_to_float(x.d);
+    o.dmin = half_to_float(x.dmin);
+    int m[8];
+    for (int j = 0; j < 8; ++j) {
+        if (j < 4) {
+            o.sc[j] = x.scales[j] & 63;
+            m[j] = x.scales[j + 4] & 63;
+        } else {
+            o.sc[j] = (x.scales[j + 4] & 0xF) | ((x.scales[j - 4] >> 6) << 4);
+            m[j] = (x.scales[j + 4] >> 4) | ((x.scales[j] >> 6) << 4);
+        }
+    }
+    for (int p = 0; p < 4; ++p) o.mpair[p] = (int32_t) ((uint32_t) m[2 * p] | ((uint32_t) m[2 * p + 1] << 16));
+    for (int jj = 0; jj < 4; ++jj) {
+        for (int l = 0; l < 32; ++l) {
+            o.u[64 * jj + l] = x.qs[32 * jj + l] & 0xF;
+            o.u[64 * jj + 32 + l] = x.qs[32 * jj + l] >> 4;
+        }
+    }
+}
+
+#if DFN_X86_GCC
+// One Q4_0 block's nibbles in code order (u[k] = code k) and its scale; baseline x86-64 (SSE2), so
+// both levels' kernels inline it.
+inline void unpack_q4_0(const blk_q4_0 & x, uint8_t * u, float & dw) {
+    dw = half_to_float(x.d);
+    const __m128i q = _mm_loadu_si128((const __m128i *) x.qs);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    _mm_storeu_si128((__m128i *) u, _mm_and_si128(q, m));
+    _mm_storeu_si128((__m128i *) (u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+}
+#endif
+
 #if DFN_X86_GCC
 bool cpu_has_vnni() {
     static const bool ok = [] {
@@ -91,15 +179,10 @@ inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64
         uint8_t * u = U + i * nb * 32;
         for (int64_t b = 0; b < nb; ++b) {
             if constexpr (T == GGML_TYPE_Q4_0) {
-                const blk_q4_0 & x = ((const blk_q4_0 *) row)[b];
-                DW[i * nb + b] = _cvtsh_ss(x.d);
-                const __m128i q = _mm_loadu_si128((const __m128i *) x.qs);
-                const __m128i m = _mm_set1_epi8(0x0F);
-                _mm_storeu_si128((__m128i *) (u + 32 * b), _mm_and_si128(q, m));
-                _mm_storeu_si128((__m128i *) (u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+                unpack_q4_0(((const blk_q4_0 *) row)[b], u + 32 * b, DW[i * nb + b]);
             } else {
                 const blk_q8_0 & x = ((const blk_q8_0 *) row)[b];
-                DW[i * nb + b] = _cvtsh_ss(x.d);
+                DW[i * nb + b] = half_to_float(x.d);
                 const __m256i q = _mm256_loadu_si256((const __m256i *) x.qs);
                 _mm256_storeu_si256((__m256i *) (u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8((char) 0x80)));
             }
@@ -151,6 +234,61 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
     for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
 }
 
+// Q4_K rows r .. r + RR - 1 against every group: per superblock, each sub-block's exact code sums
+// t (8 vpdpbusd), S += t * sc; the mins' M = sum_j m_j asum_j (4 vpdpwssd on int16 pairs); then
+// lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M, lane).
+template <int RR>
+void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
+             int64_t r, kq_unpacked * U) {
+    for (int i = 0; i < RR; ++i)
+        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const blk_q4_K *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int) ldy));
+    for (int64_t g = 0; g * 16 < N; ++g) {
+        __m512 acc[RR];
+        for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < nsb; ++s) {
+            const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<16>;
+            __m512i S[RR], M[RR];
+            for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; ++j) {
+                __m512i t[RR];
+                for (int i = 0; i < RR; ++i) t[i] = _mm512_setzero_si512();
+                for (int c = 8 * j; c < 8 * j + 8; ++c) {
+                    const __m512i a = _mm512_loadu_si512((const void *) (pb + 64 * c));
+                    for (int i = 0; i < RR; ++i) {
+                        int32_t w4;
+                        std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
+                        t[i] = _mm512_dpbusd_epi32(t[i], _mm512_set1_epi32(w4), a);
+                    }
+                }
+                for (int i = 0; i < RR; ++i)
+                    S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(t[i], _mm512_set1_epi32(U[i * nsb + s].sc[j])));
+            }
+            for (int p = 0; p < 4; ++p) {
+                const __m512i as = _mm512_loadu_si512((const void *) (pb + kq_asum_at<16> + 64 * p));
+                for (int i = 0; i < RR; ++i) M[i] = _mm512_dpwssd_epi32(M[i], as, _mm512_set1_epi32(U[i * nsb + s].mpair[p]));
+            }
+            const __m512 da = _mm512_loadu_ps((const float *) (pb + kq_scale_at<16>));
+            for (int i = 0; i < RR; ++i) {
+                const kq_unpacked & x = U[i * nsb + s];
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(x.d), da), _mm512_cvtepi32_ps(S[i]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-x.dmin), da), _mm512_cvtepi32_ps(M[i]), acc[i]);
+            }
+        }
+        const __mmask16 live = (__mmask16) (N - g * 16 >= 16 ? 0xFFFF : (1u << (N - g * 16)) - 1);
+        for (int i = 0; i < RR; ++i) _mm512_mask_i32scatter_ps(y + g * 16 * ldy + r + i, live, col, acc[i], 4);
+    }
+}
+
+__attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
+                                       float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
+    const int64_t nsb = K / 256;
+    int64_t r = r0;
+    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r < r1; ++r) kq_tile<1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+}
+
 }  // namespace wide512
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
@@ -169,15 +307,10 @@ inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64
         uint8_t * u = U + i * nb * 32;
         for (int64_t b = 0; b < nb; ++b) {
             if constexpr (T == GGML_TYPE_Q4_0) {
-                const blk_q4_0 & x = ((const blk_q4_0 *) row)[b];
-                DW[i * nb + b] = _cvtsh_ss(x.d);
-                const __m128i q = _mm_loadu_si128((const __m128i *) x.qs);
-                const __m128i m = _mm_set1_epi8(0x0F);
-                _mm_storeu_si128((__m128i *) (u + 32 * b), _mm_and_si128(q, m));
-                _mm_storeu_si128((__m128i *) (u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
+                unpack_q4_0(((const blk_q4_0 *) row)[b], u + 32 * b, DW[i * nb + b]);
             } else {
                 const blk_q8_0 & x = ((const blk_q8_0 *) row)[b];
-                DW[i * nb + b] = _cvtsh_ss(x.d);
+                DW[i * nb + b] = half_to_float(x.d);
                 std::memcpy(u + 32 * b, x.qs, 32);
             }
         }
@@ -248,6 +381,65 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
     for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
 }
 
+// Q4_K as wide512's kq_tile: t by maddubs (nibble pairs, at most 3810) summed in int16 over a
+// sub-block's 8 chunks (at most 30480), then one madd by the sub-block's scale; the mins by madd on
+// the int16 pairs. The same exact S and M, so the same bits as wide512.
+template <int RR>
+void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
+             int64_t r, kq_unpacked * U) {
+    for (int i = 0; i < RR; ++i)
+        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const blk_q4_K *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+    for (int64_t g = 0; g * 8 < N; ++g) {
+        __m256 acc[RR];
+        for (int i = 0; i < RR; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nsb; ++s) {
+            const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<8>;
+            __m256i S[RR], M[RR];
+            for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                __m256i t[RR];
+                for (int i = 0; i < RR; ++i) t[i] = _mm256_setzero_si256();
+                for (int c = 8 * j; c < 8 * j + 8; ++c) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * c));
+                    for (int i = 0; i < RR; ++i) {
+                        int32_t w4;
+                        std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
+                        t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
+                    }
+                }
+                // the int16 pair sums times the sub-block's scale, summed in pairs: one madd (<= 3.84e6)
+                for (int i = 0; i < RR; ++i)
+                    S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(t[i], _mm256_set1_epi16((int16_t) U[i * nsb + s].sc[j])));
+            }
+            for (int p = 0; p < 4; ++p) {
+                const __m256i as = _mm256_loadu_si256((const __m256i *) (pb + kq_asum_at<8> + 32 * p));
+                for (int i = 0; i < RR; ++i)
+                    M[i] = _mm256_add_epi32(M[i], _mm256_madd_epi16(as, _mm256_set1_epi32(U[i * nsb + s].mpair[p])));
+            }
+            const __m256 da = _mm256_loadu_ps((const float *) (pb + kq_scale_at<8>));
+            for (int i = 0; i < RR; ++i) {
+                const kq_unpacked & x = U[i * nsb + s];
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(x.d), da), _mm256_cvtepi32_ps(S[i]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-x.dmin), da), _mm256_cvtepi32_ps(M[i]), acc[i]);
+            }
+        }
+        const int64_t live = std::min<int64_t>(8, N - g * 8);
+        for (int i = 0; i < RR; ++i) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, acc[i]);
+            for (int64_t c = 0; c < live; ++c) y[(g * 8 + c) * ldy + r + i] = out[c];
+        }
+    }
+}
+
+__attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
+                                       float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
+    const int64_t nsb = K / 256;
+    int64_t r = r0;
+    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r < r1; ++r) kq_tile<1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+}
+
 }  // namespace wide256
 #pragma GCC pop_options
 #endif  // DFN_X86_GCC
@@ -268,41 +460,65 @@ int width_at(isa_level level) {
 bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float * y, int64_t ldy, int64_t r0, int64_t r1) {
     thread_local std::vector<uint8_t> U;
     thread_local std::vector<float> DW;
-    const int64_t nb = W->ne[0] / 32;
-    if (!kernel_scratch(U, (size_t) (k_tile_rows * nb * 32), "the wide matmul's unpacked rows") ||
-        !kernel_scratch(DW, (size_t) (k_tile_rows * nb), "the wide matmul's row scales"))
+    thread_local std::vector<kq_unpacked> UK;
+    const int64_t K = W->ne[0];
+    if (W->type == GGML_TYPE_Q4_K) {
+        if (!kernel_scratch(UK, (size_t) (k_kq_tile_rows * (K / 256)), "the wide matmul's unpacked rows")) return false;
+    } else if (!kernel_scratch(U, (size_t) (k_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
+               !kernel_scratch(DW, (size_t) (k_tile_rows * (K / 32)), "the wide matmul's row scales")) {
         return false;
+    }
 #if DFN_X86_GCC
     const auto * w = (const uint8_t *) W->data;
     const size_t rb = W->nb[1];
-    const int64_t K = W->ne[0];
-    const bool q8 = W->type == GGML_TYPE_Q8_0;
-    if (width == 16) {
-        if (q8) wide512::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-        else wide512::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-    } else {
-        if (q8) wide256::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-        else wide256::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+    switch (W->type) {
+        case GGML_TYPE_Q4_K:
+            if (width == 16) wide512::kq_rows(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            else wide256::kq_rows(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            break;
+        case GGML_TYPE_Q8_0:
+            if (width == 16) wide512::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+            else wide256::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+            break;
+        default:
+            if (width == 16) wide512::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+            else wide256::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+            break;
     }
+    return true;
 #else
     (void) width, (void) P, (void) N, (void) y, (void) ldy, (void) r0, (void) r1;
+    return false;  // never built off x86 (width_at is 0 there)
 #endif
-    return true;
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
-    if (width == 16) pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
-    else pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
+    if (type == GGML_TYPE_Q4_K) {
+        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
+        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
+    } else if (width == 16) {
+        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
+    } else {
+        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
+    }
 }
 
-int64_t packed_size(int width, int64_t K, int64_t N) { return width == 16 ? packed_bytes<16>(K, N) : packed_bytes<8>(K, N); }
+int64_t packed_size(int width, ggml_type type, int64_t K, int64_t N) {
+    if (type == GGML_TYPE_Q4_K) return width == 16 ? kq_packed_bytes<16>(K, N) : kq_packed_bytes<8>(K, N);
+    return width == 16 ? packed_bytes<16>(K, N) : packed_bytes<8>(K, N);
+}
+
+bool wide_type(ggml_type type, int64_t K) {
+    return ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0) && K % 32 == 0) || (type == GGML_TYPE_Q4_K && K % 256 == 0);
+}
 
 // The op's userdata: the group width and the weight type, fixed when the graph is built.
 struct wide_args {
     int width;
     ggml_type type;
 };
-const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {8, GGML_TYPE_Q4_0}, {8, GGML_TYPE_Q8_0}};
+const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K},
+                            {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K}};
 
 // ggml custom ops. pack: src[0] = x; groups split across threads.
 void pack_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -330,20 +546,18 @@ void wide_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 bool matmul_wide_available() { return width_at(isa_in_use()) != 0; }
 
-bool matmul_wide_applies(const build_context & b, const ggml_tensor * W, const ggml_tensor * x) {
-    return b.own_kernels() && x->ne[1] > k_matmul_max_cols && (W->type == GGML_TYPE_Q4_0 || W->type == GGML_TYPE_Q8_0) &&
-           W->ne[0] % 32 == 0 && matmul_op_supported(W, x) && matmul_wide_available();
-}
-
-ggml_tensor * matmul_wide(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) {
-    const int width = width_at(isa_in_use());
-    const wide_args * args = &k_args[(width == 16 ? 0 : 2) + (W->type == GGML_TYPE_Q8_0 ? 1 : 0)];
+ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
+    const int width = width_at(isa_in_use());  // once: a set_isa between two reads cannot mix levels
+    if (width == 0 || !b.own_kernels() || x->ne[1] <= k_matmul_max_cols || !wide_type(W->type, W->ne[0]) ||
+        W->ne[1] > k_max_rows || !matmul_op_supported(W, x))
+        return nullptr;
+    const wide_args * args = &k_args[(width == 16 ? 0 : 3) + (W->type == GGML_TYPE_Q8_0 ? 1 : W->type == GGML_TYPE_Q4_K ? 2 : 0)];
     ggml_tensor * xs[1] = {x};
-    ggml_tensor * P = ggml_custom_4d(ctx, GGML_TYPE_I8, packed_size(width, x->ne[0], x->ne[1]), 1, 1, 1, xs, 1, pack_fn,
-                                     GGML_N_TASKS_MAX, (void *) args);
+    ggml_tensor * P = ggml_custom_4d(b.ctx, GGML_TYPE_I8, packed_size(width, W->type, x->ne[0], x->ne[1]), 1, 1, 1, xs, 1,
+                                     pack_fn, GGML_N_TASKS_MAX, (void *) args);
     ggml_set_name(P, "q8_pack");
     ggml_tensor * srcs[2] = {W, P};
-    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, srcs, 2, wide_fn, GGML_N_TASKS_MAX,
+    ggml_tensor * y = ggml_custom_4d(b.ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, srcs, 2, wide_fn, GGML_N_TASKS_MAX,
                                      (void *) args);
     ggml_set_name(y, "matmul_wide");
     return y;
@@ -351,17 +565,18 @@ ggml_tensor * matmul_wide(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x) 
 
 void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                       int64_t ldy, int64_t K, int64_t M, int64_t N, const std::string & isa) {
-    DFN_REQUIRE(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0, "matmul", "the wide matmul takes Q4_0 / Q8_0, not ",
-                ggml_type_name(type));
-    DFN_REQUIRE(K % 32 == 0 && K > 0 && M > 0 && N > 0, "matmul", "bad shape K = ", K, ", M = ", M, ", N = ", N);
+    DFN_REQUIRE(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K, "matmul",
+                "the wide matmul takes Q4_0 / Q8_0 / Q4_K, not ", ggml_type_name(type));
+    DFN_REQUIRE(wide_type(type, K) && K > 0 && M > 0 && N > 0 && M <= k_max_rows && ldy == M, "matmul", "bad shape K = ",
+                K, ", M = ", M, ", N = ", N);
     int width = 0;
     if (isa.empty()) width = width_at(isa_in_use());
     else if (isa == "avx512f") width = isa_cpu_best() == isa_level::avx512 && width_at(isa_level::avx512) == 16 ? 16 : 0;
-    else if (isa == "avx2") width = isa_cpu_best() >= isa_level::avx2 ? width_at(isa_level::avx2) : 0;
+    else if (isa == "avx2") width = isa_cpu_best() >= isa_level::avx2 ? width_at(isa_level::avx2) : 0;  // 8
     else throw input_error(cat("[matmul] the wide matmul runs at 'avx512f' or 'avx2', not '", isa, "'"));
     DFN_REQUIRE(width > 0, "matmul", "the wide matmul", isa.empty() ? "" : cat(" at ", isa),
                 " cannot run on this CPU (it needs AVX-512 VNNI or AVX2)");
-    std::vector<uint8_t> P((size_t) packed_size(width, K, N));
+    std::vector<uint8_t> P((size_t) packed_size(width, type, K, N));
     pack(width, x, ldx, K, N, type, P.data(), 0, (N + width - 1) / width);
     ggml_tensor t{};  // a view of W for gemm(): type, row size, shape
     t.type = type;

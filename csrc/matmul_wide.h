@@ -1,6 +1,6 @@
-// Prompt-sized matmuls of Q4_0 / Q8_0 weights: a GEMM on AVX-512 VNNI (groups of 16 columns) or AVX2
-// (groups of 8) for x with more columns than the batch-invariant matmul takes (k_matmul_max_cols:
-// prompt chunks, not verify passes).
+// Prompt-sized matmuls of Q4_0 / Q8_0 / Q4_K weights: a GEMM on AVX-512 VNNI (groups of 16 columns)
+// or AVX2 (groups of 8) for x with more columns than the batch-invariant matmul takes
+// (k_matmul_max_cols: prompt chunks, not verify passes).
 //
 // Why: llama.cpp on a CPU without AMX repacks Q4_0 weights for its GEMM (ggml's CPU_REPACK), and
 // there its prefill ran 1.2x ours, which went through ggml_mul_mat on the plain layout (llamafile's
@@ -25,14 +25,25 @@
 //     then lane c is y[16 g + c][r]. AVX2 (groups of 8, tiles of 4 rows): the same integer sums by
 //     maddubs + madd (Q4_0: the nibbles' pairs summed in int16 over the 8 chunks, at most
 //     8 x 2 x 15 x 127; Q8_0: |w| times a signed by w, off 0) and the same float operations, so
-//     the same bits as AVX-512. This is llama.cpp's own per-block arithmetic (vec_dot_q4_0_q8_0's
-//     sumf += d * sumi), rounded as its reference does, a different order from the batch-invariant
-//     contract (matmul.h), which these prompt chunks were never under (they ran ggml before).
+//     the same bits as AVX-512. This is llama.cpp's per-block structure (an exact block sum, a
+//     scale product, an accumulation per block), not its rounding (its reference rounds
+//     fl(fl(sumi dx) dy) then adds; its AVX2 path keeps 8 partial sums), and a different order
+//     from the batch-invariant contract (matmul.h), which prompt chunks were never under (they
+//     ran ggml before). An output's operations are fixed: its bits do not depend on N, on the
+//     other columns, on the thread split or on the level.
 //
-// Taken (matmul_wide_applies) for Q4_0 / Q8_0 weights in host memory, K a multiple of 32, more
+// Q4_K (activations as Q8_K, ggml's quantize_row_q8_K_ref; per group and superblock of 256: 64
+// chunks of the codes, 4 pairs of int16 sub-block code sums asum, the scales da): per row and
+// superblock, S = sum_j sc_j t_j over the 8 sub-blocks (t_j the exact sums of nibble x code, 8
+// vpdpbusd; AVX2 maddubs pairs in int16 and one madd by sc_j) and M = sum_j m_j asum_j (vpdpwssd /
+// madd on the pairs), then lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M, lane):
+// the same bits at both levels.
+//
+// Taken (matmul_wide) for Q4_0 / Q8_0 (K a multiple of 32) and Q4_K (of 256) weights in host memory, more
 // than k_matmul_max_cols columns, the own kernels, when the level in use is AVX-512 on a CPU with
 // AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake: 16 columns) or AVX2 (8 columns); else (the
-// portable level) ggml_mul_mat, as before.
+// portable level) ggml_mul_mat, as before. It runs the level in use (isa_in_use()), not a
+// measured choice (matmul_dispatch.h measures the batch-invariant kernel only).
 #pragma once
 
 #include "build_context.h"
@@ -43,10 +54,9 @@
 
 namespace dfn {
 
-bool matmul_wide_applies(const build_context & b, const ggml_tensor * W, const ggml_tensor * x);
-
-// W [K, M] (Q4_0 / Q8_0), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops above.
-ggml_tensor * matmul_wide(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x);
+// W [K, M] (Q4_0 / Q8_0 / Q4_K), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops above, or nullptr
+// where they do not apply (then matmul() takes ggml_mul_mat).
+ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 
 // Tests: the GEMM on rows [0, M) of W against x (N columns, any N), one thread; isa "avx512f"
 // (16 columns, VNNI), "avx2" (8 columns) or "" (the one the engine runs).

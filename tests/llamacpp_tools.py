@@ -76,6 +76,13 @@ _REPACK_X86_AVX512 = {"Q2_K"}
 _repack = {"overrides": None, "keep": []}
 
 
+def clear_repack() -> None:
+    """Undo repack_without_amx's overrides for the next loads (its patched defaults then load
+    without extra buffer types, as plain_cpu_kernels does)."""
+    _repack["overrides"] = None
+    _repack["keep"] = []
+
+
 def _cpu_repack_buft():
     """ggml's CPU_REPACK buffer type in llama-cpp-python's ggml (through the CPU backend registry's
     ggml_backend_dev_get_extra_bufts), or None."""
@@ -118,7 +125,10 @@ def repack_without_amx(gguf_path: str | os.PathLike[str]) -> int:
     import gguf
     import llama_cpp.llama as llama_module
 
-    avx512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    import llama_cpp.llama_cpp as L
+
+    # ggml's ggml_cpu_has_avx512() (this build's, not the CPU's flags) decides Q2_K
+    avx512 = "AVX512 = 1" in L.llama_print_system_info().decode(errors="replace")
     kinds = _REPACK_X86 | (_REPACK_X86_AVX512 if avx512 else set())
     names = [t.name for t in gguf.GGUFReader(str(gguf_path)).tensors
              if t.tensor_type.name in kinds and len(t.shape) == 2 and int(t.shape[1]) % 8 == 0
@@ -129,11 +139,10 @@ def repack_without_amx(gguf_path: str | os.PathLike[str]) -> int:
         _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
     arr = (Override * (len(names) + 1 if buft else 1))()  # the last {NULL, NULL} ends the list
-    for i, n in enumerate(names if buft else []):
-        pat = ("^" + re.escape(n) + "$").encode()
-        _repack["keep"].append(pat)
+    pats = [("^" + re.escape(n) + "$").encode() for n in (names if buft else [])]
+    for i, pat in enumerate(pats):
         arr[i].pattern, arr[i].buft = pat, buft
-    _repack["keep"].append(arr)
+    _repack["keep"] = [pats, arr]  # alive while llama.cpp may read them (the next load)
     _repack["overrides"] = arr
     low = llama_module.llama_cpp
     if not getattr(low.llama_model_default_params, "_dflash_repack", False):

@@ -1,12 +1,13 @@
-"""The prompt-sized Q4_0 / Q8_0 GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more than 64
-columns (prompt chunks), which ran ggml_mul_mat before.
+"""The prompt-sized Q4_0 / Q8_0 / Q4_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more
+than 64 columns (prompt chunks), which ran ggml_mul_mat before.
 
 - Against float64 over the dequantized weights and the activations quantized as ggml's reference
-  quantize_row_q8_0 does: exact integer block sums, then one scale product and one fma per block
-  and output, so the error is within (blocks + 2) F32 roundings of the sum of |terms|; unquantized
-  activations miss that bound.
+  quantize_row_q8_0 / q8_K does: exact integer sums, then per block (Q4_K: per superblock, scales
+  and mins) a scale product and an fma per output, so the error is within a few F32 roundings per
+  block of the sum of |terms|; unquantized activations miss that bound.
 - Every column is computed alone: its bits do not depend on N, on the other columns, or on how
-  the rows are split (so a prompt's logits do not depend on the chunk size either).
+  the rows are split (the matmul's; a prompt's chunks of at most 64 tokens take the
+  batch-invariant kernel instead, and attention switches kernels there too).
 - NaN / Inf in a column gives NaN in that column only.
 - AVX-512 (groups of 16 columns) and AVX2 (groups of 8) compute the same bits.
 - In the engine: prompts of more than 64 tokens take it (the graph's node names say so), their
@@ -23,7 +24,9 @@ import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_gguf
-from test_matmul import _qcase, q8_activations
+from test_matmul import _qcase, k_quant_mins, q8_activations
+
+TYPES = ["Q4_0", "Q8_0", "Q4_K"]
 
 
 
@@ -45,18 +48,21 @@ needs_wide = pytest.mark.skipif(not WIDE_ISAS, reason="no AVX2 here: prompt matm
 
 
 @needs_wide
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-@pytest.mark.parametrize("M,K,N", [(1, 32, 1), (8, 256, 16), (37, 800, 65), (70, 1024, 100)])
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 256, 1), (8, 256, 16), (37, 768, 65), (70, 1024, 100)])
 def test_wide_matches_float64(qtype, M, K, N):
+    """Q4_0 / Q8_0: the activations as Q8_0, per block an exact sum and one fma (with the scale
+    product: blocks + 2 roundings); Q4_K: as Q8_K, per superblock two fmas (scales and mins)."""
     raw, values, x = _qcase(qtype, M, K, N, seed=K + N)
-    if K > 32:
-        x[0, :32] = 0.0  # an all-zero block
+    x[0, :32] = 0.0  # an all-zero block
     if N > 3:
         x[3, 5] = 1e4  # one dominant value
-    xq = q8_activations(x, "Q8_0")
+    kind = "Q8_K" if qtype == "Q4_K" else "Q8_0"
+    xq = q8_activations(x, kind)
     ref = xq @ values.astype(np.float64).T
-    mag = np.abs(xq) @ np.abs(values.astype(np.float64)).T
-    bound = (K // 32 + 2) * 2.0**-24 * mag + 1e-30
+    mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
+    chain = 2 * (K // 256) if qtype == "Q4_K" else K // 32
+    bound = (chain + 3) * 2.0**-24 * mag + 1e-30
     for isa in WIDE_ISAS:
         y = _core.testing.matmul_wide(raw, x, qtype, isa)
         assert y.shape == (N, M) and y.dtype == np.float32
@@ -67,7 +73,7 @@ def test_wide_matches_float64(qtype, M, K, N):
 
 
 @needs_wide
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_wide_columns_are_independent(qtype):
     """Each column's bits are those of that column alone, for any N (groups of 16 or 8 columns, a
     partial last group) and any row count (tiles of 8 or 4 rows, single-row tails), and the same
@@ -85,7 +91,7 @@ def test_wide_columns_are_independent(qtype):
 
 
 @needs_wide
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_wide_non_finite_stays_in_its_column(qtype):
     raw, _, x = _qcase(qtype, 9, 256, 20, seed=4)
     clean = _core.testing.matmul_wide(raw, x, qtype)
@@ -99,9 +105,9 @@ def test_wide_non_finite_stays_in_its_column(qtype):
 
 
 def test_wide_bad_input():
-    raw, _, x = _qcase("Q4_K", 4, 256, 2)
-    with pytest.raises(ValueError, match="takes Q4_0 / Q8_0"):
-        _core.testing.matmul_wide(raw, x, "q4_K")
+    raw, _, x = _qcase("Q6_K", 4, 256, 2)
+    with pytest.raises(ValueError, match="takes Q4_0 / Q8_0 / Q4_K"):
+        _core.testing.matmul_wide(raw, x, "q6_K")
     raw, _, x = _qcase("Q4_0", 4, 256, 2)
     with pytest.raises(ValueError, match="bytes"):
         _core.testing.matmul_wide(raw[:, :-2].copy(), x, "q4_0")
@@ -120,13 +126,13 @@ def q4_pair(tmp_path_factory) -> dict:
     dg = make_random_drafter_gguf(d / "d-f32.gguf", ckpt, outtype="f32", seed=22, block_size=8, target_gguf=tg,
                                   target_layer_ids=[0], num_hidden_layers=1, **kw)
     out = {}
-    for t in ("q4_0", "q8_0"):
+    for t in ("q4_0", "q8_0", "q4_k_m"):
         out[t] = (str(dn.quantize(tg, d / f"t-{t}.gguf", t, n_threads=2, progress=False)),
                   str(dn.quantize(dg, d / f"d-{t}.gguf", t, n_threads=2, progress=False)))
     return out
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k_m"])
 def test_engine_prompts_take_it_and_stay_exact(q4_pair, qtype):
     target, drafter = q4_pair[qtype]
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, 150)]
