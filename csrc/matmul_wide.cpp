@@ -149,6 +149,27 @@ inline void unpack_q4_0(const blk_q4_0 & x, uint8_t * u, float & dw) {
     _mm_storeu_si128((__m128i *) u, _mm_and_si128(q, m));
     _mm_storeu_si128((__m128i *) (u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m));
 }
+
+// Rows r .. r + RR - 1 of W unpacked: U[i][b][32] code bytes, DW[i][b] the F32 scales. Q4_0: the
+// nibbles; Q8_0: with Q8_UNSIGNED (AVX-512 VNNI) the codes xor 0x80, else (AVX2) the signed codes,
+// multiplied there as |w| by a signed by w (maddubs takes one unsigned operand and saturates pairs
+// past 32767, which 255 x 127 x 2 would reach). Baseline code: both levels' kernels inline it.
+template <ggml_type T, int RR, bool Q8_UNSIGNED>
+inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64_t r, uint8_t * U, float * DW) {
+    for (int i = 0; i < RR; ++i) {
+        const uint8_t * row = W + (r + i) * w_row_bytes;
+        uint8_t * u = U + i * nb * 32;
+        for (int64_t b = 0; b < nb; ++b) {
+            if constexpr (T == GGML_TYPE_Q4_0) {
+                unpack_q4_0(((const blk_q4_0 *) row)[b], u + 32 * b, DW[i * nb + b]);
+            } else {
+                const blk_q8_0 & x = ((const blk_q8_0 *) row)[b];
+                DW[i * nb + b] = half_to_float(x.d);
+                for (int k = 0; k < 32; ++k) u[32 * b + k] = (uint8_t) ((uint8_t) x.qs[k] ^ (Q8_UNSIGNED ? 0x80 : 0));
+            }
+        }
+    }
+}
 #endif
 
 #if DFN_X86_GCC
@@ -170,31 +191,11 @@ bool cpu_has_vnni() {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace wide512 {
 
-// Rows r .. r + RR - 1 of W unpacked: U[i][b][32] unsigned code bytes (Q4_0 nibbles, Q8_0 codes
-// xor 0x80), DW[i][b] the F32 scales.
-template <ggml_type T, int RR>
-inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64_t r, uint8_t * U, float * DW) {
-    for (int i = 0; i < RR; ++i) {
-        const uint8_t * row = W + (r + i) * w_row_bytes;
-        uint8_t * u = U + i * nb * 32;
-        for (int64_t b = 0; b < nb; ++b) {
-            if constexpr (T == GGML_TYPE_Q4_0) {
-                unpack_q4_0(((const blk_q4_0 *) row)[b], u + 32 * b, DW[i * nb + b]);
-            } else {
-                const blk_q8_0 & x = ((const blk_q8_0 *) row)[b];
-                DW[i * nb + b] = half_to_float(x.d);
-                const __m256i q = _mm256_loadu_si256((const __m256i *) x.qs);
-                _mm256_storeu_si256((__m256i *) (u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8((char) 0x80)));
-            }
-        }
-    }
-}
-
 // Rows r .. r + RR - 1 against every group of P: y[n * ldy + r + i].
 template <ggml_type T, int RR>
 void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
                int64_t r, uint8_t * U, float * DW) {
-    unpack_rows<T, RR>(W, w_row_bytes, nb, r, U, DW);
+    unpack_rows<T, RR, true>(W, w_row_bytes, nb, r, U, DW);
     const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int) ldy));
     for (int64_t g = 0; g * 16 < N; ++g) {
@@ -298,29 +299,10 @@ __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, in
 #pragma GCC target("avx2,fma,f16c")
 namespace wide256 {
 
-// As wide512's, but Q8_0 keeps its signed codes (multiplied as |w| by a signed by w: maddubs takes
-// one unsigned operand and saturates pairs past 32767, which 255 x 127 x 2 would reach).
-template <ggml_type T, int RR>
-inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64_t r, uint8_t * U, float * DW) {
-    for (int i = 0; i < RR; ++i) {
-        const uint8_t * row = W + (r + i) * w_row_bytes;
-        uint8_t * u = U + i * nb * 32;
-        for (int64_t b = 0; b < nb; ++b) {
-            if constexpr (T == GGML_TYPE_Q4_0) {
-                unpack_q4_0(((const blk_q4_0 *) row)[b], u + 32 * b, DW[i * nb + b]);
-            } else {
-                const blk_q8_0 & x = ((const blk_q8_0 *) row)[b];
-                DW[i * nb + b] = half_to_float(x.d);
-                std::memcpy(u + 32 * b, x.qs, 32);
-            }
-        }
-    }
-}
-
 template <ggml_type T, int RR>
 void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
                int64_t r, uint8_t * U, float * DW) {
-    unpack_rows<T, RR>(W, w_row_bytes, nb, r, U, DW);
+    unpack_rows<T, RR, false>(W, w_row_bytes, nb, r, U, DW);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g * 8 < N; ++g) {
         __m256 acc[RR];
