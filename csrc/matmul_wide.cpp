@@ -1,4 +1,4 @@
-// The prompt-sized Q4_0 / Q8_0 / Q4_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
+// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
 // the math).
 #include "matmul_wide.h"
 
@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if DFN_X86_GCC
@@ -30,8 +31,8 @@ template <int G> constexpr int64_t bias_at = 32 * G;
 template <int G> constexpr int64_t scale_at = 36 * G;
 constexpr int k_tile_rows = 8;  // rows per tile on AVX-512 (8 int32 + 8 float accumulators)
 constexpr int k_tile_rows_avx2 = 4;  // on AVX2 (16 ymm registers)
-constexpr int k_kq_tile_rows = 4;
-constexpr int64_t k_max_rows = INT32_MAX / 16;  // the AVX-512 scatter's int32 column offsets: 15 ldy (ldy = M)    // Q4_K, both levels (per row: the sub-block sums, S, M, the lanes)
+constexpr int k_kq_tile_rows = 4;  // K-quants, both levels (per row: the group sums, S, M, the lanes)
+constexpr int64_t k_max_rows = INT32_MAX / 16;  // the AVX-512 scatter's int32 column offsets: 15 ldy (ldy = M)
 
 template <int G>
 int64_t packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 32) * group_bytes<G>; }
@@ -67,18 +68,18 @@ void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, ui
     }
 }
 
-// Q4_K: the packed layout for groups of G columns per superblock of 256 (activations as Q8_K):
-// 64 chunks of 4 G code bytes (chunk c: codes 4 c .. 4 c + 3, lane = column), then 4 pairs of
-// int16 lanes (pair p: the sums of the 32 codes of sub-blocks 2 p and 2 p + 1, per column), then
-// G float scales da.
-template <int G> constexpr int64_t kq_group_bytes = 276 * G;
-template <int G> constexpr int64_t kq_asum_at = 256 * G;
-template <int G> constexpr int64_t kq_scale_at = 272 * G;
+// Q4_K / Q6_K: the packed layout for groups of G columns per superblock of 256 (activations as
+// Q8_K): 64 chunks of 4 G code bytes (chunk c: codes 4 c .. 4 c + 3, lane = column), then 8 pairs
+// of int16 lanes (pair p: the sums of codes 32 p .. 32 p + 15 and 32 p + 16 .. 32 p + 31, Q8_K's
+// bsums 2 p and 2 p + 1, per column), then G float scales da.
+template <int G> constexpr int64_t kq_group_bytes = 292 * G;
+template <int G> constexpr int64_t kq_bsum_at = 256 * G;
+template <int G> constexpr int64_t kq_scale_at = 288 * G;
 
 template <int G>
 int64_t kq_packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 256) * kq_group_bytes<G>; }
 
-// Groups [g0, g1) of x's N columns into P for Q4_K weights (ggml's quantize_row_q8_K_ref).
+// Groups [g0, g1) of x's N columns into P for K-quant weights (ggml's quantize_row_q8_K_ref).
 template <int G>
 void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1) {
     const int64_t nsb = K / 256;
@@ -97,44 +98,65 @@ void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t 
                     std::memset(bsums, 0, sizeof(bsums));
                 }
                 for (int j = 0; j < 64; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
-                for (int p = 0; p < 4; ++p) {
-                    const int16_t pair[2] = {(int16_t) (bsums[4 * p] + bsums[4 * p + 1]),
-                                             (int16_t) (bsums[4 * p + 2] + bsums[4 * p + 3])};
-                    std::memcpy(blk + kq_asum_at<G> + 4 * G * p + 4 * c, pair, 4);
-                }
+                for (int p = 0; p < 8; ++p) std::memcpy(blk + kq_bsum_at<G> + 4 * G * p + 4 * c, bsums + 2 * p, 4);
                 std::memcpy(blk + kq_scale_at<G> + 4 * c, &d, 4);
             }
         }
     }
 }
 
-// One Q4_K superblock unpacked: the 256 codes in order (nibbles), the 8 sub-block scales, the mins
-// as 4 int16 pairs (m_{2p}, m_{2p+1}) in an int32 each, d and dmin (ggml's get_scale_min_k4).
+// One K-quant superblock unpacked: the 256 unsigned codes in order, the group scales sc (Q4_K: 8
+// sub-blocks of 32; Q6_K: 16 groups of 16, signed), the 8 int16 pairs `pair` that multiply the
+// packed bsum pairs (Q4_K: (m_p, m_p), the min of sub-block p, which covers bsums 2 p and 2 p + 1;
+// Q6_K: (sc_{2p}, sc_{2p+1})), d and dmin (Q6_K: 0).
 struct kq_unpacked {
     uint8_t u[256];
-    int32_t sc[8];
-    int32_t mpair[4];
+    int32_t sc[16];
+    int32_t pair[8];
     float d, dmin;
 };
 
+inline int32_t int16_pair(int lo, int hi) { return (int32_t) ((uint32_t) (uint16_t) lo | ((uint32_t) (uint16_t) hi << 16)); }
+
+// ggml's get_scale_min_k4 and the nibbles in code order.
 inline void kq_unpack(const blk_q4_K & x, kq_unpacked & o) {
     o.d = half_to_float(x.d);
     o.dmin = half_to_float(x.dmin);
-    int m[8];
     for (int j = 0; j < 8; ++j) {
+        int m;
         if (j < 4) {
             o.sc[j] = x.scales[j] & 63;
-            m[j] = x.scales[j + 4] & 63;
+            m = x.scales[j + 4] & 63;
         } else {
             o.sc[j] = (x.scales[j + 4] & 0xF) | ((x.scales[j - 4] >> 6) << 4);
-            m[j] = (x.scales[j + 4] >> 4) | ((x.scales[j] >> 6) << 4);
+            m = (x.scales[j + 4] >> 4) | ((x.scales[j] >> 6) << 4);
         }
+        o.pair[j] = int16_pair(m, m);
     }
-    for (int p = 0; p < 4; ++p) o.mpair[p] = (int32_t) ((uint32_t) m[2 * p] | ((uint32_t) m[2 * p + 1] << 16));
     for (int jj = 0; jj < 4; ++jj) {
         for (int l = 0; l < 32; ++l) {
             o.u[64 * jj + l] = x.qs[32 * jj + l] & 0xF;
             o.u[64 * jj + 32 + l] = x.qs[32 * jj + l] >> 4;
+        }
+    }
+}
+
+// ggml's dequantize_row_q6_K order: per half of 128, value l + 32 i (i < 4) takes the low or high
+// nibble of ql and two bits of qh; the unsigned code q is 0..63 (w = d sc (q - 32)).
+inline void kq_unpack(const blk_q6_K & x, kq_unpacked & o) {
+    o.d = half_to_float(x.d);
+    o.dmin = 0.0f;
+    for (int gi = 0; gi < 16; ++gi) o.sc[gi] = x.scales[gi];
+    for (int p = 0; p < 8; ++p) o.pair[p] = int16_pair(x.scales[2 * p], x.scales[2 * p + 1]);
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t * ql = x.ql + 64 * h;
+        const uint8_t * qh = x.qh + 32 * h;
+        uint8_t * u = o.u + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+            u[l] = (uint8_t) ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+            u[l + 32] = (uint8_t) ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+            u[l + 64] = (uint8_t) ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+            u[l + 96] = (uint8_t) ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
         }
     }
 }
@@ -235,14 +257,17 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
     for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
 }
 
-// Q4_K rows r .. r + RR - 1 against every group: per superblock, each sub-block's exact code sums
-// t (8 vpdpbusd), S += t * sc; the mins' M = sum_j m_j asum_j (4 vpdpwssd on int16 pairs); then
-// lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M, lane).
-template <int RR>
+// K-quant rows r .. r + RR - 1 against every group, per superblock: each scale group's exact code
+// sums t (Q4_K: 8 sub-blocks of 8 chunks; Q6_K: 16 groups of 4), S = sum sc t; M = sum over the 8
+// bsum pairs (vpdpwssd); then Q4_K lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M,
+// lane); Q6_K lane = fmaf(fl(d * da), S - 32 M, lane) (the codes' offset 32 times sum sc bsum).
+template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
+    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
+    constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
     for (int i = 0; i < RR; ++i)
-        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const blk_q4_K *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
     const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int) ldy));
     for (int64_t g = 0; g * 16 < N; ++g) {
@@ -252,10 +277,10 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
             const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<16>;
             __m512i S[RR], M[RR];
             for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm512_setzero_si512();
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < n_groups; ++j) {
                 __m512i t[RR];
                 for (int i = 0; i < RR; ++i) t[i] = _mm512_setzero_si512();
-                for (int c = 8 * j; c < 8 * j + 8; ++c) {
+                for (int c = chunks * j; c < chunks * (j + 1); ++c) {
                     const __m512i a = _mm512_loadu_si512((const void *) (pb + 64 * c));
                     for (int i = 0; i < RR; ++i) {
                         int32_t w4;
@@ -266,15 +291,20 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
                 for (int i = 0; i < RR; ++i)
                     S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(t[i], _mm512_set1_epi32(U[i * nsb + s].sc[j])));
             }
-            for (int p = 0; p < 4; ++p) {
-                const __m512i as = _mm512_loadu_si512((const void *) (pb + kq_asum_at<16> + 64 * p));
-                for (int i = 0; i < RR; ++i) M[i] = _mm512_dpwssd_epi32(M[i], as, _mm512_set1_epi32(U[i * nsb + s].mpair[p]));
+            for (int p = 0; p < 8; ++p) {
+                const __m512i bs = _mm512_loadu_si512((const void *) (pb + kq_bsum_at<16> + 64 * p));
+                for (int i = 0; i < RR; ++i) M[i] = _mm512_dpwssd_epi32(M[i], bs, _mm512_set1_epi32(U[i * nsb + s].pair[p]));
             }
             const __m512 da = _mm512_loadu_ps((const float *) (pb + kq_scale_at<16>));
             for (int i = 0; i < RR; ++i) {
                 const kq_unpacked & x = U[i * nsb + s];
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(x.d), da), _mm512_cvtepi32_ps(S[i]), acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-x.dmin), da), _mm512_cvtepi32_ps(M[i]), acc[i]);
+                const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(x.d), da);
+                if constexpr (T == GGML_TYPE_Q6_K) {
+                    acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(S[i], _mm512_slli_epi32(M[i], 5))), acc[i]);
+                } else {
+                    acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(S[i]), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-x.dmin), da), _mm512_cvtepi32_ps(M[i]), acc[i]);
+                }
             }
         }
         const __mmask16 live = (__mmask16) (N - g * 16 >= 16 ? 0xFFFF : (1u << (N - g * 16)) - 1);
@@ -282,12 +312,13 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
     }
 }
 
+template <ggml_type T>
 __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                        float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
     const int64_t nsb = K / 256;
     int64_t r = r0;
-    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
-    for (; r < r1; ++r) kq_tile<1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<T, k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r < r1; ++r) kq_tile<T, 1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
 }
 
 }  // namespace wide512
@@ -363,14 +394,18 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
     for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
 }
 
-// Q4_K as wide512's kq_tile: t by maddubs (nibble pairs, at most 3810) summed in int16 over a
-// sub-block's 8 chunks (at most 30480), then one madd by the sub-block's scale; the mins by madd on
-// the int16 pairs. The same exact S and M, so the same bits as wide512.
-template <int RR>
+// K-quants as wide512's kq_tile, by maddubs + madd: pairs of code x a summed in int16 (Q4_K: a
+// sub-block's 8 chunks, pairs at most 2 x 15 x 127, sums at most 30480; Q6_K: 2 chunks at a time,
+// pairs at most 2 x 63 x 127, sums at most 32004), then one madd by the group's scale (<= 8.2e6);
+// M by madd on the bsum pairs. The same exact S and M, so the same bits as wide512.
+template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
+    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
+    constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
+    constexpr int per_sum = T == GGML_TYPE_Q6_K ? 2 : 8;  // chunks whose pairs one int16 sum may hold
     for (int i = 0; i < RR; ++i)
-        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const blk_q4_K *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
     for (int64_t g = 0; g * 8 < N; ++g) {
         __m256 acc[RR];
         for (int i = 0; i < RR; ++i) acc[i] = _mm256_setzero_ps();
@@ -378,31 +413,37 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
             const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<8>;
             __m256i S[RR], M[RR];
             for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j) {
-                __m256i t[RR];
-                for (int i = 0; i < RR; ++i) t[i] = _mm256_setzero_si256();
-                for (int c = 8 * j; c < 8 * j + 8; ++c) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * c));
-                    for (int i = 0; i < RR; ++i) {
-                        int32_t w4;
-                        std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
-                        t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
+            for (int j = 0; j < n_groups; ++j) {
+                for (int c0 = chunks * j; c0 < chunks * (j + 1); c0 += per_sum) {
+                    __m256i t[RR];
+                    for (int i = 0; i < RR; ++i) t[i] = _mm256_setzero_si256();
+                    for (int c = c0; c < c0 + per_sum; ++c) {
+                        const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * c));
+                        for (int i = 0; i < RR; ++i) {
+                            int32_t w4;
+                            std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
+                            t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
+                        }
                     }
+                    for (int i = 0; i < RR; ++i)
+                        S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(t[i], _mm256_set1_epi16((int16_t) U[i * nsb + s].sc[j])));
                 }
-                // the int16 pair sums times the sub-block's scale, summed in pairs: one madd (<= 3.84e6)
-                for (int i = 0; i < RR; ++i)
-                    S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(t[i], _mm256_set1_epi16((int16_t) U[i * nsb + s].sc[j])));
             }
-            for (int p = 0; p < 4; ++p) {
-                const __m256i as = _mm256_loadu_si256((const __m256i *) (pb + kq_asum_at<8> + 32 * p));
+            for (int p = 0; p < 8; ++p) {
+                const __m256i bs = _mm256_loadu_si256((const __m256i *) (pb + kq_bsum_at<8> + 32 * p));
                 for (int i = 0; i < RR; ++i)
-                    M[i] = _mm256_add_epi32(M[i], _mm256_madd_epi16(as, _mm256_set1_epi32(U[i * nsb + s].mpair[p])));
+                    M[i] = _mm256_add_epi32(M[i], _mm256_madd_epi16(bs, _mm256_set1_epi32(U[i * nsb + s].pair[p])));
             }
             const __m256 da = _mm256_loadu_ps((const float *) (pb + kq_scale_at<8>));
             for (int i = 0; i < RR; ++i) {
                 const kq_unpacked & x = U[i * nsb + s];
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(x.d), da), _mm256_cvtepi32_ps(S[i]), acc[i]);
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-x.dmin), da), _mm256_cvtepi32_ps(M[i]), acc[i]);
+                const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d), da);
+                if constexpr (T == GGML_TYPE_Q6_K) {
+                    acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(S[i], _mm256_slli_epi32(M[i], 5))), acc[i]);
+                } else {
+                    acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(S[i]), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-x.dmin), da), _mm256_cvtepi32_ps(M[i]), acc[i]);
+                }
             }
         }
         const int64_t live = std::min<int64_t>(8, N - g * 8);
@@ -414,12 +455,13 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
     }
 }
 
+template <ggml_type T>
 __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                        float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
     const int64_t nsb = K / 256;
     int64_t r = r0;
-    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
-    for (; r < r1; ++r) kq_tile<1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<T, k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    for (; r < r1; ++r) kq_tile<T, 1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
 }
 
 }  // namespace wide256
@@ -444,7 +486,7 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
     thread_local std::vector<float> DW;
     thread_local std::vector<kq_unpacked> UK;
     const int64_t K = W->ne[0];
-    if (W->type == GGML_TYPE_Q4_K) {
+    if (W->type == GGML_TYPE_Q4_K || W->type == GGML_TYPE_Q6_K) {
         if (!kernel_scratch(UK, (size_t) (k_kq_tile_rows * (K / 256)), "the wide matmul's unpacked rows")) return false;
     } else if (!kernel_scratch(U, (size_t) (k_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
                !kernel_scratch(DW, (size_t) (k_tile_rows * (K / 32)), "the wide matmul's row scales")) {
@@ -455,8 +497,12 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
     const size_t rb = W->nb[1];
     switch (W->type) {
         case GGML_TYPE_Q4_K:
-            if (width == 16) wide512::kq_rows(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            else wide256::kq_rows(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            if (width == 16) wide512::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            else wide256::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            break;
+        case GGML_TYPE_Q6_K:
+            if (width == 16) wide512::kq_rows<GGML_TYPE_Q6_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            else wide256::kq_rows<GGML_TYPE_Q6_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
             break;
         case GGML_TYPE_Q8_0:
             if (width == 16) wide512::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
@@ -475,7 +521,7 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
-    if (type == GGML_TYPE_Q4_K) {
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
         else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
     } else if (width == 16) {
@@ -486,12 +532,13 @@ void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_ty
 }
 
 int64_t packed_size(int width, ggml_type type, int64_t K, int64_t N) {
-    if (type == GGML_TYPE_Q4_K) return width == 16 ? kq_packed_bytes<16>(K, N) : kq_packed_bytes<8>(K, N);
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) return width == 16 ? kq_packed_bytes<16>(K, N) : kq_packed_bytes<8>(K, N);
     return width == 16 ? packed_bytes<16>(K, N) : packed_bytes<8>(K, N);
 }
 
 bool wide_type(ggml_type type, int64_t K) {
-    return ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0) && K % 32 == 0) || (type == GGML_TYPE_Q4_K && K % 256 == 0);
+    return ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0) && K % 32 == 0) ||
+           ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && K % 256 == 0);
 }
 
 // The op's userdata: the group width and the weight type, fixed when the graph is built.
@@ -499,8 +546,15 @@ struct wide_args {
     int width;
     ggml_type type;
 };
-const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K},
-                            {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K}};
+const ggml_type k_wide_types[] = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K}, {16, GGML_TYPE_Q6_K},
+                            {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K},  {8, GGML_TYPE_Q6_K}};
+
+const wide_args * args_for(int width, ggml_type type) {
+    int t = 0;
+    while (k_wide_types[t] != type) ++t;  // a wide_type: always found
+    return &k_args[(width == 16 ? 0 : 4) + t];
+}
 
 // ggml custom ops. pack: src[0] = x; groups split across threads.
 void pack_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -533,7 +587,7 @@ ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor 
     if (width == 0 || !b.own_kernels() || x->ne[1] <= k_matmul_max_cols || !wide_type(W->type, W->ne[0]) ||
         W->ne[1] > k_max_rows || !matmul_op_supported(W, x))
         return nullptr;
-    const wide_args * args = &k_args[(width == 16 ? 0 : 3) + (W->type == GGML_TYPE_Q8_0 ? 1 : W->type == GGML_TYPE_Q4_K ? 2 : 0)];
+    const wide_args * args = args_for(width, W->type);
     ggml_tensor * xs[1] = {x};
     ggml_tensor * P = ggml_custom_4d(b.ctx, GGML_TYPE_I8, packed_size(width, W->type, x->ne[0], x->ne[1]), 1, 1, 1, xs, 1,
                                      pack_fn, GGML_N_TASKS_MAX, (void *) args);
@@ -547,8 +601,8 @@ ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor 
 
 void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                       int64_t ldy, int64_t K, int64_t M, int64_t N, const std::string & isa) {
-    DFN_REQUIRE(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K, "matmul",
-                "the wide matmul takes Q4_0 / Q8_0 / Q4_K, not ", ggml_type_name(type));
+    DFN_REQUIRE(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K,
+                "matmul", "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q6_K, not ", ggml_type_name(type));
     DFN_REQUIRE(wide_type(type, K) && K > 0 && M > 0 && N > 0 && M <= k_max_rows && ldy == M, "matmul", "bad shape K = ",
                 K, ", M = ", M, ", N = ", N);
     int width = 0;
