@@ -192,6 +192,22 @@ inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64
         }
     }
 }
+
+// K-quant rows r .. r + RR - 1 of W unpacked, superblock by superblock, into U[i][s].
+template <ggml_type T, int RR>
+inline void kq_unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nsb, int64_t r, kq_unpacked * U) {
+    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
+    for (int i = 0; i < RR; ++i)
+        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+}
+
+// Rows [r0, r1) in tiles of TR rows, then single rows: tile(r, std::integral_constant<int, rows>).
+template <int TR, class Tile>
+inline void by_row_tiles(int64_t r0, int64_t r1, Tile tile) {
+    int64_t r = r0;
+    for (; r + TR <= r1; r += TR) tile(r, std::integral_constant<int, TR>{});
+    for (; r < r1; ++r) tile(r, std::integral_constant<int, 1>{});
+}
 #endif
 
 #if DFN_X86_GCC
@@ -251,10 +267,9 @@ void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t 
 template <ggml_type T>
 __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                          float * y, int64_t ldy, int64_t r0, int64_t r1, uint8_t * U, float * DW) {
-    const int64_t nb = K / 32;
-    int64_t r = r0;
-    for (; r + k_tile_rows <= r1; r += k_tile_rows) gemm_tile<T, k_tile_rows>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
-    for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
+    by_row_tiles<k_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
+        gemm_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 32, P, N, y, ldy, r, U, DW);
+    });
 }
 
 // K-quant rows r .. r + RR - 1 against every group, per superblock: each scale group's exact code
@@ -264,10 +279,8 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
 template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
-    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
     constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
-    for (int i = 0; i < RR; ++i)
-        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+    kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
     const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int) ldy));
     for (int64_t g = 0; g * 16 < N; ++g) {
@@ -315,10 +328,9 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
 template <ggml_type T>
 __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                        float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
-    const int64_t nsb = K / 256;
-    int64_t r = r0;
-    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<T, k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
-    for (; r < r1; ++r) kq_tile<T, 1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    by_row_tiles<k_kq_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
+        kq_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 256, P, N, y, ldy, r, U);
+    });
 }
 
 }  // namespace wide512
@@ -387,11 +399,9 @@ void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t 
 template <ggml_type T>
 __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                          float * y, int64_t ldy, int64_t r0, int64_t r1, uint8_t * U, float * DW) {
-    const int64_t nb = K / 32;
-    int64_t r = r0;
-    for (; r + k_tile_rows_avx2 <= r1; r += k_tile_rows_avx2)
-        gemm_tile<T, k_tile_rows_avx2>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
-    for (; r < r1; ++r) gemm_tile<T, 1>(W, w_row_bytes, nb, P, N, y, ldy, r, U, DW);
+    by_row_tiles<k_tile_rows_avx2>(r0, r1, [&](int64_t r, auto rows) {
+        gemm_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 32, P, N, y, ldy, r, U, DW);
+    });
 }
 
 // K-quants as wide512's kq_tile, by maddubs + madd: pairs of code x a summed in int16 (Q4_K: a
@@ -401,11 +411,9 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
 template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
-    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
     constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
     constexpr int per_sum = T == GGML_TYPE_Q6_K ? 2 : 8;  // chunks whose pairs one int16 sum may hold
-    for (int i = 0; i < RR; ++i)
-        for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
+    kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
     for (int64_t g = 0; g * 8 < N; ++g) {
         __m256 acc[RR];
         for (int i = 0; i < RR; ++i) acc[i] = _mm256_setzero_ps();
@@ -458,10 +466,9 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
 template <ggml_type T>
 __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
                                        float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
-    const int64_t nsb = K / 256;
-    int64_t r = r0;
-    for (; r + k_kq_tile_rows <= r1; r += k_kq_tile_rows) kq_tile<T, k_kq_tile_rows>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
-    for (; r < r1; ++r) kq_tile<T, 1>(W, w_row_bytes, nsb, P, N, y, ldy, r, U);
+    by_row_tiles<k_kq_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
+        kq_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 256, P, N, y, ldy, r, U);
+    });
 }
 
 }  // namespace wide256
