@@ -9,6 +9,7 @@
 #include "conv.h"
 #include "cpu_isa.h"
 #include "matmul_dispatch.h"
+#include "matmul_q8.h"
 #include "matmul_wide.h"
 #include "matmul.h"
 #include "profile.h"
@@ -812,14 +813,14 @@ void bind_testing_kernels(py::module_ & t) {
     t.def(
         "matmul_wide",
         [](py::array W, farr x, const std::string & type, const std::string & isa) {
-            // W [M, row bytes] uint8 rows of Q4_0 / Q8_0 / Q4_K / Q6_K, x [N, K] float32 -> y [N, M] float32: the prompt
+            // W [M, row bytes] uint8 rows of Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K, x [N, K] float32 -> y [N, M] float32: the prompt
             // GEMM of matmul_wide.h (one thread) at isa "avx512f" / "avx2" / "" (the engine's)
             DFN_REQUIRE(W.ndim() == 2 && x.ndim() == 2 && (W.flags() & py::array::c_style), "matmul",
                         "W and x must be 2-D, W C-contiguous");
             DFN_REQUIRE(W.dtype().is(py::dtype::of<uint8_t>()), "matmul", "W must be uint8 bytes");
             const ggml_type wt = ggml_type_named(type);
-            DFN_REQUIRE(wt == GGML_TYPE_Q4_0 || wt == GGML_TYPE_Q8_0 || wt == GGML_TYPE_Q4_K || wt == GGML_TYPE_Q6_K, "matmul",
-                        "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q6_K, not ", ggml_type_name(wt));
+            DFN_REQUIRE(q8_kind_of(wt) != q8_kind::none, "matmul", "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K, not ",
+                        ggml_type_name(wt));
             const int64_t M = W.shape(0), K = x.shape(1), N = x.shape(0);
             DFN_REQUIRE(K % ggml_blck_size(wt) == 0 && (size_t) W.shape(1) == ggml_row_size(wt, K), "matmul", "W rows have ",
                         W.shape(1), " bytes, not those of ", K, " columns of ", type);

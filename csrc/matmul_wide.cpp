@@ -1,4 +1,4 @@
-// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
+// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
 // the math).
 #include "matmul_wide.h"
 
@@ -118,25 +118,42 @@ struct kq_unpacked {
 
 inline int32_t int16_pair(int lo, int hi) { return (int32_t) ((uint32_t) (uint16_t) lo | ((uint32_t) (uint16_t) hi << 16)); }
 
-// ggml's get_scale_min_k4 and the nibbles in code order.
-inline void kq_unpack(const blk_q4_K & x, kq_unpacked & o) {
-    o.d = half_to_float(x.d);
-    o.dmin = half_to_float(x.dmin);
+// Q4_K / Q5_K's d, dmin and 6-bit scales and mins (ggml's get_scale_min_k4).
+inline void k4_scales(ggml_fp16_t d, ggml_fp16_t dmin, const uint8_t * scales, kq_unpacked & o) {
+    o.d = half_to_float(d);
+    o.dmin = half_to_float(dmin);
     for (int j = 0; j < 8; ++j) {
         int m;
         if (j < 4) {
-            o.sc[j] = x.scales[j] & 63;
-            m = x.scales[j + 4] & 63;
+            o.sc[j] = scales[j] & 63;
+            m = scales[j + 4] & 63;
         } else {
-            o.sc[j] = (x.scales[j + 4] & 0xF) | ((x.scales[j - 4] >> 6) << 4);
-            m = (x.scales[j + 4] >> 4) | ((x.scales[j] >> 6) << 4);
+            o.sc[j] = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
+            m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
         }
         o.pair[j] = int16_pair(m, m);
     }
+}
+
+// Q4_K: the nibbles in code order.
+inline void kq_unpack(const blk_q4_K & x, kq_unpacked & o) {
+    k4_scales(x.d, x.dmin, x.scales, o);
     for (int jj = 0; jj < 4; ++jj) {
         for (int l = 0; l < 32; ++l) {
             o.u[64 * jj + l] = x.qs[32 * jj + l] & 0xF;
             o.u[64 * jj + 32 + l] = x.qs[32 * jj + l] >> 4;
+        }
+    }
+}
+
+// Q5_K: Q4_K's scales and mins, and a fifth bit per code from qh (ggml's dequantize_row_q5_K:
+// values 64 jj + l and 64 jj + 32 + l take bits 2 jj and 2 jj + 1 of qh[l]); codes 0..31.
+inline void kq_unpack(const blk_q5_K & x, kq_unpacked & o) {
+    k4_scales(x.d, x.dmin, x.scales, o);
+    for (int jj = 0; jj < 4; ++jj) {
+        for (int l = 0; l < 32; ++l) {
+            o.u[64 * jj + l] = (uint8_t) ((x.qs[32 * jj + l] & 0xF) | (((x.qh[l] >> (2 * jj)) & 1) << 4));
+            o.u[64 * jj + 32 + l] = (uint8_t) ((x.qs[32 * jj + l] >> 4) | (((x.qh[l] >> (2 * jj + 1)) & 1) << 4));
         }
     }
 }
@@ -196,7 +213,7 @@ inline void unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nb, int64
 // K-quant rows r .. r + RR - 1 of W unpacked, superblock by superblock, into U[i][s].
 template <ggml_type T, int RR>
 inline void kq_unpack_rows(const uint8_t * W, size_t w_row_bytes, int64_t nsb, int64_t r, kq_unpacked * U) {
-    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, blk_q4_K>;
+    using B = std::conditional_t<T == GGML_TYPE_Q6_K, blk_q6_K, std::conditional_t<T == GGML_TYPE_Q5_K, blk_q5_K, blk_q4_K>>;
     for (int i = 0; i < RR; ++i)
         for (int64_t s = 0; s < nsb; ++s) kq_unpack(((const B *) (W + (r + i) * w_row_bytes))[s], U[i * nsb + s]);
 }
@@ -273,9 +290,10 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
 }
 
 // K-quant rows r .. r + RR - 1 against every group, per superblock: each scale group's exact code
-// sums t (Q4_K: 8 sub-blocks of 8 chunks; Q6_K: 16 groups of 4), S = sum sc t; M = sum over the 8
-// bsum pairs (vpdpwssd); then Q4_K lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M,
-// lane); Q6_K lane = fmaf(fl(d * da), S - 32 M, lane) (the codes' offset 32 times sum sc bsum).
+// sums t (Q4_K / Q5_K: 8 sub-blocks of 8 chunks; Q6_K: 16 groups of 4), S = sum sc t; M = sum over
+// the 8 bsum pairs (vpdpwssd); then Q4_K / Q5_K lane = fmaf(fl(d * da), S, lane),
+// lane = fmaf(fl(-dmin * da), M, lane); Q6_K lane = fmaf(fl(d * da), S - 32 M, lane) (the codes'
+// offset 32 times sum sc bsum).
 template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
@@ -405,14 +423,16 @@ __attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, 
 }
 
 // K-quants as wide512's kq_tile, by maddubs + madd: pairs of code x a summed in int16 (Q4_K: a
-// sub-block's 8 chunks, pairs at most 2 x 15 x 127, sums at most 30480; Q6_K: 2 chunks at a time,
-// pairs at most 2 x 63 x 127, sums at most 32004), then one madd by the group's scale (<= 8.2e6);
+// sub-block's 8 chunks, pairs at most 2 x 15 x 127, sums at most 30480; Q5_K: 4 chunks at a time,
+// pairs at most 2 x 31 x 127, sums at most 31496; Q6_K: 2 chunks at a time, pairs at most
+// 2 x 63 x 127, sums at most 32004), then one madd by the group's scale (<= 8.2e6);
 // M by madd on the bsum pairs. The same exact S and M, so the same bits as wide512.
 template <ggml_type T, int RR>
 void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
              int64_t r, kq_unpacked * U) {
     constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
-    constexpr int per_sum = T == GGML_TYPE_Q6_K ? 2 : 8;  // chunks whose pairs one int16 sum may hold
+    // chunks whose pairs one int16 sum may hold: 32767 / (2 x 127 x the largest code) chunks
+    constexpr int per_sum = T == GGML_TYPE_Q6_K ? 2 : T == GGML_TYPE_Q5_K ? 4 : 8;
     kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
     for (int64_t g = 0; g * 8 < N; ++g) {
         __m256 acc[RR];
@@ -493,7 +513,7 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
     thread_local std::vector<float> DW;
     thread_local std::vector<kq_unpacked> UK;
     const int64_t K = W->ne[0];
-    if (W->type == GGML_TYPE_Q4_K || W->type == GGML_TYPE_Q6_K) {
+    if (W->type == GGML_TYPE_Q4_K || W->type == GGML_TYPE_Q5_K || W->type == GGML_TYPE_Q6_K) {
         if (!kernel_scratch(UK, (size_t) (k_kq_tile_rows * (K / 256)), "the wide matmul's unpacked rows")) return false;
     } else if (!kernel_scratch(U, (size_t) (k_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
                !kernel_scratch(DW, (size_t) (k_tile_rows * (K / 32)), "the wide matmul's row scales")) {
@@ -506,6 +526,10 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
         case GGML_TYPE_Q4_K:
             if (width == 16) wide512::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
             else wide256::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            break;
+        case GGML_TYPE_Q5_K:
+            if (width == 16) wide512::kq_rows<GGML_TYPE_Q5_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+            else wide256::kq_rows<GGML_TYPE_Q5_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
             break;
         case GGML_TYPE_Q6_K:
             if (width == 16) wide512::kq_rows<GGML_TYPE_Q6_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
@@ -528,7 +552,7 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
-    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+    if (q8_kind_of(type) == q8_kind::q8_K) {
         if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
         else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
     } else if (width == 16) {
@@ -539,13 +563,14 @@ void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_ty
 }
 
 int64_t packed_size(int width, ggml_type type, int64_t K, int64_t N) {
-    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) return width == 16 ? kq_packed_bytes<16>(K, N) : kq_packed_bytes<8>(K, N);
+    if (q8_kind_of(type) == q8_kind::q8_K) return width == 16 ? kq_packed_bytes<16>(K, N) : kq_packed_bytes<8>(K, N);
     return width == 16 ? packed_bytes<16>(K, N) : packed_bytes<8>(K, N);
 }
 
 bool wide_type(ggml_type type, int64_t K) {
-    return ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0) && K % 32 == 0) ||
-           ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && K % 256 == 0);
+    // the integer path's types (matmul_q8.h): Q4_0 / Q8_0 by blocks of 32, Q4_K / Q5_K / Q6_K by 256
+    const q8_kind kind = q8_kind_of(type);
+    return (kind == q8_kind::q8_0 && K % 32 == 0) || (kind == q8_kind::q8_K && K % 256 == 0);
 }
 
 // The op's userdata: the group width and the weight type, fixed when the graph is built.
@@ -553,14 +578,16 @@ struct wide_args {
     int width;
     ggml_type type;
 };
-const ggml_type k_wide_types[] = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
-const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K}, {16, GGML_TYPE_Q6_K},
-                            {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K},  {8, GGML_TYPE_Q6_K}};
+const ggml_type k_wide_types[] = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+constexpr int k_n_wide = 5;
+const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K}, {16, GGML_TYPE_Q5_K},
+                            {16, GGML_TYPE_Q6_K}, {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K},
+                            {8, GGML_TYPE_Q5_K},  {8, GGML_TYPE_Q6_K}};
 
 const wide_args * args_for(int width, ggml_type type) {
     int t = 0;
     while (k_wide_types[t] != type) ++t;  // a wide_type: always found
-    return &k_args[(width == 16 ? 0 : 4) + t];
+    return &k_args[(width == 16 ? 0 : k_n_wide) + t];
 }
 
 // ggml custom ops. pack: src[0] = x; groups split across threads.
@@ -608,8 +635,8 @@ ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor 
 
 void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                       int64_t ldy, int64_t K, int64_t M, int64_t N, const std::string & isa) {
-    DFN_REQUIRE(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K,
-                "matmul", "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q6_K, not ", ggml_type_name(type));
+    DFN_REQUIRE(q8_kind_of(type) != q8_kind::none, "matmul", "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K, not ",
+                ggml_type_name(type));
     DFN_REQUIRE(wide_type(type, K) && K > 0 && M > 0 && N > 0 && M <= k_max_rows && ldy == M, "matmul", "bad shape K = ",
                 K, ", M = ", M, ", N = ", N);
     int width = 0;

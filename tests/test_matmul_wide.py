@@ -1,9 +1,9 @@
-"""The prompt-sized Q4_0 / Q8_0 / Q4_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more
+"""The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more
 than 64 columns (prompt chunks), which ran ggml_mul_mat before.
 
 - Against float64 over the dequantized weights and the activations quantized as ggml's reference
-  quantize_row_q8_0 / q8_K does: exact integer sums, then per block (Q4_K: per superblock, scales
-  and mins; Q6_K: per superblock) a scale product and an fma per output, so the error is within a few F32 roundings per
+  quantize_row_q8_0 / q8_K does: exact integer sums, then per block (Q4_K / Q5_K: per superblock,
+  scales and mins; Q6_K: per superblock) a scale product and an fma per output, so the error is within a few F32 roundings per
   block of the sum of |terms|; unquantized activations miss that bound.
 - Every column is computed alone: its bits do not depend on N, on the other columns, or on how
   the rows are split (the matmul's; a prompt's chunks of at most 64 tokens take the
@@ -26,7 +26,7 @@ from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_gguf
 from test_matmul import _qcase, k_quant_mins, q8_activations
 
-TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 
@@ -52,17 +52,17 @@ needs_wide = pytest.mark.skipif(not WIDE_ISAS, reason="no AVX2 here: prompt matm
 @pytest.mark.parametrize("M,K,N", [(1, 256, 1), (8, 256, 16), (37, 768, 65), (70, 1024, 100)])
 def test_wide_matches_float64(qtype, M, K, N):
     """Q4_0 / Q8_0: the activations as Q8_0, per block an exact sum and one fma (with the scale
-    product: blocks + 2 roundings); Q4_K: as Q8_K, per superblock two fmas (scales and mins);
+    product: blocks + 2 roundings); Q4_K / Q5_K: as Q8_K, per superblock two fmas (scales and mins);
     Q6_K: as Q8_K, per superblock one fma (the codes' offset folded into the exact sum)."""
     raw, values, x = _qcase(qtype, M, K, N, seed=K + N)
     x[0, :32] = 0.0  # an all-zero block
     if N > 3:
         x[3, 5] = 1e4  # one dominant value
-    kind = "Q8_K" if qtype in ("Q4_K", "Q6_K") else "Q8_0"
+    kind = "Q8_K" if qtype.endswith("_K") else "Q8_0"
     xq = q8_activations(x, kind)
     ref = xq @ values.astype(np.float64).T
     mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
-    chain = {"Q4_K": 2 * (K // 256), "Q6_K": K // 256}.get(qtype, K // 32)
+    chain = {"Q4_K": 2 * (K // 256), "Q5_K": 2 * (K // 256), "Q6_K": K // 256}.get(qtype, K // 32)
     bound = (chain + 3) * 2.0**-24 * mag + 1e-30
     for isa in WIDE_ISAS:
         y = _core.testing.matmul_wide(raw, x, qtype, isa)
@@ -106,9 +106,9 @@ def test_wide_non_finite_stays_in_its_column(qtype):
 
 
 def test_wide_bad_input():
-    raw, _, x = _qcase("Q5_K", 4, 256, 2)
-    with pytest.raises(ValueError, match="takes Q4_0 / Q8_0 / Q4_K / Q6_K"):
-        _core.testing.matmul_wide(raw, x, "q5_K")
+    raw, _, x = _qcase("IQ4_XS", 4, 256, 2)
+    with pytest.raises(ValueError, match="takes Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K"):
+        _core.testing.matmul_wide(raw, x, "iq4_xs")
     raw, _, x = _qcase("Q4_0", 4, 256, 2)
     with pytest.raises(ValueError, match="bytes"):
         _core.testing.matmul_wide(raw[:, :-2].copy(), x, "q4_0")
@@ -127,13 +127,13 @@ def q4_pair(tmp_path_factory) -> dict:
     dg = make_random_drafter_gguf(d / "d-f32.gguf", ckpt, outtype="f32", seed=22, block_size=8, target_gguf=tg,
                                   target_layer_ids=[0], num_hidden_layers=1, **kw)
     out = {}
-    for t in ("q4_0", "q8_0", "q4_k_m", "q6_k"):
+    for t in ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k"):
         out[t] = (str(dn.quantize(tg, d / f"t-{t}.gguf", t, n_threads=2, progress=False)),
                   str(dn.quantize(dg, d / f"d-{t}.gguf", t, n_threads=2, progress=False)))
     return out
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k_m", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k"])
 def test_engine_prompts_take_it_and_stay_exact(q4_pair, qtype):
     target, drafter = q4_pair[qtype]
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, 150)]
