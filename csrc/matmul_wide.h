@@ -1,6 +1,6 @@
-// Prompt-sized matmuls of Q4_0 / Q8_0 / Q4_K / Q6_K weights: a GEMM on AVX-512 VNNI (groups of 16 columns)
-// or AVX2 (groups of 8) for x with more columns than the batch-invariant matmul takes
-// (k_matmul_max_cols: prompt chunks, not verify passes).
+// Prompt-sized matmuls of Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K weights: a GEMM on AVX-512 VNNI (groups
+// of 16 columns) or AVX2 (groups of 8) for x with more columns than the batch-invariant matmul
+// takes (k_matmul_max_cols: prompt chunks, not verify passes).
 //
 // Why: llama.cpp on a CPU without AMX repacks Q4_0 weights for its GEMM (ggml's CPU_REPACK), and
 // there its prefill ran 1.2x ours, which went through ggml_mul_mat on the plain layout (llamafile's
@@ -32,22 +32,22 @@
 //     ran ggml before). An output's operations are fixed: its bits do not depend on N, on the
 //     other columns, on the thread split or on the level.
 //
-// Q4_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref; per group and superblock of
-// 256: 64 chunks of the codes, 8 pairs of int16 lanes holding Q8_K's bsums (sums of 16 codes), the
-// scales da): per row and superblock, S = sum_g sc_g t_g over the scale groups (Q4_K: 8 sub-blocks
-// of 32; Q6_K: 16 groups of 16, signed scales; t_g the exact sums of unsigned code x activation
-// code, vpdpbusd; AVX2 maddubs pairs in int16 and one madd by sc_g) and M, the bsum pairs times
-// (m_p, m_p) for Q4_K's mins or (sc_2p, sc_2p+1) for Q6_K's offset 32 (vpdpwssd / madd); then
-//   Q4_K: lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M, lane)
-//   Q6_K: lane = fmaf(fl(d * da), S - 32 M, lane)            (S - 32 M: the signed codes' sum, exact)
+// Q4_K, Q5_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref; per group and superblock
+// of 256: 64 chunks of the codes, 8 pairs of int16 lanes holding Q8_K's bsums (sums of 16 codes),
+// the scales da): per row and superblock, S = sum_g sc_g t_g over the scale groups (Q4_K / Q5_K: 8
+// sub-blocks of 32, codes 0..15 / 0..31; Q6_K: 16 groups of 16, codes 0..63, signed scales; t_g the
+// exact sums of unsigned code x activation code, vpdpbusd; AVX2 maddubs pairs in int16 and one madd
+// by sc_g) and M, the bsum pairs times (m_p, m_p) for Q4_K / Q5_K's mins or (sc_2p, sc_2p+1) for
+// Q6_K's offset 32 (vpdpwssd / madd); then
+//   Q4_K, Q5_K: lane = fmaf(fl(d * da), S, lane), lane = fmaf(fl(-dmin * da), M, lane)
+//   Q6_K:       lane = fmaf(fl(d * da), S - 32 M, lane)     (S - 32 M: the signed codes' sum, exact)
 // the same bits at both levels.
 //
-// Taken (matmul_wide) for Q4_0 / Q8_0 (K a multiple of 32) and Q4_K / Q6_K (of 256) weights in host
-// memory, more
-// than k_matmul_max_cols columns, the own kernels, when the level in use is AVX-512 on a CPU with
-// AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake: 16 columns) or AVX2 (8 columns); else (the
-// portable level) ggml_mul_mat, as before. It runs the level in use (isa_in_use()), not a
-// measured choice (matmul_dispatch.h measures the batch-invariant kernel only).
+// Taken (matmul_wide) for Q4_0 / Q8_0 (K a multiple of 32) and Q4_K / Q5_K / Q6_K (of 256) weights
+// in host memory, more than k_matmul_max_cols columns, the own kernels, when the level in use is
+// AVX-512 on a CPU with AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake: 16 columns) or AVX2 (8
+// columns); else (the portable level) ggml_mul_mat, as before. It runs the level in use
+// (isa_in_use()), not a measured choice (matmul_dispatch.h measures the batch-invariant kernel only).
 #pragma once
 
 #include "build_context.h"
@@ -58,8 +58,8 @@
 
 namespace dfn {
 
-// W [K, M] (Q4_0 / Q8_0 / Q4_K / Q6_K), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops above, or nullptr
-// where they do not apply (then matmul() takes ggml_mul_mat).
+// W [K, M] (Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K), x F32 [K, N] -> F32 [M, N]: the pack and gemm ops
+// above, or nullptr where they do not apply (then matmul() takes ggml_mul_mat).
 ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 
 // Tests: the GEMM on rows [0, M) of W against x (N columns, any N), one thread; isa "avx512f"
