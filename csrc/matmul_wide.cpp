@@ -1,5 +1,5 @@
-// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the layout and
-// the math).
+// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has
+// the layout and the math).
 #include "matmul_wide.h"
 
 #include "alloc.h"
