@@ -246,6 +246,59 @@ bool cpu_has_vnni() {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace wide512 {
 
+// quantize_q8_0_block (matmul_q8.h) on 512 bits: the same operations per value (|x| max, v = x * id
+// rounded half away from zero by truncation and the exact remainder), so the same codes and scale;
+// also returns the codes' sum. A block holding NaN or Inf: codes 0 and a NaN scale, as there.
+inline float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum) {
+    const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
+    const __mmask16 fin0 = _mm512_cmp_ps_mask(_mm512_sub_ps(a0, a0), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    const __mmask16 fin1 = _mm512_cmp_ps_mask(_mm512_sub_ps(a1, a1), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    if ((fin0 & fin1) != 0xFFFF) {
+        std::memset(q, 0, 32);
+        sum = 0;
+        return quantize_q8_0_block(x, q);  // NaN, codes 0
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), mhalf = _mm512_set1_ps(-0.5f);
+    __m512i qs[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_mul_ps(h ? a1 : a0, vid);
+        const __m512i t = _mm512_cvttps_epi32(v);
+        const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(t));
+        __m512i r = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), t, _mm512_set1_epi32(1));
+        r = _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask(frac, mhalf, _CMP_LE_OQ), r, _mm512_set1_epi32(1));
+        qs[h] = r;
+        _mm_storeu_si128((__m128i *) (q + 16 * h), _mm512_cvtepi32_epi8(r));
+    }
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qs[0], qs[1]));
+    return half_to_float(ggml_fp32_to_fp16(d));
+}
+
+// pack_groups<16> with the quantizer above.
+__attribute__((noinline)) void pack_groups16(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P,
+                                             int64_t g0, int64_t g1) {
+    const int64_t nb = K / 32;
+    alignas(64) int8_t q[32];
+    for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t c = 0; c < 16; ++c) {
+            const int64_t n = g * 16 + c;
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t * blk = P + (g * nb + b) * group_bytes<16>;
+                float d = 0.0f;
+                int32_t sum = 0;
+                if (n < N) d = quantize_q8_0_block_avx512(x + n * ldx + 32 * b, q, sum);
+                else std::memset(q, 0, sizeof(q));
+                for (int j = 0; j < 8; ++j) std::memcpy(blk + 64 * j + 4 * c, q + 4 * j, 4);
+                const int32_t bias = -off * sum;
+                std::memcpy(blk + bias_at<16> + 4 * c, &bias, 4);
+                std::memcpy(blk + scale_at<16> + 4 * c, &d, 4);
+            }
+        }
+    }
+}
+
 // Rows r .. r + RR - 1 against every group of P: y[n * ldy + r + i].
 template <ggml_type T, int RR>
 void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
@@ -556,7 +609,11 @@ void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_ty
         if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
         else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
     } else if (width == 16) {
+#if DFN_X86_GCC
+        wide512::pack_groups16(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
+#else
         pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
+#endif
     } else {
         pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
     }

@@ -58,6 +58,10 @@ def test_wide_matches_float64(qtype, M, K, N):
     x[0, :32] = 0.0  # an all-zero block
     if N > 3:
         x[3, 5] = 1e4  # one dominant value
+    if N > 5:
+        # exact ties: a block / superblock whose scale is 1 (max |x| = 127), halves rounded away from
+        # zero (Q8_0: roundf) or to even (Q8_K: nearest_int), as test_matmul's integer-path test
+        x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)
     kind = "Q8_K" if qtype.endswith("_K") else "Q8_0"
     xq = q8_activations(x, kind)
     ref = xq @ values.astype(np.float64).T
