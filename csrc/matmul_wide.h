@@ -9,7 +9,8 @@
 // vpdpbusd sums 4 codes for 16 columns at once:
 //
 //   pack (op "q8_pack", columns split across threads): each column quantized per block of 32 by
-//     ggml's quantize_row_q8_0_ref (the codes a, the F16-rounded scale da), into groups of 16
+//     ggml's quantize_row_q8_0_ref (the codes a, the F16-rounded scale da; on AVX-512 in 512-bit
+//     registers, the same operations per value), into groups of 16
 //     columns; per group g and block b, 640 bytes:
 //       8 x 64 bytes: chunk j < 8, lane c < 16: the codes a[16 g + c][32 b + 4 j .. + 3]
 //       16 int32:     bias[c] = -off x sum of the block's 32 codes of column 16 g + c
