@@ -276,6 +276,65 @@ inline float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & s
     return half_to_float(ggml_fp32_to_fp16(d));
 }
 
+// quantize_q8_K_block (matmul_q8.h) on 512 bits: max = the first x of largest |x|, iscale =
+// -127 / max, q = min(127, round-half-even(iscale * x)) (vcvtps2dq under the default rounding: what
+// nearest_int computes for |v| < 2^22), the sums of 16 codes, d = 1 / iscale. Non-finite or all-zero
+// superblocks go to the scalar function (codes 0; d NaN or 0).
+inline float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums) {
+    __m512 a[16];
+    __mmask16 fin = 0xFFFF;
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+        a[i] = _mm512_loadu_ps(x + 16 * i);
+        fin &= _mm512_cmp_ps_mask(_mm512_sub_ps(a[i], a[i]), _mm512_setzero_ps(), _CMP_EQ_OQ);
+        m = _mm512_max_ps(m, _mm512_abs_ps(a[i]));
+    }
+    const float amax = _mm512_reduce_max_ps(m);
+    if (fin != 0xFFFF || amax == 0.0f) return quantize_q8_K_block(x, q, bsums);
+    float max = 0.0f;
+    for (int i = 0; i < 16; ++i) {  // the first value whose |x| is amax, with its sign
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(a[i]), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+        if (hit) {
+            max = x[16 * i + __builtin_ctz((unsigned) hit)];
+            break;
+        }
+    }
+    const float iscale = -127.0f / max;
+    const __m512 vs = _mm512_set1_ps(iscale);
+    for (int i = 0; i < 16; ++i) {
+        const __m512i r = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs, a[i])), _mm512_set1_epi32(127));
+        _mm_storeu_si128((__m128i *) (q + 16 * i), _mm512_cvtepi32_epi8(r));
+        bsums[i] = (int16_t) _mm512_reduce_add_epi32(r);
+    }
+    return 1.0f / iscale;
+}
+
+// kq_pack_groups<16> with the quantizer above.
+__attribute__((noinline)) void kq_pack_groups16(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P,
+                                                int64_t g0, int64_t g1) {
+    const int64_t nsb = K / 256;
+    alignas(64) int8_t q[256];
+    int16_t bsums[16];
+    for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t c = 0; c < 16; ++c) {
+            const int64_t n = g * 16 + c;
+            for (int64_t s = 0; s < nsb; ++s) {
+                uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<16>;
+                float d = 0.0f;
+                if (n < N) {
+                    d = quantize_q8_K_block_avx512(x + n * ldx + 256 * s, q, bsums);
+                } else {
+                    std::memset(q, 0, sizeof(q));
+                    std::memset(bsums, 0, sizeof(bsums));
+                }
+                for (int j = 0; j < 64; ++j) std::memcpy(blk + 64 * j + 4 * c, q + 4 * j, 4);
+                for (int p = 0; p < 8; ++p) std::memcpy(blk + kq_bsum_at<16> + 64 * p + 4 * c, bsums + 2 * p, 4);
+                std::memcpy(blk + kq_scale_at<16> + 4 * c, &d, 4);
+            }
+        }
+    }
+}
+
 // pack_groups<16> with the quantizer above.
 __attribute__((noinline)) void pack_groups16(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P,
                                              int64_t g0, int64_t g1) {
@@ -606,7 +665,11 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
     if (q8_kind_of(type) == q8_kind::q8_K) {
+#if DFN_X86_GCC
+        if (width == 16) wide512::kq_pack_groups16(x, ldx, K, N, P, g0, g1);
+#else
         if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
+#endif
         else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
     } else if (width == 16) {
 #if DFN_X86_GCC
