@@ -34,8 +34,8 @@
 //     other columns, on the thread split or on the level.
 //
 // Q4_K, Q5_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref, on AVX-512 in 512-bit
-// registers with the same rounding; per group and superblock
-// of 256: 64 chunks of the codes, 8 pairs of int16 lanes holding Q8_K's bsums (sums of 16 codes),
+// registers with the same rounding; per group and superblock of 256: 64 chunks of the codes, 8
+// pairs of int16 lanes holding Q8_K's bsums (sums of 16 codes),
 // the scales da): per row and superblock, S = sum_g sc_g t_g over the scale groups (Q4_K / Q5_K: 8
 // sub-blocks of 32, codes 0..15 / 0..31; Q6_K: 16 groups of 16, codes 0..63, signed scales; t_g the
 // exact sums of unsigned code x activation code, vpdpbusd; AVX2 maddubs pairs in int16 and one madd
