@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -41,11 +42,42 @@ int64_t packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 32) *
 // xor 0x80 128); AVX2 multiplies Q8_0 as |w| by a signed by w, which needs none.
 int code_offset(ggml_type type, int G) { return type == GGML_TYPE_Q4_0 ? 8 : G == 16 ? 128 : 0; }
 
+#if DFN_X86_GCC
+namespace wide512 {  // below, in 512-bit registers: the same codes and scales as the scalar functions
+float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum);
+float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums);
+}  // namespace wide512
+#endif
+
+// quantize_q8_0_block, and the codes' sum; fast: its AVX-512 form (a CPU with AVX-512 VNNI).
+inline float quantize_q8_0_summed(const float * x, int8_t * q, int32_t & sum, bool fast) {
+#if DFN_X86_GCC
+    if (fast) return wide512::quantize_q8_0_block_avx512(x, q, sum);
+#else
+    (void) fast;
+#endif
+    const float d = quantize_q8_0_block(x, q);
+    sum = 0;
+    for (int k = 0; k < 32; ++k) sum += q[k];
+    return d;
+}
+
+// quantize_q8_K_block; fast: its AVX-512 form.
+inline float quantize_q8_K(const float * x, int8_t * q, int16_t * bsums, bool fast) {
+#if DFN_X86_GCC
+    if (fast) return wide512::quantize_q8_K_block_avx512(x, q, bsums);
+#else
+    (void) fast;
+#endif
+    return quantize_q8_K_block(x, q, bsums);
+}
+
 // Groups [g0, g1) of x's N columns into P (matmul_wide.h: pack).
 template <int G>
-void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P, int64_t g0, int64_t g1) {
+void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P, int64_t g0, int64_t g1,
+                 bool fast) {
     const int64_t nb = K / 32;
-    int8_t q[32];
+    alignas(64) int8_t q[32];
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t c = 0; c < G; ++c) {
             const int64_t n = g * G + c;
@@ -53,12 +85,8 @@ void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, ui
                 uint8_t * blk = P + (g * nb + b) * group_bytes<G>;
                 float d = 0.0f;
                 int32_t sum = 0;
-                if (n < N) {
-                    d = quantize_q8_0_block(x + n * ldx + 32 * b, q);
-                    for (int k = 0; k < 32; ++k) sum += q[k];
-                } else {
-                    std::memset(q, 0, sizeof(q));
-                }
+                if (n < N) d = quantize_q8_0_summed(x + n * ldx + 32 * b, q, sum, fast);
+                else std::memset(q, 0, sizeof(q));
                 for (int j = 0; j < 8; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
                 const int32_t bias = -off * sum;
                 std::memcpy(blk + bias_at<G> + 4 * c, &bias, 4);
@@ -81,9 +109,9 @@ int64_t kq_packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 25
 
 // Groups [g0, g1) of x's N columns into P for K-quant weights (ggml's quantize_row_q8_K_ref).
 template <int G>
-void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1) {
+void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1, bool fast) {
     const int64_t nsb = K / 256;
-    int8_t q[256];
+    alignas(64) int8_t q[256];
     int16_t bsums[16];
     for (int64_t g = g0; g < g1; ++g) {
         for (int64_t c = 0; c < G; ++c) {
@@ -92,7 +120,7 @@ void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t 
                 uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<G>;
                 float d = 0.0f;
                 if (n < N) {
-                    d = quantize_q8_K_block(x + n * ldx + 256 * s, q, bsums);
+                    d = quantize_q8_K(x + n * ldx + 256 * s, q, bsums, fast);
                 } else {
                     std::memset(q, 0, sizeof(q));
                     std::memset(bsums, 0, sizeof(bsums));
@@ -249,7 +277,7 @@ namespace wide512 {
 // quantize_q8_0_block (matmul_q8.h) on 512 bits: the same operations per value (|x| max, v = x * id
 // rounded half away from zero by truncation and the exact remainder), so the same codes and scale;
 // also returns the codes' sum. A block holding NaN or Inf: codes 0 and a NaN scale, as there.
-inline float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum) {
+float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum) {
     const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
     const __mmask16 fin0 = _mm512_cmp_ps_mask(_mm512_sub_ps(a0, a0), _mm512_setzero_ps(), _CMP_EQ_OQ);
     const __mmask16 fin1 = _mm512_cmp_ps_mask(_mm512_sub_ps(a1, a1), _mm512_setzero_ps(), _CMP_EQ_OQ);
@@ -280,7 +308,7 @@ inline float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & s
 // -127 / max, q = min(127, round-half-even(iscale * x)) (vcvtps2dq under the default rounding: what
 // nearest_int computes for |v| < 2^22), the sums of 16 codes, d = 1 / iscale. Non-finite or all-zero
 // superblocks go to the scalar function (codes 0; d NaN or 0).
-inline float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums) {
+float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums) {
     __m512 a[16];
     __mmask16 fin = 0xFFFF;
     __m512 m = _mm512_setzero_ps();
@@ -307,55 +335,6 @@ inline float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * b
         bsums[i] = (int16_t) _mm512_reduce_add_epi32(r);
     }
     return 1.0f / iscale;
-}
-
-// kq_pack_groups<16> with the quantizer above.
-__attribute__((noinline)) void kq_pack_groups16(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P,
-                                                int64_t g0, int64_t g1) {
-    const int64_t nsb = K / 256;
-    alignas(64) int8_t q[256];
-    int16_t bsums[16];
-    for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t c = 0; c < 16; ++c) {
-            const int64_t n = g * 16 + c;
-            for (int64_t s = 0; s < nsb; ++s) {
-                uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<16>;
-                float d = 0.0f;
-                if (n < N) {
-                    d = quantize_q8_K_block_avx512(x + n * ldx + 256 * s, q, bsums);
-                } else {
-                    std::memset(q, 0, sizeof(q));
-                    std::memset(bsums, 0, sizeof(bsums));
-                }
-                for (int j = 0; j < 64; ++j) std::memcpy(blk + 64 * j + 4 * c, q + 4 * j, 4);
-                for (int p = 0; p < 8; ++p) std::memcpy(blk + kq_bsum_at<16> + 64 * p + 4 * c, bsums + 2 * p, 4);
-                std::memcpy(blk + kq_scale_at<16> + 4 * c, &d, 4);
-            }
-        }
-    }
-}
-
-// pack_groups<16> with the quantizer above.
-__attribute__((noinline)) void pack_groups16(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P,
-                                             int64_t g0, int64_t g1) {
-    const int64_t nb = K / 32;
-    alignas(64) int8_t q[32];
-    for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t c = 0; c < 16; ++c) {
-            const int64_t n = g * 16 + c;
-            for (int64_t b = 0; b < nb; ++b) {
-                uint8_t * blk = P + (g * nb + b) * group_bytes<16>;
-                float d = 0.0f;
-                int32_t sum = 0;
-                if (n < N) d = quantize_q8_0_block_avx512(x + n * ldx + 32 * b, q, sum);
-                else std::memset(q, 0, sizeof(q));
-                for (int j = 0; j < 8; ++j) std::memcpy(blk + 64 * j + 4 * c, q + 4 * j, 4);
-                const int32_t bias = -off * sum;
-                std::memcpy(blk + bias_at<16> + 4 * c, &bias, 4);
-                std::memcpy(blk + scale_at<16> + 4 * c, &d, 4);
-            }
-        }
-    }
 }
 
 // Rows r .. r + RR - 1 against every group of P: y[n * ldy + r + i].
@@ -625,7 +604,7 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
     thread_local std::vector<float> DW;
     thread_local std::vector<kq_unpacked> UK;
     const int64_t K = W->ne[0];
-    if (W->type == GGML_TYPE_Q4_K || W->type == GGML_TYPE_Q5_K || W->type == GGML_TYPE_Q6_K) {
+    if (q8_kind_of(W->type) == q8_kind::q8_K) {
         if (!kernel_scratch(UK, (size_t) (k_kq_tile_rows * (K / 256)), "the wide matmul's unpacked rows")) return false;
     } else if (!kernel_scratch(U, (size_t) (k_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
                !kernel_scratch(DW, (size_t) (k_tile_rows * (K / 32)), "the wide matmul's row scales")) {
@@ -634,27 +613,22 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 #if DFN_X86_GCC
     const auto * w = (const uint8_t *) W->data;
     const size_t rb = W->nb[1];
+    auto q8_0 = [&](auto type) {  // Q4_0 / Q8_0 rows at the width's level
+        constexpr ggml_type T = decltype(type)::value;
+        if (width == 16) wide512::gemm_rows<T>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+        else wide256::gemm_rows<T>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
+    };
+    auto q8_K = [&](auto type) {  // K-quant rows at the width's level
+        constexpr ggml_type T = decltype(type)::value;
+        if (width == 16) wide512::kq_rows<T>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+        else wide256::kq_rows<T>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
+    };
     switch (W->type) {
-        case GGML_TYPE_Q4_K:
-            if (width == 16) wide512::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            else wide256::kq_rows<GGML_TYPE_Q4_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            break;
-        case GGML_TYPE_Q5_K:
-            if (width == 16) wide512::kq_rows<GGML_TYPE_Q5_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            else wide256::kq_rows<GGML_TYPE_Q5_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            break;
-        case GGML_TYPE_Q6_K:
-            if (width == 16) wide512::kq_rows<GGML_TYPE_Q6_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            else wide256::kq_rows<GGML_TYPE_Q6_K>(w, rb, K, P, N, y, ldy, r0, r1, UK.data());
-            break;
-        case GGML_TYPE_Q8_0:
-            if (width == 16) wide512::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-            else wide256::gemm_rows<GGML_TYPE_Q8_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-            break;
-        default:
-            if (width == 16) wide512::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-            else wide256::gemm_rows<GGML_TYPE_Q4_0>(w, rb, K, P, N, y, ldy, r0, r1, U.data(), DW.data());
-            break;
+        case GGML_TYPE_Q4_K: q8_K(std::integral_constant<ggml_type, GGML_TYPE_Q4_K>{}); break;
+        case GGML_TYPE_Q5_K: q8_K(std::integral_constant<ggml_type, GGML_TYPE_Q5_K>{}); break;
+        case GGML_TYPE_Q6_K: q8_K(std::integral_constant<ggml_type, GGML_TYPE_Q6_K>{}); break;
+        case GGML_TYPE_Q8_0: q8_0(std::integral_constant<ggml_type, GGML_TYPE_Q8_0>{}); break;
+        default: q8_0(std::integral_constant<ggml_type, GGML_TYPE_Q4_0>{}); break;
     }
     return true;
 #else
@@ -664,21 +638,14 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
+    const bool fast = width == 16;  // AVX-512 VNNI: the quantizers' AVX-512 forms
     if (q8_kind_of(type) == q8_kind::q8_K) {
-#if DFN_X86_GCC
-        if (width == 16) wide512::kq_pack_groups16(x, ldx, K, N, P, g0, g1);
-#else
-        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
-#endif
-        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
+        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1, fast);
+        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1, fast);
     } else if (width == 16) {
-#if DFN_X86_GCC
-        wide512::pack_groups16(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
-#else
-        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
-#endif
+        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1, fast);
     } else {
-        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
+        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1, fast);
     }
 }
 
@@ -693,42 +660,30 @@ bool wide_type(ggml_type type, int64_t K) {
     return (kind == q8_kind::q8_0 && K % 32 == 0) || (kind == q8_kind::q8_K && K % 256 == 0);
 }
 
-// The op's userdata: the group width and the weight type, fixed when the graph is built.
-struct wide_args {
-    int width;
-    ggml_type type;
-};
-const ggml_type k_wide_types[] = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
-constexpr int k_n_wide = 5;
-const wide_args k_args[] = {{16, GGML_TYPE_Q4_0}, {16, GGML_TYPE_Q8_0}, {16, GGML_TYPE_Q4_K}, {16, GGML_TYPE_Q5_K},
-                            {16, GGML_TYPE_Q6_K}, {8, GGML_TYPE_Q4_0},  {8, GGML_TYPE_Q8_0},  {8, GGML_TYPE_Q4_K},
-                            {8, GGML_TYPE_Q5_K},  {8, GGML_TYPE_Q6_K}};
-
-const wide_args * args_for(int width, ggml_type type) {
-    int t = 0;
-    while (k_wide_types[t] != type) ++t;  // a wide_type: always found
-    return &k_args[(width == 16 ? 0 : k_n_wide) + t];
-}
+// The ops' userdata: the group width and the weight type, fixed when the graph is built, in the
+// pointer's value (ggml passes it through untouched).
+void * op_args(int width, ggml_type type) { return (void *) (intptr_t) (width * GGML_TYPE_COUNT + (int) type); }
+int args_width(void * a) { return (int) ((intptr_t) a / GGML_TYPE_COUNT); }
+ggml_type args_type(void * a) { return (ggml_type) ((intptr_t) a % GGML_TYPE_COUNT); }
 
 // ggml custom ops. pack: src[0] = x; groups split across threads.
 void pack_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * a = (const wide_args *) userdata;
+    const int width = args_width(userdata);
     const ggml_tensor * x = dst->src[0];
-    const int64_t K = x->ne[0], N = x->ne[1], ng = (N + a->width - 1) / a->width;
-    pack(a->width, (const float *) x->data, (int64_t) (x->nb[1] / sizeof(float)), K, N, a->type, (uint8_t *) dst->data,
-         ng * ith / nth, ng * (ith + 1) / nth);
+    const int64_t K = x->ne[0], N = x->ne[1], ng = (N + width - 1) / width;
+    pack(width, (const float *) x->data, (int64_t) (x->nb[1] / sizeof(float)), K, N, args_type(userdata),
+         (uint8_t *) dst->data, ng * ith / nth, ng * (ith + 1) / nth);
 }
 
 // gemm: src[0] = W, src[1] = the packed x; rows split across threads in tiles of 8.
 void wide_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * a = (const wide_args *) userdata;
     const ggml_tensor * W = dst->src[0];
     const int64_t M = W->ne[1], N = dst->ne[1];
     const int64_t tiles = (M + k_tile_rows - 1) / k_tile_rows;
     const int64_t r0 = std::min(M, tiles * ith / nth * k_tile_rows);
     const int64_t r1 = std::min(M, tiles * (ith + 1) / nth * k_tile_rows);
     if (r0 >= r1) return;
-    gemm(a->width, W, (const uint8_t *) dst->src[1]->data, N, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)),
+    gemm(args_width(userdata), W, (const uint8_t *) dst->src[1]->data, N, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)),
          r0, r1);
 }
 
@@ -741,14 +696,13 @@ ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor 
     if (width == 0 || !b.own_kernels() || x->ne[1] <= k_matmul_max_cols || !wide_type(W->type, W->ne[0]) ||
         W->ne[1] > k_max_rows || !matmul_op_supported(W, x))
         return nullptr;
-    const wide_args * args = args_for(width, W->type);
+    void * args = op_args(width, W->type);
     ggml_tensor * xs[1] = {x};
     ggml_tensor * P = ggml_custom_4d(b.ctx, GGML_TYPE_I8, packed_size(width, W->type, x->ne[0], x->ne[1]), 1, 1, 1, xs, 1,
-                                     pack_fn, GGML_N_TASKS_MAX, (void *) args);
+                                     pack_fn, GGML_N_TASKS_MAX, args);
     ggml_set_name(P, "q8_pack");
     ggml_tensor * srcs[2] = {W, P};
-    ggml_tensor * y = ggml_custom_4d(b.ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, srcs, 2, wide_fn, GGML_N_TASKS_MAX,
-                                     (void *) args);
+    ggml_tensor * y = ggml_custom_4d(b.ctx, GGML_TYPE_F32, W->ne[1], x->ne[1], 1, 1, srcs, 2, wide_fn, GGML_N_TASKS_MAX, args);
     ggml_set_name(y, "matmul_wide");
     return y;
 }
