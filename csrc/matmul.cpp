@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -72,18 +73,6 @@ static inline float h2f(ggml_fp16_t h) { return half_to_float(h); }
 #undef TILE_RM
 #undef TILE_RN
 #undef TILE_RM1
-#define Q8_RR1 1
-#define Q8_RC 4
-#include "matmul_q8_0_rows.inc"
-#undef Q8_RR1
-#undef Q8_RC
-template <ggml_type T, int RR, int RC>
-static inline void kq_superblock(const uint8_t * const * x, const float * d, const float * dmin, const int8_t * const * a,
-                                 const int16_t * const * bs, const float * da, vec * acc) {
-    float * lanes[RR * RC];
-    for (int p = 0; p < RR * RC; ++p) lanes[p] = acc[p].l;
-    kq_superblock_c<T, RR, RC>(x, d, dmin, a, bs, da, lanes);
-}
 #define KQ_RR1 1
 #define KQ_RR 1
 #define KQ_RC 4
@@ -133,11 +122,7 @@ static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
 #undef TILE_RN
 #undef TILE_RM1
 #include "matmul_q8_0_simd.inc"
-#define Q8_RR1 2  // 16 ymm registers: 2 halves x Q8_RR1 accumulators, the codes, their signs
-#define Q8_RC 4
 #include "matmul_q8_0_rows.inc"
-#undef Q8_RR1
-#undef Q8_RC
 #define KQ_RR1 2  // 16 ymm registers: 2 x 2 integer lane halves x KQ_RR x KQ_RC <= 8 accumulators
 #define KQ_RR 1
 #define KQ_RC 4
@@ -234,6 +219,15 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
     }
 }
 
+// Columns from which the integer path multiplies through the GEMM of matmul_wide.h (groups of 16
+// or 8 columns) rather than the rows kernels (lanes = rows): where the two crossed on the 0.65B
+// model's verify passes (AVX-512, Intel Xeon) and on single matrices (AVX2), with Q8_0's rows
+// kernel cheaper per column than the others'. Either gives the same bits.
+int64_t wide_min_cols(int width, ggml_type type) {
+    if (width == 16) return type == GGML_TYPE_Q8_0 ? 14 : 12;
+    return type == GGML_TYPE_Q8_0 ? 10 : 6;
+}
+
 // Enough F32 rows for the largest tile of any path (TILE_RM / TILE_RM1 <= 8).
 constexpr int64_t k_dequant_rows = 8;
 
@@ -241,6 +235,9 @@ constexpr int64_t k_dequant_rows = 8;
 // columns (a column's codes are the same whoever computes them). False: no scratch (noted).
 bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool no_vnni) {
+    // wide_min_cols columns and more: the GEMM of matmul_wide.h, the same operations per output
+    if (const int width = matmul_wide_width(which, no_vnni); width != 0 && N >= wide_min_cols(width, type) && ldy * 15 < INT32_MAX)
+        return matmul_wide_span(width, W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
     thread_local q8_acts A;
     if (!q8_quantize_acts(type, x, ldx, K, N, A)) return false;
     const bool kquant = A.kind == q8_kind::q8_K;
@@ -311,9 +308,10 @@ bool rows_on(isa which, const void * W, ggml_type type, size_t w_row_bytes, cons
     return true;
 }
 
-// Rows handed to a thread come in multiples of 24 (a whole number of tiles on every path), so
-// only the last thread runs single-row tails.
-constexpr int64_t k_row_unit = 24;
+// Rows handed to a thread come in multiples of 48 (a whole number of tiles on every path: 16 rows
+// on the Q8_0-kind rows, up to 8 elsewhere, 3 x 8 on the F32 path), so only the last thread runs
+// partial tiles.
+constexpr int64_t k_row_unit = 48;
 
 void matmul_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * W = dst->src[0];

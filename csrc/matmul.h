@@ -20,31 +20,37 @@
 //     w_k = d_s * sc_j * q_k - dmin_s * m_j per superblock s (256) and sub-block j (16 or 32);
 //  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, maddubs + madd on
 //     512 / 256 bits, or plain C: exact, so how they are grouped cannot change them):
-//       Q8_0 kind, per block b and 4-code chunk j < 8: s_{b,j} = sum_{i < 4} q_k a_k, k = 32 b + 4 j + i
+//       Q8_0 kind, per block b: s_b = sum_{k < 32} q_{32 b + k} a_{32 b + k}
 //                  (on SIMD from unsigned codes: Q4_0 nibble_k, Q8_0 q_k xor 0x80, plus the
-//                  activations' -8 or -128 x the chunk's sum of a: the same integer)
-//       Q8_K kind, per superblock s, 16 lanes l: L_l = sum sc_k q_k a_k over the codes
-//                  k = 64 u + 4 l + j (u, j < 4; sc_k the scale of k's 16-code group; Q6_K: the
-//                  signed q - 32), and (Q4_K / Q5_K) for l < 4: M_l = sum_{i = 4 l .. 4 l + 3} m_i bsum_i
-//                  (m_i the min of group i, bsum_i the sum of its 16 codes a_k);
-//  4. the float combination, per output, one fixed order:
-//       Q8_0 kind: 16 lanes from +0; per block b in order, for j < 8: lane 8 (b % 2) + j =
-//                  fmaf(fl(dw_b * da_b), (float) s_{b,j}, lane); y = the F32 path's pairwise lane
-//                  sum (so two blocks' chunk sums are one 16-lane fma, no horizontal sums);
-//       Q8_K kind: 16 lanes from +0; per superblock s in order: lane l = fmaf(fl(d_s * da_s),
-//                  (float) L_l, lane l), then (Q4_K / Q5_K, l < 4) lane l = fmaf(-fl(dmin_s * da_s),
-//                  (float) M_l, lane l); y = the pairwise lane sum.
+//                  activations' -8 or -128 x the sum of a: the same integer)
+//       Q8_K kind, per superblock s: S = sum_k sc_k q_k a_k over its 256 codes (sc_k the scale of
+//                  k's 16- or 32-code group; Q6_K: the signed q - 32), and (Q4_K / Q5_K)
+//                  M = sum_j m_j bsum_j (m_j the min of sub-block j, bsum_j the sum of its codes a_k);
+//  4. the float combination, per output: one accumulator from +0, one fused step per block in order
+//       Q8_0 kind: acc = fmaf(fl(dw_b * da_b), (float) s_b, acc)
+//       Q8_K kind: acc = fmaf(fl(d_s * da_s), (float) S, acc), then (Q4_K / Q5_K)
+//                  acc = fmaf(-fl(dmin_s * da_s), (float) M, acc);  y = acc.
 //     (float) of an int32 rounds to nearest even, the same everywhere. The sources are built with
 //     -ffp-contract=off so that no compiler fuses what is written as separate operations.
-// So the integer path rounds the activations as llama.cpp's quantized matmul does (but its batched
-// GEMMs -- llamafile sgemm, repacked tiles -- sum in other orders than its one-column vec_dot,
-// and its x86 activation quantizers round differently from the reference: docs/architecture.md).
+//     tests/reference/q8_matmul_ref.py emulates these operations exactly; every path matches it
+//     bit for bit (tests/test_matmul.py).
+// That is llama.cpp's per-block structure (an exact block sum, a scale product, an accumulation per
+// block; not its rounding: its reference rounds fl(fl(sumi dx) dy) and its SIMD paths keep partial
+// sums), so the activations round as its quantized matmul does (but its x86 activation quantizers
+// round differently from the reference: docs/architecture.md). One accumulator per output is what
+// lets a batch run as a GEMM with the columns in the vector lanes (matmul_wide.h), and one column
+// as lanes = rows.
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
-// for up to 8 columns at a time; integer path: each pair of Q4_0 / Q8_0 blocks decoded once for
-// up to 8 columns, 4 rows at a time for one column; each K-quant superblock unpacked in registers
-// once per tile of 2 rows x 4 columns, the lanes kept across superblocks), so the cost of a verify
-// pass grows with its FLOPs, not with re-converting the weights per column.
+// for up to 8 columns at a time). Integer path, by columns N:
+//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2; Q8_0 14 / 10): rows kernels,
+//     Q8_0 kind: 16 rows in the lanes (two rows' block per vector, a tree of lane sums to the 16
+//     block sums), up to 8 columns sharing each block's unpacked codes, the next tile's blocks
+//     prefetched; K-quants: one column in tiles of 2 rows (each output's 16 integer lanes summed),
+//     more columns (AVX-512) 16 rows in the lanes x up to 4 columns;
+//   N from wide_min_cols: the GEMM of matmul_wide.h (columns in the lanes), the verify passes of
+//     12 tokens and more and the prompt chunks,
+// so the cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
 #pragma once
 
 #include "build_context.h"
@@ -70,10 +76,11 @@ bool matmul_op_supported(const ggml_tensor * W, const ggml_tensor * x);
 ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, const matmul_dispatch * dispatch = nullptr);
 
 // Columns up to which matmul() takes matmul_op: decode steps, verify blocks and draft blocks.
-// Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster
-// (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns), except Q4_0 /
-// Q8_0, which take the GEMM of matmul_wide.h (AVX-512 VNNI or AVX2). 64 covers every verify
-// (k_max_block_size tokens, or a tree of up to 63 nodes + root), so each is bitwise.
+// Wider inputs (prompt chunks) are compute-bound GEMMs where ggml's tiled kernels are faster for
+// the F32 path (bench/ar_decode.py: prefill 0.77x of llama.cpp with matmul_op for 256 columns);
+// the integer path's types take the GEMM of matmul_wide.h (AVX-512 VNNI or AVX2), the same bits
+// as matmul_op's. 64 covers every verify (k_max_block_size tokens, or a tree of up to 63 nodes +
+// root), so each is bitwise.
 constexpr int64_t k_matmul_max_cols = 64;
 
 // What every graph builder calls for a weight matmul: matmul_op where supported, b asks for

@@ -1,5 +1,5 @@
-// The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has
-// the layout and the math).
+// The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (matmul_wide.h has the
+// layout and the math).
 #include "matmul_wide.h"
 
 #include "alloc.h"
@@ -690,6 +690,25 @@ void wide_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }  // namespace
 
 bool matmul_wide_available() { return width_at(isa_in_use()) != 0; }
+
+int matmul_wide_width(isa_level level, bool no_vnni) {
+    const int width = width_at(level);
+    return width == 16 && no_vnni ? 8 : width;
+}
+
+bool matmul_wide_span(int width, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx,
+                      float * y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+    thread_local std::vector<uint8_t> P;
+    if (!kernel_scratch(P, (size_t) packed_size(width, type, K, N), "the wide matmul's packed columns")) return false;
+    pack(width, x, ldx, K, N, type, P.data(), 0, (N + width - 1) / width);
+    ggml_tensor t{};  // a view of W for gemm(): type, row size, shape
+    t.type = type;
+    t.ne[0] = K;
+    t.ne[1] = r1;
+    t.nb[1] = w_row_bytes;
+    t.data = const_cast<void *>(W);
+    return gemm(width, &t, P.data(), N, y, ldy, r0, r1);
+}
 
 ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
     const int width = width_at(isa_in_use());  // once: a set_isa between two reads cannot mix levels

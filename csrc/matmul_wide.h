@@ -1,6 +1,8 @@
-// Prompt-sized matmuls of Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K weights: a GEMM on AVX-512 VNNI (groups
-// of 16 columns) or AVX2 (groups of 8) for x with more columns than the batch-invariant matmul
-// takes (k_matmul_max_cols: prompt chunks, not verify passes).
+// Wide matmuls of Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K weights: a GEMM on AVX-512 VNNI (groups of 16
+// columns) or AVX2 (groups of 8), computing every output by the batch-invariant contract's
+// operations (matmul.h, integer path). Two callers: matmul() for prompt chunks (more than
+// k_matmul_max_cols columns: the ops below), and the batch-invariant kernel itself for verify
+// passes and drafts of wide_min_cols columns and more (matmul.cpp, through matmul_wide_span).
 //
 // Why: llama.cpp on a CPU without AMX repacks Q4_0 weights for its GEMM (ggml's CPU_REPACK), and
 // there its prefill ran 1.2x ours, which went through ggml_mul_mat on the plain layout (llamafile's
@@ -26,12 +28,10 @@
 //     then lane c is y[16 g + c][r]. AVX2 (groups of 8, tiles of 4 rows): the same integer sums by
 //     maddubs + madd (Q4_0: the nibbles' pairs summed in int16 over the 8 chunks, at most
 //     8 x 2 x 15 x 127; Q8_0: |w| times a signed by w, off 0) and the same float operations, so
-//     the same bits as AVX-512. This is llama.cpp's per-block structure (an exact block sum, a
-//     scale product, an accumulation per block), not its rounding (its reference rounds
-//     fl(fl(sumi dx) dy) then adds; its AVX2 path keeps 8 partial sums), and a different order
-//     from the batch-invariant contract (matmul.h), which prompt chunks were never under (they
-//     ran ggml before). An output's operations are fixed: its bits do not depend on N, on the
-//     other columns, on the thread split or on the level.
+//     the same bits as AVX-512 -- and as the rows kernels of matmul.cpp at one column: these are
+//     the contract's operations (matmul.h, steps 3-4), so a prompt's chunk, a verify pass and an
+//     AR step compute a token alike. An output's operations are fixed: its bits do not depend on
+//     N, on the other columns, on the thread split or on the level.
 //
 // Q4_K, Q5_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref, on AVX-512 in 512-bit
 // registers with the same rounding; per group and superblock of 256: 64 chunks of the codes, 8
@@ -48,11 +48,13 @@
 // Taken (matmul_wide) for Q4_0 / Q8_0 (K a multiple of 32) and Q4_K / Q5_K / Q6_K (of 256) weights
 // in host memory, more than k_matmul_max_cols columns, the own kernels, when the level in use is
 // AVX-512 on a CPU with AVX-512 VNNI (AMD Zen 4, Intel since Ice Lake: 16 columns) or AVX2 (8
-// columns); else (the portable level) ggml_mul_mat, as before. It runs the level in use
-// (isa_in_use()), not a measured choice (matmul_dispatch.h measures the batch-invariant kernel only).
+// columns; also AVX-512 without VNNI); else (the portable level) ggml_mul_mat. Prompt chunks run
+// the level in use (isa_in_use()); inside the batch-invariant kernel, the level its measured
+// dispatch chose (matmul_dispatch.h).
 #pragma once
 
 #include "build_context.h"
+#include "cpu_isa.h"
 
 #include "ggml.h"
 
@@ -71,5 +73,17 @@ void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const 
 
 // True when the engine's prompt matmuls take it here (the level in use is AVX-512 with VNNI, or AVX2).
 bool matmul_wide_available();
+
+// The group width of the GEMM at `level` on this CPU: 16 (AVX-512 with VNNI, unless no_vnni), 8
+// (AVX2, and AVX-512 without VNNI), 0 (none: the portable level, or not x86).
+int matmul_wide_width(isa_level level, bool no_vnni = false);
+
+// For the batch-invariant matmul's wider calls (matmul.cpp: wide_min_cols columns and more): rows
+// [r0, r1) of y[n * ldy + r] = (W x)[r, n] through the pack and the GEMM of `width` in the calling
+// thread, which packs all N columns itself (as the rows path quantizes them). The same operations
+// per output as the rows path (matmul.h), so the same bits. False (noted) when the scratch cannot
+// be had; W's rows must suit the GEMM (wide_type: K a multiple of its block, ldy * 15 < 2^31).
+bool matmul_wide_span(int width, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx,
+                      float * y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1);
 
 }  // namespace dfn

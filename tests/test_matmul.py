@@ -120,20 +120,20 @@ def k_quant_mins(raw: np.ndarray, qtype: str) -> np.ndarray:
 
 def q8_bound(qtype: str, K: int, mag: np.ndarray) -> np.ndarray:
     """The integer path's F32 rounding bound (test_q8_path_matches_float64) for the sums of |terms| mag."""
-    chain = -(-K // 64) if Q8_TYPES[qtype] == "Q8_0" else (1 if qtype == "Q6_K" else 2) * K // 256
-    return (1 + chain + 4) * 2.0**-24 * mag + 1e-30
+    chain = K // 32 if Q8_TYPES[qtype] == "Q8_0" else (1 if qtype == "Q6_K" else 2) * K // 256
+    return (1 + chain) * 2.0**-24 * mag + 1e-30
 
 
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
 @pytest.mark.parametrize("M,K", [(1, 256), (29, 512), (70, 768), (33, 2560)])
 def test_q8_path_matches_float64(qtype, M, K):
     """The integer path against float64: weights dequantized (gguf-py), activations quantized to
-    Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer lane sums
-    are exact (and exact as F32); what is left is F32 rounding, each at most u = 2^-24 of a partial
-    sum bounded by the sum of |terms|: the scale products (1), the fmaf chain of each of the 16
-    lanes (one per pair of Q8_0 blocks, two per Q4_K / Q5_K superblock: S and M, one for Q6_K) and
-    the pairwise lane sum (4). Measured: up to ~5 u. Unquantized activations (the F32 path) miss the
-    bar by orders of magnitude."""
+    Q8_0 / Q8_K as specified (an independent numpy quantizer), dot in float64. The integer block
+    sums are exact; what is left is F32 rounding, each at most u = 2^-24 of a partial sum bounded by
+    the sum of |terms|: the scale products (1) and the one fmaf chain per output (one step per Q8_0
+    block, two per Q4_K / Q5_K superblock: S and M, one for Q6_K; a K-quant's S above 2^24 also
+    rounds in its conversion, within the same u of the partial sum). Unquantized activations (the
+    F32 path) miss the bar by orders of magnitude."""
     raw, values, x = _qcase(qtype, M, K, 11)
     x[3, :32] = 0.0    # an all-zero block (and superblock part)
     x[4, 40] = 1e4     # one dominant value
@@ -151,6 +151,33 @@ def test_q8_path_matches_float64(qtype, M, K):
         assert (np.abs(y - ref) <= bound).all(), (isa, float((np.abs(y - ref) / bound).max()))
     f32 = _core.testing.matmul(raw, x, "", 1, qtype, f32_path=True)
     assert (np.abs(f32 - ref) > bound).any()
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_q8_path_is_the_contract(qtype):
+    """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3 and
+    19 columns (19: the prompt-sized GEMM of matmul_wide.h where the level has one, also called
+    directly), with 1 and 2 threads, has the bits of an exact emulation of matmul.h's operations
+    (tests/reference/q8_matmul_ref.py: integer block sums, each F32 product, conversion and fmaf
+    rounded exactly, in the contract's order): the contract itself, not only agreement between
+    paths. 21 rows: partial tiles of 16 rows."""
+    from reference import q8_matmul_ref
+
+    raw, _, x = _qcase(qtype, 21, 768 if Q8_TYPES[qtype] == "Q8_0" else 512, 19, seed=5)
+    x[2, :32] = 0.0  # an all-zero block
+    x[4, 40] = 1e4  # one dominant value
+    x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)  # exact ties
+    ref = q8_matmul_ref.matmul(raw, qtype, x)
+    for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
+        for n, nt in ((1, 1), (3, 2), (19, 1), (19, 2)):
+            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), ref[:n],
+                                          err_msg=f"{qtype} {isa} N={n} threads={nt}")
+    for isa in ("avx512f", "avx2"):
+        try:
+            wide = _core.testing.matmul_wide(raw, x, qtype.lower(), isa)
+        except ValueError:  # no GEMM at that level on this CPU
+            continue
+        np.testing.assert_array_equal(wide, ref, err_msg=f"{qtype} wide {isa}")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -187,15 +214,14 @@ def test_quantized_batch_invariant_bitwise(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("K", [32, 96, 800, 1024])
 def test_q8_0_block_counts_bitwise(qtype, K):
-    """Q8_0-kind rows of any block count (groups of 16 blocks; an odd last block on the AVX-512
-    path's two-block steps) and every tile (AVX-512: 4 rows x 1 column, 2 rows x 2-3 columns, up to
-    8 columns sharing a block; AVX2: 2 x 1, 2 x 2-3, up to 4 columns; 21 rows: row remainders):
-    every ISA (AVX-512 with and without VNNI), thread split and batch size gives the portable
-    path's single-column bits."""
+    """Q8_0-kind rows of any block count and every tile (AVX-512 and AVX2: 16 rows in the lanes, up
+    to 8 columns per pass over their blocks; 21 rows: a partial tile; 14 / 10 columns and more: the
+    GEMM of matmul_wide.h): every ISA (AVX-512 with and without VNNI), thread split and batch size
+    gives the portable path's single-column bits."""
     raw, _, x = _qcase(qtype, 21, K, 19, seed=K)
     cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(19)])
     for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
-        for n, nt in ((1, 1), (1, 2), (2, 1), (3, 2), (4, 1), (5, 1), (8, 2), (9, 1), (19, 2)):
+        for n, nt in ((1, 1), (1, 2), (2, 1), (3, 2), (4, 1), (5, 1), (8, 2), (9, 1), (10, 1), (14, 2), (19, 2)):
             np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
                                           err_msg=f"{isa} N={n} threads={nt}")
 
@@ -203,12 +229,12 @@ def test_q8_0_block_counts_bitwise(qtype, K):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("M,K", [(1, 256), (7, 2560), (35, 768)])
 def test_k_quant_tiles_bitwise(qtype, M, K):
-    """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, 2 x 4
-    else; AVX2: 2 x 1 and 1 x 4; in blocks of 16 rows; 64 codes per vector on AVX-512BW, 32 on
-    AVX2): row counts that
-    are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every ISA --
-    each output has the bits of the portable path's single-column result, which is within the
-    float64 bound of test_q8_path_matches_float64 (here over 1..10 superblocks)."""
+    """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, else
+    16 rows in the lanes x up to 4 columns; AVX2: 2 x 1 and 1 x 4 in blocks of 16 rows; 64 codes per
+    vector on AVX-512BW, 32 on AVX2; 12 / 6 columns and more: the GEMM of matmul_wide.h): row counts
+    that are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every
+    ISA -- each output has the bits of the portable path's single-column result, which is within
+    the float64 bound of test_q8_path_matches_float64 (here over 1..10 superblocks)."""
     raw, values, x = _qcase(qtype, M, K, 13, seed=M + K)
     cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(13)])
     xq = q8_activations(x, "Q8_K")
@@ -216,7 +242,7 @@ def test_k_quant_tiles_bitwise(qtype, M, K):
     mag = np.abs(xq) @ (np.abs(values.astype(np.float64)) + 2 * k_quant_mins(raw, qtype)).T
     assert (np.abs(cols - ref) <= q8_bound(qtype, K, mag)).all()
     for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
-        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13):
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13):
             for nt in (1, 2):
                 np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), cols[:n],
                                               err_msg=f"{qtype} {isa} M={M} K={K} N={n} threads={nt}")

@@ -1,13 +1,14 @@
-"""The prompt-sized Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more
-than 64 columns (prompt chunks), which ran ggml_mul_mat before.
+"""The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more than
+64 columns (prompt chunks), and inside the batch-invariant kernel those of 12 columns and more (verify passes;
+test_matmul.test_q8_path_is_the_contract checks both against an exact emulation of the contract).
 
 - Against float64 over the dequantized weights and the activations quantized as ggml's reference
   quantize_row_q8_0 / q8_K does: exact integer sums, then per block (Q4_K / Q5_K: per superblock,
   scales and mins; Q6_K: per superblock) a scale product and an fma per output, so the error is within a few F32 roundings per
   block of the sum of |terms|; unquantized activations miss that bound.
 - Every column is computed alone: its bits do not depend on N, on the other columns, or on how
-  the rows are split (the matmul's; a prompt's chunks of at most 64 tokens take the
-  batch-invariant kernel instead, and attention switches kernels there too).
+  the rows are split; a prompt's chunk of at most 64 tokens takes the batch-invariant kernel,
+  which gives the same bits.
 - NaN / Inf in a column gives NaN in that column only.
 - AVX-512 (groups of 16 columns) and AVX2 (groups of 8) compute the same bits.
 - In the engine: prompts of more than 64 tokens take it (the graph's node names say so), their
