@@ -43,7 +43,7 @@
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
 // for up to 8 columns at a time). Integer path, by columns N:
-//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2; Q8_0 14 / 10): rows kernels,
+//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2; Q8_0 14 / 24): rows kernels,
 //     Q8_0 kind: 16 rows in the lanes (two rows' block per vector, a tree of lane sums to the 16
 //     block sums), up to 8 columns sharing each block's unpacked codes, the next tile's blocks
 //     prefetched; K-quants: one column in tiles of 2 rows (each output's 16 integer lanes summed),
