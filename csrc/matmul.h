@@ -21,8 +21,9 @@
 //  3. block sums are exact integers (int8 x int8 -> int32; AVX-512 VNNI vpdpbusd, maddubs + madd on
 //     512 / 256 bits, or plain C: exact, so how they are grouped cannot change them):
 //       Q8_0 kind, per block b: s_b = sum_{k < 32} q_{32 b + k} a_{32 b + k}
-//                  (on SIMD from unsigned codes: Q4_0 nibble_k, Q8_0 q_k xor 0x80, plus the
-//                  activations' -8 or -128 x the sum of a: the same integer)
+//                  (with VNNI from unsigned codes: Q4_0 nibble_k, Q8_0 q_k xor 0x80, plus the
+//                  activations' -8 or -128 x the sum of a; without, Q8_0 as |q_k| x (a_k signed
+//                  by q_k): the same integer)
 //       Q8_K kind, per superblock s: S = sum_k sc_k q_k a_k over its 256 codes (sc_k the scale of
 //                  k's 16- or 32-code group; Q6_K: the signed q - 32), and (Q4_K / Q5_K)
 //                  M = sum_j m_j bsum_j (m_j the min of sub-block j, bsum_j the sum of its codes a_k);
@@ -33,7 +34,8 @@
 //     (float) of an int32 rounds to nearest even, the same everywhere. The sources are built with
 //     -ffp-contract=off so that no compiler fuses what is written as separate operations.
 //     tests/reference/q8_matmul_ref.py emulates these operations exactly; every path matches it
-//     bit for bit (tests/test_matmul.py).
+//     bit for bit (tests/test_matmul.py). A NaN or Inf in a column makes its outputs NaN on every
+//     path; the NaN's sign and payload are not promised.
 // That is llama.cpp's per-block structure (an exact block sum, a scale product, an accumulation per
 // block; not its rounding: its reference rounds fl(fl(sumi dx) dy) and its SIMD paths keep partial
 // sums), so the activations round as its quantized matmul does (but its x86 activation quantizers
@@ -43,11 +45,13 @@
 //
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
 // for up to 8 columns at a time). Integer path, by columns N:
-//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2; Q8_0 14 / 24): rows kernels,
-//     Q8_0 kind: 16 rows in the lanes (two rows' block per vector, a tree of lane sums to the 16
-//     block sums), up to 8 columns sharing each block's unpacked codes, the next tile's blocks
-//     prefetched; K-quants: one column in tiles of 2 rows (each output's 16 integer lanes summed),
-//     more columns (AVX-512) 16 rows in the lanes x up to 4 columns;
+//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2 and AVX-512 without VNNI;
+//     Q8_0 14 / 24): rows kernels. Q8_0 kind: 16 rows in the lanes (AVX-512: two rows' block per
+//     vector, a tree of lane sums to the 16 block sums; AVX2: 8 rows per hadd tree), up to 8
+//     columns per pass (AVX-512 keeps each block's unpacked codes for them), the next tile's
+//     blocks prefetched. K-quants: one column in tiles of 2 rows (each output's 16 integer lanes
+//     summed), more columns 16 rows in the lanes x up to 4 columns (AVX-512) or 1 row x 4 (AVX2);
+//     the portable path one output at a time in plain C;
 //   N from wide_min_cols: the GEMM of matmul_wide.h (columns in the lanes), the verify passes of
 //     12 tokens and more and the prompt chunks,
 // so the cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.

@@ -425,7 +425,9 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
                     acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(S[i], _mm512_slli_epi32(M[i], 5))), acc[i]);
                 } else {
                     acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(S[i]), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-x.dmin), da), _mm512_cvtepi32_ps(M[i]), acc[i]);
+                    const __m512 dm = _mm512_castsi512_ps(_mm512_xor_si512(  // -fl(dmin * da), as the rows kernels
+                        _mm512_castps_si512(_mm512_mul_ps(_mm512_set1_ps(x.dmin), da)), _mm512_set1_epi32(INT32_MIN)));
+                    acc[i] = _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(M[i]), acc[i]);
                 }
             }
         }
@@ -561,7 +563,8 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
                     acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(S[i], _mm256_slli_epi32(M[i], 5))), acc[i]);
                 } else {
                     acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(S[i]), acc[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-x.dmin), da), _mm256_cvtepi32_ps(M[i]), acc[i]);
+                    const __m256 dm = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(x.dmin), da), _mm256_set1_ps(-0.0f));
+                    acc[i] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(M[i]), acc[i]);
                 }
             }
         }
@@ -739,15 +742,7 @@ void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const 
     else throw input_error(cat("[matmul] the wide matmul runs at 'avx512f' or 'avx2', not '", isa, "'"));
     DFN_REQUIRE(width > 0, "matmul", "the wide matmul", isa.empty() ? "" : cat(" at ", isa),
                 " cannot run on this CPU (it needs AVX-512 VNNI or AVX2)");
-    std::vector<uint8_t> P((size_t) packed_size(width, type, K, N));
-    pack(width, x, ldx, K, N, type, P.data(), 0, (N + width - 1) / width);
-    ggml_tensor t{};  // a view of W for gemm(): type, row size, shape
-    t.type = type;
-    t.ne[0] = K;
-    t.ne[1] = M;
-    t.nb[1] = w_row_bytes;
-    t.data = const_cast<void *>(W);
-    if (!gemm(width, &t, P.data(), N, y, ldy, 0, M)) throw_kernel_oom("matmul");
+    if (!matmul_wide_span(width, W, type, w_row_bytes, x, ldx, y, ldy, K, N, 0, M)) throw_kernel_oom("matmul");
 }
 
 }  // namespace dfn

@@ -82,40 +82,27 @@ Q8_TYPES = {"Q4_0": "Q8_0", "Q8_0": "Q8_0", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_
 
 def q8_activations(x: np.ndarray, kind: str) -> np.ndarray:
     """x [N, K] F32 quantized as ggml's reference quantizers do (quantize_row_q8_0_ref /
-    quantize_row_q8_K_ref), returned as the values they stand for (code * scale, float64)."""
+    quantize_row_q8_K_ref: tests/reference/q8_matmul_ref.py), returned as the values they stand for
+    (code * scale, float64)."""
+    from reference import q8_matmul_ref
+
     N, K = x.shape
-    if kind == "Q8_0":
-        xb = x.reshape(N, K // 32, 32)
-        d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
-        with np.errstate(divide="ignore"):
-            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        v = (xb * inv[..., None]).astype(np.float32).astype(np.float64)
-        q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: half away from zero
-        scale = d.astype(np.float16).astype(np.float64)  # the block's d as F16
-    else:
-        xb = x.reshape(N, K // 256, 256)
-        first = np.abs(xb).argmax(-1)  # the first of largest |x|
-        mx = np.take_along_axis(xb, first[..., None], -1)[..., 0]
-        with np.errstate(divide="ignore"):
-            iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
-        q = np.minimum(np.rint((xb * iscale[..., None]).astype(np.float32)), 127).astype(np.float64)
-        with np.errstate(divide="ignore"):
-            scale = np.where(mx != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32).astype(np.float64)
+    q, d = q8_matmul_ref.q8_0_acts(x) if kind == "Q8_0" else q8_matmul_ref.q8_K_acts(x)
     assert np.abs(q).max() <= 127
-    return (q * scale[..., None]).reshape(N, K)
+    block = K // d.shape[1]
+    return (q.reshape(N, -1, block) * d.astype(np.float64)[..., None]).reshape(N, K)
 
 
 def k_quant_mins(raw: np.ndarray, qtype: str) -> np.ndarray:
     """|dmin * m_j| of each weight's 32-value sub-block (Q4_K / Q5_K; 0 for other types): the
     term that w = d sc q - dmin m subtracts, which cancellation can leave larger than |w|."""
+    from reference import q8_matmul_ref
+
     M = raw.shape[0]
     if qtype not in ("Q4_K", "Q5_K"):
-        return np.zeros((M, raw.shape[1] * 0 + 1))
-    blk = raw.reshape(M, -1, 144 if qtype == "Q4_K" else 176)
-    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    sc = blk[..., 4:16].astype(np.int64)
-    m = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)  # [M, nsb, 8]
-    return np.repeat(np.abs(dmin[..., None] * m).reshape(M, -1), 32, axis=1)
+        return np.zeros((M, 1))
+    _, _, mn, _, dmin = q8_matmul_ref.decode_k_quant(raw, qtype)  # mins [M, nsb, 8], dmin [M, nsb]
+    return np.repeat(np.abs(dmin.astype(np.float64)[..., None] * mn).reshape(M, -1), 32, axis=1)
 
 
 def q8_bound(qtype: str, K: int, mag: np.ndarray) -> np.ndarray:
@@ -153,31 +140,43 @@ def test_q8_path_matches_float64(qtype, M, K):
     assert (np.abs(f32 - ref) > bound).any()
 
 
-@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
-def test_q8_path_is_the_contract(qtype):
-    """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3 and
-    19 columns (19: the prompt-sized GEMM of matmul_wide.h where the level has one, also called
-    directly), with 1 and 2 threads, has the bits of an exact emulation of matmul.h's operations
-    (tests/reference/q8_matmul_ref.py: integer block sums, each F32 product, conversion and fmaf
-    rounded exactly, in the contract's order): the contract itself, not only agreement between
-    paths. 21 rows: partial tiles of 16 rows."""
-    from reference import q8_matmul_ref
-
-    raw, _, x = _qcase(qtype, 21, 768 if Q8_TYPES[qtype] == "Q8_0" else 512, 19, seed=5)
-    x[2, :32] = 0.0  # an all-zero block
-    x[4, 40] = 1e4  # one dominant value
-    x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)  # exact ties
-    ref = q8_matmul_ref.matmul(raw, qtype, x)
-    for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
-        for n, nt in ((1, 1), (3, 2), (19, 1), (19, 2)):
-            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype), ref[:n],
-                                          err_msg=f"{qtype} {isa} N={n} threads={nt}")
+def _wide_isas() -> list[str]:
+    """The levels the GEMM of matmul_wide.h runs at on this CPU: "avx512f" (VNNI), "avx2"."""
+    raw, _, x = _qcase("Q4_0", 1, 32, 1)
+    out = []
     for isa in ("avx512f", "avx2"):
         try:
-            wide = _core.testing.matmul_wide(raw, x, qtype.lower(), isa)
-        except ValueError:  # no GEMM at that level on this CPU
-            continue
-        np.testing.assert_array_equal(wide, ref, err_msg=f"{qtype} wide {isa}")
+            _core.testing.matmul_wide(raw, x, "q4_0", isa)
+            out.append(isa)
+        except ValueError:  # the level is not on this CPU (the message says so)
+            pass
+    return out
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
+def test_q8_path_is_the_contract(qtype):
+    """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3, 19
+    and 24 columns (from 12 / 14 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
+    matmul_wide.h, also called directly here), with 1 and 2 threads, has the bits of an exact
+    emulation of matmul.h's operations (tests/reference/q8_matmul_ref.py: integer block sums, each
+    F32 product, conversion and fmaf rounded exactly, in the contract's order): the contract itself,
+    not only agreement between paths. 21 rows: partial tiles of 16 rows; an all-zero block and
+    superblock (scale 0), a dominant value, exact rounding ties."""
+    from reference import q8_matmul_ref
+
+    kquant = Q8_TYPES[qtype] == "Q8_K"
+    raw, _, x = _qcase(qtype, 21, 1024 if kquant else 768, 24, seed=5)
+    x[2, :256 if kquant else 32] = 0.0
+    x[4, 40] = 1e4
+    x[5, :256] = np.resize(np.float32([-127, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 126.5]), 256)
+    ref = q8_matmul_ref.matmul(raw, qtype, x).view(np.uint32)
+    for isa in ISAS + (["avx512f-novnni"] if "avx512f" in ISAS else []):
+        for n, nt in ((1, 1), (3, 2), (19, 1), (24, 2)):
+            np.testing.assert_array_equal(_core.testing.matmul(raw, x[:n], isa, nt, qtype).view(np.uint32), ref[:n],
+                                          err_msg=f"{qtype} {isa} N={n} threads={nt}")
+    for isa in _wide_isas():
+        np.testing.assert_array_equal(_core.testing.matmul_wide(raw, x, qtype.lower(), isa).view(np.uint32), ref,
+                                      err_msg=f"{qtype} wide {isa}")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

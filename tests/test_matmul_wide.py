@@ -1,6 +1,7 @@
 """The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more than
-64 columns (prompt chunks), and inside the batch-invariant kernel those of 12 columns and more (verify passes;
-test_matmul.test_q8_path_is_the_contract checks both against an exact emulation of the contract).
+64 columns (prompt chunks), and inside the batch-invariant kernel those from wide_min_cols columns (csrc/matmul.cpp:
+12 or 14 on AVX-512 VNNI, 6 or 24 on AVX2; verify passes). test_matmul.test_q8_path_is_the_contract checks both
+against an exact emulation of the contract.
 
 - Against float64 over the dequantized weights and the activations quantized as ggml's reference
   quantize_row_q8_0 / q8_K does: exact integer sums, then per block (Q4_K / Q5_K: per superblock,
@@ -25,24 +26,9 @@ import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_gguf
-from test_matmul import _qcase, k_quant_mins, q8_activations
+from test_matmul import _qcase, _wide_isas, k_quant_mins, q8_activations
 
 TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-
-
-
-def _wide_isas() -> list[str]:
-    """The levels the GEMM runs at on this CPU: "avx512f" (16 columns, needs VNNI), "avx2" (8)."""
-    raw, _, x = _qcase("Q4_0", 1, 32, 1)
-    out = []
-    for isa in ("avx512f", "avx2"):
-        try:
-            _core.testing.matmul_wide(raw, x, "q4_0", isa)
-            out.append(isa)
-        except ValueError:
-            pass
-    return out
-
 
 WIDE_ISAS = _wide_isas()
 needs_wide = pytest.mark.skipif(not WIDE_ISAS, reason="no AVX2 here: prompt matmuls stay with ggml_mul_mat")
