@@ -11,7 +11,6 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -237,7 +236,7 @@ constexpr int64_t k_dequant_rows = 8;
 bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx, float * y,
                 int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, bool no_vnni) {
     // wide_min_cols columns and more: the GEMM of matmul_wide.h, the same operations per output
-    if (const int width = matmul_wide_width(which, no_vnni); width != 0 && N >= wide_min_cols(width, type) && ldy * 15 < INT32_MAX)
+    if (const int width = matmul_wide_width(which, no_vnni); width != 0 && N >= wide_min_cols(width, type))
         return matmul_wide_span(width, W, type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
     thread_local q8_acts A;
     if (!q8_quantize_acts(type, x, ldx, K, N, A)) return false;

@@ -33,7 +33,6 @@ template <int G> constexpr int64_t scale_at = 36 * G;
 constexpr int k_tile_rows = 8;  // rows per tile on AVX-512 (8 int32 + 8 float accumulators)
 constexpr int k_tile_rows_avx2 = 4;  // on AVX2 (16 ymm registers)
 constexpr int k_kq_tile_rows = 4;  // K-quants, both levels (per row: the group sums, S, M, the lanes)
-constexpr int64_t k_max_rows = INT32_MAX / 16;  // the AVX-512 scatter's int32 column offsets: 15 ldy (ldy = M)
 
 template <int G>
 int64_t packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 32) * group_bytes<G>; }
@@ -337,13 +336,26 @@ float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums) {
     return 1.0f / iscale;
 }
 
+// acc[i] (lane c: column c0 + c of row r + i) into y[(c0 + c) ldy + r + i] for the first cols
+// columns: through a copy on the stack, one store of the RR rows per column (a scatter of each row
+// wrote 16 lines, 4 bytes each: a third of a 16-column verify's matmul time went there).
+template <int RR>
+inline void store_tile(const __m512 * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
+    alignas(64) float tmp[RR][16];
+    for (int i = 0; i < RR; ++i) _mm512_store_ps(tmp[i], acc[i]);
+    const __m256i idx = _mm256_set_epi32(112, 96, 80, 64, 48, 32, 16, 0);  // tmp[i][c] - tmp[0][c]
+    const __mmask8 rows = (__mmask8) ((1u << RR) - 1);
+    for (int64_t c = 0; c < cols; ++c) {
+        const __m256 v = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), rows, idx, &tmp[0][c], 4);
+        _mm256_mask_storeu_ps(y + (c0 + c) * ldy + r, rows, v);
+    }
+}
+
 // Rows r .. r + RR - 1 against every group of P: y[n * ldy + r + i].
 template <ggml_type T, int RR>
 void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
                int64_t r, uint8_t * U, float * DW) {
     unpack_rows<T, RR, true>(W, w_row_bytes, nb, r, U, DW);
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32((int) ldy));
     for (int64_t g = 0; g * 16 < N; ++g) {
         __m512 acc[RR];
         for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();
@@ -367,8 +379,7 @@ void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t 
                 acc[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[i]), acc[i]);
             }
         }
-        const __mmask16 live = (__mmask16) (N - g * 16 >= 16 ? 0xFFFF : (1u << (N - g * 16)) - 1);
-        for (int i = 0; i < RR; ++i) _mm512_mask_i32scatter_ps(y + g * 16 * ldy + r + i, live, col, acc[i], 4);
+        store_tile<RR>(acc, y, ldy, r, g * 16, std::min<int64_t>(16, N - g * 16));
     }
 }
 
@@ -390,8 +401,6 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
              int64_t r, kq_unpacked * U) {
     constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
     kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32((int) ldy));
     for (int64_t g = 0; g * 16 < N; ++g) {
         __m512 acc[RR];
         for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();
@@ -431,8 +440,7 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
                 }
             }
         }
-        const __mmask16 live = (__mmask16) (N - g * 16 >= 16 ? 0xFFFF : (1u << (N - g * 16)) - 1);
-        for (int i = 0; i < RR; ++i) _mm512_mask_i32scatter_ps(y + g * 16 * ldy + r + i, live, col, acc[i], 4);
+        store_tile<RR>(acc, y, ldy, r, g * 16, std::min<int64_t>(16, N - g * 16));
     }
 }
 
@@ -452,6 +460,23 @@ __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, in
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace wide256 {
+
+// acc[i] (lane c: column c0 + c of row r + i) into y[(c0 + c) ldy + r + i] for the first cols
+// columns: one store of the RR (<= 4) rows per column, as wide512's store_tile.
+template <int RR>
+inline void store_tile(const __m256 * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
+    static_assert(RR <= 4, "store_tile: at most 4 rows");
+    alignas(32) float tmp[4][8] = {};
+    for (int i = 0; i < RR; ++i) _mm256_store_ps(tmp[i], acc[i]);
+    for (int64_t c = 0; c < cols; ++c) {
+        float * out = y + (c0 + c) * ldy + r;
+        if constexpr (RR == 4) {
+            _mm_storeu_ps(out, _mm_set_ps(tmp[3][c], tmp[2][c], tmp[1][c], tmp[0][c]));
+        } else {
+            for (int i = 0; i < RR; ++i) out[i] = tmp[i][c];
+        }
+    }
+}
 
 template <ggml_type T, int RR>
 void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
@@ -498,12 +523,7 @@ void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t 
                 acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[i]), acc[i]);
             }
         }
-        const int64_t live = std::min<int64_t>(8, N - g * 8);
-        for (int i = 0; i < RR; ++i) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, acc[i]);
-            for (int64_t c = 0; c < live; ++c) y[(g * 8 + c) * ldy + r + i] = out[c];
-        }
+        store_tile<RR>(acc, y, ldy, r, g * 8, std::min<int64_t>(8, N - g * 8));
     }
 }
 
@@ -568,12 +588,7 @@ void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t *
                 }
             }
         }
-        const int64_t live = std::min<int64_t>(8, N - g * 8);
-        for (int i = 0; i < RR; ++i) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, acc[i]);
-            for (int64_t c = 0; c < live; ++c) y[(g * 8 + c) * ldy + r + i] = out[c];
-        }
+        store_tile<RR>(acc, y, ldy, r, g * 8, std::min<int64_t>(8, N - g * 8));
     }
 }
 
@@ -716,7 +731,7 @@ bool matmul_wide_span(int width, const void * W, ggml_type type, size_t w_row_by
 ggml_tensor * matmul_wide(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
     const int width = width_at(isa_in_use());  // once: a set_isa between two reads cannot mix levels
     if (width == 0 || !b.own_kernels() || x->ne[1] <= k_matmul_max_cols || !wide_type(W->type, W->ne[0]) ||
-        W->ne[1] > k_max_rows || !matmul_op_supported(W, x))
+        !matmul_op_supported(W, x))
         return nullptr;
     void * args = op_args(width, W->type);
     ggml_tensor * xs[1] = {x};
@@ -733,7 +748,7 @@ void matmul_wide_rows(const void * W, ggml_type type, size_t w_row_bytes, const 
                       int64_t ldy, int64_t K, int64_t M, int64_t N, const std::string & isa) {
     DFN_REQUIRE(q8_kind_of(type) != q8_kind::none, "matmul", "the wide matmul takes Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K, not ",
                 ggml_type_name(type));
-    DFN_REQUIRE(wide_type(type, K) && K > 0 && M > 0 && N > 0 && M <= k_max_rows && ldy == M, "matmul", "bad shape K = ",
+    DFN_REQUIRE(wide_type(type, K) && K > 0 && M > 0 && N > 0 && ldy == M, "matmul", "bad shape K = ",
                 K, ", M = ", M, ", N = ", N);
     int width = 0;
     if (isa.empty()) width = width_at(isa_in_use());

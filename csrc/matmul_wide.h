@@ -82,7 +82,7 @@ int matmul_wide_width(isa_level level, bool no_vnni = false);
 // [r0, r1) of y[n * ldy + r] = (W x)[r, n] through the pack and the GEMM of `width` in the calling
 // thread, which packs all N columns itself (as the rows path quantizes them). The same operations
 // per output as the rows path (matmul.h), so the same bits. False (noted) when the scratch cannot
-// be had; W's rows must suit the GEMM (wide_type: K a multiple of its block, ldy * 15 < 2^31).
+// be had; W's rows must suit the GEMM (K a multiple of the type's block).
 bool matmul_wide_span(int width, const void * W, ggml_type type, size_t w_row_bytes, const float * x, int64_t ldx,
                       float * y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1);
 
