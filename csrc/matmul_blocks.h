@@ -3,10 +3,15 @@
 // the F16 -> F32 conversion of their scales. Internal to matmul*.cpp.
 #pragma once
 
+#include "common.h"
 #include "ggml.h"
 
 #include <cstdint>
 #include <cstring>
+
+#if DFN_X86_GCC
+#include <immintrin.h>
+#endif
 
 namespace dfn {
 
@@ -49,6 +54,21 @@ static inline float half_to_float(ggml_fp16_t h) {
     std::memcpy(&f, &bits, sizeof(f));
     return f;
 }
+
+#if DFN_X86_GCC
+// Q4_K / Q5_K: the 8 6-bit scales (bytes 0..7) and mins (bytes 8..15) of the 12 scale bytes s, as
+// scale_min_k4 reads them: sc 0..3 = s 0..3 & 63, sc 4..7 = (s 8..11 & 15) | (s 0..3 >> 6) << 4,
+// m 0..3 = s 4..7 & 63, m 4..7 = (s 8..11 >> 4) | (s 4..7 >> 6) << 4. Reads 16 bytes from s (the
+// last 4 are the block's next field, unused).
+__attribute__((target("ssse3,sse4.1"))) static inline __m128i k4_scales_mins(const uint8_t * s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *) s);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(_mm_blend_epi16(a, _mm_srli_epi16(a, 4), 0xC0),  // bytes 12..15: high nibbles
+                                      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+    return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));  // bits 6, 7 -> 4, 5
+}
+#endif
 
 // A tile of 16 rows of Q4_0 / Q8_0 weights for the rows kernels (matmul_q8_0_rows.inc; each ISA's
 // q8_0_rows16 adds the integer sums): row i's pointer (lanes past nr repeat the last row, computed
