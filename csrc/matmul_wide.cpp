@@ -46,14 +46,20 @@ namespace wide512 {  // below, in 512-bit registers: the same codes and scales a
 float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum);
 float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums);
 }  // namespace wide512
+namespace wide256 {  // the same in 256-bit registers
+float quantize_q8_0_block_avx2(const float * x, int8_t * q, int32_t & sum);
+float quantize_q8_K_block_avx2(const float * x, int8_t * q, int16_t * bsums);
+}  // namespace wide256
 #endif
 
-// quantize_q8_0_block, and the codes' sum; fast: its AVX-512 form (a CPU with AVX-512 VNNI).
-inline float quantize_q8_0_summed(const float * x, int8_t * q, int32_t & sum, bool fast) {
+// quantize_q8_0_block, and the codes' sum; width 16 / 8: its AVX-512 / AVX2 form (the GEMM's
+// level: the CPU has it).
+inline float quantize_q8_0_summed(const float * x, int8_t * q, int32_t & sum, int width) {
 #if DFN_X86_GCC
-    if (fast) return wide512::quantize_q8_0_block_avx512(x, q, sum);
+    if (width == 16) return wide512::quantize_q8_0_block_avx512(x, q, sum);
+    if (width == 8) return wide256::quantize_q8_0_block_avx2(x, q, sum);
 #else
-    (void) fast;
+    (void) width;
 #endif
     const float d = quantize_q8_0_block(x, q);
     sum = 0;
@@ -61,20 +67,20 @@ inline float quantize_q8_0_summed(const float * x, int8_t * q, int32_t & sum, bo
     return d;
 }
 
-// quantize_q8_K_block; fast: its AVX-512 form.
-inline float quantize_q8_K(const float * x, int8_t * q, int16_t * bsums, bool fast) {
+// quantize_q8_K_block; width 16 / 8: its AVX-512 / AVX2 form.
+inline float quantize_q8_K(const float * x, int8_t * q, int16_t * bsums, int width) {
 #if DFN_X86_GCC
-    if (fast) return wide512::quantize_q8_K_block_avx512(x, q, bsums);
+    if (width == 16) return wide512::quantize_q8_K_block_avx512(x, q, bsums);
+    if (width == 8) return wide256::quantize_q8_K_block_avx2(x, q, bsums);
 #else
-    (void) fast;
+    (void) width;
 #endif
     return quantize_q8_K_block(x, q, bsums);
 }
 
 // Groups [g0, g1) of x's N columns into P (matmul_wide.h: pack).
 template <int G>
-void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P, int64_t g0, int64_t g1,
-                 bool fast) {
+void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P, int64_t g0, int64_t g1) {
     const int64_t nb = K / 32;
     alignas(64) int8_t q[32];
     for (int64_t g = g0; g < g1; ++g) {
@@ -84,7 +90,7 @@ void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, ui
                 uint8_t * blk = P + (g * nb + b) * group_bytes<G>;
                 float d = 0.0f;
                 int32_t sum = 0;
-                if (n < N) d = quantize_q8_0_summed(x + n * ldx + 32 * b, q, sum, fast);
+                if (n < N) d = quantize_q8_0_summed(x + n * ldx + 32 * b, q, sum, G);
                 else std::memset(q, 0, sizeof(q));
                 for (int j = 0; j < 8; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
                 const int32_t bias = -off * sum;
@@ -108,7 +114,7 @@ int64_t kq_packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 25
 
 // Groups [g0, g1) of x's N columns into P for K-quant weights (ggml's quantize_row_q8_K_ref).
 template <int G>
-void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1, bool fast) {
+void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1) {
     const int64_t nsb = K / 256;
     alignas(64) int8_t q[256];
     int16_t bsums[16];
@@ -119,7 +125,7 @@ void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t 
                 uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<G>;
                 float d = 0.0f;
                 if (n < N) {
-                    d = quantize_q8_K(x + n * ldx + 256 * s, q, bsums, fast);
+                    d = quantize_q8_K(x + n * ldx + 256 * s, q, bsums, G);
                 } else {
                     std::memset(q, 0, sizeof(q));
                     std::memset(bsums, 0, sizeof(bsums));
@@ -475,6 +481,99 @@ __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, in
 #pragma GCC target("avx2,fma,f16c")
 namespace wide256 {
 
+// 8 int32 lanes of each of a, b (values in -127..127) as 16 int8, in order.
+inline __m128i pack_epi8(__m256i a, __m256i b) {
+    const __m256i w = _mm256_packs_epi32(a, b);  // a0-3 b0-3 | a4-7 b4-7 (int16)
+    const __m256i y = _mm256_permute4x64_epi64(w, 0xD8);  // a0-3 a4-7 b0-3 b4-7
+    return _mm_packs_epi16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
+}
+
+inline float hmax_ps(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+inline bool all_finite(__m256 v) {  // x - x is 0 for every finite x, NaN otherwise
+    return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ)) == 0xFF;
+}
+
+// quantize_q8_0_block (matmul_q8.h) on 256 bits, as wide512's form: the same operations per value
+// (|x| max, v = x * id rounded half away from zero by truncation and the exact remainder), so the
+// same codes and scale; also returns the codes' sum. NaN / Inf: the scalar function's codes 0, NaN.
+float quantize_q8_0_block_avx2(const float * x, int8_t * q, int32_t & sum) {
+    __m256 a[4];
+    bool fin = true;
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_loadu_ps(x + 8 * i);
+        fin = fin && all_finite(a[i]);
+        m = _mm256_max_ps(m, _mm256_and_ps(a[i], abs));
+    }
+    if (!fin) {
+        std::memset(q, 0, 32);
+        sum = 0;
+        return quantize_q8_0_block(x, q);  // NaN, codes 0
+    }
+    const float d = hmax_ps(m) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), mhalf = _mm256_set1_ps(-0.5f);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) {
+        const __m256 v = _mm256_mul_ps(a[i], vid);
+        const __m256i t = _mm256_cvttps_epi32(v);
+        const __m256 frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(t));
+        // the compares' all-ones lanes are -1: subtracting adds 1, adding subtracts 1
+        r[i] = _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(frac, half, _CMP_GE_OQ)));
+        r[i] = _mm256_add_epi32(r[i], _mm256_castps_si256(_mm256_cmp_ps(frac, mhalf, _CMP_LE_OQ)));
+    }
+    _mm_storeu_si128((__m128i *) q, pack_epi8(r[0], r[1]));
+    _mm_storeu_si128((__m128i *) (q + 16), pack_epi8(r[2], r[3]));
+    sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+    return half_to_float(ggml_fp32_to_fp16(d));
+}
+
+// quantize_q8_K_block on 256 bits, as wide512's form (iscale = -127 / the first value of largest
+// |x|, codes min(127, round-half-even(iscale x)) by vcvtps2dq).
+float quantize_q8_K_block_avx2(const float * x, int8_t * q, int16_t * bsums) {
+    bool fin = true;
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int i = 0; i < 32; ++i) {
+        const __m256 a = _mm256_loadu_ps(x + 8 * i);
+        fin = fin && all_finite(a);
+        m = _mm256_max_ps(m, _mm256_and_ps(a, abs));
+    }
+    const float amax = hmax_ps(m);
+    if (!fin || amax == 0.0f) return quantize_q8_K_block(x, q, bsums);
+    float max = 0.0f;
+    for (int i = 0; i < 32; ++i) {  // the first value whose |x| is amax, with its sign
+        const __m256 a = _mm256_loadu_ps(x + 8 * i);
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(a, abs), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hit) {
+            max = x[8 * i + __builtin_ctz((unsigned) hit)];
+            break;
+        }
+    }
+    const float iscale = -127.0f / max;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (int i = 0; i < 16; ++i) {
+        const __m256i r0 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i))), top);
+        const __m256i r1 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i + 8))), top);
+        _mm_storeu_si128((__m128i *) (q + 16 * i), pack_epi8(r0, r1));
+        bsums[i] = (int16_t) hsum_epi32(_mm256_add_epi32(r0, r1));
+    }
+    return 1.0f / iscale;
+}
+
 // acc[i] (lane c: column c0 + c of row r + i) into y[(c0 + c) ldy + r + i] for the first cols
 // columns: one store of the RR (<= 4) rows per column, as wide512's store_tile.
 template <int RR>
@@ -670,14 +769,14 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
-    const bool fast = width == 16;  // AVX-512 VNNI: the quantizers' AVX-512 forms
+    // the quantizers' forms at the width's level (pack_groups / kq_pack_groups pass G)
     if (q8_kind_of(type) == q8_kind::q8_K) {
-        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1, fast);
-        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1, fast);
+        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
+        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
     } else if (width == 16) {
-        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1, fast);
+        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
     } else {
-        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1, fast);
+        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
     }
 }
 

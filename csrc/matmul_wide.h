@@ -11,8 +11,8 @@
 // vpdpbusd sums 4 codes for 16 columns at once:
 //
 //   pack (op "q8_pack", columns split across threads): each column quantized per block of 32 by
-//     ggml's quantize_row_q8_0_ref (the codes a, the F16-rounded scale da; on AVX-512 in 512-bit
-//     registers, the same operations per value), into groups of 16
+//     ggml's quantize_row_q8_0_ref (the codes a, the F16-rounded scale da; in 512-bit registers
+//     at width 16, 256-bit ones at width 8, the same operations per value), into groups of 16
 //     columns; per group g and block b, 640 bytes:
 //       8 x 64 bytes: chunk j < 8, lane c < 16: the codes a[16 g + c][32 b + 4 j .. + 3]
 //       16 int32:     bias[c] = -off x sum of the block's 32 codes of column 16 g + c
@@ -33,7 +33,7 @@
 //     AR step compute a token alike. An output's operations are fixed: its bits do not depend on
 //     N, on the other columns, on the thread split or on the level.
 //
-// Q4_K, Q5_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref, on AVX-512 in 512-bit
+// Q4_K, Q5_K and Q6_K (activations as Q8_K, ggml's quantize_row_q8_K_ref, in 512- or 256-bit
 // registers with the same rounding; per group and superblock of 256: 64 chunks of the codes, 8
 // pairs of int16 lanes holding Q8_K's bsums (sums of 16 codes),
 // the scales da): per row and superblock, S = sum_g sc_g t_g over the scale groups (Q4_K / Q5_K: 8
