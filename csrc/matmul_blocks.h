@@ -68,6 +68,15 @@ __attribute__((target("ssse3,sse4.1"))) static inline __m128i k4_scales_mins(con
                                       _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
     return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));  // bits 6, 7 -> 4, 5
 }
+
+// Lane sums of int32 lanes (exact integers, any order).
+static inline int32_t hsum4_epi32(__m128i v) {
+    v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
+}
+__attribute__((target("avx2"))) static inline int32_t hsum8_epi32(__m256i v) {
+    return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
 #endif
 
 // A tile of 16 rows of Q4_0 / Q8_0 weights for the rows kernels (matmul_q8_0_rows.inc; each ISA's

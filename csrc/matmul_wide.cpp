@@ -488,12 +488,6 @@ inline __m128i pack_epi8(__m256i a, __m256i b) {
     return _mm_packs_epi16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
 }
 
-inline int32_t hsum_epi32(__m256i v) {
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
-}
-
 inline float hmax_ps(__m256 v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -536,7 +530,7 @@ float quantize_q8_0_block_avx2(const float * x, int8_t * q, int32_t & sum) {
     }
     _mm_storeu_si128((__m128i *) q, pack_epi8(r[0], r[1]));
     _mm_storeu_si128((__m128i *) (q + 16), pack_epi8(r[2], r[3]));
-    sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+    sum = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
     return half_to_float(ggml_fp32_to_fp16(d));
 }
 
@@ -569,7 +563,7 @@ float quantize_q8_K_block_avx2(const float * x, int8_t * q, int16_t * bsums) {
         const __m256i r0 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i))), top);
         const __m256i r1 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i + 8))), top);
         _mm_storeu_si128((__m128i *) (q + 16 * i), pack_epi8(r0, r1));
-        bsums[i] = (int16_t) hsum_epi32(_mm256_add_epi32(r0, r1));
+        bsums[i] = (int16_t) hsum8_epi32(_mm256_add_epi32(r0, r1));
     }
     return 1.0f / iscale;
 }
