@@ -291,6 +291,21 @@ def test_metrics(server):
     ({"prompt": [1, 2, 99999999]}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x " * 2000}, 400, "prompt"),
+    # values only the engine checked: a 400 before any generation (not a 200 stream with an error event)
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21, "stream": True}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**30, "stream": True}, 400, "max_tokens"),
+    ({"prompt": "x", "top_k": 10**30, "stream": True}, 400, "top_k"),
+    # text with no UTF-8 form (a lone surrogate escape in the JSON) was a 500
+    ({"prompt": "\ud800 x"}, 400, "prompt"),
+    # fields that change the output and are not implemented: refused, not silently ignored
+    ({"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": -0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"15": 100}}, 400, "logit_bias"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
 ])
 def test_bad_requests(server, body, status, param):
     code, err = post_raw(server + "/v1/completions", json.dumps(body).encode())
@@ -311,3 +326,98 @@ def test_bad_json_and_chat_errors(server):
     # still serving
     assert client(server).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
     assert get_json(server + "/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),  # was a 500
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),  # chat's is a bool
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+])
+def test_bad_chat_requests(server, body, param):
+    code, err = post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == 400 and err["error"]["param"] == param and err["error"]["message"], err
+
+
+def test_unknown_paths_and_methods_are_json_errors(server):
+    """404 and 405 in OpenAI's error shape (they were Starlette's plain-text pages), and
+    GET /v1/models/{id} (the client's models.retrieve)."""
+    for method, path, status in [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/chat/completions", 405), ("GET", "/v1/models/nope", 404)]:
+        req = urllib.request.Request(server + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == status
+        assert json.load(e.value)["error"]["message"], (method, path)
+    assert client(server).models.retrieve(MODEL).id == MODEL
+
+
+def test_logprobs_openai_shape(server, offline):
+    """logprobs in OpenAI's shapes, equal to the engine's (they were a 500: the raw objects are not
+    JSON); streamed, the last chunk carries them."""
+    c = client(server)
+    p = PROMPTS[0]
+    want = offline.generate(p, max_tokens=12, logprobs=3)
+    values = [lp.logprob for lp in want.logprobs]
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=12, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == want.text and lp.token_logprobs == values
+    assert lp.tokens == [offline.detokenize([t]) for t in want.tokens] and "".join(lp.tokens) == want.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert [list(d.values()) for d in lp.top_logprobs] == [[v for _, v in w.top] for w in want.logprobs]
+    s = list(c.completions.create(model=MODEL, prompt=p, max_tokens=12, logprobs=3, stream=True))
+    assert [v for ch in s if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs] == values
+
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    want = offline.chat(msgs, max_tokens=10, logprobs=2)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want.text
+    assert [x.logprob for x in content] == [w.logprob for w in want.logprobs]
+    assert [bytes(x.bytes) for x in content] == [offline.tokenizer.token_bytes(t) for t in want.tokens]
+    assert [[t.logprob for t in x.top_logprobs] for x in content] == [[v for _, v in w.top] for w in want.logprobs]
+    s = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, logprobs=True, stream=True))
+    got = [x for ch in s if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [x.logprob for x in got] == [w.logprob for w in want.logprobs] and all(not x.top_logprobs for x in got)
+
+
+def test_echo(server, offline):
+    """echo: true puts the prompt before the completion (it was silently ignored)."""
+    c = client(server)
+    p = PROMPTS[1]
+    gen = offline.generate(p, max_tokens=8)
+    want = p + gen.text
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=8, echo=True)
+    assert r.choices[0].text == want and r.usage.completion_tokens == len(gen.tokens)
+    assert "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=8,
+                                                                       echo=True, stream=True)) == want
+    ids = offline.tokenize(p)
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, echo=True)
+    assert r.choices[0].text == offline.detokenize(ids) + offline.generate(ids, max_tokens=8).text
+
+
+def test_chat_content_parts(server, offline):
+    """Content as a list of text parts (what many clients send) reads as their text (was a 400)."""
+    want = offline.chat([{"role": "user", "content": "def fib(n):\nreturn"}], max_tokens=12)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "def fib(n):"}, {"type": "text", "text": "return"}]}]
+    r = client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+    assert r.choices[0].message.content == want.text
+
+
+def test_finished_streams_are_not_counted_as_cancelled(server):
+    """A stream that ran to its end is not a cancelled request when its response closes (it was,
+    whenever the worker thread had not yet returned: about 1 in 30 short streams)."""
+    c = client(server)
+    before = _metric(server, "dflash_requests_cancelled_total")
+
+    def one(i: int) -> str:
+        return "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=f"x{i}", max_tokens=1,
+                                                                         stream=True))
+
+    with ThreadPoolExecutor(8) as ex:
+        assert len(list(ex.map(one, range(200)))) == 200
+    assert _metric(server, "dflash_requests_cancelled_total") == before
