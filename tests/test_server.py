@@ -421,3 +421,46 @@ def test_finished_streams_are_not_counted_as_cancelled(server):
     with ThreadPoolExecutor(8) as ex:
         assert len(list(ex.map(one, range(200)))) == 200
     assert _metric(server, "dflash_requests_cancelled_total") == before
+
+
+def test_client_gone_while_sending_the_body(server):
+    """A client that closes its connection mid-body is a 499 in the metrics (it was an unhandled
+    ClientDisconnect: a traceback in the server's log), and the server serves on."""
+    name = 'dflash_requests_total{endpoint="completions",status="499"}'
+
+    def count() -> float:
+        try:
+            return _metric(server, name)
+        except AssertionError:  # no 499 yet
+            return 0.0
+
+    before = count()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while count() != before + 1:
+        assert time.monotonic() < deadline, "the dropped upload was not counted as a 499"
+        time.sleep(0.05)
+    assert client(server).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_slot_is_free_when_the_response_ends(server):
+    """A slot is free once its response has ended (it came free a moment later, when the worker
+    thread returned: a client's next turn could miss its prompt cache and go to a cold slot, and
+    /health right after a response showed a busy slot about one time in three)."""
+    c = client(server)
+    for i in range(30):
+        if i % 2:
+            c.completions.create(model=MODEL, prompt=f"{PROMPTS[0]}{i}", max_tokens=2)
+        else:
+            list(c.completions.create(model=MODEL, prompt=f"{PROMPTS[0]}{i}", max_tokens=2, stream=True))
+        assert get_json(server + "/health")["slots_busy"] == 0, i
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    for turn in range(8):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+        assert turn == 0 or r.usage.prompt_tokens_details.cached_tokens > 0, turn
+        msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                       {"role": "user", "content": f"turn {turn}"}]

@@ -26,7 +26,7 @@ from typing import Any
 try:
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # the optional extra
@@ -256,10 +256,12 @@ class Metrics:
 
 class _Job:
     """A request running on a slot's worker: pieces go to the event loop through `queue`; setting
-    `cancel` closes the engine's stream before its next step."""
+    `cancel` closes the engine's stream before its next step. `release` (on the event loop) frees
+    the slot once the engine is done, before the response ends: a client's next request finds it
+    free (and its prompt cache)."""
 
-    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop):
-        self.slot, self.prompt, self.kw, self.loop = slot, prompt, kw, loop
+    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop, release):
+        self.slot, self.prompt, self.kw, self.loop, self.release = slot, prompt, kw, loop, release
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.result: GenerationResult | None = None
@@ -282,6 +284,7 @@ class _Job:
             if gen is not None:
                 gen.close()  # a cancelled stream ends here: the engine is free for the next request
             self.ended = True
+            self.loop.call_soon_threadsafe(self.release, self.slot)  # runs before "end" reaches the queue
             put(("end", None))
 
 
@@ -328,6 +331,8 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:
         try:
             body = json.loads(await request.body())
+        except ClientDisconnect:  # it went away while sending the body: nobody reads the answer
+            raise ApiError(499, "the client went away before sending the whole request") from None
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -414,9 +419,8 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             metrics.count(endpoint, e.status)
             return e.response()
         loop = asyncio.get_running_loop()
-        job = _Job(slot, prompt, kw, loop)
-        fut = loop.run_in_executor(slot.worker, job.run)
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(pool.release, slot))
+        job = _Job(slot, prompt, kw, loop, pool.release)
+        loop.run_in_executor(slot.worker, job.run)
 
         def cancel_job() -> None:  # the client went away: the engine stops before its next step
             if not job.ended and not job.cancel.is_set():
