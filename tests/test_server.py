@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    """A `dflash-native serve` process of the embedded pair on a free port, once /health answers."""
     if default_pair() is None:
         pytest.skip("no embedded default pair in this install")
     port = _free_port()
@@ -45,22 +46,26 @@ def server():
     # dev-built _core), never the bare source tree
     pkg_root = str(Path(dn.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--slots", "2",
-                             "--queue", "40", "--n-ctx", str(N_CTX), "--n-batch", str(N_BATCH)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--n-batch",
+                             str(N_BATCH), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:
                 if json.load(r)["status"] == "ok":
-                    break
+                    return proc, base
         except (OSError, ValueError):
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"server did not start: {proc.stdout.read()}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start_server("--slots", "2", "--queue", "40", "--n-ctx", str(N_CTX))
     yield base
     proc.terminate()
     try:
@@ -464,3 +469,31 @@ def test_slot_is_free_when_the_response_ends(server):
         assert turn == 0 or r.usage.prompt_tokens_details.cached_tokens > 0, turn
         msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                        {"role": "user", "content": f"turn {turn}"}]
+
+
+def test_shutdown_cancels_running_requests():
+    """Ctrl-C (SIGINT) while requests run: after --shutdown-timeout they are cancelled, the engines
+    stop at their next step and the process exits. It waited for every running request to finish
+    (the grace period had no end, and the shutdown then blocked the event loop that the cancelled
+    requests needed): minutes for a long request."""
+    proc, base = _start_server("--slots", "2", "--n-ctx", "32768", "--shutdown-timeout", "0.5")
+    try:
+        s = client(base).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32000, stream=True)
+        it = iter(s)
+        next(it), next(it)
+        with ThreadPoolExecutor(1) as ex:
+            body = json.dumps({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 32000}).encode()
+            plain = ex.submit(post_raw, base + "/v1/completions", body)
+            _wait_health(base, lambda h: h["slots_busy"] == 2, "the second request never started")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+            code, err = plain.result(timeout=10)
+        assert proc.returncode == 0, proc.stdout.read()
+        assert code == 503 and err["error"]["code"] == "shutting_down", err
+        finish = []
+        with pytest.raises(Exception):  # the stream ends without its last chunk (the connection closes)
+            for ch in it:
+                finish.append(ch.choices[0].finish_reason)
+        assert not any(finish)
+    finally:
+        proc.kill()

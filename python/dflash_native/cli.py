@@ -80,7 +80,8 @@ def _cmd_serve(a) -> int:
         drafter = None
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
           n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
-          gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget)
+          gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
+          shutdown_timeout=a.shutdown_timeout)
     return 0
 
 
@@ -403,6 +404,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--n-batch", type=int, default=512, help="prompt tokens per forward graph")
     s.add_argument("--threads", type=int, default=None, help="threads per slot (default: cores / slots)")
     s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
     s.set_defaults(fn=_cmd_serve)
 
 

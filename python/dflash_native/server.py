@@ -256,12 +256,12 @@ class Metrics:
 
 class _Job:
     """A request running on a slot's worker: pieces go to the event loop through `queue`; setting
-    `cancel` closes the engine's stream before its next step. `release` (on the event loop) frees
-    the slot once the engine is done, before the response ends: a client's next request finds it
-    free (and its prompt cache)."""
+    `cancel` closes the engine's stream before its next step. `on_end(job)` runs on the event loop
+    once the engine is done, before the response ends (it frees the slot: a client's next request
+    finds it free, and its prompt cache)."""
 
-    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop, release):
-        self.slot, self.prompt, self.kw, self.loop, self.release = slot, prompt, kw, loop, release
+    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop, on_end):
+        self.slot, self.prompt, self.kw, self.loop, self.on_end = slot, prompt, kw, loop, on_end
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.result: GenerationResult | None = None
@@ -284,7 +284,7 @@ class _Job:
             if gen is not None:
                 gen.close()  # a cancelled stream ends here: the engine is free for the next request
             self.ended = True
-            self.loop.call_soon_threadsafe(self.release, self.slot)  # runs before "end" reaches the queue
+            self.loop.call_soon_threadsafe(self.on_end, self)  # runs before "end" reaches the queue
             put(("end", None))
 
 
@@ -295,6 +295,11 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     eng0 = engines[0]
     n_ctx = eng0.n_ctx
     created = int(time.time())
+    running: set[_Job] = set()  # the jobs on the slots' workers (cancelled at shutdown)
+
+    def job_ended(job: _Job) -> None:
+        running.discard(job)
+        pool.release(job.slot)
 
     def tokens_of(body: dict, chat: bool) -> list[int]:
         if eng0.tokenizer is None and (chat or isinstance(body.get("prompt"), str)):
@@ -419,7 +424,8 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             metrics.count(endpoint, e.status)
             return e.response()
         loop = asyncio.get_running_loop()
-        job = _Job(slot, prompt, kw, loop, pool.release)
+        job = _Job(slot, prompt, kw, loop, job_ended)
+        running.add(job)
         loop.run_in_executor(slot.worker, job.run)
 
         def cancel_job() -> None:  # the client went away: the engine stops before its next step
@@ -449,6 +455,10 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                         err = item
                     else:
                         break
+            except asyncio.CancelledError:  # the server is shutting down past its grace period
+                cancel_job()
+                metrics.count(endpoint, 503)
+                return ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error").response()
             finally:
                 gone.cancel()
             if job.cancel.is_set():  # nobody is listening any more
@@ -531,9 +541,18 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        for s in pool.slots:  # at shutdown: running requests finish their step, then the engines go
-            s.worker.shutdown(wait=True, cancel_futures=True)
-            s.engine.close()
+        # at shutdown, after uvicorn's grace period: requests still running stop at their engine's
+        # next step, then the engines go; waited for off the event loop, which the requests'
+        # cancelled handlers still need
+        for job in running:
+            job.cancel.set()
+
+        def close() -> None:
+            for s in pool.slots:
+                s.worker.shutdown(wait=True, cancel_futures=True)
+                s.engine.close()
+
+        await asyncio.to_thread(close)
 
     async def http_error(request: Request, exc: HTTPException):  # 404 unknown path, 405 wrong method
         return JSONResponse({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
@@ -595,21 +614,27 @@ class _EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            pass  # the server is shutting down past its grace period: the stream just ends
         finally:
             self._on_close()
 
 
 def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
           model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
+          shutdown_timeout: float = 5.0,
           **engine_kwargs: Any) -> None:
-    """Load `slots` engines and serve them until interrupted (`dflash-native serve`)."""
+    """Load `slots` engines and serve them until interrupted (`dflash-native serve`). At Ctrl-C or
+    SIGTERM running requests get `shutdown_timeout` seconds to finish; then they are cancelled (the
+    engines stop at their next step) and the server exits."""
     import os
     from pathlib import Path
 
     import uvicorn
 
-    if slots < 1 or queue < 0:
-        raise ValueError(f"[serve] slots must be >= 1 and queue >= 0, got {slots} and {queue}")
+    if slots < 1 or queue < 0 or not shutdown_timeout >= 0:
+        raise ValueError(f"[serve] slots must be >= 1, queue >= 0 and shutdown_timeout >= 0, got {slots}, {queue} "
+                         f"and {shutdown_timeout}")
     if n_threads is None:
         n_threads = max(1, (os.cpu_count() or 1) // slots)
     engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
@@ -617,4 +642,4 @@ def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, sl
     print(f"[dflash-native serve] {slots} slot(s) of {Path(target).name}"
           f"{' + ' + Path(drafter).name if drafter else ''}, {n_threads} thread(s) each, "
           f"on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
