@@ -497,3 +497,18 @@ def test_shutdown_cancels_running_requests():
         assert not any(finish)
     finally:
         proc.kill()
+
+
+def test_ar_only_server_refuses_speculative():
+    """A server without a drafter: 'speculative': true is a 400 naming the field, streamed or not
+    (it was a 400 without a param, and a 200 stream carrying an error event); plain requests run."""
+    proc, base = _start_server("--no-drafter", "--n-ctx", "256")
+    try:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "speculative": True, "stream": stream}
+            code, err = post_raw(base + "/v1/completions", json.dumps(body).encode())
+            assert code == 400 and err["error"]["param"] == "speculative", err
+        r = client(base).completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert not r.model_extra["dflash"]["speculative"]
+    finally:
+        proc.kill()

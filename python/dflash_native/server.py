@@ -350,6 +350,10 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         include_usage = bool(stream and isinstance(body.get("stream_options"), dict)
                              and body["stream_options"].get("include_usage"))
         kw = _sampling_fields(body, chat)
+        if kw.get("speculative") and eng0.block_size == 0:
+            raise ApiError(400, "'speculative': true needs a drafter; this server runs without one", "speculative")
+        if kw["stop"] and eng0.tokenizer is None:
+            raise ApiError(400, "'stop' needs a tokenizer; this model has none", "stop")
         prompt = tokens_of(body, chat)
         if len(prompt) >= n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",
