@@ -512,3 +512,29 @@ def test_ar_only_server_refuses_speculative():
         assert not r.model_extra["dflash"]["speculative"]
     finally:
         proc.kill()
+
+
+def _sse_chunks(base: str, path: str, body: dict) -> list[dict]:
+    """A streamed request's chunks as parsed JSON, read raw (no client in between)."""
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = [ln.decode().strip() for ln in r]
+    data = [ln.removeprefix("data: ") for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPTS[0]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def fib(n):"}]}),
+])
+def test_stream_chunk_fields(server, path, body):
+    """OpenAI's chunk fields: one id and one `created` for the whole stream (it took the time per
+    chunk), and with include_usage a `usage` key in every chunk, null but in the extra last one
+    (it was absent)."""
+    chunks = _sse_chunks(server, path, {**body, "model": MODEL, "max_tokens": 300, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert all("usage" in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0

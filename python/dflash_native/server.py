@@ -438,6 +438,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                 metrics.cancelled += 1
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        t_created = int(time.time())  # every chunk of a stream carries the same
         obj = "chat.completion" if chat else "text_completion"
 
         def choice(text: str, finish: str | None, delta: bool, r: GenerationResult | None = None) -> dict:
@@ -476,7 +477,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             r = job.result
             metrics.add(r)
             metrics.count(endpoint, 200)
-            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+            return JSONResponse({"id": rid, "object": obj, "created": t_created, "model": model_name,
                                  "choices": [choice((echo or "") + "".join(text),
                                                     _FINISH.get(r.stats.stop_reason, "stop"), False, r)],
                                  "usage": usage(r), **extras(r)})
@@ -484,7 +485,9 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         def sse(choices: list, **more) -> str:
-            return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
+            if include_usage:  # OpenAI: null in every chunk but the extra last one
+                more = {"usage": None, **more}
+            return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": t_created,
                                           "model": model_name, "choices": choices, **more}) + "\n\n"
 
         async def events():
