@@ -481,15 +481,22 @@ def test_shutdown_cancels_running_requests():
         s = client(base).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32000, stream=True)
         it = iter(s)
         next(it), next(it)
-        with ThreadPoolExecutor(1) as ex:
-            body = json.dumps({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 32000}).encode()
-            plain = ex.submit(post_raw, base + "/v1/completions", body)
+        with ThreadPoolExecutor(3) as ex:
+            # one more running (non-streamed), and two queued behind them (streamed or not)
+            body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 32000}
+            plain = ex.submit(post_raw, base + "/v1/completions", json.dumps(body).encode())
             _wait_health(base, lambda h: h["slots_busy"] == 2, "the second request never started")
+            queued = [ex.submit(post_raw, base + "/v1/completions", json.dumps({**body, "stream": st}).encode())
+                      for st in (False, True)]
+            _wait_health(base, lambda h: h["queued"] == 2, "the queued requests never arrived")
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
-            code, err = plain.result(timeout=10)
-        assert proc.returncode == 0, proc.stdout.read()
-        assert code == 503 and err["error"]["code"] == "shutting_down", err
+            answers = [f.result(timeout=10) for f in [plain, *queued]]
+        out = proc.stdout.read()
+        assert proc.returncode == 0, out
+        # all three answered 503 in OpenAI's shape (the queued ones were plain-text 500s), no traceback
+        assert all(code == 503 and err["error"]["code"] == "shutting_down" for code, err in answers), answers
+        assert "Traceback" not in out, out
         finish = []
         with pytest.raises(Exception):  # the stream ends without its last chunk (the connection closes)
             for ch in it:

@@ -404,6 +404,10 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                 "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} for lp in lps],
                 "text_offset": offsets[:len(lps)]}
 
+    def shutting_down(endpoint: str) -> Response:
+        metrics.count(endpoint, 503)
+        return ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error").response()
+
     async def handle(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
@@ -414,7 +418,13 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         # the body is read: the next ASGI message is http.disconnect, whenever the client goes away
         gone = asyncio.ensure_future(_disconnected(request))
         acq = asyncio.ensure_future(pool.acquire(prompt))
-        await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is shutting down past its grace period: leave the queue
+            acq.cancel()
+            gone.cancel()
+            await asyncio.gather(acq, return_exceptions=True)
+            return shutting_down(endpoint)
         if not acq.done():  # the client left while queued: its place in the queue goes
             acq.cancel()
             await asyncio.gather(acq, return_exceptions=True)
@@ -462,8 +472,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                         break
             except asyncio.CancelledError:  # the server is shutting down past its grace period
                 cancel_job()
-                metrics.count(endpoint, 503)
-                return ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error").response()
+                return shutting_down(endpoint)
             finally:
                 gone.cancel()
             if job.cancel.is_set():  # nobody is listening any more
