@@ -90,3 +90,20 @@ def test_demo_random_takes_the_speculation_flags(capsys):
     assert rc == 0, out
     assert "block size: 4" in out and "draft cutoff: 0.25" in out and "verify: tree" in out, out
     assert "speculative output == AR output: yes" in out
+
+
+@pytest.mark.parametrize("cmd,flag,value", [
+    ("train-drafter", "--layers", "0"),  # was torch.cat()'s "expected a non-empty list of Tensors"
+    ("train-drafter", "--seqs-per-step", "0"),  # was "max() arg is an empty sequence"
+    ("train-drafter", "--anchors-per-seq", "0"),  # trained on nothing, silently
+    ("train-drafter", "--steps", "-1"),  # trained no step, silently
+    ("train-drafter", "--threads", "0"),
+    ("demo", "--prompts", "0"),
+])
+def test_count_flags_refuse_impossible_values(cmd, flag, value, capsys):
+    """Counts below their least meaningful value are usage errors naming the flag, before anything
+    loads or trains."""
+    extra = ["--target", "/nonexistent", "--out", "/nonexistent"] if cmd == "train-drafter" else []
+    with pytest.raises(SystemExit) as e:
+        main([cmd, *extra, flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err

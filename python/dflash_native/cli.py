@@ -322,18 +322,18 @@ def _add_train_drafter_parser(sub) -> None:
                    help="who continues the prompts greedily (default: engine when --target-gguf is given)")
     t.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
-    t.add_argument("--layers", type=int, default=1, help="drafter layers")
+    t.add_argument("--layers", type=_int_from(1), default=1, help="drafter layers")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--steps", type=_int_from(0), default=200)
     t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
-    t.add_argument("--anchors-per-seq", type=int, default=16, help="random block anchors per sequence per step")
+    t.add_argument("--seqs-per-step", type=_int_from(1), default=8, help="sequences per training step")
+    t.add_argument("--anchors-per-seq", type=_int_from(1), default=16, help="random block anchors per sequence per step")
     t.add_argument("--draft-vocab", type=int, default=1024,
                    help="draft over at most this many tokens: the most frequent of the target's continuations "
                         "(GGUF dflash.draft_vocab; 0 = the whole vocabulary)")
-    t.add_argument("--prompts", type=int, default=64)
-    t.add_argument("--prompt-tokens", type=int, default=64)
-    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--prompts", type=_int_from(1), default=64)
+    t.add_argument("--prompt-tokens", type=_int_from(1), default=64)
+    t.add_argument("--max-new-tokens", type=_int_from(1), default=64)
     t.add_argument("--context-length", type=int, default=None,
                    help="context length N: prompts are drawn up to N - max-new-tokens long, so that anchors see "
                         "contexts spread up to N; also the window when --window is not given")
@@ -357,8 +357,8 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--continuations-file", default=None,
                    help="JSON cache of the engine continuations: reused when it matches, else written")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=1)
-    t.add_argument("--log-every", type=int, default=20)
+    t.add_argument("--threads", type=_int_from(1), default=1)
+    t.add_argument("--log-every", type=_int_from(0), default=20, help="log every N steps (0: quiet)")
     t.set_defaults(fn=_cmd_train_drafter)
 
 
@@ -378,7 +378,7 @@ def _add_speculation_args(p, *, draft_cutoff: float) -> None:
 def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
-    d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt and --random)")
+    d.add_argument("--prompts", type=_int_from(1), default=4, help="held-out prompts to run (without --prompt and --random)")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     _add_speculation_args(d, draft_cutoff=0.0)
@@ -407,6 +407,20 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
     s.set_defaults(fn=_cmd_serve)
+
+
+def _int_from(lo: int):
+    """An argparse type: an int >= lo."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}")
+        return v
+
+    return parse
 
 
 def _port(text: str) -> int:
