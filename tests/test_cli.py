@@ -107,3 +107,11 @@ def test_count_flags_refuse_impossible_values(cmd, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, *extra, flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_generate_prompt_and_prompt_file_exclude_each_other(tmp_path, capsys):
+    """Both given: a usage error (--prompt-file silently won)."""
+    (tmp_path / "p.txt").write_text("import os")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", "/nonexistent.gguf", "--prompt", "def f", "--prompt-file", str(tmp_path / "p.txt")])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
