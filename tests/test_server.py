@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    """A `dflash-native serve` process of the embedded pair on a free port, once /health answers."""
     if default_pair() is None:
         pytest.skip("no embedded default pair in this install")
     port = _free_port()
@@ -45,22 +46,26 @@ def server():
     # dev-built _core), never the bare source tree
     pkg_root = str(Path(dn.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--slots", "2",
-                             "--queue", "40", "--n-ctx", str(N_CTX), "--n-batch", str(N_BATCH)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "serve", "--port", str(port), "--n-batch",
+                             str(N_BATCH), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:
                 if json.load(r)["status"] == "ok":
-                    break
+                    return proc, base
         except (OSError, ValueError):
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"server did not start: {proc.stdout.read()}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start_server("--slots", "2", "--queue", "40", "--n-ctx", str(N_CTX))
     yield base
     proc.terminate()
     try:
@@ -291,6 +296,21 @@ def test_metrics(server):
     ({"prompt": [1, 2, 99999999]}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x " * 2000}, 400, "prompt"),
+    # values only the engine checked: a 400 before any generation (not a 200 stream with an error event)
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21, "stream": True}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**30, "stream": True}, 400, "max_tokens"),
+    ({"prompt": "x", "top_k": 10**30, "stream": True}, 400, "top_k"),
+    # text with no UTF-8 form (a lone surrogate escape in the JSON) was a 500
+    ({"prompt": "\ud800 x"}, 400, "prompt"),
+    # fields that change the output and are not implemented: refused, not silently ignored
+    ({"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": -0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"15": 100}}, 400, "logit_bias"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
 ])
 def test_bad_requests(server, body, status, param):
     code, err = post_raw(server + "/v1/completions", json.dumps(body).encode())
@@ -311,3 +331,217 @@ def test_bad_json_and_chat_errors(server):
     # still serving
     assert client(server).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
     assert get_json(server + "/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),  # was a 500
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),  # chat's is a bool
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+])
+def test_bad_chat_requests(server, body, param):
+    code, err = post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == 400 and err["error"]["param"] == param and err["error"]["message"], err
+
+
+def test_unknown_paths_and_methods_are_json_errors(server):
+    """404 and 405 in OpenAI's error shape (they were Starlette's plain-text pages), and
+    GET /v1/models/{id} (the client's models.retrieve)."""
+    for method, path, status in [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/chat/completions", 405), ("GET", "/v1/models/nope", 404)]:
+        req = urllib.request.Request(server + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == status
+        assert json.load(e.value)["error"]["message"], (method, path)
+    assert client(server).models.retrieve(MODEL).id == MODEL
+
+
+def test_logprobs_openai_shape(server, offline):
+    """logprobs in OpenAI's shapes, equal to the engine's (they were a 500: the raw objects are not
+    JSON); streamed, the last chunk carries them."""
+    c = client(server)
+    p = PROMPTS[0]
+    want = offline.generate(p, max_tokens=12, logprobs=3)
+    values = [lp.logprob for lp in want.logprobs]
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=12, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == want.text and lp.token_logprobs == values
+    assert lp.tokens == [offline.detokenize([t]) for t in want.tokens] and "".join(lp.tokens) == want.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert [list(d.values()) for d in lp.top_logprobs] == [[v for _, v in w.top] for w in want.logprobs]
+    s = list(c.completions.create(model=MODEL, prompt=p, max_tokens=12, logprobs=3, stream=True))
+    assert [v for ch in s if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs] == values
+
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    want = offline.chat(msgs, max_tokens=10, logprobs=2)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want.text
+    assert [x.logprob for x in content] == [w.logprob for w in want.logprobs]
+    assert [bytes(x.bytes) for x in content] == [offline.tokenizer.token_bytes(t) for t in want.tokens]
+    assert [[t.logprob for t in x.top_logprobs] for x in content] == [[v for _, v in w.top] for w in want.logprobs]
+    s = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, logprobs=True, stream=True))
+    got = [x for ch in s if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [x.logprob for x in got] == [w.logprob for w in want.logprobs] and all(not x.top_logprobs for x in got)
+
+
+def test_echo(server, offline):
+    """echo: true puts the prompt before the completion (it was silently ignored)."""
+    c = client(server)
+    p = PROMPTS[1]
+    gen = offline.generate(p, max_tokens=8)
+    want = p + gen.text
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=8, echo=True)
+    assert r.choices[0].text == want and r.usage.completion_tokens == len(gen.tokens)
+    assert "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=8,
+                                                                       echo=True, stream=True)) == want
+    ids = offline.tokenize(p)
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, echo=True)
+    assert r.choices[0].text == offline.detokenize(ids) + offline.generate(ids, max_tokens=8).text
+
+
+def test_chat_content_parts(server, offline):
+    """Content as a list of text parts (what many clients send) reads as their text (was a 400)."""
+    want = offline.chat([{"role": "user", "content": "def fib(n):\nreturn"}], max_tokens=12)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "def fib(n):"}, {"type": "text", "text": "return"}]}]
+    r = client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+    assert r.choices[0].message.content == want.text
+
+
+def test_finished_streams_are_not_counted_as_cancelled(server):
+    """A stream that ran to its end is not a cancelled request when its response closes (it was,
+    whenever the worker thread had not yet returned: about 1 in 30 short streams)."""
+    c = client(server)
+    before = _metric(server, "dflash_requests_cancelled_total")
+
+    def one(i: int) -> str:
+        return "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=f"x{i}", max_tokens=1,
+                                                                         stream=True))
+
+    with ThreadPoolExecutor(8) as ex:
+        assert len(list(ex.map(one, range(200)))) == 200
+    assert _metric(server, "dflash_requests_cancelled_total") == before
+
+
+def test_client_gone_while_sending_the_body(server):
+    """A client that closes its connection mid-body is a 499 in the metrics (it was an unhandled
+    ClientDisconnect: a traceback in the server's log), and the server serves on."""
+    name = 'dflash_requests_total{endpoint="completions",status="499"}'
+
+    def count() -> float:
+        try:
+            return _metric(server, name)
+        except AssertionError:  # no 499 yet
+            return 0.0
+
+    before = count()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while count() != before + 1:
+        assert time.monotonic() < deadline, "the dropped upload was not counted as a 499"
+        time.sleep(0.05)
+    assert client(server).completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_slot_is_free_when_the_response_ends(server):
+    """A slot is free once its response has ended (it came free a moment later, when the worker
+    thread returned: a client's next turn could miss its prompt cache and go to a cold slot, and
+    /health right after a response showed a busy slot about one time in three)."""
+    c = client(server)
+    for i in range(30):
+        if i % 2:
+            c.completions.create(model=MODEL, prompt=f"{PROMPTS[0]}{i}", max_tokens=2)
+        else:
+            list(c.completions.create(model=MODEL, prompt=f"{PROMPTS[0]}{i}", max_tokens=2, stream=True))
+        assert get_json(server + "/health")["slots_busy"] == 0, i
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    for turn in range(8):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+        assert turn == 0 or r.usage.prompt_tokens_details.cached_tokens > 0, turn
+        msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                       {"role": "user", "content": f"turn {turn}"}]
+
+
+def test_shutdown_cancels_running_requests():
+    """Ctrl-C (SIGINT) while requests run: after --shutdown-timeout they are cancelled, the engines
+    stop at their next step and the process exits. It waited for every running request to finish
+    (the grace period had no end, and the shutdown then blocked the event loop that the cancelled
+    requests needed): minutes for a long request."""
+    proc, base = _start_server("--slots", "2", "--n-ctx", "32768", "--shutdown-timeout", "0.5")
+    try:
+        s = client(base).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32000, stream=True)
+        it = iter(s)
+        next(it), next(it)
+        with ThreadPoolExecutor(3) as ex:
+            # one more running (non-streamed), and two queued behind them (streamed or not)
+            body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 32000}
+            plain = ex.submit(post_raw, base + "/v1/completions", json.dumps(body).encode())
+            _wait_health(base, lambda h: h["slots_busy"] == 2, "the second request never started")
+            queued = [ex.submit(post_raw, base + "/v1/completions", json.dumps({**body, "stream": st}).encode())
+                      for st in (False, True)]
+            _wait_health(base, lambda h: h["queued"] == 2, "the queued requests never arrived")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+            answers = [f.result(timeout=10) for f in [plain, *queued]]
+        out = proc.stdout.read()
+        assert proc.returncode == 0, out
+        # all three answered 503 in OpenAI's shape (the queued ones were plain-text 500s), no traceback
+        assert all(code == 503 and err["error"]["code"] == "shutting_down" for code, err in answers), answers
+        assert "Traceback" not in out, out
+        finish = []
+        with pytest.raises(Exception):  # the stream ends without its last chunk (the connection closes)
+            for ch in it:
+                finish.append(ch.choices[0].finish_reason)
+        assert not any(finish)
+    finally:
+        proc.kill()
+
+
+def test_ar_only_server_refuses_speculative():
+    """A server without a drafter: 'speculative': true is a 400 naming the field, streamed or not
+    (it was a 400 without a param, and a 200 stream carrying an error event); plain requests run."""
+    proc, base = _start_server("--no-drafter", "--n-ctx", "256")
+    try:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "speculative": True, "stream": stream}
+            code, err = post_raw(base + "/v1/completions", json.dumps(body).encode())
+            assert code == 400 and err["error"]["param"] == "speculative", err
+        r = client(base).completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert not r.model_extra["dflash"]["speculative"]
+    finally:
+        proc.kill()
+
+
+def _sse_chunks(base: str, path: str, body: dict) -> list[dict]:
+    """A streamed request's chunks as parsed JSON, read raw (no client in between)."""
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = [ln.decode().strip() for ln in r]
+    data = [ln.removeprefix("data: ") for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPTS[0]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def fib(n):"}]}),
+])
+def test_stream_chunk_fields(server, path, body):
+    """OpenAI's chunk fields: one id and one `created` for the whole stream (it took the time per
+    chunk), and with include_usage a `usage` key in every chunk, null but in the extra last one
+    (it was absent)."""
+    chunks = _sse_chunks(server, path, {**body, "model": MODEL, "max_tokens": 300, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert all("usage" in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0

@@ -1,9 +1,10 @@
-"""dflash-native command line: generate, convert, quantize, demo, serve."""
+"""dflash-native command line: generate, convert, convert-drafter, quantize, train-drafter, demo, serve."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -79,7 +80,8 @@ def _cmd_serve(a) -> int:
         drafter = None
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
           n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
-          gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget)
+          gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
+          shutdown_timeout=a.shutdown_timeout)
     return 0
 
 
@@ -184,7 +186,7 @@ def _cmd_demo(a) -> int:
 
 def _demo_report(eng, prompts, runs) -> int:
     print(f"model: {eng.arch}, layers: {eng.layer_types}, threads: {eng.n_threads}, block size: {eng.block_size}, "
-          f"draft cutoff: {eng.draft_cutoff:g}")
+          f"draft cutoff: {eng.draft_cutoff:g}, verify: {eng.verify}")
     print(f"prompt 1 of {len(prompts)}: {prompts[0]!r}")
     print(f"output: {runs[0][1].text!r}")
     n_prompt = sum(ar.stats.n_prompt_tokens for ar, _ in runs)
@@ -228,8 +230,9 @@ def _demo_random(a) -> int:
         target = convert_hf_to_gguf(ckpt, Path(tmp) / "demo-qwen35.gguf", outtype=a.outtype)
         drafter = make_random_drafter_gguf(Path(tmp) / "demo-drafter.gguf", ckpt, outtype=a.outtype, seed=a.seed + 1,
                                            block_size=8, target_gguf=target)
-        eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, gate=not a.no_gate)
-        prompt = a.prompt or RANDOM_DEMO_PROMPT
+        eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
+                     draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget)
+        prompt = a.prompt if a.prompt is not None else RANDOM_DEMO_PROMPT
         runs = [(eng.generate(prompt, max_tokens=a.max_tokens, speculative=False),
                  eng.generate(prompt, max_tokens=a.max_tokens))]
         return _demo_report(eng, [prompt], runs)
@@ -254,8 +257,9 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--drafter", default=None, help="DFlash drafter GGUF: speculative decoding")
     g.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
     _add_speculation_args(g, draft_cutoff=0.0)
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="the prompt (default: --prompt-file, else stdin)")
+    src.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--n-ctx", type=int, default=4096)
@@ -319,18 +323,18 @@ def _add_train_drafter_parser(sub) -> None:
                    help="who continues the prompts greedily (default: engine when --target-gguf is given)")
     t.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
     t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
-    t.add_argument("--layers", type=int, default=1, help="drafter layers")
+    t.add_argument("--layers", type=_int_from(1), default=1, help="drafter layers")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--steps", type=_int_from(0), default=200)
     t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
-    t.add_argument("--anchors-per-seq", type=int, default=16, help="random block anchors per sequence per step")
+    t.add_argument("--seqs-per-step", type=_int_from(1), default=8, help="sequences per training step")
+    t.add_argument("--anchors-per-seq", type=_int_from(1), default=16, help="random block anchors per sequence per step")
     t.add_argument("--draft-vocab", type=int, default=1024,
                    help="draft over at most this many tokens: the most frequent of the target's continuations "
                         "(GGUF dflash.draft_vocab; 0 = the whole vocabulary)")
-    t.add_argument("--prompts", type=int, default=64)
-    t.add_argument("--prompt-tokens", type=int, default=64)
-    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--prompts", type=_int_from(1), default=64)
+    t.add_argument("--prompt-tokens", type=_int_from(1), default=64)
+    t.add_argument("--max-new-tokens", type=_int_from(1), default=64)
     t.add_argument("--context-length", type=int, default=None,
                    help="context length N: prompts are drawn up to N - max-new-tokens long, so that anchors see "
                         "contexts spread up to N; also the window when --window is not given")
@@ -354,8 +358,8 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--continuations-file", default=None,
                    help="JSON cache of the engine continuations: reused when it matches, else written")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=1)
-    t.add_argument("--log-every", type=int, default=20)
+    t.add_argument("--threads", type=_int_from(1), default=1)
+    t.add_argument("--log-every", type=_int_from(0), default=20, help="log every N steps (0: quiet)")
     t.set_defaults(fn=_cmd_train_drafter)
 
 
@@ -375,14 +379,14 @@ def _add_speculation_args(p, *, draft_cutoff: float) -> None:
 def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
     d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
-    d.add_argument("--prompts", type=int, default=4, help="held-out prompts to run (without --prompt)")
+    d.add_argument("--prompts", type=_int_from(1), default=4, help="held-out prompts to run (without --prompt and --random)")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     _add_speculation_args(d, draft_cutoff=0.0)
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--outtype", default="f16", choices=list(OUTTYPES), help="with --random: the models' weight type")
+    d.add_argument("--seed", type=int, default=0, help="with --random: the random weights' seed")
     d.set_defaults(fn=_cmd_demo)
 
 def _add_serve_parser(sub) -> None:
@@ -391,7 +395,7 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--drafter", default=None, help="DFlash drafter GGUF (default: the embedded pair's, without --target)")
     s.add_argument("--no-drafter", action="store_true", help="AR only")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535")
     s.add_argument("--slots", type=int, default=1, help="engines, each running one request at a time")
     s.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot (503 beyond)")
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the target file's stem)")
@@ -401,13 +405,47 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--n-batch", type=int, default=512, help="prompt tokens per forward graph")
     s.add_argument("--threads", type=int, default=None, help="threads per slot (default: cores / slots)")
     s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
     s.set_defaults(fn=_cmd_serve)
+
+
+def _int_from(lo: int):
+    """An argparse type: an int >= lo."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an int in [1, 65535], got {text!r}")
+    return port
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: the stream ends where it was, without a traceback
+        print("\ndflash-native: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`... | head`): stop quietly, like any filter; stdout goes to
+        # /dev/null so that the interpreter's flush at exit raises nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, RuntimeError, MemoryError, OSError) as e:
         # the engine's errors name where they come from; a traceback would add nothing
         print(f"dflash-native: error: {e}", file=sys.stderr)

@@ -25,12 +25,14 @@ from typing import Any
 
 try:
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # the optional extra
     raise ImportError(f"the server needs the [server] extra: pip install 'dflash-native[server]' ({e})") from None
 
+from . import _core
 from .engine import Engine, GenerationResult
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -78,15 +80,31 @@ def _stop(body: dict) -> list[str]:
 _GENERATE_TAKES_LOGPROBS = "logprobs" in inspect.signature(Engine.generate).parameters
 
 
+# fields that change the output and that this server does not implement: a value other than
+# OpenAI's default is refused (400, code "not_supported") rather than silently ignored
+_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "",
+                "tools": [], "functions": []}
+_I64 = 1 << 63
+
+
 def _sampling_fields(body: dict, chat: bool) -> dict:
-    """generate() keyword arguments from the request's sampling fields (values the engine checks)."""
+    """generate() keyword arguments from the request's sampling fields, every value checked here (a
+    streamed response has sent its 200 before the engine would check them)."""
     if _field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
+    for name, default in _UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] != default:
+            raise ApiError(400, f"'{name}' is not supported by this server (only its default, {default!r})", name,
+                           "not_supported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "'response_format' is not supported by this server (only {'type': 'text'})",
+                       "response_format", "not_supported")
     num = (int, float)
     kw = dict(
         temperature=float(_field(body, "temperature", num, 0.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")),
         top_p=float(_field(body, "top_p", num, 1.0, lambda x: 0 < x <= 1, "a number in (0, 1]")),
-        top_k=_field(body, "top_k", (int,), 0, lambda x: x >= 0, "an int >= 0"),
+        top_k=_field(body, "top_k", (int,), 0, lambda x: 0 <= x < _I64, "an int in [0, 2**63)"),
         min_p=float(_field(body, "min_p", num, 0.0, lambda x: 0 <= x < 1, "a number in [0, 1)")),
         seed=_field(body, "seed", (int,), None, lambda x: 0 <= x < 1 << 64, "an int in [0, 2**64)"),
         stop=_stop(body),
@@ -94,13 +112,19 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
     spec = _field(body, "speculative", (bool,), None)  # extension: False runs AR on the same slot
     if spec is not None:
         kw["speculative"] = spec
-    # logprobs: completions take an int (top-N), chat a bool plus top_logprobs
-    lp = body.get("top_logprobs") if chat and body.get("logprobs") else body.get("logprobs")
-    if chat and body.get("logprobs") and lp is None:
-        lp = 0
-    if lp is not None and lp is not False:
-        if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
-            raise ApiError(400, f"'logprobs' must be an int >= 0, got {lp!r}", "logprobs")
+    # logprobs: completions take an int (the alternatives per token), chat a bool plus top_logprobs
+    n_max = _core.MAX_LOGPROBS
+    top = ((int,), None, lambda x: 0 <= x <= n_max, f"an int in [0, {n_max}]")
+    if chat:
+        lp = _field(body, "top_logprobs", *top)
+        if not _field(body, "logprobs", (bool,), False):
+            if lp is not None:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        elif lp is None:
+            lp = 0
+    else:
+        lp = _field(body, "logprobs", *top)
+    if lp is not None:
         if not _GENERATE_TAKES_LOGPROBS:
             raise ApiError(400, "logprobs are not supported by this engine", "logprobs", "not_supported")
         kw["logprobs"] = lp
@@ -232,13 +256,16 @@ class Metrics:
 
 class _Job:
     """A request running on a slot's worker: pieces go to the event loop through `queue`; setting
-    `cancel` closes the engine's stream before its next step."""
+    `cancel` closes the engine's stream before its next step. `on_end(job)` runs on the event loop
+    once the engine is done, before the response ends (it frees the slot: a client's next request
+    finds it free, and its prompt cache)."""
 
-    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop):
-        self.slot, self.prompt, self.kw, self.loop = slot, prompt, kw, loop
+    def __init__(self, slot: _Slot, prompt: list[int], kw: dict, loop: asyncio.AbstractEventLoop, on_end):
+        self.slot, self.prompt, self.kw, self.loop, self.on_end = slot, prompt, kw, loop, on_end
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.result: GenerationResult | None = None
+        self.ended = False  # set on the worker before "end" is queued
 
     def run(self) -> None:  # on the slot's worker thread
         put = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
@@ -256,6 +283,8 @@ class _Job:
         finally:
             if gen is not None:
                 gen.close()  # a cancelled stream ends here: the engine is free for the next request
+            self.ended = True
+            self.loop.call_soon_threadsafe(self.on_end, self)  # runs before "end" reaches the queue
             put(("end", None))
 
 
@@ -266,6 +295,11 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     eng0 = engines[0]
     n_ctx = eng0.n_ctx
     created = int(time.time())
+    running: set[_Job] = set()  # the jobs on the slots' workers (cancelled at shutdown)
+
+    def job_ended(job: _Job) -> None:
+        running.discard(job)
+        pool.release(job.slot)
 
     def tokens_of(body: dict, chat: bool) -> list[int]:
         if eng0.tokenizer is None and (chat or isinstance(body.get("prompt"), str)):
@@ -274,30 +308,36 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", "messages")
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ApiError(400, f"messages[{i}] must have a string 'role' and a string 'content'", "messages")
             try:
-                text = eng0.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+                text = eng0.tokenizer.apply_chat_template([{"role": _role(i, m), "content": _content(i, m)}
+                                                           for i, m in enumerate(msgs)])
             except ValueError as e:
                 raise ApiError(400, str(e), "messages") from None
-            return eng0.tokenize(text)
+            return tokenize(text, "messages")
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "'prompt' is empty", "prompt")
-            return eng0.tokenize(p)
+            return tokenize(p, "prompt")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if not all(0 <= t < eng0.n_vocab for t in p):
                 raise ApiError(400, f"'prompt' has token ids outside [0, {eng0.n_vocab})", "prompt")
             return list(p)
         raise ApiError(400, "'prompt' must be a non-empty string or list of token ids (one prompt: n = 1)", "prompt")
 
-    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, str]:
+    def tokenize(text: str, param: str) -> list[int]:
+        try:
+            return eng0.tokenize(text)
+        except UnicodeError as e:  # a lone surrogate ("\\ud800" in the JSON) has no UTF-8 form
+            raise ApiError(400, f"'{param}' is not valid Unicode text: {e}", param) from None
+
+    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:
         try:
             body = json.loads(await request.body())
+        except ClientDisconnect:  # it went away while sending the body: nobody reads the answer
+            raise ApiError(499, "the client went away before sending the whole request") from None
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -310,14 +350,25 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         include_usage = bool(stream and isinstance(body.get("stream_options"), dict)
                              and body["stream_options"].get("include_usage"))
         kw = _sampling_fields(body, chat)
+        if kw.get("speculative") and eng0.block_size == 0:
+            raise ApiError(400, "'speculative': true needs a drafter; this server runs without one", "speculative")
+        if kw["stop"] and eng0.tokenizer is None:
+            raise ApiError(400, "'stop' needs a tokenizer; this model has none", "stop")
         prompt = tokens_of(body, chat)
         if len(prompt) >= n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         kw["max_tokens"] = _field(body, name, (int,), 16 if not chat else n_ctx - len(prompt),
-                                  lambda x: x >= 0, "an int >= 0")
-        return prompt, kw, stream, ("usage" if include_usage else "")
+                                  lambda x: 0 <= x < _I64, "an int in [0, 2**63)")
+        echo = None  # completions: the prompt's text goes before the completion's
+        if not chat and _field(body, "echo", (bool,), False):
+            if "logprobs" in kw:
+                raise ApiError(400, "'echo' with 'logprobs' is not supported (no prompt logprobs)", "echo",
+                               "not_supported")
+            p = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
+            echo = p if isinstance(p, str) else eng0.detokenize(prompt) if eng0.tokenizer is not None else ""
+        return prompt, kw, stream, include_usage, echo
 
     def usage(r: GenerationResult) -> dict:
         s = r.stats
@@ -326,21 +377,54 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                 "prompt_tokens_details": {"cached_tokens": s.n_cached_tokens}}
 
     def extras(r: GenerationResult) -> dict:
-        out = {"dflash": r.stats.as_dict()}
-        lp = getattr(r, "logprobs", None)
-        return out if lp is None else {**out, "logprobs_raw": lp}
+        return {"dflash": r.stats.as_dict()}
+
+    def token_bytes(t: int) -> bytes:  # b"" for ids past the tokenizer's vocabulary (padding rows)
+        tok = eng0.tokenizer
+        return tok.token_bytes(t) if tok is not None and 0 <= t < tok.n_vocab else b""
+
+    def logprobs(r: GenerationResult, chat: bool) -> dict | None:
+        """r.logprobs in OpenAI's shape: chat {"content": [{token, logprob, bytes, top_logprobs}]},
+        completions {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}."""
+        lps = getattr(r, "logprobs", None)
+        if lps is None:
+            return None
+        if chat:
+            def entry(t: int, v: float) -> dict:
+                b = token_bytes(t)
+                return {"token": b.decode("utf-8", "replace"), "logprob": _finite(v), "bytes": list(b)}
+
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in lps], "refusal": None}
+        text = lambda t: token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+        offsets = [0]
+        for lp in lps[:-1]:
+            offsets.append(offsets[-1] + len(text(lp.token)))
+        return {"tokens": [text(lp.token) for lp in lps], "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} for lp in lps],
+                "text_offset": offsets[:len(lps)]}
+
+    def shutting_down(endpoint: str) -> Response:
+        metrics.count(endpoint, 503)
+        return ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error").response()
 
     async def handle(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
-            prompt, kw, stream, include_usage = await parse(request, chat)
+            prompt, kw, stream, include_usage, echo = await parse(request, chat)
         except ApiError as e:
             metrics.count(endpoint, e.status)
             return e.response()
         # the body is read: the next ASGI message is http.disconnect, whenever the client goes away
         gone = asyncio.ensure_future(_disconnected(request))
         acq = asyncio.ensure_future(pool.acquire(prompt))
-        await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is shutting down past its grace period: leave the queue
+            acq.cancel()
+            gone.cancel()
+            await asyncio.gather(acq, return_exceptions=True)
+            return shutting_down(endpoint)
         if not acq.done():  # the client left while queued: its place in the queue goes
             acq.cancel()
             await asyncio.gather(acq, return_exceptions=True)
@@ -354,23 +438,25 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             metrics.count(endpoint, e.status)
             return e.response()
         loop = asyncio.get_running_loop()
-        job = _Job(slot, prompt, kw, loop)
-        fut = loop.run_in_executor(slot.worker, job.run)
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(pool.release, slot))
+        job = _Job(slot, prompt, kw, loop, job_ended)
+        running.add(job)
+        loop.run_in_executor(slot.worker, job.run)
 
         def cancel_job() -> None:  # the client went away: the engine stops before its next step
-            if not fut.done() and not job.cancel.is_set():
+            if not job.ended and not job.cancel.is_set():
                 job.cancel.set()
                 metrics.cancelled += 1
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        t_created = int(time.time())  # every chunk of a stream carries the same
         obj = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, finish: str | None, delta: bool) -> dict:
+        def choice(text: str, finish: str | None, delta: bool, r: GenerationResult | None = None) -> dict:
+            lp = logprobs(r, chat) if r is not None else None  # streamed: all in the last chunk
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             msg = {"content": text} if delta else {"role": "assistant", "content": text}
-            return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": lp, "finish_reason": finish}
 
         if not stream:
             gone.add_done_callback(lambda t: None if t.cancelled() else cancel_job())
@@ -384,6 +470,9 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                         err = item
                     else:
                         break
+            except asyncio.CancelledError:  # the server is shutting down past its grace period
+                cancel_job()
+                return shutting_down(endpoint)
             finally:
                 gone.cancel()
             if job.cancel.is_set():  # nobody is listening any more
@@ -397,33 +486,39 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             r = job.result
             metrics.add(r)
             metrics.count(endpoint, 200)
-            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                 "choices": [choice("".join(text), _FINISH.get(r.stats.stop_reason, "stop"), False)],
+            return JSONResponse({"id": rid, "object": obj, "created": t_created, "model": model_name,
+                                 "choices": [choice((echo or "") + "".join(text),
+                                                    _FINISH.get(r.stats.stop_reason, "stop"), False, r)],
                                  "usage": usage(r), **extras(r)})
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         def sse(choices: list, **more) -> str:
-            return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
+            if include_usage:  # OpenAI: null in every chunk but the extra last one
+                more = {"usage": None, **more}
+            return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": t_created,
                                           "model": model_name, "choices": choices, **more}) + "\n\n"
 
         async def events():
             if chat:
                 yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}])
+            elif echo:
+                yield sse([choice(echo, None, True)])
             while True:
                 kind, item = await job.queue.get()
                 if kind == "end":
                     break
                 if kind == "error":
-                    yield "data: " + json.dumps({"error": {"message": str(item), "type": "server_error"}}) + "\n\n"
+                    etype = "invalid_request_error" if isinstance(item, ValueError) else "server_error"
+                    yield "data: " + json.dumps({"error": {"message": str(item), "type": etype}}) + "\n\n"
                     continue
                 if item:
                     yield sse([choice(str(item), None, True)])
                 if item.result is not None:
                     r = item.result
                     metrics.add(r)
-                    yield sse([choice("", _FINISH.get(r.stats.stop_reason, "stop"), True)], **extras(r))
+                    yield sse([choice("", _FINISH.get(r.stats.stop_reason, "stop"), True, r)], **extras(r))
                     if include_usage:
                         yield sse([], usage=usage(r))
             yield "data: [DONE]\n\n"
@@ -441,9 +536,16 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "dflash-native"}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "dflash-native"}]})
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    async def model(request: Request):
+        if request.path_params["model"] != model_name:
+            return ApiError(404, f"the model '{request.path_params['model']}' does not exist (this server serves "
+                            f"'{model_name}')", "model", "model_not_found").response()
+        return JSONResponse(model_card)
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_name, "slots": len(pool.slots),
@@ -455,19 +557,61 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        for s in pool.slots:  # at shutdown: running requests finish their step, then the engines go
-            s.worker.shutdown(wait=True, cancel_futures=True)
-            s.engine.close()
+        # at shutdown, after uvicorn's grace period: requests still running stop at their engine's
+        # next step, then the engines go; waited for off the event loop, which the requests'
+        # cancelled handlers still need
+        for job in running:
+            job.cancel.set()
 
-    app = Starlette(routes=[
+        def close() -> None:
+            for s in pool.slots:
+                s.worker.shutdown(wait=True, cancel_futures=True)
+                s.engine.close()
+
+        await asyncio.to_thread(close)
+
+    async def http_error(request: Request, exc: HTTPException):  # 404 unknown path, 405 wrong method
+        return JSONResponse({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                                       "type": "invalid_request_error", "param": None, "code": None}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception):  # a bug: no traceback to the client
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").response()
+
+    app = Starlette(exception_handlers={HTTPException: http_error, Exception: server_error}, routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.pool = pool
     return app
+
+
+def _role(i: int, m) -> str:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
+    return m["role"]
+
+
+def _content(i: int, m: dict) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}),
+    joined by newlines."""
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in c):
+        return "\n".join(p["text"] for p in c)
+    raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of text parts "
+                   f"({{'type': 'text', 'text': ...}}), got {c!r}"[:300], "messages")
+
+
+def _finite(v: float) -> float:
+    """A logprob as JSON can carry it (-inf, which JSON has no word for, as OpenAI's -9999.0)."""
+    return v if v > -9999.0 else -9999.0
 
 
 async def _disconnected(request: Request) -> None:
@@ -486,21 +630,27 @@ class _EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            pass  # the server is shutting down past its grace period: the stream just ends
         finally:
             self._on_close()
 
 
 def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
           model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
+          shutdown_timeout: float = 5.0,
           **engine_kwargs: Any) -> None:
-    """Load `slots` engines and serve them until interrupted (`dflash-native serve`)."""
+    """Load `slots` engines and serve them until interrupted (`dflash-native serve`). At Ctrl-C or
+    SIGTERM running requests get `shutdown_timeout` seconds to finish; then they are cancelled (the
+    engines stop at their next step) and the server exits."""
     import os
     from pathlib import Path
 
     import uvicorn
 
-    if slots < 1 or queue < 0:
-        raise ValueError(f"[serve] slots must be >= 1 and queue >= 0, got {slots} and {queue}")
+    if slots < 1 or queue < 0 or not shutdown_timeout >= 0:
+        raise ValueError(f"[serve] slots must be >= 1, queue >= 0 and shutdown_timeout >= 0, got {slots}, {queue} "
+                         f"and {shutdown_timeout}")
     if n_threads is None:
         n_threads = max(1, (os.cpu_count() or 1) // slots)
     engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
@@ -508,4 +658,4 @@ def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, sl
     print(f"[dflash-native serve] {slots} slot(s) of {Path(target).name}"
           f"{' + ' + Path(drafter).name if drafter else ''}, {n_threads} thread(s) each, "
           f"on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
