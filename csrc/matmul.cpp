@@ -112,14 +112,50 @@ static inline vec vfma(const vec & a, const vec & b, const vec & c) {
 static inline float vsum(const vec & v) { return sum_halves(v.lo, v.hi); }
 static inline vec vmul(const vec & a, const vec & b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline float h2f(ggml_fp16_t h) { return _cvtsh_ss(h); }
+// vsum of 4 accumulators at once, transposed (as the AVX-512 tile_sums, on 8-lane halves: lo + hi
+// is vsum's l + (l + 8)); lanes 0, 1 of the result hold the sums of in[0], in[2], lanes 4, 5 those
+// of in[1], in[3].
+static inline __m256 sum_l4(__m256 a, __m256 b) {  // [a's l + (l + 4) | b's], l < 4
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+static inline __m256 vsum4(const vec (&in)[4]) {
+    __m256 s8[4];
+    for (int m = 0; m < 4; ++m) s8[m] = _mm256_add_ps(in[m].lo, in[m].hi);
+    const __m256 p = sum_l4(s8[0], s8[1]), q = sum_l4(s8[2], s8[3]);
+    const __m256 v = _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A tile's y[j * ldy + i] = vsum(acc[i][j]) by vsum4: 2 rows x 2 columns, or 4 rows x 1 column.
+template <int RM, int RN>
+static inline bool tile_sums(const vec (&acc)[RM][RN], float * y, int64_t ldy) {
+    if constexpr (RM == 2 && RN == 2) {
+        const vec in[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
+        const __m256 s = vsum4(in);  // column j's rows at lanes 4 j, 4 j + 1
+        _mm_storel_pi((__m64 *) y, _mm256_castps256_ps128(s));
+        _mm_storel_pi((__m64 *) (y + ldy), _mm256_extractf128_ps(s, 1));
+        return true;
+    } else if constexpr (RM == 4 && RN == 1) {
+        const vec in[4] = {acc[0][0], acc[2][0], acc[1][0], acc[3][0]};
+        const __m256 s = vsum4(in);  // rows 0, 1 at lanes 0, 1; rows 2, 3 at lanes 4, 5
+        _mm_storel_pi((__m64 *) y, _mm256_castps256_ps128(s));
+        _mm_storel_pi((__m64 *) (y + 2), _mm256_extractf128_ps(s, 1));
+        return true;
+    } else {
+        return false;
+    }
+}
+
 // 2 x 2 tiles: 8 accumulators (two 8-lane halves each) hide the fma latency at any N (1 x 4 left a
 // 2-column tile 4 chains: 160 us for F16 1024 x 1024 by 2 columns, now 93), W (2 rows x 2 halves)
 // and x pinned (GCC folds x's loads otherwise) within the 16 registers
+#define TILE_SUMS 1
 #define TILE_PIN(v) asm("" : "+x"(v.lo), "+x"(v.hi))
 #define TILE_RM 2
 #define TILE_RN 2
 #define TILE_RM1 4
 #include "matmul_tile.inc"
+#undef TILE_SUMS
 #undef TILE_PIN
 #include "matmul_dequant.inc"
 #undef TILE_RM
