@@ -262,9 +262,7 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     if (g.speculative == 1 && !e.spec)
         return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] speculative=1 needs an engine created with a drafter");
     if (n_prompt > (size_t) INT64_MAX) return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] n_prompt is too large");
-    dfn_stats & st = e.stats;
-    st = dfn_stats{};
-    st.struct_size = sizeof(dfn_stats);
+    dfn_stats & st = e.stats;  // zeroed by dfn_generate
     const bool spec = g.speculative == -1 ? (bool) e.spec : g.speculative == 1;
     st.n_prompt_tokens = (int64_t) n_prompt;
     st.speculative = spec;
@@ -410,6 +408,10 @@ dfn_status dfn_detokenize(const dfn_engine * e, const int32_t * tokens, size_t n
 dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params * params,
                         int32_t * out, size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
     const char * W = "dfn_generate";
+    if (e) {  // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
+        e->stats = dfn_stats{};
+        e->stats.struct_size = sizeof(dfn_stats);
+    }
     if (!e || !n_out || (!prompt && n_prompt) || (!out && max_tokens))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_out must not be NULL, nor prompt or out "
                                                   "when their size is not 0"));

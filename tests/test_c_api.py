@@ -175,6 +175,8 @@ def test_c_program_error_paths(consumer, pair):
     assert r["missing_file_handle"][0] == "null"
     assert r["bad_kv_type"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got 7")
     assert r["bad_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "n_ctx must be >= 1" in r["bad_n_ctx"][1]
+    assert r["huge_n_ctx"] == ("DFN_ERR_INVALID_ARGUMENT",
+                               "[engine] n_ctx must be <= 2147483647 (positions are int32), got 4611686018427387904")
     assert r["tree_without_drafter"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] verify=tree needs a drafter")
     assert r["bad_struct_size"][0] == "DFN_ERR_INVALID_ARGUMENT" and "struct_size = 3" in r["bad_struct_size"][1]
     assert r["not_gguf"][0] == "DFN_ERR_FILE" and "/proc/self/cmdline" in r["not_gguf"][1]
@@ -191,6 +193,9 @@ def test_c_program_error_paths(consumer, pair):
     assert r["generate_bad_top_p"][0] == "DFN_ERR_INVALID_ARGUMENT" and "top_p" in r["generate_bad_top_p"][1]
     assert r["generate_spec_without_drafter"][0] == "DFN_ERR_INVALID_ARGUMENT"
     assert r["generate_defaults"][0] == "DFN_OK"
+    assert r["generate_bad_temperature"][0] == "DFN_ERR_INVALID_ARGUMENT" and "temperature" in r["generate_bad_temperature"][1]
+    assert r["stats_after_failure"][0] == "DFN_OK"
+    assert r["stats_after_failure_values"][0].split() == ["0", "0", "0"]  # DFN_STOP_NONE, nothing generated
     assert r["prompt_over_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "context" in r["prompt_over_n_ctx"][1]
     assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
 

@@ -86,6 +86,9 @@ static int cmd_errors(const char * target) {
     printf("missing_file_handle: %s\n", e == NULL ? "null" : "set");
 
     dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = (int64_t) 1 << 62; /* was a GGML_ASSERT (abort) in the cache's tensors */
+    report("huge_n_ctx", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
     o.kv_type = 7;
     report("bad_kv_type", dfn_engine_create(target, NULL, &o, &e));
     o = dfn_engine_options_default();
@@ -130,6 +133,14 @@ static int cmd_errors(const char * target) {
     report("generate_spec_without_drafter", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
     report("generate_defaults", dfn_generate(e, all, n, NULL, out, 8, NULL, NULL, &n_out) == DFN_OK && n_out == 8
                                      ? DFN_OK : DFN_ERR_RUNTIME);
+    /* a failing call's statistics are DFN_STOP_NONE, not the successful call's before it */
+    g = dfn_generate_params_default();
+    g.temperature = -1.0;
+    report("generate_bad_temperature", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    dfn_stats st;
+    st.struct_size = sizeof st;
+    report("stats_after_failure", dfn_engine_last_stats(e, &st));
+    printf("stats_after_failure_values: %d %lld %zu\n", st.stop_reason, (long long) st.n_generated, n_out);
     int32_t longp[80];
     for (int i = 0; i < 80; ++i) longp[i] = all[i % n];
     report("prompt_over_n_ctx", dfn_generate(e, longp, 80, NULL, out, 8, NULL, NULL, &n_out));
