@@ -219,6 +219,34 @@ def test_close_timeout_refuses_clearly(pair, ref):
     eng.close()
 
 
+@pytest.mark.parametrize("timeout", ["float('nan')", "-1.0"])
+def test_close_timeout_must_be_a_duration(pair, timeout):
+    """Was a hang: close(timeout=nan) computed a NaN deadline, which never passes, and waited for
+    the other thread's stream for ever (a negative timeout refused at once, closing nothing)."""
+    out = probe(pair, f"""
+        g = None
+        paused, done = threading.Event(), threading.Event()
+        def streamer():
+            global g
+            g = eng.generate([5, 6, 7], max_tokens=4, stream=True)
+            next(g)
+            paused.set()
+            done.wait()
+        t = threading.Thread(target=streamer, daemon=True)
+        t.start()
+        paused.wait(30)
+        try:
+            eng.close(timeout={timeout})
+            print("closed")
+        except ValueError as e:
+            print("error:", e)
+        done.set()
+        t.join(30)
+        print("open:", not eng.closed)
+    """, timeout=30)
+    assert "error: [close] timeout must be None or a number of seconds >= 0, got" in out and "open: True" in out, out
+
+
 # ---- close() -----------------------------------------------------------------------------
 
 def test_close_frees_the_core_now(pair):

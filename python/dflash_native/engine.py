@@ -282,6 +282,8 @@ class Engine:
         engine afterwards raises RuntimeError; closing again does nothing."""
         if timeout is not None:
             timeout = _real("close", "timeout", timeout)
+            if not timeout >= 0:  # NaN too: its deadline would never pass
+                raise ValueError(f"[close] timeout must be None or a number of seconds >= 0, got {timeout}")
         with self._cv:
             if self._core is None:
                 return
