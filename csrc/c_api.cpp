@@ -15,10 +15,11 @@
 #include "spec.h"
 #include "tokenizer.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -84,21 +85,22 @@ T read_struct(const T * p, T defaults) {
     return defaults;
 }
 
-bool file_readable(const char * path, std::string & why) {
-    FILE * f = std::fopen(path, "rb");
-    if (!f) {
+// Whether the path names something: stat, never open (opening a FIFO for reading blocks until a
+// writer comes); the core refuses what is not a regular GGUF file (gguf_file) before opening it.
+bool file_exists(const char * path, std::string & why) {
+    struct stat st;
+    if (stat(path, &st) != 0) {
         why = std::strerror(errno);
         return false;
     }
-    std::fclose(f);
     return true;
 }
 
 dfn_status create(const char * target_path, const char * drafter_path, const dfn_engine_options & o, dfn_engine ** out) {
     const char * W = "dfn_engine_create";
     std::string why;
-    if (!file_readable(target_path, why)) return fail(DFN_ERR_FILE, cat("[", W, "] cannot open target '", target_path, "': ", why));
-    if (drafter_path && !file_readable(drafter_path, why))
+    if (!file_exists(target_path, why)) return fail(DFN_ERR_FILE, cat("[", W, "] cannot open target '", target_path, "': ", why));
+    if (drafter_path && !file_exists(drafter_path, why))
         return fail(DFN_ERR_FILE, cat("[", W, "] cannot open drafter '", drafter_path, "': ", why));
     // Engine.__init__'s checks of what the core does not check itself
     if (o.kv_type != DFN_KV_F16 && o.kv_type != DFN_KV_F32)

@@ -200,6 +200,21 @@ def test_c_program_error_paths(consumer, pair):
     assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
 
 
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_c_program_fifo_is_refused_before_it_is_opened(consumer, pair, tmp_path, which):
+    """Was a hang: dfn_engine_create opened the path (fopen) to check it was readable, and opening a
+    FIFO for reading blocks until a writer comes."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    args = [fifo, pair[1]] if which == "target" else [pair[0], fifo]
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "create", *args)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_engine_create hung on a FIFO")
+    out = _check(p, "dfn_consumer create")
+    assert out.startswith("create: DFN_ERR_FILE | ") and "not a regular file" in out and str(fifo) in out, out
+
+
 # ---- the Cython extension --------------------------------------------------------------------------------
 
 

@@ -5,6 +5,8 @@
  *       VERIFY: chain or tree) and prints "key: values" lines.
  *   dfn_consumer errors TARGET
  *       the error paths: one "case: STATUS_NAME | message" line each.
+ *   dfn_consumer create TARGET DRAFTER|-
+ *       dfn_engine_create alone: "create: STATUS_NAME | message".
  */
 #include <dflash_native.h>
 
@@ -150,10 +152,19 @@ static int cmd_errors(const char * target) {
     return 0;
 }
 
+static int cmd_create(char ** argv) {
+    dfn_engine * e = NULL;
+    report("create", dfn_engine_create(argv[2], strcmp(argv[3], "-") == 0 ? NULL : argv[3], NULL, &e));
+    dfn_engine_destroy(e);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
     if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "create") == 0) return cmd_create(argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
-                    "       dfn_consumer errors TARGET\n");
+                    "       dfn_consumer errors TARGET\n"
+                    "       dfn_consumer create TARGET DRAFTER|-\n");
     return 2;
 }
