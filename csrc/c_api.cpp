@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -34,6 +35,9 @@ struct dfn_engine {
     std::unique_ptr<tokenizer> tok;      // null: the GGUF has no vocabulary
     bool tree = false;
     dfn_stats stats{};
+    // a dfn_generate is running: another (from a second thread, or from its own token callback) is
+    // refused rather than left to corrupt the sequence or abort in ggml
+    std::atomic<bool> busy{false};
 };
 
 namespace {
@@ -410,13 +414,21 @@ dfn_status dfn_detokenize(const dfn_engine * e, const int32_t * tokens, size_t n
 dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params * params,
                         int32_t * out, size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
     const char * W = "dfn_generate";
-    if (e) {  // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
-        e->stats = dfn_stats{};
-        e->stats.struct_size = sizeof(dfn_stats);
-    }
-    if (!e || !n_out || (!prompt && n_prompt) || (!out && max_tokens))
-        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_out must not be NULL, nor prompt or out "
-                                                  "when their size is not 0"));
+    const char * nulls = "] engine and n_out must not be NULL, nor prompt or out when their size is not 0";
+    if (!e) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
+    bool idle = false;
+    if (!e->busy.compare_exchange_strong(idle, true))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] this engine is running another dfn_generate (on another "
+                                                  "thread, or this call comes from its token callback): one engine "
+                                                  "runs one call at a time"));
+    struct idle_again {
+        std::atomic<bool> & busy;
+        ~idle_again() { busy = false; }
+    } release{e->busy};
+    // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
+    e->stats = dfn_stats{};
+    e->stats.struct_size = sizeof(dfn_stats);
+    if (!n_out || (!prompt && n_prompt) || (!out && max_tokens)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
     *n_out = 0;
     if (params && !size_ok(params, k_generate_v1))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->struct_size = ", params->struct_size,

@@ -215,6 +215,19 @@ def test_c_program_fifo_is_refused_before_it_is_opened(consumer, pair, tmp_path,
     assert out.startswith("create: DFN_ERR_FILE | ") and "not a regular file" in out and str(fifo) in out, out
 
 
+def test_c_program_second_generate_on_a_running_engine_is_refused(consumer, pair):
+    """Was silently wrong tokens (a dfn_generate from the token callback reset the running call's
+    sequence) or an abort (a second thread's call: GGML_ASSERT in ggml-backend)."""
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "overlap", *pair)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_consumer overlap hung")
+    r = dict(line.split(": ", 1) for line in _check(p, "dfn_consumer overlap").splitlines())
+    for how in ("callback", "thread"):
+        assert r[how].startswith("DFN_ERR_INVALID_ARGUMENT | [dfn_generate] this engine is running another dfn_generate"), r
+        assert r[f"{how}_first"] == "DFN_OK 1", r  # the running call went on undisturbed
+
+
 # ---- the Cython extension --------------------------------------------------------------------------------
 
 
