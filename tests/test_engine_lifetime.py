@@ -247,6 +247,41 @@ def test_close_timeout_must_be_a_duration(pair, timeout):
     assert "error: [close] timeout must be None or a number of seconds >= 0, got" in out and "open: True" in out, out
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_forked_child_refuses_to_run_the_parents_engine(pair, ref):
+    """Was a hang: in a fork() of a process whose engine had run, the engine's next graph waited for
+    ever on ggml's OpenMP worker threads, which fork() does not copy."""
+    out = probe(pair, f"""
+        import os, signal
+        eng2 = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=2)
+        P, N = {PROMPT}, {N}
+        want = eng2.generate(P, max_tokens=N).tokens
+        before = eng2.generate(P, max_tokens=N, stream=True)  # made before the fork, started in the child
+        paused = eng2.generate(P, max_tokens=N, stream=True)  # started before the fork, resumed in the child
+        next(paused)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang ends the child with SIGALRM
+            for name, call in [("generate", lambda: eng2.generate(P, max_tokens=N)), ("eval", lambda: eng2.eval(P)),
+                               ("stream", lambda: next(before)), ("paused", lambda: list(paused))]:
+                try:
+                    call()
+                    print(name, "ran", flush=True)
+                except RuntimeError as e:
+                    print(name, "error:", e, flush=True)
+            print("tokenize:", eng2.tokenize("hi") == eng.tokenize("hi"), flush=True)  # text needs no graph
+            eng2.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status:", status)
+        print("parent:", list(paused)[-1].result.tokens == want, eng2.generate(P, max_tokens=N).tokens == want)
+    """, timeout=120)
+    assert "child status: 0" in out and "parent: True True" in out and "tokenize: True" in out, out
+    for name in ("generate", "eval", "stream", "paused"):
+        assert f"{name} error: [engine] this Engine was made in process" in out, out
+    assert "is a fork() of it" in out, out
+
+
 # ---- close() -----------------------------------------------------------------------------
 
 def test_close_frees_the_core_now(pair):

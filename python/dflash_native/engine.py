@@ -238,6 +238,7 @@ class Engine:
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
         self._owner: _Claim | None = None
+        self._pid = os.getpid()  # the process whose threads run the graphs (see _live)
         # The prompt cache (generate(cache_prompt=True)): the token sequence the core holds after
         # the last request that ended normally, and whether the Spec's ring is in step with it.
         self._held: tuple[list[int], bool] | None = None
@@ -307,11 +308,18 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _live(self):
-        """The core, or RuntimeError when the engine is closed."""
+    def _live(self, compute: bool = False):
+        """The core, or RuntimeError when the engine is closed; compute=True (a call that runs the
+        model): also when this is a forked child of the process that made the engine, where a graph
+        would wait for ever on worker threads (ggml's OpenMP pool) that fork() did not copy."""
         core = self._core
         if core is None:
             raise RuntimeError("[engine] this Engine is closed")
+        if compute and os.getpid() != self._pid:
+            raise RuntimeError(f"[engine] this Engine was made in process {self._pid}, and this process "
+                               f"({os.getpid()}) is a fork() of it: ggml's worker threads do not survive fork(), so "
+                               f"it cannot run here. Make engines in the process that uses them, started with "
+                               f"multiprocessing's 'spawn' or 'forkserver' method")
         return core
 
     # ---- properties -------------------------------------------------------------------
@@ -447,7 +455,7 @@ class Engine:
         with self._cv:
             claim = self._claim("eval()")
             try:
-                return self._live().decode(toks, all_logits=True)
+                return self._live(compute=True).decode(toks, all_logits=True)
             finally:
                 self._release(claim)
 
@@ -491,7 +499,7 @@ class Engine:
         Otherwise, or after eval(), an error or a stream that did not finish, a cold start. The
         output equals a cold start's bit for bit when every prefill chunk is at most 64 tokens
         (n_batch <= 64, or short prompts); else the near-tie rule (docs/architecture.md)."""
-        self._live()
+        self._live(compute=True)
         max_tokens = _int("generate", "max_tokens", max_tokens)
         if max_tokens < 0:
             raise ValueError(f"[generate] max_tokens must be >= 0, got {max_tokens}")
@@ -567,7 +575,7 @@ class Engine:
 
     def _resume(self, claim: "_Claim"):
         """Before a stream's step (caller holds _cv): its core, or RuntimeError when it lost it."""
-        core = self._live()
+        core = self._live(compute=True)
         if claim.superseded_by is not None:
             raise RuntimeError(f"[generate] this stream was superseded by a later {claim.superseded_by} on the same "
                                f"Engine from the same thread; finish or close() a stream before the next call")
@@ -585,6 +593,7 @@ class Engine:
         # caller that abandons the stream (break, an exception) cannot lock the engine up.
         claim = None
         try:
+            self._live(compute=True)  # a stream made before a fork(), started in the child
             with self._cv:
                 claim = self._claim("generate()", keep=run.cache_prompt)
                 pieces = run.start(self._take_held(run.prompt, run.spec) if run.cache_prompt else 0)
