@@ -16,6 +16,9 @@
 #include "tokenizer.h"
 
 #include <sys/stat.h>
+#if !defined(_WIN32)
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +32,14 @@
 
 using namespace dfn;
 
+static long current_pid() {
+#if defined(_WIN32)
+    return 0;  // no fork()
+#else
+    return (long) getpid();
+#endif
+}
+
 struct dfn_engine {
     std::unique_ptr<target_session> target;
     std::unique_ptr<spec_session> spec;  // after target: destroyed first (it refers to the target)
@@ -38,6 +49,9 @@ struct dfn_engine {
     // a dfn_generate is running: another (from a second thread, or from its own token callback) is
     // refused rather than left to corrupt the sequence or abort in ggml
     std::atomic<bool> busy{false};
+    // the process that made it: in a fork() of that process a graph would wait for ever on ggml's
+    // OpenMP worker threads, which fork() does not copy (dfn_generate refuses to run there)
+    long pid = current_pid();
 };
 
 namespace {
@@ -425,6 +439,10 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
         std::atomic<bool> & busy;
         ~idle_again() { busy = false; }
     } release{e->busy};
+    if (e->pid != current_pid())
+        return fail(DFN_ERR_RUNTIME, cat("[", W, "] this engine was made in process ", e->pid, ", and this process (",
+                                         current_pid(), ") is a fork() of it: ggml's worker threads do not survive "
+                                         "fork(), so it cannot run here; make engines in the process that uses them"));
     // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
     e->stats = dfn_stats{};
     e->stats.struct_size = sizeof(dfn_stats);

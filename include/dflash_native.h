@@ -21,7 +21,8 @@
  * Threads: different engines may run on different threads at once. One engine runs one call at a
  * time (calls on the same engine from several threads at once must be serialised by the caller);
  * a dfn_generate on an engine that is running one (from another thread, or from its own token
- * callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the running call alone.
+ * callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the running call alone. An engine runs
+ * only in the process that made it: in a fork() of it, dfn_generate returns DFN_ERR_RUNTIME.
  */
 #ifndef DFLASH_NATIVE_H
 #define DFLASH_NATIVE_H

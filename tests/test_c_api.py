@@ -228,6 +228,20 @@ def test_c_program_second_generate_on_a_running_engine_is_refused(consumer, pair
         assert r[f"{how}_first"] == "DFN_OK 1", r  # the running call went on undisturbed
 
 
+def test_c_program_engine_in_a_forked_child_is_refused(consumer, pair):
+    """Was a hang: dfn_generate in a fork() of the process whose engine had run waited for ever on
+    ggml's OpenMP worker threads, which fork() does not copy."""
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "fork", *pair)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_consumer fork hung")
+    r = dict(line.split(": ", 1) for line in _check(p, "dfn_consumer fork").splitlines())
+    assert r.get("child_exit") == "0", r  # 142 (128 + SIGALRM): the child hung
+    assert r["child"].startswith("DFN_ERR_RUNTIME | [dfn_generate] this engine was made in process "), r
+    assert "is a fork() of it" in r["child"], r
+    assert r["parent"] == "DFN_OK 1", r
+
+
 # ---- the Cython extension --------------------------------------------------------------------------------
 
 

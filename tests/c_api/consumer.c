@@ -7,6 +7,9 @@
  *       the error paths: one "case: STATUS_NAME | message" line each.
  *   dfn_consumer create TARGET DRAFTER|-
  *       dfn_engine_create alone: "create: STATUS_NAME | message".
+ *   dfn_consumer fork TARGET DRAFTER
+ *       dfn_generate in a fork() of the process whose engine ran: the child's status line, then
+ *       "child_exit: N" (a hang ends the child by SIGALRM) and the parent's own generate after it.
  *   dfn_consumer overlap TARGET DRAFTER
  *       a dfn_generate on an engine while it runs one: from its token callback and from a second
  *       thread; prints their statuses and whether the running call's tokens are the undisturbed ones.
@@ -14,9 +17,12 @@
 #include <dflash_native.h>
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int stop_after_cb(int32_t token, void * user) {
     int * left = (int *) user;
@@ -247,14 +253,45 @@ static int cmd_overlap(char ** argv) {
     return 0;
 }
 
+static int cmd_fork(char ** argv) {
+    dfn_engine_options opt = dfn_engine_options_default();
+    opt.n_ctx = 256;
+    opt.n_threads = 2;  /* ggml's OpenMP pool: what a fork() does not copy */
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], argv[3], &opt, &e);
+    if (s != DFN_OK) return die("create", s);
+    const int32_t prompt[3] = {5, 6, 7};
+    int32_t want[16], got[16];
+    size_t n_want = 0, n_got = 0;
+    s = dfn_generate(e, prompt, 3, NULL, want, 16, NULL, NULL, &n_want);
+    if (s != DFN_OK) return die("generate", s);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(20);
+        report("child", dfn_generate(e, prompt, 3, NULL, got, 16, NULL, NULL, &n_got));
+        fflush(stdout);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("child_exit: %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+    s = dfn_generate(e, prompt, 3, NULL, got, 16, NULL, NULL, &n_got);
+    printf("parent: %s %d\n", dfn_status_name(s), n_got == n_want && memcmp(got, want, n_want * sizeof *got) == 0);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
     if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
     if (argc == 4 && strcmp(argv[1], "create") == 0) return cmd_create(argv);
     if (argc == 4 && strcmp(argv[1], "overlap") == 0) return cmd_overlap(argv);
+    if (argc == 4 && strcmp(argv[1], "fork") == 0) return cmd_fork(argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
                     "       dfn_consumer errors TARGET\n"
                     "       dfn_consumer create TARGET DRAFTER|-\n"
-                    "       dfn_consumer overlap TARGET DRAFTER\n");
+                    "       dfn_consumer overlap TARGET DRAFTER\n"
+                    "       dfn_consumer fork TARGET DRAFTER\n");
     return 2;
 }
