@@ -282,6 +282,35 @@ def test_forked_child_refuses_to_run_the_parents_engine(pair, ref):
     assert "is a fork() of it" in out, out
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork") or not dn._core.cpu_uses_openmp(),
+                    reason="needs os.fork and ggml's OpenMP thread pool")
+def test_new_engine_in_a_forked_child_needs_one_thread(pair):
+    """Was a hang: in a fork() of a process whose engine ran ggml's OpenMP pool, a new engine on more
+    than one thread waited for ever at its first graph (GNU libgomp cannot start a pool again there)."""
+    out = probe(pair, f"""
+        import os, signal
+        eng2 = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=2)
+        want = eng.generate({PROMPT}, max_tokens={N}).tokens
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a hang ends the child with SIGALRM
+            for n_threads in (2, None):
+                try:
+                    dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=n_threads)
+                    print(n_threads, "made", flush=True)
+                except RuntimeError as e:
+                    print(n_threads, "error:", e, flush=True)
+            one = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=1)
+            print("one thread:", one.generate({PROMPT}, max_tokens={N}).tokens == want, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status:", status)
+    """, timeout=180)
+    assert "child status: 0" in out and "one thread: True" in out, out
+    for n_threads in (2, None):
+        assert f"{n_threads} error: [engine] this process is a fork() of process" in out, out
+
+
 # ---- close() -----------------------------------------------------------------------------
 
 def test_close_frees_the_core_now(pair):
