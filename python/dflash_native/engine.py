@@ -246,9 +246,8 @@ class Engine:
         self._cv = threading.Condition(threading.RLock())
         self._owner: _Claim | None = None
         self._pid = os.getpid()  # the process whose threads run the graphs (see _live)
-        global _omp_pid
-        if _omp_pid is None and self._core.n_threads > 1 and _core.cpu_uses_openmp():
-            _omp_pid = self._pid  # the load ran graphs (the matmul choice) on the pool
+        if self._core.matmul_dispatch():  # the load timed matmuls on the thread pool
+            _note_pool(self._core.n_threads)
         # The prompt cache (generate(cache_prompt=True)): the token sequence the core holds after
         # the last request that ended normally, and whether the Spec's ring is in step with it.
         self._held: tuple[list[int], bool] | None = None
@@ -330,6 +329,8 @@ class Engine:
                                f"({os.getpid()}) is a fork() of it: ggml's worker threads do not survive fork(), so "
                                f"it cannot run here. Make engines in the process that uses them, started with "
                                f"multiprocessing's 'spawn' or 'forkserver' method")
+        if compute:
+            _note_pool(core.n_threads)
         return core
 
     # ---- properties -------------------------------------------------------------------
@@ -883,6 +884,13 @@ def _sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core.S
     s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
                        logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
     return s if temperature > 0 or logprobs is not None else None
+
+
+def _note_pool(n_threads: int) -> None:
+    """Records this process in _omp_pid when an engine runs graphs on more than one OpenMP thread."""
+    global _omp_pid
+    if _omp_pid is None and n_threads > 1 and _core.cpu_uses_openmp():
+        _omp_pid = os.getpid()
 
 
 def _check_fork(n_threads: int) -> None:
