@@ -15,10 +15,15 @@
 #include "spec.h"
 #include "tokenizer.h"
 
+#include <sys/stat.h>
+#if !defined(_WIN32)
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -27,12 +32,26 @@
 
 using namespace dfn;
 
+static long current_pid() {
+#if defined(_WIN32)
+    return 0;  // no fork()
+#else
+    return (long) getpid();
+#endif
+}
+
 struct dfn_engine {
     std::unique_ptr<target_session> target;
     std::unique_ptr<spec_session> spec;  // after target: destroyed first (it refers to the target)
     std::unique_ptr<tokenizer> tok;      // null: the GGUF has no vocabulary
     bool tree = false;
     dfn_stats stats{};
+    // a dfn_generate is running: another (from a second thread, or from its own token callback) is
+    // refused rather than left to corrupt the sequence or abort in ggml
+    std::atomic<bool> busy{false};
+    // the process that made it: in a fork() of that process a graph would wait for ever on ggml's
+    // OpenMP worker threads, which fork() does not copy (dfn_generate refuses to run there)
+    long pid = current_pid();
 };
 
 namespace {
@@ -84,21 +103,22 @@ T read_struct(const T * p, T defaults) {
     return defaults;
 }
 
-bool file_readable(const char * path, std::string & why) {
-    FILE * f = std::fopen(path, "rb");
-    if (!f) {
+// Whether the path names something: stat, never open (opening a FIFO for reading blocks until a
+// writer comes); the core refuses what is not a regular GGUF file (gguf_file) before opening it.
+bool file_exists(const char * path, std::string & why) {
+    struct stat st;
+    if (stat(path, &st) != 0) {
         why = std::strerror(errno);
         return false;
     }
-    std::fclose(f);
     return true;
 }
 
 dfn_status create(const char * target_path, const char * drafter_path, const dfn_engine_options & o, dfn_engine ** out) {
     const char * W = "dfn_engine_create";
     std::string why;
-    if (!file_readable(target_path, why)) return fail(DFN_ERR_FILE, cat("[", W, "] cannot open target '", target_path, "': ", why));
-    if (drafter_path && !file_readable(drafter_path, why))
+    if (!file_exists(target_path, why)) return fail(DFN_ERR_FILE, cat("[", W, "] cannot open target '", target_path, "': ", why));
+    if (drafter_path && !file_exists(drafter_path, why))
         return fail(DFN_ERR_FILE, cat("[", W, "] cannot open drafter '", drafter_path, "': ", why));
     // Engine.__init__'s checks of what the core does not check itself
     if (o.kv_type != DFN_KV_F16 && o.kv_type != DFN_KV_F32)
@@ -262,9 +282,7 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     if (g.speculative == 1 && !e.spec)
         return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] speculative=1 needs an engine created with a drafter");
     if (n_prompt > (size_t) INT64_MAX) return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] n_prompt is too large");
-    dfn_stats & st = e.stats;
-    st = dfn_stats{};
-    st.struct_size = sizeof(dfn_stats);
+    dfn_stats & st = e.stats;  // zeroed by dfn_generate
     const bool spec = g.speculative == -1 ? (bool) e.spec : g.speculative == 1;
     st.n_prompt_tokens = (int64_t) n_prompt;
     st.speculative = spec;
@@ -410,9 +428,25 @@ dfn_status dfn_detokenize(const dfn_engine * e, const int32_t * tokens, size_t n
 dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params * params,
                         int32_t * out, size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
     const char * W = "dfn_generate";
-    if (!e || !n_out || (!prompt && n_prompt) || (!out && max_tokens))
-        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_out must not be NULL, nor prompt or out "
-                                                  "when their size is not 0"));
+    const char * nulls = "] engine and n_out must not be NULL, nor prompt or out when their size is not 0";
+    if (!e) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
+    bool idle = false;
+    if (!e->busy.compare_exchange_strong(idle, true))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] this engine is running another dfn_generate (on another "
+                                                  "thread, or this call comes from its token callback): one engine "
+                                                  "runs one call at a time"));
+    struct idle_again {
+        std::atomic<bool> & busy;
+        ~idle_again() { busy = false; }
+    } release{e->busy};
+    if (e->pid != current_pid())
+        return fail(DFN_ERR_RUNTIME, cat("[", W, "] this engine was made in process ", e->pid, ", and this process (",
+                                         current_pid(), ") is a fork() of it: ggml's worker threads do not survive "
+                                         "fork(), so it cannot run here; make engines in the process that uses them"));
+    // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
+    e->stats = dfn_stats{};
+    e->stats.struct_size = sizeof(dfn_stats);
+    if (!n_out || (!prompt && n_prompt) || (!out && max_tokens)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
     *n_out = 0;
     if (params && !size_ok(params, k_generate_v1))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->struct_size = ", params->struct_size,

@@ -25,7 +25,11 @@ static const char * W = "decode";
 target_session::target_session(const std::string & path, const session_params & params) : params_(params) {
     install_ggml_log();
     isa_check();  // a bad DFLASH_NATIVE_ISA raises here, before any kernel runs
+    // positions are int32 in the graphs; a larger n_ctx would also overflow the cache tensors' element
+    // counts (a GGML_ASSERT in ggml_new_tensor) before any allocation could fail cleanly
     DFN_REQUIRE(params.n_ctx >= 1, "engine", "n_ctx must be >= 1, got ", params.n_ctx);
+    DFN_REQUIRE(params.n_ctx <= INT32_MAX, "engine", "n_ctx must be <= ", INT32_MAX, " (positions are int32), got ",
+                params.n_ctx);
     DFN_REQUIRE(params.n_batch >= 1, "engine", "n_batch must be >= 1, got ", params.n_batch);
     DFN_REQUIRE(params.n_threads >= 0 && params.n_threads <= GGML_MAX_N_THREADS, "engine",
                 "n_threads must be in [1, ", GGML_MAX_N_THREADS, "] (or 0: all cores), got ", params.n_threads);

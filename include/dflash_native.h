@@ -19,7 +19,10 @@
  *     leaves a message in dfn_last_error() (thread-local: the calling thread's last failure).
  *
  * Threads: different engines may run on different threads at once. One engine runs one call at a
- * time (calls on the same engine from several threads at once must be serialised by the caller).
+ * time (calls on the same engine from several threads at once must be serialised by the caller);
+ * a dfn_generate on an engine that is running one (from another thread, or from its own token
+ * callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the running call alone. An engine runs
+ * only in the process that made it: in a fork() of it, dfn_generate returns DFN_ERR_RUNTIME.
  */
 #ifndef DFLASH_NATIVE_H
 #define DFLASH_NATIVE_H
@@ -149,7 +152,9 @@ typedef struct dfn_generate_params {
 
 DFN_API dfn_generate_params dfn_generate_params_default(void);
 
-/* Called once per generated token, in order; return non-zero to stop after this token. */
+/* Called once per generated token, in order; return non-zero to stop after this token. It may call
+ * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused (see
+ * Threads); dfn_engine_destroy on it is undefined behaviour (stop, then destroy after the return). */
 typedef int (*dfn_token_callback)(int32_t token, void * user_data);
 
 typedef enum dfn_stop_reason {

@@ -444,6 +444,7 @@ ENGINE_BAD = [
     (dict(n_ctx=True), "n_ctx must be an int"),
     (dict(n_ctx="64"), "n_ctx must be an int"),
     (dict(n_ctx=2**70), "n_ctx = 1180591620717411303424 is out of range"),
+    (dict(n_ctx=2**62), r"n_ctx must be <= 2147483647 \(positions are int32\), got 4611686018427387904"),  # was a GGML_ASSERT
     (dict(n_threads=2**40), "n_threads = 1099511627776 is out of range"),
     (dict(n_threads=100000), r"n_threads must be in \[1, 512\]"),
     (dict(drafter_window=2**63), "drafter_window = 9223372036854775808 is out of range"),

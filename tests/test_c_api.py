@@ -175,6 +175,8 @@ def test_c_program_error_paths(consumer, pair):
     assert r["missing_file_handle"][0] == "null"
     assert r["bad_kv_type"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got 7")
     assert r["bad_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "n_ctx must be >= 1" in r["bad_n_ctx"][1]
+    assert r["huge_n_ctx"] == ("DFN_ERR_INVALID_ARGUMENT",
+                               "[engine] n_ctx must be <= 2147483647 (positions are int32), got 4611686018427387904")
     assert r["tree_without_drafter"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] verify=tree needs a drafter")
     assert r["bad_struct_size"][0] == "DFN_ERR_INVALID_ARGUMENT" and "struct_size = 3" in r["bad_struct_size"][1]
     assert r["not_gguf"][0] == "DFN_ERR_FILE" and "/proc/self/cmdline" in r["not_gguf"][1]
@@ -191,8 +193,53 @@ def test_c_program_error_paths(consumer, pair):
     assert r["generate_bad_top_p"][0] == "DFN_ERR_INVALID_ARGUMENT" and "top_p" in r["generate_bad_top_p"][1]
     assert r["generate_spec_without_drafter"][0] == "DFN_ERR_INVALID_ARGUMENT"
     assert r["generate_defaults"][0] == "DFN_OK"
+    assert r["generate_bad_temperature"][0] == "DFN_ERR_INVALID_ARGUMENT" and "temperature" in r["generate_bad_temperature"][1]
+    assert r["stats_after_failure"][0] == "DFN_OK"
+    assert r["stats_after_failure_values"][0].split() == ["0", "0", "0"]  # DFN_STOP_NONE, nothing generated
     assert r["prompt_over_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "context" in r["prompt_over_n_ctx"][1]
     assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_c_program_fifo_is_refused_before_it_is_opened(consumer, pair, tmp_path, which):
+    """Was a hang: dfn_engine_create opened the path (fopen) to check it was readable, and opening a
+    FIFO for reading blocks until a writer comes."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    args = [fifo, pair[1]] if which == "target" else [pair[0], fifo]
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "create", *args)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_engine_create hung on a FIFO")
+    out = _check(p, "dfn_consumer create")
+    assert out.startswith("create: DFN_ERR_FILE | ") and "not a regular file" in out and str(fifo) in out, out
+
+
+def test_c_program_second_generate_on_a_running_engine_is_refused(consumer, pair):
+    """Was silently wrong tokens (a dfn_generate from the token callback reset the running call's
+    sequence) or an abort (a second thread's call: GGML_ASSERT in ggml-backend)."""
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "overlap", *pair)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_consumer overlap hung")
+    r = dict(line.split(": ", 1) for line in _check(p, "dfn_consumer overlap").splitlines())
+    for how in ("callback", "thread"):
+        assert r[how].startswith("DFN_ERR_INVALID_ARGUMENT | [dfn_generate] this engine is running another dfn_generate"), r
+        assert r[f"{how}_first"] == "DFN_OK 1", r  # the running call went on undisturbed
+
+
+def test_c_program_engine_in_a_forked_child_is_refused(consumer, pair):
+    """Was a hang: dfn_generate in a fork() of the process whose engine had run waited for ever on
+    ggml's OpenMP worker threads, which fork() does not copy."""
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "fork", *pair)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_consumer fork hung")
+    r = dict(line.split(": ", 1) for line in _check(p, "dfn_consumer fork").splitlines())
+    assert r.get("child_exit") == "0", r  # 142 (128 + SIGALRM): the child hung
+    assert r["child"].startswith("DFN_ERR_RUNTIME | [dfn_generate] this engine was made in process "), r
+    assert "is a fork() of it" in r["child"], r
+    assert r["parent"] == "DFN_OK 1", r
 
 
 # ---- the Cython extension --------------------------------------------------------------------------------

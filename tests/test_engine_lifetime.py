@@ -219,6 +219,98 @@ def test_close_timeout_refuses_clearly(pair, ref):
     eng.close()
 
 
+@pytest.mark.parametrize("timeout", ["float('nan')", "-1.0"])
+def test_close_timeout_must_be_a_duration(pair, timeout):
+    """Was a hang: close(timeout=nan) computed a NaN deadline, which never passes, and waited for
+    the other thread's stream for ever (a negative timeout refused at once, closing nothing)."""
+    out = probe(pair, f"""
+        g = None
+        paused, done = threading.Event(), threading.Event()
+        def streamer():
+            global g
+            g = eng.generate([5, 6, 7], max_tokens=4, stream=True)
+            next(g)
+            paused.set()
+            done.wait()
+        t = threading.Thread(target=streamer, daemon=True)
+        t.start()
+        paused.wait(30)
+        try:
+            eng.close(timeout={timeout})
+            print("closed")
+        except ValueError as e:
+            print("error:", e)
+        done.set()
+        t.join(30)
+        print("open:", not eng.closed)
+    """, timeout=30)
+    assert "error: [close] timeout must be None or a number of seconds >= 0, got" in out and "open: True" in out, out
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_forked_child_refuses_to_run_the_parents_engine(pair, ref):
+    """Was a hang: in a fork() of a process whose engine had run, the engine's next graph waited for
+    ever on ggml's OpenMP worker threads, which fork() does not copy."""
+    out = probe(pair, f"""
+        import os, signal
+        eng2 = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=2)
+        P, N = {PROMPT}, {N}
+        want = eng2.generate(P, max_tokens=N).tokens
+        before = eng2.generate(P, max_tokens=N, stream=True)  # made before the fork, started in the child
+        paused = eng2.generate(P, max_tokens=N, stream=True)  # started before the fork, resumed in the child
+        next(paused)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang ends the child with SIGALRM
+            for name, call in [("generate", lambda: eng2.generate(P, max_tokens=N)), ("eval", lambda: eng2.eval(P)),
+                               ("stream", lambda: next(before)), ("paused", lambda: list(paused))]:
+                try:
+                    call()
+                    print(name, "ran", flush=True)
+                except RuntimeError as e:
+                    print(name, "error:", e, flush=True)
+            print("tokenize:", eng2.tokenize("hi") == eng.tokenize("hi"), flush=True)  # text needs no graph
+            eng2.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status:", status)
+        print("parent:", list(paused)[-1].result.tokens == want, eng2.generate(P, max_tokens=N).tokens == want)
+    """, timeout=120)
+    assert "child status: 0" in out and "parent: True True" in out and "tokenize: True" in out, out
+    for name in ("generate", "eval", "stream", "paused"):
+        assert f"{name} error: [engine] this Engine was made in process" in out, out
+    assert "is a fork() of it" in out, out
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork") or not dn._core.cpu_uses_openmp(),
+                    reason="needs os.fork and ggml's OpenMP thread pool")
+def test_new_engine_in_a_forked_child_needs_one_thread(pair):
+    """Was a hang: in a fork() of a process whose engine ran ggml's OpenMP pool, a new engine on more
+    than one thread waited for ever at its first graph (GNU libgomp cannot start a pool again there)."""
+    out = probe(pair, f"""
+        import os, signal
+        eng2 = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=2)
+        want = eng.generate({PROMPT}, max_tokens={N}).tokens
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a hang ends the child with SIGALRM
+            for n_threads in (2, None):
+                try:
+                    dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=n_threads)
+                    print(n_threads, "made", flush=True)
+                except RuntimeError as e:
+                    print(n_threads, "error:", e, flush=True)
+            one = dn.Engine(eng.path, drafter=eng.drafter_path, n_ctx=64, n_threads=1)
+            print("one thread:", one.generate({PROMPT}, max_tokens={N}).tokens == want, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status:", status)
+    """, timeout=180)
+    assert "child status: 0" in out and "one thread: True" in out, out
+    for n_threads in (2, None):
+        assert f"{n_threads} error: [engine] this process is a fork() of process" in out, out
+
+
 # ---- close() -----------------------------------------------------------------------------
 
 def test_close_frees_the_core_now(pair):

@@ -17,6 +17,12 @@ from . import _core
 from ._tokenizer import NoVocabulary, Tokenizer
 
 
+# The process whose engines ran ggml's OpenMP thread pool on more than one thread (None: none yet).
+# fork() copies no threads and GNU libgomp cannot start a pool again in the child: there a graph on
+# more than one thread waits for ever, so Engine refuses n_threads != 1 in a fork() of that process.
+_omp_pid: int | None = None
+
+
 @dataclass
 class GenerationStats:
     n_prompt_tokens: int = 0
@@ -229,6 +235,7 @@ class Engine:
 
         self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
+        _check_fork(n_threads)
         self._load(target, drafter, block_size,
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
                         rollback=rollback, matmul=matmul, use_mmap=use_mmap),
@@ -238,6 +245,9 @@ class Engine:
         # call or stream whose sequence is in the core (see _claim).
         self._cv = threading.Condition(threading.RLock())
         self._owner: _Claim | None = None
+        self._pid = os.getpid()  # the process whose threads run the graphs (see _live)
+        if self._core.matmul_dispatch():  # the load timed matmuls on the thread pool
+            _note_pool(self._core.n_threads)
         # The prompt cache (generate(cache_prompt=True)): the token sequence the core holds after
         # the last request that ended normally, and whether the Spec's ring is in step with it.
         self._held: tuple[list[int], bool] | None = None
@@ -282,6 +292,8 @@ class Engine:
         engine afterwards raises RuntimeError; closing again does nothing."""
         if timeout is not None:
             timeout = _real("close", "timeout", timeout)
+            if not timeout >= 0:  # NaN too: its deadline would never pass
+                raise ValueError(f"[close] timeout must be None or a number of seconds >= 0, got {timeout}")
         with self._cv:
             if self._core is None:
                 return
@@ -305,11 +317,20 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _live(self):
-        """The core, or RuntimeError when the engine is closed."""
+    def _live(self, compute: bool = False):
+        """The core, or RuntimeError when the engine is closed; compute=True (a call that runs the
+        model): also when this is a forked child of the process that made the engine, where a graph
+        would wait for ever on worker threads (ggml's OpenMP pool) that fork() did not copy."""
         core = self._core
         if core is None:
             raise RuntimeError("[engine] this Engine is closed")
+        if compute and os.getpid() != self._pid:
+            raise RuntimeError(f"[engine] this Engine was made in process {self._pid}, and this process "
+                               f"({os.getpid()}) is a fork() of it: ggml's worker threads do not survive fork(), so "
+                               f"it cannot run here. Make engines in the process that uses them, started with "
+                               f"multiprocessing's 'spawn' or 'forkserver' method")
+        if compute:
+            _note_pool(core.n_threads)
         return core
 
     # ---- properties -------------------------------------------------------------------
@@ -445,7 +466,7 @@ class Engine:
         with self._cv:
             claim = self._claim("eval()")
             try:
-                return self._live().decode(toks, all_logits=True)
+                return self._live(compute=True).decode(toks, all_logits=True)
             finally:
                 self._release(claim)
 
@@ -489,7 +510,7 @@ class Engine:
         Otherwise, or after eval(), an error or a stream that did not finish, a cold start. The
         output equals a cold start's bit for bit when every prefill chunk is at most 64 tokens
         (n_batch <= 64, or short prompts); else the near-tie rule (docs/architecture.md)."""
-        self._live()
+        self._live(compute=True)
         max_tokens = _int("generate", "max_tokens", max_tokens)
         if max_tokens < 0:
             raise ValueError(f"[generate] max_tokens must be >= 0, got {max_tokens}")
@@ -565,7 +586,7 @@ class Engine:
 
     def _resume(self, claim: "_Claim"):
         """Before a stream's step (caller holds _cv): its core, or RuntimeError when it lost it."""
-        core = self._live()
+        core = self._live(compute=True)
         if claim.superseded_by is not None:
             raise RuntimeError(f"[generate] this stream was superseded by a later {claim.superseded_by} on the same "
                                f"Engine from the same thread; finish or close() a stream before the next call")
@@ -583,6 +604,7 @@ class Engine:
         # caller that abandons the stream (break, an exception) cannot lock the engine up.
         claim = None
         try:
+            self._live(compute=True)  # a stream made before a fork(), started in the child
             with self._cv:
                 claim = self._claim("generate()", keep=run.cache_prompt)
                 pieces = run.start(self._take_held(run.prompt, run.spec) if run.cache_prompt else 0)
@@ -862,6 +884,23 @@ def _sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core.S
     s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
                        logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
     return s if temperature > 0 or logprobs is not None else None
+
+
+def _note_pool(n_threads: int) -> None:
+    """Records this process in _omp_pid when an engine runs graphs on more than one OpenMP thread."""
+    global _omp_pid
+    if _omp_pid is None and n_threads > 1 and _core.cpu_uses_openmp():
+        _omp_pid = os.getpid()
+
+
+def _check_fork(n_threads: int) -> None:
+    """RuntimeError for an engine on more than one thread (n_threads 0: every core) in a fork() of a
+    process whose engines ran ggml's OpenMP pool (see _omp_pid): its first graph would hang."""
+    if _omp_pid is not None and _omp_pid != os.getpid() and n_threads != 1:
+        raise RuntimeError(f"[engine] this process is a fork() of process {_omp_pid}, whose engines ran ggml's OpenMP "
+                           f"worker threads; fork() does not copy them, and a graph on more than one thread would wait "
+                           f"for ever here. Use multiprocessing's 'spawn' or 'forkserver' start method (or "
+                           f"n_threads=1 in this process)")
 
 
 def _baseline_modes(baselines: dict | None) -> tuple[str, str]:

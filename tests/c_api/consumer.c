@@ -5,12 +5,24 @@
  *       VERIFY: chain or tree) and prints "key: values" lines.
  *   dfn_consumer errors TARGET
  *       the error paths: one "case: STATUS_NAME | message" line each.
+ *   dfn_consumer create TARGET DRAFTER|-
+ *       dfn_engine_create alone: "create: STATUS_NAME | message".
+ *   dfn_consumer fork TARGET DRAFTER
+ *       dfn_generate in a fork() of the process whose engine ran: the child's status line, then
+ *       "child_exit: N" (a hang ends the child by SIGALRM) and the parent's own generate after it.
+ *   dfn_consumer overlap TARGET DRAFTER
+ *       a dfn_generate on an engine while it runs one: from its token callback and from a second
+ *       thread; prints their statuses and whether the running call's tokens are the undisturbed ones.
  */
 #include <dflash_native.h>
 
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int stop_after_cb(int32_t token, void * user) {
     int * left = (int *) user;
@@ -86,6 +98,9 @@ static int cmd_errors(const char * target) {
     printf("missing_file_handle: %s\n", e == NULL ? "null" : "set");
 
     dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = (int64_t) 1 << 62; /* was a GGML_ASSERT (abort) in the cache's tensors */
+    report("huge_n_ctx", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
     o.kv_type = 7;
     report("bad_kv_type", dfn_engine_create(target, NULL, &o, &e));
     o = dfn_engine_options_default();
@@ -130,6 +145,14 @@ static int cmd_errors(const char * target) {
     report("generate_spec_without_drafter", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
     report("generate_defaults", dfn_generate(e, all, n, NULL, out, 8, NULL, NULL, &n_out) == DFN_OK && n_out == 8
                                      ? DFN_OK : DFN_ERR_RUNTIME);
+    /* a failing call's statistics are DFN_STOP_NONE, not the successful call's before it */
+    g = dfn_generate_params_default();
+    g.temperature = -1.0;
+    report("generate_bad_temperature", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    dfn_stats st;
+    st.struct_size = sizeof st;
+    report("stats_after_failure", dfn_engine_last_stats(e, &st));
+    printf("stats_after_failure_values: %d %lld %zu\n", st.stop_reason, (long long) st.n_generated, n_out);
     int32_t longp[80];
     for (int i = 0; i < 80; ++i) longp[i] = all[i % n];
     report("prompt_over_n_ctx", dfn_generate(e, longp, 80, NULL, out, 8, NULL, NULL, &n_out));
@@ -139,10 +162,136 @@ static int cmd_errors(const char * target) {
     return 0;
 }
 
+static int cmd_create(char ** argv) {
+    dfn_engine * e = NULL;
+    report("create", dfn_engine_create(argv[2], strcmp(argv[3], "-") == 0 ? NULL : argv[3], NULL, &e));
+    dfn_engine_destroy(e);
+    return 0;
+}
+
+/* ---- overlap: one engine, a second dfn_generate while one runs ---- */
+
+struct overlap {
+    dfn_engine * e;
+    const int32_t * prompt;
+    size_t n_prompt;
+    int from_thread;          /* 0: the callback calls dfn_generate itself; 1: a second thread does */
+    int calls;
+    dfn_status status;        /* the second call's */
+    char message[512];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int state;                /* 1: the first call is in its callback; 2: the second call returned */
+};
+
+static void second_call(struct overlap * o) {
+    int32_t out[4];
+    size_t n = 0;
+    o->status = dfn_generate(o->e, o->prompt, o->n_prompt, NULL, out, 4, NULL, NULL, &n);
+    snprintf(o->message, sizeof o->message, "%s", o->status == DFN_OK ? "" : dfn_last_error());
+}
+
+static int overlap_cb(int32_t token, void * user) {
+    struct overlap * o = (struct overlap *) user;
+    (void) token;
+    if (o->calls++ != 2) return 0;  /* mid-generation: after a few tokens */
+    if (!o->from_thread) {
+        second_call(o);
+        return 0;
+    }
+    pthread_mutex_lock(&o->mu);
+    o->state = 1;
+    pthread_cond_broadcast(&o->cv);
+    while (o->state != 2) pthread_cond_wait(&o->cv, &o->mu);
+    pthread_mutex_unlock(&o->mu);
+    return 0;
+}
+
+static void * overlap_thread(void * user) {
+    struct overlap * o = (struct overlap *) user;
+    pthread_mutex_lock(&o->mu);
+    while (o->state != 1) pthread_cond_wait(&o->cv, &o->mu);
+    pthread_mutex_unlock(&o->mu);
+    second_call(o);
+    pthread_mutex_lock(&o->mu);
+    o->state = 2;
+    pthread_cond_broadcast(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    return NULL;
+}
+
+static int cmd_overlap(char ** argv) {
+    dfn_engine_options opt = dfn_engine_options_default();
+    opt.n_ctx = 256;
+    opt.n_threads = 1;
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], argv[3], &opt, &e);
+    if (s != DFN_OK) return die("create", s);
+    int32_t prompt[64];
+    size_t n_prompt = 0;
+    s = dfn_tokenize(e, "def fibonacci(n):\n    ", 22, prompt, 64, &n_prompt);
+    if (s != DFN_OK) return die("tokenize", s);
+    int32_t want[32], got[32];
+    size_t n_want = 0, n_got = 0;
+    s = dfn_generate(e, prompt, n_prompt, NULL, want, 32, NULL, NULL, &n_want);
+    if (s != DFN_OK) return die("generate", s);
+    for (int from_thread = 0; from_thread <= 1; ++from_thread) {
+        struct overlap o;
+        memset(&o, 0, sizeof o);
+        o.e = e, o.prompt = prompt, o.n_prompt = n_prompt, o.from_thread = from_thread;
+        pthread_mutex_init(&o.mu, NULL);
+        pthread_cond_init(&o.cv, NULL);
+        pthread_t th;
+        if (from_thread) pthread_create(&th, NULL, overlap_thread, &o);
+        s = dfn_generate(e, prompt, n_prompt, NULL, got, 32, overlap_cb, &o, &n_got);
+        if (from_thread) pthread_join(th, NULL);
+        const char * name = from_thread ? "thread" : "callback";
+        printf("%s: %s | %s\n", name, dfn_status_name(o.status), o.message);
+        printf("%s_first: %s %d\n", name, dfn_status_name(s), n_got == n_want && memcmp(got, want, n_want * sizeof *got) == 0);
+    }
+    dfn_engine_destroy(e);
+    return 0;
+}
+
+static int cmd_fork(char ** argv) {
+    dfn_engine_options opt = dfn_engine_options_default();
+    opt.n_ctx = 256;
+    opt.n_threads = 2;  /* ggml's OpenMP pool: what a fork() does not copy */
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], argv[3], &opt, &e);
+    if (s != DFN_OK) return die("create", s);
+    const int32_t prompt[3] = {5, 6, 7};
+    int32_t want[16], got[16];
+    size_t n_want = 0, n_got = 0;
+    s = dfn_generate(e, prompt, 3, NULL, want, 16, NULL, NULL, &n_want);
+    if (s != DFN_OK) return die("generate", s);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(20);
+        report("child", dfn_generate(e, prompt, 3, NULL, got, 16, NULL, NULL, &n_got));
+        fflush(stdout);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("child_exit: %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+    s = dfn_generate(e, prompt, 3, NULL, got, 16, NULL, NULL, &n_got);
+    printf("parent: %s %d\n", dfn_status_name(s), n_got == n_want && memcmp(got, want, n_want * sizeof *got) == 0);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
     if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "create") == 0) return cmd_create(argv);
+    if (argc == 4 && strcmp(argv[1], "overlap") == 0) return cmd_overlap(argv);
+    if (argc == 4 && strcmp(argv[1], "fork") == 0) return cmd_fork(argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
-                    "       dfn_consumer errors TARGET\n");
+                    "       dfn_consumer errors TARGET\n"
+                    "       dfn_consumer create TARGET DRAFTER|-\n"
+                    "       dfn_consumer overlap TARGET DRAFTER\n"
+                    "       dfn_consumer fork TARGET DRAFTER\n");
     return 2;
 }
