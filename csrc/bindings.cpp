@@ -130,15 +130,7 @@ void bind_module_info(py::module_ & m) {
         return false;
 #endif
     }, "CUDA kernels compiled in and a device usable");
-    m.def("cpu_uses_openmp", [] {
-        // ggml's CPU backend lists "OPENMP" among its features when its thread pool is OpenMP's
-        ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
-        auto features = cpu ? (ggml_backend_get_features_t) ggml_backend_reg_get_proc_address(cpu, "ggml_backend_get_features")
-                            : nullptr;
-        for (ggml_backend_feature * f = features ? features(cpu) : nullptr; f && f->name; ++f)
-            if (std::strcmp(f->name, "OPENMP") == 0) return true;
-        return false;
-    }, "True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy)");
+    m.def("cpu_uses_openmp", &cpu_uses_openmp, "True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy)");
     m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
           "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
     m.def("isa", [] { return isa_description(); },

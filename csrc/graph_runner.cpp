@@ -6,13 +6,52 @@
 
 #include "ggml-cpu.h"
 
+#if !defined(_WIN32)
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <memory>
 
 namespace dfn {
 
+bool cpu_uses_openmp() {
+    // ggml's CPU backend lists "OPENMP" among its features when its thread pool is OpenMP's
+    ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
+    auto features = cpu ? (ggml_backend_get_features_t) ggml_backend_reg_get_proc_address(cpu, "ggml_backend_get_features")
+                        : nullptr;
+    for (ggml_backend_feature * f = features ? features(cpu) : nullptr; f && f->name; ++f)
+        if (std::strcmp(f->name, "OPENMP") == 0) return true;
+    return false;
+}
+
+namespace {
+
+long process_id() {
+#if defined(_WIN32)
+    return 0;  // no fork()
+#else
+    return (long) getpid();
+#endif
+}
+
+// The process whose runners ran ggml's OpenMP thread pool on more than one thread (0: none yet).
+// fork() copies no threads and GNU libgomp cannot start a pool again in the child: there a graph on
+// more than one thread waits for ever, so a runner on more than one thread is refused in a fork()
+// of that process (Python's Engine and the C API alike).
+std::atomic<long> g_pool_pid{0};
+
+}  // namespace
+
 graph_runner::graph_runner(device_kind device, int n_threads, matmul_kind kernels, size_t max_nodes)
     : n_threads_(n_threads), kernels_(kernels), max_nodes_(max_nodes) {
+    if (const long pool = g_pool_pid.load(); n_threads != 1 && pool != 0 && pool != process_id())
+        throw runtime_error(cat("[engine] this process is a fork() of process ", pool, ", whose engines ran ggml's "
+                                "OpenMP worker threads; fork() does not copy them, and a graph on more than one thread "
+                                "would wait for ever here. Use multiprocessing's 'spawn' or 'forkserver' start method "
+                                "(or n_threads=1 in this process)"));
     require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
     cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
@@ -188,6 +227,8 @@ ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sc
         const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, n_threads_, nullptr).work_size : 0;
         make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), shape_key);
     }
+    static const bool openmp = cpu_uses_openmp();
+    if (n_threads_ != 1 && openmp && g_pool_pid.load(std::memory_order_relaxed) == 0) g_pool_pid = process_id();
     ggml_status st;
     try {
         st = ggml_backend_sched_graph_compute(sched, gf);

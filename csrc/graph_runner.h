@@ -17,6 +17,9 @@
 
 namespace dfn {
 
+// True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy).
+bool cpu_uses_openmp();
+
 // Where the weights, caches and compute live: the CPU, or the first GPU ggml was built with.
 enum device_kind { DEVICE_CPU, DEVICE_GPU };
 

@@ -22,7 +22,9 @@
  * time (calls on the same engine from several threads at once must be serialised by the caller);
  * a dfn_generate on an engine that is running one (from another thread, or from its own token
  * callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the running call alone. An engine runs
- * only in the process that made it: in a fork() of it, dfn_generate returns DFN_ERR_RUNTIME.
+ * only in the process that made it: in a fork() of it, dfn_generate returns DFN_ERR_RUNTIME; there,
+ * once the parent's engines ran ggml's OpenMP pool, dfn_engine_create with n_threads != 1 returns
+ * DFN_ERR_RUNTIME too (that pool cannot start again in a fork()).
  */
 #ifndef DFLASH_NATIVE_H
 #define DFLASH_NATIVE_H

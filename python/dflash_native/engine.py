@@ -17,12 +17,6 @@ from . import _core
 from ._tokenizer import NoVocabulary, Tokenizer
 
 
-# The process whose engines ran ggml's OpenMP thread pool on more than one thread (None: none yet).
-# fork() copies no threads and GNU libgomp cannot start a pool again in the child: there a graph on
-# more than one thread waits for ever, so Engine refuses n_threads != 1 in a fork() of that process.
-_omp_pid: int | None = None
-
-
 @dataclass
 class GenerationStats:
     n_prompt_tokens: int = 0
@@ -235,7 +229,6 @@ class Engine:
 
         self.path = Path(target)
         self.drafter_path = Path(drafter) if drafter is not None else None
-        _check_fork(n_threads)
         self._load(target, drafter, block_size,
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
                         rollback=rollback, matmul=matmul, use_mmap=use_mmap),
@@ -246,8 +239,6 @@ class Engine:
         self._cv = threading.Condition(threading.RLock())
         self._owner: _Claim | None = None
         self._pid = os.getpid()  # the process whose threads run the graphs (see _live)
-        if self._core.matmul_dispatch():  # the load timed matmuls on the thread pool
-            _note_pool(self._core.n_threads)
         # The prompt cache (generate(cache_prompt=True)): the token sequence the core holds after
         # the last request that ended normally, and whether the Spec's ring is in step with it.
         self._held: tuple[list[int], bool] | None = None
@@ -329,8 +320,6 @@ class Engine:
                                f"({os.getpid()}) is a fork() of it: ggml's worker threads do not survive fork(), so "
                                f"it cannot run here. Make engines in the process that uses them, started with "
                                f"multiprocessing's 'spawn' or 'forkserver' method")
-        if compute:
-            _note_pool(core.n_threads)
         return core
 
     # ---- properties -------------------------------------------------------------------
@@ -884,23 +873,6 @@ def _sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core.S
     s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
                        logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
     return s if temperature > 0 or logprobs is not None else None
-
-
-def _note_pool(n_threads: int) -> None:
-    """Records this process in _omp_pid when an engine runs graphs on more than one OpenMP thread."""
-    global _omp_pid
-    if _omp_pid is None and n_threads > 1 and _core.cpu_uses_openmp():
-        _omp_pid = os.getpid()
-
-
-def _check_fork(n_threads: int) -> None:
-    """RuntimeError for an engine on more than one thread (n_threads 0: every core) in a fork() of a
-    process whose engines ran ggml's OpenMP pool (see _omp_pid): its first graph would hang."""
-    if _omp_pid is not None and _omp_pid != os.getpid() and n_threads != 1:
-        raise RuntimeError(f"[engine] this process is a fork() of process {_omp_pid}, whose engines ran ggml's OpenMP "
-                           f"worker threads; fork() does not copy them, and a graph on more than one thread would wait "
-                           f"for ever here. Use multiprocessing's 'spawn' or 'forkserver' start method (or "
-                           f"n_threads=1 in this process)")
 
 
 def _baseline_modes(baselines: dict | None) -> tuple[str, str]:

@@ -8,8 +8,9 @@
  *   dfn_consumer create TARGET DRAFTER|-
  *       dfn_engine_create alone: "create: STATUS_NAME | message".
  *   dfn_consumer fork TARGET DRAFTER
- *       dfn_generate in a fork() of the process whose engine ran: the child's status line, then
- *       "child_exit: N" (a hang ends the child by SIGALRM) and the parent's own generate after it.
+ *       dfn_generate in a fork() of the process whose engine ran, and a new 2-thread engine there:
+ *       the child's status lines, then "child_exit: N" (a hang ends the child by SIGALRM) and the
+ *       parent's own generate after it.
  *   dfn_consumer overlap TARGET DRAFTER
  *       a dfn_generate on an engine while it runs one: from its token callback and from a second
  *       thread; prints their statuses and whether the running call's tokens are the undisturbed ones.
@@ -270,6 +271,9 @@ static int cmd_fork(char ** argv) {
     if (pid == 0) {
         alarm(20);
         report("child", dfn_generate(e, prompt, 3, NULL, got, 16, NULL, NULL, &n_got));
+        dfn_engine * e2 = NULL;  /* a new engine on 2 threads: a new OpenMP pool, which cannot start here */
+        report("child_create", dfn_engine_create(argv[2], argv[3], &opt, &e2));
+        dfn_engine_destroy(e2);
         fflush(stdout);
         _exit(0);
     }
