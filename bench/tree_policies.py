@@ -14,6 +14,14 @@ trees of N nodes (N + 1 verified with the root) under three scores, summed along
 - p-bin: log of the measured acceptance rate of drafts in the node's probability bin (20 bins), the
   controller's kind of calibration (same split).
 
+Then two upper bounds, on all rounds (no fit): the "oracle" tree of rank width W holds every path of
+ranks < W (W^15 nodes: no budget), so a round commits up to the first depth whose target token is
+not among the drafter's top W there; and where the chain stops (its first rejected draft, depth j),
+what the target's continuation does next: "substitution" (the drafts after j resume one position
+on: a side branch at j with the spine under it would commit them), "insertion" / "deletion" (the
+drafts resume shifted by one), or "diverge" (none of these for 2 tokens or more: a side branch at
+j adds one token).
+
     python bench/tree_policies.py --json bench/results/tree_policies.jsonl
 """
 
@@ -132,7 +140,56 @@ def main() -> None:
               + " | ".join(f"{v:.2f} (x{v / chain:.2f})" for v in got.values()) + " |")
         rows.append(dict(bench="tree_policies", nodes=n, chain_tokens_per_round=chain,
                          tree_tokens_per_round=got, rounds=len(held), block=B, k=K, machine=machine(), rev=git_rev()))
+    rows += bounds(rounds)
     write_jsonl(args.json, rows)
+
+
+def run_len(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def bounds(rounds) -> list[dict]:
+    """The oracle trees of rank width W and the chain's stops by kind (module docstring)."""
+    print("\n| oracle rank width W (W^15 nodes) | tokens / round | share of rounds committing all 16 |")
+    print("|---:|---:|---:|")
+    out = []
+    for w in (1, 2, 4, 8):
+        got = []
+        for idx, _, truth in rounds:
+            d = 0
+            while d < D and truth[d] in idx[d, :w]:
+                d += 1
+            got.append(d + 1)
+        print(f"| {w} | {np.mean(got):.2f} | {np.mean(np.array(got) == B):.2f} |")
+        out.append(dict(bench="tree_policies_oracle", width=w, tokens_per_round=float(np.mean(got)),
+                        all_accepted=float(np.mean(np.array(got) == B)), rounds=len(rounds), block=B,
+                        machine=machine(), rev=git_rev()))
+    kinds: dict[str, list[int]] = {k: [] for k in ("all accepted", "stop in the last 2", "substitution",
+                                                  "insertion", "deletion", "diverge")}
+    for idx, _, truth in rounds:
+        d, full = idx[:, 0], truth[:D]
+        j = run_len(d, full)
+        if j == D:
+            kinds["all accepted"].append(0)
+            continue
+        if j >= D - 2:
+            kinds["stop in the last 2"].append(0)
+            continue
+        gains = {"substitution": run_len(d[j + 1:], full[j + 1:]), "insertion": run_len(d[j:], full[j + 1:]),
+                 "deletion": run_len(d[j + 1:], full[j:])}
+        kind, gain = max(gains.items(), key=lambda kv: kv[1])
+        kinds[kind if gain >= 2 else "diverge"].append(gain if gain >= 2 else 0)
+    print("\n| where the chain stops | share of rounds | drafts that resume after it (mean) |")
+    print("|---|---:|---:|")
+    for kind, g in kinds.items():
+        print(f"| {kind} | {len(g) / len(rounds):.2f} | {np.mean(g) if g and kind not in ('all accepted', 'stop in the last 2', 'diverge') else 0:.1f} |")
+    out.append(dict(bench="tree_policies_stops", shares={k: len(g) / len(rounds) for k, g in kinds.items()},
+                    resumed={k: float(np.mean(g)) if g else 0.0 for k, g in kinds.items()}, rounds=len(rounds),
+                    block=B, machine=machine(), rev=git_rev()))
+    return out
 
 
 if __name__ == "__main__":
