@@ -46,15 +46,15 @@
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
 // for up to 8 columns at a time on AVX-512, 2 on AVX2; a tile's lane sums transposed, matmul.cpp's
 // tile_sums). Integer path, by columns N:
-//   N below wide_min_cols (matmul.cpp: 12 on AVX-512 VNNI, 6 on AVX2 and AVX-512 without VNNI;
-//     Q8_0 14 / 24): rows kernels. Q8_0 kind: 16 rows in the lanes (AVX-512: two rows' block per
-//     vector, a tree of lane sums to the 16 block sums; AVX2: 8 rows per hadd tree), up to 8
-//     columns per pass (AVX-512 keeps each block's unpacked codes for them), the next tile's
+//   N below wide_min_cols (matmul.cpp: on AVX-512 VNNI 12, Q4_0 18, Q8_0 22; on AVX2 and AVX-512
+//     without VNNI 6, Q8_0 24): rows kernels. Q8_0 kind: 16 rows in the lanes (AVX-512: two rows'
+//     block per vector, a tree of lane sums to the 16 block sums; AVX2: 8 rows per hadd tree), up
+//     to 16 columns per pass (AVX-512 keeps each block's unpacked codes for them), the next tile's
 //     blocks prefetched. K-quants: one column in tiles of 2 rows (each output's 16 integer lanes
 //     summed), more columns 16 rows in the lanes x 8, 4 or fewer columns (AVX-512) or 1 row x 4 (AVX2);
 //     the portable path one output at a time in plain C;
-//   N from wide_min_cols: the GEMM of matmul_wide.h (columns in the lanes), the verify passes of
-//     12 tokens and more and the prompt chunks,
+//   N from wide_min_cols: the GEMM of matmul_wide.h (columns in the lanes), the wider verify
+//     passes and the prompt chunks,
 // so the cost of a verify pass grows with its FLOPs, not with re-converting the weights per column.
 #pragma once
 
