@@ -337,11 +337,12 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // Columns from which the integer path multiplies through the GEMM of matmul_wide.h (groups of 16
 // or 8 columns) rather than the rows kernels (lanes = rows): where the two crossed on the 0.65B
 // model's verify passes (AVX-512, Intel Xeon, 2 threads; the Q8_0 kind's rows kernels take 16
-// columns per pass, the K-quants' 8) and on single matrices (AVX2, one thread, 16384 x 1024), with
+// columns per pass, the K-quants' up to 11; Q6_K's GEMM, 16 scale groups per superblock, is the
+// dearest) and on single matrices (AVX2, one thread, 16384 x 1024), with
 // Q8_0's rows kernel cheaper per column than the others' (and its AVX2 GEMM, |w| x signed a through
 // maddubs, dearer). Either gives the same bits.
 int64_t wide_min_cols(int width, ggml_type type) {
-    if (width == 16) return type == GGML_TYPE_Q8_0 ? 22 : type == GGML_TYPE_Q4_0 ? 18 : 12;
+    if (width == 16) return type == GGML_TYPE_Q8_0 ? 22 : type == GGML_TYPE_Q4_0 ? 18 : type == GGML_TYPE_Q6_K ? 14 : 12;
     return type == GGML_TYPE_Q8_0 ? 24 : 6;
 }
 
