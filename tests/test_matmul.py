@@ -156,7 +156,7 @@ def _wide_isas() -> list[str]:
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
 def test_q8_path_is_the_contract(qtype):
     """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3, 19
-    and 24 columns (from 12 / 18 / 22 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
+    and 24 columns (from 12 / 14 / 18 / 22 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
     matmul_wide.h, also called directly here), with 1 and 2 threads, has the bits of an exact
     emulation of matmul.h's operations (tests/reference/q8_matmul_ref.py: integer block sums, each
     F32 product, conversion and fmaf rounded exactly, in the contract's order): the contract itself,
@@ -230,7 +230,7 @@ def test_q8_0_block_counts_bitwise(qtype, K):
 def test_k_quant_tiles_bitwise(qtype, M, K):
     """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, else
     16 rows in the lanes x 9-11 (one pass), 8, 4, 3, 2 or 1 columns; AVX2: 2 x 1 and 1 x 4 in blocks of 16 rows; 64 codes per
-    vector on AVX-512BW, 32 on AVX2; 12 / 6 columns and more: the GEMM of matmul_wide.h): row counts
+    vector on AVX-512BW, 32 on AVX2; 12 (Q6_K 14) / 6 columns and more: the GEMM of matmul_wide.h): row counts
     that are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every
     ISA -- each output has the bits of the portable path's single-column result, which is within
     the float64 bound of test_q8_path_matches_float64 (here over 1..10 superblocks)."""
