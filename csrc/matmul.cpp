@@ -271,7 +271,7 @@ static inline bool tile_sums(const vec (&acc)[RM][RN], float * y, int64_t ldy) {
 #define TILE_RN 8
 #define TILE_RM1 8
 // 9-12 columns: 2 x 12 (24 accumulators), each row's weights converted once: a verify of 9-12
-// tokens of the 0.65B F16 model 7-8% cheaper than 3 x 8 and the rest (1 x 16 for 13-16 columns, x
+// tokens of the 0.65B F16 model 6-13% cheaper than 3 x 8 and the rest (1 x 16 for 13-16 columns, x
 // loaded once per fma, ran 10-25% slower: not taken)
 #define TILE_RM12 2
 #include "matmul_tile.inc"
@@ -344,9 +344,9 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // or 8 columns) rather than the rows kernels (lanes = rows): where the two crossed on the 0.65B
 // model's verify passes (AVX-512, Intel Xeon, 2 threads; the Q8_0 kind's rows kernels take 16
 // columns per pass, the K-quants' up to 11; Q6_K's GEMM, 16 scale groups per superblock, is the
-// dearest) and on single matrices (AVX2, one thread, 16384 x 1024), with
-// Q8_0's rows kernel cheaper per column than the others' (and its AVX2 GEMM, |w| x signed a through
-// maddubs, dearer). Either gives the same bits.
+// dearest) and on single matrices (AVX2, one thread, 16384 x 1024), with Q8_0's rows kernel cheaper
+// per column than the others' (and its AVX2 GEMM, |w| x signed a through maddubs, dearer). Either
+// gives the same bits.
 int64_t wide_min_cols(int width, ggml_type type) {
     if (width == 16) return type == GGML_TYPE_Q8_0 ? 22 : type == GGML_TYPE_Q4_0 ? 18 : type == GGML_TYPE_Q6_K ? 14 : 12;
     return type == GGML_TYPE_Q8_0 ? 24 : 6;
