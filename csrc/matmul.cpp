@@ -348,7 +348,7 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // per column than the others' (and its AVX2 GEMM, |w| x signed a through maddubs, dearer). Either
 // gives the same bits.
 int64_t wide_min_cols(int width, ggml_type type) {
-    if (width == 16) return type == GGML_TYPE_Q8_0 ? 22 : type == GGML_TYPE_Q4_0 ? 18 : type == GGML_TYPE_Q6_K ? 14 : 12;
+    if (width == 16) return type == GGML_TYPE_Q8_0 ? 22 : type == GGML_TYPE_Q4_0 ? 16 : type == GGML_TYPE_Q6_K ? 14 : 12;
     return type == GGML_TYPE_Q8_0 ? 24 : 6;
 }
 

@@ -46,7 +46,7 @@
 // Speed: W is converted once per tile of rows and reused across the columns (F32 path: F16 -> F32
 // for up to 8 columns at a time on AVX-512, 2 on AVX2; a tile's lane sums transposed, matmul.cpp's
 // tile_sums). Integer path, by columns N:
-//   N below wide_min_cols (matmul.cpp: on AVX-512 VNNI 12, Q6_K 14, Q4_0 18, Q8_0 22; on AVX2 and AVX-512
+//   N below wide_min_cols (matmul.cpp: on AVX-512 VNNI 12, Q6_K 14, Q4_0 16, Q8_0 22; on AVX2 and AVX-512
 //     without VNNI 6, Q8_0 24): rows kernels. Q8_0 kind: 16 rows in the lanes (AVX-512: two rows'
 //     block per vector, a tree of lane sums to the 16 block sums; AVX2: 8 rows per hadd tree), up
 //     to 16 columns per pass (AVX-512 keeps each block's unpacked codes for them), the next tile's

@@ -156,7 +156,7 @@ def _wide_isas() -> list[str]:
 @pytest.mark.parametrize("qtype", sorted(Q8_TYPES))
 def test_q8_path_is_the_contract(qtype):
     """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3, 19
-    and 24 columns (from 12 / 14 / 18 / 22 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
+    and 24 columns (from 12 / 14 / 16 / 22 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
     matmul_wide.h, also called directly here), with 1 and 2 threads, has the bits of an exact
     emulation of matmul.h's operations (tests/reference/q8_matmul_ref.py: integer block sums, each
     F32 product, conversion and fmaf rounded exactly, in the contract's order): the contract itself,
@@ -214,7 +214,7 @@ def test_quantized_batch_invariant_bitwise(qtype):
 @pytest.mark.parametrize("K", [32, 96, 800, 1024])
 def test_q8_0_block_counts_bitwise(qtype, K):
     """Q8_0-kind rows of any block count and every tile (AVX-512 and AVX2: 16 rows in the lanes, up
-    to 16 columns per pass over their blocks; 21 rows: a partial tile; from 18 (Q8_0 22) columns on
+    to 16 columns per pass over their blocks; 21 rows: a partial tile; from 16 (Q8_0 22) columns on
     AVX-512 VNNI, 6 (Q8_0 24) on AVX2: the GEMM of matmul_wide.h): every ISA (AVX-512 with and without VNNI), thread split and batch size
     gives the portable path's single-column bits."""
     raw, _, x = _qcase(qtype, 21, K, 24, seed=K)
