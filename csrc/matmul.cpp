@@ -343,7 +343,7 @@ void run_rows(isa which, const TW * W, int64_t ldw, const float * x, int64_t ldx
 // Columns from which the integer path multiplies through the GEMM of matmul_wide.h (groups of 16
 // or 8 columns) rather than the rows kernels (lanes = rows): where the two crossed on the 0.65B
 // model's verify passes (AVX-512, Intel Xeon, 2 threads; the Q8_0 kind's rows kernels take 16
-// columns per pass, the K-quants' up to 11; Q6_K's GEMM, 16 scale groups per superblock, is the
+// columns per pass, the K-quants' up to 13; Q6_K's GEMM, 16 scale groups per superblock, is the
 // dearest) and on single matrices (AVX2, one thread, 16384 x 1024), with Q8_0's rows kernel cheaper
 // per column than the others' (and its AVX2 GEMM, |w| x signed a through maddubs, dearer). Either
 // gives the same bits.

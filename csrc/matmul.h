@@ -51,7 +51,7 @@
 //     block per vector, a tree of lane sums to the 16 block sums; AVX2: 8 rows per hadd tree), up
 //     to 16 columns per pass (AVX-512 keeps each block's unpacked codes for them), the next tile's
 //     blocks prefetched. K-quants: one column in tiles of 2 rows (each output's 16 integer lanes
-//     summed), more columns 16 rows in the lanes x up to 11 columns in one pass, then 8 and 4 at a
+//     summed), more columns 16 rows in the lanes x up to 13 columns in one pass, then 8 and 4 at a
 //     time (AVX-512), or 1 row x 4 (AVX2);
 //     the portable path one output at a time in plain C;
 //   N from wide_min_cols: the GEMM of matmul_wide.h (columns in the lanes), the wider verify

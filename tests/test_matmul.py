@@ -229,7 +229,7 @@ def test_q8_0_block_counts_bitwise(qtype, K):
 @pytest.mark.parametrize("M,K", [(1, 256), (7, 2560), (35, 768)])
 def test_k_quant_tiles_bitwise(qtype, M, K):
     """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, else
-    16 rows in the lanes x 2-11 columns in one pass, 8 and 4 at a time past that; AVX2: 2 x 1 and 1 x 4 in blocks of 16 rows; 64 codes per
+    16 rows in the lanes x 2-13 columns in one pass, 8 and 4 at a time past that; AVX2: 2 x 1 and 1 x 4 in blocks of 16 rows; 64 codes per
     vector on AVX-512BW, 32 on AVX2; 12 (Q6_K 14) / 6 columns and more: the GEMM of matmul_wide.h): row counts
     that are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every
     ISA -- each output has the bits of the portable path's single-column result, which is within
