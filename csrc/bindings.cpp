@@ -19,9 +19,7 @@
 #include "gdn_tape.h"
 #include "verify.h"
 #include "vocab.h"
-#ifdef DFN_CUDA
-#include "cuda/gdn_tape_cuda.h"
-#endif
+#include "devices.h"
 #include "session.h"
 #include "spec.h"
 
@@ -50,12 +48,6 @@ ggml_type parse_kv_type(const std::string & s) {
 }
 
 // The mode strings of Engine / Target, parsed once here: the core sees only the enums.
-device_kind parse_device(const std::string & s) {
-    if (s == "cpu") return DEVICE_CPU;
-    if (s == "gpu" || s == "cuda" || s == "metal") return DEVICE_GPU;
-    throw input_error(cat("[engine] unknown device '", s, "' (use 'cpu' or 'gpu')"));
-}
-
 rollback_kind parse_rollback(const std::string & s) {
     if (s == "tape") return ROLLBACK_TAPE;
     if (s == "snapshot") return ROLLBACK_SNAPSHOT;
@@ -123,16 +115,35 @@ std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = 
 // ---- module information -----------------------------------------------------------------------
 
 void bind_module_info(py::module_ & m) {
-    m.def("cuda_available", [] {
-#ifdef DFN_CUDA
-        return cuda::available();
-#else
-        return false;
-#endif
-    }, "CUDA kernels compiled in and a device usable");
     m.def("cpu_uses_openmp", &cpu_uses_openmp, "True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy)");
-    m.def("gpu_available", [] { return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr; },
-          "True when the ggml this package runs on has a GPU backend (CUDA, Metal, ...)");
+    m.def("gpu_available", [] {
+        return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr ||
+               ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU) != nullptr;
+    }, "True when the ggml this package runs on has a GPU backend (CUDA, Metal, Vulkan, ...)");
+    m.def("rpc_available", &rpc_available, "True when the ggml in use has the RPC backend (GGML_RPC=ON)");
+    m.def("devices", [] {
+        py::list out;
+        for (const device_info & d : list_devices()) {
+            py::dict e;
+            e["name"] = d.name;
+            e["description"] = d.description;
+            e["type"] = d.type;
+            e["memory_free"] = d.memory_free;
+            e["memory_total"] = d.memory_total;
+            out.append(e);
+        }
+        return out;
+    }, "ggml's devices: a dict per device (name, description, type, memory_free, memory_total)");
+    m.def("resolve_device", [](const std::string & spec) {
+        ggml_backend_dev_t d = resolve_device(spec);
+        return std::string(d ? ggml_backend_dev_name(d) : "CPU");
+    }, py::arg("device"), "The ggml device name an Engine device string names (ValueError when none)");
+    m.def("rpc_serve", [](const std::string & host, int port, const std::string & device, int n_threads,
+                          const std::string & cache_dir) {
+        py::gil_scoped_release release;
+        rpc_serve(host, port, device, n_threads, cache_dir);
+    }, py::arg("host"), py::arg("port"), py::arg("device") = "cpu", py::arg("n_threads") = 1,
+       py::arg("cache_dir") = "", "Serve a device over ggml's RPC protocol until the process ends (blocks)");
     m.def("isa", [] { return isa_description(); },
           "The instruction set the package's own CPU kernels run ('avx512f', 'avx2' or 'portable'; "
           "' (capped)' when DFLASH_NATIVE_ISA or set_isa holds it below the CPU's best)");
@@ -323,7 +334,7 @@ std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_
     p.n_threads = n_threads;
     p.kv_type = parse_kv_type(kv_type);
     p.n_batch = n_batch;
-    p.device = parse_device(device);
+    p.device = device;
     p.max_verify = max_verify;
     p.rollback = parse_rollback(rollback);
     p.matmul = parse_matmul(matmul);
@@ -384,6 +395,8 @@ void bind_target(py::module_ & m) {
         .def_property_readonly("n_threads", [](const target_session & s) { return s.params().n_threads; })
         .def_property_readonly("matmul", [](const target_session & s) { return s.params().matmul == MATMUL_OWN ? "own" : "ggml"; })
         .def_property_readonly("n_past", &target_session::n_past)
+        .def_property_readonly("device", [](target_session & s) { return s.runner().device_name(); },
+                               "The ggml device the graphs run on ('CPU', 'CUDA0', 'RPC0', ...)")
         .def_property_readonly("layer_types", [](const target_session & s) {
             std::vector<std::string> out;
             for (int il = 0; il < s.hparams().n_layer; ++il) out.push_back(s.hparams().layer_is_gdn(il) ? "gdn" : "attention");
@@ -978,37 +991,16 @@ void bind_testing_tape(py::module_ & t) {
         },
         py::arg("state"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"), py::arg("n_threads") = 1,
         "gdn_tape_replay writing into `state` (float32, C-contiguous, [H_v, S, S]) without copies.");
-#ifdef DFN_CUDA
-    t.def(
-        "cuda_gdn_tape_record",
-        [](farr q, farr k, farr v, farr g, farr beta, farr state0) {
-            const tape_dims d = check_record_shapes(q, k, v, g, beta, state0);
-            const int64_t S = d.S, H_v = d.H_v, T = d.T;
-            std::vector<float> o(S * H_v * T), tk(S * H_v * T), tu(S * H_v * T), tg(H_v * T);
-            {
-                py::gil_scoped_release release;
-                cuda::gdn_tape_record_host(q.data(), k.data(), v.data(), g.data(), beta.data(), state0.data(), o.data(),
-                                           tk.data(), tu.data(), tg.data(), S, d.H_k, H_v, T);
-            }
-            return record_to_py(d, std::move(o), std::move(tk), std::move(tu), std::move(tg));
-        },
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state0"));
-    t.def(
-        "cuda_gdn_tape_replay",
-        [](farr state0, farr tk, farr tu, farr tg, int64_t n) {
-            const tape_dims d = check_replay_shapes(state0, tk, tu, tg, n);
-            std::vector<float> st(state0.data(), state0.data() + state0.size());
-            {
-                py::gil_scoped_release release;
-                cuda::gdn_tape_replay_host(st.data(), tk.data(), tu.data(), tg.data(), d.S, d.H_v, d.T, n);
-            }
-            return to_array(std::move(st), {d.H_v, d.S, d.S});
-        },
-        py::arg("state0"), py::arg("tape_k"), py::arg("tape_u"), py::arg("tape_g"), py::arg("n"));
-#endif
 }
 
 void bind_testing_caches(py::module_ & t) {
+    t.def(
+        "check_placement", [](target_session & s, bool on) { s.runner().set_check_placement(on); },
+        py::arg("target"), py::arg("on") = true,
+        "Record every graph node the scheduler places on the CPU backend of a device engine (placement())");
+    t.def(
+        "placement", [](target_session & s) { return s.runner().placement(); }, py::arg("target"),
+        "'<graph> <op> <node name>' per node a device engine ran on the CPU backend since check_placement");
     t.def(
         "kv",
         [](target_session & s, int il) {

@@ -19,7 +19,11 @@ struct build_context {
     ggml_cgraph * gf = nullptr;
     matmul_kind kernels = MATMUL_OWN;
     const matmul_dispatch * dispatch = nullptr;  // the runner's matmul levels per weight type (matmul_dispatch.h)
-    bool own_kernels() const { return kernels == MATMUL_OWN; }
+    // The graph runs on a ggml device other than the CPU (CUDA, Metal, Vulkan, RPC): stock ggml ops
+    // only, no custom op (ggml runs custom ops on the CPU alone; one would drag activations back to
+    // the host every layer). docs/architecture.md, "Devices".
+    bool device = false;
+    bool own_kernels() const { return kernels == MATMUL_OWN && !device; }
 };
 
 }  // namespace dfn

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -91,7 +92,7 @@ bool size_ok(const T * p, size_t first_release) {
     return p->struct_size >= first_release && p->struct_size <= sizeof(T);
 }
 
-constexpr size_t k_options_v1 = sizeof(dfn_engine_options);
+constexpr size_t k_options_v1 = offsetof(dfn_engine_options, device_name);  // device_name came later
 constexpr size_t k_generate_v1 = sizeof(dfn_generate_params);
 constexpr size_t k_stats_v1 = sizeof(dfn_stats);
 
@@ -123,7 +124,7 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     // Engine.__init__'s checks of what the core does not check itself
     if (o.kv_type != DFN_KV_F16 && o.kv_type != DFN_KV_F32)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got ", o.kv_type));
-    if (o.device != DFN_DEVICE_CPU && o.device != DFN_DEVICE_GPU)
+    if (!o.device_name && o.device != DFN_DEVICE_CPU && o.device != DFN_DEVICE_GPU)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] device must be DFN_DEVICE_CPU or DFN_DEVICE_GPU, got ", o.device));
     if (o.matmul != DFN_MATMUL_OWN && o.matmul != DFN_MATMUL_GGML)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] matmul must be DFN_MATMUL_OWN or DFN_MATMUL_GGML, got ", o.matmul));
@@ -151,7 +152,7 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     p.n_threads = o.n_threads;
     p.kv_type = o.kv_type == DFN_KV_F32 ? GGML_TYPE_F32 : GGML_TYPE_F16;
     p.n_batch = o.n_batch;
-    p.device = o.device == DFN_DEVICE_GPU ? DEVICE_GPU : DEVICE_CPU;
+    p.device = o.device_name ? std::string(o.device_name) : o.device == DFN_DEVICE_GPU ? "gpu" : "cpu";
     p.max_verify = max_verify;
     p.matmul = o.matmul == DFN_MATMUL_GGML ? MATMUL_GGML : MATMUL_OWN;
     p.use_mmap = o.use_mmap != 0;
@@ -337,6 +338,7 @@ dfn_engine_options dfn_engine_options_default(void) {
     o.n_batch = 512;
     o.kv_type = DFN_KV_F16;
     o.device = DFN_DEVICE_CPU;
+    o.device_name = nullptr;
     o.matmul = DFN_MATMUL_OWN;
     o.verify = DFN_VERIFY_CHAIN;
     o.tree_budget = 32;

@@ -21,9 +21,13 @@ struct gdn_layer {
     ggml_tensor * ssm = nullptr;   // F32 [S, S, n_v_heads]: S^T per head (ggml_gated_delta_net layout, k fastest)
 
     // Tape of the last verify pass (see gdn_tape.h); T_cap = model_cache::n_tape tokens.
-    ggml_tensor * tape_k = nullptr;    // F32 [S, n_v_heads, T_cap]
-    ggml_tensor * tape_u = nullptr;    // F32 [S, n_v_heads, T_cap]
+    // Host (CPU kernels): k, u = the corrected value, g. Device (stock ggml ops): the GDN op's own
+    // inputs k, v, g, beta, replayed through ggml_gated_delta_net at commit (docs "Devices").
+    ggml_tensor * tape_k = nullptr;    // F32 [S, n_v_heads, T_cap] (device: k of tape_k_heads heads per token)
+    ggml_tensor * tape_u = nullptr;    // F32 [S, n_v_heads, T_cap] (device: v)
     ggml_tensor * tape_g = nullptr;    // F32 [n_v_heads, T_cap]
+    ggml_tensor * tape_beta = nullptr; // F32 [n_v_heads, T_cap]: device only
+    int64_t tape_k_heads = 0;          // device: heads of k per token (H_k, or H_v when repeated)
     ggml_tensor * tape_qkv = nullptr;  // F32 [conv_channels, T_cap]: conv inputs, for the conv state
     ggml_tensor * snapshots = nullptr; // F32 [S * S * n_v_heads, T_cap]: state after each token
                                        // (only for the snapshot rollback baseline)

@@ -135,6 +135,38 @@ ggml_tensor * gdn_conv(graph_inputs & g, const gdn_layer & st, const layer_weigh
     return ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));  // [n_ch, n_tok, 1]
 }
 
+// A verify on a device: the outputs of ggml_gated_delta_net over the batch from the layer's state,
+// which stays as it was; the op's inputs (k, v, g, beta) go to the tape, from which commit replays
+// the kept prefix through the same op (gdn_replay). Under the snapshot baseline the op also packs
+// the state after every token (ggml's K snapshots, most recent first) into st.snapshots.
+ggml_tensor * gdn_device_record(graph_inputs & g, const gdn_layer & st, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                                ggml_tensor * gate, ggml_tensor * beta) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_tok = g.n_tokens, S = g.hp->ssm_head_dim, H_v = g.hp->ssm_n_v_heads, H_k = k->ne[1];
+    const size_t es = sizeof(float);
+    DFN_REQUIRE(st.snapshots || st.tape_beta, "verify", "the GDN tape is not in device form");
+    ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
+    const int64_t K = st.snapshots ? n_tok : 1;
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, K);
+    ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
+    if (st.snapshots) {
+        const int64_t n_state = S * S * H_v;
+        ggml_tensor * snaps = ggml_view_1d(ctx, res, n_state * n_tok, S * H_v * n_tok * es);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, snaps, ggml_view_1d(ctx, st.snapshots, n_state * n_tok, 0)));
+        return o;
+    }
+    auto to_tape = [&](ggml_tensor * src, ggml_tensor * dst, int64_t per_tok) {
+        ggml_tensor * d = ggml_view_1d(ctx, dst, per_tok * n_tok, 0);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, src, ggml_reshape_4d(ctx, d, src->ne[0], src->ne[1], n_tok, 1)));
+    };
+    const_cast<gdn_layer &>(st).tape_k_heads = H_k;
+    to_tape(k, st.tape_k, S * H_k);
+    to_tape(v, st.tape_u, S * H_v);
+    to_tape(gate, st.tape_g, H_v);
+    to_tape(beta, st.tape_beta, H_v);
+    return o;
+}
+
 // The delta rule over the batch from the layer's state: q, k F32 [S, H_k, n_tok, 1], v F32
 // [S, H_v, n_tok, 1], gate, beta F32 [1, H_v, n_tok, 1]. Advances the state, or on a verify
 // records the tape and leaves the state alone. Returns o F32 [S, H_v, n_tok, 1].
@@ -158,8 +190,18 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
                                              g.cache->replay_n);
         return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
     }
+    if (g.device) {
+        // stock ggml: the same op for AR, verify and the commit's replay (graph.h: gdn_replay)
+        if (g.record_tape) return gdn_device_record(g, st, q, k, v, gate, beta);
+        ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
+        // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
+        ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
+        ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
+        return o;
+    }
     if (g.record_tape) {
-        // device cache or snapshot baseline: the op packs [outputs | tape k | tape u | tape g];
+        // snapshot baseline on the CPU: the op packs [outputs | tape k | tape u | tape g];
         // copy the tape to the cache
         ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
                                                st.snapshots);

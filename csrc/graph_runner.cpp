@@ -2,6 +2,7 @@
 
 #include "alloc.h"
 #include "common.h"
+#include "devices.h"
 #include "profile.h"
 
 #include "ggml-cpu.h"
@@ -45,39 +46,47 @@ std::atomic<long> g_pool_pid{0};
 
 }  // namespace
 
-graph_runner::graph_runner(device_kind device, int n_threads, matmul_kind kernels, size_t max_nodes)
+graph_runner::graph_runner(const std::string & device, int n_threads, matmul_kind kernels, size_t max_nodes)
     : n_threads_(n_threads), kernels_(kernels), max_nodes_(max_nodes) {
     if (const long pool = g_pool_pid.load(); n_threads != 1 && pool != 0 && pool != process_id())
         throw runtime_error(cat("[engine] this process is a fork() of process ", pool, ", whose engines ran ggml's "
                                 "OpenMP worker threads; fork() does not copy them, and a graph on more than one thread "
                                 "would wait for ever here. Use multiprocessing's 'spawn' or 'forkserver' start method "
                                 "(or n_threads=1 in this process)"));
+    ggml_backend_dev_t dev = resolve_device(device);  // nullptr: the CPU
     require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
     cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
     backend_ = cpu_.get();
-    if (device == DEVICE_GPU) {
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        DFN_REQUIRE(dev != nullptr, "engine", "device='gpu' asked for, but the ggml this package runs "
-                    "on was built without a GPU backend. Reinstall llama-cpp-python with one, e.g. "
-                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install --force-reinstall --no-cache-dir "
-                    "llama-cpp-python==0.3.36, then reinstall dflash-native");
-        gpu_.reset(ggml_backend_dev_init(dev, nullptr));
-        if (!gpu_) throw runtime_error(cat("[engine] cannot initialise GPU device ", ggml_backend_dev_name(dev)));
-        backend_ = gpu_.get();
-        // the backend registry, not a device or buffer name, says whether it is CUDA
-        ggml_backend_reg_t cuda = ggml_backend_reg_by_name("CUDA");
-        gpu_is_cuda_ = cuda != nullptr && ggml_backend_dev_backend_reg(dev) == cuda;
+    if (dev != nullptr) {
+        dev_backend_.reset(ggml_backend_dev_init(dev, nullptr));
+        if (!dev_backend_) throw runtime_error(cat("[engine] cannot initialise device ", ggml_backend_dev_name(dev)));
+        backend_ = dev_backend_.get();
     }
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
 }
 
-bool graph_runner::on_cuda(ggml_backend_buffer_t buf) const {
-    if (!gpu_is_cuda_ || buf == nullptr) return false;
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
-    return dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU &&
-           dev == ggml_backend_get_device(gpu_.get());
+std::string graph_runner::device_name() const {
+    ggml_backend_dev_t d = ggml_backend_get_device(backend_);
+    return d ? ggml_backend_dev_name(d) : "CPU";
+}
+
+void graph_runner::check_placement(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
+    const std::string graph = shape_key.substr(0, shape_key.find(':'));
+    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+        ggml_tensor * t = ggml_graph_node(gf, i);
+        if (t->op == GGML_OP_CUSTOM) {
+            // ggml runs custom ops on the CPU only: a device graph must not hold one (an RPC server
+            // would be sent a host function pointer)
+            throw runtime_error(cat("[graph] graph '", shape_key, "' holds the CPU custom op '", t->name,
+                                    "' but runs on device ", device_name()));
+        }
+        if (!check_placement_) continue;
+        if (ggml_backend_sched_get_tensor_backend(sched, t) == cpu_.get()) {
+            placement_.push_back(cat(graph, " ", ggml_op_desc(t), " ", t->name));
+        }
+    }
 }
 
 // What ggml_backend_sched_new mallocs without checking (ggml-backend.cpp): an arena of graph_size *
@@ -109,7 +118,7 @@ graph_runner::graph_plan graph_runner::new_plan(const std::string & shape_key, g
         make_room(sched_bytes(max_nodes_), cat("the scheduler of graph '", shape_key, "'"), "");
         ggml_backend_t backends[2] = {backend_, cpu_.get()};
         graph_plan p;
-        p.sched.reset(ggml_backend_sched_new(backends, nullptr, gpu_ ? 2 : 1, max_nodes_, false, true));
+        p.sched.reset(ggml_backend_sched_new(backends, nullptr, dev_backend_ ? 2 : 1, max_nodes_, false, true));
         if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
         if (ggml_backend_sched_reserve(p.sched.get(), gf)) return p;
         const std::string why = last_ggml_error();  // names the buffer and its size
@@ -131,24 +140,13 @@ ggml_backend_sched_t graph_runner::plan_for(const std::string & shape_key, ggml_
     return it->second.sched.get();
 }
 
-ggml_backend_sched_t graph_runner::alloc_graph(const std::string & shape_key, ggml_cgraph * gf,
-                                               ggml_backend_sched_t sched) {
-    for (int attempt = 0;; ++attempt) {
-        // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
-        if (address_space_limited()) {
-            make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
-        }
-        ggml_backend_sched_reset(sched);
-        if (ggml_backend_sched_alloc_graph(sched, gf)) return sched;
-        // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
-        const std::string why = last_ggml_error();
-        plans_.erase(shape_key);
-        if (attempt > 0) {
-            throw compute_buffers_oom(shape_key, why);
-        }
-        plans_.clear();  // only a cache: plan again without the others
-        sched = plan_for(shape_key, gf);
+bool graph_runner::alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched) {
+    // a graph that outgrew its plan is planned again: ggml's allocator tables (unchecked)
+    if (address_space_limited()) {
+        make_room(max_nodes_ * 64 + (size_t(1) << 20), cat("allocating graph '", shape_key, "'"), shape_key);
     }
+    ggml_backend_sched_reset(sched);
+    return ggml_backend_sched_alloc_graph(sched, gf);
 }
 
 void graph_runner::drop_plans(const std::string & prefix) {
@@ -161,7 +159,7 @@ void graph_runner::drop_plans(const std::string & prefix) {
 void graph_runner::drop_old_plans(const std::string & keep) {
     auto bytes = [&](const graph_plan & q) {
         return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
-               (gpu_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
+               (dev_backend_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
     };
     for (;;) {
         size_t total = 0;
@@ -182,7 +180,7 @@ size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes) co
         for (const std::string & p : prefixes) match = match || kv.first.compare(0, p.size(), p) == 0;
         if (!match) continue;
         n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), backend_);
-        if (gpu_) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
+        if (dev_backend_) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
     }
     return n;
 }
@@ -198,16 +196,37 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         pg.last = now;
     };
     if (!broken_.empty()) throw runtime_error(cat("[graph] ", broken_, ": this engine cannot run any more, create a new one"));
-    ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
-    ggml_context * ctx = ggml_init(ip);
-    if (!ctx) throw runtime_error("[graph] ggml_init failed");
-    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(ctx, ggml_free);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-    build(build_context{ctx, gf, kernels_, &dispatch_});
+    // The scheduler rewrites a graph it splits across backends (a node's source becomes the copy
+    // of an input on the node's backend), so a graph is split once: a new plan is made on one
+    // build of the graph and allocated on another. A single backend makes no copies.
+    std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx_guard(nullptr, ggml_free);
+    ggml_cgraph * gf = nullptr;
+    auto build_graph = [&] {
+        ctx_guard.reset();
+        ggml_init_params ip = {meta_.size(), meta_.data(), /*no_alloc =*/ true};
+        ggml_context * ctx = ggml_init(ip);
+        if (!ctx) throw runtime_error("[graph] ggml_init failed");
+        ctx_guard.reset(ctx);
+        gf = ggml_new_graph_custom(ctx, max_nodes_, false);
+        build(build_context{ctx, gf, kernels_, &dispatch_, dev_backend_ != nullptr});
+    };
+    build_graph();
     phase(":build");
-    ggml_backend_sched_t sched = plan_for(shape_key, gf);
-    phase(":plan");
-    sched = alloc_graph(shape_key, gf, sched);
+    ggml_backend_sched_t sched = nullptr;
+    for (int attempt = 0;; ++attempt) {
+        const bool fresh = plans_.find(shape_key) == plans_.end();
+        sched = plan_for(shape_key, gf);
+        if (fresh && dev_backend_) build_graph();
+        phase(":plan");
+        if (alloc_graph(shape_key, gf, sched)) break;
+        // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
+        const std::string why = last_ggml_error();
+        plans_.erase(shape_key);
+        if (attempt > 0) throw compute_buffers_oom(shape_key, why);
+        plans_.clear();  // only a cache: plan again without the others
+        if (dev_backend_) build_graph();
+    }
+    if (dev_backend_) check_placement(shape_key, sched, gf);
     phase(":alloc");
     set_inputs();
     phase(":inputs");

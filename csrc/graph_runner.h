@@ -20,13 +20,12 @@ namespace dfn {
 // True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy).
 bool cpu_uses_openmp();
 
-// Where the weights, caches and compute live: the CPU, or the first GPU ggml was built with.
-enum device_kind { DEVICE_CPU, DEVICE_GPU };
-
 class graph_runner {
 public:
+    // device: an Engine device string (devices.h: resolve_device): "cpu" runs the package's own
+    // CPU kernels; any other device runs stock ggml ops only (build_context::device).
     // max_nodes: the most nodes one graph may have (the target's forward pass sizes it).
-    graph_runner(device_kind device, int n_threads, matmul_kind kernels, size_t max_nodes);
+    graph_runner(const std::string & device, int n_threads, matmul_kind kernels, size_t max_nodes);
     graph_runner(const graph_runner &) = delete;
     graph_runner & operator=(const graph_runner &) = delete;
 
@@ -50,10 +49,15 @@ public:
     // Where weights, caches and the ring are allocated: the main backend's buffers.
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
     ggml_backend_t backend() const { return backend_; }
-    // True when `buf` lives on the GPU this runner computes on and that GPU is ggml's CUDA device
-    // (csrc/cuda/ kernels can work on it in place).
-    bool on_cuda(ggml_backend_buffer_t buf) const;
-    bool on_gpu() const { return gpu_ != nullptr; }
+    // True when the runner computes on a device other than the CPU (stock ggml ops only).
+    bool on_device() const { return dev_backend_ != nullptr; }
+    // The ggml device name ("CPU", "CUDA0", "RPC0", ...).
+    std::string device_name() const;
+    // Checks every node of each graph the scheduler plans: nodes placed on the CPU backend while
+    // the runner computes on a device are recorded (placement()); a custom op on a device throws.
+    void set_check_placement(bool on) { check_placement_ = on; }
+    // "<graph key prefix> <op> <node name>" per node that ran on the CPU backend of a device runner.
+    const std::vector<std::string> & placement() const { return placement_; }
     // True after a failure inside ggml's compute left the CPU backend unusable (every run throws).
     bool broken() const { return !broken_.empty(); }
     int n_threads() const { return n_threads_; }
@@ -80,15 +84,18 @@ private:
     // Out of memory these throw memory_error (Python MemoryError), after one retry without the
     // other plans (a cache of compute buffers): a new plan, a graph's buffers, room to compute.
     graph_plan new_plan(const std::string & shape_key, ggml_cgraph * gf);
-    ggml_backend_sched_t alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
+    // false: the graph outgrew its plan and the larger buffers did not fit
+    bool alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
     void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
     ggml_status compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
 
     // Declaration order is destruction order reversed: the plans go before the backends.
     ggml_backend_ptr cpu_;                  // CPU backend
-    ggml_backend_ptr gpu_;                  // GPU backend, when device == DEVICE_GPU
-    ggml_backend_t backend_ = nullptr;      // the main compute backend: gpu_ or cpu_
-    bool gpu_is_cuda_ = false;
+    ggml_backend_ptr dev_backend_;          // the device's backend, when not the CPU
+    ggml_backend_t backend_ = nullptr;      // the main compute backend: dev_backend_ or cpu_
+    bool check_placement_ = false;
+    std::vector<std::string> placement_;
+    void check_placement(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
     int n_threads_ = 0;
     matmul_kind kernels_ = MATMUL_OWN;
     size_t max_nodes_ = 0;

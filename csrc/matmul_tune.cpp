@@ -111,7 +111,7 @@ std::string matmul_dispatch::deviations() const {
 }
 
 void tune_matmul(graph_runner & runner, const std::vector<ggml_tensor *> & weights) {
-    if (runner.kernels() != MATMUL_OWN || runner.on_gpu() || isa_user_chosen() || tuning_off()) return;
+    if (runner.kernels() != MATMUL_OWN || runner.on_device() || isa_user_chosen() || tuning_off()) return;
     const std::vector<isa_level> levels = candidates();
     if (levels.size() < 2) return;
     matmul_dispatch & d = runner.dispatch();

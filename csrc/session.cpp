@@ -3,9 +3,6 @@
 #include "common.h"
 #include "cpu_isa.h"
 #include "gdn_tape.h"
-#ifdef DFN_CUDA
-#include "cuda/gdn_tape_cuda.h"
-#endif
 #include "graph.h"
 #include "matmul.h"
 #include "matmul_dispatch.h"
@@ -208,30 +205,9 @@ void target_session::commit_tree(const std::vector<int32_t> & path) {
 }
 
 void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep) {
-    const bool host = ggml_backend_buffer_is_host(L.ssm->buffer);
-    if (host) {
-        gdn_tape_replay_mt((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
-                           (float *) L.tape_g->data}, S, H_v, n_keep, params_.n_threads);
-        return;
-    }
-#ifdef DFN_CUDA
-    if (runner_->on_cuda(L.ssm->buffer)) {
-        // device buffers: replay in place with csrc/cuda/gdn_tape.cu
-        ggml_backend_synchronize(runner_->backend());
-        cuda::gdn_tape_replay((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
-                              (float *) L.tape_g->data}, S, H_v, n_keep, nullptr);
-        ggml_backend_synchronize(runner_->backend());
-        return;
-    }
-#endif
-    // other devices: a host round trip through the CPU kernel
-    std::vector<float> st(ggml_nelements(L.ssm)), tk(S * H_v * n_keep), tu(S * H_v * n_keep), tg(H_v * n_keep);
-    ggml_backend_tensor_get(L.ssm, st.data(), 0, st.size() * sizeof(float));
-    ggml_backend_tensor_get(L.tape_k, tk.data(), 0, tk.size() * sizeof(float));
-    ggml_backend_tensor_get(L.tape_u, tu.data(), 0, tu.size() * sizeof(float));
-    ggml_backend_tensor_get(L.tape_g, tg.data(), 0, tg.size() * sizeof(float));
-    gdn_tape_replay_mt(st.data(), {tk.data(), tu.data(), tg.data()}, S, H_v, n_keep, params_.n_threads);
-    ggml_backend_tensor_set(L.ssm, st.data(), 0, st.size() * sizeof(float));
+    // host memory only (a device replays in its commit graph: commit_on_device)
+    gdn_tape_replay_mt((float *) L.ssm->data, {(float *) L.tape_k->data, (float *) L.tape_u->data,
+                       (float *) L.tape_g->data}, S, H_v, n_keep, params_.n_threads);
 }
 
 void target_session::commit(int64_t n_keep) {
@@ -241,6 +217,7 @@ void target_session::commit(int64_t n_keep) {
     pending_parents_.clear();
     const target_hparams & hp = model_->hparams();
     cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
+    const int64_t n_verified = pending_n_;
     pending_n_ = 0;
     if (hp.is_gdn.empty()) return;
     if (params_.rollback == ROLLBACK_REDECODE) {
@@ -250,6 +227,10 @@ void target_session::commit(int64_t n_keep) {
         return;
     }
 
+    if (runner_->on_device()) {
+        commit_on_device(n_keep, n_verified);
+        return;
+    }
     const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
     const int64_t kc = hp.ssm_d_conv - 1;
     bool defer = false;
@@ -259,17 +240,9 @@ void target_session::commit(int64_t n_keep) {
         if (L.snapshots) {
             // baseline: copy the state after token n_keep - 1 back
             const size_t bytes = ggml_nbytes(L.ssm);
-            if (ggml_backend_buffer_is_host(L.ssm->buffer)) {
-                std::memcpy(L.ssm->data, (const char *) L.snapshots->data + (n_keep - 1) * bytes, bytes);
-            } else {
-                std::vector<uint8_t> tmp(bytes);
-                ggml_backend_tensor_get(L.snapshots, tmp.data(), (n_keep - 1) * bytes, bytes);
-                ggml_backend_tensor_set(L.ssm, tmp.data(), 0, bytes);
-            }
-        } else if (ggml_backend_buffer_is_host(L.ssm->buffer)) {
-            defer = true;  // the next graph's GDN op replays it (cache.h: replay_n)
+            std::memcpy(L.ssm->data, (const char *) L.snapshots->data + (n_keep - 1) * bytes, bytes);
         } else {
-            replay_state(L, S, H_v, n_keep);
+            defer = true;  // the next graph's GDN op replays it (cache.h: replay_n)
         }
 
         // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
@@ -286,6 +259,50 @@ void target_session::commit(int64_t n_keep) {
         ggml_backend_tensor_set(L.conv, out.data(), 0, out.size() * sizeof(float));
     }
     if (defer) cache_->replay_n = n_keep;
+}
+
+void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
+    // One graph on the device: per GDN layer, the state from the state saved before the verify
+    // (the verify left it alone) through the kept prefix of the tape, with the same
+    // ggml_gated_delta_net the AR step runs (or, under the snapshot baseline, a copy of the
+    // snapshot after token n_keep - 1); the conv state from the kept conv inputs. Nothing crosses
+    // the bus.
+    const target_hparams & hp = model_->hparams();
+    const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
+    const int64_t kc = hp.ssm_d_conv - 1;
+    const size_t es = sizeof(float);
+    auto build = [&](const build_context & b) {
+        ggml_context * ctx = b.ctx;
+        for (int il = 0; il < hp.n_layer; ++il) {
+            if (!hp.is_gdn[il]) continue;
+            const gdn_layer & L = cache_->gdn[il];
+            const int64_t n_state = S * S * H_v;
+            ggml_tensor * ssm = ggml_reshape_1d(ctx, L.ssm, n_state);
+            if (L.snapshots) {
+                // slot s of ggml's snapshots is the state s tokens before the last verified one
+                const int64_t slot = n_verified - n_keep;
+                ggml_tensor * snap = ggml_view_1d(ctx, L.snapshots, n_state, slot * n_state * es);
+                ggml_build_forward_expand(b.gf, ggml_cpy(ctx, snap, ssm));
+            } else {
+                const int64_t H_k = L.tape_k_heads;
+                ggml_tensor * k = ggml_view_4d(ctx, L.tape_k, S, H_k, n_keep, 1, S * es, S * H_k * es, S * H_k * n_keep * es, 0);
+                ggml_tensor * v = ggml_view_4d(ctx, L.tape_u, S, H_v, n_keep, 1, S * es, S * H_v * es, S * H_v * n_keep * es, 0);
+                ggml_tensor * gt = ggml_view_4d(ctx, L.tape_g, 1, H_v, n_keep, 1, es, H_v * es, H_v * n_keep * es, 0);
+                ggml_tensor * bt = ggml_view_4d(ctx, L.tape_beta, 1, H_v, n_keep, 1, es, H_v * es, H_v * n_keep * es, 0);
+                ggml_tensor * state = ggml_reshape_4d(ctx, L.ssm, S, S, H_v, 1);
+                // q does not touch the state: k stands in for it (the outputs are not read)
+                ggml_tensor * res = ggml_gated_delta_net(ctx, k, k, v, gt, bt, state, 1);
+                ggml_tensor * fin = ggml_view_1d(ctx, res, n_state, S * H_v * n_keep * es);
+                ggml_build_forward_expand(b.gf, ggml_cpy(ctx, fin, ssm));
+            }
+            // conv state: the last kc columns of [old state (kc columns); the n_keep kept inputs]
+            ggml_tensor * qkv = ggml_view_2d(ctx, L.tape_qkv, n_ch, n_keep, L.tape_qkv->nb[1], 0);  // [n_ch, n_keep]
+            ggml_tensor * conv_in = ggml_concat(ctx, L.conv, ggml_cont(ctx, ggml_transpose(ctx, qkv)), 0);  // [kc + n_keep, n_ch]
+            ggml_tensor * last = ggml_view_2d(ctx, conv_in, kc, n_ch, conv_in->nb[1], n_keep * es);
+            ggml_build_forward_expand(b.gf, ggml_cpy(ctx, last, L.conv));
+        }
+    };
+    runner_->run(cat("commit:", n_keep, ":", n_verified, params_.rollback == ROLLBACK_SNAPSHOT ? ":snap" : ""), build, [] {}, [] {});
 }
 
 void target_session::flush_replay() {
@@ -321,7 +338,12 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     if (!c.all_logits) hidden = ggml_view_2d(ctx, hidden, hidden->ne[0], 1, hidden->nb[1], (n - 1) * hidden->nb[1]);
     c.logits = matmul(g, model_->output, hidden);  // [n_vocab, rows]
     ggml_tensor * res = c.logits;
-    // our argmax op under every matmul setting: it flags non-finite rows (ggml_argmax cannot)
+    if (c.argmax_only && b.device) {
+        c.head = device_argmax(b, c.logits, /*with_p=*/false);
+        c.argmax = c.head.ids;
+        return;
+    }
+    // our argmax op under every CPU matmul setting: it flags non-finite rows (ggml_argmax cannot)
     if (c.argmax_only) res = c.argmax = argmax_op(ctx, c.logits);  // I32 [rows]
     ggml_set_output(res);
     ggml_build_forward_expand(g.gf, res);
@@ -380,7 +402,12 @@ void target_session::read_chunk(const chunk_graph & c, decode_result & out, int6
     const int64_t row_pos0 = c.all_logits ? g.n_past : g.n_past + n - 1;
     if (c.argmax) {
         int32_t * dst = out.argmax.data() + (c.all_logits ? tok_offset : 0);
-        ggml_backend_tensor_get(c.argmax, dst, 0, ggml_nelements(c.argmax) * sizeof(int32_t));
+        if (c.head.ids) {
+            const int64_t bad = read_device_head(c.head, dst, nullptr);
+            if (bad >= 0) throw_non_finite_logits(where, row_pos0 + bad);
+        } else {
+            ggml_backend_tensor_get(c.argmax, dst, 0, ggml_nelements(c.argmax) * sizeof(int32_t));
+        }
         for (int64_t r = 0; r < ggml_nelements(c.argmax); ++r) {
             if (dst[r] < 0) throw_non_finite_logits(where, row_pos0 + r);  // top1.h
         }

@@ -3,6 +3,7 @@
 
 #include "cache.h"
 #include "graph.h"
+#include "device_heads.h"
 #include "graph_runner.h"
 #include "model.h"
 #include "sampler.h"
@@ -20,13 +21,14 @@ namespace dfn {
 // ROLLBACK_REDECODE runs the kept tokens through the target again.
 enum rollback_kind { ROLLBACK_TAPE, ROLLBACK_SNAPSHOT, ROLLBACK_REDECODE };
 
-// The bindings parse the Python strings ("cpu"/"gpu", "tape"/..., "own"/"ggml") into these fields.
+// The bindings parse the Python strings ("tape"/..., "own"/"ggml") into these fields; the device
+// string goes to the graph runner as it is.
 struct session_params {
     int64_t n_ctx = 4096;
     int n_threads = 0;            // 0: all cores
     ggml_type kv_type = GGML_TYPE_F16;
     int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
-    device_kind device = DEVICE_CPU;
+    std::string device = "cpu";  // devices.h: resolve_device ("cpu", "gpu", "CUDA0", "rpc://H:P")
     int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
     rollback_kind rollback = ROLLBACK_TAPE;
     // Weight matmuls on the CPU: MATMUL_OWN (matmul.h: batch-invariant, so a verify pass computes
@@ -136,6 +138,8 @@ public:
 
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
+    // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
+    void commit_on_device(int64_t n_keep, int64_t n_verified);
     void flush_replay();  // the replay commit() left to the next graph, done now on the host
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
@@ -152,6 +156,7 @@ private:
         bool argmax_only = false;  // the greedy token per row instead of the logits
         ggml_tensor * logits = nullptr;  // F32 [n_vocab, rows]
         ggml_tensor * argmax = nullptr;  // I32 [rows], when argmax_only
+        device_head head;                // on a device: the argmax in stock ops (device_heads.h)
         const int32_t * parents = nullptr;  // tree verify: the nodes' parents [n] (graph.h)
     };
     // tree verify's inputs: positions n_past + depth, the ancestor mask, the parents

@@ -28,6 +28,9 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
     set_draft_cutoff(params.draft_cutoff);
+    DFN_REQUIRE(params.tree_budget == 0 || !runner_.on_device(), "engine", "verify='tree' runs on the CPU only (its "
+                "per-node GDN, conv and top-K ops have no stock ggml form yet); on device ", runner_.device_name(),
+                " use verify='chain'");
     if (params.tree_budget != 0) set_tree_budget(params.tree_budget);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
@@ -237,6 +240,13 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
     d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
+    if (b.device && d.what != draft_graph::LOGITS) {
+        DFN_REQUIRE(d.what != draft_graph::TOPK, "draft", "tree verify's top-K drafts run on the CPU only: "
+                    "use verify='chain' on device ", runner_.device_name());
+        d.head = device_argmax(b, d.out, /*with_p=*/d.what == draft_graph::TOP1);
+        d.out = d.head.ids;
+        return;
+    }
     if (d.what == draft_graph::TOPK) {
         d.out = topk_op(ctx, d.out, d.K);  // F32 [2, K, B-1]
     } else if (d.what == draft_graph::TOP1) {
@@ -330,8 +340,20 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 }
 
 void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
-    if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
-    if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
+    if (d.head.ids) {
+        // a device's stock head: ids (and p) apart; f32_out takes top1_op's [B-1, (index, p)] form
+        std::vector<int32_t> ids(d.B - 1);
+        std::vector<float> p(d.B - 1);
+        const int64_t bad = read_device_head(d.head, ids.data(), d.head.p ? p.data() : nullptr);
+        if (bad >= 0) throw_non_finite_logits("draft", d.n_past + bad + 1);
+        for (int64_t i = 0; i + 1 < d.B; ++i) {
+            if (argmax_out) argmax_out[i] = ids[i];
+            if (f32_out) f32_out[2 * i] = (float) ids[i], f32_out[2 * i + 1] = p[i];
+        }
+    } else {
+        if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
+        if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
+    }
     const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;  // (index, p) pairs per row
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
         const bool top = d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK;

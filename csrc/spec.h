@@ -186,6 +186,7 @@ private:
         ggml_tensor * mask = nullptr;      // F16 [n_att, B]
         ggml_tensor * mask_swa = nullptr;  // F16 [n_att, B], when w > 0
         ggml_tensor * out = nullptr;       // I32 [B-1] argmax, F32 [n_vocab, B-1] logits or F32 [2, B-1] top1
+        device_head head;                  // on a device: argmax / top1 in stock ops (device_heads.h)
     };
     void check_draft(int32_t last, int64_t B) const;
     void build_draft(const build_context & b, draft_graph & d) const;

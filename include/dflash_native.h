@@ -108,6 +108,8 @@ typedef struct dfn_engine_options {
     double draft_cutoff;           /* verify drafts while the product of their probabilities >= this (0: all) (0) */
     int32_t draft_vocab;           /* draft over the drafter's draft vocabulary when it has one (1) */
     int32_t use_mmap;              /* weights are the mapped file's pages (1) */
+    const char * device_name;      /* NULL: `device` decides; else an Engine device string: "cpu", "gpu",
+                                    * a ggml device name ("CUDA0", "Vulkan0") or "rpc://HOST:PORT" (NULL) */
 } dfn_engine_options;
 
 DFN_API dfn_engine_options dfn_engine_options_default(void);

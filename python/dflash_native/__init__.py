@@ -17,6 +17,20 @@ def gpu_available() -> bool:
     return bool(_core.gpu_available())
 
 
+def rpc_available() -> bool:
+    """True when the ggml this package runs on has ggml's RPC backend (`Engine(device="rpc://H:P")`,
+    `dflash-native rpc-server`)."""
+    return bool(_core.rpc_available())
+
+
+def devices() -> list[dict]:
+    """ggml's devices: per device a dict of `name` ("CPU", "CUDA0", "Vulkan0", "RPC0"), `description`,
+    `type` ("cpu", "gpu", "igpu", "accel"), `memory_free` and `memory_total` (bytes). An RPC server
+    an Engine connected to is listed too. `Engine(device=...)` takes "cpu", "gpu" (the first GPU),
+    any of these names, or "rpc://HOST:PORT"."""
+    return list(_core.devices())
+
+
 def isa() -> str:
     """The instruction set the package's own CPU kernels (matmul, attention, GDN, conv, sampling)
     run: "avx512f", "avx2" or "portable", the CPU's best unless capped, then with " (capped)"
@@ -95,6 +109,8 @@ __all__ = [
     "get_include",
     "get_library_dir",
     "gpu_available",
+    "rpc_available",
+    "devices",
     "isa",
     "quantize",
     "set_isa",

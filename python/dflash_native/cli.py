@@ -17,7 +17,7 @@ def _cmd_generate(a) -> int:
 
     eng = Engine(a.target, drafter=a.drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
                  kv_type=a.kv_type, gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify,
-                 tree_budget=a.tree_budget)
+                 tree_budget=a.tree_budget, device=a.device)
     prompt = a.prompt
     if a.prompt_file:
         prompt = Path(a.prompt_file).read_text()
@@ -81,7 +81,17 @@ def _cmd_serve(a) -> int:
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
           n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
-          shutdown_timeout=a.shutdown_timeout)
+          shutdown_timeout=a.shutdown_timeout, device=a.device)
+    return 0
+
+
+def _cmd_rpc_server(a) -> int:
+    from . import _core
+
+    # one line a caller (a test, a launcher) can wait for, before the call that blocks
+    print(f"dflash-native rpc-server: serving {_core.resolve_device(a.device)} on {a.host}:{a.port}", flush=True)
+    _core.rpc_serve(a.host, a.port, device=a.device, n_threads=a.threads or (os.cpu_count() or 1),
+                    cache_dir=a.cache_dir or "")
     return 0
 
 
@@ -171,7 +181,8 @@ def _cmd_demo(a) -> int:
     target, drafter = pair
     print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
     eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
-                 draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget)
+                 draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget,
+                 device=a.device)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:  # code prompts from standard-library files the pair never trained on
@@ -231,7 +242,8 @@ def _demo_random(a) -> int:
         drafter = make_random_drafter_gguf(Path(tmp) / "demo-drafter.gguf", ckpt, outtype=a.outtype, seed=a.seed + 1,
                                            block_size=8, target_gguf=target)
         eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
-                     draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget)
+                     draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget,
+                     device=a.device)
         prompt = a.prompt if a.prompt is not None else RANDOM_DEMO_PROMPT
         runs = [(eng.generate(prompt, max_tokens=a.max_tokens, speculative=False),
                  eng.generate(prompt, max_tokens=a.max_tokens))]
@@ -248,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_drafter_parser(sub)
     _add_demo_parser(sub)
     _add_serve_parser(sub)
+    _add_rpc_server_parser(sub)
     return p
 
 
@@ -374,6 +387,9 @@ def _add_speculation_args(p, *, draft_cutoff: float) -> None:
                    help="chain: verify the top-1 drafts; tree: verify a best-first tree of drafts in one pass")
     p.add_argument("--tree-budget", type=int, default=32,
                    help="with --verify tree: the most draft tokens (tree nodes below the root) a round verifies, 1..63")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default), gpu, a ggml device name (CUDA0, Vulkan0; see "
+                        "dflash_native.devices()) or rpc://HOST:PORT (a `dflash-native rpc-server`)")
 
 
 def _add_demo_parser(sub) -> None:
@@ -408,6 +424,17 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
     s.set_defaults(fn=_cmd_serve)
+
+
+def _add_rpc_server_parser(sub) -> None:
+    r = sub.add_parser("rpc-server", help="serve this machine's CPU (or another ggml device) over ggml's RPC protocol")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; the "
+                   "protocol has no authentication, never expose it to an untrusted network)")
+    r.add_argument("--port", type=_port, default=50052, help="TCP port, 1..65535")
+    r.add_argument("--device", default="cpu", help="the device served: cpu (default) or a ggml device name")
+    r.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    r.add_argument("--cache-dir", default=None, help="ggml's local tensor cache for repeated loads (default: none)")
+    r.set_defaults(fn=_cmd_rpc_server)
 
 
 def _int_from(lo: int):

@@ -66,6 +66,7 @@ cdef extern from "dflash_native.h" nogil:
         double draft_cutoff
         int32_t draft_vocab
         int32_t use_mmap
+        const char * device_name
 
     dfn_engine_options dfn_engine_options_default()
     dfn_status dfn_engine_create(const char * target_path, const char * drafter_path,

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds, on this (CPU-only) machine, what a GPU machine needs to run dflash-native's device path:
+# llama-cpp-python 0.3.36 (ggml with CUDA for sm_90 + RPC, and llama.cpp as the peer) as a wheel,
+# and the llama-cpp-python sdist's CMake prefix for building dflash-native there. nvcc comes from
+# the system or from NVIDIA's pip wheels; cuBLAS (headers + library, needed to compile ggml-cuda)
+# from the nvidia-cublas wheel. Output: bench/gpu/out/ (ignored), carried by bench/gpu/run.sh.
+#
+#   bash bench/gpu/build.sh            # ~1 hour on 2 cores (ggml-cuda's ~190 CUDA files)
+#
+# The GPU machine (Python 3.12, CUDA 13, no network) then runs `bash bench/gpu/run.sh` (see there).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="$here/out"
+work="${DFN_GPU_WORK:-/tmp/dfn-gpu-build}"
+arch="${DFN_CUDA_ARCH:-90}"            # H100 / H200
+mkdir -p "$out" "$work"
+
+nvcc_bin="$(command -v nvcc || true)"
+if [ -z "$nvcc_bin" ]; then
+    python -m pip install -q --target "$work/nvcc" "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
+    nvcc_bin="$(ls "$work"/nvcc/nvidia/cu13/bin/nvcc)"
+fi
+cuda_root="$(cd "$(dirname "$(readlink -f "$(sh -c "command -v $nvcc_bin" )")")/.." && pwd)"
+# nvcc on PATH may be a wrapper script: find the toolkit it runs
+if grep -q "exec " "$nvcc_bin" 2>/dev/null; then
+    cuda_root="$(dirname "$(dirname "$(sed -n 's/^exec \([^ ]*\).*/\1/p' "$nvcc_bin")")")"
+fi
+echo "CUDA toolkit: $cuda_root"
+
+# A toolkit root that also holds cuBLAS (FindCUDAToolkit looks for it beside the runtime)
+tk="$work/toolkit"
+if [ ! -e "$tk/.done" ]; then
+    rm -rf "$tk" && mkdir -p "$tk/include" "$tk/lib"
+    python -m pip install -q --no-deps --target "$work/cublas" "nvidia-cublas==13.0.*"
+    cub="$(ls -d "$work"/cublas/nvidia/cu13)"
+    for d in "$cuda_root"/*; do
+        case "$(basename "$d")" in include|lib|lib64) ;; *) ln -s "$d" "$tk/";; esac
+    done
+    for f in "$cuda_root"/include/* "$cub"/include/*; do ln -sf "$f" "$tk/include/"; done
+    for f in "$cuda_root"/lib/* "$cub"/lib/*; do ln -sf "$f" "$tk/lib/"; done
+    ln -s lib "$tk/lib64"
+    (cd "$tk/lib" && for f in libcublas.so.* libcublasLt.so.*; do ln -sf "$f" "${f%%.so.*}.so"; done)
+    touch "$tk/.done"
+fi
+export CUDAToolkit_ROOT="$tk" CUDACXX="$tk/bin/nvcc" PATH="$tk/bin:$PATH"
+
+# ggml: CUDA (sm_$arch) + RPC + the CPU backend at x86-64-v3 (the GPU machine's CPU is unknown)
+# (GGML_CUDA_NO_VMM: no libcuda to link here, only the toolkit from pip; ggml then uses its legacy pool)
+export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_RPC=on -DGGML_NATIVE=OFF \
+-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA_NO_VMM=ON \
+-DCUDAToolkit_ROOT=$tk"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+rm -f "$out"/llama_cpp_python-*.whl
+nice -n 10 python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \
+    || { tail -40 "$work/wheel.log"; exit 1; }
+# llama-cpp-python is ctypes over its shared libraries: one wheel serves every CPython 3
+w="$(ls "$out"/llama_cpp_python-*.whl)"
+echo "built $w ($(du -h "$w" | cut -f1))"
+# the gguf package dflash-native needs at run time (absent on the GPU image), as a wheel
+python -m pip download -q --no-deps --only-binary=:all: -d "$out" "gguf>=0.17"
+ls -la "$out"

@@ -1,0 +1,129 @@
+#include "devices.h"
+
+#include "common.h"
+
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+
+namespace dfn {
+
+namespace {
+
+std::string lower(std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+    return s;
+}
+
+const char * type_name(enum ggml_backend_dev_type t) {
+    switch (t) {
+        case GGML_BACKEND_DEVICE_TYPE_CPU: return "cpu";
+        case GGML_BACKEND_DEVICE_TYPE_GPU: return "gpu";
+        case GGML_BACKEND_DEVICE_TYPE_IGPU: return "igpu";
+        default: return "accel";
+    }
+}
+
+ggml_backend_reg_t rpc_reg() { return ggml_backend_reg_by_name("RPC"); }
+
+const char * k_build_hint =
+    "Rebuild llama-cpp-python with the backend (e.g. CMAKE_ARGS=\"-DGGML_CUDA=on -DGGML_RPC=on\" pip install "
+    "--force-reinstall --no-cache-dir llama-cpp-python==0.3.36), then reinstall dflash-native "
+    "(pip install --no-build-isolation .)";
+
+// Adds the RPC server at `endpoint` (host:port) once per process; returns its first device.
+ggml_backend_dev_t add_rpc_server(const std::string & endpoint) {
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    ggml_backend_reg_t reg = rpc_reg();
+    DFN_REQUIRE(reg != nullptr, "engine", "device 'rpc://", endpoint, "': the ggml in use has no RPC backend. ",
+                k_build_hint);
+    using add_fn = ggml_backend_reg_t (*)(const char *);
+    auto add = (add_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server");
+    DFN_REQUIRE(add != nullptr, "engine", "the ggml RPC backend has no ggml_backend_rpc_add_server");
+    const size_t colon = endpoint.rfind(':');
+    DFN_REQUIRE(colon != std::string::npos && colon > 0 && colon + 1 < endpoint.size(), "engine", "device 'rpc://",
+                endpoint, "': expected rpc://HOST:PORT");
+    const std::string port = endpoint.substr(colon + 1);
+    DFN_REQUIRE(std::all_of(port.begin(), port.end(), [](unsigned char c) { return std::isdigit(c); }) &&
+                    std::stol(port) > 0 && std::stol(port) < 65536,
+                "engine", "device 'rpc://", endpoint, "': the port must be 1..65535");
+    // ggml-rpc connects when the server's devices are listed: an unreachable server gives a
+    // registry with no devices (it logs the connection error)
+    ggml_backend_reg_t srv = add(endpoint.c_str());
+    DFN_REQUIRE(srv != nullptr && ggml_backend_reg_dev_count(srv) > 0, "engine", "cannot reach the RPC server at ",
+                endpoint, " (start one with `dflash-native rpc-server --host H --port P`)",
+                last_ggml_error().empty() ? "" : ": ", last_ggml_error());
+    for (size_t i = 0; i < ggml_backend_reg_dev_count(srv); ++i) {
+        ggml_backend_dev_t d = ggml_backend_reg_dev_get(srv, i);
+        bool known = false;
+        for (size_t j = 0; j < ggml_backend_dev_count(); ++j) known = known || ggml_backend_dev_get(j) == d;
+        if (!known) ggml_backend_device_register(d);
+    }
+    return ggml_backend_reg_dev_get(srv, 0);
+}
+
+}  // namespace
+
+bool rpc_available() { return rpc_reg() != nullptr; }
+
+std::vector<device_info> list_devices() {
+    std::vector<device_info> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        device_info info;
+        info.name = ggml_backend_dev_name(d);
+        info.description = ggml_backend_dev_description(d);
+        info.type = type_name(ggml_backend_dev_type(d));
+        ggml_backend_dev_memory(d, &info.memory_free, &info.memory_total);
+        out.push_back(info);
+    }
+    return out;
+}
+
+ggml_backend_dev_t resolve_device(const std::string & spec) {
+    const std::string s = lower(spec);
+    if (s == "cpu") return nullptr;
+    if (s.rfind("rpc://", 0) == 0) {
+        const std::string rest = spec.substr(6);
+        DFN_REQUIRE(rest.find(',') == std::string::npos, "engine", "device '", spec,
+                    "': one RPC server per engine (a split of the layers across several servers is not built yet)");
+        return add_rpc_server(rest);
+    }
+    if (s == "gpu") {
+        ggml_backend_dev_t d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        if (d == nullptr) d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU);
+        DFN_REQUIRE(d != nullptr, "engine", "device='gpu' asked for, but the ggml this package runs on has no GPU "
+                    "backend. ", k_build_hint);
+        return d;
+    }
+    std::string names;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        if (lower(ggml_backend_dev_name(d)) == s) {
+            return ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU ? nullptr : d;
+        }
+        names += cat(names.empty() ? "" : ", ", ggml_backend_dev_name(d));
+    }
+    throw input_error(cat("[engine] no device '", spec, "': this ggml has ", names,
+                          " (or use 'cpu', 'gpu', 'rpc://HOST:PORT'). ", k_build_hint));
+}
+
+void rpc_serve(const std::string & host, int port, const std::string & device, int n_threads,
+               const std::string & cache_dir) {
+    ggml_backend_reg_t reg = rpc_reg();
+    DFN_REQUIRE(reg != nullptr, "rpc-server", "the ggml in use has no RPC backend. ", k_build_hint);
+    DFN_REQUIRE(port > 0 && port < 65536, "rpc-server", "port must be 1..65535, got ", port);
+    DFN_REQUIRE(!host.empty(), "rpc-server", "empty host");
+    DFN_REQUIRE(lower(device).rfind("rpc://", 0) != 0, "rpc-server", "a server cannot serve another RPC server");
+    ggml_backend_dev_t dev = resolve_device(device);
+    if (dev == nullptr) dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    DFN_REQUIRE(dev != nullptr, "rpc-server", "no CPU device");
+    using start_fn = void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *);
+    auto start = (start_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server");
+    DFN_REQUIRE(start != nullptr, "rpc-server", "the ggml RPC backend has no ggml_backend_rpc_start_server");
+    const std::string endpoint = cat(host, ":", port);
+    start(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), (size_t) std::max(1, n_threads), 1, &dev);
+}
+
+}  // namespace dfn
