@@ -367,6 +367,11 @@ py::object target_verify(target_session & s, const py::object & tokens, const st
 py::dict memory_report(const target_session & t, const spec_session * s) {
     memory_usage u = t.memory();
     if (s) s->add_memory(u);
+    graph_runner & r = const_cast<target_session &>(t).runner();
+    if (r.on_device()) {
+        u.on_device = u.target_weights_copied + u.drafter_weights_copied + u.kv_cache + u.gdn_state + u.gdn_tape +
+                      u.feature_ring + r.compute_bytes({"target:", "commit:", "draft:", "encode:"}, /*device_only=*/true);
+    }
     py::dict d;
     const std::pair<const char *, size_t> parts[] = {
         {"target_weights_mapped", u.target_weights_mapped}, {"target_weights_copied", u.target_weights_copied},
@@ -379,6 +384,7 @@ py::dict memory_report(const target_session & t, const spec_session * s) {
         total += p.second;
     }
     d["total"] = total;
+    d["on_device"] = u.on_device;
     return d;
 }
 

@@ -3,6 +3,11 @@
 #include "common.h"
 
 #include <algorithm>
+#if !defined(_WIN32)
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#endif
 #include <cctype>
 #include <mutex>
 
@@ -31,6 +36,27 @@ const char * k_build_hint =
     "--force-reinstall --no-cache-dir llama-cpp-python==0.3.36), then reinstall dflash-native "
     "(pip install --no-build-isolation .)";
 
+// True when a TCP connection to host:port opens. ggml-rpc aborts the process when it cannot
+// connect, so every endpoint is tried here first.
+bool can_connect(const std::string & host, const std::string & port) {
+#if defined(_WIN32)
+    return true;
+#else
+    addrinfo hints{}, * res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) return false;
+    bool ok = false;
+    for (addrinfo * a = res; a && !ok; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) continue;
+        ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    return ok;
+#endif
+}
+
 // Adds the RPC server at `endpoint` (host:port) once per process; returns its first device.
 ggml_backend_dev_t add_rpc_server(const std::string & endpoint) {
     static std::mutex mu;
@@ -48,12 +74,18 @@ ggml_backend_dev_t add_rpc_server(const std::string & endpoint) {
     DFN_REQUIRE(std::all_of(port.begin(), port.end(), [](unsigned char c) { return std::isdigit(c); }) &&
                     std::stol(port) > 0 && std::stol(port) < 65536,
                 "engine", "device 'rpc://", endpoint, "': the port must be 1..65535");
-    // ggml-rpc connects when the server's devices are listed: an unreachable server gives a
-    // registry with no devices (it logs the connection error)
+    // the first time only: ggml-rpc keeps one connection per endpoint for the process, and a
+    // server busy with it would leave a probe in its accept queue
+    static std::vector<std::string> added;
+    if (std::find(added.begin(), added.end(), endpoint) == added.end()) {
+        DFN_REQUIRE(can_connect(endpoint.substr(0, colon), port), "engine", "cannot reach the RPC server at ", endpoint,
+                    " (start one with `dflash-native rpc-server --host H --port P`)");
+    }
     ggml_backend_reg_t srv = add(endpoint.c_str());
     DFN_REQUIRE(srv != nullptr && ggml_backend_reg_dev_count(srv) > 0, "engine", "cannot reach the RPC server at ",
                 endpoint, " (start one with `dflash-native rpc-server --host H --port P`)",
                 last_ggml_error().empty() ? "" : ": ", last_ggml_error());
+    if (std::find(added.begin(), added.end(), endpoint) == added.end()) added.push_back(endpoint);
     for (size_t i = 0; i < ggml_backend_reg_dev_count(srv); ++i) {
         ggml_backend_dev_t d = ggml_backend_reg_dev_get(srv, i);
         bool known = false;

@@ -82,7 +82,9 @@ void graph_runner::check_placement(const std::string & shape_key, ggml_backend_s
             throw runtime_error(cat("[graph] graph '", shape_key, "' holds the CPU custom op '", t->name,
                                     "' but runs on device ", device_name()));
         }
-        if (!check_placement_) continue;
+        const bool view = t->op == GGML_OP_VIEW || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE ||
+                          t->op == GGML_OP_TRANSPOSE;
+        if (!check_placement_ || view) continue;  // a view computes nothing
         if (ggml_backend_sched_get_tensor_backend(sched, t) == cpu_.get()) {
             placement_.push_back(cat(graph, " ", ggml_op_desc(t), " ", t->name));
         }
@@ -173,14 +175,14 @@ void graph_runner::drop_old_plans(const std::string & keep) {
     }
 }
 
-size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes) const {
+size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes, bool device_only) const {
     size_t n = 0;
     for (const auto & kv : plans_) {
         bool match = false;
         for (const std::string & p : prefixes) match = match || kv.first.compare(0, p.size(), p) == 0;
         if (!match) continue;
         n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), backend_);
-        if (dev_backend_) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
+        if (dev_backend_ && !device_only) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
     }
     return n;
 }

@@ -70,7 +70,8 @@ public:
     const matmul_dispatch & dispatch() const { return dispatch_; }
     // Bytes of the compute buffers the cached plans hold, on every backend, summed over the plans
     // whose shape key starts with one of `prefixes`.
-    size_t compute_bytes(const std::vector<std::string> & prefixes) const;
+    // device_only: the main backend's buffers alone (a device's, not the host's input copies).
+    size_t compute_bytes(const std::vector<std::string> & prefixes, bool device_only = false) const;
 
 private:
     struct graph_plan {

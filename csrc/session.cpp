@@ -60,7 +60,7 @@ memory_usage target_session::memory() const {
     m.kv_cache = cache_->kv_bytes();
     m.gdn_state = cache_->gdn_state_bytes();
     m.gdn_tape = cache_->gdn_tape_bytes();
-    m.compute_target = runner_->compute_bytes({"target:"});
+    m.compute_target = runner_->compute_bytes({"target:", "commit:"});
     return m;
 }
 

@@ -54,6 +54,7 @@ struct memory_usage {
     size_t feature_ring = 0;  // drafter-context K/V, capacity + block scratch
     size_t feature_queue = 0; // host: the target taps queued for the ring (up to 2x its capacity in rows)
     size_t compute_target = 0, compute_drafter = 0;
+    size_t on_device = 0;     // of the above, the bytes held by a device other than the CPU (0 on the CPU)
 };
 
 struct decode_result {

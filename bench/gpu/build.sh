@@ -43,12 +43,14 @@ if [ ! -e "$tk/.done" ]; then
     touch "$tk/.done"
 fi
 export CUDAToolkit_ROOT="$tk" CUDACXX="$tk/bin/nvcc" PATH="$tk/bin:$PATH"
+# nvcc and CMake resolve the toolkit's own include directory: name cuBLAS's beside it
+cub_inc="$(ls -d "$work"/cublas/nvidia/cu13/include)"
 
 # ggml: CUDA (sm_$arch) + RPC + the CPU backend at x86-64-v3 (the GPU machine's CPU is unknown)
 # (GGML_CUDA_NO_VMM: no libcuda to link here, only the toolkit from pip; ggml then uses its legacy pool)
 export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_RPC=on -DGGML_NATIVE=OFF \
 -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA_NO_VMM=ON \
--DCUDAToolkit_ROOT=$tk"
+-DCUDAToolkit_ROOT=$tk -DCMAKE_CUDA_FLAGS=-I$cub_inc -DCMAKE_CXX_FLAGS=-I$cub_inc"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 rm -f "$out"/llama_cpp_python-*.whl
 nice -n 10 python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \

@@ -426,6 +426,12 @@ class Engine:
         with self._cv:
             return list(self._live().matmul_dispatch())
 
+    @property
+    def device(self) -> str:
+        """The ggml device this engine's graphs run on: "CPU", "CUDA0", "Vulkan0", "RPC0", ..."""
+        with self._cv:
+            return self._live().device
+
     def memory_report(self) -> dict[str, int]:
         """What this engine holds in memory, in bytes, by part (csrc/session.h: memory_usage):
 
@@ -442,7 +448,10 @@ class Engine:
           queues a row per step, up to 1.125x the ring capacity, n_taps * n_embd floats a row);
         - compute_target, compute_drafter: the compute buffers of the graph plans cached so far
           (target forward passes; draft and ring-push graphs), which grow as new graph shapes run;
-        - total: the sum of the above.
+        - total: the sum of the above;
+        - on_device: of the total, the bytes held by the engine's device (`Engine.device`) when it
+          is not the CPU: the weights, caches, tape, ring and the device's compute buffers (0 on
+          the CPU).
 
         Parts the engine does not have (a drafter, GDN layers) are 0."""
         with self._cv:

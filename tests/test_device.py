@@ -1,0 +1,240 @@
+"""The device path (docs/architecture.md, "Devices"): graphs of stock ggml ops on a ggml device
+other than the CPU, here ggml's RPC backend on loopback. A `dflash-native rpc-server` process holds
+the weights, caches, tape and feature ring, so any host access to a device tensor's data would fail
+there, and any CPU custom op in a device graph is refused by the runner. DFLASH_NATIVE_TEST_DEVICE
+names another device to run the same tests on (e.g. CUDA0 on a GPU machine: bench/gpu/run.sh)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.lossless import NEAR_TIE, first_divergence_gap
+from fixtures import make_spec_pair
+
+B = 8
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
+PAIRS = ["qwen3", "qwen35", "qwen35moe", "qwen3next"]
+
+
+def _die_with_parent():
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_ENGINES: list = []
+
+
+def _track(eng):
+    """Every engine of this module is closed before its RPC server goes away: ggml-rpc aborts a
+    process whose server vanished under it (docs/architecture.md, "Devices")."""
+    _ENGINES.append(eng)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory):
+    """The device string the engines of this module run on: an RPC server process of our own on
+    loopback, or DFLASH_NATIVE_TEST_DEVICE."""
+    other = os.environ.get("DFLASH_NATIVE_TEST_DEVICE")
+    if other:
+        yield other
+        return
+    assert dn.rpc_available(), ("this ggml was built without its RPC backend: reinstall llama-cpp-python with "
+                                "CMAKE_ARGS=-DGGML_RPC=on (README, Tests)")
+    port = _free_port()
+    # the server lives until this process ends (PR_SET_PDEATHSIG): an engine a failed test's
+    # traceback still holds frees its device buffers at exit, and ggml-rpc aborts a client whose
+    # server is gone
+    log = tmp_path_factory.mktemp("rpc") / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # listening once a connection opens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, f"no RPC server: {log.read_text()}"
+                time.sleep(0.1)
+        yield f"rpc://127.0.0.1:{port}"
+    finally:
+        for eng in _ENGINES:
+            eng.close()
+        _ENGINES.clear()
+
+
+@pytest.fixture(scope="module", params=PAIRS)
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("device-" + request.param)
+    _, tg, dg = make_spec_pair(d, request.param, seed=5, block_size=B)
+    return {"name": request.param, "target": str(tg), "drafter": str(dg)}
+
+
+def engine(pair, device, **kw):
+    kw.setdefault("gate", False)
+    return _track(dn.Engine(pair["target"], drafter=pair["drafter"], device=device, n_ctx=256, n_threads=1,
+                            block_size=B, kv_type="f32", **kw))
+
+
+def forced_drafts(ref, every=3):
+    """A draft override from the AR output `ref`: round r's first wrong draft sits at (r * every) %
+    B (B - 1: none), so over B rounds every acceptance length 1..B occurs once."""
+    rounds = [0]
+
+    def override(prompt, out, Bc):
+        n, k = len(out), (rounds[0] * every) % Bc
+        rounds[0] += 1
+        d = (list(ref[n: n + Bc - 1]) + [1] * Bc)[: Bc - 1]
+        if k < Bc - 1:
+            d[k] = (d[k] + 1) % 500
+        return d
+    return override
+
+
+def test_devices_are_listed_and_named(device):
+    names = [d["name"] for d in dn.devices()]
+    assert "CPU" in names
+    assert all(set(d) == {"name", "description", "type", "memory_free", "memory_total"} for d in dn.devices())
+    assert _core.resolve_device("cpu") == "CPU"
+    name = _core.resolve_device(device)
+    assert name != "CPU" and name in [d["name"] for d in dn.devices()]
+
+
+def test_bad_devices_are_clear_errors(pair):
+    with pytest.raises(ValueError, match="no device 'tpu0'.*CPU"):
+        engine(pair, "tpu0")
+    port = _free_port()  # nothing listens there: ggml-rpc would abort the process, we refuse first
+    with pytest.raises(ValueError, match="cannot reach the RPC server"):
+        engine(pair, f"rpc://127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="rpc://HOST:PORT"):
+        engine(pair, "rpc://nohostport")
+    with pytest.raises(ValueError, match="one RPC server per engine"):
+        engine(pair, "rpc://127.0.0.1:1,127.0.0.1:2")
+
+
+def test_tree_verify_is_refused_on_a_device(pair, device):
+    with pytest.raises(ValueError, match="verify='tree' runs on the CPU only"):
+        engine(pair, device, verify="tree", tree_budget=8)
+
+
+def test_every_node_runs_on_the_device(pair, device):
+    """Prefill, AR steps, draft and ring push, chain verify and the commit graph: the scheduler
+    places every node on the device (no named exceptions), and no graph holds a custom op (the
+    runner raises on one)."""
+    eng = engine(pair, device, gate=True)
+    assert eng._core.device == _core.resolve_device(device)
+    _core.testing.check_placement(eng._core, True)
+    ref = eng.generate(PROMPT, max_tokens=24, speculative=False).tokens
+    eng._draft_override = forced_drafts(ref)
+    r = eng.generate(PROMPT, max_tokens=24)
+    assert r.tokens == ref
+    assert sum(r.stats.acceptance_histogram) > 0
+    assert _core.testing.placement(eng._core) == []
+
+
+def test_speculative_equals_ar_under_the_near_tie_rule(pair, device):
+    """Greedy speculative output equals AR output on the device, or first differs where AR's top-2
+    logits are a near-tie. Drafts are forced from the AR output with chosen misses, so rounds
+    commit more than one token and every depth of the block is reached."""
+    eng = engine(pair, device)
+    prompts = [PROMPT, PROMPT[:5] + [7, 9, 11], [int(x) for x in np.random.default_rng(3).integers(3, 500, 17)]]
+    depths = set()
+    lengths = []
+    for i, p in enumerate(prompts):
+        ar = eng.generate(p, max_tokens=40, speculative=False).tokens
+        eng._draft_override = forced_drafts(ar, every=(3, 5, 7)[i])
+        r = eng.generate(p, max_tokens=40)
+        eng._draft_override = None
+        gap = first_divergence_gap(eng, p, ar, r.tokens)
+        assert gap is None or gap < NEAR_TIE, f"prompt {i}: first divergence at a top-2 gap of {gap}"
+        hist = r.stats.acceptance_histogram
+        depths |= {k for k, c in enumerate(hist) if c}
+        lengths.append(r.stats.mean_acceptance_length)
+    assert np.mean(lengths) > 1.5
+    assert depths >= set(range(1, B + 1)), f"block depths reached: {sorted(depths)}"
+
+
+def caches(t):
+    return [_core.testing.gdn_state(t, i) if ty == "gdn" else _core.testing.kv(t, i)
+            for i, ty in enumerate(t.layer_types)]
+
+
+@pytest.mark.parametrize("n_keep", [1, 3, B])
+def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
+    """After a verify of B tokens that keeps n: K/V, GDN and conv state and the feature ring equal a
+    fresh device engine's prefill of the prompt and the kept tokens. Tolerance: ggml's batched
+    matmuls (B tokens in the verify, the whole prompt in the prefill) round unlike each other."""
+    a = engine(pair, device)
+    ref = a.generate(PROMPT, max_tokens=2 * B, speculative=False).tokens
+    s, t = a._spec, a._core
+    last = s.prefill(PROMPT)
+    forced = ref[1:B]
+    if n_keep < B:
+        forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500  # reject from draft n_keep on
+    r = s.round(last, B, forced)
+    assert len(r.committed) == n_keep
+    got = caches(t)
+    b = engine(pair, device)
+    b._spec.prefill(PROMPT + ref[:n_keep])
+    assert b._core.n_past == t.n_past == len(PROMPT) + n_keep
+    for x, y in zip(got, caches(b._core)):
+        for u, v in zip(x, y):
+            np.testing.assert_allclose(u, v, atol=2e-4, rtol=1e-4)
+    # the next round drafts from the pushed features and verifies the same tokens
+    r1 = s.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    r2 = b._spec.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    assert r1.committed == r2.committed
+
+
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p != "qwen3"], indirect=True)  # GDN targets
+@pytest.mark.parametrize("n_keep", [1, 2, 5, B])
+def test_tape_replay_equals_the_verify_state_bitwise(pair, device, n_keep):
+    """The same kernel runs: commit replays the tape (the verify's own k, v, g, beta) through
+    ggml_gated_delta_net from the state saved before the verify, and gives bit for bit the state
+    the verify's op itself reached after token n_keep (the snapshot baseline keeps exactly that:
+    ggml's per-token snapshots of the same op). Conv state and K/V are copies of the same values."""
+    assert "gdn" in engine(pair, device)._core.layer_types
+    ref = engine(pair, device).generate(PROMPT, max_tokens=2 * B, speculative=False).tokens
+    states = []
+    for rollback in ("tape", "snapshot"):
+        eng = _track(dn.Engine.for_benchmark(pair["target"], drafter=pair["drafter"], rollback=rollback, device=device,
+                                             n_ctx=256, n_threads=1, block_size=B, kv_type="f32", gate=False))
+        last = eng._spec.prefill(PROMPT)
+        forced = ref[1:B]
+        if n_keep < B:
+            forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500
+        assert len(eng._spec.round(last, B, forced).committed) == n_keep
+        states.append(caches(eng._core))
+    for x, y in zip(*states):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u, v)
+
+
+def test_memory_lives_on_the_device(pair, device):
+    eng = engine(pair, device)
+    eng.generate(PROMPT, max_tokens=8)
+    m = eng.memory_report()
+    assert eng.device == _core.resolve_device(device)
+    assert m["target_weights_mapped"] == 0 and m["target_weights_copied"] > 0  # a device holds its own copy
+    held = sum(m[k] for k in ("target_weights_copied", "drafter_weights_copied", "kv_cache", "gdn_state", "gdn_tape",
+                              "feature_ring"))
+    # everything but the host's queue of taps and the inputs' host buffers lives on the device
+    assert held <= m["on_device"] <= m["total"] - m["feature_queue"]
