@@ -79,11 +79,31 @@ def llama_worker(a) -> None:
     offloads to every GPU-type device registered in the process): prints one JSON line."""
     import json
 
-    import llama_cpp
-    from dflash_native import _core
+    import ctypes
 
-    if a.device != "cpu":
-        _core.resolve_device(a.device)  # registers an RPC server's device with ggml, as llama.cpp's --rpc does
+    import llama_cpp
+
+    rpc = a.device.startswith("rpc://")
+    if rpc:
+        # llama.cpp's --rpc: register the server's devices with llama.cpp's own ggml (this package may
+        # carry a copy of its own), then offload every layer to the GPU-type devices registered
+        # the libggml llama.cpp itself loaded (a wheel holds libggml.so and libggml.so.0 as two copies)
+        loaded = {line.split()[-1] for line in open("/proc/self/maps") if "/libggml.so" in line}
+        ggml = ctypes.CDLL(min(loaded, key=lambda p: (not p.endswith(".so.0"), p)))
+        vp = ctypes.c_void_p
+        ggml.ggml_backend_reg_by_name.restype = vp
+        ggml.ggml_backend_reg_get_proc_address.restype = vp
+        ggml.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+        ggml.ggml_backend_reg_dev_count.argtypes = [vp]
+        ggml.ggml_backend_reg_dev_get.restype = vp
+        ggml.ggml_backend_reg_dev_get.argtypes = [vp, ctypes.c_size_t]
+        ggml.ggml_backend_device_register.argtypes = [vp]
+        reg = ggml.ggml_backend_reg_by_name(b"RPC")
+        assert reg, "llama.cpp's ggml has no RPC backend"
+        add = ctypes.CFUNCTYPE(vp, ctypes.c_char_p)(ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server"))
+        srv = add(a.device[len("rpc://"):].encode())
+        for i in range(ggml.ggml_backend_reg_dev_count(srv)):
+            ggml.ggml_backend_device_register(ggml.ggml_backend_reg_dev_get(srv, i))
     ll = llama_cpp.Llama(model_path=str(a.worker_model), n_ctx=a.worker_n_ctx, n_threads=a.threads,
                          n_threads_batch=a.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False,
                          n_gpu_layers=-1 if a.device != "cpu" else 0)
@@ -104,7 +124,10 @@ def llama_worker(a) -> None:
         return td.s / 32
 
     ar()
+    b0 = lo_bytes()
     ar_s = summarize([ar() for _ in range(a.reps)])["median"]
+    # over RPC the steps must have crossed loopback: else llama.cpp ran on this process's CPU
+    assert not rpc or lo_bytes() - b0 > 1000 * a.reps, "llama.cpp did not run on the RPC server"
     print(json.dumps({"ar_s": ar_s, "verify": verify_times(None, ll, prompt, a.reps)}))
 
 
