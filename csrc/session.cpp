@@ -81,6 +81,7 @@ void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::
 
 decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
                                      bool argmax_only) {
+    const sink_reset once{sink_};  // the tap sink (set_tap_sink) serves this call only, whatever happens
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
 
@@ -88,7 +89,7 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
     out.n_rows = all_logits ? n : 1;
     if (argmax_only) out.argmax.resize(out.n_rows);
     else out.logits.resize((size_t) out.n_rows * hp.n_vocab);
-    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
+    if (!tap_layers.empty() && !sink_.dst) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
 
     const int64_t n_past0 = cache_->n_past;
     try {
@@ -114,6 +115,7 @@ int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const 
 
 decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,
                                      bool argmax_only) {
+    const sink_reset once{sink_};  // the tap sink (set_tap_sink) serves this call only, whatever happens
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
     DFN_REQUIRE(n <= cache_->n_tape || hp.is_gdn.empty(), "verify", n, " tokens > max_verify = ", cache_->n_tape,
@@ -130,7 +132,7 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
     out.n_rows = n;
     if (argmax_only) out.argmax.resize(n);
     else out.logits.resize((size_t) n * hp.n_vocab);
-    if (!tap_layers.empty()) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
+    if (!tap_layers.empty() && !sink_.dst) out.taps.resize((size_t) n * tap_layers.size() * hp.n_embd);
     const int64_t n_past0 = cache_->n_past;
     try {
         run_chunk(tokens, n, true, tap_layers, out, 0, n, true, argmax_only, parents);
@@ -146,6 +148,7 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
 
 decode_result target_session::verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
                                           const std::vector<int> & tap_layers, bool argmax_only) {
+    const sink_reset once{sink_};  // the tap sink (set_tap_sink) serves this call only, whatever happens
     const target_hparams & hp = model_->hparams();
     check_tokens(tokens, n, tap_layers);
     check_tree_parents(parents, n, "verify");
@@ -331,6 +334,15 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     }
 
     ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
+    if (c.sink) {
+        // taps[t] F32 [n_embd, n] -> rows [t * n_embd, (t + 1) * n_embd) of sink columns col0..
+        ggml_tensor * d = c.sink;
+        for (size_t t = 0; t < g.taps.size(); ++t) {
+            const int64_t ne = g.taps[t]->ne[0];
+            ggml_tensor * view = ggml_view_2d(ctx, d, ne, n, d->nb[1], c.sink_col0 * d->nb[1] + t * ne * sizeof(float));
+            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, g.taps[t], view));
+        }
+    }
     if (!c.want_logits) {
         ggml_build_forward_expand(g.gf, hidden);
         return;
@@ -419,7 +431,7 @@ void target_session::read_chunk(const chunk_graph & c, decode_result & out, int6
             if (!std::isfinite(dst[i])) throw_non_finite_logits(where, row_pos0 + i / hp.n_vocab);
         }
     }
-    const size_t n_taps = g.tap_layers.size();
+    const size_t n_taps = c.sink ? 0 : g.tap_layers.size();  // sunk taps stay on the device
     for (size_t t = 0; t < n_taps; ++t) {
         // taps[t]: [n_embd, n] -> out.taps[token][t][:]
         std::vector<float> buf((size_t) hp.n_embd * n);
@@ -436,6 +448,12 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
                                bool argmax_only, const int32_t * tree_parents) {
     chunk_graph c;
     c.parents = tree_parents;
+    if (sink_.dst && !tap_layers.empty()) {
+        DFN_REQUIRE(sink_.col0 + tok_offset + n <= sink_.dst->ne[1], "decode", "the tap sink holds ", sink_.dst->ne[1],
+                    " columns, not ", sink_.col0 + tok_offset + n);
+        c.sink = sink_.dst;
+        c.sink_col0 = sink_.col0 + tok_offset;
+    }
     c.all_logits = all_logits;
     c.want_logits = all_logits || tok_offset + n == n_total;  // the last chunk gives the last row
     c.argmax_only = argmax_only;
@@ -456,7 +474,8 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
         read_chunk(c, out, tok_offset);
     };
     std::string key = cat("target:", n, all_logits ? ":all" : ":last", c.want_logits ? ":logits" : ":hidden",
-                          record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", tree_parents ? ":tree" : "", ":taps");
+                          record_tape ? ":tape" : "", argmax_only ? ":argmax" : "", tree_parents ? ":tree" : "",
+                          c.sink ? ":sink" : "", ":taps");
     for (int il : tap_layers) key += cat(",", il);
     runner_->run(
         key, [&](const build_context & b) { build_chunk(b, c); }, [&] { set_chunk_inputs(c, tokens); }, read_outputs);

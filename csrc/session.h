@@ -135,6 +135,10 @@ public:
     // The backends, plans and metadata arena this session's graphs run on; the drafter runs its
     // graphs on the same runner (it shares the target's embeddings, lm_head and buffers).
     graph_runner & runner() { return *runner_; }
+    // The next decode or verify with taps writes them into `dst` (F32 [n_taps * n_embd, cols], a
+    // device tensor) at columns col0.. instead of copying them to the host (decode_result::taps
+    // stays empty): the spec session's device feature queue. One call only; cleared by it.
+    void set_tap_sink(ggml_tensor * dst, int64_t col0) { sink_ = {dst, col0}; }
     ggml_backend_buffer_type_t buffer_type() const { return runner_->buffer_type(); }
 
 private:
@@ -158,6 +162,8 @@ private:
         ggml_tensor * logits = nullptr;  // F32 [n_vocab, rows]
         ggml_tensor * argmax = nullptr;  // I32 [rows], when argmax_only
         device_head head;                // on a device: the argmax in stock ops (device_heads.h)
+        ggml_tensor * sink = nullptr;    // the taps' destination (set_tap_sink), at column sink_col0
+        int64_t sink_col0 = 0;
         const int32_t * parents = nullptr;  // tree verify: the nodes' parents [n] (graph.h)
     };
     // tree verify's inputs: positions n_past + depth, the ancestor mask, the parents
@@ -178,6 +184,14 @@ private:
     int64_t pending_past_ = 0;    // n_past before it
     std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)
     std::vector<int32_t> pending_parents_;  // a pending tree verify's parents (empty: a chain)
+    struct tap_sink {
+        ggml_tensor * dst = nullptr;
+        int64_t col0 = 0;
+    } sink_;
+    struct sink_reset {
+        tap_sink & s;
+        ~sink_reset() { s = {}; }
+    };
 };
 
 }  // namespace dfn

@@ -1,5 +1,7 @@
 #include "spec.h"
 
+#include "alloc.h"
+
 #include "matmul.h"
 #include "matmul_dispatch.h"
 
@@ -43,6 +45,13 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                                                 : params.ring_capacity;
     drafter_->load_weights(runner_.buffer_type(), target.params().use_mmap);
     ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
+    if (runner_.on_device()) {
+        queue_ctx_.reset(init_meta_ctx(1, "feature queue"));
+        dev_queue_ = ggml_new_tensor_2d(queue_ctx_.get(), GGML_TYPE_F32, dh.n_feature_row(),
+                                        std::max<int64_t>(64, 2 * block_size_));
+        ggml_set_name(dev_queue_, "feature_queue");
+        queue_buf_.reset(alloc_ctx_tensors(queue_ctx_.get(), runner_.buffer_type(), "feature_ring", "the device feature queue"));
+    }
     drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
     tune_matmul(runner_, drafter_->weight_tensors());  // the types the target did not measure
 }
@@ -50,7 +59,7 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
 void spec_session::add_memory(memory_usage & m) const {
     m.drafter_weights_mapped = drafter_->weights_mapped();
     m.drafter_weights_copied = drafter_->weights_copied();
-    m.feature_ring = ring_->bytes();
+    m.feature_ring = ring_->bytes() + (dev_queue_ ? ggml_nbytes(dev_queue_) : 0);
     m.feature_queue = pending_feats_.capacity() * sizeof(float);
     m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
@@ -93,14 +102,19 @@ std::vector<spec_session::ring_segment> spec_session::ring_segments(int64_t m, i
 }
 
 void spec_session::build_push(const build_context & b, const std::vector<ring_segment> & segs,
-                              std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const {
+                              std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in,
+                              bool from_queue) const {
     const int64_t row = drafter_->hparams().n_feature_row();
     f_in.clear();
     pos_in.clear();
     for (const ring_segment & sg : segs) {
-        f_in.push_back(ggml_new_tensor_2d(b.ctx, GGML_TYPE_F32, row, sg.k));
+        if (from_queue) {
+            f_in.push_back(ggml_view_2d(b.ctx, dev_queue_, row, sg.k, dev_queue_->nb[1], sg.row0 * dev_queue_->nb[1]));
+        } else {
+            f_in.push_back(ggml_new_tensor_2d(b.ctx, GGML_TYPE_F32, row, sg.k));
+            ggml_set_input(f_in.back());
+        }
         pos_in.push_back(ggml_new_tensor_1d(b.ctx, GGML_TYPE_I32, sg.k));
-        ggml_set_input(f_in.back());
         ggml_set_input(pos_in.back());
         drafter_->build_encode(b, f_in.back(), pos_in.back(), *ring_, sg.slot0);
     }
@@ -111,7 +125,7 @@ void spec_session::set_push_inputs(const std::vector<ring_segment> & segs, const
     const int64_t row = drafter_->hparams().n_feature_row();
     for (size_t i = 0; i < segs.size(); ++i) {
         const ring_segment & sg = segs[i];
-        ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));
+        if (feats) ggml_backend_tensor_set(f_in[i], feats + sg.row0 * row, 0, (size_t) row * sg.k * sizeof(float));
         std::vector<int32_t> pos(sg.k);
         for (int64_t j = 0; j < sg.k; ++j) pos[j] = (int32_t) (sg.pos0 + j);
         ggml_backend_tensor_set(pos_in[i], pos.data(), 0, sg.k * sizeof(int32_t));
@@ -128,7 +142,8 @@ void spec_session::push_features(const float * feats, int64_t m, int64_t pos0) {
         const std::vector<ring_segment> one = {sg};
         std::vector<ggml_tensor *> f_in, pos_in;
         runner_.run(
-            cat("encode:", sg.k), [&](const build_context & b) { build_push(b, one, f_in, pos_in); },
+            cat("encode:", sg.k, feats ? "" : ":queue"),
+            [&](const build_context & b) { build_push(b, one, f_in, pos_in, feats == nullptr); },
             [&] { set_push_inputs(one, feats, f_in, pos_in); }, [] {});
     }
     ring_->n_pushed = pos0 + m;
@@ -138,10 +153,24 @@ void spec_session::flush_features() {
     if (pending_m_ == 0) return;
     const int64_t m = pending_m_;
     pending_m_ = 0;
-    push_features(pending_feats_.data(), m, pending_pos0_);
+    push_features(dev_queue_ ? nullptr : pending_feats_.data(), m, pending_pos0_);
+}
+
+void spec_session::sink_taps(int64_t n) {
+    if (!dev_queue_) return;
+    if (pending_m_ + n > dev_queue_->ne[1]) flush_features();
+    target_.set_tap_sink(dev_queue_, pending_m_);
 }
 
 void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_t pos0) {
+    if (dev_queue_) {
+        // the rows are in the device queue already, at columns pending_m_.. (sink_taps)
+        DFN_REQUIRE(pending_m_ == 0 || pos0 == pending_pos0_ + pending_m_, "feature_ring", "features queued out of "
+                    "order: got position ", pos0, ", expected ", pending_pos0_ + pending_m_);
+        if (pending_m_ == 0) pending_pos0_ = pos0;
+        pending_m_ += m;
+        return;
+    }
     if (pending_m_ == 0) {
         pending_feats_ = std::move(feats);
         pending_pos0_ = pos0;
@@ -175,6 +204,7 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
 
 int32_t spec_session::ar_step(int32_t last) {
     const int64_t pos = target_.n_past();
+    sink_taps(1);
     // the target checks the token and n_ctx; like decode_greedy, plus the taps
     decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     queue_features(std::move(r.taps), 1, pos);
@@ -225,7 +255,7 @@ void spec_session::check_draft(int32_t last, int64_t B) const {
 void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_context * ctx = b.ctx;
     const int64_t B = d.B;
-    build_push(b, d.push, d.push_f, d.push_pos);
+    build_push(b, d.push, d.push_f, d.push_pos, dev_queue_ != nullptr);
     d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
     d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
     d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
@@ -281,7 +311,7 @@ void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<
 
 void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
     const int64_t B = d.B;
-    set_push_inputs(d.push, pending_feats_.data(), d.push_f, d.push_pos);
+    set_push_inputs(d.push, dev_queue_ ? nullptr : pending_feats_.data(), d.push_f, d.push_pos);
     std::vector<int32_t> t(B, (int32_t) drafter_->hparams().mask_token_id), p(B);
     t[0] = last;
     for (int64_t i = 0; i < B; ++i) p[i] = (int32_t) (d.n_past + i);
@@ -324,7 +354,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
     // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
     d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
-    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "",
+    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", dev_queue_ ? ":queue" : "",
                           logits_out ? ":logits" : topk_out ? cat(":topk", K) : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
@@ -452,6 +482,7 @@ void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, 
     input[0] = last;
     std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
     const int64_t n_past0 = target_.n_past();
+    sink_taps(L);
     decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     const double t2 = profile_now();
     r.n_verified = L;

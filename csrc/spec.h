@@ -115,7 +115,7 @@ public:
                                const std::vector<int32_t> * forced_draft = nullptr);
 
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
-    // feats: [m, n_taps, n_embd] row-major.
+    // feats: [m, n_taps, n_embd] row-major (nullptr: the device queue's first m columns).
     void push_features(const float * feats, int64_t m, int64_t pos0);
 
     const drafter_hparams & drafter_hparams_() const { return drafter_->hparams(); }
@@ -151,8 +151,9 @@ private:
     std::vector<ring_segment> ring_segments(int64_t m, int64_t pos0) const;
     // Builds the ring writes of `segs` into a graph; inputs: per segment features F32
     // [n_taps * n_embd, k] and positions I32 [k].
+    // On a device the features are columns row0.. of the device queue instead of inputs.
     void build_push(const build_context & b, const std::vector<ring_segment> & segs,
-                    std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in) const;
+                    std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in, bool from_queue) const;
     void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
                          const std::vector<ggml_tensor *> & pos_in) const;
     ggml_tensor * lm_head() const;  // the drafter's own lm_head, else the target's
@@ -249,6 +250,15 @@ private:
     controller ctl_;
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
+    // On a device the queued rows stay there: the target's verify and AR graphs write their taps
+    // into this queue (target_session::set_tap_sink) at column pending_m_, and the ring push reads
+    // its columns; pending_feats_ is unused. F32 [n_taps * n_embd, Q], Q = max(64, 2 B).
+    ggml_context_ptr queue_ctx_;
+    ggml_backend_buffer_ptr queue_buf_;
+    ggml_tensor * dev_queue_ = nullptr;
+    // Before a target pass of n tokens with taps: on a device, room for n more rows in the queue
+    // (pushing the queue into the ring when full) and the target's tap sink at its next column.
+    void sink_taps(int64_t n);
 };
 
 }  // namespace dfn

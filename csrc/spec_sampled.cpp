@@ -27,6 +27,7 @@ int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const s
 int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp) {
     check_sampling_params(p);
     const int64_t pos = target_.n_past();
+    sink_taps(1);
     decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers);
     queue_features(std::move(r.taps), 1, pos);
     return choose_token({r.logits.data(), target_.hparams().n_vocab}, p, pos + 1, "decode", lp);
@@ -93,6 +94,7 @@ void spec_session::verify_sampled(int32_t last, round_result & r, const sampling
     input[0] = last;
     std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
     const int64_t n_past0 = target_.n_past();
+    sink_taps(L);
     decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers);  // logits [L, n_vocab]
     const int64_t n_vocab = target_.hparams().n_vocab;
     // t_i: the target's choice after input i, at position n_past0 + i + 1; rows after the first
