@@ -349,6 +349,17 @@ ggml_tensor * attention(const build_context & b, ggml_tensor * q, ggml_tensor * 
     ggml_tensor * out = nullptr;  // [hd, n_head, n_tokens]
     if (b.own_kernels() && attn_op_supported(q, K, V, mask)) {
         out = attn_op(ctx, q, K, V, mask, scale, gather);
+    } else if (b.device) {
+        // a device: two matmuls and a masked softmax, ops every ggml backend has (a CUDA build
+        // without flash-attention kernels too: bench/gpu/build.sh)
+        ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);                  // [hd, n_tokens, n_head]
+        ggml_tensor * kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, n_kv_head]
+        ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);                          // [n_kv, n_tokens, n_head]
+        ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(ctx, kq, mask, scale, 0.0f);
+        ggml_tensor * vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));  // [n_kv, hd, n_kv_head]
+        ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                         // [hd, n_tokens, n_head]
+        out = ggml_cont(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3));             // [hd, n_head, n_tokens]
     } else {
         out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3),  // [hd, n_tokens, n_head]
                                   ggml_permute(ctx, K, 0, 2, 1, 3),       // [hd, n_kv, n_kv_head]

@@ -47,13 +47,16 @@ export CUDAToolkit_ROOT="$tk" CUDACXX="$tk/bin/nvcc" PATH="$tk/bin:$PATH"
 cub_inc="$(ls -d "$work"/cublas/nvidia/cu13/include)"
 
 # ggml: CUDA (sm_$arch) + RPC + the CPU backend at x86-64-v3 (the GPU machine's CPU is unknown)
-# (GGML_CUDA_NO_VMM: no libcuda to link here, only the toolkit from pip; ggml then uses its legacy pool)
+# (GGML_CUDA_NO_VMM: no libcuda to link here, only the toolkit from pip; ggml then uses its legacy pool.
+#  GGML_CUDA_FA=OFF: ggml-cuda's ~80 flash-attention kernel instances compile empty, which halves the
+#  build on 2 cores; the device graphs' attention is ggml_mul_mat + ggml_soft_max_ext there, and
+#  llama.cpp, the peer, runs its own non-flash-attention path on the same build.)
 export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch -DGGML_RPC=on -DGGML_NATIVE=OFF \
--DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA_NO_VMM=ON \
+-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA_NO_VMM=ON -DGGML_CUDA_FA=OFF \
 -DCUDAToolkit_ROOT=$tk -DCMAKE_CUDA_FLAGS=-I$cub_inc -DCMAKE_CXX_FLAGS=-I$cub_inc"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 rm -f "$out"/llama_cpp_python-*.whl
-nice -n 10 python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \
+python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \
     || { tail -40 "$work/wheel.log"; exit 1; }
 # llama-cpp-python is ctypes over its shared libraries: one wheel serves every CPython 3
 w="$(ls "$out"/llama_cpp_python-*.whl)"
