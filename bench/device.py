@@ -46,6 +46,26 @@ MODELS = {
 }
 
 
+def bench_models(model: str, outtype: str, B: int) -> tuple[Path, Path]:
+    """(target, drafter) GGUFs of a random MODELS[model] target: F16 from the package's converter,
+    any other type llama.cpp's quantizer over it (cached); a 1-layer drafter, F16 or Q8_0."""
+    import dflash_native as dn
+
+    name, shape = MODELS[model]
+    with Timer() as tb:
+        f16 = cached_typed_gguf(name, "qwen3_5", "f16", **shape)
+        target = f16
+        if outtype != "f16":
+            target = f16.with_name(f16.name.replace("-f16-", f"-{outtype}-q-"))
+            if not target.exists():
+                tmp = target.with_suffix(".tmp.gguf")
+                dn.quantize(f16, tmp, outtype, progress=False)
+                tmp.rename(target)
+        drafter = cached_drafter(name, "f16" if outtype == "f16" else "q8_0", shape, B, 1)
+    print(f"{name} {outtype}: {target.stat().st_size / 2**30:.2f} GiB, models ready in {tb.s:.0f} s", flush=True)
+    return target, drafter
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -309,10 +329,8 @@ def main():
     rows = []
     try:
         for outtype in a.outtypes.split(","):
-            with Timer() as tb:
-                target = cached_typed_gguf(name, "qwen3_5", outtype, **shape)
-                drafter = cached_drafter(name, outtype if outtype in ("f16", "q8_0") else "q8_0", shape, B, 1)
-            print(f"\n## {outtype} ({target.stat().st_size / 2**30:.2f} GiB; models ready in {tb.s:.0f} s)")
+            print(f"\n## {outtype}")
+            target, drafter = bench_models(a.model, outtype, B)
             base = dict(bench="device", device=device, device_name=dn._core.resolve_device(device), model=name,
                         outtype=outtype, threads=a.threads, machine=machine(), rev=git_rev())
             from dflash_native import _core
