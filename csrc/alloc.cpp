@@ -1,5 +1,7 @@
 #include "alloc.h"
 
+#include <algorithm>
+
 #include "ggml-alloc.h"
 
 #include <atomic>
@@ -78,6 +80,46 @@ ggml_context * init_meta_ctx(size_t n_tensors, const char * where) {
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) throw runtime_error(cat("[", where, "] ggml_init failed"));
     return ctx;
+}
+
+std::vector<ggml_backend_buffer_t> alloc_tensors_placed(const std::vector<ggml_tensor *> & tensors,
+                                                        const std::function<ggml_backend_buffer_type_t(const ggml_tensor *)> & buft_of,
+                                                        const char * where, const std::string & what) {
+    std::vector<ggml_backend_buffer_type_t> types;
+    std::vector<std::vector<ggml_tensor *>> groups;
+    for (ggml_tensor * t : tensors) {
+        ggml_backend_buffer_type_t b = buft_of(t);
+        size_t i = std::find(types.begin(), types.end(), b) - types.begin();
+        if (i == types.size()) {
+            types.push_back(b);
+            groups.emplace_back();
+        }
+        groups[i].push_back(t);
+    }
+    std::vector<ggml_backend_buffer_t> out;
+    try {
+        for (size_t i = 0; i < types.size(); ++i) {
+            const size_t align = ggml_backend_buft_get_alignment(types[i]);
+            size_t size = 0;
+            for (ggml_tensor * t : groups[i]) size += GGML_PAD(ggml_backend_buft_get_alloc_size(types[i], t), align);
+            ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(types[i], std::max<size_t>(size, 1));
+            if (!buf) {
+                throw memory_error(cat("[", where, "] out of memory: cannot allocate ", format_bytes(size), " for ", what,
+                                       " (", ggml_backend_buft_name(types[i]), " buffer)"));
+            }
+            out.push_back(buf);
+            ggml_tallocr talloc = ggml_tallocr_new(buf);
+            for (ggml_tensor * t : groups[i]) {
+                if (ggml_tallocr_alloc(&talloc, t) != GGML_STATUS_SUCCESS) {
+                    throw runtime_error(cat("[", where, "] cannot place tensor '", t->name, "' in its buffer"));
+                }
+            }
+        }
+    } catch (...) {
+        for (ggml_backend_buffer_t b : out) ggml_backend_buffer_free(b);
+        throw;
+    }
+    return out;
 }
 
 ggml_backend_buffer_t alloc_ctx_tensors(ggml_context * ctx, ggml_backend_buffer_type_t buft, const char * where,

@@ -16,7 +16,9 @@
 
 #include <cstddef>
 #include <new>
+#include <functional>
 #include <string>
+#include <vector>
 #include <vector>
 
 namespace dfn {
@@ -45,6 +47,13 @@ size_t graph_headroom(int n_threads);
 
 // ggml_init for a no_alloc (metadata only) context of n_tensors tensors, checked.
 ggml_context * init_meta_ctx(size_t n_tensors, const char * where);
+
+// Gives each tensor of `tensors` its place in a buffer of buft_of(tensor): one buffer per buffer type
+// (a model split over several devices), returned in the order the types first appear. Checked as
+// alloc_ctx_tensors is.
+std::vector<ggml_backend_buffer_t> alloc_tensors_placed(const std::vector<ggml_tensor *> & tensors,
+                                                        const std::function<ggml_backend_buffer_type_t(const ggml_tensor *)> & buft_of,
+                                                        const char * where, const std::string & what);
 
 // ggml_backend_alloc_ctx_tensors_from_buft, checked: throws memory_error naming `what` and its size.
 ggml_backend_buffer_t alloc_ctx_tensors(ggml_context * ctx, ggml_backend_buffer_type_t buft, const char * where,

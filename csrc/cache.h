@@ -7,6 +7,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
+#include <functional>
 #include <vector>
 
 namespace dfn {
@@ -39,8 +40,9 @@ struct gdn_layer {
 class model_cache {
 public:
     // n_tape: the most tokens one verify pass may record (0: no verify on this cache).
+    // layer_buft(il): where layer il's cache lives (a model split over devices: its layer's device).
     model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape, bool snapshots,
-                ggml_backend_buffer_type_t buft);
+                const std::function<ggml_backend_buffer_type_t(int)> & layer_buft);
     model_cache(const model_cache &) = delete;
     model_cache & operator=(const model_cache &) = delete;
 
@@ -64,7 +66,7 @@ public:
 
 private:
     ggml_context_ptr ctx_;         // tensor metadata (freed last: declared first)
-    ggml_backend_buffer_ptr buf_;  // the tensors' data
+    std::vector<ggml_backend_buffer_ptr> bufs_;  // the tensors' data (one buffer per device)
 };
 
 }  // namespace dfn

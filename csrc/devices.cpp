@@ -119,7 +119,7 @@ ggml_backend_dev_t resolve_device(const std::string & spec) {
     if (s.rfind("rpc://", 0) == 0) {
         const std::string rest = spec.substr(6);
         DFN_REQUIRE(rest.find(',') == std::string::npos, "engine", "device '", spec,
-                    "': one RPC server per engine (a split of the layers across several servers is not built yet)");
+                    "' names several RPC servers: one device wanted here");
         return add_rpc_server(rest);
     }
     if (s == "gpu") {
@@ -139,6 +139,28 @@ ggml_backend_dev_t resolve_device(const std::string & spec) {
     }
     throw input_error(cat("[engine] no device '", spec, "': this ggml has ", names,
                           " (or use 'cpu', 'gpu', 'rpc://HOST:PORT'). ", k_build_hint));
+}
+
+std::vector<ggml_backend_dev_t> resolve_devices(const std::string & spec) {
+    std::vector<ggml_backend_dev_t> out;
+    if (lower(spec).rfind("rpc://", 0) == 0) {
+        const std::string rest = spec.substr(6);
+        size_t b = 0;
+        for (;;) {
+            const size_t e = rest.find(',', b);
+            const std::string one = rest.substr(b, e == std::string::npos ? std::string::npos : e - b);
+            DFN_REQUIRE(!one.empty(), "engine", "device '", spec, "': an empty server in the list");
+            ggml_backend_dev_t d = add_rpc_server(one);
+            DFN_REQUIRE(std::find(out.begin(), out.end(), d) == out.end(), "engine", "device '", spec, "' names ", one,
+                        " twice");
+            out.push_back(d);
+            if (e == std::string::npos) break;
+            b = e + 1;
+        }
+        return out;
+    }
+    if (ggml_backend_dev_t d = resolve_device(spec)) out.push_back(d);
+    return out;
 }
 
 void rpc_serve(const std::string & host, int port, const std::string & device, int n_threads,

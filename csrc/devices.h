@@ -24,9 +24,12 @@ std::vector<device_info> list_devices();
 //   "cpu"              ggml's CPU backend (the package's own batch-invariant kernels)
 //   "gpu"              the first GPU device ggml was built with
 //   "CUDA0", ...       a ggml device by name (case-insensitive)
-//   "rpc://H:P[,...]"  ggml RPC servers (`dflash-native rpc-server`); the first server's device.
+//   "rpc://H:P"        a ggml RPC server (`dflash-native rpc-server`): its first device
 // nullptr means the CPU.
 ggml_backend_dev_t resolve_device(const std::string & spec);
+// The same, with "rpc://H1:P1,H2:P2,..." naming several servers: one device each, in order (a
+// model split by layers over them). Empty: the CPU.
+std::vector<ggml_backend_dev_t> resolve_devices(const std::string & spec);
 
 // True when the ggml in use has the RPC backend (built with GGML_RPC=ON).
 bool rpc_available();

@@ -67,6 +67,7 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
 
 gguf_file::~gguf_file() {
     if (buf_) ggml_backend_buffer_free(buf_);
+    for (ggml_backend_buffer_t b : more_bufs_) ggml_backend_buffer_free(b);
     if (copies_) ggml_backend_buffer_free(copies_);
 #ifdef DFN_HAVE_MMAP
     if (map_) munmap(map_, map_size_);  // after the buffers that point into it
@@ -363,17 +364,36 @@ bool gguf_file::map_weights(ggml_backend_buffer_type_t buft) {
 #endif
 }
 
+void gguf_file::load_weights(const placement & place, bool use_mmap) {
+    DFN_REQUIRE(buf_ == nullptr, W, "weights already loaded");
+    std::vector<ggml_tensor *> all = tensors();
+    ggml_backend_buffer_type_t first = all.empty() ? nullptr : place(all.front());
+    bool one = true;
+    for (ggml_tensor * t : all) one = one && place(t) == first;
+    if (one) {
+        load_weights(first, use_mmap);
+        return;
+    }
+    std::vector<ggml_backend_buffer_t> bufs = alloc_tensors_placed(all, place, W, cat("the weights of '", path_, "'"));
+    buf_ = bufs.front();
+    more_bufs_.assign(bufs.begin() + 1, bufs.end());
+    for (ggml_backend_buffer_t b : bufs) ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    read_tensors();
+}
+
 void gguf_file::read_weights(ggml_backend_buffer_type_t buft) {
     buf_ = alloc_ctx_tensors(ctx_, buft, W, cat("the weights of '", path_, "'"));
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     if (ggml_backend_buffer_is_host(buf_)) {
         advise_huge_pages(ggml_backend_buffer_get_base(buf_), ggml_backend_buffer_get_size(buf_));
     }
+    read_tensors();
+}
 
+void gguf_file::read_tensors() {
     std::unique_ptr<FILE, int (*)(FILE *)> f(fopen(path_.c_str(), "rb"), fclose);
     DFN_REQUIRE(f != nullptr, W, "cannot open '", path_, "'");
     const size_t data_off = gguf_get_data_offset(gguf_);
-    const bool host = ggml_backend_buffer_is_host(buf_);
     std::vector<uint8_t> staging;
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     for (int64_t i = 0; i < n_tensors; ++i) {
@@ -382,7 +402,7 @@ void gguf_file::read_weights(ggml_backend_buffer_type_t buft) {
         const size_t n = ggml_row_size(ft, t->ne[0]) * ggml_nrows(t);  // bytes in the file
         DFN_REQUIRE(fseeko(f.get(), (off_t) (data_off + gguf_get_tensor_offset(gguf_, i)), SEEK_SET) == 0, W,
                     "seek failed in '", path_, "'");
-        const bool direct = host && ft == t->type;
+        const bool direct = ggml_backend_buffer_is_host(t->buffer) && ft == t->type;
         void * dst = t->data;
         if (!direct) { staging.resize(n); dst = staging.data(); }
         DFN_REQUIRE(fread(dst, 1, n, f.get()) == n, W, "'", path_, "' is truncated at tensor '", t->name, "'");

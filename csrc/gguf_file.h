@@ -6,6 +6,7 @@
 #include "gguf.h"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ public:
     // copies in a small buffer of `buft`. Otherwise (a device buffer, use_mmap false, or a tensor
     // offset that is not 32-byte aligned) every tensor is read into one buffer of `buft`.
     void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap = true);
+    // A model split over devices: each tensor read into a buffer of place(tensor) (one buffer per
+    // buffer type); a single type is load_weights(buft, use_mmap).
+    using placement = std::function<ggml_backend_buffer_type_t(const ggml_tensor *)>;
+    void load_weights(const placement & place, bool use_mmap = true);
     size_t weights_bytes() const;  // bytes of all tensors as used (F32 after conversion)
     size_t mapped_bytes() const { return mapped_bytes_; }  // of those, bytes read in place from the mapping
     size_t copied_bytes() const { return weights_bytes() - mapped_bytes_; }  // in buffers of their own
@@ -82,6 +87,7 @@ private:
     ggml_context * ctx_ = nullptr;      // tensor metadata (no_alloc)
     ggml_backend_buffer_t buf_ = nullptr;       // the weights (the mapping's, or read into it)
     ggml_backend_buffer_t copies_ = nullptr;    // mapped file: the converted tensors
+    std::vector<ggml_backend_buffer_t> more_bufs_;  // a split model: the weights on the other devices
     void * map_ = nullptr;                      // the file's mapping (nullptr: not mapped)
     size_t map_size_ = 0;
     size_t mapped_bytes_ = 0;
@@ -90,6 +96,7 @@ private:
     void check_type(ggml_tensor * t, tensor_role role);
     bool map_weights(ggml_backend_buffer_type_t buft);  // false: mapping does not apply here
     void read_weights(ggml_backend_buffer_type_t buft);
+    void read_tensors();  // every tensor's data from the file into its (allocated) buffer
     ggml_type file_type(const ggml_tensor * t) const;  // the tensor's type in the file
     void set_converted(ggml_tensor * t, const void * file_bytes);  // a TENSOR_ROLE_F32 tensor's data
     int64_t key_id(const std::string & key) const;  // -1 if absent

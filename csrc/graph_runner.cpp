@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 
@@ -53,23 +54,42 @@ graph_runner::graph_runner(const std::string & device, int n_threads, matmul_kin
                                 "OpenMP worker threads; fork() does not copy them, and a graph on more than one thread "
                                 "would wait for ever here. Use multiprocessing's 'spawn' or 'forkserver' start method "
                                 "(or n_threads=1 in this process)"));
-    ggml_backend_dev_t dev = resolve_device(device);  // nullptr: the CPU
+    const std::vector<ggml_backend_dev_t> devs = resolve_devices(device);  // empty: the CPU
     require_headroom(size_t(4) << 20, "engine", "the ggml CPU backend");  // its ggml_init aborts on failure
     cpu_.reset(ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr));
     if (!cpu_) throw runtime_error("[engine] cannot initialise the ggml CPU backend");
     ggml_backend_cpu_set_n_threads(cpu_.get(), n_threads);
     backend_ = cpu_.get();
-    if (dev != nullptr) {
-        dev_backend_.reset(ggml_backend_dev_init(dev, nullptr));
-        if (!dev_backend_) throw runtime_error(cat("[engine] cannot initialise device ", ggml_backend_dev_name(dev)));
-        backend_ = dev_backend_.get();
+    for (ggml_backend_dev_t dev : devs) {
+        devs_.emplace_back(ggml_backend_dev_init(dev, nullptr));
+        if (!devs_.back()) throw runtime_error(cat("[engine] cannot initialise device ", ggml_backend_dev_name(dev)));
     }
+    if (!devs_.empty()) backend_ = devs_.front().get();
     meta_.resize(ggml_tensor_overhead() * max_nodes_ + ggml_graph_overhead_custom(max_nodes_, false));
 }
 
 std::string graph_runner::device_name() const {
-    ggml_backend_dev_t d = ggml_backend_get_device(backend_);
-    return d ? ggml_backend_dev_name(d) : "CPU";
+    if (devs_.empty()) return "CPU";
+    std::string out;
+    for (const ggml_backend_ptr & b : devs_) out += cat(out.empty() ? "" : ",", ggml_backend_dev_name(ggml_backend_get_device(b.get())));
+    return out;
+}
+
+ggml_backend_buffer_type_t graph_runner::layer_buffer_type(int il, int n_layer) const {
+    if (devs_.size() < 2) return buffer_type();
+    const size_t d = std::min(devs_.size() - 1, (size_t) il * devs_.size() / (size_t) std::max(1, n_layer));
+    return ggml_backend_get_default_buffer_type(devs_[d].get());
+}
+
+ggml_backend_buffer_type_t graph_runner::last_buffer_type() const {
+    return devs_.empty() ? buffer_type() : ggml_backend_get_default_buffer_type(devs_.back().get());
+}
+
+ggml_backend_buffer_type_t graph_runner::target_buffer_type(const char * name, int n_layer) const {
+    int il = -1;
+    if (std::sscanf(name, "blk.%d.", &il) == 1 && il >= 0) return layer_buffer_type(std::min(il, n_layer - 1), n_layer);
+    if (std::strncmp(name, "token_embd", 10) == 0) return buffer_type();
+    return last_buffer_type();  // output, output_norm, rope_freqs, ...
 }
 
 void graph_runner::check_placement(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
@@ -85,7 +105,7 @@ void graph_runner::check_placement(const std::string & shape_key, ggml_backend_s
         const bool view = t->op == GGML_OP_VIEW || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE ||
                           t->op == GGML_OP_TRANSPOSE;
         if (!check_placement_ || view) continue;  // a view computes nothing
-        if (ggml_backend_sched_get_tensor_backend(sched, t) == cpu_.get()) {
+        if (ggml_backend_sched_get_tensor_backend(sched, t) == cpu_.get()) {  // any device of a split is fine
             placement_.push_back(cat(graph, " ", ggml_op_desc(t), " ", t->name));
         }
     }
@@ -118,9 +138,11 @@ void graph_runner::make_room(size_t bytes, const std::string & what, const std::
 graph_runner::graph_plan graph_runner::new_plan(const std::string & shape_key, ggml_cgraph * gf) {
     for (int attempt = 0;; ++attempt) {
         make_room(sched_bytes(max_nodes_), cat("the scheduler of graph '", shape_key, "'"), "");
-        ggml_backend_t backends[2] = {backend_, cpu_.get()};
+        std::vector<ggml_backend_t> backends;
+        for (const ggml_backend_ptr & b : devs_) backends.push_back(b.get());
+        backends.push_back(cpu_.get());  // last: ggml's scheduler needs the CPU there
         graph_plan p;
-        p.sched.reset(ggml_backend_sched_new(backends, nullptr, dev_backend_ ? 2 : 1, max_nodes_, false, true));
+        p.sched.reset(ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), max_nodes_, false, true));
         if (!p.sched) throw runtime_error("[engine] cannot create the ggml scheduler");
         if (ggml_backend_sched_reserve(p.sched.get(), gf)) return p;
         const std::string why = last_ggml_error();  // names the buffer and its size
@@ -160,8 +182,9 @@ void graph_runner::drop_plans(const std::string & prefix) {
 // Drops the least recently used plans beyond k_max_plans and k_max_plan_bytes, never `keep`.
 void graph_runner::drop_old_plans(const std::string & keep) {
     auto bytes = [&](const graph_plan & q) {
-        return ggml_backend_sched_get_buffer_size(q.sched.get(), backend_) +
-               (dev_backend_ ? ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get()) : 0);
+        size_t n = ggml_backend_sched_get_buffer_size(q.sched.get(), cpu_.get());
+        for (const ggml_backend_ptr & b : devs_) n += ggml_backend_sched_get_buffer_size(q.sched.get(), b.get());
+        return n;
     };
     for (;;) {
         size_t total = 0;
@@ -181,8 +204,8 @@ size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes, bo
         bool match = false;
         for (const std::string & p : prefixes) match = match || kv.first.compare(0, p.size(), p) == 0;
         if (!match) continue;
-        n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), backend_);
-        if (dev_backend_ && !device_only) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
+        if (!device_only || devs_.empty()) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), cpu_.get());
+        for (const ggml_backend_ptr & b : devs_) n += ggml_backend_sched_get_buffer_size(kv.second.sched.get(), b.get());
     }
     return n;
 }
@@ -210,7 +233,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         if (!ctx) throw runtime_error("[graph] ggml_init failed");
         ctx_guard.reset(ctx);
         gf = ggml_new_graph_custom(ctx, max_nodes_, false);
-        build(build_context{ctx, gf, kernels_, &dispatch_, dev_backend_ != nullptr});
+        build(build_context{ctx, gf, kernels_, &dispatch_, !devs_.empty()});
     };
     build_graph();
     phase(":build");
@@ -218,7 +241,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     for (int attempt = 0;; ++attempt) {
         const bool fresh = plans_.find(shape_key) == plans_.end();
         sched = plan_for(shape_key, gf);
-        if (fresh && dev_backend_) build_graph();
+        if (fresh && !devs_.empty()) build_graph();
         phase(":plan");
         if (alloc_graph(shape_key, gf, sched)) break;
         // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
@@ -226,9 +249,9 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         plans_.erase(shape_key);
         if (attempt > 0) throw compute_buffers_oom(shape_key, why);
         plans_.clear();  // only a cache: plan again without the others
-        if (dev_backend_) build_graph();
+        if (!devs_.empty()) build_graph();
     }
-    if (dev_backend_) check_placement(shape_key, sched, gf);
+    if (!devs_.empty()) check_placement(shape_key, sched, gf);
     phase(":alloc");
     set_inputs();
     phase(":inputs");

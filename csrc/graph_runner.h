@@ -49,8 +49,16 @@ public:
     // Where weights, caches and the ring are allocated: the main backend's buffers.
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
     ggml_backend_t backend() const { return backend_; }
+    // A model split by layers over several devices ("rpc://a,b"): layer il of n_layer lives on
+    // device il * n_devices / n_layer; the embeddings on the first, the output head, the drafter,
+    // the ring and the feature queue on the last. One device: its buffers for all of them.
+    size_t n_devices() const { return devs_.size(); }
+    ggml_backend_buffer_type_t layer_buffer_type(int il, int n_layer) const;
+    ggml_backend_buffer_type_t last_buffer_type() const;
+    // Where a target tensor lives, by its GGUF name (blk.<il>. on its layer's device).
+    ggml_backend_buffer_type_t target_buffer_type(const char * name, int n_layer) const;
     // True when the runner computes on a device other than the CPU (stock ggml ops only).
-    bool on_device() const { return dev_backend_ != nullptr; }
+    bool on_device() const { return !devs_.empty(); }
     // The ggml device name ("CPU", "CUDA0", "RPC0", ...).
     std::string device_name() const;
     // Checks every node of each graph the scheduler plans: nodes placed on the CPU backend while
@@ -92,8 +100,8 @@ private:
 
     // Declaration order is destruction order reversed: the plans go before the backends.
     ggml_backend_ptr cpu_;                  // CPU backend
-    ggml_backend_ptr dev_backend_;          // the device's backend, when not the CPU
-    ggml_backend_t backend_ = nullptr;      // the main compute backend: dev_backend_ or cpu_
+    std::vector<ggml_backend_ptr> devs_;    // the devices' backends, when not the CPU (several: a split)
+    ggml_backend_t backend_ = nullptr;      // the main compute backend: devs_[0] or cpu_
     bool check_placement_ = false;
     std::vector<std::string> placement_;
     void check_placement(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);

@@ -169,6 +169,7 @@ public:
     static std::unique_ptr<target_model> open(const std::string & path);
 
     void load_weights(ggml_backend_buffer_type_t buft, bool use_mmap) { file_->load_weights(buft, use_mmap); }
+    void load_weights(const gguf_file::placement & place, bool use_mmap) { file_->load_weights(place, use_mmap); }
 
     // Builds the forward pass of g.n_tokens tokens into g.gf; returns the final hidden
     // states after output_norm, F32 [n_embd, n_tokens]. Taps and caches are wired by `g`.

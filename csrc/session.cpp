@@ -44,11 +44,18 @@ target_session::target_session(const std::string & path, const session_params & 
     const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
-    ggml_backend_buffer_type_t buft = runner_->buffer_type();
-    model_->load_weights(buft, params.use_mmap);
+    const int n_layer = model_->hparams().n_layer;
+    if (runner_->n_devices() > 1) {
+        // a model split by layers over several devices (graph_runner::target_buffer_type)
+        model_->load_weights([&](const ggml_tensor * t) { return runner_->target_buffer_type(t->name, n_layer); },
+                             params.use_mmap);
+    } else {
+        model_->load_weights(runner_->buffer_type(), params.use_mmap);
+    }
     tune_matmul(*runner_, model_->file().tensors());  // each weight type's matmul level (matmul_dispatch.h)
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           params.rollback == ROLLBACK_SNAPSHOT, buft);
+                                           params.rollback == ROLLBACK_SNAPSHOT,
+                                           [&](int il) { return runner_->layer_buffer_type(il, n_layer); });
 }
 
 target_session::~target_session() = default;

@@ -43,16 +43,17 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     // drafts the same and masks fewer slots each round. A smaller ring than that still wins.
     const int64_t capacity = params_.window > 0 ? std::min(params.ring_capacity, std::max(params_.window, block_size_))
                                                 : params.ring_capacity;
-    drafter_->load_weights(runner_.buffer_type(), target.params().use_mmap);
-    ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.buffer_type());
+    // on a model split over devices: beside the target's output head, on the last device
+    drafter_->load_weights(runner_.last_buffer_type(), target.params().use_mmap);
+    ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.last_buffer_type());
     if (runner_.on_device()) {
         queue_ctx_.reset(init_meta_ctx(1, "feature queue"));
         dev_queue_ = ggml_new_tensor_2d(queue_ctx_.get(), GGML_TYPE_F32, dh.n_feature_row(),
                                         std::max<int64_t>(64, 2 * block_size_));
         ggml_set_name(dev_queue_, "feature_queue");
-        queue_buf_.reset(alloc_ctx_tensors(queue_ctx_.get(), runner_.buffer_type(), "feature_ring", "the device feature queue"));
+        queue_buf_.reset(alloc_ctx_tensors(queue_ctx_.get(), runner_.last_buffer_type(), "feature_ring", "the device feature queue"));
     }
-    drafter_->gather_draft_head(lm_head(), runner_.buffer_type());
+    drafter_->gather_draft_head(lm_head(), runner_.last_buffer_type());
     tune_matmul(runner_, drafter_->weight_tensors());  // the types the target did not measure
 }
 

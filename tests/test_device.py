@@ -48,37 +48,43 @@ def _track(eng):
     return eng
 
 
+def _start_server(tmp_path_factory) -> str:
+    """A `dflash-native rpc-server` on loopback for the rest of this process: "rpc://127.0.0.1:PORT"."""
+    assert dn.rpc_available(), ("this ggml was built without its RPC backend: reinstall llama-cpp-python with "
+                                "CMAKE_ARGS=-DGGML_RPC=on (README, Tests)")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("rpc") / "server.log"
+    # the server lives until this process ends (PR_SET_PDEATHSIG): an engine a failed test's
+    # traceback still holds frees its device buffers at exit, and ggml-rpc aborts a client whose
+    # server is gone
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + 60
+    while True:  # listening once a connection opens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return f"rpc://127.0.0.1:{port}"
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, f"no RPC server: {log.read_text()}"
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def device(tmp_path_factory):
     """The device string the engines of this module run on: an RPC server process of our own on
     loopback, or DFLASH_NATIVE_TEST_DEVICE."""
-    other = os.environ.get("DFLASH_NATIVE_TEST_DEVICE")
-    if other:
-        yield other
-        return
-    assert dn.rpc_available(), ("this ggml was built without its RPC backend: reinstall llama-cpp-python with "
-                                "CMAKE_ARGS=-DGGML_RPC=on (README, Tests)")
-    port = _free_port()
-    # the server lives until this process ends (PR_SET_PDEATHSIG): an engine a failed test's
-    # traceback still holds frees its device buffers at exit, and ggml-rpc aborts a client whose
-    # server is gone
-    log = tmp_path_factory.mktemp("rpc") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_native", "rpc-server", "--port", str(port), "--threads", "1"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     try:
-        deadline = time.monotonic() + 60
-        while True:  # listening once a connection opens
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, f"no RPC server: {log.read_text()}"
-                time.sleep(0.1)
-        yield f"rpc://127.0.0.1:{port}"
+        yield os.environ.get("DFLASH_NATIVE_TEST_DEVICE") or _start_server(tmp_path_factory)
     finally:
         for eng in _ENGINES:
             eng.close()
         _ENGINES.clear()
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """Two RPC servers of our own, for a model split by layers over them."""
+    return [_start_server(tmp_path_factory) for _ in range(2)]
 
 
 @pytest.fixture(scope="module", params=PAIRS)
@@ -126,8 +132,8 @@ def test_bad_devices_are_clear_errors(pair):
         engine(pair, f"rpc://127.0.0.1:{port}")
     with pytest.raises(ValueError, match="rpc://HOST:PORT"):
         engine(pair, "rpc://nohostport")
-    with pytest.raises(ValueError, match="one RPC server per engine"):
-        engine(pair, "rpc://127.0.0.1:1,127.0.0.1:2")
+    with pytest.raises(ValueError, match="cannot reach the RPC server"):
+        engine(pair, f"rpc://127.0.0.1:{port},127.0.0.1:{port}")
 
 
 def test_tree_verify_is_refused_on_a_device(pair, device):
@@ -238,3 +244,23 @@ def test_memory_lives_on_the_device(pair, device):
                               "feature_ring"))
     # everything but the host's queue of taps and the inputs' host buffers lives on the device
     assert held <= m["on_device"] <= m["total"] - m["feature_queue"]
+
+
+def test_a_model_split_over_two_servers_computes_what_one_does(pair, two_servers):
+    """rpc://A,B puts the first half of the layers (and the embeddings) on A, the rest, the output
+    head, the drafter, ring and feature queue on B, as llama.cpp's --rpc splits a model. Both
+    servers run ggml's CPU kernels and the hand-offs between them are copies, so the split computes
+    bit for bit what one server does: prompt logits, AR and speculative tokens. Every node runs on
+    one of the two devices."""
+    one = engine(pair, two_servers[0])
+    split = engine(pair, ",".join([two_servers[0], two_servers[1][len("rpc://"):]]))
+    assert split.device.count(",") == 1 and split.device.split(",")[0] == one.device
+    _core.testing.check_placement(split._core, True)
+    np.testing.assert_array_equal(split.eval(PROMPT), one.eval(PROMPT))
+    ref = one.generate(PROMPT, max_tokens=24, speculative=False).tokens
+    assert split.generate(PROMPT, max_tokens=24, speculative=False).tokens == ref
+    for eng in (one, split):
+        eng._draft_override = forced_drafts(ref)
+    a, b = one.generate(PROMPT, max_tokens=24), split.generate(PROMPT, max_tokens=24)
+    assert a.tokens == b.tokens and a.stats.acceptance_histogram == b.stats.acceptance_histogram
+    assert _core.testing.placement(split._core) == []
