@@ -180,6 +180,9 @@ def test_c_program_error_paths(consumer, pair):
     assert r["tree_without_drafter"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] verify=tree needs a drafter")
     assert r["bad_struct_size"][0] == "DFN_ERR_INVALID_ARGUMENT" and "struct_size = 3" in r["bad_struct_size"][1]
     assert r["not_gguf"][0] == "DFN_ERR_FILE" and "/proc/self/cmdline" in r["not_gguf"][1]
+    assert r["bad_device"][0] == "DFN_ERR_INVALID_ARGUMENT" and "no device 'tpu0'" in r["bad_device"][1]
+    assert r["device_cpu"][0] == "DFN_OK"
+    assert r["options_before_device_name"][0] == "DFN_OK"
     assert r["create"][0] == "DFN_OK"
     n_tok = int(r["tokenize_needed"][0])
     assert n_tok > 2

@@ -18,6 +18,7 @@
 #include <dflash_native.h>
 
 #include <pthread.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,6 +115,21 @@ static int cmd_errors(const char * target) {
     o.struct_size = 3;
     report("bad_struct_size", dfn_engine_create(target, NULL, &o, &e));
     report("not_gguf", dfn_engine_create("/proc/self/cmdline", NULL, NULL, &e));
+    o = dfn_engine_options_default();
+    o.device_name = "tpu0";
+    report("bad_device", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
+    o.device_name = "cpu";
+    o.n_ctx = 64;
+    report("device_cpu", dfn_engine_create(target, NULL, &o, &e));
+    dfn_engine_destroy(e);
+    e = NULL;
+    o = dfn_engine_options_default();
+    o.struct_size = offsetof(dfn_engine_options, device_name); /* a caller compiled before device_name */
+    o.n_ctx = 64;
+    report("options_before_device_name", dfn_engine_create(target, NULL, &o, &e));
+    dfn_engine_destroy(e);
+    e = NULL;
 
     o = dfn_engine_options_default();
     o.n_ctx = 64;
