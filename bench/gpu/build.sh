@@ -58,7 +58,14 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 rm -f "$out"/llama_cpp_python-*.whl
 python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \
     || { tail -40 "$work/wheel.log"; exit 1; }
-# llama-cpp-python is ctypes over its shared libraries: one wheel serves every CPython 3
+# llama-cpp-python is ctypes over its shared libraries: one wheel serves every CPython 3 (py3-none),
+# its libraries stripped of symbols the loader does not need (the wheel travels to the GPU machine)
+w="$(ls "$out"/llama_cpp_python-*.whl)"
+rm -rf "$work/unpacked" && python -m wheel unpack -d "$work/unpacked" "$w"
+find "$work/unpacked" -name "*.so*" -type f -exec strip --strip-unneeded {} +
+rm -f "$w" && python -m wheel pack -d "$out" "$work"/unpacked/*
+w="$(ls "$out"/llama_cpp_python-*.whl)"
+python -m wheel tags --remove --python-tag py3 --abi-tag none "$w" > /dev/null
 w="$(ls "$out"/llama_cpp_python-*.whl)"
 echo "built $w ($(du -h "$w" | cut -f1))"
 # the gguf package dflash-native needs at run time (absent on the GPU image), as a wheel
