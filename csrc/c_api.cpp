@@ -26,6 +26,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <unordered_set>
+#include <mutex>
 #include <memory>
 #include <new>
 #include <string>
@@ -54,6 +56,22 @@ struct dfn_engine {
     // OpenMP worker threads, which fork() does not copy (dfn_generate refuses to run there)
     long pid = current_pid();
 };
+
+namespace {
+
+// The engines dfn_engine_create made and dfn_engine_destroy has not freed: a handle used after its
+// destroy (or destroyed twice) is refused with DFN_ERR_INVALID_ARGUMENT instead of being
+// dereferenced, as long as no newer engine took its address (the header says so).
+std::mutex g_live_mu;
+std::unordered_set<const dfn_engine *> g_live;
+const char * k_not_live = "engine is not a live engine: destroyed already, or not made by dfn_engine_create";
+
+bool live(const dfn_engine * e) {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    return e && g_live.count(e) != 0;
+}
+
+}  // namespace
 
 namespace {
 
@@ -375,24 +393,41 @@ dfn_status dfn_engine_create(const char * target_path, const char * drafter_path
                                                   " (set it with dfn_engine_options_default(); this library takes ",
                                                   k_options_v1, "..", sizeof(dfn_engine_options), ")"));
     const dfn_engine_options o = options ? read_struct(options, dfn_engine_options_default()) : dfn_engine_options_default();
-    return guarded(W, [&] { return create(target_path, drafter_path, o, out); }, true);
+    const dfn_status st = guarded(W, [&] { return create(target_path, drafter_path, o, out); }, true);
+    if (st == DFN_OK && *out) {
+        std::lock_guard<std::mutex> lock(g_live_mu);
+        g_live.insert(*out);
+    }
+    return st;
 }
 
-void dfn_engine_destroy(dfn_engine * engine) {
+dfn_status dfn_engine_destroy(dfn_engine * engine) {
+    const char * W = "dfn_engine_destroy";
+    if (!engine) return DFN_OK;
+    {
+        std::lock_guard<std::mutex> lock(g_live_mu);
+        if (!g_live.count(engine)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+        if (engine->busy)
+            return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] the engine is running a dfn_generate: destroy it after "
+                                                      "that call returns"));
+        g_live.erase(engine);
+    }
     try {
         delete engine;
     } catch (...) {  // destructors do not throw; nothing may cross the C boundary regardless
     }
+    return DFN_OK;
 }
 
-int32_t dfn_engine_n_vocab(const dfn_engine * e) { return e ? (int32_t) e->target->hparams().n_vocab : -1; }
-int64_t dfn_engine_n_ctx(const dfn_engine * e) { return e ? e->target->params().n_ctx : -1; }
-int32_t dfn_engine_block_size(const dfn_engine * e) { return e ? (e->spec ? (int32_t) e->spec->block_size() : 0) : -1; }
-int32_t dfn_engine_eos_token(const dfn_engine * e) { return e && e->tok ? e->tok->eos() : -1; }
+int32_t dfn_engine_n_vocab(const dfn_engine * e) { return live(e) ? (int32_t) e->target->hparams().n_vocab : -1; }
+int64_t dfn_engine_n_ctx(const dfn_engine * e) { return live(e) ? e->target->params().n_ctx : -1; }
+int32_t dfn_engine_block_size(const dfn_engine * e) { return live(e) ? (e->spec ? (int32_t) e->spec->block_size() : 0) : -1; }
+int32_t dfn_engine_eos_token(const dfn_engine * e) { return live(e) && e->tok ? e->tok->eos() : -1; }
 
 dfn_status dfn_tokenize(const dfn_engine * e, const char * text, size_t n_text, int32_t * tokens, size_t capacity,
                         size_t * n_tokens) {
     const char * W = "dfn_tokenize";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
     if (!e || !n_tokens || (!text && n_text) || (!tokens && capacity))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_tokens must not be NULL, nor text or tokens "
                                                   "when their size is not 0"));
@@ -411,6 +446,7 @@ dfn_status dfn_tokenize(const dfn_engine * e, const char * text, size_t n_text, 
 dfn_status dfn_detokenize(const dfn_engine * e, const int32_t * tokens, size_t n, char * text, size_t capacity,
                           size_t * n_bytes) {
     const char * W = "dfn_detokenize";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
     if (!e || !n_bytes || (!tokens && n) || (!text && capacity))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_bytes must not be NULL, nor tokens or text "
                                                   "when their size is not 0"));
@@ -432,6 +468,7 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
     const char * W = "dfn_generate";
     const char * nulls = "] engine and n_out must not be NULL, nor prompt or out when their size is not 0";
     if (!e) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
+    if (!live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
     bool idle = false;
     if (!e->busy.compare_exchange_strong(idle, true))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] this engine is running another dfn_generate (on another "
@@ -459,6 +496,7 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
 
 dfn_status dfn_engine_last_stats(const dfn_engine * e, dfn_stats * stats) {
     const char * W = "dfn_engine_last_stats";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
     if (!e || !stats) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and stats must not be NULL"));
     if (!size_ok(stats, k_stats_v1))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] stats->struct_size = ", stats->struct_size,

@@ -118,10 +118,15 @@ DFN_API dfn_engine_options dfn_engine_options_default(void);
  * defaults. On success *out is the engine (free it with dfn_engine_destroy); on failure *out is NULL. */
 DFN_API dfn_status dfn_engine_create(const char * target_path, const char * drafter_path,
                                      const dfn_engine_options * options, dfn_engine ** out);
-DFN_API void dfn_engine_destroy(dfn_engine * engine); /* NULL: nothing */
+/* Frees the engine: DFN_OK (NULL: nothing to do). A handle destroyed already, or used after its
+ * destroy by any function here, gets DFN_ERR_INVALID_ARGUMENT (accessors: -1) instead of a crash, as
+ * long as no newer engine has been given the same address; an engine running a dfn_generate is not
+ * destroyed (DFN_ERR_INVALID_ARGUMENT). A pointer that never came from dfn_engine_create is refused
+ * the same way. (It returned void in earlier builds: callers that ignore the result are unaffected.) */
+DFN_API dfn_status dfn_engine_destroy(dfn_engine * engine);
 
-DFN_API int32_t dfn_engine_n_vocab(const dfn_engine * engine);     /* rows of the embedding; -1 for NULL */
-DFN_API int64_t dfn_engine_n_ctx(const dfn_engine * engine);       /* -1 for NULL */
+DFN_API int32_t dfn_engine_n_vocab(const dfn_engine * engine);     /* rows of the embedding; -1 for NULL or a dead handle */
+DFN_API int64_t dfn_engine_n_ctx(const dfn_engine * engine);       /* -1 for NULL or a dead handle */
 DFN_API int32_t dfn_engine_block_size(const dfn_engine * engine);  /* 0 without a drafter; -1 for NULL */
 DFN_API int32_t dfn_engine_eos_token(const dfn_engine * engine);   /* -1: none (or no vocabulary) */
 
@@ -158,7 +163,7 @@ DFN_API dfn_generate_params dfn_generate_params_default(void);
 
 /* Called once per generated token, in order; return non-zero to stop after this token. It may call
  * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused (see
- * Threads); dfn_engine_destroy on it is undefined behaviour (stop, then destroy after the return). */
+ * Threads); dfn_engine_destroy on it is refused with DFN_ERR_INVALID_ARGUMENT (stop, then destroy after the return). */
 typedef int (*dfn_token_callback)(int32_t token, void * user_data);
 
 typedef enum dfn_stop_reason {

@@ -201,6 +201,11 @@ def test_c_program_error_paths(consumer, pair):
     assert r["stats_after_failure_values"][0].split() == ["0", "0", "0"]  # DFN_STOP_NONE, nothing generated
     assert r["prompt_over_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "context" in r["prompt_over_n_ctx"][1]
     assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
+    # issue 38: the C API guards its handles (double destroy and use after destroy were segfaults)
+    assert r["destroy"][0] == "DFN_OK" and r["destroy_null"][0] == "DFN_OK"
+    for case in ("destroy_again", "tokenize_after_destroy", "generate_after_destroy", "stats_after_destroy"):
+        assert r[case][0] == "DFN_ERR_INVALID_ARGUMENT" and "not a live engine" in r[case][1], case
+    assert r["n_vocab_after_destroy"][0] == "-1"
 
 
 @pytest.mark.parametrize("which", ["target", "drafter"])

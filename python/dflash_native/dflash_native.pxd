@@ -71,7 +71,7 @@ cdef extern from "dflash_native.h" nogil:
     dfn_engine_options dfn_engine_options_default()
     dfn_status dfn_engine_create(const char * target_path, const char * drafter_path,
                                  const dfn_engine_options * options, dfn_engine ** out)
-    void dfn_engine_destroy(dfn_engine * engine)
+    dfn_status dfn_engine_destroy(dfn_engine * engine)
     int32_t dfn_engine_n_vocab(const dfn_engine * engine)
     int64_t dfn_engine_n_ctx(const dfn_engine * engine)
     int32_t dfn_engine_block_size(const dfn_engine * engine)

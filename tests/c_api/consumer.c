@@ -174,8 +174,13 @@ static int cmd_errors(const char * target) {
     for (int i = 0; i < 80; ++i) longp[i] = all[i % n];
     report("prompt_over_n_ctx", dfn_generate(e, longp, 80, NULL, out, 8, NULL, NULL, &n_out));
     report("null_out", dfn_generate(e, all, n, NULL, NULL, 8, NULL, NULL, &n_out));
-    dfn_engine_destroy(e);
-    dfn_engine_destroy(NULL);
+    report("destroy", dfn_engine_destroy(e));
+    report("destroy_again", dfn_engine_destroy(e));      /* a no-op that says so (was a double free) */
+    report("tokenize_after_destroy", dfn_tokenize(e, text, strlen(text), all, 256, &n));
+    report("generate_after_destroy", dfn_generate(e, all, 4, NULL, out, 4, NULL, NULL, &n_out));
+    report("stats_after_destroy", dfn_engine_last_stats(e, &st));
+    printf("n_vocab_after_destroy: %d\n", (int) dfn_engine_n_vocab(e));
+    report("destroy_null", dfn_engine_destroy(NULL));
     return 0;
 }
 
