@@ -220,6 +220,34 @@ class Timer:
         self.s = time.perf_counter() - self.t0
 
 
+def pass_timers(t, ll, prompt, block, greedy: bool = False):
+    """(ours(n), llama(n)): the seconds of one n-token pass after `prompt`, ours on a _core.Target
+    (n = 1 an AR step, else a verify followed by commit(1); greedy: only the argmax ids come back,
+    else every row's logits) and llama.cpp's eval of n tokens (llama-cpp-python's Llama)."""
+    def ours(n):
+        t.reset()
+        t.decode(prompt) if not greedy else t.decode_greedy(prompt)
+        with Timer() as tm:
+            if n == 1:
+                t.decode_greedy(block[:1])
+            elif greedy:
+                t.verify_greedy(block[:n])
+            else:
+                t.verify(block[:n])
+        if n > 1:
+            t.commit(1)
+        return tm.s
+
+    def llama(n):
+        ll.reset()
+        ll.eval(prompt)
+        with Timer() as tm:
+            ll.eval(block[:n])
+        return tm.s
+
+    return ours, llama
+
+
 def write_jsonl(path: Path | None, rows: list[dict]) -> None:
     if path is None:
         return

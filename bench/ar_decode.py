@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (Timer, bench_target, cached_typed_gguf, git_rev, llama_bufts, llama_prepare,  # noqa: E402
-                     machine, summarize, write_jsonl)
+                     machine, pass_timers, summarize, write_jsonl)
 
 
 def bench_ours(path, prompt, n_decode, threads, n_ctx):
@@ -118,24 +118,7 @@ def verify_curve(path, prompt, threads, reps, bufts, experts=False):
     ll = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 2 * max(VERIFY_SIZES) + 8, n_threads=threads,
                          n_threads_batch=threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
 
-    def ours(n):
-        t.reset()
-        t.decode(prompt)
-        with Timer() as tm:
-            if n == 1:
-                t.decode_greedy(block[:1])
-            else:
-                t.verify(block[:n])
-        if n > 1:
-            t.commit(1)
-        return tm.s
-
-    def llama(n):
-        ll.reset()
-        ll.eval(prompt)
-        with Timer() as tm:
-            ll.eval(block[:n])
-        return tm.s
+    ours, llama = pass_timers(t, ll, prompt, block)
 
     out = {}
     if experts:

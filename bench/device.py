@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (QWEN35_05B, QWEN35_4B, Timer, cached_drafter, cached_typed_gguf, git_rev, machine,  # noqa: E402
-                     summarize, write_jsonl)
+                     pass_timers, summarize, write_jsonl)
 
 VERIFY_SIZES = (2, 4, 8, 16, 32)
 MODELS = {
@@ -181,25 +181,7 @@ def verify_times(t, ll, prompt, reps):
     """{n: median seconds of an n-token pass} for n = 1 and VERIFY_SIZES: ours (t) or llama.cpp's (ll)."""
     block = [int(x) for x in np.random.default_rng(1).integers(10, 600, max(VERIFY_SIZES))]
 
-    def ours(n):
-        t.reset()
-        t.decode_greedy(prompt)
-        with Timer() as tm:
-            if n == 1:
-                t.decode_greedy(block[:1])
-            else:
-                t.verify_greedy(block[:n])
-        if n > 1:
-            t.commit(1)
-        return tm.s
-
-    def llama(n):
-        ll.reset()
-        ll.eval(prompt)
-        with Timer() as tm:
-            ll.eval(block[:n])
-        return tm.s
-
+    ours, llama = pass_timers(t, ll, prompt, block, greedy=True)
     fn = ours if t is not None else llama
     for n in (1,) + VERIFY_SIZES:
         fn(n)  # warm-up: one plan per size

@@ -18,7 +18,7 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.lossless import NEAR_TIE, first_divergence_gap
-from fixtures import make_spec_pair
+from fixtures import drafts_kept_until, make_spec_pair
 
 B = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -192,9 +192,7 @@ def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
     ref = a.generate(PROMPT, max_tokens=2 * B, speculative=False).tokens
     s, t = a._spec, a._core
     last = s.prefill(PROMPT)
-    forced = ref[1:B]
-    if n_keep < B:
-        forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500  # reject from draft n_keep on
+    forced = drafts_kept_until(ref, B, n_keep)
     r = s.round(last, B, forced)
     assert len(r.committed) == n_keep
     got = caches(t)
@@ -224,9 +222,7 @@ def test_tape_replay_equals_the_verify_state_bitwise(pair, device, n_keep):
         eng = _track(dn.Engine.for_benchmark(pair["target"], drafter=pair["drafter"], rollback=rollback, device=device,
                                              n_ctx=256, n_threads=1, block_size=B, kv_type="f32", gate=False))
         last = eng._spec.prefill(PROMPT)
-        forced = ref[1:B]
-        if n_keep < B:
-            forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500
+        forced = drafts_kept_until(ref, B, n_keep)
         assert len(eng._spec.round(last, B, forced).committed) == n_keep
         states.append(caches(eng._core))
     for x, y in zip(*states):

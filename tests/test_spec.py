@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import SPEC_PAIRS, make_random_checkpoint, make_random_drafter_gguf, make_spec_pair
+from fixtures import SPEC_PAIRS, drafts_kept_until, make_random_checkpoint, make_random_drafter_gguf, make_spec_pair
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -140,9 +140,7 @@ def test_rollback_every_acceptance_length(pair, n_keep):
     t, s = make(pair, B=B, capacity=12)
     ref = ar_tokens(t, PROMPT, 2 * B + 2)
     last = s.prefill(PROMPT)
-    forced = ref[1:B]
-    if n_keep < B:
-        forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500  # reject from draft n_keep on
+    forced = drafts_kept_until(ref, B, n_keep)
     r = s.round(last, B, forced)
     assert len(r.committed) == n_keep
     got = caches(t)
@@ -250,9 +248,7 @@ def test_deferred_replay_equals_an_immediate_one(pair, n_keep):
         t, s = make(pair, B=B)
         ref = ar_tokens(t, PROMPT, B + 2)
         last = s.prefill(PROMPT)
-        forced = ref[1:B]
-        if n_keep < B:
-            forced[n_keep - 1] = (forced[n_keep - 1] + 1) % 500
+        forced = drafts_kept_until(ref, B, n_keep)
         r = s.round(last, B, forced)
         if flush:
             caches(t)
