@@ -50,13 +50,15 @@ setup)
     say "setup done"
     ;;
 bench)
-    say "waiting for the models"
-    until [ -e /tmp/dfn-models.done ]; do sleep 2; done
+    say "waiting for the models (at most 200 s; else the 0.5B shape)"
+    model=4b
+    for _ in $(seq 100); do [ -e /tmp/dfn-models.done ] && break; sleep 2; done
+    [ -e /tmp/dfn-models.done ] || model=0.5b
     cp /tmp/dfn-models.log "$out/models.log"; tail -3 "$out/models.log"
     for t in q4_k_m q8_0; do
-        say "bench/device.py $t"
-        timeout 400 python3 bench/device.py --device CUDA0 --model 4b --outtypes "$t" --threads 16 --reps 3 --gen 64 \
-            --json "$out/device.jsonl" 2>&1 | tee -a "$out/bench.log"
+        say "bench/device.py $model $t"
+        timeout 300 python3 bench/device.py --device CUDA0 --model $model --outtypes "$t" --threads 16 --reps 3 \
+            --gen 64 --json "$out/device.jsonl" 2>&1 | tee -a "$out/bench.log"
     done
     say "bench done"
     ;;
