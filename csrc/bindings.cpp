@@ -4,6 +4,7 @@
 // the GDN tape (bind_tape), the sampling settings (bind_sampling), the Target and Spec sessions
 // (bind_target, bind_spec), and the hooks
 // only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
+#include "alloc.h"
 #include "common.h"
 #include "ggml-cpu.h"
 #include "conv.h"
@@ -12,6 +13,7 @@
 #include "matmul_q8.h"
 #include "matmul_wide.h"
 #include "matmul.h"
+#include "moe_experts.h"
 #include "profile.h"
 #include "sampler.h"
 #include "top1.h"
@@ -30,6 +32,7 @@
 #include <array>
 #include <cctype>
 #include <exception>
+#include <memory>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -849,6 +852,60 @@ void bind_testing_kernels(py::module_ & t) {
             return y;
         },
         py::arg("W"), py::arg("x"), py::arg("type"), py::arg("isa") = "");
+    t.def(
+        "moe_experts",
+        [](py::array W, farr x, py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
+           const std::string & type, int n_threads) {
+            // W [n_expert, M, K] float16 / float32, or [n_expert, M, row bytes] uint8 of the ggml type
+            // `type`; x [n_tok, n_x, K] float32 (n_x 1 or n_used); ids [n_tok, n_used] int32 ->
+            // y [n_tok, n_used, M] float32: the "moe_experts" op (moe_experts.h) alone in a ggml CPU
+            // graph on n_threads threads.
+            DFN_REQUIRE(W.ndim() == 3 && x.ndim() == 3 && ids.ndim() == 2, "moe_experts",
+                        "W [n_expert, M, K or row bytes], x [n_tok, n_x, K] and ids [n_tok, n_used] needed");
+            DFN_REQUIRE(W.flags() & py::array::c_style, "moe_experts", "W must be C-contiguous");
+            const int64_t E = W.shape(0), M = W.shape(1), K = x.shape(2), T = x.shape(0), n_x = x.shape(1);
+            const int64_t U = ids.shape(1);
+            ggml_type wt = GGML_TYPE_F32;
+            if (type.empty()) {
+                const bool f16 = W.dtype().is(py::dtype("float16"));
+                DFN_REQUIRE(f16 || W.dtype().is(py::dtype::of<float>()), "moe_experts", "W must be float16 or float32");
+                wt = f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
+                DFN_REQUIRE(W.shape(2) == K, "moe_experts", "x has ", K, " values per column, W rows ", W.shape(2));
+            } else {
+                wt = ggml_type_named(type);
+                DFN_REQUIRE(W.dtype().is(py::dtype::of<uint8_t>()), "moe_experts", "W of type ", type, " must be uint8 bytes");
+                DFN_REQUIRE(K % ggml_blck_size(wt) == 0 && (size_t) W.shape(2) == ggml_row_size(wt, K), "moe_experts",
+                            "W rows have ", W.shape(2), " bytes, not ", K, " values of ", type);
+            }
+            DFN_REQUIRE(ids.shape(0) == T && (n_x == 1 || n_x == U) && n_threads >= 1, "moe_experts",
+                        "ids must be [n_tok, n_used] with x [n_tok, 1 or n_used, K], n_threads >= 1");
+            const size_t bytes = (size_t) W.nbytes() + x.nbytes() + ids.nbytes() + (size_t) (T * U * M) * sizeof(float);
+            ggml_init_params ip = {bytes + 4 * ggml_tensor_overhead() + ggml_graph_overhead() + (size_t(1) << 16), nullptr, false};
+            ggml_context * ctx = ggml_init(ip);
+            DFN_REQUIRE(ctx, "moe_experts", "ggml_init failed");
+            std::unique_ptr<ggml_context, void (*)(ggml_context *)> hold(ctx, ggml_free);
+            ggml_tensor * Wt = ggml_new_tensor_3d(ctx, wt, K, M, E);       // [K, M, n_expert]
+            ggml_tensor * xt = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, K, n_x, T);  // F32 [K, n_x, n_tok]
+            ggml_tensor * it = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, U, T);      // I32 [n_used, n_tok]
+            std::memcpy(Wt->data, W.data(), ggml_nbytes(Wt));
+            std::memcpy(xt->data, x.data(), ggml_nbytes(xt));
+            std::memcpy(it->data, ids.data(), ggml_nbytes(it));
+            DFN_REQUIRE(moe_experts_supported(Wt, xt, it), "moe_experts", "weight type ", ggml_type_name(wt),
+                        " is not one the kernel takes");
+            ggml_tensor * y = moe_experts_op(ctx, Wt, xt, it);                  // F32 [M, n_used, n_tok]
+            ggml_cgraph * gf = ggml_new_graph(ctx);
+            ggml_build_forward_expand(gf, y);
+            {
+                py::gil_scoped_release release;
+                ggml_cpu_init();
+                ggml_graph_compute_with_ctx(ctx, gf, n_threads);
+            }
+            throw_kernel_oom("moe_experts");
+            py::array_t<float> out({T, U, M});
+            std::memcpy(out.mutable_data(), y->data, ggml_nbytes(y));
+            return out;
+        },
+        py::arg("W"), py::arg("x"), py::arg("ids"), py::arg("type") = "", py::arg("n_threads") = 1);
     t.def("matmul_wide_available", &matmul_wide_available,
           "True when prompt-sized Q4_0 / Q8_0 matmuls take the wide GEMM here (level AVX-512 with VNNI, or AVX2)");
     t.def("matmul_isa", [] { return std::string(matmul_isa()); }, "The instruction set the engine's matmul runs on");

@@ -494,6 +494,11 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
     if (!rows_on(use, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1, f32_path, no_vnni)) throw_kernel_oom("matmul");
 }
 
+bool matmul_rows_at(isa_level level, const void * W, ggml_type w_type, size_t w_row_bytes, const float * x,
+                    int64_t ldx, float * y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) noexcept {
+    return rows_on(level, W, w_type, w_row_bytes, x, ldx, y, ldy, K, N, r0, r1);
+}
+
 const char * matmul_isa() { return isa_name(isa_in_use()); }
 
 std::vector<std::string> matmul_isas() {

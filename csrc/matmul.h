@@ -103,6 +103,13 @@ void matmul_rows(const void * W, ggml_type w_type, size_t w_row_bytes, const flo
                  int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1, const std::string & isa = "",
                  bool f32_path = false);
 
+// The kernel as matmul_op runs it, for the other CPU ops built on it (moe_experts.h): rows
+// [r0, r1) of y = W x as matmul_rows above, at `level` (a matmul_dispatch's isa_for, never above
+// isa_in_use()). Never throws: false when its scratch cannot be had (noted; the graph runner throws
+// it after the compute). W's type a matmul_weight_type, K a multiple of its block.
+bool matmul_rows_at(isa_level level, const void * W, ggml_type w_type, size_t w_row_bytes, const float * x,
+                    int64_t ldx, float * y, int64_t ldy, int64_t K, int64_t N, int64_t r0, int64_t r1) noexcept;
+
 // The instruction set matmul_op runs on this machine: "avx512f", "avx2" or "portable".
 const char * matmul_isa();
 

@@ -1,6 +1,9 @@
 #include "moe.h"
 #include "graph.h"
 #include "matmul.h"
+#include "matmul_q8.h"
+#include "matmul_wide.h"
+#include "moe_experts.h"
 
 #include "common.h"
 
@@ -41,6 +44,18 @@ void load_moe(gguf_file & F, int il, const target_hparams & hp, layer_weights & 
     L.ffn_down_shexp = F.tensor(n("ffn_down_shexp"), {n_sh, E}, TENSOR_ROLE_MATMUL);
 }
 
+// The stacked experts W times each token's selected experts (ids), ggml_mul_mat_id's shapes
+// (moe_experts.h). moe_experts_op where it applies, as matmul() takes matmul_op: our kernels (not on
+// a device, not matmul="ggml"), W of a type the kernel takes in host memory, and at most
+// k_matmul_max_cols tokens (AR steps, verify passes, drafts), or wider (prompt chunks) where the
+// wide GEMM takes W's type (matmul_wide.h); else ggml_mul_mat_id.
+static ggml_tensor * experts_matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x, ggml_tensor * ids) {
+    const bool wide_ok = q8_kind_of(W->type) != q8_kind::none && matmul_wide_available();
+    if (b.own_kernels() && (ids->ne[1] <= k_matmul_max_cols || wide_ok) && moe_experts_supported(W, x, ids))
+        return moe_experts_op(b.ctx, W, x, ids, b.dispatch);
+    return ggml_mul_mat_id(b.ctx, W, x, ids);
+}
+
 ggml_tensor * moe_ffn(const build_context & b, ggml_tensor * x, const layer_weights & w, const target_hparams & hp) {
     ggml_context * ctx = b.ctx;
     const int64_t n_embd = x->ne[0], n_tok = x->ne[1], n_exp = hp.n_expert, n_used = hp.n_expert_used;
@@ -54,9 +69,9 @@ ggml_tensor * moe_ffn(const build_context & b, ggml_tensor * x, const layer_weig
     }
 
     ggml_tensor * x3 = ggml_reshape_3d(ctx, x, n_embd, 1, n_tok);
-    ggml_tensor * gate = ggml_mul_mat_id(ctx, w.ffn_gate_exps, x3, sel);  // [n_ff_exp, n_used, n_tok]
-    ggml_tensor * up = ggml_mul_mat_id(ctx, w.ffn_up_exps, x3, sel);      // [n_ff_exp, n_used, n_tok]
-    ggml_tensor * y = ggml_mul_mat_id(ctx, w.ffn_down_exps, ggml_swiglu_split(ctx, gate, up), sel);  // [n_embd, n_used, n_tok]
+    ggml_tensor * gate = experts_matmul(b, w.ffn_gate_exps, x3, sel);  // [n_ff_exp, n_used, n_tok]
+    ggml_tensor * up = experts_matmul(b, w.ffn_up_exps, x3, sel);      // [n_ff_exp, n_used, n_tok]
+    ggml_tensor * y = experts_matmul(b, w.ffn_down_exps, ggml_swiglu_split(ctx, gate, up), sel);  // [n_embd, n_used, n_tok]
     y = ggml_mul(ctx, y, wsel);
 
     // sum over the selected experts, in their (descending) order

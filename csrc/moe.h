@@ -23,8 +23,11 @@ void load_moe(gguf_file & F, int il, const target_hparams & hp, layer_weights & 
 // Routed SwiGLU experts, per token: p = softmax(W_router x) over the experts, the n_expert_used
 // largest (ggml_argsort_top_k, descending), weights p_sel (/ sum p_sel when expert_weights_norm),
 // out = sum_j w_j down_j(silu(gate_j x) * up_j x), summed in that descending order.
-// Every step is row-wise (router matmul() is batch-invariant, softmax, sort, ggml_mul_mat_id's
-// per-row dot products), so a token's experts and its sum do not depend on the rest of the batch.
+// Every step is per token (router matmul() is batch-invariant, softmax, sort; the experts through
+// moe_experts_op, the batch-invariant kernel per expert: moe_experts.h), so a token's experts and
+// its sum do not depend on the rest of the batch. Where moe_experts_op does not apply (a device,
+// matmul="ggml", a weight type the kernel does not take) the experts go through ggml_mul_mat_id,
+// which is not batch-invariant for the K- and IQ-quants (moe_experts.h).
 // With a shared expert (w.ffn_gate_shexp): out += sigmoid(w_gate_shexp . x) * SwiGLU_shexp(x), after the
 // routed sum (Qwen3.5-MoE, Qwen3-Next).
 // x: F32 [n_embd, n_tokens] -> F32 [n_embd, n_tokens].
