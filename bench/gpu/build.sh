@@ -58,16 +58,17 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 rm -f "$out"/llama_cpp_python-*.whl
 python -m pip wheel -v --no-deps --no-cache-dir -w "$out" llama-cpp-python==0.3.36 > "$work/wheel.log" 2>&1 \
     || { tail -40 "$work/wheel.log"; exit 1; }
-# llama-cpp-python is ctypes over its shared libraries: one wheel serves every CPython 3 (py3-none),
-# its libraries stripped of symbols the loader does not need (the wheel travels to the GPU machine)
+# What travels to the GPU machine (64 MiB at most with the repository): the wheel's files once each.
+# A wheel holds every library three times (libX.so, .so.0, .so.0.M.m: no symlinks in a zip) and the
+# ggml libraries twice more under lib/ (for ggml's CMake package); the archive keeps llama_cpp/ with
+# the versioned files only, stripped, and run.sh makes the links again.
 w="$(ls "$out"/llama_cpp_python-*.whl)"
-rm -rf "$work/unpacked" && python -m wheel unpack -d "$work/unpacked" "$w"
-find "$work/unpacked" -name "*.so*" -type f -exec strip --strip-unneeded {} +
-rm -f "$w" && python -m wheel pack -d "$out" "$work"/unpacked/*
-w="$(ls "$out"/llama_cpp_python-*.whl)"
-python -m wheel tags --remove --python-tag py3 --abi-tag none "$w" > /dev/null
-w="$(ls "$out"/llama_cpp_python-*.whl)"
-echo "built $w ($(du -h "$w" | cut -f1))"
+rm -rf "$work/unpacked" && mkdir -p "$work/unpacked" && (cd "$work/unpacked" && python -m zipfile -e "$w" .)
+(cd "$work/unpacked" && rm -f lib/*.so* && find llama_cpp/lib -name "*.so*" ! -name "*.so.*.*" -delete \
+    && strip --strip-unneeded llama_cpp/lib/*.so.* \
+    && tar -cf - llama_cpp include lib llama_cpp_python-*.dist-info | xz -T0 -9 > "$out/llama-cuda.tar.xz")
+rm -f "$w"
+echo "built $out/llama-cuda.tar.xz ($(du -h "$out/llama-cuda.tar.xz" | cut -f1))"
 # the gguf package dflash-native needs at run time (absent on the GPU image), as a wheel
 python -m pip download -q --no-deps --only-binary=:all: -d "$out" "gguf>=0.17"
 ls -la "$out"

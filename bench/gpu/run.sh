@@ -36,10 +36,17 @@ EOF
 case "${1:-setup}" in
 setup)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-    say "install the wheels"
+    say "install llama-cpp-python (CUDA) and gguf"
+    mkdir -p "$site" && tar -xJf bench/gpu/out/llama-cuda.tar.xz -C "$site" || exit 1
+    # the links a wheel install would have made: libX.so and libX.so.0 to libX.so.0.M.m, and lib/ for
+    # ggml's CMake package
+    (cd "$site/llama_cpp/lib" && for f in *.so.*.*.*; do b="${f%%.so.*}"; m="${f#*.so.}"; \
+        ln -sf "$f" "$b.so.${m%%.*}"; ln -sf "$f" "$b.so"; done)
+    for f in "$site"/llama_cpp/lib/*.so*; do ln -sf "$f" "$site/lib/$(basename "$f")"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" bench/gpu/out/*.whl || exit 1
     say "build dflash-native"
-    CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-index --no-deps --no-build-isolation --target "$site" \
+    CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$site" CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-index --no-deps \
+        --no-build-isolation --target "$site" \
         --upgrade . > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
     python3 -c "import dflash_native as dn; print(dn.devices())" | tee "$out/devices.txt"
     say "making the bench models in the background (log: /tmp/dfn-models.log)"
