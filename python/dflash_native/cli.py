@@ -81,7 +81,8 @@ def _cmd_serve(a) -> int:
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
           n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
-          shutdown_timeout=a.shutdown_timeout, device=a.device)
+          shutdown_timeout=a.shutdown_timeout, device=a.device,
+          **({} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}))
     return 0
 
 
@@ -423,6 +424,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
+    s.add_argument("--max-body-bytes", type=_int_from(1), default=None,
+                   help="largest request body accepted, in bytes; 413 beyond (default 8 MiB)")
     s.set_defaults(fn=_cmd_serve)
 
 
