@@ -3,9 +3,9 @@
 A pool of slots, each an Engine that runs one sequence at a time on its own worker thread; a
 request's work before it has a slot (its JSON, the chat template, tokenization) runs on a small
 thread pool: the event loop never computes, so a long prompt does not stall /health or the running
-streams. A body over max_body_bytes (default 8 MiB) is a 413 before it is read. Requests wait in a bounded queue (503 when it is full). A request goes
-to a free slot whose held sequence its prompt continues (the prompt cache: Engine.generate's
-cache_prompt), else to the free slot holding the least. A streamed request whose client goes away
+streams. A body over max_body_bytes (default 8 MiB) is a 413. Requests wait in a bounded queue
+(503 when it is full). A request goes to a free slot whose held sequence its prompt continues (the
+prompt cache: Engine.generate's cache_prompt), else to the free slot holding the least. A streamed request whose client goes away
 is closed at the engine's next step, and its slot freed.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
