@@ -408,7 +408,7 @@ BAD_CASES = {
     "negative_layer_id": (_edit_config(["dflash_config", "target_layer_ids"], [-1]), "negative"),
     "no_mask": (_edit_config(["dflash_config", "mask_token_id"], _DELETE), "mask_token_id"),
     "mask_outside_vocab": (_edit_config(["dflash_config", "mask_token_id"], 10 ** 6), "mask_token_id"),
-    "block_size_1": (_edit_config(["dflash_config", "block_size"], 1), "block_size must be an int >= 2"),
+    "block_size_1": (_edit_config(["dflash_config", "block_size"], 1), r"block_size must be an int in \[2, 64\]"),
     "missing_hidden": (_edit_config(["hidden_size"], _DELETE), "missing key 'hidden_size'"),
     "attention_bias": (_edit_config(["attention_bias"], True), "attention_bias"),
     "dflash2_conv": (_edit_config(["dflash_config", "conv_kernel_size"], 2), "unsupported DFlash options"),

@@ -9,8 +9,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .convert import OUTTYPES
-
 
 def _cmd_generate(a) -> int:
     from .engine import Engine
@@ -81,7 +79,8 @@ def _cmd_serve(a) -> int:
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
           n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
-          shutdown_timeout=a.shutdown_timeout, device=a.device)
+          shutdown_timeout=a.shutdown_timeout, device=a.device,
+          **({} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}))
     return 0
 
 
@@ -250,6 +249,12 @@ def _demo_random(a) -> int:
         return _demo_report(eng, [prompt], runs)
 
 
+def _outtypes() -> list[str]:
+    from .convert import OUTTYPES
+
+    return list(OUTTYPES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-native", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -297,7 +302,7 @@ def _add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF")
     c.add_argument("src", help="directory with config.json and *.safetensors")
     c.add_argument("dst", help="output .gguf path")
-    c.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
+    c.add_argument("--outtype", default="f16", choices=_outtypes())
     c.set_defaults(fn=_cmd_convert)
 
 
@@ -305,7 +310,7 @@ def _add_convert_drafter_parser(sub) -> None:
     cd = sub.add_parser("convert-drafter", help="convert a z-lab DFlash drafter checkpoint to GGUF")
     cd.add_argument("src", help="directory with the drafter's config.json and *.safetensors")
     cd.add_argument("dst", help="output .gguf path")
-    cd.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
+    cd.add_argument("--outtype", default="f16", choices=_outtypes())
     cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
     cd.set_defaults(fn=_cmd_convert_drafter)
 
@@ -334,7 +339,7 @@ def _add_train_drafter_parser(sub) -> None:
                    "and generates the training continuations with our engine")
     t.add_argument("--continuations", default=None, choices=["engine", "torch"],
                    help="who continues the prompts greedily (default: engine when --target-gguf is given)")
-    t.add_argument("--outtype", default="f16", choices=list(OUTTYPES))
+    t.add_argument("--outtype", default="f16", choices=_outtypes())
     t.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (HF ids)")
     t.add_argument("--layers", type=_int_from(1), default=1, help="drafter layers")
     t.add_argument("--block-size", type=int, default=16)
@@ -401,7 +406,7 @@ def _add_demo_parser(sub) -> None:
     _add_speculation_args(d, draft_cutoff=0.0)
     d.add_argument("--random", action="store_true", help="random tiny models instead of the embedded pair")
     d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--outtype", default="f16", choices=list(OUTTYPES), help="with --random: the models' weight type")
+    d.add_argument("--outtype", default="f16", choices=_outtypes(), help="with --random: the models' weight type")
     d.add_argument("--seed", type=int, default=0, help="with --random: the random weights' seed")
     d.set_defaults(fn=_cmd_demo)
 
@@ -423,6 +428,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")
+    s.add_argument("--max-body-bytes", type=_int_from(1), default=None,
+                   help="largest request body accepted, in bytes; 413 beyond (default 8 MiB)")
     s.set_defaults(fn=_cmd_serve)
 
 
@@ -462,8 +469,17 @@ def _port(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    # a closed stdout / stderr (`>&-`) is None in Python: writes to it must not end in a traceback
+    stdout_closed = sys.stdout is None
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     try:
+        # the heavy imports (gguf, numpy, the converters) happen here, inside the handlers: Ctrl-C
+        # while they load is an exit 130 like any other
+        args = build_parser().parse_args(argv)
+        if stdout_closed and args.cmd == "generate":
+            raise ValueError("stdout is closed: nowhere to write the generated text")
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: the stream ends where it was, without a traceback
         print("\ndflash-native: interrupted", file=sys.stderr)

@@ -77,7 +77,8 @@ def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathL
     """
     if outtype not in OUTTYPES:
         raise ValueError(f"[convert] unknown outtype {outtype!r}; expected one of {sorted(OUTTYPES)}")
-    src = Path(src_dir)
+    src = as_path("convert", "src_dir", src_dir)
+    dst_path = as_path("convert", "dst_path", dst_path)
     if not src.is_dir():
         raise ValueError(f"[convert] checkpoint directory {str(src)!r} does not exist")
     spec = _load_model_spec(src)
@@ -359,7 +360,9 @@ _ARCHS = {
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
                 "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 
-# Defaults of the transformers 5 config classes for keys a config.json may omit.
+# Defaults of the transformers 5 config classes for keys a config.json may omit. The MoE sizes
+# (num_experts, num_experts_per_tok, moe_intermediate_size) have none here: a config without them
+# is refused by name rather than converted into a different model.
 _DEFAULTS = {
     "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
@@ -367,7 +370,7 @@ _DEFAULTS = {
                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
     "qwen3moe": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
-                     norm_topk_prob=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+                     norm_topk_prob=False),
     "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -376,13 +379,11 @@ _DEFAULTS = {
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_num_key_heads=16, linear_num_value_heads=32,
-                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                       shared_expert_intermediate_size=512, norm_topk_prob=True),
     "qwen3next": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, attention_bias=False, intermediate_size=5632,
                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, mlp_only_layers=[],
-                      num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                       shared_expert_intermediate_size=512, norm_topk_prob=True),
 }
 
@@ -403,6 +404,37 @@ def read_config_json(src: Path, where: str) -> dict[str, Any]:
     return config
 
 
+def as_path(where: str, name: str, value) -> Path:
+    """A path argument as a Path; anything else (None included) is a ValueError naming it."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise ValueError(f"[{where}] {name} must be a path (str, bytes or os.PathLike), got {type(value).__name__}")
+    return Path(os.fsdecode(os.fspath(value)))
+
+
+# architecture hyperparameters: ints that must be >= 1 when present, and reals that must be finite
+# and > 0 (a GGUF with head_dim 0 or a NaN epsilon converts, then no engine can load it)
+_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "num_experts",
+                  "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta")
+
+
+def check_hparams(where: str, path, hp: Mapping[str, Any]) -> None:
+    """ValueError naming the first hyperparameter of `hp` that is present (not None) and out of range."""
+    for key in _POSITIVE_INTS:
+        v = hp.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"[{where}] {path}: {key} must be an int >= 1, got {v!r}")
+    rp = hp.get("rope_parameters")
+    for key in _POSITIVE_REALS:
+        for v in (hp.get(key), rp.get(key) if isinstance(rp, dict) else None):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"[{where}] {path}: {key} must be a finite number > 0, got {v!r}")
+
+
 def _load_model_spec(src: Path) -> _ModelSpec:
     config = read_config_json(src, "convert")
     config_path = src / "config.json"
@@ -421,10 +453,15 @@ def _load_model_spec(src: Path) -> _ModelSpec:
             if key in config and key not in text:
                 text[key] = config[key]
     text = {**_DEFAULTS[gguf_arch], **text}
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (4.x: num_experts)
+    if text.get("num_experts") is None and text.get("num_local_experts") is not None:
+        text["num_experts"] = text["num_local_experts"]
+    check_hparams("convert", config_path, text)
     if text.get("num_key_value_heads") is None:
         text["num_key_value_heads"] = text.get("num_attention_heads")
     if text.get("head_dim") is None and text.get("num_attention_heads"):
         text["head_dim"] = int(text.get("hidden_size", 0)) // int(text["num_attention_heads"])
+    check_hparams("convert", config_path, text)  # head_dim, when computed
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return _ModelSpec(src, gguf_arch, config, text, tied)
 
@@ -589,6 +626,10 @@ def _qwen3_tensors(spec: _ModelSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
 def _moe_dims(spec: _ModelSpec) -> tuple[int, int, int]:
     """(n_expert, n_expert_used, n_ff_expert), checked."""
     where = spec.src_dir / "config.json"
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if spec.get(key) is None:
+            also = " (or num_local_experts)" if key == "num_experts" else ""
+            raise ValueError(f"[convert] {where}: missing key {key!r}{also}: the MoE layers' size has no default")
     n_expert, n_used = int(spec.get("num_experts")), int(spec.get("num_experts_per_tok"))
     n_ff = int(spec.get("moe_intermediate_size"))
     if not (1 <= n_used <= n_expert) or n_ff <= 0:
@@ -1187,7 +1228,10 @@ def _add_tokenizer_kv(writer: gguf.GGUFWriter, src: Path, vocab_size: int, confi
         return
     with open(tok_path, encoding="utf-8") as f:
         tok = json.load(f)
-    model = tok.get("model", {})
+    model = tok.get("model", {}) if isinstance(tok, dict) else None
+    if not isinstance(model, dict):
+        raise ValueError(f"[convert] {tok_path}: 'model' must be a JSON object (the tokenizer model), got "
+                         f"{str(model)[:80]}")
     if model.get("type") != "BPE":
         raise ValueError(f"[convert] {tok_path}: tokenizer model {model.get('type')!r} is not supported (BPE only)")
     pre = _tokenizer_pre(tok, tok_path)

@@ -41,6 +41,8 @@ import gguf
 from gguf import GGUFValueType, MODEL_TENSOR
 
 from .convert import (
+    as_path,
+    check_hparams,
     QWEN3_LAYER_TENSORS,
     OUTTYPES,
     _add_rope_scaling,
@@ -69,6 +71,8 @@ _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_ran
                             "attention_value_scale", "use_swa", "swa_window_size")
 
 # Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
+MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/session.h k_max_block_size)
+
 _QWEN3_DEFAULTS: Mapping[str, Any] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=32768,
                                          rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
                                          sliding_window=4096, max_window_layers=28, hidden_act="silu")
@@ -114,10 +118,12 @@ class DflashSpec:
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"[convert_dflash] {where}: missing key {key!r}")
+        check_hparams("convert_dflash", where, hp)
         if hp["num_key_value_heads"] is None:
             hp["num_key_value_heads"] = hp["num_attention_heads"]
         if hp["head_dim"] is None:
             hp["head_dim"] = int(hp["hidden_size"]) // int(hp["num_attention_heads"])
+        check_hparams("convert_dflash", where, hp)  # head_dim, when computed
         return hp
 
     def _dflash_config(self) -> dict[str, Any]:
@@ -155,9 +161,10 @@ class DflashSpec:
 
     def _block_size(self) -> int:
         block_size = self.dflash_config.get("block_size", self.config.get("block_size", 16))
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-            raise ValueError(f"[convert_dflash] {self.where}: block_size must be an int >= 2 (the last committed "
-                             f"token plus at least one mask), got {block_size!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"[convert_dflash] {self.where}: block_size must be an int in [2, {MAX_BLOCK_SIZE}] (the "
+                             f"last committed token plus at least one mask; the engine verifies at most "
+                             f"{MAX_BLOCK_SIZE} tokens a round), got {block_size!r}")
         return block_size
 
     def _trained_context_length(self) -> int | None:
@@ -241,7 +248,7 @@ class DflashSpec:
 
 def load_dflash_spec(src_dir: str | os.PathLike[str]) -> DflashSpec:
     """Read and validate `src_dir/config.json` of a DFlash drafter."""
-    src = Path(src_dir)
+    src = as_path("convert_dflash", "src_dir", src_dir)
     if not src.is_dir():
         raise ValueError(f"[convert_dflash] checkpoint directory {str(src)!r} does not exist")
     return DflashSpec(src, read_config_json(src, "convert_dflash"))
@@ -344,6 +351,11 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
         raise ValueError(f"[convert_dflash] unknown outtype {outtype!r}; expected one of {sorted(OUTTYPES)}")
     spec = load_dflash_spec(src_dir)
     src = spec.src_dir
+    dst_path = as_path("convert_dflash", "dst_path", dst_path)
+    if target_gguf is not None:
+        target_gguf = as_path("convert_dflash", "target_gguf", target_gguf)
+    if target_dir is not None:
+        target_dir = as_path("convert_dflash", "target_dir", target_dir)
 
     target_reader: gguf.GGUFReader | None = None
     target: _TargetInfo | None = None

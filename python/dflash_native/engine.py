@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -849,6 +850,9 @@ def _token_ids(where: str, tokens) -> list[int]:
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raise ValueError(f"[{where}] got {type(tokens).__name__}: pass text as a str (decode the bytes first) "
                          f"or token ids as a sequence of ints")
+    if isinstance(tokens, (set, frozenset, dict, Mapping)):  # unordered, or keys: not a token sequence
+        raise ValueError(f"[{where}] token ids must be a sequence (a list, tuple or 1-D integer array), got "
+                         f"{type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"[{where}] token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")

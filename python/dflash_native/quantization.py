@@ -55,7 +55,9 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
     name = ALIASES.get(name, name)
     if name not in FTYPES:
         raise ValueError(f"[quantize] unknown type '{type}'; one of: {', '.join(quantize_types())}")
-    src, dst = Path(src), Path(dst)
+    from .convert import as_path
+
+    src, dst = as_path("quantize", "src", src), as_path("quantize", "dst", dst)
     _check_gguf(src, "source")
     if dst.resolve() == src.resolve():
         raise ValueError(f"[quantize] destination '{dst}' is the source file")

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server (`dflash-native serve`): Starlette on uvicorn, the [server] extra.
 
-A pool of slots, each an Engine that runs one sequence at a time on its own worker thread (the
-event loop never computes); requests wait in a bounded queue (503 when it is full). A request goes
-to a free slot whose held sequence its prompt continues (the prompt cache: Engine.generate's
-cache_prompt), else to the free slot holding the least. A streamed request whose client goes away
+A pool of slots, each an Engine that runs one sequence at a time on its own worker thread; a
+request's work before it has a slot (its JSON, the chat template, tokenization) runs on a small
+thread pool: the event loop never computes, so a long prompt does not stall /health or the running
+streams. A body over max_body_bytes (default 8 MiB) is a 413. Requests wait in a bounded queue
+(503 when it is full). A request goes to a free slot whose held sequence its prompt continues (the
+prompt cache: Engine.generate's cache_prompt), else to the free slot holding the least. A streamed request whose client goes away
 is closed at the engine's next step, and its slot freed.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
@@ -35,6 +37,9 @@ except ImportError as e:  # the optional extra
 from . import _core
 from .engine import Engine, GenerationResult
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any context's worth of text, well below what hurts
+# the chat roles the server passes to the template (OpenAI's; "developer" is its newer name for "system")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
@@ -71,10 +76,12 @@ def _stop(body: dict) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
+        v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 4:
+        if "" in v:
+            raise ApiError(400, "'stop' strings must not be empty (an empty stop string would match at once)", "stop")
         return v
-    raise ApiError(400, f"'stop' must be a string or a list of at most 4 strings, got {v!r}", "stop")
+    raise ApiError(400, f"'stop' must be a string or a list of at most 4 strings, got {v!r}"[:300], "stop")
 
 
 _GENERATE_TAKES_LOGPROBS = "logprobs" in inspect.signature(Engine.generate).parameters
@@ -288,9 +295,16 @@ class _Job:
             put(("end", None))
 
 
-def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -> Starlette:
-    """The ASGI app over `engines` (one slot each; all load the same model)."""
+def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The ASGI app over `engines` (one slot each; all load the same model). A request body over
+    `max_body_bytes` is a 413."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"[serve] max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     pool = SlotPool(engines, max_queue)
+    # a request's model work before it has a slot (JSON, the chat template, tokenization) runs here,
+    # never on the event loop: a long prompt must not stall /health or the running streams
+    prep = ThreadPoolExecutor(max_workers=len(engines) + 1, thread_name_prefix="prep")
     metrics = Metrics()
     eng0 = engines[0]
     n_ctx = eng0.n_ctx
@@ -309,7 +323,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", "messages")
             try:
-                text = eng0.tokenizer.apply_chat_template([{"role": _role(i, m), "content": _content(i, m)}
+                text = eng0.tokenizer.apply_chat_template([{"role": _ROLES[_role(i, m)], "content": _content(i, m)}
                                                            for i, m in enumerate(msgs)])
             except ValueError as e:
                 raise ApiError(400, str(e), "messages") from None
@@ -322,6 +336,9 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
                 raise ApiError(400, "'prompt' is empty", "prompt")
             return tokenize(p, "prompt")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if len(p) >= n_ctx:  # known without looking at the ids
+                raise ApiError(400, f"the prompt has {len(p)} tokens; this server's context is {n_ctx} tokens",
+                               "prompt", "context_length_exceeded")
             if not all(0 <= t < eng0.n_vocab for t in p):
                 raise ApiError(400, f"'prompt' has token ids outside [0, {eng0.n_vocab})", "prompt")
             return list(p)
@@ -333,13 +350,38 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         except UnicodeError as e:  # a lone surrogate ("\\ud800" in the JSON) has no UTF-8 form
             raise ApiError(400, f"'{param}' is not valid Unicode text: {e}", param) from None
 
-    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:
+    async def read_body(request: Request) -> bytes:
+        """The request body, or a 413 as soon as it is known to be over max_body_bytes (from its
+        Content-Length, else while it streams in)."""
+        def too_large(n: str) -> ApiError:
+            return ApiError(413, f"the request body has {n} bytes; this server takes at most {max_body_bytes} "
+                            f"(--max-body-bytes)", code="request_too_large")
+
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise too_large(length)
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise too_large(f"more than {max_body_bytes}")
+                chunks.append(chunk)
         except ClientDisconnect:  # it went away while sending the body: nobody reads the answer
             raise ApiError(499, "the client went away before sending the whole request") from None
+        return b"".join(chunks)
+
+    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:
+        data = await read_body(request)
+        return await asyncio.get_running_loop().run_in_executor(prep, parse_body, data, chat)
+
+    def parse_body(data: bytes, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:  # on `prep`
+        try:
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # thousands of nested arrays
+            raise ApiError(400, "the request body is not valid JSON here: nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -415,6 +457,8 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
         except ApiError as e:
             metrics.count(endpoint, e.status)
             return e.response()
+        except asyncio.CancelledError:  # the server is shutting down past its grace period
+            return shutting_down(endpoint)
         # the body is read: the next ASGI message is http.disconnect, whenever the client goes away
         gone = asyncio.ensure_future(_disconnected(request))
         acq = asyncio.ensure_future(pool.acquire(prompt))
@@ -564,6 +608,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
             job.cancel.set()
 
         def close() -> None:
+            prep.shutdown(wait=True, cancel_futures=True)
             for s in pool.slots:
                 s.worker.shutdown(wait=True, cancel_futures=True)
                 s.engine.close()
@@ -593,6 +638,9 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64) -
 def _role(i: int, m) -> str:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
+    if m["role"] not in _ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {m['role']!r}"[:300],
+                       "messages")
     return m["role"]
 
 
@@ -638,11 +686,12 @@ class _EventStream(StreamingResponse):
 
 def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
           model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
-          shutdown_timeout: float = 5.0,
+          shutdown_timeout: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           **engine_kwargs: Any) -> None:
     """Load `slots` engines and serve them until interrupted (`dflash-native serve`). At Ctrl-C or
     SIGTERM running requests get `shutdown_timeout` seconds to finish; then they are cancelled (the
-    engines stop at their next step) and the server exits."""
+    engines stop at their next step) and the server exits. A request body over `max_body_bytes`
+    is refused (413)."""
     import os
     from pathlib import Path
 
@@ -651,10 +700,13 @@ def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, sl
     if slots < 1 or queue < 0 or not shutdown_timeout >= 0:
         raise ValueError(f"[serve] slots must be >= 1, queue >= 0 and shutdown_timeout >= 0, got {slots}, {queue} "
                          f"and {shutdown_timeout}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"[serve] max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if n_threads is None:
         n_threads = max(1, (os.cpu_count() or 1) // slots)
     engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
-    app = create_app(engines, model_name=model_name or Path(target).stem, max_queue=queue)
+    app = create_app(engines, model_name=model_name or Path(target).stem, max_queue=queue,
+                     max_body_bytes=max_body_bytes)
     print(f"[dflash-native serve] {slots} slot(s) of {Path(target).name}"
           f"{' + ' + Path(drafter).name if drafter else ''}, {n_threads} thread(s) each, "
           f"on http://{host}:{port}/v1", flush=True)
