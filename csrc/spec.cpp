@@ -30,9 +30,9 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
                 " must be >= block_size ", block_size_);
     DFN_REQUIRE(params.window >= 0, "engine", "drafter_window must be >= 0");
     set_draft_cutoff(params.draft_cutoff);
-    DFN_REQUIRE(params.tree_budget == 0 || !runner_.on_device(), "engine", "verify='tree' runs on the CPU only (its "
-                "per-node GDN, conv and top-K ops have no stock ggml form yet); on device ", runner_.device_name(),
-                " use verify='chain'");
+    DFN_REQUIRE(params.tree_budget == 0 || !runner_.on_device() || target.hparams().is_gdn.empty(), "engine",
+                "verify='tree' over a target with GDN layers runs on the CPU only (ggml's GDN and conv ops step along "
+                "one sequence, not a tree's branches); on device ", runner_.device_name(), " use verify='chain'");
     if (params.tree_budget != 0) set_tree_budget(params.tree_budget);
     DFN_REQUIRE(target.params().max_verify >= block_size_ || target.hparams().is_gdn.empty(), "engine",
                 "target created with max_verify ", target.params().max_verify, " < block_size ", block_size_);
@@ -165,9 +165,14 @@ void spec_session::sink_taps(int64_t n) {
 
 void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_t pos0) {
     if (dev_queue_) {
-        // the rows are in the device queue already, at columns pending_m_.. (sink_taps)
+        // the rows are in the device queue already, at columns pending_m_.. (sink_taps), or come
+        // from the host (a tree's path, in path order) into those columns
         DFN_REQUIRE(pending_m_ == 0 || pos0 == pending_pos0_ + pending_m_, "feature_ring", "features queued out of "
                     "order: got position ", pos0, ", expected ", pending_pos0_ + pending_m_);
+        if (!feats.empty()) {
+            if (pending_m_ + m > dev_queue_->ne[1]) flush_features();
+            ggml_backend_tensor_set(dev_queue_, feats.data(), pending_m_ * dev_queue_->nb[1], m * dev_queue_->nb[1]);
+        }
         if (pending_m_ == 0) pending_pos0_ = pos0;
         pending_m_ += m;
         return;
@@ -272,9 +277,8 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
     d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
     if (b.device && d.what != draft_graph::LOGITS) {
-        DFN_REQUIRE(d.what != draft_graph::TOPK, "draft", "tree verify's top-K drafts run on the CPU only: "
-                    "use verify='chain' on device ", runner_.device_name());
-        d.head = device_argmax(b, d.out, /*with_p=*/d.what == draft_graph::TOP1);
+        d.head = d.what == draft_graph::TOPK ? device_topk(b, d.out, d.K)
+                                             : device_argmax(b, d.out, /*with_p=*/d.what == draft_graph::TOP1);
         d.out = d.head.ids;
         return;
     }
@@ -372,12 +376,14 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 
 void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
     if (d.head.ids) {
-        // a device's stock head: ids (and p) apart; f32_out takes top1_op's [B-1, (index, p)] form
-        std::vector<int32_t> ids(d.B - 1);
-        std::vector<float> p(d.B - 1);
+        // a device's stock head: ids (and p) apart; f32_out takes top1_op's / topk_op's
+        // [B-1, K, (index, p)] form (K = 1 but for top-K)
+        const int64_t K = d.what == draft_graph::TOPK ? d.K : 1;
+        std::vector<int32_t> ids((d.B - 1) * K);
+        std::vector<float> p((d.B - 1) * K);
         const int64_t bad = read_device_head(d.head, ids.data(), d.head.p ? p.data() : nullptr);
         if (bad >= 0) throw_non_finite_logits("draft", d.n_past + bad + 1);
-        for (int64_t i = 0; i + 1 < d.B; ++i) {
+        for (int64_t i = 0; i < (d.B - 1) * K; ++i) {
             if (argmax_out) argmax_out[i] = ids[i];
             if (f32_out) f32_out[2 * i] = (float) ids[i], f32_out[2 * i + 1] = p[i];
         }
