@@ -1122,7 +1122,7 @@ void bind_testing_caches(py::module_ & t) {
 
 }  // namespace
 
-void bind_tokenizer(py::module_ & m);  // bindings_tokenizer.cpp
+void bind_tokenizer(py::module_ & m);  // bindings_embed.cpp
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "dflash-native C++ core over ggml";

@@ -1,5 +1,7 @@
-// Metal GDN tape kernels, the same ops as csrc/gdn_tape.cpp (the reference) and
-// csrc/cuda/gdn_tape.cu. Layouts (floats, contiguous):
+// NOT BUILT OR RUN: no CMake target compiles this file and no test runs it (no Apple machine here;
+// docs/architecture.md, "Not built yet"). On a Metal device the package runs ggml's own stock ops
+// (docs/architecture.md, "Devices"), so nothing depends on it.
+// Metal GDN tape kernels, the same ops as csrc/gdn_tape.cpp (the reference). Layouts (floats, contiguous):
 //   state [H_v][S][S] (row j = column j of S, k index fastest)
 //   tape_k, tape_u [T][H_v][S]; tape_g [T][H_v]
 //   q, k [T][H_k][S]; v [T][H_v][S]; g, beta [T][H_v]; o [T][H_v][S]
