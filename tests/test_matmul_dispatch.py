@@ -85,7 +85,7 @@ def test_every_weight_type_is_measured(pair):
         assert {(c["type"], c["columns"]) for c in got} == {(t, n) for t in ("q4_K", "q6_K", "q8_0") for n in (1, 16)}
         for c in got:
             assert set(c["seconds"]) == {"avx512f", "avx2"}, c
-            assert all(0 < s < 1 for s in c["seconds"].values()), c
+            assert all(s > 0 for s in c["seconds"].values()), c
             assert c["rows"] >= 64 and c["K"] % 256 == 0 and c["tensor"], c
             t = c["seconds"]
             want = "avx2" if t["avx2"] < 0.95 * t["avx512f"] else "avx512f"

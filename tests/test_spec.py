@@ -88,7 +88,7 @@ def test_lossless_engine(pair, B, capacity):
 NEAR_TIE_F16 = 1e-2
 
 
-@settings(max_examples=15, deadline=None)
+@settings(deadline=None)  # examples: the profile's (conftest.py)
 @given(st.sampled_from([2, 4, 7, 16]), st.integers(0, 2**31 - 1))
 def test_lossless_with_forced_acceptance(pair_qwen35, B, seed):
     """Drafts replaced by the target's own continuation with injected errors: acceptance lengths
@@ -311,7 +311,7 @@ class RingModel:
         self.n += m
 
 
-@settings(max_examples=20, deadline=None)
+@settings(deadline=None)  # examples: the profile's (conftest.py)
 @given(st.integers(1, 19), st.lists(st.integers(1, 23), min_size=1, max_size=8), st.integers(0, 2**31 - 1))
 def test_ring_wraparound(ring_pair, cap_off, pushes, seed):
     """After N pushes the ring holds exactly the last min(N, capacity) positions, each slot's K/V

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import dflash_native as dn
@@ -57,7 +57,6 @@ def test_accept_tree_bad_input():
         dn.accept_tree([], [], [])
 
 
-@settings(max_examples=40)
 @given(st.integers(1, 6), st.integers(1, 40), st.integers(1, 9), st.integers(0, 2**31 - 1), st.booleans())
 def test_topk_matches_reference(n, V, K, seed, ties):
     rng = np.random.default_rng(seed)
@@ -96,7 +95,6 @@ def random_rows(rng, n_pos, K, V, ties):
     return tok.astype(np.int32), p
 
 
-@settings(max_examples=80)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 40), st.integers(0, 2**31 - 1), st.booleans(),
        st.sampled_from([0.0, 0.01, 0.2]))
 def test_build_tree_matches_reference(n_pos, K, budget, seed, ties, cutoff):
@@ -109,7 +107,6 @@ def test_build_tree_matches_reference(n_pos, K, budget, seed, ties, cutoff):
     assert all(s >= cutoff for s in scores)
 
 
-@settings(max_examples=40)
 @given(st.integers(1, 16), st.integers(1, 20), st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.05, 0.5]))
 def test_build_tree_with_k1_is_the_top1_chain(n_pos, budget, seed, cutoff):
     rng = np.random.default_rng(seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import dflash_native as dn
@@ -47,7 +47,6 @@ gdn_shapes = st.tuples(st.integers(1, 17), st.sampled_from([(1, 1), (1, 2), (2, 
                        st.sampled_from([1, 3, 8, 15, 16, 17, 33]), st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=40)
 @given(gdn_shapes)
 def test_gdn_tape_record_matches_reference(shape):
     T, (H_k, H_v), d, seed = shape
@@ -60,7 +59,6 @@ def test_gdn_tape_record_matches_reference(shape):
     np.testing.assert_array_equal(tk, k[:, np.arange(H_v) % H_k])
 
 
-@settings(max_examples=40)
 @given(gdn_shapes, st.data())
 def test_gdn_tape_replay_equals_state_after_n_tokens(shape, data):
     """Replaying n accepted tokens from S_0 gives the state after feeding just those n tokens."""
