@@ -200,23 +200,33 @@ def caches(t):
 
 @pytest.mark.parametrize("n_keep", [1, 3, B])
 def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
-    """After a verify of B tokens that keeps n: K/V, GDN and conv state and the feature ring equal a
-    fresh device engine's prefill of the prompt and the kept tokens. Tolerance: ggml's batched
-    matmuls (B tokens in the verify, the whole prompt in the prefill) round unlike each other."""
+    """After a verify of B tokens that keeps n: K/V, GDN and conv state equal those of a fresh device
+    engine that ran the same prefill and then just the n kept tokens (an AR step for one, else a round
+    of block n whose drafts are all right). Keeping all B is the same computation: bitwise. Keeping
+    fewer, the fresh engine's batch is n tokens where the verify's was B, and ggml's batched kernels
+    round by batch size: ggml-cpu (over RPC) within 2e-4, a GPU-style backend's tiled shaders by more
+    (lavapipe: 6.4e-4 in a K row of the 3-layer qwen3 pair)."""
     a = engine(pair, device)
     ref = a.generate(PROMPT, max_tokens=2 * B, speculative=False).tokens
     s, t = a._spec, a._core
     last = s.prefill(PROMPT)
-    forced = drafts_kept_until(ref, B, n_keep)
-    r = s.round(last, B, forced)
+    r = s.round(last, B, drafts_kept_until(ref, B, n_keep))
     assert len(r.committed) == n_keep
     got = caches(t)
     b = engine(pair, device)
-    b._spec.prefill(PROMPT + ref[:n_keep])
+    assert b._spec.prefill(PROMPT) == last
+    if n_keep == 1:
+        b._spec.ar_step(last)
+    else:
+        assert len(b._spec.round(last, n_keep, ref[1:n_keep]).committed) == n_keep
     assert b._core.n_past == t.n_past == len(PROMPT) + n_keep
+    atol, rtol = (2e-4, 1e-4) if device.startswith("rpc://") else (2e-3, 1e-3)
     for x, y in zip(got, caches(b._core)):
         for u, v in zip(x, y):
-            np.testing.assert_allclose(u, v, atol=2e-4, rtol=1e-4)
+            if n_keep == B:
+                np.testing.assert_array_equal(u, v)
+            else:
+                np.testing.assert_allclose(u, v, atol=atol, rtol=rtol)
     # the next round drafts from the pushed features and verifies the same tokens
     r1 = s.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
     r2 = b._spec.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
