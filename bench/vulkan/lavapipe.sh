@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The device tests (tests/test_device.py) on Vulkan, over Mesa's software rasterizer lavapipe: GPU-style
 # shaders running on this CPU. Builds llama-cpp-python 0.3.36 with ggml's Vulkan (+ RPC) backend in a
-# venv of its own (/tmp/dfn-vk; ~10 minutes on 2 cores), dflash-native against it, then runs the tests
-# on the device "Vulkan0".
+# venv of its own (under build/vk, or DFN_VK_WORK; ~10 minutes on 2 cores, kept for the next run),
+# dflash-native against it, then runs the tests on the device "Vulkan0". .ci/run runs it.
 #
-#   bash bench/vulkan/lavapipe.sh            # from the repository root, as root (apt-get)
+#   bash bench/vulkan/lavapipe.sh [pytest args]   # from the repository root, as root (apt-get)
 #
 # Debian 12's libvulkan-dev (1.3.239) is too old for this ggml (ggml-vulkan.cpp needs
 # vk::LayerSettingEXT): Debian 13's libvulkan-dev and spirv-headers are downloaded through a private
@@ -12,9 +12,11 @@
 # Debian 12's libvulkan1.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-work=/tmp/dfn-vk
+work="${DFN_VK_WORK:-$PWD/build/vk}"
 mkdir -p "$work"
-apt-get install -y -q glslc mesa-vulkan-drivers libvulkan1 > "$work/apt.log"
+if ! command -v glslc > /dev/null || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
+    apt-get update -q > "$work/apt.log" && apt-get install -y -q glslc mesa-vulkan-drivers libvulkan1 >> "$work/apt.log"
+fi
 
 t="$work/trixie"
 if [ ! -e "$t/prefix/usr/include/vulkan/vulkan.hpp" ]; then
