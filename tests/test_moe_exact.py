@@ -27,7 +27,7 @@ from gguf import GGUFReader
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from fixtures import check_batch_equals_steps, make_random_checkpoint, make_random_drafter_gguf
 
 # type asked for -> the ggml type the routed experts' up projections must hold
 TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K", "iq4_xs": "IQ4_XS"}
@@ -75,17 +75,7 @@ def moe_file(request, f32_moe) -> dict:
 def test_batch_equals_steps_bitwise(moe_file):
     """Batches of 2..64 tokens after a 4-token prefix: every row is, bit for bit, the logits of
     that token's one-token step."""
-    toks = [int(x) for x in np.random.default_rng(5).integers(3, 500, 68)]
-    for n_threads in (1, 2):
-        core = dn.Engine(moe_file["target"], n_ctx=96, kv_type="f32", n_threads=n_threads)._core
-        core.decode(toks[:4])
-        steps = np.stack([core.decode([t])[-1] for t in toks[4:]])
-        assert np.isfinite(steps).all()
-        for n in (2, 3, 7, 16, 17, 33, 64):
-            core.reset()
-            core.decode(toks[:4])
-            batch = core.decode(toks[4:4 + n], all_logits=True)
-            np.testing.assert_array_equal(batch, steps[:n], err_msg=f"{moe_file['what']} n={n} threads={n_threads}")
+    check_batch_equals_steps(moe_file["target"], moe_file['what'])
 
 
 def test_forced_speculation_equals_ar(moe_file):

@@ -23,7 +23,7 @@ import dflash_native as dn
 from dflash_native import _core
 from dflash_native.cli import main as cli_main
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_gguf
+from fixtures import check_batch_equals_steps, make_random_checkpoint, make_random_drafter_gguf
 from test_tensor_types import dequantized  # the F32 file holding what a quantized one stores
 
 # type asked for -> the ggml type it must put in the file (a mix keeps others beside it)
@@ -71,17 +71,7 @@ def qpair(request, f32_pair) -> dict:
 def test_batch_equals_steps_bitwise(qpair):
     """Batches of 2..64 tokens after a 4-token prefix: every row is, bit for bit, the logits of
     that token's one-token step (the verify pass computes what the AR step computes)."""
-    toks = [int(x) for x in np.random.default_rng(5).integers(3, 500, 68)]
-    for n_threads in (1, 2):
-        core = dn.Engine(qpair["target"], n_ctx=96, kv_type="f32", n_threads=n_threads)._core
-        core.decode(toks[:4])
-        steps = np.stack([core.decode([t])[-1] for t in toks[4:]])
-        assert np.isfinite(steps).all()
-        for n in (2, 3, 7, 16, 17, 33, 64):
-            core.reset()
-            core.decode(toks[:4])
-            batch = core.decode(toks[4:4 + n], all_logits=True)
-            np.testing.assert_array_equal(batch, steps[:n], err_msg=f"{qpair['type']} n={n} threads={n_threads}")
+    check_batch_equals_steps(qpair["target"], qpair['type'])
 
 
 def test_speculative_equals_ar(qpair):
