@@ -157,3 +157,58 @@ def test_chat_roles(engine):
     finally:
         _close(app)
     assert code == 200, r
+
+
+def test_queue_full_is_503(engine):
+    """Every slot busy and the queue at max_queue: the request is refused at once with a 503 in
+    OpenAI's shape (code queue_full), and the server keeps serving once a slot is free."""
+    app = create_app([engine], model_name="m", max_queue=0)
+    pool = app.state.pool
+    busy = pool.free.pop()  # the only slot, taken by a request still running
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    try:
+        code, err = asyncio.run(call(app, "POST", "/v1/completions", [body]))
+        pool.free.append(busy)  # that request ended
+        code2, r = asyncio.run(call(app, "POST", "/v1/completions", [body]))
+    finally:
+        _close(app)
+    assert code == 503 and err["error"]["code"] == "queue_full" and "busy" in err["error"]["message"], err
+    assert code2 == 200 and r["usage"]["completion_tokens"] == 1, r
+
+
+@pytest.fixture(scope="module")
+def novocab_engine(tmp_path_factory):
+    """A target whose GGUF has no vocabulary (what the converter writes without a tokenizer.json)."""
+    from gguf import GGUFValueType
+
+    from fixtures import make_random_gguf
+    from reference.gguf_edit import rewrite_gguf
+
+    d = tmp_path_factory.mktemp("novocab")
+    good = make_random_gguf(d / "good.gguf", "qwen3_5", outtype="f16", seed=3)
+    p = rewrite_gguf(good, d / "novocab.gguf",
+                     kv={"tokenizer.ggml.model": ("none", GGUFValueType.STRING), "qwen35.vocab_size": 640},
+                     drop_keys=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                                "tokenizer.ggml.pre"))
+    with dn.Engine(p, n_ctx=64, n_threads=1) as eng:
+        assert eng.tokenizer is None
+        yield eng
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "text", "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "stop": ["x"]}, "stop"),
+], ids=["text-prompt", "chat", "stop"])
+def test_no_tokenizer_needs_token_ids(novocab_engine, path, body, param):
+    """A model without a vocabulary serves token ids; text prompts, chat and stop strings are 400s
+    that say so. Token ids are served."""
+    app = create_app([novocab_engine], model_name="m")
+    try:
+        code, err = asyncio.run(call(app, "POST", path, [json.dumps(body).encode()]))
+        ok, r = asyncio.run(call(app, "POST", "/v1/completions",
+                                 [json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()]))
+    finally:
+        _close(app)
+    assert code == 400 and err["error"]["param"] == param and "tokenizer" in err["error"]["message"], err
+    assert ok == 200 and r["usage"]["completion_tokens"] == 2, r
