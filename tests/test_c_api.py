@@ -206,6 +206,7 @@ def test_c_program_error_paths(consumer, pair):
     for case in ("destroy_again", "tokenize_after_destroy", "generate_after_destroy", "stats_after_destroy"):
         assert r[case][0] == "DFN_ERR_INVALID_ARGUMENT" and "not a live engine" in r[case][1], case
     assert r["n_vocab_after_destroy"][0] == "-1"
+    assert r["null_accessors"][0].split() == ["-1", "-1", "-1", "-1"]
 
 
 @pytest.mark.parametrize("which", ["target", "drafter"])

@@ -181,6 +181,8 @@ static int cmd_errors(const char * target) {
     report("stats_after_destroy", dfn_engine_last_stats(e, &st));
     printf("n_vocab_after_destroy: %d\n", (int) dfn_engine_n_vocab(e));
     report("destroy_null", dfn_engine_destroy(NULL));
+    printf("null_accessors: %d %lld %d %d\n", (int) dfn_engine_n_vocab(NULL), (long long) dfn_engine_n_ctx(NULL),
+           (int) dfn_engine_block_size(NULL), (int) dfn_engine_eos_token(NULL));
     return 0;
 }
 
