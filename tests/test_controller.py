@@ -149,10 +149,14 @@ def test_long_ar_stretch_leaves_the_ring_as_a_fresh_prefill(tmp_path):
     d1 = s.draft_logits(out[-1], 8, t)  # pushes the pending rows first
     d2 = s2.draft_logits(out[-1], 8, t2)
     assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
+    # not bitwise, by design: the fresh engine pushes the whole prompt's features in one encode graph
+    # of more than 64 rows, where matmuls take the wide GEMM or ggml's (docs, "Exactness contract":
+    # prompt chunks > 64 tokens), while the AR stretch pushed them a few rows at a time; measured
+    # within 1.2e-6 here
     for il in range(s.drafter_n_layer):
         for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
-            np.testing.assert_allclose(x, y, atol=5e-5, rtol=0)
-    np.testing.assert_allclose(d1, d2, atol=1e-4 * np.abs(d2).max(), rtol=0)
+            np.testing.assert_allclose(x, y, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(d1, d2, atol=1e-5 * np.abs(d2).max(), rtol=0)
 
 
 def test_controller_state_reports_costs(embedded):

@@ -18,7 +18,7 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.lossless import NEAR_TIE, first_divergence_gap
-from fixtures import drafts_kept_until, make_spec_pair
+from fixtures import cycling_drafts, drafts_kept_until, make_spec_pair
 
 B = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -100,21 +100,6 @@ def engine(pair, device, **kw):
                             block_size=B, kv_type="f32", **kw))
 
 
-def forced_drafts(ref, every=3):
-    """A draft override from the AR output `ref`: round r's first wrong draft sits at (r * every) %
-    B (B - 1: none), so over B rounds every acceptance length 1..B occurs once."""
-    rounds = [0]
-
-    def override(prompt, out, Bc):
-        n, k = len(out), (rounds[0] * every) % Bc
-        rounds[0] += 1
-        d = (list(ref[n: n + Bc - 1]) + [1] * Bc)[: Bc - 1]
-        if k < Bc - 1:
-            d[k] = (d[k] + 1) % 500
-        return d
-    return override
-
-
 def test_devices_are_listed_and_named(device):
     names = [d["name"] for d in dn.devices()]
     assert "CPU" in names
@@ -164,7 +149,7 @@ def test_every_node_runs_on_the_device(pair, device):
     assert eng._core.device == _core.resolve_device(device)
     _core.testing.check_placement(eng._core, True)
     ref = eng.generate(PROMPT, max_tokens=24, speculative=False).tokens
-    eng._draft_override = forced_drafts(ref)
+    eng._draft_override = cycling_drafts(ref)
     r = eng.generate(PROMPT, max_tokens=24)
     assert r.tokens == ref
     assert sum(r.stats.acceptance_histogram) > 0
@@ -181,7 +166,7 @@ def test_speculative_equals_ar_under_the_near_tie_rule(pair, device):
     lengths = []
     for i, p in enumerate(prompts):
         ar = eng.generate(p, max_tokens=40, speculative=False).tokens
-        eng._draft_override = forced_drafts(ar, every=(3, 5, 7)[i])
+        eng._draft_override = cycling_drafts(ar, every=(3, 5, 7)[i])
         r = eng.generate(p, max_tokens=40)
         eng._draft_override = None
         gap = first_divergence_gap(eng, p, ar, r.tokens)
@@ -281,7 +266,7 @@ def test_a_model_split_over_two_servers_computes_what_one_does(pair, two_servers
     ref = one.generate(PROMPT, max_tokens=24, speculative=False).tokens
     assert split.generate(PROMPT, max_tokens=24, speculative=False).tokens == ref
     for eng in (one, split):
-        eng._draft_override = forced_drafts(ref)
+        eng._draft_override = cycling_drafts(ref)
     a, b = one.generate(PROMPT, max_tokens=24), split.generate(PROMPT, max_tokens=24)
     assert a.tokens == b.tokens and a.stats.acceptance_histogram == b.stats.acceptance_histogram
     assert _core.testing.placement(split._core) == []
