@@ -130,15 +130,12 @@ def test_demo_random_runs():
 
 def test_default_pair_ships_and_is_exact():
     """The trained pair is package data (so `pip install .` carries it), loads, drafts far better
-    than chance on held-out code, and its speculative output is its AR output at every block size
-    (a divergence may only come at a near-tie of the AR logits: F16 batched and single-token
-    matmuls round differently)."""
+    than chance on held-out code, and its speculative output is its AR output at every block size,
+    token for token."""
     import numpy as np
 
     from dflash_native.cli import default_pair
     from dflash_native.train.corpus import heldout_prompts
-    from reference.lossless import first_divergence_is_near_tie
-
     pair = default_pair()
     assert pair is not None, "dflash_native/models/default-*.gguf missing from the installed package"
     for B in (4, 16):
@@ -150,11 +147,7 @@ def test_default_pair_ships_and_is_exact():
             ar = eng.generate(p.text, max_tokens=64, speculative=False)
             sp = eng.generate(p.text, max_tokens=64)
             acc.append(sp.stats.mean_acceptance_length)
-            if sp.tokens != ar.tokens:
-                prompt = eng.tokenize(p.text)
-                logits = eng.eval(prompt + ar.tokens)[len(prompt) - 1:]
-                ok, why = first_divergence_is_near_tie(sp.tokens, ar.tokens, logits, tol=1e-2)
-                assert ok, why
+            assert sp.tokens == ar.tokens  # bit for bit: the CPU kernels are batch-invariant
         # bench/README.md has the measured figures; chance is ~1 token per round. Three prompts
         # scatter: at B = 16 the shipped drafters gave 5.83 (window 158) and 4.87 (window 256, whose
         # mean over 16 held-out prompts is the higher one: 5.51 vs 5.19)
