@@ -119,10 +119,8 @@ std::vector<float> read_tensor_f32(const ggml_tensor * t, int64_t n_rows_dim2 = 
 
 void bind_module_info(py::module_ & m) {
     m.def("cpu_uses_openmp", &cpu_uses_openmp, "True when ggml's CPU backend runs its graphs on OpenMP's thread pool (which fork() does not copy)");
-    m.def("gpu_available", [] {
-        return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr ||
-               ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU) != nullptr;
-    }, "True when the ggml this package runs on has a GPU backend (CUDA, Metal, Vulkan, ...)");
+    m.def("gpu_available", [] { return local_gpu() != nullptr; },
+          "True when the ggml this package runs on has a GPU device on this machine (CUDA, Metal, Vulkan, ...)");
     m.def("rpc_available", &rpc_available, "True when the ggml in use has the RPC backend (GGML_RPC=ON)");
     m.def("devices", [] {
         py::list out;

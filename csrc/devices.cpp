@@ -99,6 +99,18 @@ ggml_backend_dev_t add_rpc_server(const std::string & endpoint) {
 
 bool rpc_available() { return rpc_reg() != nullptr; }
 
+ggml_backend_dev_t local_gpu() {
+    // ggml lists an RPC server's devices as GPUs: "gpu" means one of this machine's
+    for (enum ggml_backend_dev_type type : {GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU}) {
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t d = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(d) == type && (rpc_reg() == nullptr || ggml_backend_dev_backend_reg(d) != rpc_reg()))
+                return d;
+        }
+    }
+    return nullptr;
+}
+
 std::vector<device_info> list_devices() {
     std::vector<device_info> out;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
@@ -123,8 +135,7 @@ ggml_backend_dev_t resolve_device(const std::string & spec) {
         return add_rpc_server(rest);
     }
     if (s == "gpu") {
-        ggml_backend_dev_t d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        if (d == nullptr) d = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU);
+        ggml_backend_dev_t d = local_gpu();
         DFN_REQUIRE(d != nullptr, "engine", "device='gpu' asked for, but the ggml this package runs on has no GPU "
                     "backend. ", k_build_hint);
         return d;

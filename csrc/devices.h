@@ -34,6 +34,9 @@ std::vector<ggml_backend_dev_t> resolve_devices(const std::string & spec);
 // True when the ggml in use has the RPC backend (built with GGML_RPC=ON).
 bool rpc_available();
 
+// This machine's first GPU (else integrated GPU) device, never an RPC server's; nullptr: none.
+ggml_backend_dev_t local_gpu();
+
 // Serves `device` (a resolve_device string; "cpu": the CPU backend on n_threads) over ggml's RPC
 // protocol on host:port until the process ends. Blocks. input_error on a bad device or address.
 void rpc_serve(const std::string & host, int port, const std::string & device, int n_threads,

@@ -107,6 +107,13 @@ def test_devices_are_listed_and_named(device):
     assert _core.resolve_device("cpu") == "CPU"
     name = _core.resolve_device(device)
     assert name != "CPU" and name in [d["name"] for d in dn.devices()]
+    # ggml lists an RPC server's device as a GPU: "gpu" still means one of this machine's
+    try:
+        gpu = _core.resolve_device("gpu")
+    except ValueError:
+        gpu = None
+    assert gpu is None or not gpu.startswith("RPC"), gpu
+    assert dn.gpu_available() == (gpu is not None)
 
 
 def test_bad_devices_are_clear_errors(pair):
