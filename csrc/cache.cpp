@@ -8,7 +8,8 @@
 namespace dfn {
 
 model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv_type_, int64_t n_tape_,
-                         bool snapshots, const std::function<ggml_backend_buffer_type_t(int)> & layer_buft)
+                         bool snapshots, bool device_tape,
+                         const std::function<ggml_backend_buffer_type_t(int)> & layer_buft)
     : n_ctx(n_ctx_), n_tape(n_tape_), kv_type(kv_type_) {
     const size_t n_tensors = 8 * (size_t) hp.n_layer;
     ctx_.reset(init_meta_ctx(n_tensors, "cache"));
@@ -26,7 +27,7 @@ model_cache::model_cache(const target_hparams & hp, int64_t n_ctx_, ggml_type kv
                 gdn[il].tape_u = ggml_new_tensor_3d(ctx_.get(), GGML_TYPE_F32, S, H_v, n_tape);
                 gdn[il].tape_g = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, H_v, n_tape);
                 gdn[il].tape_qkv = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, hp.ssm_conv_channels(), n_tape);
-                if (!ggml_backend_buft_is_host(layer_buft(il))) gdn[il].tape_beta = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, H_v, n_tape);
+                if (device_tape) gdn[il].tape_beta = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, H_v, n_tape);
                 if (snapshots) gdn[il].snapshots = ggml_new_tensor_2d(ctx_.get(), GGML_TYPE_F32, S * S * H_v, n_tape);
             }
         } else {

@@ -41,7 +41,8 @@ class model_cache {
 public:
     // n_tape: the most tokens one verify pass may record (0: no verify on this cache).
     // layer_buft(il): where layer il's cache lives (a model split over devices: its layer's device).
-    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape, bool snapshots,
+    // device_tape: the tape in the device form (the GDN op's inputs, with tape_beta: graph.h).
+    model_cache(const target_hparams & hp, int64_t n_ctx, ggml_type kv_type, int64_t n_tape, bool snapshots, bool device_tape,
                 const std::function<ggml_backend_buffer_type_t(int)> & layer_buft);
     model_cache(const model_cache &) = delete;
     model_cache & operator=(const model_cache &) = delete;

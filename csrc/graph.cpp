@@ -137,7 +137,7 @@ ggml_tensor * gdn_conv(graph_inputs & g, const gdn_layer & st, const layer_weigh
 
 // A verify on a device: the outputs of ggml_gated_delta_net over the batch from the layer's state,
 // which stays as it was; the op's inputs (k, v, g, beta) go to the tape, from which commit replays
-// the kept prefix through the same op (gdn_replay). Under the snapshot baseline the op also packs
+// the kept prefix through the same op (target_session::commit_on_device). Under the snapshot baseline the op also packs
 // the state after every token (ggml's K snapshots, most recent first) into st.snapshots.
 ggml_tensor * gdn_device_record(graph_inputs & g, const gdn_layer & st, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                 ggml_tensor * gate, ggml_tensor * beta) {
@@ -176,7 +176,8 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
     const int64_t n_tok = g.n_tokens, S = g.hp->ssm_head_dim, H_v = g.hp->ssm_n_v_heads;
     const size_t es = sizeof(float);
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
-    const bool host = ggml_backend_buffer_is_host(st.ssm->buffer);
+    // the CPU's custom ops; a device runs ggml's op (the same one its commit replays through)
+    const bool host = !g.device && ggml_backend_buffer_is_host(st.ssm->buffer);
     if (g.tree_parents) {
         // over a tree: each node from its parent's state, the tape per node (gdn_tape.h)
         DFN_REQUIRE(host && !st.snapshots, "verify", "tree verify needs the GDN state in host memory and tape rollback");
@@ -190,16 +191,7 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
                                              g.cache->replay_n);
         return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
     }
-    if (g.device) {
-        // stock ggml: the same op for AR, verify and the commit's replay (graph.h: gdn_replay)
-        if (g.record_tape) return gdn_device_record(g, st, q, k, v, gate, beta);
-        ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
-        // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
-        ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
-        ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * H_v, S * H_v * n_tok * es);
-        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, new_state, ggml_reshape_1d(ctx, st.ssm, S * S * H_v)));
-        return o;
-    }
+    if (g.record_tape && !host) return gdn_device_record(g, st, q, k, v, gate, beta);
     if (g.record_tape) {
         // snapshot baseline on the CPU: the op packs [outputs | tape k | tape u | tape g];
         // copy the tape to the cache
@@ -221,6 +213,7 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
                                          g.cache->replay_n);
         return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);  // state advanced in place
     }
+    // a device: ggml's op over the batch, its final state written back
     ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
     // res packs [outputs S*H_v*n_tok | final state S*S*H_v]
     ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);

@@ -44,17 +44,14 @@ target_session::target_session(const std::string & path, const session_params & 
     const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
+    // by layer over the devices of a split (graph_runner::target_buffer_type); one device or the CPU:
+    // one buffer type, so the file is mapped where it can be (gguf_file::load_weights)
     const int n_layer = model_->hparams().n_layer;
-    if (runner_->n_devices() > 1) {
-        // a model split by layers over several devices (graph_runner::target_buffer_type)
-        model_->load_weights([&](const ggml_tensor * t) { return runner_->target_buffer_type(t->name, n_layer); },
-                             params.use_mmap);
-    } else {
-        model_->load_weights(runner_->buffer_type(), params.use_mmap);
-    }
+    model_->load_weights([&](const ggml_tensor * t) { return runner_->target_buffer_type(t->name, n_layer); },
+                         params.use_mmap);
     tune_matmul(*runner_, model_->file().tensors());  // each weight type's matmul level (matmul_dispatch.h)
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           params.rollback == ROLLBACK_SNAPSHOT,
+                                           params.rollback == ROLLBACK_SNAPSHOT, runner_->on_device(),
                                            [&](int il) { return runner_->layer_buffer_type(il, n_layer); });
 }
 
@@ -312,7 +309,8 @@ void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
             ggml_build_forward_expand(b.gf, ggml_cpy(ctx, last, L.conv));
         }
     };
-    runner_->run(cat("commit:", n_keep, ":", n_verified, params_.rollback == ROLLBACK_SNAPSHOT ? ":snap" : ""), build, [] {}, [] {});
+    // the plan depends on n_keep alone (the snapshot's slot is a view offset into the cache)
+    runner_->run(cat("commit:", n_keep, params_.rollback == ROLLBACK_SNAPSHOT ? ":snap" : ""), build, [] {}, [] {});
 }
 
 void target_session::flush_replay() {

@@ -359,7 +359,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
     // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
     d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
-    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "", dev_queue_ ? ":queue" : "",
+    std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "",
                           logits_out ? ":logits" : topk_out ? cat(":topk", K) : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
@@ -375,15 +375,15 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
 }
 
 void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
+    const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;  // (index, p) pairs per row
     if (d.head.ids) {
         // a device's stock head: ids (and p) apart; f32_out takes top1_op's / topk_op's
-        // [B-1, K, (index, p)] form (K = 1 but for top-K)
-        const int64_t K = d.what == draft_graph::TOPK ? d.K : 1;
-        std::vector<int32_t> ids((d.B - 1) * K);
-        std::vector<float> p((d.B - 1) * K);
+        // [B-1, pairs, (index, p)] form
+        std::vector<int32_t> ids((d.B - 1) * pairs);
+        std::vector<float> p((d.B - 1) * pairs);
         const int64_t bad = read_device_head(d.head, ids.data(), d.head.p ? p.data() : nullptr);
         if (bad >= 0) throw_non_finite_logits("draft", d.n_past + bad + 1);
-        for (int64_t i = 0; i < (d.B - 1) * K; ++i) {
+        for (int64_t i = 0; i < (d.B - 1) * pairs; ++i) {
             if (argmax_out) argmax_out[i] = ids[i];
             if (f32_out) f32_out[2 * i] = (float) ids[i], f32_out[2 * i + 1] = p[i];
         }
@@ -391,7 +391,6 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
         if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
         if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
     }
-    const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;  // (index, p) pairs per row
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
         const bool top = d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK;
         if ((argmax_out && argmax_out[i] < 0) || (top && f32_out[2 * pairs * i] < 0))

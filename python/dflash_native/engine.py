@@ -850,7 +850,7 @@ def _token_ids(where: str, tokens) -> list[int]:
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raise ValueError(f"[{where}] got {type(tokens).__name__}: pass text as a str (decode the bytes first) "
                          f"or token ids as a sequence of ints")
-    if isinstance(tokens, (set, frozenset, dict, Mapping)):  # unordered, or keys: not a token sequence
+    if isinstance(tokens, (set, frozenset, Mapping)):  # unordered, or keys: not a token sequence
         raise ValueError(f"[{where}] token ids must be a sequence (a list, tuple or 1-D integer array), got "
                          f"{type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
