@@ -9,6 +9,7 @@
 #include <unistd.h>
 #endif
 #include <cctype>
+#include <cstdio>
 #include <mutex>
 
 namespace dfn {
@@ -50,6 +51,29 @@ bool can_connect(const std::string & host, const std::string & port) {
         const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
         if (fd < 0) continue;
         ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    return ok;
+#endif
+}
+
+// True when a TCP socket can be bound to host:port and listen (then closed again).
+bool can_listen(const std::string & host, const std::string & port) {
+#if defined(_WIN32)
+    return true;
+#else
+    addrinfo hints{}, * res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) return false;
+    bool ok = false;
+    for (addrinfo * a = res; a && !ok; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) continue;
+        const int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // as ggml's server sets it
+        ok = bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 1) == 0;
         close(fd);
     }
     freeaddrinfo(res);
@@ -188,7 +212,14 @@ void rpc_serve(const std::string & host, int port, const std::string & device, i
     auto start = (start_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server");
     DFN_REQUIRE(start != nullptr, "rpc-server", "the ggml RPC backend has no ggml_backend_rpc_start_server");
     const std::string endpoint = cat(host, ":", port);
+    // ggml's server prints its failures and returns: a port that cannot be listened on is ours to say
+    DFN_REQUIRE(can_listen(host, std::to_string(port)), "rpc-server", "cannot listen on ", endpoint,
+                " (an address of this machine, and a port no other process holds?)");
+    // one line a caller (a test, a launcher) can wait for, before the call that blocks
+    std::printf("dflash-native rpc-server: serving %s on %s\n", ggml_backend_dev_name(dev), endpoint.c_str());
+    std::fflush(stdout);
     start(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), (size_t) std::max(1, n_threads), 1, &dev);
+    throw runtime_error(cat("[rpc-server] the RPC server on ", endpoint, " stopped (ggml's message above says why)"));
 }
 
 }  // namespace dfn

@@ -277,3 +277,14 @@ def test_a_model_split_over_two_servers_computes_what_one_does(pair, two_servers
     a, b = one.generate(PROMPT, max_tokens=24), split.generate(PROMPT, max_tokens=24)
     assert a.tokens == b.tokens and a.stats.acceptance_histogram == b.stats.acceptance_histogram
     assert _core.testing.placement(split._core) == []
+
+
+def test_rpc_server_on_a_port_in_use_is_a_clear_error(two_servers):
+    """ggml's server prints a failure to listen and returns: the command says so and exits 2."""
+    port = two_servers[0].rsplit(":", 1)[1]
+    p = subprocess.run([sys.executable, "-m", "dflash_native", "rpc-server", "--port", port, "--threads", "1"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in p.stderr, (p.returncode, p.stderr)
+    bad = subprocess.run([sys.executable, "-m", "dflash_native", "rpc-server", "--device", "tpu0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no device 'tpu0'" in bad.stderr, bad.stderr

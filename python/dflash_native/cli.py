@@ -87,8 +87,7 @@ def _cmd_serve(a) -> int:
 def _cmd_rpc_server(a) -> int:
     from . import _core
 
-    # one line a caller (a test, a launcher) can wait for, before the call that blocks
-    print(f"dflash-native rpc-server: serving {_core.resolve_device(a.device)} on {a.host}:{a.port}", flush=True)
+    sys.stdout.flush()
     _core.rpc_serve(a.host, a.port, device=a.device, n_threads=a.threads or (os.cpu_count() or 1),
                     cache_dir=a.cache_dir or "")
     return 0
