@@ -22,7 +22,7 @@ std::vector<device_info> list_devices();
 
 // The device an Engine's `device` string names (input_error when there is none):
 //   "cpu"              ggml's CPU backend (the package's own batch-invariant kernels)
-//   "gpu"              the first GPU device ggml was built with
+//   "gpu"              local_gpu(): this machine's first GPU device (not an RPC server's)
 //   "CUDA0", ...       a ggml device by name (case-insensitive)
 //   "rpc://H:P"        a ggml RPC server (`dflash-native rpc-server`): its first device
 // nullptr means the CPU.
