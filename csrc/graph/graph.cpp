@@ -1,6 +1,7 @@
 #include "graph/graph.h"
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/conv.h"
+#include "kernels/cpu/gdn_snapshots.h"
 #include "kernels/cpu/matmul/matmul.h"
 
 #include "base/common.h"
@@ -137,24 +138,16 @@ ggml_tensor * gdn_conv(graph_inputs & g, const gdn_layer & st, const layer_weigh
 
 // A verify on a device: the outputs of ggml_gated_delta_net over the batch from the layer's state,
 // which stays as it was; the op's inputs (k, v, g, beta) go to the tape, from which commit replays
-// the kept prefix through the same op (target_session::commit_on_device). Under the snapshot baseline the op also packs
-// the state after every token (ggml's K snapshots, most recent first) into st.snapshots.
+// the kept prefix through the same op (target_session::commit_on_device).
 ggml_tensor * gdn_device_record(graph_inputs & g, const gdn_layer & st, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                 ggml_tensor * gate, ggml_tensor * beta) {
     ggml_context * ctx = g.ctx;
     const int64_t n_tok = g.n_tokens, S = g.hp->ssm_head_dim, H_v = g.hp->ssm_n_v_heads, H_k = k->ne[1];
     const size_t es = sizeof(float);
-    DFN_REQUIRE(st.snapshots || st.tape_beta, "verify", "the GDN tape is not in device form");
+    DFN_REQUIRE(st.tape_beta, "verify", "the GDN tape is not in device form");
     ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
-    const int64_t K = st.snapshots ? n_tok : 1;
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, K);
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, S * H_v * n_tok * es, 0);
-    if (st.snapshots) {
-        const int64_t n_state = S * S * H_v;
-        ggml_tensor * snaps = ggml_view_1d(ctx, res, n_state * n_tok, S * H_v * n_tok * es);
-        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, snaps, ggml_view_1d(ctx, st.snapshots, n_state * n_tok, 0)));
-        return o;
-    }
     auto to_tape = [&](ggml_tensor * src, ggml_tensor * dst, int64_t per_tok) {
         ggml_tensor * d = ggml_view_1d(ctx, dst, per_tok * n_tok, 0);
         ggml_build_forward_expand(g.gf, ggml_cpy(ctx, src, ggml_reshape_4d(ctx, d, src->ne[0], src->ne[1], n_tok, 1)));
@@ -165,6 +158,33 @@ ggml_tensor * gdn_device_record(graph_inputs & g, const gdn_layer & st, ggml_ten
     to_tape(gate, st.tape_g, H_v);
     to_tape(beta, st.tape_beta, H_v);
     return o;
+}
+
+// A verify under the snapshot-rollback baseline (runtime/rollback.h; the cache holds st.snapshots):
+// the state after every token goes to st.snapshots, from which commit copies one back. On the CPU
+// the baseline's record op (gdn_snapshots.h) packs [outputs | tape k | tape u | tape g] and the tape
+// is copied to the cache; on a device ggml_gated_delta_net packs its K snapshots (most recent first).
+ggml_tensor * gdn_snapshot_record(graph_inputs & g, const gdn_layer & st, ggml_tensor * q, ggml_tensor * k,
+                                  ggml_tensor * v, ggml_tensor * gate, ggml_tensor * beta, bool host) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_tok = g.n_tokens, S = g.hp->ssm_head_dim, H_v = g.hp->ssm_n_v_heads;
+    const int64_t n_o = S * H_v * n_tok, n_state = S * S * H_v;
+    const size_t es = sizeof(float);
+    ggml_tensor * state = ggml_reshape_4d(ctx, st.ssm, S, S, H_v, 1);
+    auto copy = [&](ggml_tensor * src, int64_t n, int64_t off, ggml_tensor * dst) {
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, src, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
+    };
+    ggml_tensor * res = nullptr;
+    if (host) {
+        res = gdn_snapshot_record_op(ctx, q, k, v, gate, beta, state, st.snapshots);
+        copy(res, n_o, n_o, st.tape_k);
+        copy(res, n_o, 2 * n_o, st.tape_u);
+        copy(res, H_v * n_tok, 3 * n_o, st.tape_g);
+    } else {
+        res = ggml_gated_delta_net(ctx, q, k, v, gate, beta, state, n_tok);
+        copy(res, n_state * n_tok, n_o, st.snapshots);
+    }
+    return ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
 }
 
 // The delta rule over the batch from the layer's state: q, k F32 [S, H_k, n_tok, 1], v F32
@@ -185,28 +205,14 @@ ggml_tensor * gdn_recurrence(graph_inputs & g, const gdn_layer & st, ggml_tensor
                                              &g.cache->tree);
         return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
     }
-    if (g.record_tape && host && !st.snapshots) {
+    if (g.record_tape && st.snapshots) return gdn_snapshot_record(g, st, q, k, v, gate, beta, host);
+    if (g.record_tape && host) {
         // the tape goes straight to the cache's tape tensors
         ggml_tensor * o = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,
                                              g.cache->replay_n);
         return ggml_reshape_4d(ctx, o, S, H_v, n_tok, 1);
     }
-    if (g.record_tape && !host) return gdn_device_record(g, st, q, k, v, gate, beta);
-    if (g.record_tape) {
-        // snapshot baseline on the CPU: the op packs [outputs | tape k | tape u | tape g];
-        // copy the tape to the cache
-        ggml_tensor * res = gdn_tape_record_op(ctx, q, k, v, gate, beta, state, nullptr, nullptr, nullptr, 0,
-                                               st.snapshots);
-        const int64_t n_o = S * H_v * n_tok;
-        ggml_tensor * o = ggml_view_4d(ctx, res, S, H_v, n_tok, 1, S * es, S * H_v * es, n_o * es, 0);
-        auto to_tape = [&](ggml_tensor * dst, int64_t n, int64_t off) {
-            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_1d(ctx, res, n, off * es), ggml_view_1d(ctx, dst, n, 0)));
-        };
-        to_tape(st.tape_k, n_o, n_o);
-        to_tape(st.tape_u, n_o, 2 * n_o);
-        to_tape(st.tape_g, H_v * n_tok, 3 * n_o);
-        return o;
-    }
+    if (g.record_tape) return gdn_device_record(g, st, q, k, v, gate, beta);
     if (host) {
         // CPU: the same kernel as the verify pass, so AR and speculative states agree bitwise
         ggml_tensor * o = gdn_forward_op(ctx, q, k, v, gate, beta, state, st.tape_k, st.tape_u, st.tape_g,

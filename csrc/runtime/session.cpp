@@ -50,8 +50,9 @@ target_session::target_session(const std::string & path, const session_params & 
     model_->load_weights([&](const ggml_tensor * t) { return runner_->target_buffer_type(t->name, n_layer); },
                          params.use_mmap);
     tune_matmul(*runner_, model_->file().tensors());  // each weight type's matmul level (dispatch.h)
+    rollback_ = make_gdn_rollback(params.rollback);
     cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           params.rollback == ROLLBACK_SNAPSHOT, runner_->on_device(),
+                                           rollback_->keeps_snapshots(), runner_->on_device(),
                                            [&](int il) { return runner_->layer_buffer_type(il, n_layer); });
 }
 
@@ -159,7 +160,7 @@ decode_result target_session::verify_tree(const int32_t * tokens, const int32_t 
     DFN_REQUIRE(n <= std::max<int64_t>(params_.max_verify, 1), "verify", "a tree of ", n, " nodes > max_verify = ",
                 params_.max_verify, " (the verify capacity this engine was created with)");
     DFN_REQUIRE(n <= params_.n_batch, "verify", n, " nodes > n_batch = ", params_.n_batch);
-    DFN_REQUIRE(params_.rollback == ROLLBACK_TAPE || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
+    DFN_REQUIRE(rollback_->supports_tree() || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
     cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
     cache_->tree.replay_n = cache_->replay_n;
     decode_result out = run_verify(tokens, parents, n, tap_layers, argmax_only);
@@ -227,8 +228,8 @@ void target_session::commit(int64_t n_keep) {
     const int64_t n_verified = pending_n_;
     pending_n_ = 0;
     if (hp.is_gdn.empty()) return;
-    if (params_.rollback == ROLLBACK_REDECODE) {
-        // baseline: the GDN state is still the one before the verify; run the kept tokens again
+    if (rollback_->redecodes()) {
+        // the GDN state is still the one before the verify: run the kept tokens again
         cache_->n_past = pending_past_;
         decode(pending_tokens_.data(), n_keep, false);
         return;
@@ -244,13 +245,7 @@ void target_session::commit(int64_t n_keep) {
     for (int il = 0; il < hp.n_layer; ++il) {
         if (!hp.is_gdn[il]) continue;
         gdn_layer & L = cache_->gdn[il];
-        if (L.snapshots) {
-            // baseline: copy the state after token n_keep - 1 back
-            const size_t bytes = ggml_nbytes(L.ssm);
-            std::memcpy(L.ssm->data, (const char *) L.snapshots->data + (n_keep - 1) * bytes, bytes);
-        } else {
-            defer = true;  // the next graph's GDN op replays it (cache.h: replay_n)
-        }
+        defer = rollback_->restore_host(L, n_keep, n_verified) || defer;  // deferred: cache.h, replay_n
 
         // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
         std::vector<float> conv((size_t) kc * n_ch), qkv((size_t) n_ch * n_keep);
@@ -269,11 +264,9 @@ void target_session::commit(int64_t n_keep) {
 }
 
 void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
-    // One graph on the device: per GDN layer, the state from the state saved before the verify
-    // (the verify left it alone) through the kept prefix of the tape, with the same
-    // ggml_gated_delta_net the AR step runs (or, under the snapshot baseline, a copy of the
-    // snapshot after token n_keep - 1); the conv state from the kept conv inputs. Nothing crosses
-    // the bus.
+    // One graph on the device: per GDN layer, the state the rollback strategy restores (rollback.h:
+    // the tape's kept prefix replayed through the same ggml_gated_delta_net the AR step runs), and
+    // the conv state from the kept conv inputs. Nothing crosses the bus.
     const target_hparams & hp = model_->hparams();
     const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
     const int64_t kc = hp.ssm_d_conv - 1;
@@ -283,25 +276,7 @@ void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
         for (int il = 0; il < hp.n_layer; ++il) {
             if (!hp.is_gdn[il]) continue;
             const gdn_layer & L = cache_->gdn[il];
-            const int64_t n_state = S * S * H_v;
-            ggml_tensor * ssm = ggml_reshape_1d(ctx, L.ssm, n_state);
-            if (L.snapshots) {
-                // slot s of ggml's snapshots is the state s tokens before the last verified one
-                const int64_t slot = n_verified - n_keep;
-                ggml_tensor * snap = ggml_view_1d(ctx, L.snapshots, n_state, slot * n_state * es);
-                ggml_build_forward_expand(b.gf, ggml_cpy(ctx, snap, ssm));
-            } else {
-                const int64_t H_k = L.tape_k_heads;
-                ggml_tensor * k = ggml_view_4d(ctx, L.tape_k, S, H_k, n_keep, 1, S * es, S * H_k * es, S * H_k * n_keep * es, 0);
-                ggml_tensor * v = ggml_view_4d(ctx, L.tape_u, S, H_v, n_keep, 1, S * es, S * H_v * es, S * H_v * n_keep * es, 0);
-                ggml_tensor * gt = ggml_view_4d(ctx, L.tape_g, 1, H_v, n_keep, 1, es, H_v * es, H_v * n_keep * es, 0);
-                ggml_tensor * bt = ggml_view_4d(ctx, L.tape_beta, 1, H_v, n_keep, 1, es, H_v * es, H_v * n_keep * es, 0);
-                ggml_tensor * state = ggml_reshape_4d(ctx, L.ssm, S, S, H_v, 1);
-                // q does not touch the state: k stands in for it (the outputs are not read)
-                ggml_tensor * res = ggml_gated_delta_net(ctx, k, k, v, gt, bt, state, 1);
-                ggml_tensor * fin = ggml_view_1d(ctx, res, n_state, S * H_v * n_keep * es);
-                ggml_build_forward_expand(b.gf, ggml_cpy(ctx, fin, ssm));
-            }
+            rollback_->restore_device(b, L, S, H_v, n_keep, n_verified);
             // conv state: the last kc columns of [old state (kc columns); the n_keep kept inputs]
             ggml_tensor * qkv = ggml_view_2d(ctx, L.tape_qkv, n_ch, n_keep, L.tape_qkv->nb[1], 0);  // [n_ch, n_keep]
             ggml_tensor * conv_in = ggml_concat(ctx, L.conv, ggml_cont(ctx, ggml_transpose(ctx, qkv)), 0);  // [kc + n_keep, n_ch]
@@ -310,7 +285,7 @@ void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
         }
     };
     // the plan depends on n_keep alone (the snapshot's slot is a view offset into the cache)
-    runner_->run(cat("commit:", n_keep, params_.rollback == ROLLBACK_SNAPSHOT ? ":snap" : ""), build, [] {}, [] {});
+    runner_->run(cat("commit:", n_keep, ":", rollback_->name()), build, [] {}, [] {});
 }
 
 void target_session::flush_replay() {

@@ -5,6 +5,7 @@
 #include "graph/graph.h"
 #include "graph/device_heads.h"
 #include "runtime/graph_runner.h"
+#include "runtime/rollback.h"
 #include "models/model.h"
 #include "kernels/cpu/sampler.h"
 
@@ -16,11 +17,6 @@
 
 namespace dfn {
 
-// GDN rollback after a verify: ROLLBACK_TAPE replays the kept prefix of the tape; the benchmark
-// baselines ROLLBACK_SNAPSHOT store the state after every verified token and copy one back, and
-// ROLLBACK_REDECODE runs the kept tokens through the target again.
-enum rollback_kind { ROLLBACK_TAPE, ROLLBACK_SNAPSHOT, ROLLBACK_REDECODE };
-
 // The bindings parse the Python strings ("tape"/..., "own"/"ggml") into these fields; the device
 // string goes to the graph runner as it is.
 struct session_params {
@@ -30,7 +26,7 @@ struct session_params {
     int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
     std::string device = "cpu";  // devices.h: resolve_device ("cpu", "gpu", "CUDA0", "rpc://H:P")
     int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
-    rollback_kind rollback = ROLLBACK_TAPE;
+    rollback_kind rollback = ROLLBACK_TAPE;  // rollback.h: the product's tape, or a benchmark baseline
     // Weight matmuls on the CPU: MATMUL_OWN (matmul.h: batch-invariant, so a verify pass computes
     // each token as the AR step does; F16/F32 weights) or MATMUL_GGML (ggml_mul_mat).
     matmul_kind matmul = MATMUL_OWN;
@@ -180,6 +176,7 @@ private:
     std::unique_ptr<graph_runner> runner_;
     std::unique_ptr<target_model> model_;
     std::unique_ptr<model_cache> cache_;
+    std::unique_ptr<gdn_rollback> rollback_;  // chosen at construction (params_.rollback)
     int64_t pending_n_ = 0;       // tokens of an uncommitted verify
     int64_t pending_past_ = 0;    // n_past before it
     std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)

@@ -1,4 +1,5 @@
 #include "kernels/cpu/gdn_tape.h"
+#include "kernels/cpu/gdn_snapshots.h"
 #include "base/alloc.h"
 
 #include "base/common.h"
@@ -177,14 +178,22 @@ void gdn_tree_record(const gdn_inputs & in, const float * state0, float * o, gdn
     }
 }
 
-void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
-                     int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1, float * snapshots) {
+namespace {
+// gdn_tape_record, and with `snapshots` the snapshot baseline's recording (gdn_snapshots.h).
+void record_heads(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
+                  int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1, float * snapshots) {
     thread_local std::vector<float> work;
     if (!kernel_scratch(work, (size_t) S * S, "the GDN tape record")) return;  // noted; thrown after the compute
     for (int64_t h = h0; h < h1; ++h) {
         std::memcpy(work.data(), state0 + h * S * S, (size_t) S * S * sizeof(float));
         forward_head(in, work.data(), o, nullptr, &tape, h, S, H_k, H_v, T, snapshots);
     }
+}
+}  // namespace
+
+void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape, int64_t S,
+                     int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1) {
+    record_heads(in, state0, o, tape, S, H_k, H_v, T, h0, h1, nullptr);
 }
 
 void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
@@ -295,7 +304,7 @@ void record_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         tape = {out + n_o, out + 2 * n_o, out + 3 * n_o};
     }
     float * snaps = !dst->src[8] && dst->src[6] ? (float *) dst->src[6]->data : nullptr;
-    gdn_tape_record(op_inputs(dst), p.state, out, tape, p.S, p.H_k, p.H_v, p.T, p.h0, p.h1, snaps);
+    record_heads(op_inputs(dst), p.state, out, tape, p.S, p.H_k, p.H_v, p.T, p.h0, p.h1, snaps);
 }
 
 // srcs as record_op's with the cache's tape; the parents in the gdn_tree_pass of the userdata.
@@ -344,8 +353,16 @@ ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * 
 
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
-                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n, ggml_tensor * snapshots) {
-    return gdn_op(ctx, record_op, "gdn_record", q, k, v, g, beta, state, tape_k, tape_u, tape_g, replay_n, snapshots);
+                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n) {
+    return gdn_op(ctx, record_op, "gdn_record", q, k, v, g, beta, state, tape_k, tape_u, tape_g, replay_n, nullptr);
+}
+
+// ---- the snapshot-rollback baseline (gdn_snapshots.h) ----
+
+ggml_tensor * gdn_snapshot_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                                     ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * snapshots) {
+    return gdn_op(ctx, record_op, "gdn_record_snapshots", q, k, v, g, beta, state, nullptr, nullptr, nullptr, 0,
+                  snapshots);
 }
 
 }  // namespace dfn

@@ -8,8 +8,8 @@
 //   o_t = S^T q_t / sqrt(d_k)
 // State memory layout is ggml's: M[j * S + i] = S[i][j] (k index fastest), per head.
 //
-// This CPU file is the reference the CUDA (csrc/cuda/gdn_tape.cu) and Metal
-// (csrc/kernels/metal/gdn_tape.metal) kernels are tested against.
+// This CPU file is the reference csrc/kernels/metal/gdn_tape.metal was written against (that
+// kernel is not built: docs/architecture.md). Devices run ggml's own op instead (graph.cpp).
 #pragma once
 
 #include "ggml.h"
@@ -37,11 +37,8 @@ struct gdn_tape_view {
 
 // Runs T tokens from state0 (read only) for value heads [h0, h1): writes outputs o
 // [S, H_v, T] (contiguous) and the tape. The state after the pass is not kept.
-// `snapshots` (optional, the snapshot-rollback baseline): the state after token t of head h at
-// snapshots + (t * H_v + h) * S * S.
 void gdn_tape_record(const gdn_inputs & in, const float * state0, float * o, gdn_tape_view tape,
-                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1,
-                     float * snapshots = nullptr);
+                     int64_t S, int64_t H_k, int64_t H_v, int64_t T, int64_t h0, int64_t h1);
 
 // The AR pass with the same arithmetic: state advanced in place by T tokens, outputs o.
 void gdn_forward(const gdn_inputs & in, float * state, float * o, int64_t S, int64_t H_k, int64_t H_v, int64_t T,
@@ -95,13 +92,11 @@ ggml_tensor * gdn_forward_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * 
 // gdn_tape_record. q, k: [S, H_k, T, 1]; v: [S, H_v, T, 1]; g, beta: [1, H_v, T, 1]; state:
 // [S, S, H_v] (not modified by the recording). Returns o F32 [S*H_v*T] and writes the tape of
 // these T tokens to tape_k, tape_u, tape_g (after the replay has read the old one). With null
-// tape tensors (a cache in device memory, which a CPU op cannot write, or the snapshot
-// baseline): no replay, and the result packs [o S*H_v*T | tape k S*H_v*T | tape u S*H_v*T |
-// tape g H_v*T]; then `snapshots` (F32 [S*S*H_v, >= T]) may take the state after every token.
+// tape tensors: no replay, and the result packs [o S*H_v*T | tape k S*H_v*T | tape u S*H_v*T |
+// tape g H_v*T]. (The snapshot-rollback baseline's record op: gdn_snapshots.h.)
 ggml_tensor * gdn_tape_record_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, ggml_tensor * tape_k,
-                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n,
-                                 ggml_tensor * snapshots = nullptr);
+                                 ggml_tensor * tape_u, ggml_tensor * tape_g, int64_t replay_n);
 
 // What the tree op reads on the host besides its tensors: a ggml custom op takes at most 9
 // sources and q, k, v, g, beta, state and the three tape tensors use them all, so the parents
