@@ -48,7 +48,8 @@ struct memory_usage {
     size_t gdn_state = 0;     // GDN recurrent + conv state
     size_t gdn_tape = 0;      // GDN tape of one verify (max_verify tokens)
     size_t feature_ring = 0;  // drafter-context K/V, capacity + block scratch
-    size_t feature_queue = 0; // host: the target taps queued for the ring (up to 1.125x its capacity in rows)
+    size_t feature_queue = 0; // host: the target taps queued for the ring (at most capacity + max(1, capacity / 8)
+                              // rows, spec.cpp: queue_features; 1.125x the ring's capacity from 8 rows on)
     size_t compute_target = 0, compute_drafter = 0;
     size_t on_device = 0;     // of the above, the bytes held by a device other than the CPU (0 on the CPU)
 };
