@@ -1,0 +1,306 @@
+"""Tool calls: the request's checks, the chat templates' rendering of tools and tool messages
+against transformers' own apply_chat_template on the real templates' text (tests/fixtures/templates),
+the output parsers whole and streamed, and a real `dflash-native serve` process whose model (trained
+here on a tool-calling chat, tests/fixtures/tool_model.py) generates the calls, driven by the
+official `openai` client, speculative and AR."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash_native import tools as T
+from dflash_native._tokenizer import Tokenizer
+
+from fixtures import tool_model as TM
+
+TOOLS = TM.TOOLS
+TEMPLATES = TM.TEMPLATES
+ARGS = {"city": "Paris", "unit": "celsius"}
+
+
+def hermes(name: str, args: dict | str) -> str:
+    a = args if isinstance(args, str) else json.dumps(args)
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + a + "}\n</tool_call>"
+
+
+def coder(name: str, args: dict) -> str:
+    ps = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                 for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{ps}</function>\n</tool_call>"
+
+
+def llama(name: str, args: dict) -> str:
+    return json.dumps({"name": name, "parameters": args})
+
+
+# (format, model output, content, [(name, arguments dict)])
+CASES = [
+    ("hermes", hermes("get_weather", ARGS), None, [("get_weather", ARGS)]),
+    ("hermes", "Let me look.\n\n" + hermes("get_weather", ARGS) + "\n" + hermes("add", {"a": 1, "b": 2}),
+     "Let me look.", [("get_weather", ARGS), ("add", {"a": 1, "b": 2})]),
+    ("hermes", "plain text, no call  ", "plain text, no call  ", []),
+    ("hermes", "a < b and <tool_ca", "a < b and <tool_ca", []),  # a tag's start that never completes
+    # malformed: bad JSON, a function not in tools, arguments not an object, cut off: all content
+    ("hermes", hermes("get_weather", '{"city": "Par'), hermes("get_weather", '{"city": "Par'), []),
+    ("hermes", hermes("rm_rf", {}), hermes("rm_rf", {}), []),
+    ("hermes", hermes("add", "[1, 2]"), hermes("add", "[1, 2]"), []),
+    ("hermes", "ok " + hermes("add", {"a": 1, "b": 2})[:-8], "ok " + hermes("add", {"a": 1, "b": 2})[:-8], []),
+    # arguments as a JSON string; an unclosed last call that parses (the model stopped at its EOS)
+    ("hermes", hermes("add", json.dumps(json.dumps({"a": 1, "b": 2}))), None, [("add", {"a": 1, "b": 2})]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+    # a good call, then a bad one, then text
+    ("hermes", hermes("add", {"a": 1, "b": 2}) + "\n" + hermes("add", "{") + "\nbye",
+     hermes("add", "{") + "\nbye", [("add", {"a": 1, "b": 2})]),
+    ("qwen3_coder", coder("get_weather", ARGS), None, [("get_weather", ARGS)]),
+    ("qwen3_coder", "Sure.\n\n" + coder("add", {"a": 75, "b": 41}) + "\n" + coder("get_weather", {"city": "42"}),
+     "Sure.", [("add", {"a": 75, "b": 41}), ("get_weather", {"city": "42"})]),  # "42": the schema says string
+    ("qwen3_coder", "<tool_call>\n<function=add>\nno parameters here\n</function>\n</tool_call>",
+     "<tool_call>\n<function=add>\nno parameters here\n</function>\n</tool_call>", []),
+    ("qwen3_coder", coder("nope", {"a": 1}), coder("nope", {"a": 1}), []),
+    ("llama3_json", llama("get_weather", ARGS), None, [("get_weather", ARGS)]),
+    ("llama3_json", "<|python_tag|>" + llama("add", {"a": 1, "b": 2}) + "; " + llama("get_weather", ARGS),
+     None, [("add", {"a": 1, "b": 2}), ("get_weather", ARGS)]),
+    ("llama3_json", '  {"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+    ("llama3_json", "The answer is 4.", "The answer is 4.", []),
+    ("llama3_json", "<b>bold</b>", "<b>bold</b>", []),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
+    ("llama3_json", llama("add", {"a": 1, "b": 2}) + " and then", llama("add", {"a": 1, "b": 2}) + " and then", []),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+]
+
+
+def _events(fmt: str, pieces: list[str], **kw) -> tuple[str | None, list]:
+    p = T.PARSERS[fmt](TOOLS, **kw)
+    ev = []
+    for piece in pieces:
+        ev += p.feed(piece)
+    ev += p.finish()
+    calls = [e for e in ev if isinstance(e, T.ToolCall)]
+    content = "".join(e for e in ev if isinstance(e, str))
+    return (None if calls and not content else content), [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_parse_whole(fmt, text, content, calls):
+    got_content, got = T.PARSERS[fmt](TOOLS).parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in got)
+    assert len({c.id for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_parse_streamed_at_every_split(fmt, text, content, calls):
+    """Fed in two pieces split at every position, in three at every pair of positions (short
+    texts), and one character at a time: the same content and calls as the whole text."""
+    want = (content, calls)
+    assert _events(fmt, list(text)) == want
+    for i in range(len(text) + 1):
+        assert _events(fmt, [text[:i], text[i:]]) == want, i
+    if len(text) <= 90:
+        for i in range(len(text) + 1):
+            for j in range(i, len(text) + 1):
+                assert _events(fmt, [text[:i], text[i:j], text[j:]]) == want, (i, j)
+
+
+def test_streamed_content_is_not_held_back():
+    """Content streams as it comes: only a possible tag start (and whitespace that may precede a
+    call) waits."""
+    p = T.HermesParser(TOOLS)
+    assert p.feed("Hello wor") == ["Hello wor"]
+    assert p.feed("ld <tool") == ["ld"]
+    assert p.feed("box> x") == [" <toolbox> x"]
+    q = T.Llama3JsonParser(TOOLS)
+    assert q.feed("Sure") == ["Sure"] and q.feed(", 4") == [", 4"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    text = hermes("add", {"a": 1, "b": 2}) + hermes("get_weather", ARGS)
+    content, calls = T.HermesParser(TOOLS, parallel=False).parse(text)
+    assert content is None and [c.name for c in calls] == ["add"]
+
+
+def test_openai_shape():
+    (call,) = T.HermesParser(TOOLS).parse(hermes("add", {"a": 1, "b": 2}))[1]
+    d = call.openai()
+    assert d["type"] == "function" and d["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert d["id"] == call.id and call.openai(3)["index"] == 3
+
+
+# ---- request checks ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tools,param", [
+    ([], "tools"),
+    ({"type": "function"}, "tools"),
+    ([{"type": "retrieval"}], "tools[0]"),
+    ([{"type": "function"}], "tools[0].function"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}], "tools[0].function.description"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
+     "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], "tools"),
+])
+def test_bad_tools(tools, param):
+    with pytest.raises(T.ToolRequestError) as e:
+        T.check_tools(tools)
+    assert e.value.param == param and str(e.value)
+
+
+def test_tool_choice():
+    assert T.check_tool_choice(None, TOOLS) == "auto" and T.check_tool_choice(None, None) == "none"
+    for c in ("none", "auto", "required"):
+        assert T.check_tool_choice(c, TOOLS) == c
+    named = {"type": "function", "function": {"name": "add"}}
+    assert T.check_tool_choice(named, TOOLS) == named
+    for bad in ("any", {"type": "function", "function": {"name": "nope"}}, {"type": "function"}, 3):
+        with pytest.raises(T.ToolRequestError, match="tool_choice") as e:
+            T.check_tool_choice(bad, TOOLS)
+        assert e.value.param == "tool_choice"
+    with pytest.raises(T.ToolRequestError, match="only allowed when 'tools'"):
+        T.check_tool_choice("auto", None)
+
+
+def _content(i, m):
+    return m["content"]
+
+
+def test_template_messages_checks():
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    good = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    out = T.template_messages(good, _content)
+    assert out[1] == {"role": "assistant", "content": "",
+                      "tool_calls": [{"id": "call_1", "type": "function",
+                                      "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    assert out[2] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+    for msgs, param in [
+        (good[:2] + [{"role": "tool", "content": "3"}], "messages[2].tool_call_id"),
+        (good[:2] + [{"role": "tool", "tool_call_id": "call_9", "content": "3"}], "messages[2].tool_call_id"),
+        (good[:2], "messages"),  # a call with no answer
+        (good[:2] + [{"role": "user", "content": "y"}], "messages"),
+        ([good[0], {"role": "tool", "tool_call_id": "call_1", "content": "3"}], "messages[1].tool_call_id"),
+        ([good[0], {**good[1], "tool_calls": []}], "messages[1].tool_calls"),
+        ([good[0], {**good[1], "tool_calls": [{**call, "id": 5}]}], "messages[1].tool_calls[0].id"),
+        ([good[0], {**good[1], "tool_calls": [{**call, "function": {"name": "add", "arguments": "{"}}]}],
+         "messages[1].tool_calls[0].function.arguments"),
+        ([good[0], {**good[1], "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]}],
+         "messages[1].tool_calls[0].function.arguments"),  # OpenAI's arguments are a string
+        ([good[0], {**good[1], "tool_calls": [{**call, "function": {"arguments": "{}"}}]}],
+         "messages[1].tool_calls[0].function.name"),
+    ]:
+        with pytest.raises(T.ToolRequestError) as e:
+            T.template_messages(msgs, _content)
+        assert e.value.param == param, (msgs, str(e.value))
+
+
+def test_forced_call_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    s = T.forced_call_schema(TOOLS, {"type": "function", "function": {"name": "add"}})
+    jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, s)
+    for bad in ({"name": "get_weather", "arguments": {"city": "x"}}, {"name": "add", "arguments": {"a": 1}},
+                {"name": "add", "arguments": {"a": "1", "b": 2}}, {"name": "add"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, s)
+    r = T.forced_call_schema(TOOLS, "required")
+    jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, r)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, r)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "arguments": {"unit": "celsius"}}, r)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "nope", "arguments": {}}, r)
+    assert T.forced_call_schema(TOOLS, "auto") is None and T.forced_call_schema(TOOLS, "none") is None
+    # what the parser reads back from a call matching the schema is that call
+    (call,) = T.HermesParser(TOOLS).parse("<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+                                          + "\n</tool_call>")[1]
+    assert call.name == "add"
+
+
+def test_parser_for_real_templates():
+    want = {"Qwen-Qwen3-0.6B.jinja": "hermes", "Qwen3.5-4B.jinja": "qwen3_coder",
+            "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
+            "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3_json"}
+    for name, fmt in want.items():
+        assert T.parser_for((TEMPLATES / name).read_text()) == fmt, name
+    assert T.parser_for("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert T.parser_for(None) is None
+
+
+# ---- the chat templates --------------------------------------------------------------------------
+
+def _openai_history(history: list[dict]) -> list[dict]:
+    """A fixture chat as an OpenAI client sends it: arguments as JSON strings, null content."""
+    out = []
+    for m in history:
+        if m.get("tool_calls"):
+            m = {**m, "content": m["content"] or None,
+                 "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                                for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HfTok
+    from tokenizers.models import WordLevel
+
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=HfTok(WordLevel({"<s>": 0, "</s>": 1},
+                                                                                 unk_token="<s>")),
+                                                bos_token="<s>", eos_token="</s>")
+
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+SINGLE_CALLS = [m for m in TM.turns()[-1][0] if len(m.get("tool_calls", [])) < 2] + [TM.turns()[-1][1]]
+SINGLE_CALLS = [m for m in SINGLE_CALLS if m["role"] != "tool" or m["tool_call_id"] in ("call_1", "call_4")]
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B.jinja", "Qwen3.5-4B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                  "meta-llama-Llama-3.2-3B-Instruct.jinja"])
+def test_templates_render_as_transformers(name):
+    """The real templates' text rendered by our renderer from the OpenAI-shaped request (arguments
+    as JSON strings, through template_messages) equals transformers' apply_chat_template on the HF
+    shape, with tools and without, for every prefix of a tool-calling chat."""
+    from dflash_native._tokenizer import render_chat_template
+
+    hf = _hf_tokenizer()
+    tpl = (TEMPLATES / name).read_text(encoding="utf-8")
+    llama = "llama" in name
+    chat = [SYSTEM] + (SINGLE_CALLS if llama else TM.turns()[-1][0] + [TM.turns()[-1][1]])
+    n_checked = 0
+    for n in range(2, len(chat) + 1):
+        msgs = chat[:n]
+        if any(m.get("tool_calls") for m in msgs[-1:]) or (n < len(chat) and chat[n]["role"] == "tool"):
+            continue  # a call must be answered before the next request
+        ours_msgs = T.template_messages(_openai_history(msgs), _content)
+        for tools in (TOOLS, None):
+            for gen in (True, False):
+                want = hf.apply_chat_template(msgs, tools=tools, chat_template=tpl, tokenize=False,
+                                              add_generation_prompt=gen)
+                got = render_chat_template(tpl, ours_msgs, tools=tools, add_generation_prompt=gen,
+                                           bos_token="<s>", eos_token="</s>")
+                assert got == want, (name, n, tools is None, gen)
+                n_checked += 1
+    assert n_checked >= 8
+    if not llama:
+        assert "<tool_call>" in got and "<tool_response>" in got
+
+
+def test_template_errors_are_value_errors():
+    """Llama 3.1's template refuses two calls in one message: a ValueError (a 400 in the server),
+    as transformers raises."""
+    from dflash_native._tokenizer import render_chat_template
+
+    tpl = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text(encoding="utf-8")
+    msgs = TM.turns()[3][0]
+    with pytest.raises(ValueError, match="single tool-calls"):
+        render_chat_template(tpl, T.template_messages(_openai_history(msgs), _content), tools=TOOLS)
+    with pytest.raises(Exception, match="single tool-calls"):
+        _hf_tokenizer().apply_chat_template(msgs, tools=TOOLS, chat_template=tpl, tokenize=False)
