@@ -17,7 +17,6 @@ Figures from a shared machine are smoke.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -60,19 +59,10 @@ def trained_pair() -> tuple[Path, Path]:
     return d / "target.gguf", d / "drafter.gguf"
 
 
-def openai_message(m: dict) -> dict:
-    """A fixture message as an OpenAI client sends it (arguments as JSON strings, null content)."""
-    if not m.get("tool_calls"):
-        return m
-    return {**m, "content": m["content"] or None,
-            "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                           for c in m["tool_calls"]]}
-
-
 def run_chat(client, speculative: bool, max_tokens: int) -> list[dict]:
     out = []
     for turn, (history, _) in enumerate(TM.turns()):
-        r = client.chat.completions.create(model="bench", messages=[openai_message(m) for m in history],
+        r = client.chat.completions.create(model="bench", messages=[TM.openai_message(m) for m in history],
                                            tools=TM.TOOLS, max_tokens=max_tokens,
                                            extra_body={"speculative": speculative})
         ch, ext = r.choices[0], r.model_extra["dflash"]

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from dflash_native import tools as T
-from dflash_native._tokenizer import Tokenizer
 
 from fixtures import tool_model as TM
 
@@ -236,15 +234,7 @@ def test_parser_for_real_templates():
 # ---- the chat templates --------------------------------------------------------------------------
 
 def _openai_history(history: list[dict]) -> list[dict]:
-    """A fixture chat as an OpenAI client sends it: arguments as JSON strings, null content."""
-    out = []
-    for m in history:
-        if m.get("tool_calls"):
-            m = {**m, "content": m["content"] or None,
-                 "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                                for c in m["tool_calls"]]}
-        out.append(m)
-    return out
+    return [TM.openai_message(m) for m in history]
 
 
 def _hf_tokenizer():
@@ -304,3 +294,199 @@ def test_template_errors_are_value_errors():
         render_chat_template(tpl, T.template_messages(_openai_history(msgs), _content), tools=TOOLS)
     with pytest.raises(Exception, match="single tool-calls"):
         _hf_tokenizer().apply_chat_template(msgs, tools=TOOLS, chat_template=tpl, tokenize=False)
+
+
+# ---- through a real server -------------------------------------------------------------------------
+
+N_CTX = 2048
+
+
+def _render(msgs: list[dict], tools) -> str:
+    from dflash_native._tokenizer import render_chat_template
+
+    tpl = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    return render_chat_template(tpl, msgs, tools=tools)
+
+
+@pytest.fixture(scope="module")
+def tool_pair(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return TM.build_tool_pair(tmp_path_factory.mktemp("toolpair"), _render)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_pair):
+    from test_server import _start_server
+
+    proc, base = _start_server("--target", str(tool_pair[0]), "--drafter", str(tool_pair[1]), "--n-ctx", str(N_CTX),
+                               "--model-name", "toolmodel")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def offline(tool_pair):
+    import dflash_native as dn
+    from test_server import N_BATCH
+
+    with dn.Engine(str(tool_pair[0]), drafter=str(tool_pair[1]), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as eng:
+        yield eng
+
+
+def _client(base: str):
+    from test_server import client
+
+    return client(base)
+
+
+def _want(offline, history: list[dict], **kw):
+    """What the server must answer: the engine's greedy text on the rendered prompt, parsed."""
+    r = offline.generate(_render(history, TOOLS), max_tokens=120, **kw)
+    return r, T.HermesParser(TOOLS).parse(r.text)
+
+
+def _calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def _streamed(c, **kw) -> tuple[str | None, list[tuple[str, dict]], str, list]:
+    """(content, calls, finish_reason, chunks) of a streamed request, assembled from the deltas."""
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    content, calls, finish = None, {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        if d.content:
+            content = (content or "") + d.content
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                assert slot["id"] is None and tc.type == "function" and tc.function.name, tc
+                slot["id"], slot["name"] = tc.id, tc.function.name
+            slot["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert all(s["id"].startswith("call_") for s in calls.values())
+    return content, [(s["name"], json.loads(s["arguments"])) for _, s in sorted(calls.items())], finish, chunks
+
+
+def test_server_tool_call(tool_server, offline):
+    """The first turn: the model generates a call; the server answers it as OpenAI's tool_calls,
+    equal to the engine's own output parsed, streamed or not, speculative and AR."""
+    c = _client(tool_server)
+    history = TM.turns()[0][0]
+    r, (content, calls) = _want(offline, history)
+    want_calls = [(x.name, json.loads(x.arguments)) for x in calls]
+    # the trained model really calls the tool its chat taught it
+    assert want_calls == [("get_weather", {"city": "Paris"})] and content is None, r.text
+    for spec in (True, False):
+        kw = dict(model="toolmodel", messages=history, tools=TOOLS, max_tokens=120,
+                  extra_body={"speculative": spec})
+        resp = c.chat.completions.create(**kw)
+        ch = resp.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        assert _calls_of(ch.message) == want_calls
+        assert all(t.id.startswith("call_") and t.type == "function" for t in ch.message.tool_calls)
+        assert resp.model_extra["dflash"]["speculative"] is spec
+        assert resp.usage.completion_tokens == len(r.tokens)
+        s_content, s_calls, s_finish, _ = _streamed(c, **kw)
+        assert (s_content, s_calls, s_finish) == (None, want_calls, "tool_calls")
+
+
+def test_stream_deltas_shape(tool_server):
+    """OpenAI's stream: role first, then one delta with the call's index, id, type, name and empty
+    arguments, then its arguments, then finish_reason tool_calls."""
+    from test_server import _sse_chunks
+
+    chunks = _sse_chunks(tool_server, "/v1/chat/completions", {"messages": TM.turns()[0][0], "tools": TOOLS,
+                                                                 "stream": True, "max_tokens": 120})
+    deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    tcs = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    assert len(tcs) == 2 and all(len(t) == 1 and t[0]["index"] == 0 for t in tcs)
+    head, args = tcs[0][0], tcs[1][0]
+    assert head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert "id" not in args and json.loads(args["function"]["arguments"]) == {"city": "Paris"}
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "tool_calls"
+
+
+def test_five_turn_tool_chat(tool_server, offline):
+    """Five turns through the server, each request the whole history as an OpenAI client sends it
+    (the assistant's tool_calls as the server returned them, the tool results answering their
+    ids): every turn equals the engine's output on the same history, speculative and AR, and
+    the model answers its chat: calls, two calls at once, text after the results."""
+    c = _client(tool_server)
+    history: list[dict] = []  # as the client sends it
+    matched = []
+    for (user, answer, results), (hf_history, _) in zip(TM.CHAT, TM.turns()):
+        if user is not None:
+            history.append({"role": "user", "content": user})
+        r, (content, calls) = _want(offline, hf_history)
+        out = {}
+        for spec in (True, False):
+            resp = c.chat.completions.create(model="toolmodel", messages=history, tools=TOOLS, max_tokens=120,
+                                             extra_body={"speculative": spec})
+            out[spec] = resp.choices[0]
+        assert out[True].message.content == out[False].message.content == content
+        assert _calls_of(out[True].message) == _calls_of(out[False].message) == \
+            [(x.name, json.loads(x.arguments)) for x in calls]
+        msg = out[True].message
+        matched.append(TM.answer_text(answer) == r.text)
+        history.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+        for tc, res in zip(msg.tool_calls or [], results):
+            history.append({"role": "tool", "tool_call_id": tc.id, "content": res})
+        if results and len(msg.tool_calls or []) != len(results):
+            break  # the model did not call what its chat did: the fixture's history no longer applies
+    assert len(matched) == 5 and all(matched), matched
+
+
+def test_tool_choice_none_and_refusals(tool_server, offline):
+    """"none": the tools are not rendered and nothing is parsed (the prompt is the chat's without
+    tools); "required" and a named function need constrained decoding: 400 not_supported; bad
+    tools, tool_choice and tool messages: 400 naming the field."""
+    from test_server import post_raw
+
+    c = _client(tool_server)
+    history = TM.turns()[0][0]
+    want = offline.generate(_render(history, None), max_tokens=40)
+    resp = c.chat.completions.create(model="toolmodel", messages=history, tools=TOOLS, tool_choice="none",
+                                     max_tokens=40)
+    assert resp.choices[0].message.content == want.text and not resp.choices[0].message.tool_calls
+    assert resp.usage.prompt_tokens == want.stats.n_prompt_tokens
+    assert resp.choices[0].finish_reason != "tool_calls"
+    url = tool_server + "/v1/chat/completions"
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    for body, status, param, code in [
+        ({"tool_choice": "required"}, 400, "tool_choice", "not_supported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, 400, "tool_choice", "not_supported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "tool_choice", None),
+        ({"tool_choice": "sometimes"}, 400, "tool_choice", None),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools[0].function.name", None),
+        ({"tools": []}, 400, "tools", None),
+        ({"tools": None, "tool_choice": "auto"}, 400, "tool_choice", None),
+        ({"parallel_tool_calls": "yes"}, 400, "parallel_tool_calls", None),
+        ({"messages": history + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                 {"role": "tool", "content": "3"}]}, 400, "messages[2].tool_call_id", None),
+        ({"messages": history + [{"role": "assistant", "content": None, "tool_calls": [call]}]}, 400, "messages",
+         None),
+        ({"messages": history + [{"role": "assistant", "content": None,
+                                  "tool_calls": [{**call, "function": {"name": "add", "arguments": "{oops"}}]},
+                                 {"role": "tool", "tool_call_id": "call_1", "content": "3"}]}, 400,
+         "messages[1].tool_calls[0].function.arguments", None),
+    ]:
+        req = {"messages": history, "tools": TOOLS, "max_tokens": 4, **body}
+        st, err = post_raw(url, json.dumps({k: v for k, v in req.items() if v is not None}).encode())
+        assert (st, err["error"]["param"], err["error"]["code"]) == (status, param, code), (body, err)
+        assert err["error"]["message"]
+    st, err = post_raw(tool_server + "/v1/completions", json.dumps({"prompt": "x", "tools": TOOLS}).encode())
+    assert st == 400 and err["error"]["param"] == "tools"
+    # a tool message answering the call, content null beside the call: rendered, not refused
+    ok = history + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    assert c.chat.completions.create(model="toolmodel", messages=ok, tools=TOOLS, max_tokens=4).choices

@@ -10,7 +10,8 @@ is closed at the engine's next step, and its slot freed.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every response carries a
-`usage` block and, as an extension, `dflash`: the request's GenerationStats.
+`usage` block and, as an extension, `dflash`: the request's GenerationStats. Chat requests take
+OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed).
 """
 
 from __future__ import annotations
@@ -596,9 +597,10 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
                 if isinstance(e, str):
                     out.append(sse([choice(e, None, True)]))
                     continue
-                head = {"index": n_calls, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
-                out += [sse([choice(None, None, True, calls=[head])]),
-                        sse([choice(None, None, True, calls=[{"index": n_calls, "function": {"arguments": e.arguments}}])])]
+                head = {"index": n_calls, "id": e.id, "type": "function",
+                        "function": {"name": e.name, "arguments": ""}}
+                args = {"index": n_calls, "function": {"arguments": e.arguments}}
+                out += [sse([choice(None, None, True, calls=[head])]), sse([choice(None, None, True, calls=[args])])]
                 n_calls += 1
             return out
 
