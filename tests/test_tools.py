@@ -7,7 +7,6 @@ official `openai` client, speculative and AR."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -317,16 +316,12 @@ def tool_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tool_server(tool_pair):
-    from test_server import _start_server
+    from test_server import _start_server, _stop_server
 
     proc, base = _start_server("--target", str(tool_pair[0]), "--drafter", str(tool_pair[1]), "--n-ctx", str(N_CTX),
                                "--model-name", "toolmodel")
     yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    _stop_server(proc)
 
 
 @pytest.fixture(scope="module")
