@@ -214,10 +214,14 @@ def test_forced_call_schema():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "nope", "arguments": {}}, r)
     assert T.forced_call_schema(TOOLS, "auto") is None and T.forced_call_schema(TOOLS, "none") is None
-    # what the parser reads back from a call matching the schema is that call
-    (call,) = T.HermesParser(TOOLS).parse("<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
-                                          + "\n</tool_call>")[1]
-    assert call.name == "add"
+    # a call matching the schema with the format's key, framed as the format frames it, parses back
+    for fmt in ("hermes", "llama3_json"):
+        cls = T.PARSERS[fmt]
+        obj = {"name": "add", cls.ARGS_KEY: {"a": 1, "b": 2}}
+        jsonschema.validate(obj, T.forced_call_schema(TOOLS, "required", cls.ARGS_KEY))
+        content, (call,) = cls(TOOLS).parse(cls.CALL_OPEN + json.dumps(obj) + cls.CALL_CLOSE)
+        assert content is None and (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
+    assert T.Qwen3CoderParser.ARGS_KEY is None
 
 
 def test_parser_for_real_templates():

@@ -165,10 +165,11 @@ def _calls(i: int, calls: Any) -> list[dict]:
     return out
 
 
-def forced_call_schema(tools: list[dict], tool_choice: str | dict) -> dict | None:
+def forced_call_schema(tools: list[dict], tool_choice: str | dict, args_key: str = "arguments") -> dict | None:
     """The JSON schema one call must match when `tool_choice` forces a call ("required": any of
-    the tools; a named function: that one), as the formats' JSON carries it: {"name": const,
-    "arguments": the function's parameters}. None when nothing is forced ("auto", "none")."""
+    the tools; a named function: that one), as the JSON formats carry it: {"name": const,
+    args_key: the function's parameters} (a parser's ARGS_KEY; the call text is then its
+    CALL_OPEN + this JSON + CALL_CLOSE). None when nothing is forced ("auto", "none")."""
     if tool_choice in ("auto", "none"):
         return None
     if isinstance(tool_choice, dict):
@@ -176,8 +177,8 @@ def forced_call_schema(tools: list[dict], tool_choice: str | dict) -> dict | Non
 
     def one(f: dict) -> dict:
         params = f.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        return {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
+                "required": ["name", args_key], "additionalProperties": False}
 
     alts = [one(t["function"]) for t in tools]
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
@@ -203,7 +204,12 @@ def new_call_id() -> str:
 class ToolParser:
     """Reads a model's output, whole (`parse`) or in pieces (`feed`, then `finish`): each returns
     the new events, a str (content) or a ToolCall, in order. parallel=False keeps the first call
-    only (OpenAI's parallel_tool_calls: false)."""
+    only (OpenAI's parallel_tool_calls: false). A JSON format's forced call is CALL_OPEN +
+    (JSON matching forced_call_schema(..., ARGS_KEY)) + CALL_CLOSE; ARGS_KEY None: the format is
+    not JSON (forcing it needs a grammar of its own)."""
+
+    CALL_OPEN = CALL_CLOSE = ""
+    ARGS_KEY: str | None = None
 
     def __init__(self, tools: list[dict], *, parallel: bool = True):
         self.functions = {t["function"]["name"]: t["function"] for t in tools}
@@ -320,6 +326,8 @@ class _TaggedParser(ToolParser):
 class HermesParser(_TaggedParser):
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/Qwen3/Hermes)."""
 
+    CALL_OPEN, CALL_CLOSE, ARGS_KEY = "<tool_call>\n", "\n</tool_call>", "arguments"
+
     def _read(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
@@ -376,6 +384,7 @@ class Llama3JsonParser(ToolParser):
     streams as it comes once the output does not start like a call."""
 
     TAG = "<|python_tag|>"
+    ARGS_KEY = "parameters"
 
     def __init__(self, tools: list[dict], **kw):
         super().__init__(tools, **kw)
