@@ -38,6 +38,10 @@ from gguf import GGMLQuantizationType as QT, TokenType
 
 from dflash_native import convert
 from dflash_native.convert import convert_hf_to_gguf
+from dflash_native.convert.archs import llama as llama_arch, qwen35 as qwen35_arch
+from dflash_native.convert.archs.gdn import gdn_dims
+from dflash_native.convert.archs.qwen3next import qwen3next_split_qkvz
+from dflash_native.convert.hparams import load_model_spec
 from fixtures import (LLAMA3_ROPE_SCALING, SPECIAL_TOKENS, TINY_VARIANTS, make_random_checkpoint, make_random_gguf,
                       make_tokenizer_files)
 
@@ -127,7 +131,7 @@ def test_v_head_reorder_is_needed(hf_checkpoint, hf_logits, llama_logits, tmp_pa
     ckpt = hf_checkpoint("qwen3_5", "default")
     cfg = _config(ckpt)
     assert cfg["linear_num_value_heads"] == 2 * cfg["linear_num_key_heads"]
-    monkeypatch.setattr(convert, "v_heads_grouped_to_tiled", lambda x, *args: x)
+    monkeypatch.setattr(qwen35_arch, "v_heads_grouped_to_tiled", lambda x, *args: x)  # where it is called
     path = convert_hf_to_gguf(ckpt, tmp_path / "no-reorder.gguf", outtype="f32")
     tokens = _tokens(cfg["vocab_size"], n=24)
     diff = np.abs(llama_logits(path, tokens) - hf_logits(ckpt, tokens))
@@ -285,8 +289,8 @@ def test_qwen3next_qkvz_split_matches_hf(hf_checkpoint):
     x = torch.randn(1, 5, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         q, k, v, z, b, a = la.fix_query_key_value_ordering(la.in_proj_qkvz(x), la.in_proj_ba(x))
-    spec = convert._load_model_spec(ckpt)
-    qkv_w, z_w = convert.qwen3next_split_qkvz(la.in_proj_qkvz.weight.detach().numpy(), convert._gdn_dims(spec))
+    spec = load_model_spec(ckpt)
+    qkv_w, z_w = qwen3next_split_qkvz(la.in_proj_qkvz.weight.detach().numpy(), gdn_dims(spec))
     xs = x[0].numpy()
     qkv, zz = xs @ qkv_w.T, xs @ z_w.T
     ref_qkv = torch.cat([t.reshape(1, 5, -1) for t in (q, k, v)], -1)[0].numpy()
@@ -531,7 +535,7 @@ def test_moe_config_that_does_not_fit(changes, msg, hf_checkpoint, tmp_path):
 def test_llama_transforms_are_needed(skip, hf_checkpoint, hf_logits, llama_logits, tmp_path, monkeypatch):
     """Without the q/k permutation, or without rope_freqs, llama.cpp's logits leave the f32 bar far behind."""
     ckpt = hf_checkpoint("llama", "odd")
-    monkeypatch.setattr(convert, skip, (lambda x, n: x) if skip == "llama_qk_permute" else (lambda spec: None))
+    monkeypatch.setattr(llama_arch, skip, (lambda x, n: x) if skip == "llama_qk_permute" else (lambda spec: None))
     path = convert_hf_to_gguf(ckpt, tmp_path / "skip.gguf", outtype="f32")
     tokens = _tokens(_config(ckpt)["vocab_size"], n=60)
     diff = np.abs(llama_logits(path, tokens) - hf_logits(ckpt, tokens))

@@ -176,11 +176,11 @@ def test_configs_saved_by_transformers_convert_alike(tmp_path, arch):
 def test_a_missing_hyperparameter_is_refused_by_name(tmp_path, arch):
     """Drop each hyperparameter the architecture needs from a config saved by transformers: the
     converter names it (ValueError), never fills a default."""
-    from dflash_native.convert import _REQUIRED, _MODEL_TYPES
+    from dflash_native.convert.hparams import MODEL_TYPES, REQUIRED
 
     src = make_random_checkpoint(tmp_path / "ckpt", arch)
     saved = _saved_by_transformers(src, tmp_path / "saved")
-    required = list(_REQUIRED[_MODEL_TYPES[saved["model_type"]]])
+    required = list(REQUIRED[MODEL_TYPES[saved["model_type"]]])
     for key in required + ["rope_theta"]:
         d = json.loads(json.dumps(saved))
         if key == "rope_theta":

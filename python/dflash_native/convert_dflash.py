@@ -40,21 +40,11 @@ from typing import Any, Mapping, Sequence
 import gguf
 from gguf import GGUFValueType, MODEL_TENSOR
 
-from .convert import (
-    as_path,
-    check_hparams,
-    QWEN3_LAYER_TENSORS,
-    OUTTYPES,
-    _add_rope_scaling,
-    _add_tokenizer_kv,
-    _convert_tensors,
-    _Checkpoint,
-    _ModelSpec,
-    _rope_parameters,
-    _SourceTensor,
-    _tensor_name,
-    read_config_json,
-)
+from .convert.archs.qwen3 import QWEN3_LAYER_TENSORS
+from .convert.checkpoint import Checkpoint
+from .convert.hparams import ModelSpec, add_rope_scaling, as_path, check_hparams, read_config_json, rope_parameters
+from .convert.tokenizer import add_tokenizer_kv
+from .convert.writer import OUTTYPES, SourceTensor, convert_tensors, tensor_name
 from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
@@ -190,15 +180,15 @@ class DflashSpec:
                              f"supported")
 
     def _rope(self) -> dict[str, Any]:
-        rope = _rope_parameters(self._model_spec())
+        rope = rope_parameters(self._model_spec())
         prf = float(rope.get("partial_rotary_factor", 1.0))
         if prf != 1.0:
             raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
                              f"drafter ropes the whole head)")
         return rope
 
-    def _model_spec(self) -> _ModelSpec:
-        return _ModelSpec(self.src_dir, DFLASH_ARCH, self.config, self.hp, False)
+    def _model_spec(self) -> ModelSpec:
+        return ModelSpec(self.src_dir, DFLASH_ARCH, self.config, self.hp, False)
 
     def _resolve_attention_layout(self) -> None:
         """Per-layer sliding window and causality, as z-lab's modeling code
@@ -336,7 +326,7 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
                            target_dir: str | os.PathLike[str] | None = None) -> Path:
     """Convert the DFlash drafter checkpoint in `src_dir` to a GGUF file at `dst_path`.
 
-    `outtype` is one of "f32", "f16", "bf16", "q8_0", with convert.py's dtype
+    `outtype` is one of "f32", "f16", "bf16", "q8_0", with the target converter's dtype
     policy: 1-D tensors and norms stay F32, a Q8_0 tensor whose rows are not
     whole blocks falls back to F16. `target_gguf` (the target model's GGUF) or
     `target_dir` (its HF directory) is optional: when given, the drafter is
@@ -375,14 +365,14 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
     elif spec.num_target_layers is not None:
         _check_layer_ids(spec, spec.num_target_layers, "target (num_target_layers in the drafter config)")
 
-    tensors = _dflash_tensors(spec, _Checkpoint(src))
+    tensors = _dflash_tensors(spec, Checkpoint(src))
 
     def write_kv(writer: gguf.GGUFWriter) -> None:
         _dflash_kv(writer, spec, mrope_target=target is not None and target.mrope)
         _dflash_tokenizer_kv(writer, spec, target_reader,
                              Path(target_dir) if target_dir is not None else None)
 
-    return _convert_tensors(src, Path(dst_path), DFLASH_ARCH, tensors, outtype, write_kv)
+    return convert_tensors(src, Path(dst_path), DFLASH_ARCH, tensors, outtype, write_kv)
 
 
 def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool) -> None:
@@ -398,7 +388,7 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(float(spec.rope["rope_theta"]))
-    _add_rope_scaling(writer, spec._model_spec(), spec.rope)
+    add_rope_scaling(writer, spec._model_spec(), spec.rope)
     if mrope_target:
         writer.add_array(f"{arch}.rope.dimension_sections", [spec.head_dim // 2, 0, 0, 0])
 
@@ -476,7 +466,7 @@ def _dflash_tokenizer_kv(writer: gguf.GGUFWriter, spec: DflashSpec, target_reade
                 raise ValueError(f"[convert_dflash] {spec.where}: missing key 'vocab_size' (needed to write the "
                                  f"tokenizer from {tok_dir / 'tokenizer.json'})")
             tok_config = spec.config if tok_dir == spec.src_dir else _read_json(tok_dir / "config.json")
-            _add_tokenizer_kv(writer, tok_dir, n_vocab, tok_config)
+            add_tokenizer_kv(writer, tok_dir, n_vocab, tok_config)
     writer.kv_data[0].pop(_MASK_KEY, None)  # the tokenizer may name a mask of its own
     writer.add_mask_token_id(spec.mask_token_id)
 
@@ -510,14 +500,14 @@ def _hf_tensor_shapes(spec: DflashSpec) -> dict[str, tuple[int, ...]]:
 def _gguf_names(n_layer: int) -> dict[str, str]:
     """HF tensor name (no `model.` prefix) -> GGUF name, in llama.cpp's order (globals, then layers)."""
     names = {"fc.weight": FC_NAME, "hidden_norm.weight": ENC_OUTPUT_NORM_NAME,
-             "norm.weight": _tensor_name(MODEL_TENSOR.OUTPUT_NORM)}
+             "norm.weight": tensor_name(MODEL_TENSOR.OUTPUT_NORM)}
     for il in range(n_layer):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
-            names[f"layers.{il}.{hf_suffix}"] = _tensor_name(key, il)
+            names[f"layers.{il}.{hf_suffix}"] = tensor_name(key, il)
     return names
 
 
-def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
+def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
     """GGUF tensors in llama.cpp's order (globals, then layers), with shapes
     checked against config.json. Checkpoints name tensors `fc.weight` (z-lab)
     or `model.fc.weight`; both are accepted."""
@@ -526,7 +516,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
     dims = (f"n_taps={len(spec.target_layer_ids)}, hidden={spec.hidden_size}, heads="
             f"{int(spec.hp['num_attention_heads'])}/{int(spec.hp['num_key_value_heads'])}, head_dim={spec.head_dim}, "
             f"ffn={int(spec.hp['intermediate_size'])}")
-    out: list[_SourceTensor] = []
+    out: list[SourceTensor] = []
     for hf_name, gguf_name in _gguf_names(spec.n_layer).items():
         name, shape = prefix + hf_name, shapes[hf_name]
         if name not in ckpt:
@@ -535,7 +525,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         if src.shape != shape:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
                              f"{list(shape)} from config.json ({dims})")
-        out.append(_SourceTensor(gguf_name, shape, src.load, False, name))
+        out.append(SourceTensor(gguf_name, shape, src.load, False, name))
 
     used = {t.hf_name for t in out}
     extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))

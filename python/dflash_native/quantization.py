@@ -55,7 +55,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
     name = ALIASES.get(name, name)
     if name not in FTYPES:
         raise ValueError(f"[quantize] unknown type '{type}'; one of: {', '.join(quantize_types())}")
-    from .convert import as_path
+    from .convert.hparams import as_path
 
     src, dst = as_path("quantize", "src", src), as_path("quantize", "dst", dst)
     _check_gguf(src, "source")

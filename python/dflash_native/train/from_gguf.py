@@ -133,7 +133,7 @@ def drafter_checkpoint_from_gguf(drafter_gguf: str | os.PathLike[str], out_dir: 
 # ---------------------------------------------------------------------------
 
 def _untile(x: np.ndarray, axis: int, n_k: int, v_per_k: int, head_dim: int, start: int = 0) -> np.ndarray:
-    """The inverse of convert.v_heads_grouped_to_tiled on entries start.. of `axis`."""
+    """The inverse of convert.archs.gdn.v_heads_grouped_to_tiled on entries start.. of `axis`."""
     if v_per_k == 1:
         return x
     head, tail = np.split(x, [start], axis=axis)
@@ -144,7 +144,7 @@ def _untile(x: np.ndarray, axis: int, n_k: int, v_per_k: int, head_dim: int, sta
 
 
 def _a_log(ssm_a: np.ndarray) -> np.ndarray:
-    """A_log with convert._neg_exp(A_log) == ssm_a: the float32 nearest log(-ssm_a), or a
+    """A_log with convert.archs.gdn.neg_exp(A_log) == ssm_a: the float32 nearest log(-ssm_a), or a
     neighbour within 4 ulps that maps back exactly where the nearest does not. Some ssm_a (written
     by an older float32 exp) have no such float32: those keep the nearest, 1 ulp off on the way back."""
     a = np.log(-ssm_a.astype(np.float64)).astype(np.float32)
