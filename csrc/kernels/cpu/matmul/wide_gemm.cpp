@@ -184,15 +184,6 @@ inline void by_row_tiles(int64_t r0, int64_t r1, Tile tile) {
     for (; r < r1; ++r) tile(r, std::integral_constant<int, 1>{});
 }
 
-bool cpu_has_vnni() {
-    static const bool ok = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }();
-    return ok;
-}
-
 // ---- AVX-512 VNNI: groups of 16 columns, tiles of 8 rows ---------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
@@ -400,7 +391,7 @@ inline ivec kq_min_step(ivec M, ivec bs, int32_t pair) {
 // also AVX-512 without VNNI), 0 (none: portable, or not x86).
 int width_at(isa_level level) {
 #if DFN_X86_GCC
-    if (level == isa_level::avx512 && cpu_has_vnni()) return 16;
+    if (level == isa_level::avx512 && cpu_has_avx512vnni()) return 16;
     if (level >= isa_level::avx2) return 8;
 #else
     (void) level;
