@@ -1,7 +1,8 @@
-// The integer path of the batch-invariant matmul (matmul.h has the contract and the math):
-// activations quantized to Q8_0 / Q8_K as ggml's reference quantizers do, weight rows decoded to
-// integer codes and integer scales. Internal to matmul*.cpp; the per-ISA dot loops are in
-// int_portable.inc.
+// The activation quantizer of the batch-invariant matmul's integer path (matmul.h has the contract
+// and the math): columns quantized to Q8_0 / Q8_K as ggml's reference quantizers do, one plain C
+// function per kind that every ISA's rows kernels share (wide_gemm.inc has the wide GEMM's pack:
+// the same codes in registers). The weights' codes are decoded by the dot loops, per ISA (matmul.h's
+// map).
 #pragma once
 
 #include "ggml.h"
@@ -49,7 +50,5 @@ float quantize_q8_0_block(const float * x, int8_t * q);
 // One superblock of 256 as quantize_row_q8_K_ref (above): the codes into q, their sums per 16 into
 // bsums, d returned (NaN with codes 0 for a superblock holding NaN or Inf).
 float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums);
-
-// int_portable.inc, q8_0_rows.inc, kq_rows.inc: the dot loops, per ISA.
 
 }  // namespace dfn
