@@ -32,6 +32,18 @@ struct q8_acts {
     std::vector<int32_t> bias;
 };
 
+// Q8_K: columns n0 .. n0 + RC - 1 of A at superblock s: their 256 codes a[c], 16 sums of 16 codes
+// bs[c] and scales da[c] (what each ISA's K-quant tile reads per superblock).
+template <int RC>
+inline void q8_K_columns(const q8_acts & A, int64_t n0, int64_t s, const int8_t * (&a)[RC], const int16_t * (&bs)[RC],
+                         float (&da)[RC]) {
+    for (int c = 0; c < RC; ++c) {
+        a[c] = A.qs.data() + (n0 + c) * A.ldq + 256 * s;
+        bs[c] = A.bsums.data() + (n0 + c) * (A.K / 16) + 16 * s;
+        da[c] = A.d[(n0 + c) * A.ldd + s];
+    }
+}
+
 // Quantizes x (N columns, column n at x + n * ldx, K values) into A for weights of `type` (a
 // q8_kind_of type), column by column with one function per kind (so a column's codes do not
 // depend on N). False when the scratch cannot be had (noted; matmul.cpp throws it after the
