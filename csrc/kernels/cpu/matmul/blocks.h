@@ -1,6 +1,8 @@
 // The block layouts of the quantized types the matmul decodes itself (the GGUF format's, as
 // ggml-common.h has them; matmul_weight_type checks their sizes against ggml's before use), and
-// the F16 -> F32 conversion of their scales. Internal to matmul*.cpp.
+// the F16 -> F32 conversion of their scales, the x86 helpers several ISAs share (the CPU's AVX-512
+// integer extensions, the Q4_K / Q5_K scale decoder, int32 lane sums), and the 16-row tile base of the Q8_0-kind rows kernels.
+// Internal to the matmul family (matmul.h's map).
 #pragma once
 
 #include "base/common.h"
@@ -56,6 +58,21 @@ static inline float half_to_float(ggml_fp16_t h) {
 }
 
 #if DFN_X86_GCC
+// The CPU's AVX-512 integer extensions: BW (with F and VL; the integer rows' 512-bit forms) and
+// VNNI (the rows' vpdpbusd / vpdpwssd forms and the wide GEMM's groups of 16), probed once.
+static inline bool cpu_has_avx512bw() {
+    static const bool ok = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+    }();
+    return ok;
+}
+static inline bool cpu_has_avx512vnni() {
+    static const bool ok = cpu_has_avx512bw() && __builtin_cpu_supports("avx512vnni");
+    return ok;
+}
+
 // Q4_K / Q5_K: the 8 6-bit scales (bytes 0..7) and mins (bytes 8..15) of the 12 scale bytes s, as
 // scale_min_k4 reads them: sc 0..3 = s 0..3 & 63, sc 4..7 = (s 8..11 & 15) | (s 0..3 >> 6) << 4,
 // m 0..3 = s 4..7 & 63, m 4..7 = (s 8..11 >> 4) | (s 4..7 >> 6) << 4. Reads 16 bytes from s (the

@@ -1,3 +1,6 @@
+// The batch-invariant matmul (matmul.h: the contract, the math and the family's map): each ISA's
+// namespace with the primitives its .inc files take, the choice of path and level per call
+// (rows_on), and the ggml op.
 #include "kernels/cpu/matmul/matmul.h"
 #include "base/alloc.h"
 #include "kernels/cpu/matmul/blocks.h"
@@ -293,14 +296,6 @@ static inline bool tile_sums(const vec (&acc)[RM][RN], float * y, int64_t ldy) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-static const bool k_avx512bw = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}();
-static const bool k_vnni = k_avx512bw && [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni");
-}();
 namespace isa_avx512bw {
 #define INT_VNNI 0
 #include "kernels/cpu/matmul/int_avx512.inc"
@@ -369,10 +364,10 @@ bool rows_q8_on(isa which, const uint8_t * W, ggml_type type, size_t w_row_bytes
     switch (which) {
 #if DFN_X86_GCC
         case isa::avx512:  // 512-bit integer sums with AVX-512BW (VNNI), else the AVX2 ones
-            if (k_vnni && !no_vnni) {
+            if (cpu_has_avx512vnni() && !no_vnni) {
                 if (kquant) isa_avx512vnni::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
                 else isa_avx512vnni::rows_q8_bw(W, w_row_bytes, type, A, y, ldy, r0, r1);
-            } else if (k_avx512bw) {
+            } else if (cpu_has_avx512bw()) {
                 if (kquant) isa_avx512bw::rows_kq_bw(type, W, w_row_bytes, A, y, ldy, r0, r1);
                 else isa_avx512bw::rows_q8_bw(W, w_row_bytes, type, A, y, ldy, r0, r1);
             } else if (kquant) {

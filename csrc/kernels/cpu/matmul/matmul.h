@@ -1,5 +1,29 @@
 // Batch-invariant CPU matmul: y = W x for F16 / F32 / BF16 / quantized weights and F32 activations.
 //
+// The family's map: which file holds each path at each instruction set. matmul.cpp includes the
+// .inc files into one namespace per ISA (isa_portable, isa_avx2, isa_avx512 for the F32 path,
+// isa_avx512bw and isa_avx512vnni for the integer rows), each after it defines the primitives the
+// .inc's first comment lists; wide_gemm.cpp does the same with wide_gemm.inc (wide256, wide512).
+//
+//   path              | portable           | AVX2               | AVX-512BW           | AVX-512 VNNI
+//   ------------------+--------------------+--------------------+---------------------+---------------------
+//   F32 tiles         | tile.inc           | tile.inc           | tile.inc (isa_avx512: AVX-512F, both columns)
+//   dequant (F32 path)| dequant.inc        | dequant.inc        | dequant.inc (isa_avx512, both columns)
+//   Q4_0 / Q8_0 rows  | int_portable.inc   | q8_0_avx2.inc      | q8_0_avx512.inc     | q8_0_avx512.inc
+//                     |   (rows_q8)        | + q8_0_rows.inc    | + q8_0_rows.inc     | + q8_0_rows.inc
+//   Q4_K/Q5_K/Q6_K    | int_portable.inc   | kq_avx2.inc        | kq_avx512.inc       | kq_avx512.inc
+//     rows            | + kq_rows.inc      | + kq_rows.inc      | + kq_rows.inc tiles | + kq_rows.inc tiles
+//   K-quant scale step| kq_scale.inc, every column (included by int_portable.inc, kq_avx2.inc, kq_avx512.inc)
+//   activation quant. | quantize_act.{h,cpp}, every column (the rows kernels' Q8_0 / Q8_K columns)
+//   wide GEMM         | - (rows kernels,   | wide_gemm.inc      | wide_gemm.inc       | wide_gemm.inc
+//     (pack + tiles)  |   ggml_mul_mat)    |   (wide256)        |   (wide256)         |   (wide512)
+//
+// The AVX-512BW and VNNI columns are int_avx512.inc included twice (INT_VNNI 0 / 1: Q8_DPBUSD,
+// KQ_DPWSSD); AVX-512 without BW runs the AVX2 integer rows. Around them: matmul.cpp (the
+// primitives, the choice of path and level: rows_on, rows_q8_on, wide_min_cols), blocks.h (the block
+// layouts), dispatch.h + tune.cpp (the level measured per weight type), wide_gemm.{h,cpp} (the wide
+// GEMM's layout, math, primitives and ops).
+//
 // The contract: every output y[n, r] is computed by one fixed sequence of IEEE operations that
 // depends on row r of W and column n of x only -- not on the number of columns N, the tile the
 // output falls in, the thread that computes it, or the instruction set (AVX-512, AVX2 and the

@@ -1,3 +1,4 @@
+// quantize_act.h's activation quantizers (ggml's quantize_row_q8_0_ref / q8_K_ref), plain C.
 #include "kernels/cpu/matmul/quantize_act.h"
 #include "base/alloc.h"
 #include "kernels/cpu/matmul/blocks.h"

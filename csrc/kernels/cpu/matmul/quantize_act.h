@@ -1,7 +1,8 @@
-// The integer path of the batch-invariant matmul (matmul.h has the contract and the math):
-// activations quantized to Q8_0 / Q8_K as ggml's reference quantizers do, weight rows decoded to
-// integer codes and integer scales. Internal to matmul*.cpp; the per-ISA dot loops are in
-// int_portable.inc.
+// The activation quantizer of the batch-invariant matmul's integer path (matmul.h has the contract
+// and the math): columns quantized to Q8_0 / Q8_K as ggml's reference quantizers do, one plain C
+// function per kind that every ISA's rows kernels share (wide_gemm.inc has the wide GEMM's pack:
+// the same codes in registers). The weights' codes are decoded by the dot loops, per ISA (matmul.h's
+// map).
 #pragma once
 
 #include "ggml.h"
@@ -31,6 +32,18 @@ struct q8_acts {
     std::vector<int32_t> bias;
 };
 
+// Q8_K: columns n0 .. n0 + RC - 1 of A at superblock s: their 256 codes a[c], 16 sums of 16 codes
+// bs[c] and scales da[c] (what each ISA's K-quant tile reads per superblock).
+template <int RC>
+inline void q8_K_columns(const q8_acts & A, int64_t n0, int64_t s, const int8_t * (&a)[RC], const int16_t * (&bs)[RC],
+                         float (&da)[RC]) {
+    for (int c = 0; c < RC; ++c) {
+        a[c] = A.qs.data() + (n0 + c) * A.ldq + 256 * s;
+        bs[c] = A.bsums.data() + (n0 + c) * (A.K / 16) + 16 * s;
+        da[c] = A.d[(n0 + c) * A.ldd + s];
+    }
+}
+
 // Quantizes x (N columns, column n at x + n * ldx, K values) into A for weights of `type` (a
 // q8_kind_of type), column by column with one function per kind (so a column's codes do not
 // depend on N). False when the scratch cannot be had (noted; matmul.cpp throws it after the
@@ -49,7 +62,5 @@ float quantize_q8_0_block(const float * x, int8_t * q);
 // One superblock of 256 as quantize_row_q8_K_ref (above): the codes into q, their sums per 16 into
 // bsums, d returned (NaN with codes 0 for a superblock holding NaN or Inf).
 float quantize_q8_K_block(const float * x, int8_t * q, int16_t * bsums);
-
-// int_portable.inc, q8_0_rows.inc, kq_rows.inc: the dot loops, per ISA.
 
 }  // namespace dfn

@@ -1,5 +1,7 @@
 // The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (wide_gemm.h has the
-// layout and the math).
+// layout and the math): what both levels share (the packed layout, the weights' unpacking), each
+// level's primitives and exact integer sums in its namespace (wide512, wide256) with the loops they
+// run included from wide_gemm.inc, and the ggml ops.
 #include "kernels/cpu/matmul/wide_gemm.h"
 
 #include "base/alloc.h"
@@ -30,76 +32,11 @@ namespace {
 template <int G> constexpr int64_t group_bytes = 40 * G;
 template <int G> constexpr int64_t bias_at = 32 * G;
 template <int G> constexpr int64_t scale_at = 36 * G;
-constexpr int k_tile_rows = 8;  // rows per tile on AVX-512 (8 int32 + 8 float accumulators)
-constexpr int k_tile_rows_avx2 = 4;  // on AVX2 (16 ymm registers)
+constexpr int k_max_tile_rows = 8;  // Q4_0 / Q8_0 rows per tile at any width (each level's k_tile_rows)
 constexpr int k_kq_tile_rows = 4;  // K-quants, both levels (per row: the group sums, S, M, the lanes)
 
 template <int G>
 int64_t packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 32) * group_bytes<G>; }
-
-// The offset the pack's biases take off: the unsigned codes' (AVX-512 VNNI: Q4_0 nibbles 8, Q8_0
-// xor 0x80 128); AVX2 multiplies Q8_0 as |w| by a signed by w, which needs none.
-int code_offset(ggml_type type, int G) { return type == GGML_TYPE_Q4_0 ? 8 : G == 16 ? 128 : 0; }
-
-#if DFN_X86_GCC
-namespace wide512 {  // below, in 512-bit registers: the same codes and scales as the scalar functions
-float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum);
-float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums);
-}  // namespace wide512
-namespace wide256 {  // the same in 256-bit registers
-float quantize_q8_0_block_avx2(const float * x, int8_t * q, int32_t & sum);
-float quantize_q8_K_block_avx2(const float * x, int8_t * q, int16_t * bsums);
-}  // namespace wide256
-#endif
-
-// quantize_q8_0_block, and the codes' sum; width 16 / 8: its AVX-512 / AVX2 form (the GEMM's
-// level: the CPU has it).
-inline float quantize_q8_0_summed(const float * x, int8_t * q, int32_t & sum, int width) {
-#if DFN_X86_GCC
-    if (width == 16) return wide512::quantize_q8_0_block_avx512(x, q, sum);
-    if (width == 8) return wide256::quantize_q8_0_block_avx2(x, q, sum);
-#else
-    (void) width;
-#endif
-    const float d = quantize_q8_0_block(x, q);
-    sum = 0;
-    for (int k = 0; k < 32; ++k) sum += q[k];
-    return d;
-}
-
-// quantize_q8_K_block; width 16 / 8: its AVX-512 / AVX2 form.
-inline float quantize_q8_K(const float * x, int8_t * q, int16_t * bsums, int width) {
-#if DFN_X86_GCC
-    if (width == 16) return wide512::quantize_q8_K_block_avx512(x, q, bsums);
-    if (width == 8) return wide256::quantize_q8_K_block_avx2(x, q, bsums);
-#else
-    (void) width;
-#endif
-    return quantize_q8_K_block(x, q, bsums);
-}
-
-// Groups [g0, g1) of x's N columns into P (wide_gemm.h: pack).
-template <int G>
-void pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, int off, uint8_t * P, int64_t g0, int64_t g1) {
-    const int64_t nb = K / 32;
-    alignas(64) int8_t q[32];
-    for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t c = 0; c < G; ++c) {
-            const int64_t n = g * G + c;
-            for (int64_t b = 0; b < nb; ++b) {
-                uint8_t * blk = P + (g * nb + b) * group_bytes<G>;
-                float d = 0.0f;
-                int32_t sum = 0;
-                if (n < N) d = quantize_q8_0_summed(x + n * ldx + 32 * b, q, sum, G);
-                else std::memset(q, 0, sizeof(q));
-                for (int j = 0; j < 8; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
-                const int32_t bias = -off * sum;
-                std::memcpy(blk + bias_at<G> + 4 * c, &bias, 4);
-                std::memcpy(blk + scale_at<G> + 4 * c, &d, 4);
-            }
-        }
-    }
-}
 
 // Q4_K / Q6_K: the packed layout for groups of G columns per superblock of 256 (activations as
 // Q8_K): 64 chunks of 4 G code bytes (chunk c: codes 4 c .. 4 c + 3, lane = column), then 8 pairs
@@ -111,32 +48,6 @@ template <int G> constexpr int64_t kq_scale_at = 288 * G;
 
 template <int G>
 int64_t kq_packed_bytes(int64_t K, int64_t N) { return (N + G - 1) / G * (K / 256) * kq_group_bytes<G>; }
-
-// Groups [g0, g1) of x's N columns into P for K-quant weights (ggml's quantize_row_q8_K_ref).
-template <int G>
-void kq_pack_groups(const float * x, int64_t ldx, int64_t K, int64_t N, uint8_t * P, int64_t g0, int64_t g1) {
-    const int64_t nsb = K / 256;
-    alignas(64) int8_t q[256];
-    int16_t bsums[16];
-    for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t c = 0; c < G; ++c) {
-            const int64_t n = g * G + c;
-            for (int64_t s = 0; s < nsb; ++s) {
-                uint8_t * blk = P + (g * nsb + s) * kq_group_bytes<G>;
-                float d = 0.0f;
-                if (n < N) {
-                    d = quantize_q8_K(x + n * ldx + 256 * s, q, bsums, G);
-                } else {
-                    std::memset(q, 0, sizeof(q));
-                    std::memset(bsums, 0, sizeof(bsums));
-                }
-                for (int j = 0; j < 64; ++j) std::memcpy(blk + 4 * G * j + 4 * c, q + 4 * j, 4);
-                for (int p = 0; p < 8; ++p) std::memcpy(blk + kq_bsum_at<G> + 4 * G * p + 4 * c, bsums + 2 * p, 4);
-                std::memcpy(blk + kq_scale_at<G> + 4 * c, &d, 4);
-            }
-        }
-    }
-}
 
 // One K-quant superblock unpacked: the 256 unsigned codes in order, the group scales sc (Q4_K: 8
 // sub-blocks of 32; Q6_K: 16 groups of 16, signed), the 8 int16 pairs `pair` that multiply the
@@ -272,17 +183,6 @@ inline void by_row_tiles(int64_t r0, int64_t r1, Tile tile) {
     for (; r + TR <= r1; r += TR) tile(r, std::integral_constant<int, TR>{});
     for (; r < r1; ++r) tile(r, std::integral_constant<int, 1>{});
 }
-#endif
-
-#if DFN_X86_GCC
-bool cpu_has_vnni() {
-    static const bool ok = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }();
-    return ok;
-}
 
 // ---- AVX-512 VNNI: groups of 16 columns, tiles of 8 rows ---------------------------------------
 #pragma GCC push_options
@@ -293,74 +193,53 @@ bool cpu_has_vnni() {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace wide512 {
 
-// quantize_q8_0_block (quantize_act.h) on 512 bits: the same operations per value (|x| max, v = x * id
-// rounded half away from zero by truncation and the exact remainder), so the same codes and scale;
-// also returns the codes' sum. A block holding NaN or Inf: codes 0 and a NaN scale, as there.
-float quantize_q8_0_block_avx512(const float * x, int8_t * q, int32_t & sum) {
-    const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
-    const __mmask16 fin0 = _mm512_cmp_ps_mask(_mm512_sub_ps(a0, a0), _mm512_setzero_ps(), _CMP_EQ_OQ);
-    const __mmask16 fin1 = _mm512_cmp_ps_mask(_mm512_sub_ps(a1, a1), _mm512_setzero_ps(), _CMP_EQ_OQ);
-    if ((fin0 & fin1) != 0xFFFF) {
-        std::memset(q, 0, 32);
-        sum = 0;
-        return quantize_q8_0_block(x, q);  // NaN, codes 0
-    }
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), mhalf = _mm512_set1_ps(-0.5f);
-    __m512i qs[2];
-    for (int h = 0; h < 2; ++h) {
-        const __m512 v = _mm512_mul_ps(h ? a1 : a0, vid);
-        const __m512i t = _mm512_cvttps_epi32(v);
-        const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(t));
-        __m512i r = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), t, _mm512_set1_epi32(1));
-        r = _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask(frac, mhalf, _CMP_LE_OQ), r, _mm512_set1_epi32(1));
-        qs[h] = r;
-        _mm_storeu_si128((__m128i *) (q + 16 * h), _mm512_cvtepi32_epi8(r));
-    }
-    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qs[0], qs[1]));
-    return half_to_float(ggml_fp32_to_fp16(d));
+// The primitives and integer sums wide_gemm.inc asks for (its first comment), on 512 bits.
+constexpr int k_width = 16;
+constexpr int k_tile_rows = 8;  // 8 int32 + 8 float accumulators
+constexpr bool k_q8_unsigned = true;  // vpdpbusd takes unsigned codes: Q8_0 xor 0x80 (off 128)
+typedef __m512 vec;
+typedef __m512i ivec;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const uint8_t * p) { return _mm512_loadu_ps((const float *) p); }
+inline vec vset1(float v) { return _mm512_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vcvt(ivec v) { return _mm512_cvtepi32_ps(v); }
+inline vec vneg(vec v) {  // the sign bit flipped (AVX-512F has no xor_ps)
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
 }
-
-// quantize_q8_K_block (quantize_act.h) on 512 bits: max = the first x of largest |x|, iscale =
-// -127 / max, q = min(127, round-half-even(iscale * x)) (vcvtps2dq under the default rounding: what
-// nearest_int computes for |v| < 2^22), the sums of 16 codes, d = 1 / iscale. Non-finite or all-zero
-// superblocks go to the scalar function (codes 0; d NaN or 0).
-float quantize_q8_K_block_avx512(const float * x, int8_t * q, int16_t * bsums) {
-    __m512 a[16];
-    __mmask16 fin = 0xFFFF;
-    __m512 m = _mm512_setzero_ps();
-    for (int i = 0; i < 16; ++i) {
-        a[i] = _mm512_loadu_ps(x + 16 * i);
-        fin &= _mm512_cmp_ps_mask(_mm512_sub_ps(a[i], a[i]), _mm512_setzero_ps(), _CMP_EQ_OQ);
-        m = _mm512_max_ps(m, _mm512_abs_ps(a[i]));
-    }
-    const float amax = _mm512_reduce_max_ps(m);
-    if (fin != 0xFFFF || amax == 0.0f) return quantize_q8_K_block(x, q, bsums);
-    float max = 0.0f;
-    for (int i = 0; i < 16; ++i) {  // the first value whose |x| is amax, with its sign
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(a[i]), _mm512_set1_ps(amax), _CMP_EQ_OQ);
-        if (hit) {
-            max = x[16 * i + __builtin_ctz((unsigned) hit)];
-            break;
-        }
-    }
-    const float iscale = -127.0f / max;
-    const __m512 vs = _mm512_set1_ps(iscale);
-    for (int i = 0; i < 16; ++i) {
-        const __m512i r = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs, a[i])), _mm512_set1_epi32(127));
-        _mm_storeu_si128((__m128i *) (q + 16 * i), _mm512_cvtepi32_epi8(r));
-        bsums[i] = (int16_t) _mm512_reduce_add_epi32(r);
-    }
-    return 1.0f / iscale;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec iload(const uint8_t * p) { return _mm512_loadu_si512((const void *) p); }
+inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec isub(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
+inline ivec islli(ivec a, unsigned n) { return _mm512_slli_epi32(a, n); }
+// the activations' quantizers
+inline vec vload(const float * p) { return _mm512_loadu_ps(p); }
+inline vec vabs(vec v) { return _mm512_abs_ps(v); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float hmax(vec v) { return _mm512_reduce_max_ps(v); }
+inline bool all_finite(vec v) {  // x - x is 0 for every finite x, NaN otherwise
+    return _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
+}
+inline unsigned lanes_equal(vec v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ); }
+inline ivec round_away(vec v) {  // ggml's reference rounding: t = trunc(v), +1 where v - t >= 0.5, -1 where <= -0.5
+    const ivec t = _mm512_cvttps_epi32(v);
+    const vec frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(t));
+    const ivec r = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ), t, _mm512_set1_epi32(1));
+    return _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask(frac, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), r, _mm512_set1_epi32(1));
+}
+inline ivec round_even(vec v) { return _mm512_cvtps_epi32(v); }  // under the default rounding mode
+inline ivec imin(ivec a, int32_t b) { return _mm512_min_epi32(a, _mm512_set1_epi32(b)); }
+inline int32_t ihsum(ivec v) { return _mm512_reduce_add_epi32(v); }
+inline void store_codes16(int8_t * q, const ivec * r) {  // 16 int32 lanes (-127..127) as int8
+    _mm_storeu_si128((__m128i *) q, _mm512_cvtepi32_epi8(r[0]));
 }
 
 // acc[i] (lane c: column c0 + c of row r + i) into y[(c0 + c) ldy + r + i] for the first cols
 // columns: through a copy on the stack, one store of the RR rows per column (a scatter of each row
 // wrote 16 lines, 4 bytes each: a third of a 16-column verify's matmul time went there).
 template <int RR>
-inline void store_tile(const __m512 * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
+inline void store_tile(const vec * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
     alignas(64) float tmp[RR][16];
     for (int i = 0; i < RR; ++i) _mm512_store_ps(tmp[i], acc[i]);
     const __m256i idx = _mm256_set_epi32(112, 96, 80, 64, 48, 32, 16, 0);  // tmp[i][c] - tmp[0][c]
@@ -371,106 +250,22 @@ inline void store_tile(const __m512 * acc, float * y, int64_t ldy, int64_t r, in
     }
 }
 
-// Rows r .. r + RR - 1 against every group of P: y[n * ldy + r + i].
-template <ggml_type T, int RR>
-void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
-               int64_t r, uint8_t * U, float * DW) {
-    unpack_rows<T, RR, true>(W, w_row_bytes, nb, r, U, DW);
-    for (int64_t g = 0; g * 16 < N; ++g) {
-        __m512 acc[RR];
-        for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();
-        const uint8_t * pg = P + g * nb * group_bytes<16>;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t * pb = pg + b * group_bytes<16>;
-            __m512i s[RR];
-            const __m512i bias = _mm512_loadu_si512((const void *) (pb + bias_at<16>));
-            for (int i = 0; i < RR; ++i) s[i] = bias;
-            for (int j = 0; j < 8; ++j) {
-                const __m512i a = _mm512_loadu_si512((const void *) (pb + 64 * j));
-                for (int i = 0; i < RR; ++i) {
-                    int32_t w4;
-                    std::memcpy(&w4, U + (i * nb + b) * 32 + 4 * j, 4);
-                    s[i] = _mm512_dpbusd_epi32(s[i], _mm512_set1_epi32(w4), a);
-                }
-            }
-            const __m512 da = _mm512_loadu_ps((const float *) (pb + scale_at<16>));
-            for (int i = 0; i < RR; ++i) {
-                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(DW[i * nb + b]), da);
-                acc[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[i]), acc[i]);
-            }
-        }
-        store_tile<RR>(acc, y, ldy, r, g * 16, std::min<int64_t>(16, N - g * 16));
-    }
-}
-
+// Q4_0 / Q8_0: s = bias + sum_j vpdpbusd(the row's 4 unsigned codes, chunk j).
 template <ggml_type T>
-__attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
-                                         float * y, int64_t ldy, int64_t r0, int64_t r1, uint8_t * U, float * DW) {
-    by_row_tiles<k_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
-        gemm_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 32, P, N, y, ldy, r, U, DW);
-    });
-}
-
-// K-quant rows r .. r + RR - 1 against every group, per superblock: each scale group's exact code
-// sums t (Q4_K / Q5_K: 8 sub-blocks of 8 chunks; Q6_K: 16 groups of 4), S = sum sc t; M = sum over
-// the 8 bsum pairs (vpdpwssd); then Q4_K / Q5_K lane = fmaf(fl(d * da), S, lane),
-// lane = fmaf(fl(-dmin * da), M, lane); Q6_K lane = fmaf(fl(d * da), S - 32 M, lane) (the codes'
-// offset 32 times sum sc bsum).
-template <ggml_type T, int RR>
-void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
-             int64_t r, kq_unpacked * U) {
-    constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
-    kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
-    for (int64_t g = 0; g * 16 < N; ++g) {
-        __m512 acc[RR];
-        for (int i = 0; i < RR; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < nsb; ++s) {
-            const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<16>;
-            __m512i S[RR], M[RR];
-            for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm512_setzero_si512();
-            for (int j = 0; j < n_groups; ++j) {
-                __m512i t[RR];
-                for (int i = 0; i < RR; ++i) t[i] = _mm512_setzero_si512();
-                for (int c = chunks * j; c < chunks * (j + 1); ++c) {
-                    const __m512i a = _mm512_loadu_si512((const void *) (pb + 64 * c));
-                    for (int i = 0; i < RR; ++i) {
-                        int32_t w4;
-                        std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
-                        t[i] = _mm512_dpbusd_epi32(t[i], _mm512_set1_epi32(w4), a);
-                    }
-                }
-                for (int i = 0; i < RR; ++i)
-                    S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(t[i], _mm512_set1_epi32(U[i * nsb + s].sc[j])));
-            }
-            for (int p = 0; p < 8; ++p) {
-                const __m512i bs = _mm512_loadu_si512((const void *) (pb + kq_bsum_at<16> + 64 * p));
-                for (int i = 0; i < RR; ++i) M[i] = _mm512_dpwssd_epi32(M[i], bs, _mm512_set1_epi32(U[i * nsb + s].pair[p]));
-            }
-            const __m512 da = _mm512_loadu_ps((const float *) (pb + kq_scale_at<16>));
-            for (int i = 0; i < RR; ++i) {
-                const kq_unpacked & x = U[i * nsb + s];
-                const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(x.d), da);
-                if constexpr (T == GGML_TYPE_Q6_K) {
-                    acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(S[i], _mm512_slli_epi32(M[i], 5))), acc[i]);
-                } else {
-                    acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(S[i]), acc[i]);
-                    const __m512 dm = _mm512_castsi512_ps(_mm512_xor_si512(  // -fl(dmin * da), as the rows kernels
-                        _mm512_castps_si512(_mm512_mul_ps(_mm512_set1_ps(x.dmin), da)), _mm512_set1_epi32(INT32_MIN)));
-                    acc[i] = _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(M[i]), acc[i]);
-                }
-            }
-        }
-        store_tile<RR>(acc, y, ldy, r, g * 16, std::min<int64_t>(16, N - g * 16));
-    }
-}
-
+inline ivec q8_sum_init(ivec bias) { return bias; }
 template <ggml_type T>
-__attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
-                                       float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
-    by_row_tiles<k_kq_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
-        kq_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 256, P, N, y, ldy, r, U);
-    });
-}
+inline ivec q8_sum_step(ivec s, int32_t w4, ivec a) { return _mm512_dpbusd_epi32(s, _mm512_set1_epi32(w4), a); }
+template <ggml_type T>
+inline ivec q8_sum_end(ivec s, ivec) { return s; }
+
+// K-quants: a scale group's chunks in one run of vpdpbusd, times sc by vpmulld; M by vpdpwssd.
+template <ggml_type T>
+constexpr int kq_per_sum = T == GGML_TYPE_Q6_K ? 4 : 8;  // all the group's chunks
+inline ivec kq_sum_step(ivec t, int32_t w4, ivec a) { return _mm512_dpbusd_epi32(t, _mm512_set1_epi32(w4), a); }
+inline ivec kq_sum_scaled(ivec t, int32_t sc) { return _mm512_mullo_epi32(t, _mm512_set1_epi32(sc)); }
+inline ivec kq_min_step(ivec M, ivec bs, int32_t pair) { return _mm512_dpwssd_epi32(M, bs, _mm512_set1_epi32(pair)); }
+
+#include "kernels/cpu/matmul/wide_gemm.inc"
 
 }  // namespace wide512
 #pragma GCC diagnostic pop
@@ -481,97 +276,59 @@ __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, in
 #pragma GCC target("avx2,fma,f16c")
 namespace wide256 {
 
-// 8 int32 lanes of each of a, b (values in -127..127) as 16 int8, in order.
-inline __m128i pack_epi8(__m256i a, __m256i b) {
-    const __m256i w = _mm256_packs_epi32(a, b);  // a0-3 b0-3 | a4-7 b4-7 (int16)
-    const __m256i y = _mm256_permute4x64_epi64(w, 0xD8);  // a0-3 a4-7 b0-3 b4-7
-    return _mm_packs_epi16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-}
-
-inline float hmax_ps(__m256 v) {
+// The primitives and integer sums wide_gemm.inc asks for (its first comment), on 256 bits.
+constexpr int k_width = 8;
+constexpr int k_tile_rows = 4;  // 16 ymm registers
+constexpr bool k_q8_unsigned = false;  // Q8_0 as |w| x (a signed by w): maddubs takes one unsigned operand
+typedef __m256 vec;
+typedef __m256i ivec;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const uint8_t * p) { return _mm256_loadu_ps((const float *) p); }
+inline vec vset1(float v) { return _mm256_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vcvt(ivec v) { return _mm256_cvtepi32_ps(v); }
+inline vec vneg(vec v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline ivec iload(const uint8_t * p) { return _mm256_loadu_si256((const __m256i *) p); }
+inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec isub(ivec a, ivec b) { return _mm256_sub_epi32(a, b); }
+inline ivec islli(ivec a, int n) { return _mm256_slli_epi32(a, n); }
+// the activations' quantizers
+inline vec vload(const float * p) { return _mm256_loadu_ps(p); }
+inline vec vabs(vec v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float hmax(vec v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
-
-inline bool all_finite(__m256 v) {  // x - x is 0 for every finite x, NaN otherwise
+inline bool all_finite(vec v) {  // x - x is 0 for every finite x, NaN otherwise
     return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ)) == 0xFF;
 }
-
-// quantize_q8_0_block (quantize_act.h) on 256 bits, as wide512's form: the same operations per value
-// (|x| max, v = x * id rounded half away from zero by truncation and the exact remainder), so the
-// same codes and scale; also returns the codes' sum. NaN / Inf: the scalar function's codes 0, NaN.
-float quantize_q8_0_block_avx2(const float * x, int8_t * q, int32_t & sum) {
-    __m256 a[4];
-    bool fin = true;
-    __m256 m = _mm256_setzero_ps();
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int i = 0; i < 4; ++i) {
-        a[i] = _mm256_loadu_ps(x + 8 * i);
-        fin = fin && all_finite(a[i]);
-        m = _mm256_max_ps(m, _mm256_and_ps(a[i], abs));
-    }
-    if (!fin) {
-        std::memset(q, 0, 32);
-        sum = 0;
-        return quantize_q8_0_block(x, q);  // NaN, codes 0
-    }
-    const float d = hmax_ps(m) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), mhalf = _mm256_set1_ps(-0.5f);
-    __m256i r[4];
-    for (int i = 0; i < 4; ++i) {
-        const __m256 v = _mm256_mul_ps(a[i], vid);
-        const __m256i t = _mm256_cvttps_epi32(v);
-        const __m256 frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(t));
-        // the compares' all-ones lanes are -1: subtracting adds 1, adding subtracts 1
-        r[i] = _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(frac, half, _CMP_GE_OQ)));
-        r[i] = _mm256_add_epi32(r[i], _mm256_castps_si256(_mm256_cmp_ps(frac, mhalf, _CMP_LE_OQ)));
-    }
-    _mm_storeu_si128((__m128i *) q, pack_epi8(r[0], r[1]));
-    _mm_storeu_si128((__m128i *) (q + 16), pack_epi8(r[2], r[3]));
-    sum = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
-    return half_to_float(ggml_fp32_to_fp16(d));
+inline unsigned lanes_equal(vec v, float x) {
+    return (unsigned) _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_EQ_OQ));
 }
-
-// quantize_q8_K_block on 256 bits, as wide512's form (iscale = -127 / the first value of largest
-// |x|, codes min(127, round-half-even(iscale x)) by vcvtps2dq).
-float quantize_q8_K_block_avx2(const float * x, int8_t * q, int16_t * bsums) {
-    bool fin = true;
-    __m256 m = _mm256_setzero_ps();
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int i = 0; i < 32; ++i) {
-        const __m256 a = _mm256_loadu_ps(x + 8 * i);
-        fin = fin && all_finite(a);
-        m = _mm256_max_ps(m, _mm256_and_ps(a, abs));
-    }
-    const float amax = hmax_ps(m);
-    if (!fin || amax == 0.0f) return quantize_q8_K_block(x, q, bsums);
-    float max = 0.0f;
-    for (int i = 0; i < 32; ++i) {  // the first value whose |x| is amax, with its sign
-        const __m256 a = _mm256_loadu_ps(x + 8 * i);
-        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(a, abs), _mm256_set1_ps(amax), _CMP_EQ_OQ));
-        if (hit) {
-            max = x[8 * i + __builtin_ctz((unsigned) hit)];
-            break;
-        }
-    }
-    const float iscale = -127.0f / max;
-    const __m256 vs = _mm256_set1_ps(iscale);
-    const __m256i top = _mm256_set1_epi32(127);
-    for (int i = 0; i < 16; ++i) {
-        const __m256i r0 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i))), top);
-        const __m256i r1 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * i + 8))), top);
-        _mm_storeu_si128((__m128i *) (q + 16 * i), pack_epi8(r0, r1));
-        bsums[i] = (int16_t) hsum8_epi32(_mm256_add_epi32(r0, r1));
-    }
-    return 1.0f / iscale;
+inline ivec round_away(vec v) {  // ggml's reference rounding: t = trunc(v), +1 where v - t >= 0.5, -1 where <= -0.5
+    const ivec t = _mm256_cvttps_epi32(v);
+    const vec frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(t));
+    // the compares' all-ones lanes are -1: subtracting adds 1, adding subtracts 1
+    const ivec r = _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ)));
+    return _mm256_add_epi32(r, _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(-0.5f), _CMP_LE_OQ)));
+}
+inline ivec round_even(vec v) { return _mm256_cvtps_epi32(v); }  // under the default rounding mode
+inline ivec imin(ivec a, int32_t b) { return _mm256_min_epi32(a, _mm256_set1_epi32(b)); }
+inline int32_t ihsum(ivec v) { return hsum8_epi32(v); }
+inline void store_codes16(int8_t * q, const ivec * r) {  // 2 x 8 int32 lanes (-127..127) as 16 int8, in order
+    const __m256i w = _mm256_packs_epi32(r[0], r[1]);  // r0 0-3, r1 0-3 | r0 4-7, r1 4-7 (int16)
+    const __m256i y = _mm256_permute4x64_epi64(w, 0xD8);  // r0 0-3, r0 4-7, r1 0-3, r1 4-7
+    _mm_storeu_si128((__m128i *) q, _mm_packs_epi16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
 }
 
 // acc[i] (lane c: column c0 + c of row r + i) into y[(c0 + c) ldy + r + i] for the first cols
 // columns: one store of the RR (<= 4) rows per column, as wide512's store_tile.
 template <int RR>
-inline void store_tile(const __m256 * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
+inline void store_tile(const vec * acc, float * y, int64_t ldy, int64_t r, int64_t c0, int64_t cols) {
     static_assert(RR <= 4, "store_tile: at most 4 rows");
     alignas(32) float tmp[4][8] = {};
     for (int i = 0; i < RR; ++i) _mm256_store_ps(tmp[i], acc[i]);
@@ -585,127 +342,46 @@ inline void store_tile(const __m256 * acc, float * y, int64_t ldy, int64_t r, in
     }
 }
 
-template <ggml_type T, int RR>
-void gemm_tile(const uint8_t * W, size_t w_row_bytes, int64_t nb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
-               int64_t r, uint8_t * U, float * DW) {
-    unpack_rows<T, RR, false>(W, w_row_bytes, nb, r, U, DW);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g * 8 < N; ++g) {
-        __m256 acc[RR];
-        for (int i = 0; i < RR; ++i) acc[i] = _mm256_setzero_ps();
-        const uint8_t * pg = P + g * nb * group_bytes<8>;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t * pb = pg + b * group_bytes<8>;
-            const __m256i bias = _mm256_loadu_si256((const __m256i *) (pb + bias_at<8>));
-            __m256i s[RR];
-            if constexpr (T == GGML_TYPE_Q4_0) {
-                // pairs nibble x a are at most 2 x 15 x 127 = 3810, so 8 chunks' pairs sum in int16 (<= 30480)
-                __m256i s16[RR];
-                for (int i = 0; i < RR; ++i) s16[i] = _mm256_setzero_si256();
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * j));
-                    for (int i = 0; i < RR; ++i) {
-                        int32_t w4;
-                        std::memcpy(&w4, U + (i * nb + b) * 32 + 4 * j, 4);
-                        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
-                    }
-                }
-                for (int i = 0; i < RR; ++i) s[i] = _mm256_add_epi32(_mm256_madd_epi16(s16[i], ones), bias);
-            } else {
-                for (int i = 0; i < RR; ++i) s[i] = bias;  // 0: no offset on this path
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * j));
-                    for (int i = 0; i < RR; ++i) {
-                        int32_t w4;
-                        std::memcpy(&w4, U + (i * nb + b) * 32 + 4 * j, 4);
-                        const __m256i w = _mm256_set1_epi32(w4);
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
-                        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
-                    }
-                }
-            }
-            const __m256 da = _mm256_loadu_ps((const float *) (pb + scale_at<8>));
-            for (int i = 0; i < RR; ++i) {
-                const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(DW[i * nb + b]), da);
-                acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[i]), acc[i]);
-            }
-        }
-        store_tile<RR>(acc, y, ldy, r, g * 8, std::min<int64_t>(8, N - g * 8));
+// Q4_0: the pairs nibble x a (at most 2 x 15 x 127 = 3810) summed in int16 over the block's 8 chunks
+// (<= 30480), then one madd by 1 and the bias. Q8_0: |w| x (a signed by w) (|w| <= 128: the pairs
+// never saturate) by maddubs + madd per chunk, from the bias (0: no offset on this path).
+template <ggml_type T>
+inline ivec q8_sum_init(ivec bias) {
+    if constexpr (T == GGML_TYPE_Q4_0) return izero();
+    else return bias;
+}
+template <ggml_type T>
+inline ivec q8_sum_step(ivec s, int32_t w4, ivec a) {
+    const ivec w = _mm256_set1_epi32(w4);
+    if constexpr (T == GGML_TYPE_Q4_0) {
+        return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, a));
+    } else {
+        const ivec p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+        return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
 }
-
 template <ggml_type T>
-__attribute__((noinline)) void gemm_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
-                                         float * y, int64_t ldy, int64_t r0, int64_t r1, uint8_t * U, float * DW) {
-    by_row_tiles<k_tile_rows_avx2>(r0, r1, [&](int64_t r, auto rows) {
-        gemm_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 32, P, N, y, ldy, r, U, DW);
-    });
+inline ivec q8_sum_end(ivec s, ivec bias) {
+    if constexpr (T == GGML_TYPE_Q4_0) return _mm256_add_epi32(_mm256_madd_epi16(s, _mm256_set1_epi16(1)), bias);
+    else return s;
 }
 
-// K-quants as wide512's kq_tile, by maddubs + madd: pairs of code x a summed in int16 (Q4_K: a
-// sub-block's 8 chunks, pairs at most 2 x 15 x 127, sums at most 30480; Q5_K: 4 chunks at a time,
-// pairs at most 2 x 31 x 127, sums at most 31496; Q6_K: 2 chunks at a time, pairs at most
-// 2 x 63 x 127, sums at most 32004), then one madd by the group's scale (<= 8.2e6);
-// M by madd on the bsum pairs. The same exact S and M, so the same bits as wide512.
-template <ggml_type T, int RR>
-void kq_tile(const uint8_t * W, size_t w_row_bytes, int64_t nsb, const uint8_t * P, int64_t N, float * y, int64_t ldy,
-             int64_t r, kq_unpacked * U) {
-    constexpr int n_groups = T == GGML_TYPE_Q6_K ? 16 : 8, chunks = 64 / n_groups;
-    // chunks whose pairs one int16 sum may hold: 32767 / (2 x 127 x the largest code) chunks
-    constexpr int per_sum = T == GGML_TYPE_Q6_K ? 2 : T == GGML_TYPE_Q5_K ? 4 : 8;
-    kq_unpack_rows<T, RR>(W, w_row_bytes, nsb, r, U);
-    for (int64_t g = 0; g * 8 < N; ++g) {
-        __m256 acc[RR];
-        for (int i = 0; i < RR; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < nsb; ++s) {
-            const uint8_t * pb = P + (g * nsb + s) * kq_group_bytes<8>;
-            __m256i S[RR], M[RR];
-            for (int i = 0; i < RR; ++i) S[i] = M[i] = _mm256_setzero_si256();
-            for (int j = 0; j < n_groups; ++j) {
-                for (int c0 = chunks * j; c0 < chunks * (j + 1); c0 += per_sum) {
-                    __m256i t[RR];
-                    for (int i = 0; i < RR; ++i) t[i] = _mm256_setzero_si256();
-                    for (int c = c0; c < c0 + per_sum; ++c) {
-                        const __m256i a = _mm256_loadu_si256((const __m256i *) (pb + 32 * c));
-                        for (int i = 0; i < RR; ++i) {
-                            int32_t w4;
-                            std::memcpy(&w4, U[i * nsb + s].u + 4 * c, 4);
-                            t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
-                        }
-                    }
-                    for (int i = 0; i < RR; ++i)
-                        S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(t[i], _mm256_set1_epi16((int16_t) U[i * nsb + s].sc[j])));
-                }
-            }
-            for (int p = 0; p < 8; ++p) {
-                const __m256i bs = _mm256_loadu_si256((const __m256i *) (pb + kq_bsum_at<8> + 32 * p));
-                for (int i = 0; i < RR; ++i)
-                    M[i] = _mm256_add_epi32(M[i], _mm256_madd_epi16(bs, _mm256_set1_epi32(U[i * nsb + s].pair[p])));
-            }
-            const __m256 da = _mm256_loadu_ps((const float *) (pb + kq_scale_at<8>));
-            for (int i = 0; i < RR; ++i) {
-                const kq_unpacked & x = U[i * nsb + s];
-                const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d), da);
-                if constexpr (T == GGML_TYPE_Q6_K) {
-                    acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(S[i], _mm256_slli_epi32(M[i], 5))), acc[i]);
-                } else {
-                    acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(S[i]), acc[i]);
-                    const __m256 dm = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(x.dmin), da), _mm256_set1_ps(-0.0f));
-                    acc[i] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(M[i]), acc[i]);
-                }
-            }
-        }
-        store_tile<RR>(acc, y, ldy, r, g * 8, std::min<int64_t>(8, N - g * 8));
-    }
-}
-
+// K-quants by maddubs + madd: pairs of code x a summed in int16, kq_per_sum chunks at a time (Q4_K:
+// a sub-block's 8 chunks, pairs at most 2 x 15 x 127, sums at most 30480; Q5_K: 4 chunks, pairs at
+// most 2 x 31 x 127, sums at most 31496; Q6_K: 2 chunks, pairs at most 2 x 63 x 127, sums at most
+// 32004: 32767 / (2 x 127 x the largest code) chunks), then one madd by the group's scale
+// (<= 8.2e6); M by madd on the bsum pairs. The same exact S and M as wide512's, so the same bits.
 template <ggml_type T>
-__attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, int64_t K, const uint8_t * P, int64_t N,
-                                       float * y, int64_t ldy, int64_t r0, int64_t r1, kq_unpacked * U) {
-    by_row_tiles<k_kq_tile_rows>(r0, r1, [&](int64_t r, auto rows) {
-        kq_tile<T, decltype(rows)::value>(W, w_row_bytes, K / 256, P, N, y, ldy, r, U);
-    });
+constexpr int kq_per_sum = T == GGML_TYPE_Q6_K ? 2 : T == GGML_TYPE_Q5_K ? 4 : 8;
+inline ivec kq_sum_step(ivec t, int32_t w4, ivec a) {
+    return _mm256_add_epi16(t, _mm256_maddubs_epi16(_mm256_set1_epi32(w4), a));
 }
+inline ivec kq_sum_scaled(ivec t, int32_t sc) { return _mm256_madd_epi16(t, _mm256_set1_epi16((int16_t) sc)); }
+inline ivec kq_min_step(ivec M, ivec bs, int32_t pair) {
+    return _mm256_add_epi32(M, _mm256_madd_epi16(bs, _mm256_set1_epi32(pair)));
+}
+
+#include "kernels/cpu/matmul/wide_gemm.inc"
 
 }  // namespace wide256
 #pragma GCC pop_options
@@ -715,7 +391,7 @@ __attribute__((noinline)) void kq_rows(const uint8_t * W, size_t w_row_bytes, in
 // also AVX-512 without VNNI), 0 (none: portable, or not x86).
 int width_at(isa_level level) {
 #if DFN_X86_GCC
-    if (level == isa_level::avx512 && cpu_has_vnni()) return 16;
+    if (level == isa_level::avx512 && cpu_has_avx512vnni()) return 16;
     if (level >= isa_level::avx2) return 8;
 #else
     (void) level;
@@ -731,8 +407,8 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
     const int64_t K = W->ne[0];
     if (q8_kind_of(W->type) == q8_kind::q8_K) {
         if (!kernel_scratch(UK, (size_t) (k_kq_tile_rows * (K / 256)), "the wide matmul's unpacked rows")) return false;
-    } else if (!kernel_scratch(U, (size_t) (k_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
-               !kernel_scratch(DW, (size_t) (k_tile_rows * (K / 32)), "the wide matmul's row scales")) {
+    } else if (!kernel_scratch(U, (size_t) (k_max_tile_rows * (K / 32) * 32), "the wide matmul's unpacked rows") ||
+               !kernel_scratch(DW, (size_t) (k_max_tile_rows * (K / 32)), "the wide matmul's row scales")) {
         return false;
     }
 #if DFN_X86_GCC
@@ -763,15 +439,12 @@ bool gemm(int width, const ggml_tensor * W, const uint8_t * P, int64_t N, float 
 }
 
 void pack(int width, const float * x, int64_t ldx, int64_t K, int64_t N, ggml_type type, uint8_t * P, int64_t g0, int64_t g1) {
-    // the quantizers' forms at the width's level (pack_groups / kq_pack_groups pass G)
-    if (q8_kind_of(type) == q8_kind::q8_K) {
-        if (width == 16) kq_pack_groups<16>(x, ldx, K, N, P, g0, g1);
-        else kq_pack_groups<8>(x, ldx, K, N, P, g0, g1);
-    } else if (width == 16) {
-        pack_groups<16>(x, ldx, K, N, code_offset(type, 16), P, g0, g1);
-    } else {
-        pack_groups<8>(x, ldx, K, N, code_offset(type, 8), P, g0, g1);
-    }
+#if DFN_X86_GCC
+    if (width == 16) wide512::pack_groups(x, ldx, K, N, type, P, g0, g1);
+    else wide256::pack_groups(x, ldx, K, N, type, P, g0, g1);
+#else
+    (void) width, (void) x, (void) ldx, (void) K, (void) N, (void) type, (void) P, (void) g0, (void) g1;  // width_at is 0
+#endif
 }
 
 int64_t packed_size(int width, ggml_type type, int64_t K, int64_t N) {
@@ -804,9 +477,9 @@ void pack_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
 void wide_fn(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * W = dst->src[0];
     const int64_t M = W->ne[1], N = dst->ne[1];
-    const int64_t tiles = (M + k_tile_rows - 1) / k_tile_rows;
-    const int64_t r0 = std::min(M, tiles * ith / nth * k_tile_rows);
-    const int64_t r1 = std::min(M, tiles * (ith + 1) / nth * k_tile_rows);
+    const int64_t tiles = (M + k_max_tile_rows - 1) / k_max_tile_rows;
+    const int64_t r0 = std::min(M, tiles * ith / nth * k_max_tile_rows);
+    const int64_t r1 = std::min(M, tiles * (ith + 1) / nth * k_max_tile_rows);
     if (r0 >= r1) return;
     gemm(args_width(userdata), W, (const uint8_t *) dst->src[1]->data, N, (float *) dst->data, (int64_t) (dst->nb[1] / sizeof(float)),
          r0, r1);
