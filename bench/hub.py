@@ -48,8 +48,9 @@ def build_repos(tiny: bool) -> tuple[str, Path, Path]:
         make_random_checkpoint(target, "qwen3_5", seed=0, dtype="bfloat16", **shape)
     if not (drafter / "config.json").is_file():
         n = shape["num_hidden_layers"]
+        overrides = {**drafter_overrides_for_target(target), "target_layer_ids": sorted({1, n // 2, n - 2})}
         make_random_drafter_checkpoint(drafter, seed=1, dtype="bfloat16", block_size=16, num_hidden_layers=1,
-                                       **{**drafter_overrides_for_target(target), "target_layer_ids": sorted({1, n // 2, n - 2})})
+                                       **overrides)
     return name, target, drafter
 
 

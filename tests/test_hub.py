@@ -74,7 +74,8 @@ def env(published, tmp_path, monkeypatch):
 def _tokens(target, drafter, **kw) -> tuple[list[int], list[int]]:
     """(speculative, AR) greedy tokens of PROMPT."""
     with dn.Engine(target, drafter=drafter, n_ctx=256, n_threads=1, **kw) as eng:
-        return (eng.generate(PROMPT, max_tokens=24).tokens, eng.generate(PROMPT, max_tokens=24, speculative=False).tokens)
+        return (eng.generate(PROMPT, max_tokens=24).tokens,
+                eng.generate(PROMPT, max_tokens=24, speculative=False).tokens)
 
 
 def _env_for_child() -> dict:
@@ -107,6 +108,10 @@ def test_checkpoint_pair_by_name_equals_the_pair_converted_by_hand(env, tmp_path
     assert t_hub.parent.name == env["commits"]["tiny"]  # keyed by the resolved commit
     assert (spec, ar) == _tokens(t, d)
     assert spec == ar
+    # a drafter is cached per target: against the hand-made target file, another file, the same bytes
+    d_local = hub.resolve("hf://org/tiny-dflash", role="drafter", target=t, quiet=True)
+    assert d_local != d_hub and d_local.read_bytes() == d.read_bytes()
+    assert hub.resolve("hf://org/tiny-dflash", role="drafter", target="hf://org/tiny", quiet=True) == d_hub
 
 
 def test_quantized_by_name_equals_quantize_by_hand(env, tmp_path):
@@ -180,6 +185,22 @@ def test_progress_bars_on_a_terminal(env):
     assert run("--quiet").strip() == ""
 
 
+def test_dropped_download_resumes(env, tmp_path):
+    """The connection drops halfway through the weights (32 MiB: past huggingface_hub's first 10 MiB
+    chunk): it asks for the rest (a Range request from where it stopped), and the conversion is the
+    same as by hand."""
+    h = env["hub"]
+    big = make_random_checkpoint(tmp_path / "big", "qwen3_5", seed=3, vocab_size=4096, hidden_size=384,
+                                 intermediate_size=1024)
+    commit = h.add("org/big", big)
+    h.cut_once.add("model.safetensors")
+    got = hub.resolve("hf://org/big", quiet=True)
+    assert not h.cut_once  # the cut happened
+    ranges = [r for m, p, r in h.requests if m == "GET" and p == f"/org/big/resolve/{commit}/model.safetensors" and r]
+    assert len(ranges) == 1 and int(ranges[0].removeprefix("bytes=").rstrip("-")) > 0, ranges
+    assert got.read_bytes() == convert_hf_to_gguf(big, tmp_path / "by-hand.gguf", name="big").read_bytes()
+
+
 def test_revisions(env):
     """@TAG and @COMMIT name other commits, cached apart; the default branch stays what it was."""
     c = env["commits"]
@@ -219,7 +240,7 @@ def test_pick_gguf_rules():
         hub.pick_gguf(files, "Q4_K_M")
     with pytest.raises(ValueError, match="no GGUF file matches :IQ2_XS; its GGUF files: dflash-m-Q8_0.gguf, "):
         hub.pick_gguf(files, "IQ2_XS")
-    with pytest.raises(ValueError, match="split in 2 files"):
+    with pytest.raises(ValueError, match="is part 1 of a model split in 2 files"):
         hub.pick_gguf(files, "Q6_K")
     with pytest.raises(ValueError, match="2 GGUF files match"):  # no tag: Q4_K_M first, as llama.cpp
         hub.pick_gguf(files, None)
@@ -289,6 +310,19 @@ def test_gated_repository_with_tokens(env, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", GATED_TOKEN)
     gated = hub.resolve("hf://org/gated", quiet=True)  # the same checkpoint as org/tiny (general.name aside)
     assert _tokens(gated, None)[1] == _tokens(hub.resolve("hf://org/tiny", quiet=True), None)[1]
+
+
+def test_hub_down(env):
+    """The Hub answering 503: a model cached before still resolves; another is a one-line error."""
+    t = hub.resolve("hf://org/tiny", quiet=True)
+    env["hub"].down = True
+    try:
+        assert hub.resolve("hf://org/tiny", quiet=True) == t
+        with pytest.raises(RuntimeError, match=r"cannot reach http://127.0.0.1:\d+ \(.*503.*\) and the model is "
+                                               r"not in the local cache"):
+            hub.resolve("hf://org/tiny-GGUF", quiet=True)
+    finally:
+        env["hub"].down = False
 
 
 def test_no_network(env, monkeypatch, capsys):
@@ -372,3 +406,14 @@ def test_serve_by_name(env):
     t, d = hub.resolve_pair("hf://org/tiny:q8_0", "hf://org/tiny-dflash", quiet=True)
     with dn.Engine(t, drafter=d, n_ctx=256, n_threads=1) as eng:
         assert text == eng.generate(PROMPT, max_tokens=16).text
+
+
+def test_demo_by_name(env, capsys):
+    """`dflash-native demo --target hf://... --drafter hf://...` runs its AR-vs-speculative check on
+    the named pair; --target alone is a usage error."""
+    assert main(["demo", "--target", "hf://org/tiny", "--drafter", "hf://org/tiny-dflash", "--prompt", PROMPT,
+                 "--max-tokens", "16", "--threads", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "hf://org/tiny with the drafter hf://org/tiny-dflash" in out and "speculative output == AR output" in out
+    assert main(["demo", "--target", "hf://org/tiny", "--quiet"]) == 2
+    assert "--target and --drafter go together" in capsys.readouterr().err

@@ -84,8 +84,9 @@ def _cmd_serve(a) -> int:
     from .server import serve
 
     target, drafter = _target_and_drafter(a, "serve")
-    serve(target, drafter=drafter, quiet=a.quiet, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
-          n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
+    serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
+          quiet=a.quiet, n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type,
+          n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
           shutdown_timeout=a.shutdown_timeout, device=a.device,
           **({} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}))

@@ -114,9 +114,15 @@ def resolve(name: str, *, role: str = "target", target=None, quiet: bool = False
     if role not in ("target", "drafter"):
         raise ValueError(f"[hub] role must be 'target' or 'drafter', got {role!r}")
     hn = parse(name)
-    if role == "drafter" and target is None:
-        raise ValueError(f"[hub] {hn}: a drafter is resolved with its target (resolve(..., target=TARGET_GGUF))")
-    return _Resolver(hn, role, None if target is None else Path(os.fsdecode(target)), _Report(quiet)).run()
+    if role == "drafter":
+        if target is None:
+            raise ValueError(f"[hub] {hn}: a drafter is resolved with its target (resolve(..., target=TARGET))")
+        if is_hub_name(target):
+            target = resolve(target, quiet=quiet)
+        target = Path(os.fsdecode(target))
+        if not target.is_file():
+            raise ValueError(f"[hub] {hn}: its target {str(target)!r} is not a file")
+    return _Resolver(hn, role, target, _Report(quiet)).run()
 
 
 # ---------------------------------------------------------------------------
@@ -426,6 +432,9 @@ class _Resolver:
             if status in (401, 403):
                 return RuntimeError(f"[hub] {hn}: access denied (HTTP {status}): set HF_TOKEN to a token that can "
                                     f"read {hn.repo} (or run `hf auth login`)")
+            if status >= 500:  # the Hub is down: as unreachable (the cached copy, if any)
+                self.unreachable = self.unreachable or f"HTTP {status}"
+                return None
             return RuntimeError(f"[hub] {hn}: {self.endpoint} answered HTTP {status}; try again later")
         if _is_transport_error(e):
             self.unreachable = self.unreachable or _first_line(e)
