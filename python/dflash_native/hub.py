@@ -12,7 +12,7 @@ A name resolves to a local GGUF file:
   ValueError listing the files.
 - a repository holding a Hugging Face checkpoint (config.json + *.safetensors): downloaded
   (snapshot_download: its cache, resumed downloads, HF_TOKEN, the revision), converted with the
-  package's converter (convert.py for a target, convert_dflash.py for a DFlash drafter, whose
+  package's converter (convert/ for a target, convert_dflash.py for a DFlash drafter, whose
   tokenizer and checks come from the target it is paired with) to TYPE when TYPE is one of the
   converter's types (f32, f16, bf16, q8_0; default f16), else to f16 and then quantized by
   llama.cpp's quantizer (quantization.py: q4_k_m, q6_k, iq4_xs, ...). The result is kept in
