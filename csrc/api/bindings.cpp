@@ -135,6 +135,16 @@ void bind_module_info(py::module_ & m) {
         }
         return out;
     }, "ggml's devices: a dict per device (name, description, type, memory_free, memory_total)");
+    m.def("ggml_version", &ggml_version_string, "ggml's version and build commit: '0.25.3 (commit abc1234)'");
+    m.def("backends", [] {
+        py::list out;
+        for (const backend_info & b : list_backends()) {
+            py::dict features;
+            for (const auto & [k, v] : b.features) features[py::str(k)] = v;
+            out.append(py::make_tuple(b.name, features));
+        }
+        return out;
+    }, "ggml's registered backends: (name, {feature: value}) per backend");
     m.def("resolve_device", [](const std::string & spec) {
         ggml_backend_dev_t d = resolve_device(spec);
         return std::string(d ? ggml_backend_dev_name(d) : "CPU");

@@ -123,6 +123,24 @@ ggml_backend_dev_t add_rpc_server(const std::string & endpoint) {
 
 bool rpc_available() { return rpc_reg() != nullptr; }
 
+std::string ggml_version_string() { return cat(ggml_version(), " (commit ", ggml_commit(), ")"); }
+
+std::vector<backend_info> list_backends() {
+    std::vector<backend_info> out;
+    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+        ggml_backend_reg_t reg = ggml_backend_reg_get(i);
+        backend_info info;
+        info.name = ggml_backend_reg_name(reg);
+        auto get = (ggml_backend_get_features_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_get_features");
+        if (get != nullptr) {
+            for (const ggml_backend_feature * f = get(reg); f != nullptr && f->name != nullptr; ++f)
+                info.features.emplace_back(f->name, f->value ? f->value : "");
+        }
+        out.push_back(std::move(info));
+    }
+    return out;
+}
+
 ggml_backend_dev_t local_gpu() {
     // ggml lists an RPC server's devices as GPUs: "gpu" means one of this machine's
     for (enum ggml_backend_dev_type type : {GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU}) {

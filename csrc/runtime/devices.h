@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dfn {
@@ -30,6 +31,17 @@ ggml_backend_dev_t resolve_device(const std::string & spec);
 // The same, with "rpc://H1:P1,H2:P2,..." naming several servers: one device each, in order (a
 // model split by layers over them). Empty: the CPU.
 std::vector<ggml_backend_dev_t> resolve_devices(const std::string & spec);
+
+struct backend_info {
+    std::string name;                                          // ggml's registry name: "CPU", "CUDA", "RPC"
+    std::vector<std::pair<std::string, std::string>> features;  // ggml_backend_get_features: ("AVX2", "1"), ...
+};
+
+// ggml's version ("0.25.3") and build commit, as libggml-base reports them (ggml_version, ggml_commit).
+std::string ggml_version_string();
+// Every backend ggml has registered, with the features it reports (none when it has no
+// ggml_backend_get_features entry point).
+std::vector<backend_info> list_backends();
 
 // True when the ggml in use has the RPC backend (built with GGML_RPC=ON).
 bool rpc_available();

@@ -13,9 +13,10 @@ from pathlib import Path
 def _cmd_generate(a) -> int:
     from .engine import Engine
 
-    eng = Engine(a.target, drafter=a.drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
+    target, drafter = _target_and_drafter(a, "generate")
+    eng = Engine(target, drafter=drafter, block_size=a.block_size, n_ctx=a.n_ctx, n_threads=a.threads,
                  kv_type=a.kv_type, gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify,
-                 tree_budget=a.tree_budget, device=a.device)
+                 tree_budget=a.tree_budget, device=a.device, quiet=a.quiet)
     prompt = a.prompt
     if a.prompt_file:
         prompt = Path(a.prompt_file).read_text()
@@ -65,19 +66,27 @@ def _logprobs_rows(eng, logprobs) -> list[dict]:
              "top": [{"token": t, "text": text(t), "logprob": v} for t, v in lp.top]} for lp in logprobs]
 
 
-def _cmd_serve(a) -> int:
-    from .server import serve
-
+def _target_and_drafter(a, cmd: str):
+    """--target / --drafter (GGUF paths or hf:// names); without --target the embedded pair (its
+    drafter unless --drafter names another); --no-drafter: none."""
     target, drafter = a.target, a.drafter
     if target is None:
         pair = default_pair()
         if pair is None:
-            raise ValueError("[serve] no embedded default pair in this install: give --target")
+            raise ValueError(f"[{cmd}] no embedded default pair in this install: give --target")
         target, drafter = pair if drafter is None else (pair[0], drafter)
-    if a.no_drafter:
+    if getattr(a, "no_drafter", False):
         drafter = None
+    return target, drafter
+
+
+def _cmd_serve(a) -> int:
+    from .server import serve
+
+    target, drafter = _target_and_drafter(a, "serve")
     serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
-          n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type, n_batch=a.n_batch,
+          quiet=a.quiet, n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type,
+          n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
           shutdown_timeout=a.shutdown_timeout, device=a.device,
           **({} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}))
@@ -114,8 +123,10 @@ def _cmd_quantize(a) -> int:
 
 def _cmd_convert_drafter(a) -> int:
     from .convert_dflash import convert_dflash_to_gguf
+    from .hub import is_hub_name, resolve
 
-    out = convert_dflash_to_gguf(a.src, a.dst, outtype=a.outtype, target_gguf=a.target)
+    target = resolve(a.target, quiet=a.quiet) if is_hub_name(a.target) else a.target
+    out = convert_dflash_to_gguf(a.src, a.dst, outtype=a.outtype, target_gguf=target)
     print(f"wrote {out}")
     return 0
 
@@ -173,14 +184,21 @@ def _pair_description() -> str:
 def _cmd_demo(a) -> int:
     from .engine import Engine
 
-    pair = default_pair()
-    if pair is None or a.random:
-        return _demo_random(a)
-    target, drafter = pair
-    print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
+    if a.target is not None or a.drafter is not None:
+        if a.target is None or a.drafter is None or a.random:
+            raise ValueError("[demo] --target and --drafter go together (the demo compares speculative decoding "
+                             "with AR), without --random")
+        target, drafter = a.target, a.drafter
+        print(f"[dflash-native demo] {target} with the drafter {drafter}.", flush=True)
+    else:
+        pair = default_pair()
+        if pair is None or a.random:
+            return _demo_random(a)
+        target, drafter = pair
+        print(f"[dflash-native demo] The embedded default pair: {_pair_description()}.", flush=True)
     eng = Engine(target, drafter=drafter, n_ctx=1024, n_threads=a.threads, block_size=a.block_size,
                  draft_cutoff=a.draft_cutoff, gate=not a.no_gate, verify=a.verify, tree_budget=a.tree_budget,
-                 device=a.device)
+                 device=a.device, quiet=a.quiet)
     if a.prompt is not None:
         prompts = [a.prompt]
     else:  # code prompts from standard-library files the pair never trained on
@@ -254,8 +272,34 @@ def _outtypes() -> list[str]:
     return list(OUTTYPES)
 
 
+class _Version(argparse.Action):
+    """--version: the package's, ggml's and the backends' versions (computed when asked for)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of dflash-native, ggml and its backends, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """dflash-native's version, ggml's (version and build commit), each ggml backend with the
+    features it reports (the CPU's: its instruction sets), and the ISA of the package's own kernels."""
+    from . import __version__, _core
+
+    backends = []
+    for name, features in _core.backends():
+        on = [k if v == "1" else f"{k}={v}" for k, v in features.items() if v != "0"]
+        backends.append(name + (f" ({' '.join(on)})" if on else ""))
+    return "\n".join([f"dflash-native {__version__}", f"ggml {_core.ggml_version()}",
+                      f"backends: {', '.join(backends) or 'none'}", f"own CPU kernels: {_core.isa()}"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-native", description=__doc__)
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_generate_parser(sub)
     _add_convert_parser(sub)
@@ -270,8 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text with a GGUF target")
-    g.add_argument("--target", required=True, help="target model GGUF")
-    g.add_argument("--drafter", default=None, help="DFlash drafter GGUF: speculative decoding")
+    _add_model_args(g)
     g.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
     _add_speculation_args(g, draft_cutoff=0.0)
     src = g.add_mutually_exclusive_group()
@@ -310,7 +353,9 @@ def _add_convert_drafter_parser(sub) -> None:
     cd.add_argument("src", help="directory with the drafter's config.json and *.safetensors")
     cd.add_argument("dst", help="output .gguf path")
     cd.add_argument("--outtype", default="f16", choices=_outtypes())
-    cd.add_argument("--target", default=None, help="the target GGUF: checks the pair and copies its tokenizer")
+    cd.add_argument("--target", default=None, help="the target GGUF (or an hf:// name): checks the pair and copies "
+                    "its tokenizer")
+    cd.add_argument("--quiet", action="store_true", help="no progress output while an hf:// target resolves")
     cd.set_defaults(fn=_cmd_convert_drafter)
 
 
@@ -380,6 +425,24 @@ def _add_train_drafter_parser(sub) -> None:
     t.set_defaults(fn=_cmd_train_drafter)
 
 
+_NAME_HELP = ("a GGUF file, or a model name hf://ORG/REPO[@REVISION][:TYPE]: a GGUF repository's file for "
+              "TYPE (e.g. Q4_K_M), or a Hugging Face checkpoint downloaded and converted (to TYPE: f16 by "
+              "default, q8_0, q4_k_m, ...) once, into $DFLASH_NATIVE_CACHE (~/.cache/dflash-native)")
+
+
+def _add_model_args(p, *, demo: bool = False) -> None:
+    """--target, --drafter (files or hf:// names), --no-drafter (not in the demo) and --quiet."""
+    p.add_argument("--target", default=None, help="target model (default: the embedded pair): " + _NAME_HELP)
+    p.add_argument("--drafter", default=None, help=("its DFlash drafter, with --target: " if demo else
+                                                    "DFlash drafter for speculative decoding (default: the embedded "
+                                                    "pair's, without --target): ") + _NAME_HELP)
+    if not demo:
+        p.add_argument("--no-drafter", action="store_true", help="AR only")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress output while hf:// names download, convert and quantize (progress bars are "
+                        "shown only when stderr is a terminal)")
+
+
 def _add_speculation_args(p, *, draft_cutoff: float) -> None:
     p.add_argument("--draft-cutoff", type=float, default=draft_cutoff,
                    help="verify drafts only while the drafter's running top-1 probability >= this (0: no cap; "
@@ -398,6 +461,7 @@ def _add_speculation_args(p, *, draft_cutoff: float) -> None:
 
 def _add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run generation on a small built-in model (no download)")
+    _add_model_args(d, demo=True)
     d.add_argument("--prompt", default=None, help="default: held-out standard-library code prompts")
     d.add_argument("--prompts", type=_int_from(1), default=4, help="held-out prompts to run (without --prompt and --random)")
     d.add_argument("--max-tokens", type=int, default=128)
@@ -411,14 +475,13 @@ def _add_demo_parser(sub) -> None:
 
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
-    s.add_argument("--target", default=None, help="target model GGUF (default: the embedded pair)")
-    s.add_argument("--drafter", default=None, help="DFlash drafter GGUF (default: the embedded pair's, without --target)")
-    s.add_argument("--no-drafter", action="store_true", help="AR only")
+    _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535")
     s.add_argument("--slots", type=int, default=1, help="engines, each running one request at a time")
     s.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot (503 beyond)")
-    s.add_argument("--model-name", default=None, help="the model id clients send (default: the target file's stem)")
+    s.add_argument("--model-name", default=None, help="the model id clients send (default: the target file's stem, "
+                   "or an hf:// name's ORG/REPO[:TYPE])")
     s.add_argument("--block-size", type=int, default=None, help="tokens verified per round (default: the drafter's)")
     _add_speculation_args(s, draft_cutoff=0.0)
     s.add_argument("--n-ctx", type=int, default=4096)

@@ -44,7 +44,7 @@ from .convert.archs.qwen3 import QWEN3_LAYER_TENSORS
 from .convert.checkpoint import Checkpoint
 from .convert.hparams import ModelSpec, add_rope_scaling, as_path, check_hparams, read_config_json, rope_parameters
 from .convert.tokenizer import add_tokenizer_kv
-from .convert.writer import OUTTYPES, SourceTensor, convert_tensors, tensor_name
+from .convert.writer import OUTTYPES, Progress, SourceTensor, convert_tensors, tensor_name
 from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
@@ -323,7 +323,8 @@ def _check_layer_ids(spec: DflashSpec, n_target_layers: int, where: str) -> None
 
 def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathLike[str], *,
                            outtype: str = "f16", target_gguf: str | os.PathLike[str] | None = None,
-                           target_dir: str | os.PathLike[str] | None = None) -> Path:
+                           target_dir: str | os.PathLike[str] | None = None, name: str | None = None,
+                           progress: Progress | None = None) -> Path:
     """Convert the DFlash drafter checkpoint in `src_dir` to a GGUF file at `dst_path`.
 
     `outtype` is one of "f32", "f16", "bf16", "q8_0", with the target converter's dtype
@@ -331,7 +332,8 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
     whole blocks falls back to F16. `target_gguf` (the target model's GGUF) or
     `target_dir` (its HF directory) is optional: when given, the drafter is
     checked against it (hidden size, tapped layers, vocabulary) and its
-    tokenizer is carried into the drafter GGUF. Returns the path written.
+    tokenizer is carried into the drafter GGUF. `name` and `progress` are
+    convert_hf_to_gguf's (general.name; a per-tensor callback). Returns the path written.
     Raises ValueError for a missing directory or config.json, a config that is
     not a DFlashDraftModel, missing or invalid DFlash fields, missing,
     misshapen or unexpected tensors, a drafter/target mismatch or an unknown
@@ -372,7 +374,8 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
         _dflash_tokenizer_kv(writer, spec, target_reader,
                              Path(target_dir) if target_dir is not None else None)
 
-    return convert_tensors(src, Path(dst_path), DFLASH_ARCH, tensors, outtype, write_kv)
+    return convert_tensors(src, Path(dst_path), DFLASH_ARCH, tensors, outtype, write_kv, name=name,
+                           progress=progress)
 
 
 def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool) -> None:

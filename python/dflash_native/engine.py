@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _core
 from ._tokenizer import NoVocabulary, Tokenizer
+from .hub import is_hub_name
 
 
 @dataclass
@@ -153,9 +154,14 @@ class Engine:
         verify: str = "chain",
         tree_budget: int = 32,
         use_mmap: bool = True,
+        quiet: bool = False,
         _baselines: dict | None = None,
     ):
-        """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
+        """target, drafter: GGUF paths, or model names hf://ORG/REPO[@REVISION][:TYPE] (a GGUF
+        repository's file, or a Hugging Face checkpoint downloaded, converted and quantized once
+        into a local cache: dflash_native.hub). quiet: no progress output while names resolve.
+
+        block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
         n_threads: None (or 0) uses every core.
 
         gate: the speculation controller (csrc/spec/controller.h). Per request it times AR steps, draft
@@ -201,6 +207,11 @@ class Engine:
         what their values may be (ranges, files, names) the C++ core checks, raising ValueError.
         `_baselines` is Engine.for_benchmark's route, not an argument of its own."""
         w = "engine"
+        quiet = _bool(w, "quiet", quiet)
+        if is_hub_name(target) or is_hub_name(drafter):
+            from .hub import resolve_pair
+
+            target, drafter = resolve_pair(target, drafter, quiet=quiet)
         target = _path(w, "target", target)
         drafter = None if drafter is None else _path(w, "drafter", drafter)
         block_size = _opt_int(w, "block_size", block_size) or 0  # 0: the drafter's

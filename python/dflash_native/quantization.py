@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 from . import _core
+from ._progress import draw_bar
 
 # CLI / API name -> llama.cpp's LLAMA_FTYPE_* (llama.h's enum llama_ftype; llama-quantize's names, lower case).
 FTYPES = {
@@ -74,12 +74,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "q4_k_m
         line = text.decode("utf-8", "replace")
         m = _PROGRESS.match(line)
         if m and progress:
-            i, n = int(m.group(1)), int(m.group(2))
-            bar = "#" * (30 * i // n)
-            sys.stderr.write(f"\r[dflash-native quantize] {name} [{bar:<30}] {i}/{n} {m.group(3)[:40]:<40}")
-            if i == n:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            draw_bar("quantize", int(m.group(1)), int(m.group(2)), m.group(3), head=name)
         if level in (3, 4) or "error" in line.lower() or "failed" in line.lower():  # ggml: WARN, ERROR
             errors.append(line.strip())
 

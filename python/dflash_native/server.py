@@ -750,16 +750,20 @@ class _EventStream(StreamingResponse):
 
 def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
           model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
-          shutdown_timeout: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          shutdown_timeout: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, quiet: bool = False,
           **engine_kwargs: Any) -> None:
     """Load `slots` engines and serve them until interrupted (`dflash-native serve`). At Ctrl-C or
     SIGTERM running requests get `shutdown_timeout` seconds to finish; then they are cancelled (the
     engines stop at their next step) and the server exits. A request body over `max_body_bytes`
-    is refused (413)."""
+    is refused (413). target / drafter may be hf:// names (dflash_native.hub), resolved once for
+    every slot (quiet: without progress output); the model id is then the name's repository
+    (and :TYPE) unless `model_name` is given."""
     import os
     from pathlib import Path
 
     import uvicorn
+
+    from .hub import is_hub_name, parse as parse_hub_name, resolve_pair
 
     if slots < 1 or queue < 0 or not shutdown_timeout >= 0:
         raise ValueError(f"[serve] slots must be >= 1, queue >= 0 and shutdown_timeout >= 0, got {slots}, {queue} "
@@ -768,6 +772,10 @@ def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, sl
         raise ValueError(f"[serve] max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if n_threads is None:
         n_threads = max(1, (os.cpu_count() or 1) // slots)
+    if is_hub_name(target):
+        hn = parse_hub_name(target)
+        model_name = model_name or hn.repo + (f":{hn.type}" if hn.type else "")
+    target, drafter = resolve_pair(target, drafter, quiet=quiet)
     engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
     app = create_app(engines, model_name=model_name or Path(target).stem, max_queue=queue,
                      max_body_bytes=max_body_bytes)

@@ -45,19 +45,21 @@ from .archs import ARCH_WRITERS
 from .checkpoint import Checkpoint
 from .hparams import as_path, load_model_spec
 from .tokenizer import add_tokenizer_kv
-from .writer import OUTTYPES, convert_tensors
+from .writer import OUTTYPES, Progress, convert_tensors
 
 
 __all__ = ["OUTTYPES", "convert_hf_to_gguf"]
 
 
 def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathLike[str],
-                       *, outtype: str = "f16") -> Path:
+                       *, outtype: str = "f16", name: str | None = None, progress: Progress | None = None) -> Path:
     """Convert the HF checkpoint in `src_dir` to a GGUF file at `dst_path`.
 
     `outtype` is one of "f32", "f16", "bf16", "q8_0". As in llama.cpp, 1-D
     tensors, norms, biases, `ssm_a` and `ssm_conv1d` stay F32, and a tensor
     whose row length is not a multiple of 32 falls back from Q8_0 to F16.
+    `name` is the file's `general.name` (default: the directory's name);
+    `progress(i, n, tensor)` is called after each of the n tensors is written.
     Returns the path written. Raises ValueError for a missing directory or
     config.json, an unsupported architecture, missing tensors or an unknown
     outtype.
@@ -78,4 +80,5 @@ def convert_hf_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.PathL
         arch_kv(writer, spec)
         add_tokenizer_kv(writer, src, spec.vocab_size, spec.config)
 
-    return convert_tensors(src, Path(dst_path), spec.gguf_arch, tensors, outtype, write_kv)
+    return convert_tensors(src, Path(dst_path), spec.gguf_arch, tensors, outtype, write_kv, name=name,
+                           progress=progress)

@@ -25,22 +25,28 @@ OUTTYPES: Mapping[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
 }
 
 
+# progress(i, n, tensor name): tensor i of n (1-based) is written
+Progress = Callable[[int, int, str], None]
+
+
 def convert_tensors(src: Path, dst: Path, arch: str, tensors: Sequence["SourceTensor"], outtype: str,
-                     write_arch_kv: Callable[[gguf.GGUFWriter], None]) -> Path:
+                    write_arch_kv: Callable[[gguf.GGUFWriter], None], *, name: str | None = None,
+                    progress: Progress | None = None) -> Path:
     """The part every converter shares: the per-tensor type plan for `outtype`, the general
-    keys, the architecture's keys (write_arch_kv), then the tensors."""
+    keys (`general.name`: `name`, else the source directory's name), the architecture's keys
+    (write_arch_kv), then the tensors (`progress` called after each)."""
     qtype_out, file_type = OUTTYPES[outtype]
     planned = [_PlannedTensor(t.name, t.shape, _pick_qtype(t.name, t.shape, qtype_out, t.keep_f32), t.load)
                for t in tensors]
 
     def write_kv(writer: gguf.GGUFWriter) -> None:
         writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(src.resolve().name)
+        writer.add_name(name if name is not None else src.resolve().name)
         write_arch_kv(writer)
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    return _write_gguf(dst, arch, write_kv, planned)
+    return _write_gguf(dst, arch, write_kv, planned, progress)
 
 
 # ---------------------------------------------------------------------------
@@ -100,7 +106,7 @@ def _nbytes(shape: Sequence[int], qtype: GGMLQuantizationType) -> int:
 
 
 def _write_gguf(dst_path: Path, arch: str, write_kv: Callable[[gguf.GGUFWriter], None],
-                tensors: Sequence[_PlannedTensor]) -> Path:
+                tensors: Sequence[_PlannedTensor], progress: Progress | None = None) -> Path:
     """Write a GGUF file, streaming one tensor at a time so that peak memory is
     one tensor, not the model. Writes to a temporary name and renames at the end."""
     names = [t.name for t in tensors]
@@ -122,11 +128,13 @@ def _write_gguf(dst_path: Path, arch: str, write_kv: Callable[[gguf.GGUFWriter],
         writer.write_header_to_file(path=tmp_path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for t in tensors:
+        for i, t in enumerate(tensors):
             data = t.load()
             if tuple(data.shape) != tuple(t.shape):
                 raise ValueError(f"[convert] tensor {t.name!r}: shape {list(data.shape)} != planned {list(t.shape)}")
             writer.write_tensor_data(_encode(data, t.qtype))
+            if progress is not None:
+                progress(i + 1, len(tensors), t.name)
         writer.close()
         os.replace(tmp_path, dst_path)
     except BaseException:
