@@ -67,6 +67,9 @@ public:
     std::vector<int32_t> draft(int32_t last, int64_t B);
     // The drafter's logits for d_1 .. d_{B-1}, [B-1, n_vocab] row-major (tests and debugging).
     std::vector<float> draft_logits(int32_t last, int64_t B);
+    // A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, [B-1, lattice_row()] (drafter.h:
+    // build_selector); draft() walks it (walk_lattice).
+    std::vector<float> draft_lattice(int32_t last, int64_t B);
 
     // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
@@ -167,12 +170,14 @@ private:
     // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
     // topk_out: [B-1, K, 2] (top1.h: topk_op) with K entries per row. dv_logits: the logits over
     // the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    // lattice_out: DFlash 2's selector lattice [B-1, lattice_row()] (drafter.h: build_selector).
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
-                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false);
+                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false, float * lattice_out = nullptr);
+    bool has_selector() const { return drafter_->hparams().has_selector(); }
     bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
     // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
     struct draft_graph {
-        enum output { ARGMAX, LOGITS, TOP1, TOPK } what = ARGMAX;
+        enum output { ARGMAX, LOGITS, TOP1, TOPK, LATTICE } what = ARGMAX;
         int64_t B = 0, n_past = 0;
         int64_t K = 0;      // TOPK: entries per row
         int64_t n_ctx = 0;  // ring slots holding context

@@ -55,7 +55,7 @@ from .convert import (
     _tensor_name,
     read_config_json,
 )
-from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
+from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, dflash2_tensor_shapes, drafter_tensor_shapes
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
            "target_layer_ids_from_gguf"]
@@ -65,10 +65,11 @@ logger = logging.getLogger(__name__)
 DFLASH_ARCH = "dflash"
 
 # dflash_config / config keys that change the drafter's math in ways this
-# converter and the native engine do not implement (DFlash2 dynamic convs and
-# selector, value scaling, SpecForge-style uniform SWA).
-_UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                            "attention_value_scale", "use_swa", "swa_window_size")
+# converter and the native engine do not implement (SpecForge-style uniform SWA).
+_UNSUPPORTED_DFLASH_KEYS = ("use_swa", "swa_window_size")
+# DFlash 2's dflash_config keys (llama.cpp writes them as dflash.<key>, u32); all or none
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
 
 # Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
 MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/session.h k_max_block_size)
@@ -98,6 +99,7 @@ class DflashSpec:
         self.trained_context_length: int | None = self._trained_context_length()
         n_target = config.get("num_target_layers")
         self.num_target_layers: int | None = int(n_target) if n_target is not None else None
+        self.dflash2: dict[str, int] | None = self._dflash2()
         self._check_layer_options()
         self.rope: dict[str, Any] = self._rope()
         self._resolve_attention_layout()
@@ -106,10 +108,9 @@ class DflashSpec:
         """The config with Qwen3Config's defaults, after checking it is a DFlashDraftModel over Qwen3."""
         config, where = self.config, self.where
         archs = config.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
-            extra = (" (DFlash2 drafters with dynamic convs and a candidate selector are not supported)"
-                     if "DFlash2DraftModel" in archs else "")
-            raise ValueError(f"[convert_dflash] {where}: architectures {archs} is not a DFlashDraftModel{extra}")
+        if not any(a in DRAFTER_ARCHS for a in archs):
+            raise ValueError(f"[convert_dflash] {where}: architectures {archs} is not a DFlashDraftModel or "
+                             f"DFlash2DraftModel")
         model_type = config.get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"[convert_dflash] {where}: model_type {model_type!r}; a DFlash drafter is a "
@@ -135,6 +136,37 @@ class DflashSpec:
         if bad:
             raise ValueError(f"[convert_dflash] {self.where}: unsupported DFlash options {bad}")
         return dc
+
+    def _dflash2(self) -> dict[str, int] | None:
+        """DFlash 2's conv and selector sizes (dflash_config), checked as llama.cpp's loader checks
+        them; None for a DFlash drafter. As in llama.cpp's converter, the keys decide, not the
+        architectures entry."""
+        dc, where = self.dflash_config, self.where
+        present = [k for k in DFLASH2_KEYS if k in dc]
+        if not present:
+            if "DFlash2DraftModel" in (self.config.get("architectures") or []):
+                raise ValueError(f"[convert_dflash] {where}: a DFlash2DraftModel needs dflash_config "
+                                 f"{list(DFLASH2_KEYS)}")
+            return None
+        if len(present) != len(DFLASH2_KEYS):
+            raise ValueError(f"[convert_dflash] {where}: dflash_config has {present} but not "
+                             f"{[k for k in DFLASH2_KEYS if k not in dc]} (DFlash 2 needs all four)")
+        out = {}
+        for k in DFLASH2_KEYS:
+            v = dc[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"[convert_dflash] {where}: dflash_config.{k} must be a positive int, got {v!r}")
+            out[k] = v
+        h, top_k = int(self.hp["hidden_size"]), out["selector_top_k"]
+        if h % out["conv_group_size"]:
+            raise ValueError(f"[convert_dflash] {where}: hidden_size {h} is not a multiple of conv_group_size "
+                             f"{out['conv_group_size']}")
+        if h < top_k * (top_k + 1):
+            raise ValueError(f"[convert_dflash] {where}: hidden_size {h} < selector_top_k * (selector_top_k + 1) "
+                             f"= {top_k * (top_k + 1)} (llama.cpp's selector lattice rows)")
+        if "vocab_size" not in self.config:
+            raise ValueError(f"[convert_dflash] {where}: a DFlash 2 drafter needs vocab_size (its selector codebooks)")
+        return out
 
     def _target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
@@ -420,6 +452,13 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
         # ours (llama.cpp ignores it): the token ids drafts are drawn from; see drafter.h
         writer.add_key_value(f"{arch}.draft_vocab", draft_vocab, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
 
+    if spec.dflash2 is not None:
+        for k, v in spec.dflash2.items():
+            writer.add_uint32(f"{arch}.{k}", v)
+    value_scale = spec.dflash_config.get("attention_value_scale")
+    if value_scale is not None:
+        writer.add_float32(f"{arch}.attention.value_scale", float(value_scale))
+
     # What z-lab's compute_logits / noise embedding apply; llama.cpp reads the
     # same keys (LLM_KV_LOGIT_SCALE, _FINAL_LOGIT_SOFTCAPPING, _EMBEDDING_SCALE).
     dc, cfg = spec.dflash_config, spec.config
@@ -502,18 +541,45 @@ def _copy_tokenizer_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> None
 
 
 def _hf_tensor_shapes(spec: DflashSpec) -> dict[str, tuple[int, ...]]:
-    return drafter_tensor_shapes(hidden=spec.hidden_size, n_taps=len(spec.target_layer_ids), n_layer=spec.n_layer,
-                                 n_head=int(spec.hp["num_attention_heads"]), n_kv=int(spec.hp["num_key_value_heads"]),
-                                 head_dim=spec.head_dim, n_ff=int(spec.hp["intermediate_size"]))
+    shapes = drafter_tensor_shapes(hidden=spec.hidden_size, n_taps=len(spec.target_layer_ids), n_layer=spec.n_layer,
+                                   n_head=int(spec.hp["num_attention_heads"]),
+                                   n_kv=int(spec.hp["num_key_value_heads"]), head_dim=spec.head_dim,
+                                   n_ff=int(spec.hp["intermediate_size"]))
+    if spec.dflash2 is not None:
+        shapes.update(dflash2_tensor_shapes(hidden=spec.hidden_size, n_layer=spec.n_layer,
+                                            n_vocab=int(spec.config["vocab_size"]),
+                                            **{k: v for k, v in spec.dflash2.items() if k != "selector_top_k"}))
+    return shapes
 
 
-def _gguf_names(n_layer: int) -> dict[str, str]:
+# DFlash 2's tensors: HF name (no `model.` prefix; {il} the layer) -> llama.cpp's GGUF name
+# (gguf-py constants: DFLASH_ATTN_CONV_BASE ... DFLASH_SELECTOR_HIDDEN). The base kernels have no
+# `.weight` suffix, which keeps them F32 in llama.cpp's converter whatever the outtype.
+DFLASH2_LAYER_NAMES = {
+    "attention_conv.base_kernel": "blk.{il}.attn_conv_base",
+    "attention_conv.kernel_projection.weight": "blk.{il}.attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "blk.{il}.ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "blk.{il}.ffn_conv_proj.weight",
+}
+DFLASH2_GLOBAL_NAMES = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+
+
+def _gguf_names(n_layer: int, dflash2: bool = False) -> dict[str, str]:
     """HF tensor name (no `model.` prefix) -> GGUF name, in llama.cpp's order (globals, then layers)."""
     names = {"fc.weight": FC_NAME, "hidden_norm.weight": ENC_OUTPUT_NORM_NAME,
              "norm.weight": _tensor_name(MODEL_TENSOR.OUTPUT_NORM)}
+    if dflash2:
+        names.update(DFLASH2_GLOBAL_NAMES)
     for il in range(n_layer):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             names[f"layers.{il}.{hf_suffix}"] = _tensor_name(key, il)
+        if dflash2:
+            for hf_suffix, name in DFLASH2_LAYER_NAMES.items():
+                names[f"layers.{il}.{hf_suffix}"] = name.format(il=il)
     return names
 
 
@@ -527,7 +593,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
             f"{int(spec.hp['num_attention_heads'])}/{int(spec.hp['num_key_value_heads'])}, head_dim={spec.head_dim}, "
             f"ffn={int(spec.hp['intermediate_size'])}")
     out: list[_SourceTensor] = []
-    for hf_name, gguf_name in _gguf_names(spec.n_layer).items():
+    for hf_name, gguf_name in _gguf_names(spec.n_layer, spec.dflash2 is not None).items():
         name, shape = prefix + hf_name, shapes[hf_name]
         if name not in ckpt:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
@@ -535,7 +601,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
         if src.shape != shape:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
                              f"{list(shape)} from config.json ({dims})")
-        out.append(_SourceTensor(gguf_name, shape, src.load, False, name))
+        out.append(_SourceTensor(gguf_name, shape, src.load, not gguf_name.endswith(".weight"), name))
 
     used = {t.hf_name for t in out}
     extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))
@@ -550,8 +616,8 @@ def gguf_tensor_plan(spec: DflashSpec) -> dict[str, tuple[tuple[int, ...], bool]
     The contract the native loader and the tests check a file against: ne is
     the HF shape reversed, and 1-D tensors (the norms) always stay F32."""
     shapes = _hf_tensor_shapes(spec)
-    return {gguf_name: (tuple(reversed(shapes[hf_name])), len(shapes[hf_name]) == 1)
-            for hf_name, gguf_name in _gguf_names(spec.n_layer).items()}
+    return {gguf_name: (tuple(reversed(shapes[hf_name])), len(shapes[hf_name]) == 1 or not gguf_name.endswith(".weight"))
+            for hf_name, gguf_name in _gguf_names(spec.n_layer, spec.dflash2 is not None).items()}
 
 
 def target_layer_ids_from_gguf(values: Sequence[int]) -> list[int]:

@@ -39,6 +39,7 @@ __all__ = [
     "default_mrope_section",
     "default_target_layer_ids",
     "drafter_config",
+    "dflash2_tensor_shapes",
     "drafter_tensor_shapes",
     "hybrid_layer_types",
     "mask_token_id_of",
@@ -276,4 +277,25 @@ def drafter_tensor_shapes(*, hidden: int, n_taps: int, n_layer: int, n_head: int
             p + "mlp.down_proj.weight": (h, n_ff),
         })
     shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def dflash2_tensor_shapes(*, hidden: int, n_layer: int, n_vocab: int, conv_kernel_size: int, conv_group_size: int,
+                          selector_rank: int) -> dict[str, tuple[int, ...]]:
+    """The tensors a DFlash 2 drafter (`DFlash2DraftModel`) has on top of a DFlash drafter's, HF
+    names (no `model.` prefix) and shapes as llama.cpp's converter and loader read them: per
+    layer an attention and an MLP dynamic convolution (`base_kernel` [2, K, hidden]: the input
+    side's and the output side's static taps; `kernel_projection` [2 * K * hidden / group,
+    hidden]: per-token taps for each channel group), and the candidate selector (token codebooks
+    [vocab, rank] for the predecessor and the successor, `hidden_projection` [rank, hidden])."""
+    h, k = hidden, conv_kernel_size
+    projected = 2 * k * (h // conv_group_size)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for il in range(n_layer):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{il}.{conv}.base_kernel"] = (2, k, h)
+            shapes[f"layers.{il}.{conv}.kernel_projection.weight"] = (projected, h)
+    shapes["candidate_selector.predecessor_codebook"] = (n_vocab, selector_rank)
+    shapes["candidate_selector.successor_codebook"] = (n_vocab, selector_rank)
+    shapes["candidate_selector.hidden_projection.weight"] = (selector_rank, h)
     return shapes

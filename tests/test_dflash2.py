@@ -1,0 +1,301 @@
+"""DFlash 2 drafters (z-lab DFlash2DraftModel; llama.cpp's dflash arch with dflash.conv_* /
+selector_* keys, per-layer dynamic convolutions and a top-k pairwise path selector).
+
+- A tiny random DFlash2DraftModel checkpoint (random_models, kind="dflash2") is converted by our
+  convert_dflash and by llama.cpp's convert_hf_to_gguf.py (llamacpp_tools): the two files hold the
+  same keys, tensors and bytes, but the differences listed.
+- Both engines load both files. On the same drafter file, target file and context features (the
+  same random features pushed into our ring and injected into llama.cpp's drafter cache), our
+  drafted block is llama.cpp's: the selector lattice's candidates and scores agree, and our
+  draft() is the path llama.cpp's common/speculative.cpp walks through llama.cpp's lattice.
+- Speculative decoding with the drafter equals AR, greedy and seeded-sampled, chain and tree; the
+  tree's nodes are the selector's candidates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import dflash_native as dn
+from dflash_native import _core
+from dflash_native.convert import convert_hf_to_gguf
+from dflash_native.convert_dflash import convert_dflash_to_gguf
+from fixtures import make_random_checkpoint, make_random_drafter_checkpoint, make_random_drafter_gguf
+from llamacpp_tools import convert_with_llamacpp
+
+BLOCK = 8
+TOP_K = 4
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
+# keys where llama.cpp's file and ours differ (test_llamacpp_files.EXPECTED_DRAFTER_KEY_DIFFS)
+KEY_DIFFS = {"general.name", "dflash.attention.causal"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, llamacpp_converter):
+    """A Qwen3 target (F32) and its DFlash 2 drafter, F32, by both converters."""
+    d = tmp_path_factory.mktemp("dflash2")
+    ckpt = make_random_checkpoint(d / "target", "qwen3", seed=5, num_hidden_layers=3)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    ours = make_random_drafter_gguf(d / "ours.gguf", ckpt, outtype="f32", seed=6, block_size=BLOCK, target_gguf=tg,
+                                    ckpt_dir=d / "drafter", kind="dflash2", num_hidden_layers=2,
+                                    target_layer_ids=[0, 1], dflash_config={"selector_top_k": TOP_K})
+    pre = {k: f.contents() for k, f in GGUFReader(tg).fields.items()}["tokenizer.ggml.pre"]
+    lc = d / "llamacpp.gguf"
+    convert_with_llamacpp(llamacpp_converter, [dict(model=d / "drafter", outfile=lc, outtype="f32", tokenizer_pre=pre,
+                                                    args=["--target-model-dir", str(ckpt)])])
+    return {"ckpt": ckpt, "target": tg, "ours": ours, "llama.cpp": lc, "drafter_ckpt": d / "drafter", "dir": d}
+
+
+def _read(path):
+    r = GGUFReader(path)
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return kv, {t.name: t for t in r.tensors}
+
+
+def test_checkpoint_is_a_dflash2_model(files):
+    cfg = json.loads((files["drafter_ckpt"] / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == TOP_K
+
+
+def test_converters_write_the_same_file(files):
+    """Same keys and values (but KEY_DIFFS), same tensor names, types, shapes and bytes; the
+    DFlash 2 keys and tensors are there under llama.cpp's names, base kernels in F32."""
+    (kv_o, t_o), (kv_l, t_l) = _read(files["ours"]), _read(files["llama.cpp"])
+    assert {k: v for k, v in kv_o.items() if k not in KEY_DIFFS} == {k: v for k, v in kv_l.items() if k not in KEY_DIFFS}
+    for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        assert kv_o[f"dflash.{k}"] == kv_l[f"dflash.{k}"] > 0
+    assert set(t_o) == set(t_l)
+    for name in ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight",
+                 "blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight"):
+        assert name in t_o
+    assert t_o["blk.0.attn_conv_base"].tensor_type.name == "F32"
+    for name, t in t_o.items():
+        u = t_l[name]
+        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(u.data), err_msg=name)
+
+
+def test_f16_conversion_keeps_base_kernels_f32(files, tmp_path):
+    path = convert_dflash_to_gguf(files["drafter_ckpt"], tmp_path / "d16.gguf", outtype="f16",
+                                  target_gguf=files["target"])
+    _, t = _read(path)
+    assert t["blk.1.ffn_conv_base"].tensor_type.name == "F32"
+    assert t["selector_successor.weight"].tensor_type.name == "F16"
+
+
+# ---- llama.cpp's DFlash 2 graph on the same files and context --------------------------------
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    mod = pytest.importorskip("llama_cpp")
+    from llama_cpp import _logger
+
+    mod.llama_backend_init()
+    level = _logger.logger.level
+    _logger.set_verbose(False)
+    yield mod
+    _logger.logger.setLevel(level)
+
+
+class _LlamaDFlash2:
+    """llama.cpp running a DFlash 2 drafter with the target's context as ctx_other: inject context
+    features at their positions, decode the block [last, MASK...], read the selector lattice
+    (llama_get_embeddings_nextn: n_embd floats per block row, row 0 unused)."""
+
+    def __init__(self, ll, target_gguf, drafter_gguf):
+        from test_convert_dflash import _cpp_fn, _ctx_params, _load_model
+
+        self.ll = ll
+        self.t_model = _load_model(ll, target_gguf)
+        self.t_ctx = ll.llama_init_from_model(self.t_model, _ctx_params(ll))
+        self.d_model = _load_model(ll, drafter_gguf)
+        self.d_ctx = ll.llama_init_from_model(self.d_model, _ctx_params(ll, self.t_ctx))
+        assert self.t_ctx and self.d_ctx
+        top_k = _cpp_fn(ll, "_Z33llama_model_dflash_selector_top_kPK11llama_model", ctypes.c_uint32, [ctypes.c_void_p])
+        self.k = int(top_k(self.d_model))
+        set_nextn = _cpp_fn(ll, "_Z26llama_set_embeddings_nextnP13llama_contextbb", None,
+                            [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool])
+        self.get_nextn = _cpp_fn(ll, "_Z26llama_get_embeddings_nextnP13llama_context", ctypes.POINTER(ctypes.c_float),
+                                 [ctypes.c_void_p])
+        set_nextn(self.d_ctx, True, False)  # as common/speculative.cpp sets it for DFlash 2
+        self.n_embd = ll.llama_model_n_embd(self.d_model)
+
+    def close(self):
+        ll = self.ll
+        ll.llama_free(self.d_ctx)
+        ll.llama_model_free(self.d_model)
+        ll.llama_free(self.t_ctx)
+        ll.llama_model_free(self.t_model)
+
+    def lattice(self, block, features):
+        """[len(block) - 1, k + k*k]: the lattice rows of block positions 1.. (features [n, width]
+        at positions 0..n-1, the block after them)."""
+        ll = self.ll
+        assert ll.llama_memory_seq_rm(ll.llama_get_memory(self.d_ctx), 0, -1, -1)
+        batch = ll.llama_batch_ext_init(self.d_ctx)
+        try:
+            rows = np.ascontiguousarray(features, dtype=np.float32)
+            for i in range(rows.shape[0]):
+                e = ll.llama_embd(rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, rows.shape[1])
+                idx = ll.llama_batch_ext_add_embd(batch, 0, e)
+                assert idx >= 0 and ll.llama_batch_ext_set_pos(batch, idx, (ll.llama_pos * 1)(i))
+            assert ll.llama_process(self.d_ctx, ll.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
+            ll.llama_batch_ext_clear(batch)
+            for i, tok in enumerate(block):
+                idx = ll.llama_batch_ext_add_token(batch, 0, int(tok))
+                assert idx >= 0
+                ll.llama_batch_ext_set_pos(batch, idx, (ll.llama_pos * 1)(rows.shape[0] + i))
+            assert ll.llama_process(self.d_ctx, ll.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
+            packed = np.ctypeslib.as_array(self.get_nextn(self.d_ctx), shape=(len(block), self.n_embd)).copy()
+            return packed[1:, : self.k * (self.k + 1)]
+        finally:
+            ll.llama_batch_ext_free(batch)
+
+
+def walk(lattice: np.ndarray, k: int) -> list[int]:
+    """common/speculative.cpp's DFlash 2 draft: from predecessor 0 (the anchor), each row's
+    argmax (first on ties) of the scores given the previous choice; the token is its candidate."""
+    out, pred = [], 0
+    for row in lattice:
+        scores = row[k + pred * k: k + (pred + 1) * k]
+        pred = int(np.argmax(scores))
+        out.append(int(row[pred]))
+    return out
+
+
+def _ours(files, which, n_ctx, seed):
+    """Our Spec on the `which` drafter file, with n_ctx random context features in its ring (the
+    target decoded n_ctx prompt tokens so the positions line up), and those features."""
+    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
+    s = _core.Spec(t, str(files[which]), block_size=BLOCK, ring_capacity=64)
+    feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
+    t.decode(list(range(3, 3 + n_ctx)))
+    s.push_features(feats, 0)
+    return t, s, feats.reshape(n_ctx, -1)
+
+
+@pytest.mark.parametrize("which", ["ours", "llama.cpp"])
+def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
+    """Both engines on each converter's file: the lattice's candidate sets and scores agree, and
+    our drafted block is the path llama.cpp's walk takes through llama.cpp's lattice, token for
+    token, for several contexts and anchors; it is not the per-position argmax (the selector
+    matters here)."""
+    run = _LlamaDFlash2(llama_cpp, files["target"], files[which])
+    differs = 0
+    try:
+        assert run.k == TOP_K
+        for n_ctx, seed, last in ((5, 0, 17), (12, 1, 250), (1, 2, 3), (20, 3, 99)):
+            t, s, feats = _ours(files, which, n_ctx, seed)
+            assert s.selector_top_k == TOP_K
+            block = [last] + [s.mask_token_id] * (BLOCK - 1)
+            want_lat = run.lattice(block, feats)
+            ours_lat = s.draft_lattice(last, BLOCK)
+            k = TOP_K
+            # candidates: the same sets per row (ggml's top_k order may differ on near-equal logits)
+            for r in range(BLOCK - 1):
+                assert sorted(ours_lat[r, :k]) == sorted(want_lat[r, :k]), f"row {r} candidates"
+                # scores keyed by (predecessor token, successor token)
+                def table(lat):
+                    c = lat[r, :k].astype(int)
+                    pred = c if r else [last] * k
+                    prev = lat[r - 1, :k].astype(int) if r else None
+                    sc = lat[r, k:].reshape(k, k)
+                    return {(int(prev[p]) if r else last, int(c[j])): sc[p, j] for p in range(k) for j in range(k)}
+                a, b = table(ours_lat), table(want_lat)
+                assert a.keys() == b.keys()
+                np.testing.assert_allclose([a[x] for x in a], [b[x] for x in a], atol=2e-3, rtol=0)
+            want = walk(want_lat, k)
+            assert s.draft(last, BLOCK) == want, f"n_ctx={n_ctx}"
+            logits = s.draft_logits(last, BLOCK, t)
+            differs += want != [int(i) for i in logits.argmax(-1)]
+    finally:
+        run.close()
+    assert differs > 0
+
+
+def test_selector_walk_matches_reference_walk(files):
+    """Our walk of our own lattice is walk() above (same tie rule), and its top-1 form (the
+    controller's and draft_cutoff's probabilities) keeps the same tokens."""
+    t, s, _ = _ours(files, "ours", 6, 4)
+    lat = s.draft_lattice(42, BLOCK)
+    assert s.draft(42, BLOCK) == walk(lat, TOP_K)
+
+
+# ---- exactness --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("gate", [False, True])
+def test_lossless_greedy(files, verify, gate):
+    eng = dn.Engine(files["target"], drafter=files["ours"], gate=gate, block_size=BLOCK, n_ctx=256, kv_type="f32",
+                    n_threads=2, verify=verify, **({"tree_budget": 12} if verify == "tree" else {}))
+    ar = eng.generate(PROMPT, max_tokens=48, speculative=False)
+    sp = eng.generate(PROMPT, max_tokens=48)
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("seed", [1, 7])
+def test_lossless_sampled(files, verify, seed):
+    eng = dn.Engine(files["target"], drafter=files["ours"], gate=False, block_size=BLOCK, n_ctx=256, kv_type="f32",
+                    n_threads=2, verify=verify, **({"tree_budget": 12} if verify == "tree" else {}))
+    kw = dict(max_tokens=40, temperature=0.7, top_p=0.95, seed=seed)
+    ar = eng.generate(PROMPT, speculative=False, **kw)
+    sp = eng.generate(PROMPT, **kw)
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
+
+
+def test_tree_nodes_are_selector_candidates(files):
+    """A greedy tree round's nodes at depth d are candidates of lattice row d - 1; the first
+    path (each node's first child) is the selector's walk."""
+    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
+    s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
+    last = s.prefill(PROMPT)
+    lat = s.draft_lattice(last, BLOCK)
+    s.prefill(PROMPT)
+    r = s.round_tree(last, BLOCK)
+    depth = [0] * (len(r.draft) + 1)
+    for i in range(1, len(depth)):
+        depth[i] = depth[r.parents[i]] + 1
+        assert r.draft[i - 1] in set(lat[depth[i] - 1, :TOP_K].astype(int))
+    chain, node = [], 0
+    while True:
+        kids = [i for i in range(1, len(depth)) if r.parents[i] == node]
+        if not kids:
+            break
+        node = kids[0]
+        chain.append(r.draft[node - 1])
+    assert chain == walk(lat, TOP_K)[: len(chain)] and len(chain) >= 2
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def test_converter_needs_all_dflash2_keys(files, tmp_path):
+    cfg = json.loads((files["drafter_ckpt"] / "config.json").read_text())
+    del cfg["dflash_config"]["selector_rank"]
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes((files["drafter_ckpt"] / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="selector_rank"):
+        convert_dflash_to_gguf(d, d / "x.gguf", target_gguf=files["target"])
+
+
+def test_loader_refuses_bad_dflash2_files(files, tmp_path):
+    from reference.gguf_edit import rewrite_gguf
+
+    t = _core.Target(str(files["target"]), n_ctx=64, kv_type="f32", max_verify=16, n_threads=1)
+    cases = [
+        (dict(kv={"dflash.selector_top_k": 0}), "selector_top_k"),
+        (dict(kv={"dflash.conv_group_size": 7}), "conv_group_size"),
+        (dict(kv={"dflash.selector_top_k": 40}), "selector_top_k"),
+    ]
+    for i, (edit, msg) in enumerate(cases):
+        bad = rewrite_gguf(files["ours"], tmp_path / f"bad{i}.gguf", **edit)
+        with pytest.raises(ValueError, match=msg):
+            _core.Spec(t, str(bad), block_size=BLOCK)
