@@ -124,6 +124,7 @@ class _LlamaDFlash2:
         self.get_nextn = _cpp_fn(ll, "_Z26llama_get_embeddings_nextnP13llama_context", ctypes.POINTER(ctypes.c_float),
                                  [ctypes.c_void_p])
         set_nextn(self.d_ctx, True, False)  # as common/speculative.cpp sets it for DFlash 2
+        ll.llama_set_causal_attn(self.d_ctx, False)  # and non-causal (no dflash.attention.causal: false)
         self.n_embd = ll.llama_model_n_embd(self.d_model)
 
     def close(self):
