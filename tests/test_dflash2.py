@@ -220,6 +220,31 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
     assert differs > 0
 
 
+def test_parity_bar_catches_a_missing_convolution(files, llama_cpp, tmp_path):
+    """The score tolerance above has teeth: llama.cpp's lattice for the same drafter with identity
+    convolutions (tap 0 = 1, no dynamic part: what a graph without them computes) is far from
+    ours on the real file."""
+    from reference.gguf_edit import rewrite_gguf
+
+    def identity(name, a):
+        if name.endswith("conv_proj.weight"):
+            return np.zeros_like(a)
+        if name.endswith("conv_base"):  # numpy [2, K, n_embd]
+            b = np.zeros_like(a)
+            b[:, 0, :] = 1.0
+            return b
+        return a
+
+    ident = rewrite_gguf(files["ours"], tmp_path / "identity-conv.gguf", tensor_fn=identity)
+    run = _LlamaDFlash2(llama_cpp, files["target"], ident)
+    try:
+        _, s, feats = _ours(files, "ours", 5, 0)
+        lat = run.lattice([17] + [s.mask_token_id] * (BLOCK - 1), feats)
+        assert np.abs(s.draft_lattice(17, BLOCK)[:, TOP_K:] - lat[:, TOP_K:]).max() > 0.2
+    finally:
+        run.close()
+
+
 def test_selector_walk_matches_reference_walk(files):
     """Our walk of our own lattice is walk() above (same tie rule), and its top-1 form (the
     controller's and draft_cutoff's probabilities) keeps the same tokens."""

@@ -1,6 +1,6 @@
-"""Hugging Face DFlash drafter checkpoint -> GGUF (arch `dflash`).
+"""Hugging Face DFlash / DFlash 2 drafter checkpoint -> GGUF (arch `dflash`).
 
-Input: a z-lab style `DFlashDraftModel` directory (config.json with
+Input: a z-lab style `DFlashDraftModel` or `DFlash2DraftModel` directory (config.json with
 `model_type: qwen3` and `dflash_config.{target_layer_ids, mask_token_id,
 block_size}`, older files a top-level `block_size`; safetensors with `fc`,
 `hidden_norm`, `norm` and Qwen3 decoder layers, no `embed_tokens` / `lm_head`:
@@ -22,6 +22,13 @@ engine reads the same file. The transforms that are not plain renames:
 - For an M-RoPE target (Qwen3.5) llama.cpp writes degenerate rope sections
   `[head_dim / 2, 0, 0, 0]`: all rotary pairs take the token position, which is
   plain NeoX RoPE. We do the same when the target (directory or GGUF) is known.
+
+DFlash 2 (dflash_config `conv_kernel_size`, `conv_group_size`, `selector_rank`,
+`selector_top_k`, all four) adds those keys as `dflash.<key>` and the per-layer
+`attention_conv` / `mlp_conv` and the `candidate_selector` tensors under llama.cpp's
+names (DFLASH2_LAYER_NAMES, DFLASH2_GLOBAL_NAMES); the base kernels, which have no
+`.weight` suffix, stay F32 as llama.cpp's converter keeps them.
+`dflash_config.attention_value_scale` becomes `dflash.attention.value_scale`.
 
 The tokenizer is carried so llama.cpp can load the drafter on its own and
 find `tokenizer.ggml.mask_token_id`: copied key for key from `target_gguf`
