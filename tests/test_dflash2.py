@@ -14,7 +14,6 @@ selector_* keys, per-layer dynamic convolutions and a top-k pairwise path select
 
 from __future__ import annotations
 
-import ctypes
 import json
 
 import numpy as np
@@ -26,6 +25,7 @@ from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
 from fixtures import make_random_checkpoint, make_random_drafter_checkpoint, make_random_drafter_gguf
+from llamacpp_drafter import LlamaDrafter, walk
 from llamacpp_tools import convert_with_llamacpp
 
 BLOCK = 8
@@ -103,73 +103,6 @@ def llama_cpp():
     _logger.logger.setLevel(level)
 
 
-class _LlamaDFlash2:
-    """llama.cpp running a DFlash 2 drafter with the target's context as ctx_other: inject context
-    features at their positions, decode the block [last, MASK...], read the selector lattice
-    (llama_get_embeddings_nextn: n_embd floats per block row, row 0 unused)."""
-
-    def __init__(self, ll, target_gguf, drafter_gguf):
-        from test_convert_dflash import _cpp_fn, _ctx_params, _load_model
-
-        self.ll = ll
-        self.t_model = _load_model(ll, target_gguf)
-        self.t_ctx = ll.llama_init_from_model(self.t_model, _ctx_params(ll))
-        self.d_model = _load_model(ll, drafter_gguf)
-        self.d_ctx = ll.llama_init_from_model(self.d_model, _ctx_params(ll, self.t_ctx))
-        assert self.t_ctx and self.d_ctx
-        top_k = _cpp_fn(ll, "_Z33llama_model_dflash_selector_top_kPK11llama_model", ctypes.c_uint32, [ctypes.c_void_p])
-        self.k = int(top_k(self.d_model))
-        set_nextn = _cpp_fn(ll, "_Z26llama_set_embeddings_nextnP13llama_contextbb", None,
-                            [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool])
-        self.get_nextn = _cpp_fn(ll, "_Z26llama_get_embeddings_nextnP13llama_context", ctypes.POINTER(ctypes.c_float),
-                                 [ctypes.c_void_p])
-        set_nextn(self.d_ctx, True, False)  # as common/speculative.cpp sets it for DFlash 2
-        ll.llama_set_causal_attn(self.d_ctx, False)  # and non-causal (no dflash.attention.causal: false)
-        self.n_embd = ll.llama_model_n_embd(self.d_model)
-
-    def close(self):
-        ll = self.ll
-        ll.llama_free(self.d_ctx)
-        ll.llama_model_free(self.d_model)
-        ll.llama_free(self.t_ctx)
-        ll.llama_model_free(self.t_model)
-
-    def lattice(self, block, features):
-        """[len(block) - 1, k + k*k]: the lattice rows of block positions 1.. (features [n, width]
-        at positions 0..n-1, the block after them)."""
-        ll = self.ll
-        assert ll.llama_memory_seq_rm(ll.llama_get_memory(self.d_ctx), 0, -1, -1)
-        batch = ll.llama_batch_ext_init(self.d_ctx)
-        try:
-            rows = np.ascontiguousarray(features, dtype=np.float32)
-            for i in range(rows.shape[0]):
-                e = ll.llama_embd(rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, rows.shape[1])
-                idx = ll.llama_batch_ext_add_embd(batch, 0, e)
-                assert idx >= 0 and ll.llama_batch_ext_set_pos(batch, idx, (ll.llama_pos * 1)(i))
-            assert ll.llama_process(self.d_ctx, ll.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
-            ll.llama_batch_ext_clear(batch)
-            for i, tok in enumerate(block):
-                idx = ll.llama_batch_ext_add_token(batch, 0, int(tok))
-                assert idx >= 0
-                ll.llama_batch_ext_set_pos(batch, idx, (ll.llama_pos * 1)(rows.shape[0] + i))
-            assert ll.llama_process(self.d_ctx, ll.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
-            packed = np.ctypeslib.as_array(self.get_nextn(self.d_ctx), shape=(len(block), self.n_embd)).copy()
-            return packed[1:, : self.k * (self.k + 1)]
-        finally:
-            ll.llama_batch_ext_free(batch)
-
-
-def walk(lattice: np.ndarray, k: int) -> list[int]:
-    """common/speculative.cpp's DFlash 2 draft: from predecessor 0 (the anchor), each row's
-    argmax (first on ties) of the scores given the previous choice; the token is its candidate."""
-    out, pred = [], 0
-    for row in lattice:
-        scores = row[k + pred * k: k + (pred + 1) * k]
-        pred = int(np.argmax(scores))
-        out.append(int(row[pred]))
-    return out
-
-
 def _ours(files, which, n_ctx, seed):
     """Our Spec on the `which` drafter file, with n_ctx random context features in its ring (the
     target decoded n_ctx prompt tokens so the positions line up), and those features."""
@@ -187,7 +120,7 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
     our drafted block is the path llama.cpp's walk takes through llama.cpp's lattice, token for
     token, for several contexts and anchors; it is not the per-position argmax (the selector
     matters here)."""
-    run = _LlamaDFlash2(llama_cpp, files["target"], files[which])
+    run = LlamaDrafter(llama_cpp, files["target"], files[which])
     differs = 0
     try:
         assert run.k == TOP_K
@@ -236,7 +169,7 @@ def test_parity_bar_catches_a_missing_convolution(files, llama_cpp, tmp_path):
         return a
 
     ident = rewrite_gguf(files["ours"], tmp_path / "identity-conv.gguf", tensor_fn=identity)
-    run = _LlamaDFlash2(llama_cpp, files["target"], ident)
+    run = LlamaDrafter(llama_cpp, files["target"], ident)
     try:
         _, s, feats = _ours(files, "ours", 5, 0)
         lat = run.lattice([17] + [s.mask_token_id] * (BLOCK - 1), feats)

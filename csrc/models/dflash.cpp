@@ -93,6 +93,37 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
     }
     load_dflash2(F, path, target);
+    load_dspark(F, path, target);
+}
+
+// DSpark with a DFlash (Qwen3 / Llama layer) backbone: the tensors llama.cpp's dflash loader
+// creates when the file has markov_w1.weight. Its DeepSeek-V4 backbone is refused by name.
+void drafter_model::load_dspark(gguf_file & F, const std::string & path, const target_hparams & target) {
+    DFN_REQUIRE(!F.has_key("dflash.hyper_connection.count"), W, "'", path,
+                "': a DSpark drafter with a DeepSeek-V4 backbone (dflash.hyper_connection.count) is not supported");
+    DFN_REQUIRE(!F.has_tensor("d2t"), W, "'", path,
+                "': tensor 'd2t' (llama.cpp's reduced draft vocabulary) is not supported");
+    hp_.sample_from_anchor = F.get_bool("dflash.sample_from_anchor", true);
+    markov_w1 = F.tensor("markov_w1.weight", {}, TENSOR_ROLE_EMBEDDING, false);  // [rank, n_vocab]
+    if (!markov_w1) {
+        DFN_REQUIRE(!F.has_tensor("markov_w2.weight") && !F.has_tensor("conf_proj.weight"), W, "'", path,
+                    "': markov_w2 / conf_proj without markov_w1.weight");
+        return;
+    }
+    DFN_REQUIRE(!hp_.has_selector(), W, "'", path, "': a DSpark Markov head with a DFlash 2 selector is not supported");
+    DFN_REQUIRE(hp_.draft_vocab.empty(), W, "'", path, "': dflash.draft_vocab with a DSpark Markov head is not supported");
+    const int64_t R = markov_w1->ne[0], E = hp_.n_embd;
+    DFN_REQUIRE(ggml_n_dims(markov_w1) == 2 && markov_w1->ne[1] == target.n_vocab && R <= k_max_dim, W, "'", path,
+                "': markov_w1.weight must be [rank <= ", k_max_dim, ", ", target.n_vocab, "]");
+    hp_.markov_rank = R;
+    markov_w2 = F.tensor("markov_w2.weight", {R, target.n_vocab}, TENSOR_ROLE_MATMUL);
+    markov_w2_s = F.tensor("markov_w2.scale", {1}, TENSOR_ROLE_F32, false);
+    conf_proj = F.tensor("conf_proj.weight", {E + R, 1}, TENSOR_ROLE_MATMUL, false);
+    conf_proj_b = F.tensor("conf_proj.bias", {1}, TENSOR_ROLE_F32, false);
+    hp_.has_confidence = conf_proj != nullptr;
+    DFN_REQUIRE(conf_proj || !conf_proj_b, W, "'", path, "': conf_proj.bias without conf_proj.weight");
+    // B - 1 drafts from block_size rows at most (llama.cpp leaves the Markov head out past them)
+    DFN_REQUIRE(!hp_.sample_from_anchor || hp_.block_size >= 2, W, "'", path, "': block_size too small");
 }
 
 // DFlash 2: the keys and tensors llama.cpp's dflash loader reads when the file has
@@ -158,8 +189,11 @@ void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_
 }
 
 ggml_tensor * drafter_model::build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const {
+    return scale_logits(b, matmul(b, lm_head, h));  // [n_cols, n]
+}
+
+ggml_tensor * drafter_model::scale_logits(const build_context & b, ggml_tensor * logits) const {
     ggml_context * ctx = b.ctx;
-    ggml_tensor * logits = matmul(b, lm_head, h);  // [n_cols, n]
     if (hp_.logit_scale != 0.0f && hp_.logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp_.logit_scale);
     if (hp_.final_logit_softcapping > 0.0f) {
         const float c = hp_.final_logit_softcapping;
@@ -220,14 +254,15 @@ ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * 
     const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     const float scale = hp_.attn_scale != 0.0f ? hp_.attn_scale : 1.0f / sqrtf((float) hd);
     const bool conv = !conv_.empty();
+    const int64_t first = hp_.first_draft_row();  // rows first.. draft
     ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        // In the last layer, row 0 (`last`) only lends its K/V: its query, attention output and
-        // FFN would feed nothing, so those run on rows 1 .. B-1 (Bq of them). DFlash 2's
-        // convolutions mix rows, so there every row runs.
-        const int64_t r0 = il + 1 == hp_.n_layer && !conv ? 1 : 0, Bq = B - r0;
+        // In the last layer, row 0 (`last`) only lends its K/V when it drafts nothing: its
+        // query, attention output and FFN would feed nothing, so those run on rows 1 .. B-1 (Bq
+        // of them). DFlash 2's convolutions mix rows, so there every row runs.
+        const int64_t r0 = il + 1 == hp_.n_layer && !conv ? first : 0, Bq = B - r0;
         auto rows = [&](ggml_tensor * t) {  // rows r0.. of a 2-D [n, B] tensor
             return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
         };
@@ -268,7 +303,32 @@ ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * 
         }
     }
     x = norm(b, x, output_norm);
-    return conv ? ggml_view_2d(ctx, x, x->ne[0], B - 1, x->nb[1], x->nb[1]) : x;  // rows 1 .. B-1
+    return conv && first ? ggml_view_2d(ctx, x, x->ne[0], B - 1, x->nb[1], x->nb[1]) : x;  // the drafting rows
+}
+
+ggml_tensor * drafter_model::build_markov(const build_context & b, ggml_tensor * logits, ggml_tensor * h,
+                                          ggml_tensor * tokens, ggml_tensor ** conf) const {
+    ggml_context * ctx = b.ctx;
+    const int64_t V = logits->ne[0], n = logits->ne[1];
+    ggml_tensor * prev = ggml_view_1d(ctx, tokens, 1, 0);  // I32 [1]: the anchor
+    ggml_tensor * out = nullptr;
+    *conf = nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_tensor * w1_prev = ggml_get_rows(ctx, markov_w1, prev);  // [R, 1]
+        ggml_tensor * bias = matmul(b, markov_w2, w1_prev);           // [V, 1]
+        if (markov_w2_s) bias = ggml_mul(ctx, bias, markov_w2_s);
+        ggml_tensor * col = ggml_add(ctx, ggml_view_2d(ctx, logits, V, 1, logits->nb[1], i * logits->nb[1]), bias);
+        out = out ? ggml_concat(ctx, out, col, 1) : col;
+        if (conf_proj) {
+            ggml_tensor * hi = ggml_cont(ctx, ggml_view_2d(ctx, h, h->ne[0], 1, h->nb[1], i * h->nb[1]));
+            ggml_tensor * c = ggml_mul_mat(ctx, conf_proj, ggml_concat(ctx, hi, w1_prev, 0));  // [1, 1]
+            if (conf_proj_b) c = ggml_add(ctx, c, conf_proj_b);
+            c = ggml_sigmoid(ctx, c);
+            *conf = *conf ? ggml_concat(ctx, *conf, c, 1) : c;
+        }
+        if (i + 1 < n) prev = ggml_argmax(ctx, col);  // I32 [1]
+    }
+    return out;
 }
 
 ggml_tensor * drafter_model::build_selector(const build_context & b, ggml_tensor * h, ggml_tensor * logits,

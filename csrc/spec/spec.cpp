@@ -273,22 +273,34 @@ void spec_session::check_draft(int32_t last, int64_t B) const {
 
 void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_context * ctx = b.ctx;
-    const int64_t B = d.B;
+    const int64_t R = d.rows;
     build_push(b, d.push, d.push_f, d.push_pos, dev_queue_ != nullptr);
-    d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-    d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-    d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+    d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, R);
+    d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, R);
+    d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, R);
     ggml_set_input(d.tok);
     ggml_set_input(d.pos);
     ggml_set_input(d.mask);
     if (d.w > 0) {
-        d.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+        d.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, R);
         ggml_set_input(d.mask_swa);
     }
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
-    d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
+    if (drafter_->hparams().has_markov()) {
+        // DSpark: the Markov head chains the rows on the raw logits (llama.cpp's argmaxes), then
+        // logit_scale / soft cap shape the probabilities
+        d.out = drafter_->scale_logits(b, drafter_->build_markov(b, matmul(b, head, h), h, d.tok, &d.conf));
+        if (d.conf && d.what == draft_graph::TOP1) {
+            ggml_set_output(d.conf);
+            ggml_build_forward_expand(b.gf, d.conf);
+        } else {
+            d.conf = nullptr;
+        }
+    } else {
+        d.out = drafter_->build_logits(b, head, h);  // logits [n_draft_vocab or n_vocab, B-1]
+    }
     if (d.what == draft_graph::LATTICE) {
         d.out = drafter_->build_selector(b, h, d.out, d.tok);  // F32 [lattice_row, B-1]
         ggml_set_output(d.out);
@@ -314,7 +326,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
 
 void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    const int64_t B = d.B, w = d.w;
+    const int64_t B = d.rows, w = d.w;
     const bool causal = drafter_->hparams().causal;
     m.assign((size_t) d.n_att * B, ninf);
     std::vector<int64_t> slot_pos(d.n_ctx);
@@ -334,7 +346,7 @@ void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<
 }
 
 void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
-    const int64_t B = d.B;
+    const int64_t B = d.rows;
     set_push_inputs(d.push, dev_queue_ ? nullptr : pending_feats_.data(), d.push_f, d.push_pos);
     std::vector<int32_t> t(B, (int32_t) drafter_->hparams().mask_token_id), p(B);
     t[0] = last;
@@ -356,6 +368,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     check_draft(last, B);
     draft_graph d;
     d.B = B;
+    d.rows = drafter_->hparams().block_rows(B);
     d.K = K;
     d.n_past = target_.n_past();
     d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
@@ -371,7 +384,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     ring_->n_pushed = n_pushed;
     d.n_ctx = ring_->n_valid();
     // attention over ring slots [0, n_att): the context, the block, and padding the mask hides
-    d.n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(d.n_ctx + B));
+    d.n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(d.n_ctx + d.rows));
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
     d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
@@ -413,6 +426,11 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
         if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
     }
     if (d.what == draft_graph::LATTICE) return;  // walk_lattice checks its scores
+    if (d.conf) {  // DSpark's confidence head: each draft's acceptance probability replaces its top-1 p
+        std::vector<float> conf(d.B - 1);
+        ggml_backend_tensor_get(d.conf, conf.data(), 0, conf.size() * sizeof(float));
+        for (int64_t i = 0; i + 1 < d.B; ++i) f32_out[2 * i + 1] = conf[i];
+    }
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
         const bool top = d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK;
         if ((argmax_out && argmax_out[i] < 0) || (top && f32_out[2 * pairs * i] < 0))

@@ -62,7 +62,8 @@ from .convert import (
     _tensor_name,
     read_config_json,
 )
-from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, dflash2_tensor_shapes, drafter_tensor_shapes
+from .hf_formats import (MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, dflash2_tensor_shapes, drafter_tensor_shapes,
+                         dspark_tensor_shapes)
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
            "target_layer_ids_from_gguf"]
@@ -76,7 +77,16 @@ DFLASH_ARCH = "dflash"
 _UNSUPPORTED_DFLASH_KEYS = ("use_swa", "swa_window_size")
 # DFlash 2's dflash_config keys (llama.cpp writes them as dflash.<key>, u32); all or none
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
+# DSpark with a DFlash (Qwen3) backbone: llama.cpp's DSparkModel registers these two for it
+DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel")
+DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel") + DSPARK_ARCHS
+# DSpark's tensors: HF name (no `model.` prefix) -> llama.cpp's GGUF name
+DSPARK_NAMES = {
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
 
 # Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
 MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/runtime/session.h k_max_block_size)
@@ -99,6 +109,9 @@ class DflashSpec:
         self.config = config
         self.where = src_dir / "config.json"
         self.hp: dict[str, Any] = self._qwen3_hparams()
+        self.dspark: bool = any(a in DSPARK_ARCHS for a in config.get("architectures") or [])
+        self.sample_from_anchor: bool | None = self._dspark_options() if self.dspark else None
+        self.has_confidence_head = False  # DSpark: set from the checkpoint by _dflash_tensors
         self.dflash_config: dict[str, Any] = self._dflash_config()
         self.target_layer_ids: list[int] = self._target_layer_ids()
         self.mask_token_id: int = self._mask_token_id()
@@ -133,6 +146,27 @@ class DflashSpec:
             hp["head_dim"] = int(hp["hidden_size"]) // int(hp["num_attention_heads"])
         check_hparams("convert_dflash", where, hp)  # head_dim, when computed
         return hp
+
+    def _dspark_options(self) -> bool:
+        """A DSpark export of the DFlash lineage (llama.cpp's DSparkModel): its Markov head must be
+        vanilla and its vocabulary the target's; returns sample_from_anchor (default true). Its
+        target_layer_ids / mask_token_id may sit at the top level (normalized into dflash_config)."""
+        cfg, where = self.config, self.where
+        for key in ("transformer_layer_config", "aux_hidden_state_layer_ids"):
+            if key in cfg:
+                raise ValueError(f"[convert_dflash] {where}: {key!r}: EAGLE-3 style DSpark exports are not supported")
+        if (kind := cfg.get("markov_head_type", "vanilla")) != "vanilla":
+            raise ValueError(f"[convert_dflash] {where}: markov_head_type {kind!r} is not supported (only 'vanilla')")
+        n_draft = cfg.get("draft_vocab_size")
+        if n_draft is not None and int(n_draft) != int(cfg.get("vocab_size", n_draft)):
+            raise ValueError(f"[convert_dflash] {where}: draft_vocab_size {n_draft} < vocab_size (llama.cpp's d2t "
+                             f"reduced draft vocabulary) is not supported")
+        if "dflash_config" not in cfg:
+            cfg["dflash_config"] = {k: cfg[k] for k in ("target_layer_ids", "mask_token_id", "block_size") if k in cfg}
+        anchor = cfg.get("sample_from_anchor", True)
+        if not isinstance(anchor, bool):
+            raise ValueError(f"[convert_dflash] {where}: sample_from_anchor must be true or false, got {anchor!r}")
+        return anchor
 
     def _dflash_config(self) -> dict[str, Any]:
         dc = self.config.get("dflash_config")
@@ -462,6 +496,9 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     if spec.dflash2 is not None:
         for k, v in spec.dflash2.items():
             writer.add_uint32(f"{arch}.{k}", v)
+    if spec.dspark:
+        writer.add_bool(f"{arch}.sample_from_anchor", bool(spec.sample_from_anchor))
+        writer.add_bool(f"{arch}.has_confidence_head", bool(spec.has_confidence_head))
     value_scale = spec.dflash_config.get("attention_value_scale")
     if value_scale is not None:
         writer.add_float32(f"{arch}.attention.value_scale", float(value_scale))
@@ -610,11 +647,36 @@ def _dflash_tensors(spec: DflashSpec, ckpt: _Checkpoint) -> list[_SourceTensor]:
                              f"{list(shape)} from config.json ({dims})")
         out.append(_SourceTensor(gguf_name, shape, src.load, not gguf_name.endswith(".weight"), name))
 
+    if spec.dspark:
+        out += _dspark_tensors(spec, ckpt, prefix)
     used = {t.hf_name for t in out}
     extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))
     if extra:
         shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
         raise ValueError(f"[convert_dflash] {ckpt.src_dir}: unexpected tensors for a DFlash drafter: {shown}")
+    return out
+
+
+def _dspark_tensors(spec: DflashSpec, ckpt: _Checkpoint, prefix: str) -> list[_SourceTensor]:
+    """The Markov head (its rank from markov_w1's shape) and the optional confidence head; sets
+    spec.has_confidence_head."""
+    w1 = prefix + "markov_head.markov_w1.weight"
+    if w1 not in ckpt:
+        raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {w1!r} (a DSpark drafter's Markov head)")
+    rank = int(ckpt.get(w1).shape[-1])
+    spec.has_confidence_head = prefix + "confidence_head.proj.weight" in ckpt
+    shapes = dspark_tensor_shapes(hidden=spec.hidden_size, n_vocab=int(spec.config["vocab_size"]), markov_rank=rank,
+                                  confidence=spec.has_confidence_head)
+    out = []
+    for hf_name, shape in shapes.items():
+        name = prefix + hf_name
+        if name not in ckpt:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
+        src = ckpt.get(name)
+        if src.shape != shape:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
+                             f"{list(shape)} (vocab_size, hidden_size and markov_w1's rank {rank})")
+        out.append(_SourceTensor(DSPARK_NAMES[hf_name], shape, src.load, False, name))
     return out
 
 

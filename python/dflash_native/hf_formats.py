@@ -40,6 +40,7 @@ __all__ = [
     "default_target_layer_ids",
     "drafter_config",
     "dflash2_tensor_shapes",
+    "dspark_tensor_shapes",
     "drafter_tensor_shapes",
     "hybrid_layer_types",
     "mask_token_id_of",
@@ -277,6 +278,20 @@ def drafter_tensor_shapes(*, hidden: int, n_taps: int, n_layer: int, n_head: int
             p + "mlp.down_proj.weight": (h, n_ff),
         })
     shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def dspark_tensor_shapes(*, hidden: int, n_vocab: int, markov_rank: int,
+                         confidence: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors a DSpark drafter (`DSparkDraftModel`, DFlash backbone) has on top of a DFlash
+    drafter's, HF names as llama.cpp's converter maps them: the Markov head's previous-token
+    embedding `markov_w1` [vocab, rank] and bias projection `markov_w2` [vocab, rank], and the
+    optional confidence head `proj` [1, hidden + rank] with its bias [1]."""
+    shapes: dict[str, tuple[int, ...]] = {"markov_head.markov_w1.weight": (n_vocab, markov_rank),
+                                          "markov_head.markov_w2.weight": (n_vocab, markov_rank)}
+    if confidence:
+        shapes["confidence_head.proj.weight"] = (1, hidden + markov_rank)
+        shapes["confidence_head.proj.bias"] = (1,)
     return shapes
 
 

@@ -53,6 +53,7 @@ from .hf_formats import (
     drafter_config,
     dflash2_tensor_shapes,
     drafter_tensor_shapes,
+    dspark_tensor_shapes,
     hybrid_layer_types,
     mask_token_id_of,
     write_tokenizer_config,
@@ -528,7 +529,10 @@ def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_si
     `kind="dflash2"` writes a `DFlash2DraftModel`: dflash_config gets DFLASH2_DEFAULTS (the
     dynamic convolutions' kernel and group sizes, the selector's rank and top-k; overridable
     through `dflash_config`) and the weights its convolutions and selector
-    (hf_formats.dflash2_tensor_shapes).
+    (hf_formats.dflash2_tensor_shapes). `kind="dspark"` writes a `DSparkDraftModel` (DFlash
+    backbone): a vanilla Markov head of config `markov_rank` (default DSPARK_MARKOV_RANK) and,
+    unless config `confidence_head` is false, a confidence head (hf_formats.dspark_tensor_shapes);
+    a `sample_from_anchor` override goes to config.json as it is.
 
     `overrides` replace config.json keys; a `dflash_config` override is merged
     into the generated one. `prefix="model."` writes tensor names with the
@@ -553,8 +557,15 @@ def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_si
         config["architectures"] = ["DFlash2DraftModel"]
         config["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
         config["dflash_config"].update(DFLASH2_DEFAULTS)
+    elif kind == "dspark":
+        config["architectures"] = ["DSparkDraftModel"]
+        config["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
+        config["markov_head_type"] = "vanilla"
+        config.setdefault("markov_rank", DSPARK_MARKOV_RANK)
+        config.setdefault("confidence_head", True)
     elif kind != "dflash":
-        raise ValueError(f"[make_random_drafter_checkpoint] unknown kind {kind!r}; expected 'dflash' or 'dflash2'")
+        raise ValueError(f"[make_random_drafter_checkpoint] unknown kind {kind!r}; expected 'dflash', 'dflash2' "
+                         f"or 'dspark'")
     if dflash_overrides:
         config["dflash_config"].update(dflash_overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
@@ -600,8 +611,23 @@ def _drafter_weights(cfg: Mapping[str, Any], prefix: str) -> WeightSpecs:
             else:
                 init = _linear_init(shape[0], shape[1])[1]
             out[prefix + name] = (shape, init, prefix + name)
+    if "markov_rank" in cfg:
+        for name, shape in dspark_tensor_shapes(hidden=int(cfg["hidden_size"]), n_vocab=int(cfg["vocab_size"]),
+                                                markov_rank=int(cfg["markov_rank"]),
+                                                confidence=bool(cfg.get("confidence_head", True))).items():
+            if name == "markov_head.markov_w1.weight":  # biases of std 3, above the logits' top-1 margins
+                init = ("normal", int(cfg["markov_rank"]) ** -0.25)
+            elif name == "markov_head.markov_w2.weight":
+                init = ("normal", 3.0 * int(cfg["markov_rank"]) ** -0.25)
+            elif name == "confidence_head.proj.bias":
+                init = ("normal", 0.5)
+            else:
+                init = _linear_init(shape[0], shape[1])[1]
+            out[prefix + name] = (shape, init, prefix + name)
     return out
 
+
+DSPARK_MARKOV_RANK = 16
 
 # dflash_config of a random DFlash 2 drafter (make_random_drafter_checkpoint(kind="dflash2"))
 DFLASH2_DEFAULTS: Mapping[str, int] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16,
