@@ -1,13 +1,75 @@
 """llama.cpp's DFlash-family drafter graph (llama-cpp-python 0.3.36's libllama through ctypes),
 as common/speculative.cpp drives it: context features injected at their positions, one block
 decoded, and what the drafter outputs read back: the logits of every block row and the rows of
-llama_get_embeddings_nextn (DFlash 2's selector lattice, DSpark's confidences)."""
+llama_get_embeddings_nextn (DFlash 2's selector lattice, DSpark's confidences). Also: random
+drafters of a target converted by both converters (`both_converters`), and a GGUF's keys and
+tensors (`read_gguf`)."""
 
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
+import pytest
+from gguf import GGUFReader
+
+# keys where llama.cpp's drafter file and ours differ (test_llamacpp_files.EXPECTED_DRAFTER_KEY_DIFFS)
+KEY_DIFFS = {"general.name", "dflash.attention.causal"}
+
+
+def read_gguf(path):
+    """(keys -> values, tensor name -> ReaderTensor), GGUF.* keys left out."""
+    r = GGUFReader(path)
+    return ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")},
+            {t.name: t for t in r.tensors})
+
+
+def both_converters(d, target_ckpt, target_gguf, variants, llamacpp_converter, **common):
+    """Per variant name -> make_random_drafter_gguf overrides: the random drafter's HF checkpoint
+    (out[name, "hf"]), our convert_dflash's F32 file (out[name, "ours"]) and llama.cpp's
+    convert_hf_to_gguf.py's (out[name, "llama.cpp"]) of it, for the target (seed 6, two layers
+    tapping target layers 0 and 1, `common` overrides)."""
+    from fixtures import make_random_drafter_gguf
+    from llamacpp_tools import convert_with_llamacpp
+
+    pre = read_gguf(target_gguf)[0]["tokenizer.ggml.pre"]
+    out, jobs = {}, []
+    for name, over in variants.items():
+        out[name, "hf"] = d / f"{name}-hf"
+        out[name, "ours"] = make_random_drafter_gguf(
+            d / f"{name}-ours.gguf", target_ckpt, outtype="f32", seed=6, target_gguf=target_gguf,
+            ckpt_dir=out[name, "hf"], **{"num_hidden_layers": 2, "target_layer_ids": [0, 1], **common, **over})
+        out[name, "llama.cpp"] = d / f"{name}-lc.gguf"
+        jobs.append(dict(model=out[name, "hf"], outfile=out[name, "llama.cpp"], outtype="f32", tokenizer_pre=pre,
+                         args=["--target-model-dir", str(target_ckpt)]))
+    convert_with_llamacpp(llamacpp_converter, jobs)
+    return out
+
+
+def assert_same_files(ours, theirs):
+    """The same keys and values but KEY_DIFFS, the same tensor names, types, shapes and bytes;
+    returns (keys, tensors) of ours."""
+    (kv_o, t_o), (kv_l, t_l) = read_gguf(ours), read_gguf(theirs)
+    assert {k: v for k, v in kv_o.items() if k not in KEY_DIFFS} == {k: v for k, v in kv_l.items() if k not in KEY_DIFFS}
+    assert set(t_o) == set(t_l)
+    for name, t in t_o.items():
+        u = t_l[name]
+        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(u.data), err_msg=name)
+    return kv_o, t_o
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    """llama_cpp's low-level module, backend up, llama.cpp's load logs off (errors only)."""
+    mod = pytest.importorskip("llama_cpp")
+    from llama_cpp import _logger
+
+    mod.llama_backend_init()
+    level = _logger.logger.level
+    _logger.set_verbose(False)
+    yield mod
+    _logger.logger.setLevel(level)
 
 
 class LlamaDrafter:

@@ -18,21 +18,18 @@ import json
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
 
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_checkpoint, make_random_drafter_gguf
-from llamacpp_drafter import LlamaDrafter, walk
-from llamacpp_tools import convert_with_llamacpp
+from fixtures import make_random_checkpoint
+from llamacpp_drafter import (LlamaDrafter, assert_same_files, both_converters, llama_cpp,  # noqa: F401
+                              read_gguf, walk)
 
 BLOCK = 8
 TOP_K = 4
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
-# keys where llama.cpp's file and ours differ (test_llamacpp_files.EXPECTED_DRAFTER_KEY_DIFFS)
-KEY_DIFFS = {"general.name", "dflash.attention.causal"}
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +38,10 @@ def files(tmp_path_factory, llamacpp_converter):
     d = tmp_path_factory.mktemp("dflash2")
     ckpt = make_random_checkpoint(d / "target", "qwen3", seed=5, num_hidden_layers=3)
     tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    ours = make_random_drafter_gguf(d / "ours.gguf", ckpt, outtype="f32", seed=6, block_size=BLOCK, target_gguf=tg,
-                                    ckpt_dir=d / "drafter", kind="dflash2", num_hidden_layers=2,
-                                    target_layer_ids=[0, 1], dflash_config={"selector_top_k": TOP_K})
-    pre = {k: f.contents() for k, f in GGUFReader(tg).fields.items()}["tokenizer.ggml.pre"]
-    lc = d / "llamacpp.gguf"
-    convert_with_llamacpp(llamacpp_converter, [dict(model=d / "drafter", outfile=lc, outtype="f32", tokenizer_pre=pre,
-                                                    args=["--target-model-dir", str(ckpt)])])
-    return {"ckpt": ckpt, "target": tg, "ours": ours, "llama.cpp": lc, "drafter_ckpt": d / "drafter", "dir": d}
-
-
-def _read(path):
-    r = GGUFReader(path)
-    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return kv, {t.name: t for t in r.tensors}
+    out = both_converters(d, ckpt, tg, {"d": dict(dflash_config={"selector_top_k": TOP_K})}, llamacpp_converter,
+                          kind="dflash2", block_size=BLOCK)
+    return {"ckpt": ckpt, "target": tg, "ours": out["d", "ours"], "llama.cpp": out["d", "llama.cpp"],
+            "drafter_ckpt": out["d", "hf"], "dir": d}
 
 
 def test_checkpoint_is_a_dflash2_model(files):
@@ -66,42 +53,24 @@ def test_checkpoint_is_a_dflash2_model(files):
 def test_converters_write_the_same_file(files):
     """Same keys and values (but KEY_DIFFS), same tensor names, types, shapes and bytes; the
     DFlash 2 keys and tensors are there under llama.cpp's names, base kernels in F32."""
-    (kv_o, t_o), (kv_l, t_l) = _read(files["ours"]), _read(files["llama.cpp"])
-    assert {k: v for k, v in kv_o.items() if k not in KEY_DIFFS} == {k: v for k, v in kv_l.items() if k not in KEY_DIFFS}
+    kv, t = assert_same_files(files["ours"], files["llama.cpp"])
     for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        assert kv_o[f"dflash.{k}"] == kv_l[f"dflash.{k}"] > 0
-    assert set(t_o) == set(t_l)
+        assert kv[f"dflash.{k}"] > 0
     for name in ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight",
                  "blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight"):
-        assert name in t_o
-    assert t_o["blk.0.attn_conv_base"].tensor_type.name == "F32"
-    for name, t in t_o.items():
-        u = t_l[name]
-        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), name
-        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(u.data), err_msg=name)
+        assert name in t
+    assert t["blk.0.attn_conv_base"].tensor_type.name == "F32"
 
 
 def test_f16_conversion_keeps_base_kernels_f32(files, tmp_path):
     path = convert_dflash_to_gguf(files["drafter_ckpt"], tmp_path / "d16.gguf", outtype="f16",
                                   target_gguf=files["target"])
-    _, t = _read(path)
+    _, t = read_gguf(path)
     assert t["blk.1.ffn_conv_base"].tensor_type.name == "F32"
     assert t["selector_successor.weight"].tensor_type.name == "F16"
 
 
 # ---- llama.cpp's DFlash 2 graph on the same files and context --------------------------------
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    mod = pytest.importorskip("llama_cpp")
-    from llama_cpp import _logger
-
-    mod.llama_backend_init()
-    level = _logger.logger.level
-    _logger.set_verbose(False)
-    yield mod
-    _logger.logger.setLevel(level)
-
 
 def _ours(files, which, n_ctx, seed):
     """Our Spec on the `which` drafter file, with n_ctx random context features in its ring (the
@@ -184,6 +153,15 @@ def test_selector_walk_matches_reference_walk(files):
     t, s, _ = _ours(files, "ours", 6, 4)
     lat = s.draft_lattice(42, BLOCK)
     assert s.draft(42, BLOCK) == walk(lat, TOP_K)
+
+
+def test_sampled_drafts_walk_the_selector(files):
+    """A sampled round's drafts are drawn along the selector (each row among its candidates, by
+    their scores from the previous draw): near T = 0 they are the greedy walk."""
+    _, s, _ = _ours(files, "ours", 6, 4)
+    greedy = s.draft(42, BLOCK)
+    r = s.round(42, BLOCK, sampling=_core.Sampling(temperature=1e-5, seed=3))
+    assert r.draft == greedy
 
 
 # ---- exactness --------------------------------------------------------------------------------

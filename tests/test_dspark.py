@@ -19,19 +19,16 @@ import json
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
 
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
-from fixtures import make_random_checkpoint, make_random_drafter_gguf
-from llamacpp_drafter import LlamaDrafter
-from llamacpp_tools import convert_with_llamacpp
+from fixtures import make_random_checkpoint
+from llamacpp_drafter import LlamaDrafter, assert_same_files, both_converters, llama_cpp  # noqa: F401
 
 BLOCK = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
-KEY_DIFFS = {"general.name", "dflash.attention.causal"}
 # variant -> (anchor-first, confidence head)
 VARIANTS = {"anchor_conf": (True, True), "bonus_noconf": (False, False)}
 
@@ -41,52 +38,18 @@ def files(tmp_path_factory, llamacpp_converter):
     d = tmp_path_factory.mktemp("dspark")
     ckpt = make_random_checkpoint(d / "target", "qwen3", seed=5, num_hidden_layers=3)
     tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    pre = {k: f.contents() for k, f in GGUFReader(tg).fields.items()}["tokenizer.ggml.pre"]
-    out, jobs = {"ckpt": ckpt, "target": tg}, []
-    for name, (anchor, conf) in VARIANTS.items():
-        out[name, "ours"] = make_random_drafter_gguf(
-            d / f"{name}-ours.gguf", ckpt, outtype="f32", seed=6, block_size=BLOCK, target_gguf=tg,
-            ckpt_dir=d / f"{name}-hf", kind="dspark", num_hidden_layers=2, target_layer_ids=[0, 1],
-            sample_from_anchor=anchor, confidence_head=conf)
-        out[name, "llama.cpp"] = d / f"{name}-lc.gguf"
-        out[name, "hf"] = d / f"{name}-hf"
-        jobs.append(dict(model=d / f"{name}-hf", outfile=out[name, "llama.cpp"], outtype="f32", tokenizer_pre=pre,
-                         args=["--target-model-dir", str(ckpt)]))
-    convert_with_llamacpp(llamacpp_converter, jobs)
-    return out
-
-
-def _read(path):
-    r = GGUFReader(path)
-    return ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")},
-            {t.name: t for t in r.tensors})
+    variants = {name: dict(sample_from_anchor=anchor, confidence_head=conf) for name, (anchor, conf) in VARIANTS.items()}
+    return {"ckpt": ckpt, "target": tg,
+            **both_converters(d, ckpt, tg, variants, llamacpp_converter, kind="dspark", block_size=BLOCK)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_converters_write_the_same_file(files, variant):
     anchor, conf = VARIANTS[variant]
-    (kv_o, t_o), (kv_l, t_l) = _read(files[variant, "ours"]), _read(files[variant, "llama.cpp"])
-    assert {k: v for k, v in kv_o.items() if k not in KEY_DIFFS} == {k: v for k, v in kv_l.items() if k not in KEY_DIFFS}
+    kv_o, t_o = assert_same_files(files[variant, "ours"], files[variant, "llama.cpp"])
     assert kv_o["dflash.sample_from_anchor"] is anchor and kv_o["dflash.has_confidence_head"] is conf
-    assert set(t_o) == set(t_l)
     assert {"markov_w1.weight", "markov_w2.weight"} <= set(t_o)
     assert ("conf_proj.weight" in t_o) is conf and ("conf_proj.bias" in t_o) is conf
-    for name, t in t_o.items():
-        u = t_l[name]
-        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), name
-        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(u.data), err_msg=name)
-
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    mod = pytest.importorskip("llama_cpp")
-    from llama_cpp import _logger
-
-    mod.llama_backend_init()
-    level = _logger.logger.level
-    _logger.set_verbose(False)
-    yield mod
-    _logger.logger.setLevel(level)
 
 
 def _ours(files, key, n_ctx, seed):

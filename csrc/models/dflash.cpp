@@ -33,6 +33,7 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
     hp_.logit_scale = F.get_f32(key("logit_scale"), 0.0f);
     hp_.attn_scale = F.get_f32(key("attention.scale"), 0.0f);
+    hp_.n_rot = F.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);  // partial rotary: the first n_rot dims
     hp_.attn_value_scale = F.get_f32(key("attention.value_scale"), 0.0f);
     hp_.final_logit_softcapping = F.get_f32(key("final_logit_softcapping"), 0.0f);
     DFN_REQUIRE(hp_.final_logit_softcapping >= 0.0f, W, "'", path, "': dflash.final_logit_softcapping ",
@@ -56,6 +57,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
                 " and at most ", k_max_heads);
     DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", path,
                 "': key_length must be even and in [2, ", k_max_dim, "]");
+    DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", path,
+                "': rope.dimension_count ", hp_.n_rot, " must be even and within head dim ", hp_.head_dim);
     DFN_REQUIRE(hp_.n_ff > 0 && hp_.n_ff <= k_max_dim, W, "'", path, "': feed_forward_length ", hp_.n_ff,
                 " must be in [1, ", k_max_dim, "]");
     DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
@@ -88,12 +91,41 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     output_norm = F.tensor("output_norm.weight", {E}, TENSOR_ROLE_F32);
     tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab}, TENSOR_ROLE_EMBEDDING, false);  // own, optional
     output = F.tensor("output.weight", {E, target.n_vocab}, TENSOR_ROLE_MATMUL, false);
+    if (!output && tok_embd) output = tok_embd;  // llama.cpp: own embeddings without a head are the head too
     layers_.resize(hp_.n_layer);
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
     }
     load_dflash2(F, path, target);
     load_dspark(F, path, target);
+    refuse_unimplemented(F, path);
+}
+
+// What llama.cpp's dflash loader reads and this drafter does not implement: a clear error naming
+// the key or tensor, never a silent difference.
+void drafter_model::refuse_unimplemented(gguf_file & F, const std::string & path) {
+    const std::string act = F.get_str("dflash.hidden_activation", "silu");
+    DFN_REQUIRE(act == "silu", W, "'", path, "': dflash.hidden_activation '", act, "' is not supported (silu only)");
+    const auto sections = F.get_int_arr("dflash.rope.dimension_sections");
+    for (size_t i = 1; i < sections.size(); ++i) {
+        DFN_REQUIRE(sections[i] == 0, W, "'", path, "': dflash.rope.dimension_sections with more than the temporal "
+                    "section (M-RoPE proper) is not supported");
+    }
+    DFN_REQUIRE(sections.empty() || sections[0] == hp_.n_rot / 2, W, "'", path, "': dflash.rope.dimension_sections[0] ",
+                sections.empty() ? 0 : sections[0], " != rope.dimension_count / 2");
+    for (const char * name : {"rope_freqs.weight", "fc.scale", "output.scale", "markov_w1.scale"}) {
+        DFN_REQUIRE(!F.has_tensor(name), W, "'", path, "': tensor '", name, "' is not supported");
+    }
+    static const char * per_layer[] = {"post_attention_norm.weight", "post_ffw_norm.weight", "layer_output_scale.weight",
+                                       "attn_sinks.weight",          "attn_q.scale",         "attn_k.scale",
+                                       "attn_v.scale",               "attn_output.scale",    "ffn_gate.scale",
+                                       "ffn_up.scale",               "ffn_down.scale",       "rope_freqs.weight"};
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        for (const char * t : per_layer) {
+            const std::string name = cat("blk.", il, ".", t);
+            DFN_REQUIRE(!F.has_tensor(name), W, "'", path, "': tensor '", name, "' is not supported");
+        }
+    }
 }
 
 // DSpark with a DFlash (Qwen3 / Llama layer) backbone: the tensors llama.cpp's dflash loader
@@ -207,7 +239,7 @@ ggml_tensor * drafter_model::norm(const build_context & b, ggml_tensor * x, ggml
 }
 
 ggml_tensor * drafter_model::rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const {
-    return rope_neox(b, x, pos, hp_.head_dim, hp_);
+    return rope_neox(b, x, pos, hp_.n_rot, hp_);
 }
 
 void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,

@@ -40,6 +40,7 @@ struct drafter_hparams : block_hparams {
     // llama.cpp's dflash.attention.value_scale: the attention output (after attn_output) times it;
     // 0: none.
     float attn_value_scale = 0.0f;
+    int64_t n_rot = 0;        // dflash.rope.dimension_count: rotated dims per head (default head_dim)
     float attn_scale = 0.0f;  // dflash.attention.scale: the softmax's q.k scale; 0: 1/sqrt(head_dim)
 
     // DFlash 2 (GGUF dflash.conv_kernel_size, conv_group_size, selector_rank, selector_top_k; all
@@ -181,6 +182,7 @@ public:
 private:
     void load_dflash2(gguf_file & F, const std::string & path, const target_hparams & target);
     void load_dspark(gguf_file & F, const std::string & path, const target_hparams & target);
+    void refuse_unimplemented(gguf_file & F, const std::string & path);
     // DFlash 2's block-local dynamic convolution, one side (0: a sublayer's input, 1: its output):
     // out[t] = sum_{tap < K} (base[side, tap, c] + dyn[t, side, tap, c / group]) * x[t - tap, c],
     // x[t < 0] = 0. x F32 [n_embd, B] (one block), dyn F32 [2 * K * n_groups, B] (the sublayer's

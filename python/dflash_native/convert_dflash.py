@@ -263,11 +263,15 @@ class DflashSpec:
                              f"supported")
 
     def _rope(self) -> dict[str, Any]:
+        """RoPE parameters; a partial_rotary_factor ropes the first head_dim * factor dims of each
+        head (llama.cpp's converter writes that as rope.dimension_count)."""
         rope = _rope_parameters(self._model_spec())
         prf = float(rope.get("partial_rotary_factor", 1.0))
-        if prf != 1.0:
-            raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
-                             f"drafter ropes the whole head)")
+        n_rot = int(self.head_dim * prf)
+        if not 0.0 < prf <= 1.0 or n_rot < 2 or n_rot % 2:
+            raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} gives {n_rot} rotated dims "
+                             f"of head_dim {self.head_dim} (must be even, >= 2)")
+        self.n_rot: int | None = n_rot if prf != 1.0 else None
         return rope
 
     def _model_spec(self) -> _ModelSpec:
@@ -472,6 +476,8 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(float(spec.rope["rope_theta"]))
     _add_rope_scaling(writer, spec._model_spec(), spec.rope)
+    if spec.n_rot is not None:
+        writer.add_uint32(f"{arch}.rope.dimension_count", spec.n_rot)
     if mrope_target:
         writer.add_array(f"{arch}.rope.dimension_sections", [spec.head_dim // 2, 0, 0, 0])
 
