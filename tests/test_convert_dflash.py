@@ -414,6 +414,7 @@ BAD_CASES = {
     "attention_bias": (_edit_config(["attention_bias"], True), "attention_bias"),
     "dflash2_partial_keys": (_edit_config(["dflash_config", "conv_kernel_size"], 2), "DFlash 2 needs all four"),
     "uniform_swa": (_edit_config(["dflash_config", "use_swa"], True), "unsupported DFlash options"),
+    "mask_embedding": (lambda d: (d / "mask_embedding.pt").write_bytes(b"x"), "mask_embedding.pt"),
     "partial_rope": (_edit_config(["rope_parameters", "partial_rotary_factor"], 0.01), "partial_rotary_factor"),
     "last_layer_tap": (_edit_config(["dflash_config", "target_layer_ids"], [3]), "last layer"),
     "mixed_causality": (_edit_config(["layer_types"], ["sliding_attention", "full_attention"]), "cannot hold a mix"),

@@ -452,6 +452,9 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
     elif spec.num_target_layers is not None:
         _check_layer_ids(spec, spec.num_target_layers, "target (num_target_layers in the drafter config)")
 
+    if (src / "mask_embedding.pt").is_file():
+        raise ValueError(f"[convert_dflash] {src}: mask_embedding.pt (a drafter's own mask-token embedding, "
+                         f"patched into the target's embeddings by llama.cpp's converter) is not supported")
     tensors = _dflash_tensors(spec, _Checkpoint(src))
 
     def write_kv(writer: gguf.GGUFWriter) -> None:
