@@ -646,6 +646,37 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             },
             py::arg("last"), py::arg("block_size"), py::arg("target"),
             "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
+        .def(
+            "draft_lattice",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+                std::vector<float> l;
+                {
+                    py::gil_scoped_release release;
+                    l = s.draft_lattice(last, B);
+                }
+                return to_array(std::move(l), {B - 1, s.drafter_hparams_().lattice_row()});
+            },
+            py::arg("last"), py::arg("block_size"),
+            "A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, float32 [B-1, k + k*k]: per row the k "
+            "candidate ids, then for each predecessor p the k transition scores (drafter.h: build_selector)")
+        .def(
+            "draft_top1",
+            [](spec_session & s, int32_t last, int64_t B) {
+                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+                std::vector<float> p;
+                std::vector<int32_t> d;
+                {
+                    py::gil_scoped_release release;
+                    d = s.draft_top1(last, B, p);
+                }
+                return py::make_tuple(d, p);
+            },
+            py::arg("last"), py::arg("block_size"),
+            "(drafts d_1..d_{B-1}, their probabilities) as the controller and draft_cutoff read them: the "
+            "top-1 probability, DFlash 2's selector softmax, or DSpark's confidence head where the drafter has one")
+        .def_property_readonly("selector_top_k", [](spec_session & s) { return s.drafter_hparams_().selector_top_k; },
+                               "DFlash 2's selector_top_k (0: a drafter without a selector)")
         .def("round", &spec_round<false>, py::arg("last"), py::arg("block_size"),
              py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(),
              "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult. "

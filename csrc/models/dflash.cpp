@@ -7,7 +7,9 @@
 #include "models/drafter.h"
 #include "graph/graph.h"
 #include "kernels/cpu/matmul/matmul.h"
+#include "kernels/cpu/top1.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace dfn {
@@ -30,6 +32,9 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
     hp_.embedding_scale = F.get_f32(key("embedding_scale"), 0.0f);
     hp_.logit_scale = F.get_f32(key("logit_scale"), 0.0f);
+    hp_.attn_scale = F.get_f32(key("attention.scale"), 0.0f);
+    hp_.n_rot = F.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);  // partial rotary: the first n_rot dims
+    hp_.attn_value_scale = F.get_f32(key("attention.value_scale"), 0.0f);
     hp_.final_logit_softcapping = F.get_f32(key("final_logit_softcapping"), 0.0f);
     DFN_REQUIRE(hp_.final_logit_softcapping >= 0.0f, W, "'", path, "': dflash.final_logit_softcapping ",
                 hp_.final_logit_softcapping, " must be > 0 (or 0: none)");
@@ -52,6 +57,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
                 " and at most ", k_max_heads);
     DFN_REQUIRE(hp_.head_dim > 0 && hp_.head_dim <= k_max_dim && hp_.head_dim % 2 == 0, W, "'", path,
                 "': key_length must be even and in [2, ", k_max_dim, "]");
+    DFN_REQUIRE(hp_.n_rot > 0 && hp_.n_rot <= hp_.head_dim && hp_.n_rot % 2 == 0, W, "'", path,
+                "': rope.dimension_count ", hp_.n_rot, " must be even and within head dim ", hp_.head_dim);
     DFN_REQUIRE(hp_.n_ff > 0 && hp_.n_ff <= k_max_dim, W, "'", path, "': feed_forward_length ", hp_.n_ff,
                 " must be in [1, ", k_max_dim, "]");
     DFN_REQUIRE(hp_.mask_token_id < target.n_vocab, W, "drafter mask token id ", hp_.mask_token_id,
@@ -84,9 +91,109 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     output_norm = F.tensor("output_norm.weight", {E}, TENSOR_ROLE_F32);
     tok_embd = F.tensor("token_embd.weight", {E, target.n_vocab}, TENSOR_ROLE_EMBEDDING, false);  // own, optional
     output = F.tensor("output.weight", {E, target.n_vocab}, TENSOR_ROLE_MATMUL, false);
+    if (!output && tok_embd) output = tok_embd;  // llama.cpp: own embeddings without a head are the head too
     layers_.resize(hp_.n_layer);
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
+    }
+    load_dflash2(F, path, target);
+    load_dspark(F, path, target);
+    refuse_unimplemented(F, path);
+}
+
+// What llama.cpp's dflash loader reads and this drafter does not implement: a clear error naming
+// the key or tensor, never a silent difference.
+void drafter_model::refuse_unimplemented(gguf_file & F, const std::string & path) {
+    const std::string act = F.get_str("dflash.hidden_activation", "silu");
+    DFN_REQUIRE(act == "silu", W, "'", path, "': dflash.hidden_activation '", act, "' is not supported (silu only)");
+    const auto sections = F.get_int_arr("dflash.rope.dimension_sections");
+    for (size_t i = 1; i < sections.size(); ++i) {
+        DFN_REQUIRE(sections[i] == 0, W, "'", path, "': dflash.rope.dimension_sections with more than the temporal "
+                    "section (M-RoPE proper) is not supported");
+    }
+    DFN_REQUIRE(sections.empty() || sections[0] == hp_.n_rot / 2, W, "'", path, "': dflash.rope.dimension_sections[0] ",
+                sections.empty() ? 0 : sections[0], " != rope.dimension_count / 2");
+    for (const char * name : {"rope_freqs.weight", "fc.scale", "output.scale", "markov_w1.scale"}) {
+        DFN_REQUIRE(!F.has_tensor(name), W, "'", path, "': tensor '", name, "' is not supported");
+    }
+    static const char * per_layer[] = {"post_attention_norm.weight", "post_ffw_norm.weight", "layer_output_scale.weight",
+                                       "attn_sinks.weight",          "attn_q.scale",         "attn_k.scale",
+                                       "attn_v.scale",               "attn_output.scale",    "ffn_gate.scale",
+                                       "ffn_up.scale",               "ffn_down.scale",       "rope_freqs.weight"};
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        for (const char * t : per_layer) {
+            const std::string name = cat("blk.", il, ".", t);
+            DFN_REQUIRE(!F.has_tensor(name), W, "'", path, "': tensor '", name, "' is not supported");
+        }
+    }
+}
+
+// DSpark with a DFlash (Qwen3 / Llama layer) backbone: the tensors llama.cpp's dflash loader
+// creates when the file has markov_w1.weight. Its DeepSeek-V4 backbone is refused by name.
+void drafter_model::load_dspark(gguf_file & F, const std::string & path, const target_hparams & target) {
+    DFN_REQUIRE(!F.has_key("dflash.hyper_connection.count"), W, "'", path,
+                "': a DSpark drafter with a DeepSeek-V4 backbone (dflash.hyper_connection.count) is not supported");
+    DFN_REQUIRE(!F.has_tensor("d2t"), W, "'", path,
+                "': tensor 'd2t' (llama.cpp's reduced draft vocabulary) is not supported");
+    hp_.sample_from_anchor = F.get_bool("dflash.sample_from_anchor", true);
+    markov_w1 = F.tensor("markov_w1.weight", {}, TENSOR_ROLE_EMBEDDING, false);  // [rank, n_vocab]
+    if (!markov_w1) {
+        DFN_REQUIRE(!F.has_tensor("markov_w2.weight") && !F.has_tensor("conf_proj.weight"), W, "'", path,
+                    "': markov_w2 / conf_proj without markov_w1.weight");
+        return;
+    }
+    DFN_REQUIRE(!hp_.has_selector(), W, "'", path, "': a DSpark Markov head with a DFlash 2 selector is not supported");
+    DFN_REQUIRE(hp_.draft_vocab.empty(), W, "'", path, "': dflash.draft_vocab with a DSpark Markov head is not supported");
+    const int64_t R = markov_w1->ne[0], E = hp_.n_embd;
+    DFN_REQUIRE(ggml_n_dims(markov_w1) == 2 && markov_w1->ne[1] == target.n_vocab && R <= k_max_dim, W, "'", path,
+                "': markov_w1.weight must be [rank <= ", k_max_dim, ", ", target.n_vocab, "]");
+    hp_.markov_rank = R;
+    markov_w2 = F.tensor("markov_w2.weight", {R, target.n_vocab}, TENSOR_ROLE_MATMUL);
+    markov_w2_s = F.tensor("markov_w2.scale", {1}, TENSOR_ROLE_F32, false);
+    conf_proj = F.tensor("conf_proj.weight", {E + R, 1}, TENSOR_ROLE_MATMUL, false);
+    conf_proj_b = F.tensor("conf_proj.bias", {1}, TENSOR_ROLE_F32, false);
+    hp_.has_confidence = conf_proj != nullptr;
+    DFN_REQUIRE(conf_proj || !conf_proj_b, W, "'", path, "': conf_proj.bias without conf_proj.weight");
+    // B - 1 drafts from block_size rows at most (llama.cpp leaves the Markov head out past them)
+    DFN_REQUIRE(!hp_.sample_from_anchor || hp_.block_size >= 2, W, "'", path, "': block_size too small");
+}
+
+// DFlash 2: the keys and tensors llama.cpp's dflash loader reads when the file has
+// selector_hidden.weight, checked as it checks them (src/models/dflash.cpp, load_arch_tensors).
+void drafter_model::load_dflash2(gguf_file & F, const std::string & path, const target_hparams & target) {
+    auto key = [](const char * s) { return std::string("dflash.") + s; };
+    const bool has = F.has_tensor("selector_hidden.weight");
+    for (const char * k : {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}) {
+        DFN_REQUIRE(has || !F.has_key(key(k)), W, "'", path, "': dflash.", k,
+                    " without the selector tensors (selector_hidden.weight)");
+    }
+    if (!has) return;
+    hp_.conv_kernel = F.get_u32(key("conv_kernel_size"), 0);
+    hp_.conv_group = F.get_u32(key("conv_group_size"), 0);
+    hp_.selector_rank = F.get_u32(key("selector_rank"), 0);
+    hp_.selector_top_k = F.get_u32(key("selector_top_k"), 0);
+    const int64_t E = hp_.n_embd, K = hp_.conv_kernel, k = hp_.selector_top_k, R = hp_.selector_rank;
+    DFN_REQUIRE(K > 0 && hp_.conv_group > 0 && R > 0 && k > 0, W, "'", path,
+                "': a DFlash 2 drafter needs dflash.conv_kernel_size, conv_group_size, selector_rank and "
+                "selector_top_k > 0");
+    DFN_REQUIRE(E % hp_.conv_group == 0, W, "'", path, "': hidden size ", E, " is not a multiple of dflash.conv_group_size ",
+                hp_.conv_group);
+    DFN_REQUIRE(E >= k * (k + 1), W, "'", path, "': hidden size ", E, " < selector_top_k * (selector_top_k + 1) = ",
+                k * (k + 1), " (llama.cpp packs the selector's lattice into hidden-size rows)");
+    DFN_REQUIRE(k <= target.n_vocab && K <= k_max_gguf_block_size, W, "'", path, "': selector_top_k ", k,
+                " or conv_kernel_size ", K, " out of range");
+    DFN_REQUIRE(hp_.draft_vocab.empty(), W, "'", path, "': dflash.draft_vocab with a DFlash 2 selector is not supported");
+    selector_prev = F.tensor("selector_predecessor.weight", {R, target.n_vocab}, TENSOR_ROLE_EMBEDDING);
+    selector_next = F.tensor("selector_successor.weight", {R, target.n_vocab}, TENSOR_ROLE_EMBEDDING);
+    selector_hidden = F.tensor("selector_hidden.weight", {E, R}, TENSOR_ROLE_MATMUL);
+    const int64_t projected = 2 * K * (E / hp_.conv_group);
+    conv_.resize(hp_.n_layer);
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        const std::string p = cat("blk.", il, ".");
+        conv_[il].attn_base = F.tensor(p + "attn_conv_base", {E, K, 2}, TENSOR_ROLE_F32);
+        conv_[il].attn_proj = F.tensor(p + "attn_conv_proj.weight", {E, projected}, TENSOR_ROLE_MATMUL);
+        conv_[il].ffn_base = F.tensor(p + "ffn_conv_base", {E, K, 2}, TENSOR_ROLE_F32);
+        conv_[il].ffn_proj = F.tensor(p + "ffn_conv_proj.weight", {E, projected}, TENSOR_ROLE_MATMUL);
     }
 }
 
@@ -114,8 +221,11 @@ void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_
 }
 
 ggml_tensor * drafter_model::build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const {
+    return scale_logits(b, matmul(b, lm_head, h));  // [n_cols, n]
+}
+
+ggml_tensor * drafter_model::scale_logits(const build_context & b, ggml_tensor * logits) const {
     ggml_context * ctx = b.ctx;
-    ggml_tensor * logits = matmul(b, lm_head, h);  // [n_cols, n]
     if (hp_.logit_scale != 0.0f && hp_.logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp_.logit_scale);
     if (hp_.final_logit_softcapping > 0.0f) {
         const float c = hp_.final_logit_softcapping;
@@ -129,7 +239,7 @@ ggml_tensor * drafter_model::norm(const build_context & b, ggml_tensor * x, ggml
 }
 
 ggml_tensor * drafter_model::rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const {
-    return rope_neox(b, x, pos, hp_.head_dim, hp_);
+    return rope_neox(b, x, pos, hp_.n_rot, hp_);
 }
 
 void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,
@@ -147,24 +257,54 @@ void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, g
     }
 }
 
+ggml_tensor * drafter_model::build_conv(const build_context & b, ggml_tensor * x, ggml_tensor * dyn,
+                                        ggml_tensor * base, int side) const {
+    ggml_context * ctx = b.ctx;
+    const int64_t E = x->ne[0], B = x->ne[1], K = hp_.conv_kernel, gs = hp_.conv_group, G = E / gs;
+    if (!ggml_is_contiguous(x)) x = ggml_cont(ctx, x);
+    if (!ggml_is_contiguous(dyn)) dyn = ggml_cont(ctx, dyn);
+    // this side's per-token coefficients [G, K, B] of dyn viewed as [G, K, 2, B], one per channel group
+    ggml_tensor * coeff = ggml_view_3d(ctx, dyn, G, K, B, G * sizeof(float), dyn->nb[1], side * K * G * sizeof(float));
+    coeff = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, ggml_cont(ctx, coeff), 1, G, K, B), gs, G, K, B);
+    ggml_tensor * base_side = ggml_reshape_4d(ctx, ggml_view_1d(ctx, base, E * K, side * base->nb[2]), gs, G, K, 1);
+    ggml_tensor * w = ggml_add(ctx, coeff, base_side);  // [gs, G, K, B]: tap weights per channel and token
+    ggml_tensor * out = nullptr;
+    for (int64_t tap = 0; tap < std::min(K, B); ++tap) {  // taps >= B read only the zero padding
+        ggml_tensor * xs = x;                             // x[t - tap]: rows shifted down, zeros on top
+        if (tap > 0) xs = ggml_pad_ext(ctx, ggml_view_2d(ctx, x, E, B - tap, x->nb[1], 0), 0, 0, (int) tap, 0, 0, 0, 0, 0);
+        ggml_tensor * wt = ggml_view_4d(ctx, w, gs, G, 1, B, w->nb[1], w->nb[2], w->nb[3], tap * w->nb[2]);
+        ggml_tensor * term = ggml_mul(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, wt), E, B), xs);
+        out = out ? ggml_add(ctx, out, term) : term;
+    }
+    return out;
+}
+
 ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
                                          ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
                                          int64_t n_ctx, ggml_tensor * target_tok_embd) const {
     ggml_context * ctx = b.ctx;
     const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
-    const float scale = 1.0f / sqrtf((float) hd);
+    const float scale = hp_.attn_scale != 0.0f ? hp_.attn_scale : 1.0f / sqrtf((float) hd);
+    const bool conv = !conv_.empty();
+    const int64_t first = hp_.first_draft_row();  // rows first.. draft
     ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        // In the last layer, row 0 (`last`) only lends its K/V: its query, attention output and
-        // FFN would feed nothing, so those run on rows 1 .. B-1 (Bq of them).
-        const int64_t r0 = il + 1 == hp_.n_layer ? 1 : 0, Bq = B - r0;
+        // In the last layer, row 0 (`last`) only lends its K/V when it drafts nothing: its
+        // query, attention output and FFN would feed nothing, so those run on rows 1 .. B-1 (Bq
+        // of them). DFlash 2's convolutions mix rows, so there every row runs.
+        const int64_t r0 = il + 1 == hp_.n_layer && !conv ? first : 0, Bq = B - r0;
         auto rows = [&](ggml_tensor * t) {  // rows r0.. of a 2-D [n, B] tensor
             return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
         };
         ggml_tensor * inp = rows(x);
         ggml_tensor * xn = norm(b, x, L.attn_norm);
+        ggml_tensor * dyn_attn = nullptr;
+        if (conv) {
+            dyn_attn = matmul(b, conv_[il].attn_proj, xn);  // [2 * K * n_groups, B]
+            xn = build_conv(b, xn, dyn_attn, conv_[il].attn_base, 0);
+        }
         ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, Bq);  // [hd, n_head, Bq]
         ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, B);              // [hd, n_kv, B]
         ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, B);
@@ -180,11 +320,102 @@ ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * 
         ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
         ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
         ggml_tensor * a = attention(b, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
-        x = ggml_add(ctx, matmul(b, L.wo, a), inp);
+        ggml_tensor * o = matmul(b, L.wo, a);  // [n_embd, Bq]
+        if (hp_.attn_value_scale != 0.0f) o = ggml_scale(ctx, o, hp_.attn_value_scale);
+        if (conv) o = build_conv(b, o, dyn_attn, conv_[il].attn_base, 1);
+        x = ggml_add(ctx, o, inp);
 
-        x = ggml_add(ctx, ffn_swiglu(b, norm(b, x, L.ffn_norm), L), x);
+        ggml_tensor * fn = norm(b, x, L.ffn_norm);
+        if (conv) {
+            ggml_tensor * dyn_ffn = matmul(b, conv_[il].ffn_proj, fn);
+            fn = build_conv(b, fn, dyn_ffn, conv_[il].ffn_base, 0);
+            x = ggml_add(ctx, build_conv(b, ffn_swiglu(b, fn, L), dyn_ffn, conv_[il].ffn_base, 1), x);
+        } else {
+            x = ggml_add(ctx, ffn_swiglu(b, fn, L), x);
+        }
     }
-    return norm(b, x, output_norm);
+    x = norm(b, x, output_norm);
+    return conv && first ? ggml_view_2d(ctx, x, x->ne[0], B - 1, x->nb[1], x->nb[1]) : x;  // the drafting rows
+}
+
+ggml_tensor * drafter_model::build_markov(const build_context & b, ggml_tensor * logits, ggml_tensor * h,
+                                          ggml_tensor * tokens, ggml_tensor ** conf) const {
+    ggml_context * ctx = b.ctx;
+    const int64_t V = logits->ne[0], n = logits->ne[1];
+    ggml_tensor * prev = ggml_view_1d(ctx, tokens, 1, 0);  // I32 [1]: the anchor
+    ggml_tensor * out = nullptr;
+    *conf = nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_tensor * w1_prev = ggml_get_rows(ctx, markov_w1, prev);  // [R, 1]
+        ggml_tensor * bias = matmul(b, markov_w2, w1_prev);           // [V, 1]
+        if (markov_w2_s) bias = ggml_mul(ctx, bias, markov_w2_s);
+        ggml_tensor * col = ggml_add(ctx, ggml_view_2d(ctx, logits, V, 1, logits->nb[1], i * logits->nb[1]), bias);
+        out = out ? ggml_concat(ctx, out, col, 1) : col;
+        if (conf_proj) {
+            ggml_tensor * hi = ggml_cont(ctx, ggml_view_2d(ctx, h, h->ne[0], 1, h->nb[1], i * h->nb[1]));
+            ggml_tensor * c = ggml_mul_mat(ctx, conf_proj, ggml_concat(ctx, hi, w1_prev, 0));  // [1, 1]
+            if (conf_proj_b) c = ggml_add(ctx, c, conf_proj_b);
+            c = ggml_sigmoid(ctx, c);
+            *conf = *conf ? ggml_concat(ctx, *conf, c, 1) : c;
+        }
+        if (i + 1 < n) prev = ggml_argmax(ctx, col);  // I32 [1]
+    }
+    return out;
+}
+
+ggml_tensor * drafter_model::build_selector(const build_context & b, ggml_tensor * h, ggml_tensor * logits,
+                                            ggml_tensor * tokens) const {
+    ggml_context * ctx = b.ctx;
+    const int64_t n = h->ne[1], k = hp_.selector_top_k, R = hp_.selector_rank;
+    ggml_tensor * cand = ggml_top_k(ctx, logits, (int) k);  // I32 [k, n]
+    ggml_tensor * unary = ggml_reshape_2d(  // the candidates' logits [k, n]
+        ctx, ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, logits->ne[0], n), cand), k, n);
+    ggml_tensor * gate = matmul(b, selector_hidden, h);  // [R, n]
+    // predecessors [k, n]: row 0's is the anchor (k times), row r's row r-1's candidates
+    ggml_tensor * pred = ggml_repeat_4d(ctx, ggml_view_1d(ctx, tokens, 1, 0), k, 1, 1, 1);
+    if (n > 1) pred = ggml_concat(ctx, pred, ggml_view_2d(ctx, cand, k, n - 1, cand->nb[1], 0), 1);
+    ggml_tensor * succ = ggml_reshape_3d(ctx, ggml_get_rows(ctx, selector_next, ggml_reshape_1d(ctx, cand, k * n)), R, k, n);
+    ggml_tensor * cond = ggml_reshape_3d(ctx, ggml_get_rows(ctx, selector_prev, ggml_reshape_1d(ctx, ggml_cont(ctx, pred), k * n)),
+                                         R, k, n);
+    cond = ggml_mul(ctx, cond, ggml_reshape_3d(ctx, gate, R, 1, n));  // [R, k (pred), n]
+    ggml_tensor * score = ggml_mul_mat(ctx, succ, cond);              // [k (succ), k (pred), n]
+    score = ggml_add(ctx, score, ggml_reshape_3d(ctx, unary, k, 1, n));
+    return ggml_concat(ctx, ggml_cast(ctx, cand, GGML_TYPE_F32), ggml_reshape_2d(ctx, score, k * k, n), 0);
+}
+
+// softmax of k scores s[] at index i (1 / sum exp(s_j - s_i), llama.cpp's p_min form); throws on a non-finite score
+static float softmax_at(const float * s, int64_t k, int64_t i, int64_t pos) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+        if (!std::isfinite(s[j])) throw_non_finite_logits("draft", pos);
+        sum += std::exp(s[j] - s[i]);
+    }
+    return 1.0f / sum;
+}
+
+void walk_lattice(const float * lattice, int64_t n, int64_t k, int32_t * tok, float * p, int64_t pos0) {
+    const int64_t row = k * (k + 1);
+    int64_t pred = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const float * c = lattice + r * row;
+        const float * s = c + k + pred * k;
+        pred = std::max_element(s, s + k) - s;
+        const float pr = softmax_at(s, k, pred, pos0 + r);  // also the finiteness check
+        if (p) p[r] = pr;
+        tok[r] = (int32_t) c[pred];
+    }
+}
+
+void lattice_probs(const float * lattice, int64_t n, int64_t k, int32_t * cand, float * cond_p, int64_t pos0) {
+    const int64_t row = k * (k + 1);
+    for (int64_t r = 0; r < n; ++r) {
+        const float * c = lattice + r * row;
+        for (int64_t j = 0; j < k; ++j) cand[r * k + j] = (int32_t) c[j];
+        for (int64_t q = 0; q < k; ++q) {
+            const float * s = c + k + q * k;
+            for (int64_t j = 0; j < k; ++j) cond_p[(r * k + q) * k + j] = softmax_at(s, k, j, pos0 + r);
+        }
+    }
 }
 
 }  // namespace dfn

@@ -37,6 +37,37 @@ struct drafter_hparams : block_hparams {
     // are argmaxes over these rows of the lm_head only (EAGLE-3's reduced draft vocabulary): a
     // target that writes a token outside them just rejects that draft; empty = the whole vocabulary.
     std::vector<int32_t> draft_vocab;
+    // llama.cpp's dflash.attention.value_scale: the attention output (after attn_output) times it;
+    // 0: none.
+    float attn_value_scale = 0.0f;
+    int64_t n_rot = 0;        // dflash.rope.dimension_count: rotated dims per head (default head_dim)
+    float attn_scale = 0.0f;  // dflash.attention.scale: the softmax's q.k scale; 0: 1/sqrt(head_dim)
+
+    // DFlash 2 (GGUF dflash.conv_kernel_size, conv_group_size, selector_rank, selector_top_k; all
+    // 0 for DFlash): each layer's normed input and its attention / FFN outputs go through a
+    // block-local dynamic convolution (build_conv), and a top-k pairwise path selector picks the
+    // drafted block (build_selector).
+    int64_t conv_kernel = 0;
+    int64_t conv_group = 0;
+    int64_t selector_rank = 0;
+    int64_t selector_top_k = 0;
+    bool has_selector() const { return selector_top_k > 0; }
+
+    // DSpark (markov_w1.weight present): a low-rank Markov head biases each draft row's logits by
+    // the draft before it (build_markov), and an optional confidence head gives each draft's
+    // acceptance probability. dflash.sample_from_anchor (absent: true) puts the first draft on the
+    // anchor row itself: the block is [last, MASK x (B-2)] and every row drafts; false (EAGLE-3
+    // style 1+N exports) keeps DFlash's [last, MASK x (B-1)] with rows 1.. drafting.
+    int64_t markov_rank = 0;
+    bool sample_from_anchor = true;
+    bool has_confidence = false;
+    bool has_markov() const { return markov_rank > 0; }
+    // The block row of the first draft (0: anchor-first DSpark; else 1), and the block's rows for
+    // B - 1 drafts.
+    int64_t first_draft_row() const { return has_markov() && sample_from_anchor ? 0 : 1; }
+    int64_t block_rows(int64_t B) const { return B - 1 + first_draft_row(); }
+    // Floats per row of the selector's lattice: k candidate ids, then k x k transition scores.
+    int64_t lattice_row() const { return selector_top_k * (selector_top_k + 1); }
 
     // Floats of fused target features per position (fc's input, a ring push's row): n_taps * n_embd.
     int64_t n_feature_row() const { return (int64_t) tap_layers.size() * n_embd; }
@@ -68,6 +99,16 @@ private:
     ggml_backend_buffer_ptr buf_;  // the tensors' data
 };
 
+// The selector's path through a lattice (drafter_model::build_selector's, n rows of
+// lattice_row() floats), as llama.cpp's DFlash 2 walks it (common/speculative.cpp): from the
+// anchor, each row's candidate with the highest score given the previous row's choice (the first
+// on ties). Fills tok [n] and, when given, p [n]: the softmax of those k scores at the choice.
+// A non-finite score is an error naming draft position pos0 + r.
+void walk_lattice(const float * lattice, int64_t n, int64_t k, int32_t * tok, float * p, int64_t pos0);
+// The lattice's candidates cand [n, k] and, per row and predecessor column, the softmax of the k
+// scores: cond_p [n, k, k] (tree.h's build_tree_conditional reads both).
+void lattice_probs(const float * lattice, int64_t n, int64_t k, int32_t * cand, float * cond_p, int64_t pos0);
+
 // dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the
 // target's verify batch from it before the drafter itself is loaded.
 constexpr int64_t k_max_gguf_block_size = 1024;
@@ -96,19 +137,38 @@ public:
     void build_encode(const build_context & b, ggml_tensor * feats, ggml_tensor * pos, feature_ring & ring,
                       int64_t slot0) const;
 
-    // Block forward: tokens I32 [B] = [last, MASK...] at positions pos I32 [B], attending to the
+    // Block forward: tokens I32 [R] = [last, MASK...] at positions pos I32 [R], attending to the
     // first n_ctx ring slots and (non-causally) to the block, whose K/V go to ring slots
     // [n_ctx, n_ctx + B) (n_ctx = ring.n_valid(), B <= ring.scratch). mask, mask_swa: F16
     // [n_att, B] for full and sliding-window layers, over ring slots [0, n_att), n_att >= n_ctx + B
     // (-inf past the block: padding keeps the graph's sizes, and its plan, for many rounds).
-    // Returns the final hidden states after output_norm of rows 1 .. B-1 (those that predict
-    // d_1 .. d_{B-1}), F32 [n_embd, B-1].
+    // Returns the final hidden states after output_norm of the rows that draft d_1 .. d_{B-1}
+    // (rows first_draft_row() .. R-1; R = block_rows(B)), F32 [n_embd, B-1].
     ggml_tensor * build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * mask,
                               ggml_tensor * mask_swa, const feature_ring & ring, int64_t n_ctx,
                               ggml_tensor * tok_embd) const;
     // The draft head: lm_head [n_embd, n_cols] times h F32 [n_embd, n], then logit_scale and the
     // soft cap. Returns F32 [n_cols, n].
     ggml_tensor * build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const;
+    // build_logits' logit_scale and soft cap alone, on logits F32 [n_cols, n].
+    ggml_tensor * scale_logits(const build_context & b, ggml_tensor * logits) const;
+    // DSpark's Markov head, as llama.cpp chains it: logits F32 [n_vocab, n] (the draft rows' lm_head
+    // output, before logit_scale / soft cap), h F32 [n_embd, n] (their hidden states), tokens the
+    // block (tokens[0]: the anchor). Row i gets + markov_w2 (markov_w1[prev_i]) (times
+    // markov_w2.scale), prev_0 the anchor and prev_{i+1} the argmax of row i so biased. Returns
+    // the biased logits F32 [n_vocab, n]; with a confidence head, *conf = sigmoid(conf_proj .
+    // [h_i; markov_w1[prev_i]] + bias), F32 [1, n] (else nullptr).
+    ggml_tensor * build_markov(const build_context & b, ggml_tensor * logits, ggml_tensor * h, ggml_tensor * tokens,
+                               ggml_tensor ** conf) const;
+    // DFlash 2's selector over the block's rows 1..B-1: h F32 [n_embd, B-1] (build_block's),
+    // logits F32 [n_vocab, B-1] (build_logits' over the whole vocabulary), tokens I32 [B] (the
+    // block: tokens[0] is the anchor, `last`). Returns the lattice, F32 [k + k*k, B-1]: per row r
+    // (block position r + 1) its k candidates (the logits' top k, token ids as floats) and, for
+    // each predecessor p (row r-1's candidate p; for r = 0 the anchor, every p alike), the k
+    // scores logit(c_j) + selector_next[c_j] . (selector_prev[pred_p] * (selector_hidden h_r)),
+    // at [k + p * k + j]. walk_lattice() reads it.
+    ggml_tensor * build_selector(const build_context & b, ggml_tensor * h, ggml_tensor * logits,
+                                 ggml_tensor * tokens) const;
     bool layer_is_swa(int il) const { return hp_.sliding_window > 0 && il < (int) hp_.is_swa.size() && hp_.is_swa[il]; }
 
     ggml_tensor * tok_embd = nullptr;  // own embeddings, if the file has them
@@ -120,6 +180,15 @@ public:
     ggml_tensor * draft_head = nullptr;
 
 private:
+    void load_dflash2(gguf_file & F, const std::string & path, const target_hparams & target);
+    void load_dspark(gguf_file & F, const std::string & path, const target_hparams & target);
+    void refuse_unimplemented(gguf_file & F, const std::string & path);
+    // DFlash 2's block-local dynamic convolution, one side (0: a sublayer's input, 1: its output):
+    // out[t] = sum_{tap < K} (base[side, tap, c] + dyn[t, side, tap, c / group]) * x[t - tap, c],
+    // x[t < 0] = 0. x F32 [n_embd, B] (one block), dyn F32 [2 * K * n_groups, B] (the sublayer's
+    // kernel projection of its normed input), base F32 [n_embd, K, 2]. Returns F32 [n_embd, B].
+    ggml_tensor * build_conv(const build_context & b, ggml_tensor * x, ggml_tensor * dyn, ggml_tensor * base,
+                             int side) const;
     ggml_tensor * norm(const build_context & b, ggml_tensor * x, ggml_tensor * w) const;
     ggml_tensor * rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const;
 
@@ -129,6 +198,21 @@ private:
     ggml_tensor * enc_norm = nullptr;  // F32 [n_embd] (HF hidden_norm)
     ggml_tensor * output_norm = nullptr;
     std::vector<layer_weights> layers_;  // Qwen3 blocks (see load_qwen3_layer)
+    struct conv_weights {                // DFlash 2, per layer
+        ggml_tensor * attn_base = nullptr;  // F32 [n_embd, K, 2]
+        ggml_tensor * attn_proj = nullptr;  // [n_embd, 2 * K * n_groups]
+        ggml_tensor * ffn_base = nullptr;
+        ggml_tensor * ffn_proj = nullptr;
+    };
+    std::vector<conv_weights> conv_;     // empty for DFlash
+    ggml_tensor * selector_prev = nullptr;    // [rank, n_vocab] (rows by token id)
+    ggml_tensor * selector_next = nullptr;    // [rank, n_vocab]
+    ggml_tensor * selector_hidden = nullptr;  // [n_embd, rank]
+    ggml_tensor * markov_w1 = nullptr;        // DSpark: [rank, n_vocab] (rows by token id)
+    ggml_tensor * markov_w2 = nullptr;        // [rank, n_vocab]
+    ggml_tensor * markov_w2_s = nullptr;      // F32 [1], optional
+    ggml_tensor * conf_proj = nullptr;        // [n_embd + rank, 1], optional
+    ggml_tensor * conf_proj_b = nullptr;      // F32 [1], optional
     std::unique_ptr<ggml_context, void (*)(ggml_context *)> head_ctx_{nullptr, ggml_free};
     std::unique_ptr<ggml_backend_buffer, void (*)(ggml_backend_buffer_t)> head_buf_{nullptr, ggml_backend_buffer_free};
 };

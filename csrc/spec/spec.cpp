@@ -241,7 +241,20 @@ int32_t spec_session::prefill(const int32_t * prompt, int64_t n, int64_t n_cache
 
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
     std::vector<int32_t> out(B - 1);
+    if (has_selector()) {  // DFlash 2: the selector's path
+        const int64_t n_past = target_.n_past();
+        const std::vector<float> lat = draft_lattice(last, B);
+        walk_lattice(lat.data(), B - 1, drafter_->hparams().selector_top_k, out.data(), nullptr, n_past + 1);
+        return out;
+    }
     run_draft(last, B, out.data(), nullptr, nullptr);
+    return out;
+}
+
+std::vector<float> spec_session::draft_lattice(int32_t last, int64_t B) {
+    DFN_REQUIRE(has_selector(), "draft", "this drafter has no DFlash 2 selector");
+    std::vector<float> out((size_t) (B - 1) * drafter_->hparams().lattice_row());
+    run_draft(last, B, nullptr, nullptr, nullptr, nullptr, 0, false, out.data());
     return out;
 }
 
@@ -260,22 +273,40 @@ void spec_session::check_draft(int32_t last, int64_t B) const {
 
 void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_context * ctx = b.ctx;
-    const int64_t B = d.B;
+    const int64_t R = d.rows;
     build_push(b, d.push, d.push_f, d.push_pos, dev_queue_ != nullptr);
-    d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-    d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-    d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+    d.tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, R);
+    d.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, R);
+    d.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, R);
     ggml_set_input(d.tok);
     ggml_set_input(d.pos);
     ggml_set_input(d.mask);
     if (d.w > 0) {
-        d.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, B);
+        d.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, d.n_att, R);
         ggml_set_input(d.mask_swa);
     }
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
-    d.out = drafter_->build_logits(b, head, h);                     // logits [n_draft_vocab or n_vocab, B-1]
+    if (drafter_->hparams().has_markov()) {
+        // DSpark: the Markov head chains the rows on the raw logits (llama.cpp's argmaxes), then
+        // logit_scale / soft cap shape the probabilities
+        d.out = drafter_->scale_logits(b, drafter_->build_markov(b, matmul(b, head, h), h, d.tok, &d.conf));
+        if (d.conf && d.what == draft_graph::TOP1) {
+            ggml_set_output(d.conf);
+            ggml_build_forward_expand(b.gf, d.conf);
+        } else {
+            d.conf = nullptr;
+        }
+    } else {
+        d.out = drafter_->build_logits(b, head, h);  // logits [n_draft_vocab or n_vocab, B-1]
+    }
+    if (d.what == draft_graph::LATTICE) {
+        d.out = drafter_->build_selector(b, h, d.out, d.tok);  // F32 [lattice_row, B-1]
+        ggml_set_output(d.out);
+        ggml_build_forward_expand(b.gf, d.out);
+        return;
+    }
     if (b.device && d.what != draft_graph::LOGITS) {
         d.head = d.what == draft_graph::TOPK ? device_topk(b, d.out, d.K)
                                              : device_argmax(b, d.out, /*with_p=*/d.what == draft_graph::TOP1);
@@ -295,7 +326,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
 
 void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    const int64_t B = d.B, w = d.w;
+    const int64_t B = d.rows, w = d.w;
     const bool causal = drafter_->hparams().causal;
     m.assign((size_t) d.n_att * B, ninf);
     std::vector<int64_t> slot_pos(d.n_ctx);
@@ -315,7 +346,7 @@ void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<
 }
 
 void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
-    const int64_t B = d.B;
+    const int64_t B = d.rows;
     set_push_inputs(d.push, dev_queue_ ? nullptr : pending_feats_.data(), d.push_f, d.push_pos);
     std::vector<int32_t> t(B, (int32_t) drafter_->hparams().mask_token_id), p(B);
     t[0] = last;
@@ -333,15 +364,17 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
 }
 
 void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
-                             float * topk_out, int64_t K, bool dv_logits) {
+                             float * topk_out, int64_t K, bool dv_logits, float * lattice_out) {
     check_draft(last, B);
     draft_graph d;
     d.B = B;
+    d.rows = drafter_->hparams().block_rows(B);
     d.K = K;
     d.n_past = target_.n_past();
     d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
-                                                                                       : draft_graph::ARGMAX;
+             : lattice_out ? draft_graph::LATTICE : draft_graph::ARGMAX;
     if (topk_out) top1_out = topk_out;  // read_draft's f32 output
+    if (lattice_out) top1_out = lattice_out;
     // The features the last round committed are written into the ring by this graph, ahead of
     // the block (ggml computes nodes in order); the ring counts them from here on.
     if (pending_m_ > 0) d.push = ring_segments(pending_m_, pending_pos0_);
@@ -351,7 +384,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     ring_->n_pushed = n_pushed;
     d.n_ctx = ring_->n_valid();
     // attention over ring slots [0, n_att): the context, the block, and padding the mask hides
-    d.n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(d.n_ctx + B));
+    d.n_att = std::min(ring_->capacity + ring_->scratch, kv_padded(d.n_ctx + d.rows));
     // The user's window limits every layer; a GGUF sliding window limits its layers further,
     // per query: key position k is visible from query position q when q - k < w.
     d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
@@ -360,7 +393,8 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
     d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
     std::string key = cat("draft:", B, d.w > 0 ? ":swa" : "",
-                          logits_out ? ":logits" : topk_out ? cat(":topk", K) : top1_out ? ":top1" : ":argmax",
+                          logits_out ? ":logits" : topk_out ? cat(":topk", K) : lattice_out ? ":lattice"
+                                                     : top1_out ? ":top1" : ":argmax",
                           d.sub ? ":dv" : "");
     for (const ring_segment & sg : d.push) key += cat(":push", sg.k);
     try {
@@ -391,6 +425,12 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
         if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
         if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
     }
+    if (d.what == draft_graph::LATTICE) return;  // walk_lattice checks its scores
+    if (d.conf) {  // DSpark's confidence head: each draft's acceptance probability replaces its top-1 p
+        std::vector<float> conf(d.B - 1);
+        ggml_backend_tensor_get(d.conf, conf.data(), 0, conf.size() * sizeof(float));
+        for (int64_t i = 0; i + 1 < d.B; ++i) f32_out[2 * i + 1] = conf[i];
+    }
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1
         const bool top = d.what == draft_graph::TOP1 || d.what == draft_graph::TOPK;
         if ((argmax_out && argmax_out[i] < 0) || (top && f32_out[2 * pairs * i] < 0))
@@ -410,6 +450,14 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
 }
 
 std::vector<int32_t> spec_session::draft_top1(int32_t last, int64_t B, std::vector<float> & p) {
+    if (has_selector()) {  // DFlash 2: the selector's path, p its softmax at each choice
+        std::vector<int32_t> out(B - 1);
+        p.resize(B - 1);
+        const int64_t n_past = target_.n_past();
+        const std::vector<float> lat = draft_lattice(last, B);
+        walk_lattice(lat.data(), B - 1, drafter_->hparams().selector_top_k, out.data(), p.data(), n_past + 1);
+        return out;
+    }
     std::vector<float> top1((size_t) (B - 1) * 2);  // [B-1, (argmax, p)]
     run_draft(last, B, nullptr, nullptr, top1.data());
     std::vector<int32_t> out(B - 1);
@@ -580,6 +628,18 @@ round_result spec_session::verify_tree(const std::vector<int32_t> & parents, con
 draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling) {
     std::vector<int32_t> tok;
     std::vector<float> p;
+    if (has_selector() && !(sampling && !sampling->greedy())) {
+        // DFlash 2: each node's children are its row's selector candidates ranked by their
+        // transition probability from that node
+        DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
+        const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
+        const std::vector<float> lat = draft_lattice(last, B);
+        tok.resize((size_t) (B - 1) * k);
+        p.resize(tok.size() * k);
+        lattice_probs(lat.data(), B - 1, k, tok.data(), p.data(), n_past + 1);
+        const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
+        return build_tree_conditional(last, tok.data(), p.data(), B - 1, k, budget, params_.draft_cutoff);
+    }
     // both check last, B and the room for the block
     const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
                                                       : draft_topk(last, B, tok, p);

@@ -67,6 +67,12 @@ public:
     std::vector<int32_t> draft(int32_t last, int64_t B);
     // The drafter's logits for d_1 .. d_{B-1}, [B-1, n_vocab] row-major (tests and debugging).
     std::vector<float> draft_logits(int32_t last, int64_t B);
+    // A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, [B-1, lattice_row()] (drafter.h:
+    // build_selector); draft() walks it (walk_lattice).
+    std::vector<float> draft_lattice(int32_t last, int64_t B);
+    // d_1..d_{B-1} with their probabilities [B-1] (TOP1 output): the top-1 probability; DFlash 2:
+    // the selector's path and its softmax; DSpark with a confidence head: its confidences.
+    std::vector<int32_t> draft_top1(int32_t last, int64_t B, std::vector<float> & p);
 
     // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
     // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
@@ -167,13 +173,16 @@ private:
     // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
     // topk_out: [B-1, K, 2] (top1.h: topk_op) with K entries per row. dv_logits: the logits over
     // the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    // lattice_out: DFlash 2's selector lattice [B-1, lattice_row()] (drafter.h: build_selector).
     void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
-                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false);
+                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false, float * lattice_out = nullptr);
+    bool has_selector() const { return drafter_->hparams().has_selector(); }
     bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
     // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
     struct draft_graph {
-        enum output { ARGMAX, LOGITS, TOP1, TOPK } what = ARGMAX;
+        enum output { ARGMAX, LOGITS, TOP1, TOPK, LATTICE } what = ARGMAX;
         int64_t B = 0, n_past = 0;
+        int64_t rows = 0;   // block rows: B, or B - 1 for an anchor-first DSpark (drafter.h: block_rows)
         int64_t K = 0;      // TOPK: entries per row
         int64_t n_ctx = 0;  // ring slots holding context
         int64_t n_att = 0;  // ring slots attended to: context, block, masked padding
@@ -182,12 +191,13 @@ private:
         bool sub = false;   // over the draft vocabulary's rows of the lm_head
         std::vector<ring_segment> push;  // pending features this graph writes into the ring first
         std::vector<ggml_tensor *> push_f, push_pos;
-        ggml_tensor * tok = nullptr;       // I32 [B]: last, MASK x (B-1)
-        ggml_tensor * pos = nullptr;       // I32 [B]
-        ggml_tensor * mask = nullptr;      // F16 [n_att, B]
+        ggml_tensor * tok = nullptr;       // I32 [rows]: last, MASK x (rows-1)
+        ggml_tensor * pos = nullptr;       // I32 [rows]
+        ggml_tensor * mask = nullptr;      // F16 [n_att, rows]
         ggml_tensor * mask_swa = nullptr;  // F16 [n_att, B], when w > 0
         ggml_tensor * out = nullptr;       // I32 [B-1] argmax, F32 [n_vocab, B-1] logits or F32 [2, B-1] top1
         device_head head;                  // on a device: argmax / top1 in stock ops (device_heads.h)
+        ggml_tensor * conf = nullptr;      // TOP1 of a DSpark drafter with a confidence head: F32 [1, B-1]
     };
     void check_draft(int32_t last, int64_t B) const;
     void build_draft(const build_context & b, draft_graph & d) const;
@@ -196,8 +206,6 @@ private:
     void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
     // argmax_out: the argmax output; f32_out: the logits or top1 output
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
-    // d_1..d_{B-1} by argmax with their top-1 probabilities [B-1] (TOP1 output).
-    std::vector<int32_t> draft_top1(int32_t last, int64_t B, std::vector<float> & p);
     // The number of drafts the draft_cutoff keeps: while the running product of p stays >= it.
     int64_t cutoff_keep(const std::vector<float> & p) const;
     // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's

@@ -36,4 +36,12 @@ struct draft_tree {
 draft_tree build_tree(int32_t root, const int32_t * top_tok, const float * top_p, int64_t n_pos, int64_t K,
                       int64_t budget, double min_score);
 
+// build_tree over conditional probabilities (DFlash 2's selector): row r (block position r + 1)
+// has K candidates cand [n_pos, K], and cond_p [n_pos, K, K] holds at [r][q][j] the probability
+// of candidate j given that the parent is row r-1's candidate q (row 0: the root, q = 0). A
+// node's children are its row's candidates ranked by their probability given that node (ties by
+// token id); the rest is build_tree's search and order.
+draft_tree build_tree_conditional(int32_t root, const int32_t * cand, const float * cond_p, int64_t n_pos, int64_t K,
+                                  int64_t budget, double min_score);
+
 }  // namespace dfn

@@ -1,6 +1,6 @@
-"""Hugging Face DFlash drafter checkpoint -> GGUF (arch `dflash`).
+"""Hugging Face DFlash / DFlash 2 drafter checkpoint -> GGUF (arch `dflash`).
 
-Input: a z-lab style `DFlashDraftModel` directory (config.json with
+Input: a z-lab style `DFlashDraftModel` or `DFlash2DraftModel` directory (config.json with
 `model_type: qwen3` and `dflash_config.{target_layer_ids, mask_token_id,
 block_size}`, older files a top-level `block_size`; safetensors with `fc`,
 `hidden_norm`, `norm` and Qwen3 decoder layers, no `embed_tokens` / `lm_head`:
@@ -22,6 +22,13 @@ engine reads the same file. The transforms that are not plain renames:
 - For an M-RoPE target (Qwen3.5) llama.cpp writes degenerate rope sections
   `[head_dim / 2, 0, 0, 0]`: all rotary pairs take the token position, which is
   plain NeoX RoPE. We do the same when the target (directory or GGUF) is known.
+
+DFlash 2 (dflash_config `conv_kernel_size`, `conv_group_size`, `selector_rank`,
+`selector_top_k`, all four) adds those keys as `dflash.<key>` and the per-layer
+`attention_conv` / `mlp_conv` and the `candidate_selector` tensors under llama.cpp's
+names (DFLASH2_LAYER_NAMES, DFLASH2_GLOBAL_NAMES); the base kernels, which have no
+`.weight` suffix, stay F32 as llama.cpp's converter keeps them.
+`dflash_config.attention_value_scale` becomes `dflash.attention.value_scale`.
 
 The tokenizer is carried so llama.cpp can load the drafter on its own and
 find `tokenizer.ggml.mask_token_id`: copied key for key from `target_gguf`
@@ -45,7 +52,8 @@ from .convert.checkpoint import Checkpoint
 from .convert.hparams import ModelSpec, add_rope_scaling, as_path, check_hparams, read_config_json, rope_parameters
 from .convert.tokenizer import add_tokenizer_kv
 from .convert.writer import OUTTYPES, Progress, SourceTensor, convert_tensors, tensor_name
-from .hf_formats import MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, drafter_tensor_shapes
+from .hf_formats import (MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, dflash2_tensor_shapes, drafter_tensor_shapes,
+                         dspark_tensor_shapes)
 
 __all__ = ["DFLASH_ARCH", "DflashSpec", "convert_dflash_to_gguf", "gguf_tensor_plan", "load_dflash_spec",
            "target_layer_ids_from_gguf"]
@@ -55,10 +63,20 @@ logger = logging.getLogger(__name__)
 DFLASH_ARCH = "dflash"
 
 # dflash_config / config keys that change the drafter's math in ways this
-# converter and the native engine do not implement (DFlash2 dynamic convs and
-# selector, value scaling, SpecForge-style uniform SWA).
-_UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                            "attention_value_scale", "use_swa", "swa_window_size")
+# converter and the native engine do not implement (SpecForge-style uniform SWA).
+_UNSUPPORTED_DFLASH_KEYS = ("use_swa", "swa_window_size")
+# DFlash 2's dflash_config keys (llama.cpp writes them as dflash.<key>, u32); all or none
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DSpark with a DFlash (Qwen3) backbone: llama.cpp's DSparkModel registers these two for it
+DSPARK_ARCHS = ("DSparkDraftModel", "Qwen3DSparkModel")
+DRAFTER_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel") + DSPARK_ARCHS
+# DSpark's tensors: HF name (no `model.` prefix) -> llama.cpp's GGUF name
+DSPARK_NAMES = {
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
 
 # Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
 MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/runtime/session.h k_max_block_size)
@@ -81,6 +99,9 @@ class DflashSpec:
         self.config = config
         self.where = src_dir / "config.json"
         self.hp: dict[str, Any] = self._qwen3_hparams()
+        self.dspark: bool = any(a in DSPARK_ARCHS for a in config.get("architectures") or [])
+        self.sample_from_anchor: bool | None = self._dspark_options() if self.dspark else None
+        self.has_confidence_head = False  # DSpark: set from the checkpoint by _dflash_tensors
         self.dflash_config: dict[str, Any] = self._dflash_config()
         self.target_layer_ids: list[int] = self._target_layer_ids()
         self.mask_token_id: int = self._mask_token_id()
@@ -88,6 +109,7 @@ class DflashSpec:
         self.trained_context_length: int | None = self._trained_context_length()
         n_target = config.get("num_target_layers")
         self.num_target_layers: int | None = int(n_target) if n_target is not None else None
+        self.dflash2: dict[str, int] | None = self._dflash2()
         self._check_layer_options()
         self.rope: dict[str, Any] = self._rope()
         self._resolve_attention_layout()
@@ -96,10 +118,9 @@ class DflashSpec:
         """The config with Qwen3Config's defaults, after checking it is a DFlashDraftModel over Qwen3."""
         config, where = self.config, self.where
         archs = config.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
-            extra = (" (DFlash2 drafters with dynamic convs and a candidate selector are not supported)"
-                     if "DFlash2DraftModel" in archs else "")
-            raise ValueError(f"[convert_dflash] {where}: architectures {archs} is not a DFlashDraftModel{extra}")
+        if not any(a in DRAFTER_ARCHS for a in archs):
+            raise ValueError(f"[convert_dflash] {where}: architectures {archs} is not a DFlashDraftModel or "
+                             f"DFlash2DraftModel")
         model_type = config.get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"[convert_dflash] {where}: model_type {model_type!r}; a DFlash drafter is a "
@@ -116,6 +137,27 @@ class DflashSpec:
         check_hparams("convert_dflash", where, hp)  # head_dim, when computed
         return hp
 
+    def _dspark_options(self) -> bool:
+        """A DSpark export of the DFlash lineage (llama.cpp's DSparkModel): its Markov head must be
+        vanilla and its vocabulary the target's; returns sample_from_anchor (default true). Its
+        target_layer_ids / mask_token_id may sit at the top level (normalized into dflash_config)."""
+        cfg, where = self.config, self.where
+        for key in ("transformer_layer_config", "aux_hidden_state_layer_ids"):
+            if key in cfg:
+                raise ValueError(f"[convert_dflash] {where}: {key!r}: EAGLE-3 style DSpark exports are not supported")
+        if (kind := cfg.get("markov_head_type", "vanilla")) != "vanilla":
+            raise ValueError(f"[convert_dflash] {where}: markov_head_type {kind!r} is not supported (only 'vanilla')")
+        n_draft = cfg.get("draft_vocab_size")
+        if n_draft is not None and int(n_draft) != int(cfg.get("vocab_size", n_draft)):
+            raise ValueError(f"[convert_dflash] {where}: draft_vocab_size {n_draft} < vocab_size (llama.cpp's d2t "
+                             f"reduced draft vocabulary) is not supported")
+        if "dflash_config" not in cfg:
+            cfg["dflash_config"] = {k: cfg[k] for k in ("target_layer_ids", "mask_token_id", "block_size") if k in cfg}
+        anchor = cfg.get("sample_from_anchor", True)
+        if not isinstance(anchor, bool):
+            raise ValueError(f"[convert_dflash] {where}: sample_from_anchor must be true or false, got {anchor!r}")
+        return anchor
+
     def _dflash_config(self) -> dict[str, Any]:
         dc = self.config.get("dflash_config")
         if not isinstance(dc, dict):
@@ -125,6 +167,37 @@ class DflashSpec:
         if bad:
             raise ValueError(f"[convert_dflash] {self.where}: unsupported DFlash options {bad}")
         return dc
+
+    def _dflash2(self) -> dict[str, int] | None:
+        """DFlash 2's conv and selector sizes (dflash_config), checked as llama.cpp's loader checks
+        them; None for a DFlash drafter. As in llama.cpp's converter, the keys decide, not the
+        architectures entry."""
+        dc, where = self.dflash_config, self.where
+        present = [k for k in DFLASH2_KEYS if k in dc]
+        if not present:
+            if "DFlash2DraftModel" in (self.config.get("architectures") or []):
+                raise ValueError(f"[convert_dflash] {where}: a DFlash2DraftModel needs dflash_config "
+                                 f"{list(DFLASH2_KEYS)}")
+            return None
+        if len(present) != len(DFLASH2_KEYS):
+            raise ValueError(f"[convert_dflash] {where}: dflash_config has {present} but not "
+                             f"{[k for k in DFLASH2_KEYS if k not in dc]} (DFlash 2 needs all four)")
+        out = {}
+        for k in DFLASH2_KEYS:
+            v = dc[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"[convert_dflash] {where}: dflash_config.{k} must be a positive int, got {v!r}")
+            out[k] = v
+        h, top_k = int(self.hp["hidden_size"]), out["selector_top_k"]
+        if h % out["conv_group_size"]:
+            raise ValueError(f"[convert_dflash] {where}: hidden_size {h} is not a multiple of conv_group_size "
+                             f"{out['conv_group_size']}")
+        if h < top_k * (top_k + 1):
+            raise ValueError(f"[convert_dflash] {where}: hidden_size {h} < selector_top_k * (selector_top_k + 1) "
+                             f"= {top_k * (top_k + 1)} (llama.cpp's selector lattice rows)")
+        if "vocab_size" not in self.config:
+            raise ValueError(f"[convert_dflash] {where}: a DFlash 2 drafter needs vocab_size (its selector codebooks)")
+        return out
 
     def _target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
@@ -180,11 +253,15 @@ class DflashSpec:
                              f"supported")
 
     def _rope(self) -> dict[str, Any]:
+        """RoPE parameters; a partial_rotary_factor ropes the first head_dim * factor dims of each
+        head (llama.cpp's converter writes that as rope.dimension_count)."""
         rope = rope_parameters(self._model_spec())
         prf = float(rope.get("partial_rotary_factor", 1.0))
-        if prf != 1.0:
-            raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} is not supported (a Qwen3 "
-                             f"drafter ropes the whole head)")
+        n_rot = int(self.head_dim * prf)
+        if not 0.0 < prf <= 1.0 or n_rot < 2 or n_rot % 2:
+            raise ValueError(f"[convert_dflash] {self.where}: partial_rotary_factor {prf} gives {n_rot} rotated dims "
+                             f"of head_dim {self.head_dim} (must be even, >= 2)")
+        self.n_rot: int | None = n_rot if prf != 1.0 else None
         return rope
 
     def _model_spec(self) -> ModelSpec:
@@ -367,6 +444,9 @@ def convert_dflash_to_gguf(src_dir: str | os.PathLike[str], dst_path: str | os.P
     elif spec.num_target_layers is not None:
         _check_layer_ids(spec, spec.num_target_layers, "target (num_target_layers in the drafter config)")
 
+    if (src / "mask_embedding.pt").is_file():
+        raise ValueError(f"[convert_dflash] {src}: mask_embedding.pt (a drafter's own mask-token embedding, "
+                         f"patched into the target's embeddings by llama.cpp's converter) is not supported")
     tensors = _dflash_tensors(spec, Checkpoint(src))
 
     def write_kv(writer: gguf.GGUFWriter) -> None:
@@ -392,6 +472,8 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(float(spec.rope["rope_theta"]))
     add_rope_scaling(writer, spec._model_spec(), spec.rope)
+    if spec.n_rot is not None:
+        writer.add_uint32(f"{arch}.rope.dimension_count", spec.n_rot)
     if mrope_target:
         writer.add_array(f"{arch}.rope.dimension_sections", [spec.head_dim // 2, 0, 0, 0])
 
@@ -412,6 +494,16 @@ def _dflash_kv(writer: gguf.GGUFWriter, spec: DflashSpec, *, mrope_target: bool)
     if draft_vocab:
         # ours (llama.cpp ignores it): the token ids drafts are drawn from; see drafter.h
         writer.add_key_value(f"{arch}.draft_vocab", draft_vocab, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+
+    if spec.dflash2 is not None:
+        for k, v in spec.dflash2.items():
+            writer.add_uint32(f"{arch}.{k}", v)
+    if spec.dspark:
+        writer.add_bool(f"{arch}.sample_from_anchor", bool(spec.sample_from_anchor))
+        writer.add_bool(f"{arch}.has_confidence_head", bool(spec.has_confidence_head))
+    value_scale = spec.dflash_config.get("attention_value_scale")
+    if value_scale is not None:
+        writer.add_float32(f"{arch}.attention.value_scale", float(value_scale))
 
     # What z-lab's compute_logits / noise embedding apply; llama.cpp reads the
     # same keys (LLM_KV_LOGIT_SCALE, _FINAL_LOGIT_SOFTCAPPING, _EMBEDDING_SCALE).
@@ -495,18 +587,45 @@ def _copy_tokenizer_kv(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> None
 
 
 def _hf_tensor_shapes(spec: DflashSpec) -> dict[str, tuple[int, ...]]:
-    return drafter_tensor_shapes(hidden=spec.hidden_size, n_taps=len(spec.target_layer_ids), n_layer=spec.n_layer,
-                                 n_head=int(spec.hp["num_attention_heads"]), n_kv=int(spec.hp["num_key_value_heads"]),
-                                 head_dim=spec.head_dim, n_ff=int(spec.hp["intermediate_size"]))
+    shapes = drafter_tensor_shapes(hidden=spec.hidden_size, n_taps=len(spec.target_layer_ids), n_layer=spec.n_layer,
+                                   n_head=int(spec.hp["num_attention_heads"]),
+                                   n_kv=int(spec.hp["num_key_value_heads"]), head_dim=spec.head_dim,
+                                   n_ff=int(spec.hp["intermediate_size"]))
+    if spec.dflash2 is not None:
+        shapes.update(dflash2_tensor_shapes(hidden=spec.hidden_size, n_layer=spec.n_layer,
+                                            n_vocab=int(spec.config["vocab_size"]),
+                                            **{k: v for k, v in spec.dflash2.items() if k != "selector_top_k"}))
+    return shapes
 
 
-def _gguf_names(n_layer: int) -> dict[str, str]:
+# DFlash 2's tensors: HF name (no `model.` prefix; {il} the layer) -> llama.cpp's GGUF name
+# (gguf-py constants: DFLASH_ATTN_CONV_BASE ... DFLASH_SELECTOR_HIDDEN). The base kernels have no
+# `.weight` suffix, which keeps them F32 in llama.cpp's converter whatever the outtype.
+DFLASH2_LAYER_NAMES = {
+    "attention_conv.base_kernel": "blk.{il}.attn_conv_base",
+    "attention_conv.kernel_projection.weight": "blk.{il}.attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "blk.{il}.ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "blk.{il}.ffn_conv_proj.weight",
+}
+DFLASH2_GLOBAL_NAMES = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+
+
+def _gguf_names(n_layer: int, dflash2: bool = False) -> dict[str, str]:
     """HF tensor name (no `model.` prefix) -> GGUF name, in llama.cpp's order (globals, then layers)."""
     names = {"fc.weight": FC_NAME, "hidden_norm.weight": ENC_OUTPUT_NORM_NAME,
              "norm.weight": tensor_name(MODEL_TENSOR.OUTPUT_NORM)}
+    if dflash2:
+        names.update(DFLASH2_GLOBAL_NAMES)
     for il in range(n_layer):
         for hf_suffix, key in QWEN3_LAYER_TENSORS.items():
             names[f"layers.{il}.{hf_suffix}"] = tensor_name(key, il)
+        if dflash2:
+            for hf_suffix, name in DFLASH2_LAYER_NAMES.items():
+                names[f"layers.{il}.{hf_suffix}"] = name.format(il=il)
     return names
 
 
@@ -520,7 +639,7 @@ def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
             f"{int(spec.hp['num_attention_heads'])}/{int(spec.hp['num_key_value_heads'])}, head_dim={spec.head_dim}, "
             f"ffn={int(spec.hp['intermediate_size'])}")
     out: list[SourceTensor] = []
-    for hf_name, gguf_name in _gguf_names(spec.n_layer).items():
+    for hf_name, gguf_name in _gguf_names(spec.n_layer, spec.dflash2 is not None).items():
         name, shape = prefix + hf_name, shapes[hf_name]
         if name not in ckpt:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
@@ -528,8 +647,10 @@ def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
         if src.shape != shape:
             raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
                              f"{list(shape)} from config.json ({dims})")
-        out.append(SourceTensor(gguf_name, shape, src.load, False, name))
+        out.append(SourceTensor(gguf_name, shape, src.load, not gguf_name.endswith(".weight"), name))
 
+    if spec.dspark:
+        out += _dspark_tensors(spec, ckpt, prefix)
     used = {t.hf_name for t in out}
     extra = sorted(n for n in ckpt.tensors if n not in used and not n.endswith(".rotary_emb.inv_freq"))
     if extra:
@@ -538,13 +659,36 @@ def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
     return out
 
 
+def _dspark_tensors(spec: DflashSpec, ckpt: Checkpoint, prefix: str) -> list[SourceTensor]:
+    """The Markov head (its rank from markov_w1's shape) and the optional confidence head; sets
+    spec.has_confidence_head."""
+    w1 = prefix + "markov_head.markov_w1.weight"
+    if w1 not in ckpt:
+        raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {w1!r} (a DSpark drafter's Markov head)")
+    rank = int(ckpt.get(w1).shape[-1])
+    spec.has_confidence_head = prefix + "confidence_head.proj.weight" in ckpt
+    shapes = dspark_tensor_shapes(hidden=spec.hidden_size, n_vocab=int(spec.config["vocab_size"]), markov_rank=rank,
+                                  confidence=spec.has_confidence_head)
+    out = []
+    for hf_name, shape in shapes.items():
+        name = prefix + hf_name
+        if name not in ckpt:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
+        src = ckpt.get(name)
+        if src.shape != shape:
+            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
+                             f"{list(shape)} (vocab_size, hidden_size and markov_w1's rank {rank})")
+        out.append(SourceTensor(DSPARK_NAMES[hf_name], shape, src.load, False, name))
+    return out
+
+
 def gguf_tensor_plan(spec: DflashSpec) -> dict[str, tuple[tuple[int, ...], bool]]:
     """GGUF tensor name -> (ggml ne, always F32) that a drafter with `spec` has.
     The contract the native loader and the tests check a file against: ne is
     the HF shape reversed, and 1-D tensors (the norms) always stay F32."""
     shapes = _hf_tensor_shapes(spec)
-    return {gguf_name: (tuple(reversed(shapes[hf_name])), len(shapes[hf_name]) == 1)
-            for hf_name, gguf_name in _gguf_names(spec.n_layer).items()}
+    return {gguf_name: (tuple(reversed(shapes[hf_name])), len(shapes[hf_name]) == 1 or not gguf_name.endswith(".weight"))
+            for hf_name, gguf_name in _gguf_names(spec.n_layer, spec.dflash2 is not None).items()}
 
 
 def target_layer_ids_from_gguf(values: Sequence[int]) -> list[int]:

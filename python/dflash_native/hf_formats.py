@@ -39,6 +39,8 @@ __all__ = [
     "default_mrope_section",
     "default_target_layer_ids",
     "drafter_config",
+    "dflash2_tensor_shapes",
+    "dspark_tensor_shapes",
     "drafter_tensor_shapes",
     "hybrid_layer_types",
     "mask_token_id_of",
@@ -276,4 +278,39 @@ def drafter_tensor_shapes(*, hidden: int, n_taps: int, n_layer: int, n_head: int
             p + "mlp.down_proj.weight": (h, n_ff),
         })
     shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def dspark_tensor_shapes(*, hidden: int, n_vocab: int, markov_rank: int,
+                         confidence: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors a DSpark drafter (`DSparkDraftModel`, DFlash backbone) has on top of a DFlash
+    drafter's, HF names as llama.cpp's converter maps them: the Markov head's previous-token
+    embedding `markov_w1` [vocab, rank] and bias projection `markov_w2` [vocab, rank], and the
+    optional confidence head `proj` [1, hidden + rank] with its bias [1]."""
+    shapes: dict[str, tuple[int, ...]] = {"markov_head.markov_w1.weight": (n_vocab, markov_rank),
+                                          "markov_head.markov_w2.weight": (n_vocab, markov_rank)}
+    if confidence:
+        shapes["confidence_head.proj.weight"] = (1, hidden + markov_rank)
+        shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
+
+def dflash2_tensor_shapes(*, hidden: int, n_layer: int, n_vocab: int, conv_kernel_size: int, conv_group_size: int,
+                          selector_rank: int) -> dict[str, tuple[int, ...]]:
+    """The tensors a DFlash 2 drafter (`DFlash2DraftModel`) has on top of a DFlash drafter's, HF
+    names (no `model.` prefix) and shapes as llama.cpp's converter and loader read them: per
+    layer an attention and an MLP dynamic convolution (`base_kernel` [2, K, hidden]: the input
+    side's and the output side's static taps; `kernel_projection` [2 * K * hidden / group,
+    hidden]: per-token taps for each channel group), and the candidate selector (token codebooks
+    [vocab, rank] for the predecessor and the successor, `hidden_projection` [rank, hidden])."""
+    h, k = hidden, conv_kernel_size
+    projected = 2 * k * (h // conv_group_size)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for il in range(n_layer):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{il}.{conv}.base_kernel"] = (2, k, h)
+            shapes[f"layers.{il}.{conv}.kernel_projection.weight"] = (projected, h)
+    shapes["candidate_selector.predecessor_codebook"] = (n_vocab, selector_rank)
+    shapes["candidate_selector.successor_codebook"] = (n_vocab, selector_rank)
+    shapes["candidate_selector.hidden_projection.weight"] = (selector_rank, h)
     return shapes

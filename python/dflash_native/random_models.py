@@ -51,7 +51,9 @@ from .hf_formats import (
     default_mrope_section,
     default_target_layer_ids,
     drafter_config,
+    dflash2_tensor_shapes,
     drafter_tensor_shapes,
+    dspark_tensor_shapes,
     hybrid_layer_types,
     mask_token_id_of,
     write_tokenizer_config,
@@ -520,8 +522,17 @@ def write_weights(dst: Path, weights: WeightSpecs, *, seed: int, dtype: str) -> 
 def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_size: int, n_target_layers: int,
                                    mask_token_id: int, vocab_size: int, target_layer_ids: list[int] | None = None,
                                    num_hidden_layers: int = 1, block_size: int = 16, seed: int = 0,
-                                   dtype: str = "float32", prefix: str = "", **overrides: Any) -> Path:
+                                   dtype: str = "float32", prefix: str = "", kind: str = "dflash",
+                                   **overrides: Any) -> Path:
     """Write a random z-lab style DFlash drafter checkpoint to `dst_dir`.
+
+    `kind="dflash2"` writes a `DFlash2DraftModel`: dflash_config gets DFLASH2_DEFAULTS (the
+    dynamic convolutions' kernel and group sizes, the selector's rank and top-k; overridable
+    through `dflash_config`) and the weights its convolutions and selector
+    (hf_formats.dflash2_tensor_shapes). `kind="dspark"` writes a `DSparkDraftModel` (DFlash
+    backbone): a vanilla Markov head of config `markov_rank` (default DSPARK_MARKOV_RANK) and,
+    unless config `confidence_head` is false, a confidence head (hf_formats.dspark_tensor_shapes);
+    a `sample_from_anchor` override goes to config.json as it is.
 
     `overrides` replace config.json keys; a `dflash_config` override is merged
     into the generated one. `prefix="model."` writes tensor names with the
@@ -542,6 +553,19 @@ def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_si
     overrides = json.loads(json.dumps(dict(overrides)))
     dflash_overrides = overrides.pop("dflash_config", None)
     config.update(overrides)
+    if kind == "dflash2":
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+        config["dflash_config"].update(DFLASH2_DEFAULTS)
+    elif kind == "dspark":
+        config["architectures"] = ["DSparkDraftModel"]
+        config["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
+        config["markov_head_type"] = "vanilla"
+        config.setdefault("markov_rank", DSPARK_MARKOV_RANK)
+        config.setdefault("confidence_head", True)
+    elif kind != "dflash":
+        raise ValueError(f"[make_random_drafter_checkpoint] unknown kind {kind!r}; expected 'dflash', 'dflash2' "
+                         f"or 'dspark'")
     if dflash_overrides:
         config["dflash_config"].update(dflash_overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
@@ -573,7 +597,41 @@ def _drafter_weights(cfg: Mapping[str, Any], prefix: str) -> WeightSpecs:
             residual_out = name.endswith(("o_proj.weight", "down_proj.weight"))
             init = _linear_init(shape[0], shape[1], depth_scale if residual_out else 1.0)[1]
         out[prefix + name] = (shape, init, prefix + name)
+    dc = cfg["dflash_config"]
+    if "selector_rank" in dc:
+        rank = int(dc["selector_rank"])
+        for name, shape in dflash2_tensor_shapes(
+                hidden=int(cfg["hidden_size"]), n_layer=n_layer, n_vocab=int(cfg["vocab_size"]),
+                conv_kernel_size=int(dc["conv_kernel_size"]), conv_group_size=int(dc["conv_group_size"]),
+                selector_rank=rank).items():
+            if name.endswith("base_kernel"):  # static taps near 1: each position adds its predecessors
+                init = ("one_plus", 0.2)
+            elif name.endswith("_codebook"):  # pairwise scores of the logits' scale: std rank^-1/4 each side
+                init = ("normal", rank ** -0.25)
+            else:
+                init = _linear_init(shape[0], shape[1])[1]
+            out[prefix + name] = (shape, init, prefix + name)
+    if "markov_rank" in cfg:
+        for name, shape in dspark_tensor_shapes(hidden=int(cfg["hidden_size"]), n_vocab=int(cfg["vocab_size"]),
+                                                markov_rank=int(cfg["markov_rank"]),
+                                                confidence=bool(cfg.get("confidence_head", True))).items():
+            if name == "markov_head.markov_w1.weight":  # biases of std 3, above the logits' top-1 margins
+                init = ("normal", int(cfg["markov_rank"]) ** -0.25)
+            elif name == "markov_head.markov_w2.weight":
+                init = ("normal", 3.0 * int(cfg["markov_rank"]) ** -0.25)
+            elif name == "confidence_head.proj.bias":
+                init = ("normal", 0.5)
+            else:
+                init = _linear_init(shape[0], shape[1])[1]
+            out[prefix + name] = (shape, init, prefix + name)
     return out
+
+
+DSPARK_MARKOV_RANK = 16
+
+# dflash_config of a random DFlash 2 drafter (make_random_drafter_checkpoint(kind="dflash2"))
+DFLASH2_DEFAULTS: Mapping[str, int] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16,
+                                       "selector_top_k": 4}
 
 
 def _target_text_config(target: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], Path | None]:
