@@ -725,3 +725,97 @@ def test_qwen3next_file_loads(good_next):
 def test_bad_qwen3next_file(good_next, tmp_path, edit, msg):
     out = load_in_subprocess(rewrite_gguf(good_next, tmp_path / "bad.gguf", **edit))
     assert out.startswith("VALUEERROR:") and msg in out, out
+
+
+# ---- nothing in a file is silently ignored (issue 38) -------------------------------------
+# llama.cpp counts the tensors it created against the file's and stops on a mismatch; we do the same
+# for tensors and keys: a tensor or key the architecture does not read is an error naming it.
+
+@pytest.fixture(scope="module")
+def good_untied(tmp_path_factory) -> Path:
+    """A qwen3 file with its own lm_head (output.weight)."""
+    return make_random_gguf(tmp_path_factory.mktemp("bad-untied") / "untied.gguf", "qwen3", outtype="f16", seed=3,
+                            tie_word_embeddings=False)
+
+
+def test_renamed_output_is_refused_not_tied(good_untied, tmp_path):
+    """A one-byte rename of output.weight loaded before: the lm_head fell back to the embeddings."""
+    assert load_in_subprocess(good_untied) == "LOADED"
+    out = load_in_subprocess(rewrite_gguf(good_untied, tmp_path / "r.gguf", rename={"output.weight": "output.weighs"}))
+    assert out.startswith("VALUEERROR:") and "tensor 'output.weighs'" in out and "not part of a 'qwen3'" in out, out
+
+
+_F32 = GGUFValueType.FLOAT32
+# (fixture, edit, the name the error must give): unknown tensors, and keys that change the computation
+# in llama.cpp (sliding window, soft caps, scales, gating functions, partial rotary for the drafter...)
+STRICT_TARGET_CASES = [
+    ("good", dict(add_tensors={"blk.0.attn_q.bias": np.zeros(128)}), "tensor 'blk.0.attn_q.bias'"),
+    ("good", dict(rename={"blk.1.ffn_up.weight": "blk.1.ffn_upp.weight"}), "missing tensor 'blk.1.ffn_up.weight'"),
+    ("good", dict(add_tensors={"blk.9.attn_norm.weight": np.zeros(64)}), "tensor 'blk.9.attn_norm.weight'"),
+    ("good", dict(kv={"qwen35.attention.sliding_window": 128}), "key 'qwen35.attention.sliding_window'"),
+    ("good", dict(kv={"qwen35.final_logit_softcapping": (30.0, _F32)}), "key 'qwen35.final_logit_softcapping'"),
+    ("good", dict(kv={"qwen35.attn_logit_softcapping": (50.0, _F32)}), "key 'qwen35.attn_logit_softcapping'"),
+    ("good", dict(kv={"qwen35.logit_scale": (0.5, _F32)}), "key 'qwen35.logit_scale'"),
+    ("good", dict(kv={"qwen35.embedding_scale": (8.0, _F32)}), "key 'qwen35.embedding_scale'"),
+    ("good", dict(kv={"qwen35.vocab_size": 641}), "vocab_size 641 != the 640 rows of token_embd.weight"),
+    ("good_llama", dict(add_tensors={"output.weight_": np.zeros((640, 64))}), "tensor 'output.weight_'"),
+    ("good_llama", dict(kv={"llama.rope.scaling.longrope": 1}), "'llama.rope.scaling.longrope' is not supported"),
+    ("good_llama", dict(kv={"llama.attention.layer_norm_epsilon": (1e-5, _F32)}),
+     "key 'llama.attention.layer_norm_epsilon'"),
+    ("good_moe", dict(kv={"qwen3moe.expert_gating_func": 2}), "key 'qwen3moe.expert_gating_func'"),
+    ("good_moe", dict(kv={"qwen3moe.expert_weights_scale": (2.5, _F32)}), "key 'qwen3moe.expert_weights_scale'"),
+    ("good_moe", dict(add_tensors={"blk.0.exp_probs_b.bias": np.zeros(8)}), "tensor 'blk.0.exp_probs_b.bias'"),
+    ("good_next", dict(add_tensors={"blk.1.attn_sinks.weight": np.zeros(4)}), "tensor 'blk.1.attn_sinks.weight'"),
+    ("good_next", dict(kv={"qwen3next.expert_shared_count": 2}), "key 'qwen3next.expert_shared_count'"),
+]
+
+
+@pytest.mark.parametrize("fixture, edit, name", STRICT_TARGET_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(STRICT_TARGET_CASES)])
+def test_unread_tensor_or_key_is_refused(request, tmp_path, fixture, edit, name):
+    src = request.getfixturevalue(fixture)
+    out = load_in_subprocess(rewrite_gguf(src, tmp_path / "strict.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and name in out, out
+
+
+def test_harmless_keys_load(good, tmp_path):
+    """What llama.cpp's converter and quantizer add that changes nothing (general.*, tokenizer.*,
+    quantize.*) still loads: the allow-list is explicit."""
+    S = GGUFValueType.STRING
+    p = rewrite_gguf(good, tmp_path / "ok.gguf", kv={
+        "general.license": ("apache-2.0", S), "general.quantized_by": ("someone", S),
+        "quantize.imatrix.file": ("imatrix.dat", S), "quantize.imatrix.entries_count": 7,
+        "tokenizer.ggml.padding_token_id": 0, "qwen35.vocab_size": 640})
+    assert load_in_subprocess(p) == "LOADED"
+
+
+# Drafters llama.cpp knows and this engine does not implement: refused by kind and name.
+STRICT_DRAFTER_CASES = [
+    (dict(kv={"dflash.conv_kernel_size": 4, "dflash.conv_group_size": 8}), "DFlash 2 (per-layer dynamic convolution)",
+     "dflash.conv_kernel_size"),
+    (dict(add_tensors={"blk.0.attn_conv_base": np.zeros((2, 4, 64))}), "DFlash 2 (per-layer dynamic convolution)",
+     "blk.0.attn_conv_base"),
+    (dict(add_tensors={"selector_hidden.weight": np.zeros((8, 64))}), "DFlash 2 (candidate selector)",
+     "selector_hidden.weight"),
+    (dict(kv={"dflash.selector_rank": 8}), "DFlash 2 (candidate selector)", "dflash.selector_rank"),
+    (dict(add_tensors={"markov_w1.weight": np.zeros((640, 8)), "markov_w2.weight": np.zeros((640, 8))}),
+     "DSpark (Markov head)", "markov_w1.weight"),
+    (dict(kv={"dflash.sample_from_anchor": (True, GGUFValueType.BOOL)}), "DSpark (Markov head)",
+     "dflash.sample_from_anchor"),
+    (dict(add_tensors={"d2t": np.zeros(10)}), "d2t", "d2t"),
+    (dict(add_tensors={"blk.0.attn_post_norm.weight": np.zeros(64)}), "not part of a 'dflash'",
+     "blk.0.attn_post_norm.weight"),
+    (dict(rename={"enc.output_norm.weight": "enc.output_norm.weight."}), "missing tensor", "enc.output_norm.weight"),
+    (dict(kv={"dflash.attention.value_scale": (0.5, _F32)}), "not supported for a 'dflash'",
+     "dflash.attention.value_scale"),
+    (dict(kv={"dflash.attention.scale": (0.5, _F32)}), "not supported for a 'dflash'", "dflash.attention.scale"),
+    (dict(kv={"dflash.rope.dimension_count": 8}), "rope.dimension_count 8", "partial RoPE"),
+    (dict(kv={"dflash.hidden_activation": ("gelu", GGUFValueType.STRING)}), "hidden_activation 'gelu'", "silu"),
+]
+
+
+@pytest.mark.parametrize("edit, kind, name", STRICT_DRAFTER_CASES, ids=[c[2] for c in STRICT_DRAFTER_CASES])
+def test_unimplemented_drafter_is_refused(pair, tmp_path, edit, kind, name):
+    tg, dg = pair
+    out = spec_error(tg, rewrite_gguf(dg, tmp_path / "d.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and kind in out and name in out, out

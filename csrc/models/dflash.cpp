@@ -8,6 +8,7 @@
 #include "../graph.h"
 #include "../matmul.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace dfn {
@@ -17,14 +18,76 @@ static const char * W = "load_gguf";
 // A larger recorded window is no window at all (and a likely corrupt file).
 static const int64_t kMaxTrainedContext = int64_t(1) << 20;
 
+// Drafter kinds llama.cpp's dflash architecture runs and this engine does not: a file with any of
+// these keys or tensors is refused, naming the kind. Implementing a kind means loading what it
+// adds and taking its row out of this table. (Anything else in the file that the loader does not
+// read is refused too, by gguf_file::check_all_used, with a generic message.)
+struct unimplemented_kind {
+    const char * kind;
+    std::vector<const char *> keys;
+    std::vector<const char *> tensors;  // "blk.*." stands for every layer
+};
+static const unimplemented_kind k_unimplemented_kinds[] = {
+    {"DFlash 2 (per-layer dynamic convolution)", {"dflash.conv_kernel_size", "dflash.conv_group_size"},
+     {"blk.*.attn_conv_base", "blk.*.attn_conv_proj.weight", "blk.*.ffn_conv_base", "blk.*.ffn_conv_proj.weight"}},
+    {"DFlash 2 (candidate selector)", {"dflash.selector_rank", "dflash.selector_top_k"},
+     {"selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight"}},
+    {"DSpark (Markov head)", {"dflash.sample_from_anchor", "dflash.has_confidence_head"},
+     {"markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias"}},
+    {"DSpark on DeepSeek-V4 (hyper-connections)", {"dflash.hyper_connection.count"}, {}},
+    {"a reduced draft vocabulary in llama.cpp's form (d2t; this engine reads dflash.draft_vocab)", {}, {"d2t"}},
+};
+
+// "blk.*.x" matches blk.<n>.x
+static bool tensor_matches(const std::string & name, const std::string & pattern) {
+    const std::string any = "blk.*.";
+    if (pattern.compare(0, any.size(), any) != 0) return name == pattern;
+    const size_t dot = name.find('.', 4);
+    return name.compare(0, 4, "blk.") == 0 && dot != std::string::npos && name.substr(dot + 1) == pattern.substr(any.size());
+}
+
+static void refuse_unimplemented_kinds(const gguf_file & F) {
+    const std::vector<ggml_tensor *> tensors = F.tensors();
+    for (const unimplemented_kind & k : k_unimplemented_kinds) {
+        for (const char * key : k.keys) {
+            DFN_REQUIRE(!F.has_key(key), W, "'", F.path(), "' is a ", k.kind, " drafter (key '", key,
+                        "'), which this engine does not implement");
+        }
+        for (const char * pattern : k.tensors) {
+            for (const ggml_tensor * t : tensors) {
+                DFN_REQUIRE(!tensor_matches(t->name, pattern), W, "'", F.path(), "' is a ", k.kind, " drafter (tensor '",
+                            t->name, "'), which this engine does not implement");
+            }
+        }
+    }
+}
+
 drafter_model::drafter_model(const std::string & path, const target_hparams & target) {
     file_ = std::make_unique<gguf_file>(path);
     gguf_file & F = *file_;
     const std::string arch = F.arch();
     DFN_REQUIRE(arch == "dflash", W, "'", path, "' is a '", arch, "' model, not a DFlash drafter (arch 'dflash')");
     auto key = [](const char * s) { return std::string("dflash.") + s; };
+    refuse_unimplemented_kinds(F);
 
     static_cast<block_hparams &>(hp_) = read_block_hparams(F, "dflash", 256);
+    // Every drafter layer ropes its whole head with NeoX RoPE at the text position. llama.cpp's
+    // converter writes sections [n_rot/2, 0, 0, 0] for drafters of M-RoPE targets: multi-section
+    // RoPE with every dimension in the first section, at one position, which is the same rotation.
+    const uint32_t n_rot = F.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
+    const uint32_t v_len = F.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
+    DFN_REQUIRE(n_rot == hp_.head_dim && v_len == hp_.head_dim, W, "'", path, "': rope.dimension_count ", n_rot,
+                " and attention.value_length ", v_len, " must equal key_length ", hp_.head_dim,
+                " (partial RoPE and other value sizes are not implemented for drafters)");
+    const std::string act = F.get_str(key("hidden_activation"), "silu");
+    DFN_REQUIRE(act == "silu", W, "'", path, "': dflash.hidden_activation '", act, "' is not implemented (only silu)");
+    if (F.has_key(key("rope.dimension_sections"))) {
+        const auto sec = F.get_int_arr(key("rope.dimension_sections"));
+        const bool degenerate = !sec.empty() && sec[0] == hp_.head_dim / 2 &&
+                                std::all_of(sec.begin() + 1, sec.end(), [](int64_t v) { return v == 0; });
+        DFN_REQUIRE(degenerate, W, "'", path, "': dflash.rope.dimension_sections must be [", hp_.head_dim / 2,
+                    ", 0, 0, 0] (one position per token): other multi-section RoPE is not implemented for drafters");
+    }
     hp_.block_size = drafter_block_size(F);
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
@@ -38,8 +101,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         DFN_REQUIRE(hp_.trained_context >= 1 && hp_.trained_context <= kMaxTrainedContext, W, "'", path,
                     "': dflash.trained_context_length ", hp_.trained_context, " must be in [1, ", kMaxTrainedContext, "]");
     }
+    const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));  // ignored without a window, as llama.cpp does
     if (hp_.sliding_window > 0) {
-        const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
         hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides
         for (size_t i = 0; i < pattern.size() && i < hp_.is_swa.size(); ++i) hp_.is_swa[i] = pattern[i] != 0;
     }
@@ -65,6 +128,9 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         hp_.draft_vocab.push_back((int32_t) id);
     }
 
+    const uint32_t n_vocab_key = F.get_u32(key("vocab_size"), (uint32_t) target.n_vocab);
+    DFN_REQUIRE(n_vocab_key == target.n_vocab, W, "'", path, "': dflash.vocab_size ", n_vocab_key,
+                " != the target's vocabulary size ", target.n_vocab);
     const int64_t n_tok = F.arr_len("tokenizer.ggml.tokens");
     DFN_REQUIRE(n_tok < 0 || target.n_tokenizer_tokens < 0 || n_tok == target.n_tokenizer_tokens, W,
                 "drafter vocabulary (", n_tok, " tokens) != target vocabulary (", target.n_tokenizer_tokens, " tokens)");
@@ -88,6 +154,7 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     for (int il = 0; il < hp_.n_layer; ++il) {
         load_qwen3_layer(F, il, E, hd, hp_.n_head, hp_.n_head_kv, hp_.n_ff, layers_[il]);
     }
+    F.check_all_used("dflash");
 }
 
 int64_t drafter_block_size(const gguf_file & F) {
