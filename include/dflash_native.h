@@ -200,7 +200,16 @@ typedef struct dfn_stats {
     double draft_s, verify_s, rollback_s;
     int64_t acceptance_histogram[DFN_MAX_BLOCK_SIZE + 1]; /* [k]: rounds that committed k tokens */
     uint64_t seed;               /* the sampling seed (0 when greedy) */
+    /* 1 when the engine's drafter has failed (a draft with NaN / inf logits): from that round on
+       every speculative step of this engine is an AR step, with AR's output
+       (dfn_engine_drafter_failure says why) */
+    int32_t drafter_failed;
 } dfn_stats;
+
+/* Why the engine's drafter failed ("" while it is healthy, or without one; NULL for NULL or a dead
+   handle): a draft whose logits were not finite (NaN / inf weights). The engine then decodes AR, with
+   AR's output, for the rest of its life. The text lives as long as the engine. */
+DFN_API const char * dfn_engine_drafter_failure(const dfn_engine * engine);
 
 /* Copies the last generate's statistics into *stats (stats->struct_size set by the caller). */
 DFN_API dfn_status dfn_engine_last_stats(const dfn_engine * engine, dfn_stats * stats);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -403,24 +404,51 @@ def test_non_finite_logits_in_sampled_paths(pair, nan_files):
     eng._draft_override = lambda prompt, out, B: [99] * (B - 1)
     with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
         eng.generate([5, 6, 7], **kw)
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2)
-    for dv in (True, False):
-        eng.draft_vocab = dv
-        with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-            eng.generate([5, 6, 7], **kw)
+    # a drafter's NaN logits: test_failed_drafter_falls_back_to_ar
 
 
-@pytest.mark.parametrize("cutoff", [0.0, 0.5])  # argmax op / top1 op
-def test_non_finite_logits_in_draft(pair, nan_files, cutoff):
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2, draft_cutoff=cutoff)
+# A drafter whose logits are NaN used to fail every speculative request while AR on the same engine
+# worked. Now the first NaN draft is recorded (stats.drafter_failure, one RuntimeWarning and the
+# "dflash_native" log) and the engine decodes AR from then on, with AR's output.
+@pytest.mark.parametrize("verify, cutoff, dv", [("chain", 0.0, True), ("chain", 0.0, False),  # argmax op
+                                                ("chain", 0.5, True), ("chain", 0.5, False),  # top1 op
+                                                ("tree", 0.0, True)])                         # topk op
+@pytest.mark.parametrize("gate", [False, True])
+def test_failed_drafter_falls_back_to_ar(pair, nan_files, verify, cutoff, dv, gate, caplog):
+    import warnings
+
+    ar = dn.Engine(pair[0], n_ctx=64, n_threads=2)
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=gate, verify=verify, draft_cutoff=cutoff, n_ctx=64,
+                    n_threads=2)
     assert len(eng._spec.draft_vocab) == 200
-    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-        eng.generate([5, 6, 7], max_tokens=10)
-    eng.draft_vocab = False
-    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-        eng.generate([5, 6, 7], max_tokens=10)
-    want = dn.Engine(pair[0], n_ctx=64, n_threads=2).generate([5, 6, 7], max_tokens=10).tokens
+    eng.draft_vocab = dv
+    assert eng._spec.drafter_failure == ""
+    for i, kw in enumerate([dict(), dict(temperature=0.8, seed=1), dict()]):
+        want = ar.generate([5, 6, 7], max_tokens=10, **kw).tokens
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="dflash_native"):
+            warnings.simplefilter("always")
+            r = eng.generate([5, 6, 7], max_tokens=10, **kw)
+        assert r.tokens == want and r.stats.speculative
+        assert re.search(r"\[draft\] the drafter failed .*\[draft\] " + NON_FINITE, r.stats.drafter_failure), \
+            r.stats.drafter_failure
+        assert sum(r.stats.acceptance_histogram) == 0 and r.stats.ar_steps >= 1  # no round: AR steps
+        said = [w for w in caught if issubclass(w.category, RuntimeWarning) and "drafter failed" in str(w.message)]
+        logged = [rec for rec in caplog.records if "drafter failed" in rec.getMessage()]
+        assert len(said) == len(logged) == (1 if i == 0 else 0)  # once per engine
+        caplog.clear()
     assert eng.generate([5, 6, 7], max_tokens=10, speculative=False).tokens == want
+    # a stream, and the core's own round: AR steps too
+    assert "".join(eng.generate([5, 6, 7], max_tokens=10, stream=True)) == \
+        ar.generate([5, 6, 7], max_tokens=10).text
+    eng._core.reset()
+    last = eng._spec.prefill([5, 6, 7], None)
+    assert eng._spec.round(last, 4).ar
+
+
+def test_healthy_drafter_reports_no_failure(pair):
+    eng = dn.Engine(*pair[:1], drafter=pair[1], n_ctx=64, n_threads=2)
+    r = eng.generate([5, 6, 7], max_tokens=10)
+    assert r.stats.drafter_failure == "" and eng._spec.drafter_failure == ""
 
 
 def test_top1_flags_non_finite_rows():
