@@ -357,9 +357,16 @@ _EXTRA_KEYS = [("{a}.attention.sliding_window", 4, 128), ("{a}.attn_logit_softca
                ("split.count", 2, 2)]
 
 
+# What the drafter implements of them (drafter.h: sliding window layers, the draft head's scale and
+# soft cap, the embedding scale): a file with them loads.
+_IMPLEMENTED = {"dflash": {"dflash.attention.sliding_window", "dflash.final_logit_softcapping", "dflash.logit_scale",
+                           "dflash.embedding_scale"}}
+
+
 def kv_extra(lay: G.Layout, base: bytes):
     a = _arch(lay, base)
-    keys = [(k.format(a=a), t, v) for k, t, v in _EXTRA_KEYS if lay.kv(k.format(a=a)) is None]
+    keys = [(k.format(a=a), t, v) for k, t, v in _EXTRA_KEYS
+            if lay.kv(k.format(a=a)) is None and k.format(a=a) not in _IMPLEMENTED.get(a, ())]
     return st.sampled_from(keys).map(lambda k: (f"extra key {k[0]} = {k[2]!r}", _new_kv(lay, base, _kv_bytes(*k))))
 
 
