@@ -194,7 +194,7 @@ typedef struct dfn_stats {
     int32_t speculative;         /* 1 when the drafter ran */
     int32_t block_size;          /* B (0 for AR) */
     int64_t rounds;              /* speculative rounds (AR steps are not rounds) */
-    int64_t ar_steps;            /* tokens committed by AR steps of the controller */
+    int64_t ar_steps;            /* tokens committed by AR steps (the controller's; all of them once the drafter failed) */
     int64_t controller_switches;
     int64_t verified_tokens;     /* tokens through the verify passes */
     double draft_s, verify_s, rollback_s;
