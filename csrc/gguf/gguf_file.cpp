@@ -249,8 +249,9 @@ void gguf_file::check_all_used(const std::string & what) const {
                 "runs it (", gguf_get_n_tensors(gguf_) - (int64_t) tensors.size(), " of ", gguf_get_n_tensors(gguf_),
                 " tensors used): a renamed or unsupported tensor would be silently ignored, so the file is refused");
     DFN_REQUIRE(keys.empty(), W, "'", path_, "': ", keys.size() == 1 ? "key " : "keys ", first(keys), " ",
-                keys.size() == 1 ? "is" : "are", " not supported for a '", what, "' model: it would change what ",
-                "the model computes, and this engine does not implement it, so the file is refused");
+                keys.size() == 1 ? "is" : "are", " not supported for a '", what, "' model: this engine does not read ",
+                keys.size() == 1 ? "it" : "them", ", and a key left unread could change what the model computes, so the ",
+                "file is refused");
 }
 
 // The rule of tensor_role (gguf_file.h): F32, or a type with both a dequantization and a CPU dot
