@@ -191,13 +191,22 @@ typedef struct dfn_stats {
     int32_t speculative;         /* 1 when the drafter ran */
     int32_t block_size;          /* B (0 for AR) */
     int64_t rounds;              /* speculative rounds (AR steps are not rounds) */
-    int64_t ar_steps;            /* tokens committed by AR steps of the controller */
+    int64_t ar_steps;            /* tokens committed by AR steps (the controller's; all of them once the drafter failed) */
     int64_t controller_switches;
     int64_t verified_tokens;     /* tokens through the verify passes */
     double draft_s, verify_s, rollback_s;
     int64_t acceptance_histogram[DFN_MAX_BLOCK_SIZE + 1]; /* [k]: rounds that committed k tokens */
     uint64_t seed;               /* the sampling seed (0 when greedy) */
+    /* 1 when the engine's drafter has failed (a draft with NaN / inf logits): from that round on
+       every speculative step of this engine is an AR step, with AR's output
+       (dfn_engine_drafter_failure says why) */
+    int32_t drafter_failed;
 } dfn_stats;
+
+/* Why the engine's drafter failed ("" while it is healthy, or without one; NULL for NULL or a dead
+   handle): a draft whose logits were not finite (NaN / inf weights). The engine then decodes AR, with
+   AR's output, for the rest of its life. The text lives as long as the engine. */
+DFN_API const char * dfn_engine_drafter_failure(const dfn_engine * engine);
 
 /* Copies the last generate's statistics into *stats (stats->struct_size set by the caller). */
 DFN_API dfn_status dfn_engine_last_stats(const dfn_engine * engine, dfn_stats * stats);

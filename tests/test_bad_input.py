@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -403,24 +404,51 @@ def test_non_finite_logits_in_sampled_paths(pair, nan_files):
     eng._draft_override = lambda prompt, out, B: [99] * (B - 1)
     with pytest.raises(RuntimeError, match=r"\[verify\] " + NON_FINITE + " 4"):
         eng.generate([5, 6, 7], **kw)
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2)
-    for dv in (True, False):
-        eng.draft_vocab = dv
-        with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-            eng.generate([5, 6, 7], **kw)
+    # a drafter's NaN logits: test_failed_drafter_falls_back_to_ar
 
 
-@pytest.mark.parametrize("cutoff", [0.0, 0.5])  # argmax op / top1 op
-def test_non_finite_logits_in_draft(pair, nan_files, cutoff):
-    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=False, n_ctx=64, n_threads=2, draft_cutoff=cutoff)
+# A drafter whose logits are NaN used to fail every speculative request while AR on the same engine
+# worked. Now the first NaN draft is recorded (stats.drafter_failure, one RuntimeWarning and the
+# "dflash_native" log) and the engine decodes AR from then on, with AR's output.
+@pytest.mark.parametrize("verify, cutoff, dv", [("chain", 0.0, True), ("chain", 0.0, False),  # argmax op
+                                                ("chain", 0.5, True), ("chain", 0.5, False),  # top1 op
+                                                ("tree", 0.0, True)])                         # topk op
+@pytest.mark.parametrize("gate", [False, True])
+def test_failed_drafter_falls_back_to_ar(pair, nan_files, verify, cutoff, dv, gate, caplog):
+    import warnings
+
+    ar = dn.Engine(pair[0], n_ctx=64, n_threads=2)
+    eng = dn.Engine(pair[0], drafter=nan_files["drafter"], gate=gate, verify=verify, draft_cutoff=cutoff, n_ctx=64,
+                    n_threads=2)
     assert len(eng._spec.draft_vocab) == 200
-    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-        eng.generate([5, 6, 7], max_tokens=10)
-    eng.draft_vocab = False
-    with pytest.raises(RuntimeError, match=r"\[draft\] " + NON_FINITE + " 4"):
-        eng.generate([5, 6, 7], max_tokens=10)
-    want = dn.Engine(pair[0], n_ctx=64, n_threads=2).generate([5, 6, 7], max_tokens=10).tokens
+    eng.draft_vocab = dv
+    assert eng._spec.drafter_failure == ""
+    for i, kw in enumerate([dict(), dict(temperature=0.8, seed=1), dict()]):
+        want = ar.generate([5, 6, 7], max_tokens=10, **kw).tokens
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="dflash_native"):
+            warnings.simplefilter("always")
+            r = eng.generate([5, 6, 7], max_tokens=10, **kw)
+        assert r.tokens == want and r.stats.speculative
+        assert re.search(r"\[draft\] the drafter failed .*\[draft\] " + NON_FINITE, r.stats.drafter_failure), \
+            r.stats.drafter_failure
+        assert sum(r.stats.acceptance_histogram) == 0 and r.stats.ar_steps >= 1  # no round: AR steps
+        said = [w for w in caught if issubclass(w.category, RuntimeWarning) and "drafter failed" in str(w.message)]
+        logged = [rec for rec in caplog.records if "drafter failed" in rec.getMessage()]
+        assert len(said) == len(logged) == (1 if i == 0 else 0)  # once per engine
+        caplog.clear()
     assert eng.generate([5, 6, 7], max_tokens=10, speculative=False).tokens == want
+    # a stream, and the core's own round: AR steps too
+    assert "".join(eng.generate([5, 6, 7], max_tokens=10, stream=True)) == \
+        ar.generate([5, 6, 7], max_tokens=10).text
+    eng._core.reset()
+    last = eng._spec.prefill([5, 6, 7], None)
+    assert eng._spec.round(last, 4).ar
+
+
+def test_healthy_drafter_reports_no_failure(pair):
+    eng = dn.Engine(*pair[:1], drafter=pair[1], n_ctx=64, n_threads=2)
+    r = eng.generate([5, 6, 7], max_tokens=10)
+    assert r.stats.drafter_failure == "" and eng._spec.drafter_failure == ""
 
 
 def test_top1_flags_non_finite_rows():
@@ -725,3 +753,97 @@ def test_qwen3next_file_loads(good_next):
 def test_bad_qwen3next_file(good_next, tmp_path, edit, msg):
     out = load_in_subprocess(rewrite_gguf(good_next, tmp_path / "bad.gguf", **edit))
     assert out.startswith("VALUEERROR:") and msg in out, out
+
+
+# ---- nothing in a file is silently ignored (issue 38) -------------------------------------
+# llama.cpp counts the tensors it created against the file's and stops on a mismatch; we do the same
+# for tensors and keys: a tensor or key the architecture does not read is an error naming it.
+
+@pytest.fixture(scope="module")
+def good_untied(tmp_path_factory) -> Path:
+    """A qwen3 file with its own lm_head (output.weight)."""
+    return make_random_gguf(tmp_path_factory.mktemp("bad-untied") / "untied.gguf", "qwen3", outtype="f16", seed=3,
+                            tie_word_embeddings=False)
+
+
+def test_renamed_output_is_refused_not_tied(good_untied, tmp_path):
+    """A one-byte rename of output.weight loaded before: the lm_head fell back to the embeddings."""
+    assert load_in_subprocess(good_untied) == "LOADED"
+    out = load_in_subprocess(rewrite_gguf(good_untied, tmp_path / "r.gguf", rename={"output.weight": "output.weighs"}))
+    assert out.startswith("VALUEERROR:") and "tensor 'output.weighs'" in out and "not part of a 'qwen3'" in out, out
+
+
+_F32 = GGUFValueType.FLOAT32
+# (fixture, edit, the name the error must give): unknown tensors, and keys that change the computation
+# in llama.cpp (sliding window, soft caps, scales, gating functions, partial rotary for the drafter...)
+STRICT_TARGET_CASES = [
+    ("good", dict(add_tensors={"blk.0.attn_q.bias": np.zeros(128)}), "tensor 'blk.0.attn_q.bias'"),
+    ("good", dict(rename={"blk.1.ffn_up.weight": "blk.1.ffn_upp.weight"}), "missing tensor 'blk.1.ffn_up.weight'"),
+    ("good", dict(add_tensors={"blk.9.attn_norm.weight": np.zeros(64)}), "tensor 'blk.9.attn_norm.weight'"),
+    ("good", dict(kv={"qwen35.attention.sliding_window": 128}), "key 'qwen35.attention.sliding_window'"),
+    ("good", dict(kv={"qwen35.final_logit_softcapping": (30.0, _F32)}), "key 'qwen35.final_logit_softcapping'"),
+    ("good", dict(kv={"qwen35.attn_logit_softcapping": (50.0, _F32)}), "key 'qwen35.attn_logit_softcapping'"),
+    ("good", dict(kv={"qwen35.logit_scale": (0.5, _F32)}), "key 'qwen35.logit_scale'"),
+    ("good", dict(kv={"qwen35.embedding_scale": (8.0, _F32)}), "key 'qwen35.embedding_scale'"),
+    ("good", dict(kv={"qwen35.vocab_size": 641}), "vocab_size 641 != the 640 rows of token_embd.weight"),
+    ("good_llama", dict(add_tensors={"output.weight_": np.zeros((640, 64))}), "tensor 'output.weight_'"),
+    ("good_llama", dict(kv={"llama.rope.scaling.longrope": 1}), "'llama.rope.scaling.longrope' is not supported"),
+    ("good_llama", dict(kv={"llama.attention.layer_norm_epsilon": (1e-5, _F32)}),
+     "key 'llama.attention.layer_norm_epsilon'"),
+    ("good_moe", dict(kv={"qwen3moe.expert_gating_func": 2}), "key 'qwen3moe.expert_gating_func'"),
+    ("good_moe", dict(kv={"qwen3moe.expert_weights_scale": (2.5, _F32)}), "key 'qwen3moe.expert_weights_scale'"),
+    ("good_moe", dict(add_tensors={"blk.0.exp_probs_b.bias": np.zeros(8)}), "tensor 'blk.0.exp_probs_b.bias'"),
+    ("good_next", dict(add_tensors={"blk.1.attn_sinks.weight": np.zeros(4)}), "tensor 'blk.1.attn_sinks.weight'"),
+    ("good_next", dict(kv={"qwen3next.expert_shared_count": 2}), "key 'qwen3next.expert_shared_count'"),
+]
+
+
+@pytest.mark.parametrize("fixture, edit, name", STRICT_TARGET_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(STRICT_TARGET_CASES)])
+def test_unread_tensor_or_key_is_refused(request, tmp_path, fixture, edit, name):
+    src = request.getfixturevalue(fixture)
+    out = load_in_subprocess(rewrite_gguf(src, tmp_path / "strict.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and name in out, out
+
+
+def test_harmless_keys_load(good, tmp_path):
+    """What llama.cpp's converter and quantizer add that changes nothing (general.*, tokenizer.*,
+    quantize.*) still loads: the allow-list is explicit."""
+    S = GGUFValueType.STRING
+    p = rewrite_gguf(good, tmp_path / "ok.gguf", kv={
+        "general.license": ("apache-2.0", S), "general.quantized_by": ("someone", S),
+        "quantize.imatrix.file": ("imatrix.dat", S), "quantize.imatrix.entries_count": 7,
+        "tokenizer.ggml.padding_token_id": 0, "qwen35.vocab_size": 640})
+    assert load_in_subprocess(p) == "LOADED"
+
+
+# Drafters llama.cpp knows and this engine does not implement: refused by kind and name.
+STRICT_DRAFTER_CASES = [
+    (dict(kv={"dflash.conv_kernel_size": 4, "dflash.conv_group_size": 8}), "DFlash 2 (per-layer dynamic convolution)",
+     "dflash.conv_kernel_size"),
+    (dict(add_tensors={"blk.0.attn_conv_base": np.zeros((2, 4, 64))}), "DFlash 2 (per-layer dynamic convolution)",
+     "blk.0.attn_conv_base"),
+    (dict(add_tensors={"selector_hidden.weight": np.zeros((8, 64))}), "DFlash 2 (candidate selector)",
+     "selector_hidden.weight"),
+    (dict(kv={"dflash.selector_rank": 8}), "DFlash 2 (candidate selector)", "dflash.selector_rank"),
+    (dict(add_tensors={"markov_w1.weight": np.zeros((640, 8)), "markov_w2.weight": np.zeros((640, 8))}),
+     "DSpark (Markov head)", "markov_w1.weight"),
+    (dict(kv={"dflash.sample_from_anchor": (True, GGUFValueType.BOOL)}), "DSpark (Markov head)",
+     "dflash.sample_from_anchor"),
+    (dict(add_tensors={"d2t": np.zeros(10)}), "d2t", "d2t"),
+    (dict(add_tensors={"blk.0.attn_post_norm.weight": np.zeros(64)}), "not part of a 'dflash'",
+     "blk.0.attn_post_norm.weight"),
+    (dict(rename={"enc.output_norm.weight": "enc.output_norm.weight."}), "missing tensor", "enc.output_norm.weight"),
+    (dict(kv={"dflash.attention.value_scale": (0.5, _F32)}), "not supported for a 'dflash'",
+     "dflash.attention.value_scale"),
+    (dict(kv={"dflash.attention.scale": (0.5, _F32)}), "not supported for a 'dflash'", "dflash.attention.scale"),
+    (dict(kv={"dflash.rope.dimension_count": 8}), "rope.dimension_count 8", "partial RoPE"),
+    (dict(kv={"dflash.hidden_activation": ("gelu", GGUFValueType.STRING)}), "hidden_activation 'gelu'", "silu"),
+]
+
+
+@pytest.mark.parametrize("edit, kind, name", STRICT_DRAFTER_CASES, ids=[c[2] for c in STRICT_DRAFTER_CASES])
+def test_unimplemented_drafter_is_refused(pair, tmp_path, edit, kind, name):
+    tg, dg = pair
+    out = spec_error(tg, rewrite_gguf(dg, tmp_path / "d.gguf", **edit))
+    assert out.startswith("VALUEERROR:") and kind in out and name in out, out

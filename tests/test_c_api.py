@@ -16,11 +16,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dflash_native
 from dflash_native import Engine
 from dflash_native.cli import default_pair
+from reference.gguf_edit import rewrite_gguf
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "def fibonacci(n):\n    "
@@ -151,6 +153,21 @@ def test_c_program_sampled_equals_engine(consumer, pair, engines, drafter):
     assert got["tokens"] == want.tokens and len(want.tokens) > 0
     other = _c_generate(consumer, pair, drafter=drafter, temperature=0.8, seed=99)
     assert other["tokens"] == _engine(engines, drafter=drafter, temperature=0.8, seed=99).tokens
+
+
+def test_c_program_failed_drafter_falls_back_to_ar(consumer, pair, engines, tmp_path):
+    """A drafter whose logits are NaN: dfn_generate decodes AR, with AR's tokens, where it failed every
+    speculative request; dfn_stats.drafter_failed and dfn_engine_drafter_failure say so."""
+    nan = rewrite_gguf(Path(pair[1]), tmp_path / "nan-drafter.gguf",
+                       tensor_fn=lambda n, a: np.full_like(a, np.nan) if n == "output_norm.weight" else a)
+    for temperature, seed in ((0.0, 0), (0.8, 1234)):
+        got = _c_generate(consumer, (pair[0], str(nan)), temperature=temperature, seed=seed)
+        want = _engine(engines, drafter=False, temperature=temperature, seed=seed)
+        assert got["tokens"] == want.tokens and len(want.tokens) > 0
+        stop, spec, n_gen, rounds, hist_rounds, ar_steps, block = got["stats"]
+        assert spec == 1 and rounds == hist_rounds == 0 and ar_steps == n_gen - 1
+        assert got["drafter_failed"] == [1, 1]
+    assert _c_generate(consumer, pair)["drafter_failed"] == [0, 0]
 
 
 def test_c_program_callback_stops(consumer, pair, engines):

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +119,70 @@ def test_generate_prompt_and_prompt_file_exclude_each_other(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--target", "/nonexistent.gguf", "--prompt", "def f", "--prompt-file", str(tmp_path / "p.txt")])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def _command() -> str:
+    """The `dflash-native` console script of this environment."""
+    exe = Path(sys.executable).parent / "dflash-native"
+    found = str(exe) if exe.is_file() else shutil.which("dflash-native")
+    if found is None:
+        pytest.fail("the dflash-native console script is not installed next to this Python")
+    return found
+
+
+def _import_done(lines: list[str], module: str) -> bool:
+    """Whether PYTHONPROFILEIMPORTTIME's lines show `module`'s import finished."""
+    return any(line.rsplit("|", 1)[-1].strip() == module for line in lines)
+
+
+def test_ctrl_c_while_the_command_imports():
+    """Ctrl-C while `dflash-native` is still importing its package printed a KeyboardInterrupt
+    traceback and ended the process by SIGINT (-2). Now: exit 130, one line, no traceback. SIGINT
+    is sent over and over, from the moment the package starts importing (PYTHONPROFILEIMPORTTIME
+    prints each import as it finishes) until the process ends; a run counts only when the package's
+    import had not finished, so the interrupt hit it (up to 5 tries)."""
+    target, _ = _pair()
+    env = dict(_env(), PYTHONPROFILEIMPORTTIME="1")
+    hit_import = 0
+    for _ in range(5):
+        p = subprocess.Popen([_command(), "generate", "--target", str(target), "--prompt", "x", "--max-tokens", "2000",
+                              "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+        lines: list[str] = []
+        armed = threading.Event()
+
+        def read():
+            for line in p.stderr:
+                lines.append(line)
+                if _import_done([line], "dflash_native._interrupt"):
+                    armed.set()
+            armed.set()  # the process ended without it: the assertions below say so
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert armed.wait(120)
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline:
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.02)
+        rc = p.wait(timeout=10)
+        reader.join(10)
+        err = "".join(lines)
+        assert _import_done(lines, "dflash_native._interrupt"), err[-3000:]
+        assert rc == 130, err[-3000:]
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+        assert "dflash-native: interrupted" in err
+        hit_import += not _import_done(lines, "dflash_native")
+        if hit_import:
+            break
+    assert hit_import, "SIGINT never arrived before the package finished importing"
+
+
+def test_generate_with_stdout_closed_in_a_process():
+    """`dflash-native generate ... >&-` as a shell runs it (fd 1 closed): a one-line error and exit 2
+    (it was an AttributeError traceback and exit 1)."""
+    target, _ = _pair()
+    p = subprocess.run(["bash", "-c", 'exec "$@" >&-', "_", _command(), "generate", "--target", str(target),
+                        "--prompt", "x", "--max-tokens", "2", "--threads", "1"],
+                       stderr=subprocess.PIPE, text=True, env=_env(), timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "stdout is closed" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -137,7 +137,9 @@ def test_max_body_bytes_flag():
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ""}).encode(), "stop"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}).encode(), "stop"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [1]}).encode(), "stop"),
-], ids=["nested-arrays", "unknown-role", "no-messages", "empty-stop", "empty-stop-in-list", "int-stop"])
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["\ud800"]}).encode(), "stop"),
+], ids=["nested-arrays", "unknown-role", "no-messages", "empty-stop", "empty-stop-in-list", "int-stop",
+        "unencodable-stop"])
 def test_client_errors_are_400(engine, data, param):
     app = create_app([engine], model_name="m")
     try:

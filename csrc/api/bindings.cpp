@@ -688,6 +688,9 @@ void def_spec_drafting(py::class_<spec_session> & c) {
         .def("controller_state", &controller_state, "The controller's cost and rate estimates (a dict)")
         .def_property_readonly("controller_switches", [](spec_session & s) { return s.control().switches(); },
                                "The controller's switches between AR and speculation in this request")
+        .def_property_readonly("drafter_failure", &spec_session::drafter_failure,
+                               "Empty while the drafter is healthy; after a draft with non-finite logits, why: every "
+                               "round (round, step, their tree and sampled forms) is then an AR step")
         .def(
             "ar_step",
             [](spec_session & s, int32_t last, const sampling_params * sampling) {

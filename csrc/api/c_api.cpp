@@ -112,7 +112,7 @@ bool size_ok(const T * p, size_t first_release) {
 
 constexpr size_t k_options_v1 = offsetof(dfn_engine_options, device_name);  // device_name came later
 constexpr size_t k_generate_v1 = sizeof(dfn_generate_params);
-constexpr size_t k_stats_v1 = sizeof(dfn_stats);
+constexpr size_t k_stats_v1 = offsetof(dfn_stats, drafter_failed);  // drafter_failed came later
 
 // options' fields within struct_size over the defaults (the header's growth rule)
 template <typename T>
@@ -268,6 +268,7 @@ struct run {
             const round_result r = e.tree ? e.spec->step_tree(last, Bc, sampling) : e.spec->step(last, Bc, nullptr, sampling);
             committed = r.committed;
             st.controller_switches = e.spec->control().switches();
+            st.drafter_failed = !e.spec->drafter_failure().empty();
             if (r.ar) {
                 st.ar_steps += 1;
             } else {
@@ -491,6 +492,11 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
                                                   " (set it with dfn_generate_params_default())"));
     const dfn_generate_params g = params ? read_struct(params, dfn_generate_params_default()) : dfn_generate_params_default();
     return guarded(W, [&] { return generate(*e, prompt, n_prompt, g, out, max_tokens, cb, user, n_out); });
+}
+
+const char * dfn_engine_drafter_failure(const dfn_engine * e) {
+    if (!live(e)) return nullptr;
+    return e->spec ? e->spec->drafter_failure().c_str() : "";
 }
 
 dfn_status dfn_engine_last_stats(const dfn_engine * e, dfn_stats * stats) {

@@ -25,6 +25,12 @@ struct runtime_error : std::runtime_error {
     explicit runtime_error(const std::string & what) : std::runtime_error(printable_text(what)) {}
 };
 
+// Non-finite logits (NaN or inf; throw_non_finite_logits): a RuntimeError in Python. Its own type
+// so that spec_session can tell a failed drafter (its draft's logits) from everything else.
+struct non_finite_error : runtime_error {
+    explicit non_finite_error(const std::string & what) : runtime_error(what) {}
+};
+
 template <typename... Args>
 std::string cat(const Args &... args) {
     std::ostringstream os;

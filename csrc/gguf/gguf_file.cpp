@@ -76,7 +76,11 @@ gguf_file::~gguf_file() {
     if (gguf_) gguf_free(gguf_);
 }
 
-int64_t gguf_file::key_id(const std::string & key) const { return gguf_find_key(gguf_, key.c_str()); }
+int64_t gguf_file::key_id(const std::string & key) const {
+    const int64_t id = gguf_find_key(gguf_, key.c_str());
+    if (id >= 0) used_keys_.insert(key);
+    return id;
+}
 
 bool gguf_file::has_key(const std::string & key) const { return key_id(key) >= 0; }
 
@@ -211,6 +215,45 @@ std::vector<std::string> gguf_file::keys_with_prefix(const std::string & prefix)
     return out;
 }
 
+void gguf_file::skip_tensors(const std::string & prefix) {
+    for (const auto & kv : tensors_) {
+        if (kv.first.compare(0, prefix.size(), prefix) == 0) used_tensors_.insert(kv.first);
+    }
+}
+
+// Keys no loader reads that never change what a model computes: what the file is (general.*:
+// name, license, alignment, quantization_version, ...), its tokenizer (tokenizer.*: vocab.cpp and
+// the Python tokenizer read what they use of it) and how its weights were quantized (quantize.*:
+// llama-quantize's imatrix provenance).
+static const char * k_harmless_keys[] = {"general.", "tokenizer.", "quantize."};
+
+void gguf_file::check_all_used(const std::string & what) const {
+    std::vector<std::string> tensors, keys;
+    for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
+        const char * name = gguf_get_tensor_name(gguf_, i);
+        if (!used_tensors_.count(name)) tensors.emplace_back(name);
+    }
+    for (int64_t i = 0; i < gguf_get_n_kv(gguf_); ++i) {
+        const std::string key = gguf_get_key(gguf_, i);
+        bool ok = used_keys_.count(key) != 0;
+        for (const char * p : k_harmless_keys) ok = ok || key.compare(0, strlen(p), p) == 0;
+        if (!ok) keys.push_back(key);
+    }
+    auto first = [](const std::vector<std::string> & v) {
+        std::string s;
+        for (size_t i = 0; i < v.size() && i < 3; ++i) s += cat(i ? ", '" : "'", v[i], "'");
+        return v.size() > 3 ? cat(s, " and ", v.size() - 3, " more") : s;
+    };
+    DFN_REQUIRE(tensors.empty(), W, "'", path_, "': ", tensors.size() == 1 ? "tensor " : "tensors ", first(tensors),
+                " of the file ", tensors.size() == 1 ? "is" : "are", " not part of a '", what, "' model as this engine ",
+                "runs it (", gguf_get_n_tensors(gguf_) - (int64_t) tensors.size(), " of ", gguf_get_n_tensors(gguf_),
+                " tensors used): a renamed or unsupported tensor would be silently ignored, so the file is refused");
+    DFN_REQUIRE(keys.empty(), W, "'", path_, "': ", keys.size() == 1 ? "key " : "keys ", first(keys), " ",
+                keys.size() == 1 ? "is" : "are", " not supported for a '", what, "' model: this engine does not read ",
+                keys.size() == 1 ? "it" : "them", ", and a key left unread could change what the model computes, so the ",
+                "file is refused");
+}
+
 // The rule of tensor_role (gguf_file.h): F32, or a type with both a dequantization and a CPU dot
 // product. Every role needs both: ggml_get_rows dequantizes rows, ggml_mul_mat multiplies
 // (activations quantized to the type's vec_dot_type), and F32 roles convert at load.
@@ -247,6 +290,7 @@ ggml_tensor * gguf_file::tensor(const std::string & name, std::vector<int64_t> n
         return nullptr;
     }
     ggml_tensor * t = it->second;
+    used_tensors_.insert(name);
     check_type(t, role);
     if (ne.empty()) return t;  // shape checked by the caller
     bool ok = true;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,15 @@ public:
     // converts its data; so roles must be given before load_weights().
     ggml_tensor * tensor(const std::string & name, std::vector<int64_t> ne, tensor_role role, bool required = true);
     bool has_tensor(const std::string & name) const { return tensors_.count(name) != 0; }
+    // Tensors of the file the architecture knows and deliberately does not run (llama.cpp's
+    // TENSOR_SKIP: the MTP layers a converter appends): those whose name starts with `prefix`.
+    void skip_tensors(const std::string & prefix);
+    // llama.cpp's done_getting_tensors, for tensors and keys: every tensor of the file must have
+    // been asked for through tensor() (or skipped), and every key read through an accessor
+    // (has_key .. keys_with_prefix's callers) or be harmless metadata (k_harmless_keys: general.*,
+    // tokenizer.*, ...). A tensor or key nobody read would change what the model computes in
+    // llama.cpp and not here: throws input_error naming the first ones, `what` the loader.
+    void check_all_used(const std::string & what) const;
     // Every tensor of the file, by name.
     std::vector<ggml_tensor *> tensors() const {
         std::vector<ggml_tensor *> out;
@@ -92,7 +102,9 @@ private:
     size_t map_size_ = 0;
     size_t mapped_bytes_ = 0;
     std::map<std::string, ggml_tensor *> tensors_;
-    std::map<std::string, ggml_type> to_f32_;  // tensors load_weights() converts: name -> type in the file
+    std::map<std::string, ggml_type> to_f32_;
+    std::set<std::string> used_tensors_;       // asked for through tensor(), or skipped
+    mutable std::set<std::string> used_keys_;  // read through an accessor  // tensors load_weights() converts: name -> type in the file
     void check_type(ggml_tensor * t, tensor_role role);
     bool map_weights(ggml_backend_buffer_type_t buft);  // false: mapping does not apply here
     void read_weights(ggml_backend_buffer_type_t buft);

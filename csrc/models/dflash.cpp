@@ -19,14 +19,59 @@ static const char * W = "load_gguf";
 // A larger recorded window is no window at all (and a likely corrupt file).
 static const int64_t kMaxTrainedContext = int64_t(1) << 20;
 
+// Drafter kinds llama.cpp's dflash architecture runs and this engine does not: a file with any of
+// these keys or tensors is refused, naming the kind. Implementing a kind means loading what it
+// adds and taking its row out of this table (DFlash 2 and DSpark's Markov head are loaded:
+// load_dflash2, load_dspark). (Anything else in the file that the loader does not
+// read is refused too, by gguf_file::check_all_used, with a generic message.)
+struct unimplemented_kind {
+    const char * kind;
+    std::vector<const char *> keys;
+    std::vector<const char *> tensors;  // "blk.*." stands for every layer
+};
+static const unimplemented_kind k_unimplemented_kinds[] = {
+    {"DSpark on DeepSeek-V4 (hyper-connections)", {"dflash.hyper_connection.count"}, {}},
+    {"a reduced draft vocabulary in llama.cpp's form (d2t; this engine reads dflash.draft_vocab)", {}, {"d2t"}},
+};
+
+// "blk.*.x" matches blk.<n>.x
+static bool tensor_matches(const std::string & name, const std::string & pattern) {
+    const std::string any = "blk.*.";
+    if (pattern.compare(0, any.size(), any) != 0) return name == pattern;
+    const size_t dot = name.find('.', 4);
+    return name.compare(0, 4, "blk.") == 0 && dot != std::string::npos && name.substr(dot + 1) == pattern.substr(any.size());
+}
+
+static void refuse_unimplemented_kinds(const gguf_file & F) {
+    const std::vector<ggml_tensor *> tensors = F.tensors();
+    for (const unimplemented_kind & k : k_unimplemented_kinds) {
+        for (const char * key : k.keys) {
+            DFN_REQUIRE(!F.has_key(key), W, "'", F.path(), "' is a ", k.kind, " drafter (key '", key,
+                        "'), which this engine does not implement");
+        }
+        for (const char * pattern : k.tensors) {
+            for (const ggml_tensor * t : tensors) {
+                DFN_REQUIRE(!tensor_matches(t->name, pattern), W, "'", F.path(), "' is a ", k.kind, " drafter (tensor '",
+                            t->name, "'), which this engine does not implement");
+            }
+        }
+    }
+}
+
 drafter_model::drafter_model(const std::string & path, const target_hparams & target) {
     file_ = std::make_unique<gguf_file>(path);
     gguf_file & F = *file_;
     const std::string arch = F.arch();
     DFN_REQUIRE(arch == "dflash", W, "'", path, "' is a '", arch, "' model, not a DFlash drafter (arch 'dflash')");
     auto key = [](const char * s) { return std::string("dflash.") + s; };
+    refuse_unimplemented_kinds(F);
 
     static_cast<block_hparams &>(hp_) = read_block_hparams(F, "dflash", 256);
+    // rope.dimension_count (partial RoPE), hidden_activation and rope.dimension_sections: read below
+    // and in refuse_unimplemented
+    const uint32_t v_len = F.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
+    DFN_REQUIRE(v_len == hp_.head_dim, W, "'", path, "': attention.value_length ", v_len, " must equal key_length ",
+                hp_.head_dim, " (other value sizes are not implemented for drafters)");
     hp_.block_size = drafter_block_size(F);
     hp_.causal = F.get_bool(key("attention.causal"), false);
     hp_.sliding_window = F.get_u32(key("attention.sliding_window"), 0);
@@ -43,8 +88,8 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         DFN_REQUIRE(hp_.trained_context >= 1 && hp_.trained_context <= kMaxTrainedContext, W, "'", path,
                     "': dflash.trained_context_length ", hp_.trained_context, " must be in [1, ", kMaxTrainedContext, "]");
     }
+    const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));  // ignored without a window, as llama.cpp does
     if (hp_.sliding_window > 0) {
-        const auto pattern = F.get_int_arr(key("attention.sliding_window_pattern"));
         hp_.is_swa.assign(hp_.n_layer, pattern.empty());  // no pattern: every layer slides
         for (size_t i = 0; i < pattern.size() && i < hp_.is_swa.size(); ++i) hp_.is_swa[i] = pattern[i] != 0;
     }
@@ -72,6 +117,9 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
         hp_.draft_vocab.push_back((int32_t) id);
     }
 
+    const uint32_t n_vocab_key = F.get_u32(key("vocab_size"), (uint32_t) target.n_vocab);
+    DFN_REQUIRE(n_vocab_key == target.n_vocab, W, "'", path, "': dflash.vocab_size ", n_vocab_key,
+                " != the target's vocabulary size ", target.n_vocab);
     const int64_t n_tok = F.arr_len("tokenizer.ggml.tokens");
     DFN_REQUIRE(n_tok < 0 || target.n_tokenizer_tokens < 0 || n_tok == target.n_tokenizer_tokens, W,
                 "drafter vocabulary (", n_tok, " tokens) != target vocabulary (", target.n_tokenizer_tokens, " tokens)");
@@ -99,6 +147,7 @@ drafter_model::drafter_model(const std::string & path, const target_hparams & ta
     load_dflash2(F, path, target);
     load_dspark(F, path, target);
     refuse_unimplemented(F, path);
+    F.check_all_used("dflash");
 }
 
 // What llama.cpp's dflash loader reads and this drafter does not implement: a clear error naming

@@ -12,14 +12,18 @@ std::unique_ptr<target_model> target_model::open(const std::string & path) {
     auto f = std::make_unique<gguf_file>(path);
     DFN_REQUIRE(f->has_key("general.architecture"), W, "'", path, "' has no general.architecture key");
     const std::string arch = f->arch();
-    if (arch == "llama") return make_llama(std::move(f));
-    if (arch == "qwen3") return make_qwen3(std::move(f));
-    if (arch == "qwen3moe") return make_qwen3moe(std::move(f));
-    if (arch == "qwen35") return make_qwen35(std::move(f));
-    if (arch == "qwen35moe") return make_qwen35moe(std::move(f));
-    if (arch == "qwen3next") return make_qwen3next(std::move(f));
-    throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
-                          "' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next)"));
+    std::unique_ptr<target_model> m;
+    if (arch == "llama") m = make_llama(std::move(f));
+    else if (arch == "qwen3") m = make_qwen3(std::move(f));
+    else if (arch == "qwen3moe") m = make_qwen3moe(std::move(f));
+    else if (arch == "qwen35") m = make_qwen35(std::move(f));
+    else if (arch == "qwen35moe") m = make_qwen35moe(std::move(f));
+    else if (arch == "qwen3next") m = make_qwen3next(std::move(f));
+    else throw input_error(cat("[", W, "] '", path, "': unsupported target architecture '", arch,
+                               "' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next)"));
+    // the architecture read what it runs: anything else in the file is refused, never ignored
+    m->file_->check_all_used(arch);
+    return m;
 }
 
 block_hparams read_block_hparams(const gguf_file & f, const std::string & arch, int64_t max_layers, bool ff_required) {
@@ -67,6 +71,7 @@ rope_scaling read_rope_scaling(const gguf_file & f, const std::string & arch, in
                         "(YaRN with mscale_all_dim, as DeepSeek uses it, is not implemented)");
             known = true;
         }
+        if (name == "finetuned") f.get_bool(k, false);  // metadata only: read (so accepted) if a bool
         DFN_REQUIRE(known, W, "'", path, "': RoPE scaling key '", k, "' is not supported (supported: type, factor, ",
                     "attn_factor, finetuned, original_context_length, yarn_ext_factor, yarn_attn_factor, ",
                     "yarn_beta_fast, yarn_beta_slow)");
@@ -125,6 +130,7 @@ void target_model::read_common_hparams(bool ff_required) {
     DFN_REQUIRE(n_nextn < hp_.n_layer, W, "'", f.path(), "': nextn_predict_layers ", n_nextn,
                 " must be less than block_count ", hp_.n_layer);
     hp_.n_layer -= n_nextn;
+    for (int64_t il = hp_.n_layer; il < hp_.n_layer + n_nextn; ++il) file_->skip_tensors(cat("blk.", il, "."));
     hp_.n_rot = f.get_u32(key("rope.dimension_count"), (uint32_t) hp_.head_dim);
     const uint32_t v_len = f.get_u32(key("attention.value_length"), (uint32_t) hp_.head_dim);
     DFN_REQUIRE(v_len == hp_.head_dim, W, "'", f.path(), "': value_length ", v_len, " != key_length ", hp_.head_dim);
@@ -144,6 +150,9 @@ void target_model::load_common_tensors() {
                     "': token_embd.weight has shape [", t ? t->ne[0] : 0, ", ", hp_.n_vocab,
                     "], expected [", hp_.n_embd, ", n_vocab]");
     }
+    const uint32_t n_vocab_key = f.get_u32(key("vocab_size"), (uint32_t) hp_.n_vocab);
+    DFN_REQUIRE(n_vocab_key == hp_.n_vocab, W, "'", f.path(), "': vocab_size ", n_vocab_key,
+                " != the ", hp_.n_vocab, " rows of token_embd.weight");
     tok_embd = f.tensor("token_embd.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_EMBEDDING);
     output_norm = f.tensor("output_norm.weight", {hp_.n_embd}, TENSOR_ROLE_F32);
     output = f.tensor("output.weight", {hp_.n_embd, hp_.n_vocab}, TENSOR_ROLE_MATMUL, false);
@@ -197,12 +206,13 @@ void read_gdn_hparams(const gguf_file & F, target_hparams & hp) {
     // Layer pattern: explicit per-layer flags, else every interval-th layer is attention.
     hp.is_gdn.assign(hp.n_layer, false);
     const auto recurrent = F.get_int_arr(key("attention.recurrent_layers"));
+    // llama.cpp's converter writes both; the per-layer flags win, as in llama.cpp
+    const uint32_t interval = F.get_u32(key("full_attention_interval"), 4);
     if (!recurrent.empty()) {
         DFN_REQUIRE((int64_t) recurrent.size() >= hp.n_layer, W, "'", P, "': attention.recurrent_layers has ",
                     recurrent.size(), " entries for ", hp.n_layer, " layers");
         for (int il = 0; il < hp.n_layer; ++il) hp.is_gdn[il] = recurrent[il] != 0;
     } else {
-        const uint32_t interval = F.get_u32(key("full_attention_interval"), 4);
         DFN_REQUIRE(interval >= 1, W, "'", P, "': full_attention_interval must be >= 1");
         for (int il = 0; il < hp.n_layer; ++il) hp.is_gdn[il] = (il + 1) % interval != 0;
     }

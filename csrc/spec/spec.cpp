@@ -483,16 +483,34 @@ std::vector<int32_t> spec_session::draft_chain(int32_t last, int64_t B) {
     return d;
 }
 
+bool spec_session::drafted(const std::function<void()> & draft) {
+    if (!drafter_failure_.empty()) return false;
+    try {
+        draft();
+        return true;
+    } catch (const non_finite_error & e) {
+        // Weights that give NaN once give NaN for good: stop drafting for this session rather
+        // than fail every speculative request that AR would serve.
+        drafter_failure_ = cat("[draft] the drafter failed and the engine decodes AR from now on: ", e.what());
+        return false;
+    }
+}
+
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
     round_result r;
     const double t0 = profile_now();
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
-        draft(last, B);  // the drafter runs as in a real round
-        r.draft = *forced_draft;
-    } else {
-        r.draft = draft_chain(last, B);
     }
+    const bool ok = drafted([&] {
+        if (forced_draft) {
+            draft(last, B);  // the drafter runs as in a real round
+            r.draft = *forced_draft;
+        } else {
+            r.draft = draft_chain(last, B);
+        }
+    });
+    if (!ok) return ar_round(last, t0, nullptr);
     verify_and_commit(last, r, t0, profile_now());
     return r;
 }
@@ -504,12 +522,14 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     }
     round_result r;
     const double t0 = profile_now();
+    if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
     // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
     // drafter's filtered distribution)
     std::vector<float> p;
     const bool drawn = sampling && !sampling->greedy();
-    r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
+    if (!drafted([&] { r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p); }))
+        return ar_round(last, t0, sampling);
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         r.draft = *forced_draft;
@@ -652,12 +672,13 @@ round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_pa
     if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
-    const draft_tree tree = draft_tree_for(last, B, sampling);
+    draft_tree tree;
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling); })) return ar_round(last, t0, sampling);
     verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
     return r;
 }
 
-round_result spec_session::controller_ar_step(int32_t last, double t0, const sampling_params * sampling) {
+round_result spec_session::ar_round(int32_t last, double t0, const sampling_params * sampling) {
     round_result r;
     token_logprobs lp;
     r.committed = {sampling ? ar_step_sampled(last, *sampling, &lp) : ar_step(last)};
@@ -665,6 +686,11 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
     r.ar = true;
     r.n_verified = 1;
     r.verify_s = profile_now() - t0;
+    return r;
+}
+
+round_result spec_session::controller_ar_step(int32_t last, double t0, const sampling_params * sampling) {
+    round_result r = ar_round(last, t0, sampling);
     ctl_.observe_ar(r.verify_s);
     return r;
 }
@@ -672,12 +698,14 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
 round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
     if (!params_.use_controller) return round_tree(last, B, sampling);
     const double t0 = profile_now();
+    if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
     if (sampling) check_sampling_params(*sampling);
     // The controller verifies the prefix of the best-first node order (a tree: parents first)
     // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
     // weights (perturbed_topk's) stand in for the probabilities.
-    draft_tree tree = draft_tree_for(last, B, sampling);
+    draft_tree tree;
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling); })) return ar_round(last, t0, sampling);
     const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
     tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
     round_result r;

@@ -8,6 +8,7 @@
 #include "spec/tree.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -141,6 +142,11 @@ public:
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
     void set_controller(bool on) { params_.use_controller = on; }
+    // A drafter whose logits are not finite (NaN / inf weights, overflow) has failed for this
+    // session: the first such draft's error is kept here, and every round from then on (round,
+    // step, their tree and sampled forms) is an AR step (round_result::ar), so requests go on with
+    // AR's output, exactly. Empty while the drafter is healthy; reset() keeps it.
+    const std::string & drafter_failure() const { return drafter_failure_; }
     controller & control() { return ctl_; }
     void reset();
 
@@ -248,6 +254,13 @@ private:
                                 round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
     // The controller's AR step as step() and step_tree() take it.
     round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
+    // One AR step as a round_result (ar = true), for the controller and for a failed drafter.
+    round_result ar_round(int32_t last, double t0, const sampling_params * sampling);
+    // Runs `draft` (a round's drafting: drafter graphs only, nothing of the target's state moves);
+    // false when the drafter has failed, before or now (drafter_failure()): the round is then an
+    // ar_round. Any other error propagates.
+    bool drafted(const std::function<void()> & draft);
+    std::string drafter_failure_;
 
     target_session & target_;
     graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans

@@ -94,15 +94,20 @@ round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling
     // temperature 0 (logprobs): round()'s greedy drafts
     if (forced_draft) {
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
-        if (p.greedy()) {
-            draft(last, B);  // the drafter runs as in a real round
-        } else {
-            draft_sampled(last, B, p);
-        }
-        r.draft = *forced_draft;
-    } else {
-        r.draft = p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
     }
+    const bool ok = drafted([&] {
+        if (forced_draft) {
+            if (p.greedy()) {
+                draft(last, B);  // the drafter runs as in a real round
+            } else {
+                draft_sampled(last, B, p);
+            }
+            r.draft = *forced_draft;
+        } else {
+            r.draft = p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
+        }
+    });
+    if (!ok) return ar_round(last, t0, &p);
     verify_sampled(last, r, p, t0, profile_now());
     return r;
 }

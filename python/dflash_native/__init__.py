@@ -4,10 +4,16 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import _core
-from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
-from ._embed import get_cmake_dir, get_include, get_library_dir
-from .tape import GdnTape
+try:  # Ctrl-C here, under the dflash-native command: exit 130 without a traceback (_interrupt.py)
+    from . import _interrupt
+    from . import _core
+    from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
+    from ._embed import get_cmake_dir, get_include, get_library_dir
+    from .tape import GdnTape
+except KeyboardInterrupt:
+    from . import _interrupt
+    _interrupt.interrupted_import()
+    raise
 
 RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec/spec.h)
 

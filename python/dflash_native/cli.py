@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import tempfile
-from pathlib import Path
+try:  # the console script imports this module before main's handlers run (_interrupt.py)
+    from . import _interrupt
+    import argparse
+    import json
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+except KeyboardInterrupt:
+    from . import _interrupt
+    _interrupt.interrupted_import()
+    raise
 
 
 def _cmd_generate(a) -> int:
@@ -531,12 +537,12 @@ def _port(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    # a closed stdout / stderr (`>&-`) is None in Python: writes to it must not end in a traceback
-    stdout_closed = sys.stdout is None
-    for name in ("stdout", "stderr"):
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(os.devnull, "w"))
     try:
+        # a closed stdout / stderr (`>&-`) is None in Python: writes to it must not end in a traceback
+        stdout_closed = sys.stdout is None
+        for name in ("stdout", "stderr"):
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(os.devnull, "w"))
         # the heavy imports (gguf, numpy, the converters) happen here, inside the handlers: Ctrl-C
         # while they load is an exit 130 like any other
         args = build_parser().parse_args(argv)
@@ -544,6 +550,7 @@ def main(argv=None) -> int:
             raise ValueError("stdout is closed: nowhere to write the generated text")
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: the stream ends where it was, without a traceback
+        _interrupt.ignore_further_interrupts()
         print("\ndflash-native: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

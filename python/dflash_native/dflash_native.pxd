@@ -121,5 +121,7 @@ cdef extern from "dflash_native.h" nogil:
         double rollback_s
         int64_t acceptance_histogram[65]
         uint64_t seed
+        int32_t drafter_failed
 
+    const char * dfn_engine_drafter_failure(const dfn_engine * engine)
     dfn_status dfn_engine_last_stats(const dfn_engine * engine, dfn_stats * stats)

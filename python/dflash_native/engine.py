@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import secrets
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
@@ -17,6 +19,8 @@ import numpy as np
 from . import _core
 from ._tokenizer import NoVocabulary, Tokenizer
 from .hub import is_hub_name
+
+log = logging.getLogger("dflash_native")
 
 
 @dataclass
@@ -40,6 +44,9 @@ class GenerationStats:
     # periodic AR cost probes and its fall-backs), and its switches between AR and speculation
     ar_steps: int = 0
     controller_switches: int = 0
+    # why the engine's drafter failed (a draft with NaN / inf logits), "" while it is healthy: the
+    # engine then decodes AR, with AR's output, for the rest of its life (warned once, and logged)
+    drafter_failure: str = ""
     seed: int | None = None  # the sampling seed (drawn when generate got seed=None); None when greedy
     # the instruction set the own CPU kernels ran (dflash_native.isa(): "avx512f", "avx2", "portable",
     # "... (capped)" under DFLASH_NATIVE_ISA / set_isa), then after "; " the weight types whose matmul
@@ -257,6 +264,16 @@ class Engine:
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
+
+    _drafter_warned = False
+
+    def _warn_drafter_failed(self, why: str) -> None:
+        """Once per engine: its drafter failed (the core now decodes AR, with AR's output)."""
+        if self._drafter_warned:
+            return
+        self._drafter_warned = True
+        log.warning("%s", why)
+        warnings.warn(why, RuntimeWarning, stacklevel=4)
 
     def _load(self, target: str, drafter: str | None, block_size: int, target_kw: dict, spec_kw: dict) -> None:
         """The core's Target, its Spec when there is a drafter, and the tokenizer (checked args)."""
@@ -783,6 +800,10 @@ class _Run:
             r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
         committed, lps = r.committed, r.logprobs
         stats.controller_switches = eng._spec.controller_switches
+        if r.ar and not stats.drafter_failure:
+            stats.drafter_failure = eng._spec.drafter_failure
+            if stats.drafter_failure:
+                eng._warn_drafter_failed(stats.drafter_failure)
         if r.ar:
             stats.ar_steps += 1
             return committed, lps

@@ -82,6 +82,11 @@ def _stop(body: dict) -> list[str]:
     if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 4:
         if "" in v:
             raise ApiError(400, "'stop' strings must not be empty (an empty stop string would match at once)", "stop")
+        for s in v:
+            try:
+                s.encode("utf-8")
+            except UnicodeError:  # a lone surrogate ("\ud800" in the JSON): no text the model writes matches it
+                raise ApiError(400, f"'stop' string {s!r} is not valid Unicode text", "stop") from None
         return v
     raise ApiError(400, f"'stop' must be a string or a list of at most 4 strings, got {v!r}"[:300], "stop")
 

@@ -84,6 +84,8 @@ static int cmd_generate(char ** argv) {
     for (int k = 0; k <= DFN_MAX_BLOCK_SIZE; ++k) hist_rounds += st.acceptance_histogram[k];
     printf("stats: %d %d %lld %lld %lld %lld %d\n", st.stop_reason, st.speculative, (long long) st.n_generated,
            (long long) st.rounds, (long long) hist_rounds, (long long) st.ar_steps, st.block_size);
+    const char * why = dfn_engine_drafter_failure(e);
+    printf("drafter_failed: %d %d\n", st.drafter_failed, why != NULL && strstr(why, "non-finite logits") != NULL);
     free(out);
     dfn_engine_destroy(e);
     return 0;

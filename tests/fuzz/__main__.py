@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .pair import build_pair
-from .probes import PROBES
+from .probes import PROBES, STRICT_PROBES
 from .runner import FAILURES, Files, draw_mutants, run_mutants, table
 
 
@@ -47,7 +47,10 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             for m in mutants:
                 f.write(json.dumps(m.__dict__) + "\n")
-    return 1 if any(m.outcome in FAILURES for m in mutants) else 0
+    loaded = [m for m in mutants if m.probe in STRICT_PROBES and m.outcome == "ran"]  # must be refused
+    for m in loaded:
+        print(f"  LOADED {m.id}: {m.desc}")
+    return 1 if loaded or any(m.outcome in FAILURES for m in mutants) else 0
 
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ def apply(base: bytes, lay: Layout, edits) -> bytes:
     ["trunc", n]                 keep the first n bytes
     ["splice", start, end, hex]  replace header bytes [start, end) (before the tensor infos end);
                                  the data section is re-aligned, so the file stays well formed
-                                 except for what the splice itself changes."""
+                                 except for what the splice itself changes
+    ["append", hex]              add bytes at the end (a new tensor's data)"""
     out = bytearray(base)
     splices = [e for e in edits if e[0] == "splice"]
     if splices:
@@ -187,6 +188,8 @@ def apply(base: bytes, lay: Layout, edits) -> bytes:
                 out[e[1]] ^= e[2]
         elif e[0] == "trunc":
             del out[e[1]:]
+        elif e[0] == "append":
+            out += bytes.fromhex(e[1])
     return bytes(out)
 
 

@@ -260,3 +260,140 @@ def copy_token(lay: G.Layout, base: bytes, src: int, dst: int) -> list:
     toks = lay.kv("tokenizer.ggml.tokens")
     s, d = toks.elems[src], toks.elems[dst]
     return _splice(d.len_off, d.off + d.n, G.str_bytes(base[s.off:s.off + s.n]))
+
+
+# ---- things a loader must not silently ignore (issue 38) --------------------------------------
+# Every mutant of these classes must end in a clear error naming what it added, renamed or
+# duplicated: "ran" is a failure for them (STRICT_PROBES).
+
+def _arch(lay: G.Layout, base: bytes) -> str:
+    s = lay.kv("general.architecture").sval
+    return base[s.off:s.off + s.n].decode("utf-8")
+
+
+def _count(off: int, lay: G.Layout, base: bytes, delta: int) -> list:
+    """The header's n_tensors (off 8) or n_kv (off 16), plus delta."""
+    return _write(off, struct.pack("<q", struct.unpack_from("<q", base, off)[0] + delta))
+
+
+def _tensor_info(name: str, dims: list, ggml_type: int, offset: int) -> bytes:
+    return (G.str_bytes(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+            + struct.pack("<I", ggml_type) + struct.pack("<Q", offset))
+
+
+def _new_tensor(lay: G.Layout, base: bytes, name: str, dims: list, ggml_type: int = 0) -> list:
+    """Edits that add tensor `name` (F32 zeros by default) after the others: its info after the last
+    info, its data at the end of the file, where GGUF's contiguous-offset rule wants it."""
+    end = lay.size - lay.data_start
+    offset = (end + lay.alignment - 1) // lay.alignment * lay.alignment
+    blk, bpb = G.GGML_BLOCK[ggml_type]
+    n = 1
+    for d in dims:
+        n *= d
+    data = b"\0" * (offset - end) + b"\0" * (n // blk * bpb)
+    return (_count(8, lay, base, 1) + _splice(lay.infos_end, lay.infos_end, _tensor_info(name, dims, ggml_type, offset))
+            + [["append", data.hex()]])
+
+
+def _near_miss(name: str):
+    """Names one edit away from `name` that no loader knows."""
+    return st.sampled_from([name + "x", name[:-1] + ("x" if name[-1] != "x" else "y"), "x" + name, name.upper(),
+                            name.replace(".", "_", 1), name + ".weight"])
+
+
+def tensor_rename(lay: G.Layout, base: bytes):
+    """A tensor renamed by one edit: the original is missing, or (optional tensors: the lm_head) the
+    new name is one nobody reads. Either way an error naming a tensor, never a tied lm_head."""
+    return st.sampled_from(lay.tensors).flatmap(lambda t: _near_miss(t.name).map(lambda new: (
+        f"{t.name} renamed {new!r}",
+        _splice(t.name_str.len_off, t.name_str.off + t.name_str.n, G.str_bytes(new)))))
+
+
+# Tensors llama.cpp's architectures have and ours do not read: biases, post-norms, sinks, scales, the
+# DFlash 2 / DSpark heads, llama.cpp's draft vocabulary map.
+_EXTRA_TENSORS = ["blk.0.attn_q.bias", "blk.1.attn_output.bias", "blk.0.attn_post_norm.weight",
+                  "blk.0.ffn_post_norm.weight", "blk.0.attn_sinks.weight", "blk.0.layer_output_scale.weight",
+                  "blk.0.exp_probs_b.bias", "blk.0.ffn_gate_up_exps.weight", "blk.99.attn_norm.weight",
+                  "output.bias", "token_embd_norm.weight", "fc.scale", "markov_w1.weight", "markov_w2.weight",
+                  "conf_proj.weight", "selector_hidden.weight", "selector_predecessor.weight",
+                  "blk.0.attn_conv_base", "blk.0.ffn_conv_proj.weight", "d2t", "zz.weight"]
+
+
+def tensor_extra(lay: G.Layout, base: bytes):
+    names = {t.name for t in lay.tensors}
+    extra = [n for n in _EXTRA_TENSORS if n not in names]
+    return st.tuples(st.sampled_from(extra), st.sampled_from([[4], [8, 2], [1]])).map(lambda nd: (
+        f"extra tensor {nd[0]} {nd[1]}", _new_tensor(lay, base, nd[0], nd[1])))
+
+
+def tensor_dup(lay: G.Layout, base: bytes):
+    """A second tensor of an existing name (its data after the others')."""
+    ts = [t for t in lay.tensors if t.ggml_type in G.GGML_BLOCK]
+    return st.sampled_from(ts).map(lambda t: (f"duplicate tensor {t.name}",
+                                              _new_tensor(lay, base, t.name, list(t.dims), t.ggml_type)))
+
+
+def _kv_bytes(key: str, vtype: int, value) -> bytes:
+    if vtype == G.T_STRING:
+        return G.str_bytes(key) + struct.pack("<I", vtype) + G.str_bytes(value)
+    return G.str_bytes(key) + struct.pack("<I", vtype) + struct.pack(G.SCALAR_FMT[vtype], value)
+
+
+def _new_kv(lay: G.Layout, base: bytes, kv_bytes: bytes) -> list:
+    return _count(16, lay, base, 1) + _splice(lay.infos_start, lay.infos_start, kv_bytes)
+
+
+# Keys that change what llama.cpp computes and that we do not implement ("{a}": the file's arch),
+# with a type and value as llama.cpp's converter writes them.
+_EXTRA_KEYS = [("{a}.attention.sliding_window", 4, 128), ("{a}.attn_logit_softcapping", 6, 50.0),
+               ("{a}.final_logit_softcapping", 6, 30.0), ("{a}.logit_scale", 6, 0.5), ("{a}.embedding_scale", 6, 8.0),
+               ("{a}.attention.scale", 6, 0.125), ("{a}.attention.value_scale", 6, 0.5),
+               ("{a}.expert_gating_func", 4, 2), ("{a}.expert_weights_scale", 6, 2.5), ("{a}.expert_shared_count", 4, 2),
+               ("{a}.rope.scaling.type", G.T_STRING, "longrope"), ("{a}.rope.scaling.alpha", 6, 2.0),
+               ("{a}.attention.layer_norm_epsilon", 6, 1e-5), ("{a}.hidden_activation", G.T_STRING, "gelu"),
+               ("{a}.conv_kernel_size", 4, 4), ("{a}.conv_group_size", 4, 8), ("{a}.selector_rank", 4, 8),
+               ("{a}.selector_top_k", 4, 4), ("{a}.sample_from_anchor", 7, True),
+               ("{a}.has_confidence_head", 7, True), ("{a}.hyper_connection.count", 4, 4), ("{a}.zz", 4, 1),
+               ("split.count", 2, 2)]
+
+
+# What the drafter implements of them (drafter.h: sliding window layers, the draft head's scale and
+# soft cap, the embedding scale): a file with them loads.
+_IMPLEMENTED = {"dflash": {"dflash.attention.sliding_window", "dflash.final_logit_softcapping", "dflash.logit_scale",
+                           "dflash.embedding_scale"}}
+
+
+def kv_extra(lay: G.Layout, base: bytes):
+    a = _arch(lay, base)
+    keys = [(k.format(a=a), t, v) for k, t, v in _EXTRA_KEYS
+            if lay.kv(k.format(a=a)) is None and k.format(a=a) not in _IMPLEMENTED.get(a, ())]
+    return st.sampled_from(keys).map(lambda k: (f"extra key {k[0]} = {k[2]!r}", _new_kv(lay, base, _kv_bytes(*k))))
+
+
+def kv_dup(lay: G.Layout, base: bytes):
+    """A second copy of an existing key."""
+    return st.sampled_from(lay.kvs).map(lambda k: (
+        f"duplicate key {k.key}", _new_kv(lay, base, base[k.key_str.len_off:k.val_end])))
+
+
+# Keys a loader may leave unread: what the file is, its tokenizer, how it was quantized.
+_HARMLESS = ("general.", "tokenizer.", "quantize.")
+
+
+def kv_rename(lay: G.Layout, base: bytes):
+    """An architecture key renamed by one edit: the original is missing (or takes its default) and
+    the new name is unknown; either way an error naming a key."""
+    kvs = [k for k in lay.kvs if not k.key.startswith(_HARMLESS)]
+    return st.sampled_from(kvs).flatmap(lambda k: _near_miss(k.key).map(lambda new: (
+        f"key {k.key} renamed {new!r}", _splice(k.key_str.len_off, k.key_str.off + k.key_str.n, G.str_bytes(new)))))
+
+
+STRICT_PROBES = {
+    "tensor_rename": tensor_rename,
+    "tensor_extra": tensor_extra,
+    "tensor_dup": tensor_dup,
+    "kv_extra": kv_extra,
+    "kv_dup": kv_dup,
+    "kv_rename": kv_rename,
+}
+PROBES.update(STRICT_PROBES)

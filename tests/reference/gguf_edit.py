@@ -9,9 +9,9 @@ from gguf import GGUFReader, GGUFWriter
 
 
 def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), tensor_fn=None,
-                 add_tensors: dict | None = None) -> Path:
+                 add_tensors: dict | None = None, rename: dict | None = None) -> Path:
     """Copy a GGUF with some keys changed or dropped, tensors passed through tensor_fn(name, array),
-    and the F32 arrays of add_tensors (name -> array) appended.
+    and the F32 arrays of add_tensors (name -> array) appended; rename (old -> new name) renames tensors.
 
     tensor_fn returns the new array (same type), None (drop the tensor), or (array, type) to store
     it as another GGMLQuantizationType (the array then holds that type's raw data, e.g.
@@ -37,7 +37,7 @@ def rewrite_gguf(src: Path, dst: Path, *, kv: dict | None = None, drop_keys=(), 
             if data is None:
                 continue
         data, ttype = data if isinstance(data, tuple) else (data, t.tensor_type)
-        w.add_tensor(t.name, data, raw_dtype=ttype)
+        w.add_tensor((rename or {}).get(t.name, t.name), data, raw_dtype=ttype)
     for name, data in (add_tensors or {}).items():
         w.add_tensor(name, np.asarray(data, dtype=np.float32))
     w.write_header_to_file()

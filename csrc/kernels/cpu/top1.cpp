@@ -125,7 +125,7 @@ void topk_row(const float * l, int64_t n, int64_t K, float * out) {
 }
 
 void throw_non_finite_logits(const char * where, int64_t pos) {
-    throw runtime_error(cat("[", where, "] non-finite logits (NaN or inf) at position ", pos,
+    throw non_finite_error(cat("[", where, "] non-finite logits (NaN or inf) at position ", pos,
                             ": the model's weights or inputs produce NaN/inf"));
 }
 
