@@ -293,3 +293,91 @@ def test_cython_errors(cython_ext, pair):
     with pytest.raises(RuntimeError, match="DFN_ERR_FILE: .*cannot open target"):
         cython_ext.generate("/nonexistent.gguf", None, PROMPT, 4)
     assert cython_ext.version() == (dflash_native.__version__, dflash_native.__version__)
+
+
+# ---- the statuses a request's input produces (issue 39) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eos_pair(tmp_path_factory):
+    """A random Qwen3.5 pair whose greedy output from EOS_PROMPT ends with its end-of-generation token
+    after 18 tokens (test_spec.py::test_eos_inside_a_committed_block's)."""
+    import numpy as np
+
+    from dflash_native.convert import convert_hf_to_gguf
+    from fixtures import make_random_checkpoint, make_random_drafter_gguf
+
+    d = tmp_path_factory.mktemp("c_api_eos")
+    ckpt = make_random_checkpoint(d / "t", "qwen3_5", seed=5)
+    tg = convert_hf_to_gguf(ckpt, d / "t.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "d.gguf", ckpt, outtype="f32", seed=6, block_size=8, target_gguf=tg)
+    return str(tg), str(dg), [int(t) for t in np.random.default_rng(26).integers(3, 600, 11)]
+
+
+def _c_ids(exe, target, drafter, n_ctx, max_tokens, prompt) -> dict[str, list[int]]:
+    out = _check(_run([exe, "ids", target, drafter or "-", n_ctx, max_tokens, *prompt]), "dfn_consumer ids")
+    return {k: [int(x) for x in v.split()] for k, v in (line.split(":", 1) for line in out.splitlines())}
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_c_program_stops_at_eos_and_at_the_context(consumer, eos_pair, drafter):
+    """DFN_STOP_EOS: the end-of-generation token ends the request (not written); DFN_STOP_CONTEXT:
+    n_ctx full before it. Tokens and stop reason as Engine.generate's on the same pair."""
+    target, dg, prompt = eos_pair
+    dg = dg if drafter else None
+    with Engine(target, drafter=dg, n_ctx=256, kv_type="f32", n_threads=2) as eng:
+        want = eng.generate(prompt, max_tokens=120)
+        eos = eng.tokenizer.eos_token_id
+    assert want.stats.stop_reason == "eos" and 0 < len(want.tokens) < 60 and eos not in want.tokens
+    got = _c_ids(consumer, target, dg, 256, 120, prompt)
+    assert got["tokens"] == want.tokens
+    assert got["stats"] == [1, len(want.tokens), eos]  # DFN_STOP_EOS
+    n_ctx = len(prompt) + len(want.tokens) // 2  # full before the EOS comes
+    with Engine(target, drafter=dg, n_ctx=n_ctx, kv_type="f32", n_threads=2) as eng:
+        short = eng.generate(prompt, max_tokens=120)
+    assert short.stats.stop_reason == "context" and short.tokens == want.tokens[:len(short.tokens)]
+    got = _c_ids(consumer, target, dg, n_ctx, 120, prompt)
+    assert got["tokens"] == short.tokens
+    assert got["stats"][:2] == [3, len(short.tokens)]  # DFN_STOP_CONTEXT
+    # n_ctx positions: the prompt and every token but the last (computed, never fed back)
+    assert len(prompt) + len(short.tokens) - 1 == n_ctx
+
+
+def test_c_program_no_vocabulary(consumer, tmp_path):
+    """A target whose GGUF has no vocabulary (what the converter writes without a tokenizer.json):
+    dfn_tokenize and dfn_detokenize are DFN_ERR_NO_VOCABULARY, the eos token -1, and token ids
+    still generate."""
+    from gguf import GGUFValueType
+
+    from fixtures import make_random_gguf
+    from reference.gguf_edit import rewrite_gguf
+
+    good = make_random_gguf(tmp_path / "good.gguf", "qwen3_5", outtype="f16", seed=3)
+    p = rewrite_gguf(good, tmp_path / "novocab.gguf",
+                     kv={"tokenizer.ggml.model": ("none", GGUFValueType.STRING), "qwen35.vocab_size": 640},
+                     drop_keys=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                                "tokenizer.ggml.pre"))
+    out = _check(_run([consumer, "novocab", p]), "dfn_consumer novocab")
+    r = dict(line.split(": ", 1) for line in out.splitlines())
+    assert r["create"] == "DFN_OK | "
+    assert r["tokenize"] == "DFN_ERR_NO_VOCABULARY | [dfn_tokenize] the target GGUF has no tokenizer; pass token ids"
+    assert r["tokenize_n"] == "0"
+    assert r["detokenize"] == "DFN_ERR_NO_VOCABULARY | [dfn_detokenize] the target GGUF has no tokenizer"
+    assert r["detokenize_n"] == "0"
+    assert r["eos_token"] == "-1"
+    assert r["generate_ids"] == "DFN_OK | "
+    with Engine(p, n_ctx=64, n_threads=1) as eng:
+        assert r["tokens"].split() == [str(t) for t in eng.generate([1, 2, 3], max_tokens=3).tokens]
+
+
+def test_c_program_out_of_memory(consumer, pair):
+    """DFN_ERR_OUT_OF_MEMORY, naming the buffer: a KV cache larger than the process may map (n_ctx
+    2^31 - 1 at F32 under RLIMIT_AS = 1 TiB); no handle is returned, and the process goes on to
+    create and run a small engine."""
+    out = _check(_run([consumer, "oom", pair[0]]), "dfn_consumer oom")
+    r = dict(line.split(": ", 1) for line in out.splitlines())
+    status, _, msg = r["huge_cache"].partition(" | ")
+    assert status == "DFN_ERR_OUT_OF_MEMORY", r
+    assert msg.startswith("[cache] out of memory") and "KV/GDN cache" in msg and "n_ctx = 2147483647" in msg, msg
+    assert r["huge_cache_handle"] == "null"
+    assert r["small_after"] == "DFN_OK | " and r["generate_after"] == "DFN_OK | " and r["generated_after"] == "4"

@@ -29,7 +29,7 @@ import dflash_native as dn
 from dflash_native import _core
 from dflash_native.cli import main as cli_main
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import TINY_VARIANTS, make_random_checkpoint, make_random_drafter_gguf
+from fixtures import TINY_VARIANTS, check_cycled_rounds, cycling_drafts, make_random_checkpoint, make_random_drafter_gguf
 from llamacpp_tools import convert_with_llamacpp
 from reference.gguf_edit import rewrite_gguf
 from test_quantized import assert_matches_dequantized_and_llama_cpp
@@ -257,12 +257,19 @@ SPEC_CASES = [("qwen3_5", t) for t in QUANT_TYPES] + [("qwen3", "q4_0"), ("qwen3
 @pytest.mark.parametrize("arch,qtype", SPEC_CASES)
 def test_quantized_speculative_equals_ar(quantized, arch, qtype):
     """llama.cpp's quantized target with llama.cpp's drafter at Q8_0: greedy speculative output is
-    the AR output."""
+    the AR output, with the random drafter's drafts (rarely accepted) and with drafts from the AR
+    output whose first miss cycles over the block (every length 1..B committed)."""
     eng = dn.Engine(quantized[arch, qtype], drafter=quantized[arch, "drafter"], block_size=BLOCK,
                     feature_ring_capacity=24, n_ctx=128, kv_type="f32", n_threads=2, gate=False)
-    ar = eng.generate(PROMPT, max_tokens=24, speculative=False)
+    n = 1 + BLOCK * (BLOCK + 1) // 2  # the prefill's token and B rounds of lengths 1..B
+    ar = eng.generate(PROMPT, max_tokens=n, speculative=False)
     sp = eng.generate(PROMPT, max_tokens=24)
-    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
+    assert sp.stats.rounds > 0 and sp.tokens == ar.tokens[:24]
+    eng._draft_override = cycling_drafts(ar.tokens + [0] * BLOCK, every=3)
+    forced = eng.generate(PROMPT, max_tokens=n)
+    eng._draft_override = None
+    assert forced.tokens == ar.tokens
+    check_cycled_rounds(forced.stats, BLOCK, 3, complete=len(ar.tokens) == n)
 
 
 def test_quantize_cli_on_llamacpp_file(files, quantized, tmp_path, capsys):

@@ -27,7 +27,7 @@ from gguf import GGUFReader
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
-from fixtures import check_batch_equals_steps, make_random_checkpoint, make_random_drafter_gguf
+from fixtures import check_batch_equals_steps, check_cycled_rounds, cycling_drafts, make_random_checkpoint, make_random_drafter_gguf
 
 # type asked for -> the ggml type the routed experts' up projections must hold
 TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K", "iq4_xs": "IQ4_XS"}
@@ -101,6 +101,21 @@ def test_forced_speculation_equals_ar(moe_file):
         hist = sp.stats.acceptance_histogram
         assert sp.stats.mean_acceptance_length > 1.5, (moe_file["what"], i, hist)
         assert sum(c for k, c in enumerate(hist) if k > 1) > 0, hist
+
+
+def test_forced_tree_speculation_equals_ar(moe_file):
+    """Tree rounds (budget 16) whose best path is the AR continuation with its first miss cycling over
+    the block (cycling_drafts): the output is the AR output token for token, the rounds commit what
+    the schedule says (every length 1..B unless an end-of-generation token comes first)."""
+    eng = dn.Engine(moe_file["target"], drafter=moe_file["drafter"], block_size=BLOCK, feature_ring_capacity=48,
+                    n_ctx=192, kv_type="f32", n_threads=2, gate=False, verify="tree", tree_budget=16)
+    n = 1 + BLOCK * (BLOCK + 1) // 2  # the prefill's token and B rounds of lengths 1..B
+    ar = eng.generate(PROMPT, max_tokens=n, speculative=False).tokens
+    eng._draft_override = cycling_drafts(ar + [0] * BLOCK, every=3)
+    sp = eng.generate(PROMPT, max_tokens=n)
+    eng._draft_override = None
+    assert sp.tokens == ar, moe_file["what"]
+    check_cycled_rounds(sp.stats, BLOCK, 3, complete=len(ar) == n)
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])

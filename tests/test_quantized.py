@@ -103,6 +103,24 @@ def test_speculative_equals_ar(qpair):
     assert len(set(lengths)) > 2, lengths
 
 
+def test_forced_tree_speculation_equals_ar(qpair):
+    """Tree rounds (budget 12) whose best path is the AR continuation with its first miss cycling over
+    the block (cycling_drafts), the drafter's tokens as siblings: the output is the AR output, the
+    rounds commit what the schedule says (every length 1..B unless an end-of-generation token comes
+    first)."""
+    from fixtures import check_cycled_rounds, cycling_drafts
+
+    eng = dn.Engine(qpair["target"], drafter=qpair["drafter"], block_size=BLOCK, feature_ring_capacity=24, n_ctx=160,
+                    kv_type="f32", n_threads=2, gate=False, verify="tree", tree_budget=12)
+    n = 1 + BLOCK * (BLOCK + 1) // 2  # the prefill's token and B rounds of lengths 1..B
+    ar = eng.generate(PROMPT, max_tokens=n, speculative=False).tokens
+    eng._draft_override = cycling_drafts(ar + [0] * BLOCK, every=3)
+    sp = eng.generate(PROMPT, max_tokens=n)
+    eng._draft_override = None
+    assert sp.tokens == ar
+    check_cycled_rounds(sp.stats, BLOCK, 3, complete=len(ar) == n)
+
+
 # Weight types on the own kernel's integer path (csrc/kernels/cpu/matmul/matmul.h): their matmuls round the
 # activations to Q8_0 / Q8_K, as llama.cpp's do.
 INT_PATH = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}

@@ -65,7 +65,8 @@ def test_drafter_matches_reference(pair):
     diff = np.abs(ours - ref_logits).max()
     print(f"{pair['name']}: max |draft logits - reference| = {diff:.2e}")
     assert ours.shape == ref_logits.shape
-    assert diff < 1e-3
+    # about 5x the worst case measured over the 7 pairs (F32): 3.8e-6 (qwen3), summation order only
+    assert diff < 2e-5
     assert s.draft(last, 8) == [int(i) for i in ours.argmax(-1)]
 
 

@@ -3,8 +3,8 @@ and change its settings between and during requests; then 4 threads on 2 engines
 answer must equal a fresh engine's answer to the same request, no call may hang, and the
 process's memory must not grow once warm.
 
-Each part runs in its own interpreter (python test_stress.py PART TARGET DRAFTER SEED) under a
-timeout, and reports JSON: what it checked and every mismatch."""
+Each part runs in its own interpreter (python test_stress.py PART TARGET DRAFTER SEED), a hang
+caught by pytest-timeout, and reports JSON: what it checked and every mismatch."""
 
 from __future__ import annotations
 
@@ -191,10 +191,9 @@ def threaded(target, drafter, seed) -> dict:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    hung = [c.where for c, t in zip(checkers, threads) if t.is_alive()]
+        t.join()  # no wall-clock bound: a hang is pytest-timeout's to catch (pyproject.toml)
     counts = {k: sum(c.counts[k] for c in checkers) for k in checkers[0].counts}
-    return {"counts": counts, "mismatches": [m for c in checkers for m in c.mismatches] + errors, "hung": hung}
+    return {"counts": counts, "mismatches": [m for c in checkers for m in c.mismatches] + errors}
 
 
 def run_part(part: str, pair, seed: int) -> dict:
@@ -236,7 +235,6 @@ def test_stress_single_thread(tmp_path_factory):
 
 def test_stress_threads(tmp_path_factory):
     out = run_part("threaded", _pair(tmp_path_factory), seed=2)
-    assert out["hung"] == []
     assert out["mismatches"] == []
     assert out["counts"]["stream_abandoned"] >= 20 and out["counts"]["eval"] >= 10, out["counts"]
 

@@ -10,7 +10,7 @@ import pytest
 
 import dflash_native as dn
 from dflash_native import _core
-from fixtures import SPEC_PAIRS, make_spec_pair
+from fixtures import SPEC_PAIRS, cycling_drafts, make_spec_pair
 
 PAIRS = SPEC_PAIRS
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -36,10 +36,11 @@ def ar_tokens(t, n):
     return out
 
 
-def random_tree_with_path(rng, last, path_tokens, n_other, vocab=500):
+def random_tree_with_path(rng, last, path_tokens, n_other, vocab=500, avoid=()):
     """A tree rooted at `last` whose nodes, in a random topological order, include the chain
     path_tokens below the root (the AR continuation) among n_other random nodes, some of them
-    children of path nodes (siblings of the true continuation)."""
+    children of path nodes (siblings of the true continuation); no random node is a token of
+    path_tokens or `avoid` (AR's token after the path: the accepted path is the chain, exactly)."""
     parents, tokens, on_path = [-1], [last], [0]
     todo_path = list(path_tokens)
     while todo_path or n_other > 0:
@@ -51,7 +52,7 @@ def random_tree_with_path(rng, last, path_tokens, n_other, vocab=500):
             p = int(rng.integers(0, len(tokens)))
             bad = {tokens[i] for i in range(len(tokens)) if parents[i] == p}  # no twins
             tok = int(rng.integers(3, vocab))
-            if tok in bad or tok in path_tokens:  # the AR path stays the only accepted one
+            if tok in bad or tok in path_tokens or tok in avoid:  # the AR path stays the only accepted one
                 continue
             parents.append(p)
             tokens.append(tok)
@@ -66,25 +67,27 @@ def caches(t):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_commit_equals_fresh_ar(pair, seed):
-    """verify_tree over random trees holding the AR continuation to a random depth: the committed
-    tokens are AR's, and every cache and the ring equal AR steps over the same tokens, bitwise."""
+    """verify_tree over random trees holding the AR continuation to a chosen depth (every depth 0..15
+    of the block once, in a random order, among random siblings): the committed tokens are AR's, and
+    every cache and the ring equal AR steps over the same tokens, bitwise."""
     rng = np.random.default_rng(seed)
     t, s = make(pair, capacity=17)  # a ring smaller than the output: it wraps
-    ref = ar_tokens(t, 60)
+    ref = ar_tokens(t, 160)
     got = [s.prefill(PROMPT)]
-    depths = set()
-    while len(got) < 30:
-        depth = int(rng.integers(0, 9))
+    lengths = []
+    for depth in rng.permutation(16):
+        depth = int(depth)
         n_other = int(rng.integers(0, 64 - 1 - depth))
-        parents, tokens, on_path = random_tree_with_path(rng, got[-1], ref[len(got): len(got) + depth], n_other)
+        parents, tokens, on_path = random_tree_with_path(rng, got[-1], ref[len(got): len(got) + depth], n_other,
+                                                         avoid=(ref[len(got) + depth],))
         r = s.verify_tree(parents, tokens)
-        assert r.n_verified == len(tokens) and r.path[0] == 0
-        assert len(r.committed) >= depth + 1  # the bonus may match a random child too
-        assert r.path[: depth + 1] == on_path
-        depths.add(len(r.committed) - 1)
+        assert r.n_verified == len(tokens)
+        assert r.path == on_path and len(r.committed) == depth + 1  # the chain, then AR's token after it
+        lengths.append(len(r.committed))
         got += r.committed
-    assert got[:30] == ref[:30]
-    assert len(depths) > 2
+    assert got == ref[: len(got)]
+    # rounds committed more than one token: every length 1..16 of the block once (mean 8.5)
+    assert set(range(1, 17)) <= set(lengths) and np.mean(lengths) > 1.5, lengths
 
     # fresh AR steps over exactly the committed tokens
     t2, s2 = make(pair, capacity=17)
@@ -120,6 +123,60 @@ def test_tree_engine_is_ar(pair, budget):
             assert (st.rounds <= st.verified_tokens if gate else st.rounds < st.verified_tokens)
             assert st.verified_tokens <= st.rounds * (budget + 1)
             assert 1.0 <= st.mean_acceptance_length <= 16
+
+
+# the random pairs' AR output from this prompt runs 150 tokens without an end-of-generation token
+FORCED_PROMPT = [int(x) for x in np.random.default_rng(1).integers(3, 500, 11)]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 15, 63])
+def test_tree_engine_is_ar_on_accepted_drafts(pair, budget):
+    """Tree rounds that accept drafts: drafts from the AR output put first in the drafter's top-K (the
+    tree holds them as its best path to depth min(budget, 15), the drafter's tokens as siblings), round
+    r's first wrong one at depth 1 + k, k = (every r) mod (D + 1), D = min(budget, 15) + 1 (k >= D - 1:
+    none in the tree). Under fixed settings round r commits min(k, D - 1) + 1 tokens or, where one of
+    the drafter's siblings is AR's token, more: every length 1..D in D + 1 rounds (D twice), 16 at the
+    larger budgets; the output is AR's, bit for bit. With budget 63 the controller (fixed
+    costs, a verified node cheap) runs the same drafts: AR's output, rounds of more than one token."""
+    B = 16
+    D = min(budget, B - 1) + 1  # the longest round: the tree's deepest path and its bonus token
+    every = 3 if (D + 1) % 3 else 2  # coprime to D + 1
+    n = 1 + D * (D + 1) // 2 + D  # the prefill's token and one cycle of D + 1 rounds
+    eng = dn.Engine(pair["target"], drafter=pair["drafter"], block_size=B, feature_ring_capacity=16, n_ctx=256,
+                    kv_type="f32", n_threads=2, verify="tree", tree_budget=budget, gate=False)
+    ar = eng.generate(FORCED_PROMPT, max_tokens=n, speculative=False)
+    assert len(ar.tokens) == n
+    full = ar.tokens + [0] * B
+    rounds = [0]
+
+    def override(prompt, out, Bc):  # cycling_drafts with the miss cycling over the tree's depths
+        k = (rounds[0] * every) % (D + 1)
+        rounds[0] += 1
+        d = full[len(out): len(out) + Bc - 1]
+        if k < D - 1:
+            d[k] = (d[k] + 1) % 500
+        return d
+
+    for gate in (False, True) if budget == 63 else (False,):
+        eng.gate = gate
+        if gate:
+            _core.testing.controller_fixed_costs(eng._spec, 1.0, 0.2, 1.0, 0.01)
+        rounds[0] = 0
+        eng._draft_override = override
+        forced = eng.generate(FORCED_PROMPT, max_tokens=n)
+        eng._draft_override = None
+        assert forced.tokens == ar.tokens
+        st, hist = forced.stats, forced.stats.acceptance_histogram
+        assert st.mean_acceptance_length > 1.5, hist
+        if gate:  # its first step is an AR step (it measures AR), which took round 0's drafts (k = 0)
+            assert st.ar_steps == 1 and hist[1] == 0 and all(hist[2: D + 1]), hist
+            continue
+        want = [0] * (B + 1)
+        for r in range(D + 1):
+            want[min((r * every) % (D + 1), D - 1) + 1] += 1
+        # exactly the schedule: none of the drafter's siblings was AR's token on these pairs (one would
+        # lengthen its round, and this would fail)
+        assert st.rounds == D + 1 and hist == want, (hist, want)
 
 
 def test_tree_rounds_build_the_drafters_tree(pair):

@@ -726,21 +726,25 @@ void bind_spec(py::module_ & m) {
                       "Most nodes below the root a tree round verifies (round_tree, step_tree)")
         .def(
             "round_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                std::vector<int32_t> f;
+                if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
-                return s.round_tree(last, B, sampling);
+                return s.round_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
             "One tree round (fixed settings); with a Sampling, its sampled form")
         .def(
             "step_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
+                std::vector<int32_t> f;
+                if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
-                return s.step_tree(last, B, sampling);
+                return s.step_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
             "The next step in tree mode: the controller's AR step or a tree round; with a Sampling, their sampled forms")
         .def(
             "verify_tree",

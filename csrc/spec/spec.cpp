@@ -645,10 +645,28 @@ round_result spec_session::verify_tree(const std::vector<int32_t> & parents, con
     return r;
 }
 
-draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling) {
+// A forced tree draft (spec.h: round_tree): forced[i] at rank 0 of position i with probability 1,
+// the candidates ranked before it moved one rank down (the last one dropped when forced[i] is not
+// among the K): ranks stay by probability, as build_tree needs.
+static void force_tree_draft(const std::vector<int32_t> & forced, int64_t B, int64_t K, std::vector<int32_t> & tok,
+                             std::vector<float> & p) {
+    DFN_REQUIRE((int64_t) forced.size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+    for (int64_t i = 0; i + 1 < B; ++i) {
+        int32_t * t = tok.data() + i * K;  // [K] position i's candidates
+        float * q = p.data() + i * K;
+        int64_t m = 0;
+        while (m + 1 < K && t[m] != forced[(size_t) i]) ++m;
+        std::move_backward(t, t + m, t + m + 1);
+        std::move_backward(q, q + m, q + m + 1);
+        t[0] = forced[(size_t) i], q[0] = 1.0f;
+    }
+}
+
+draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
+                                        const std::vector<int32_t> * forced_draft) {
     std::vector<int32_t> tok;
     std::vector<float> p;
-    if (has_selector() && !(sampling && !sampling->greedy())) {
+    if (has_selector() && !(sampling && !sampling->greedy()) && !forced_draft) {
         // DFlash 2: each node's children are its row's selector candidates ranked by their
         // transition probability from that node
         DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
@@ -663,17 +681,19 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
     // both check last, B and the room for the block
     const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
                                                       : draft_topk(last, B, tok, p);
+    if (forced_draft) force_tree_draft(*forced_draft, B, K, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
     return build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
 }
 
-round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling,
+                                      const std::vector<int32_t> * forced_draft) {
     if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
     draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling); })) return ar_round(last, t0, sampling);
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced_draft); })) return ar_round(last, t0, sampling);
     verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
     return r;
 }
@@ -695,8 +715,9 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
     return r;
 }
 
-round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
-    if (!params_.use_controller) return round_tree(last, B, sampling);
+round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling,
+                                     const std::vector<int32_t> * forced_draft) {
+    if (!params_.use_controller) return round_tree(last, B, sampling, forced_draft);
     const double t0 = profile_now();
     if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
@@ -705,7 +726,7 @@ round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_par
     // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
     // weights (perturbed_topk's) stand in for the probabilities.
     draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling); })) return ar_round(last, t0, sampling);
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced_draft); })) return ar_round(last, t0, sampling);
     const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
     tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
     round_result r;

@@ -94,8 +94,14 @@ public:
     // tokens by perturbed score (draft_topk_sampled) and the path kept is the target's draws
     // (choose_token at each node's position): sampled AR's tokens. At temperature 0 with
     // logprobs: the greedy tree, its argmaxes from the logits.
-    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
-    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    // `forced_draft` (tests, benchmarks: acceptance-controlled tree rounds): B-1 tokens put at rank 0
+    // of their positions with probability 1 after the drafter has run (the drafter's candidates
+    // behind them, the last dropped), so the tree holds the forced chain first and the drafter's
+    // tokens as its siblings.
+    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
+                            const std::vector<int32_t> * forced_draft = nullptr);
+    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
+                           const std::vector<int32_t> * forced_draft = nullptr);
     // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
     // (tests: trees the drafter would not build). The drafter does not run. With `sampling`: the
     // target's choices by choose_token, as a sampled tree round takes them.
@@ -247,7 +253,8 @@ private:
                                std::vector<float> & w);
     // A round's tree: draft_topk (or its sampled form), then build_tree with the room left
     // (tree_budget at most).
-    draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling);
+    draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
+                              const std::vector<int32_t> * forced_draft);
     // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
     // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,

@@ -793,10 +793,11 @@ class _Run:
         """A round, or under the controller whatever step it chose (Spec.step): the committed
         tokens and their core TokenLogprobs (empty unless the request wants them)."""
         eng, stats = self.eng, self.stats
+        # _draft_override (tests, benchmarks): the B-1 drafts; a tree round puts them first in the drafter's top-K
+        forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
         if eng.verify == "tree":
-            r = eng._spec.step_tree(self.last, Bc, self.sampling)  # the benchmarks' _draft_override is for chains
+            r = eng._spec.step_tree(self.last, Bc, self.sampling, forced)
         else:
-            forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override else None
             r = eng._spec.step(self.last, Bc, forced, self.sampling)  # _core.RoundResult
         committed, lps = r.committed, r.logprobs
         stats.controller_switches = eng._spec.controller_switches

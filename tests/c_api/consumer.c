@@ -11,6 +11,13 @@
  *       dfn_generate in a fork() of the process whose engine ran, and a new 2-thread engine there:
  *       the child's status lines, then "child_exit: N" (a hang ends the child by SIGALRM) and the
  *       parent's own generate after it.
+ *   dfn_consumer ids TARGET DRAFTER|- N_CTX MAX_TOKENS ID...
+ *       greedy dfn_generate from token ids: "tokens: ..." and "stats: STOP_REASON N_GENERATED EOS_TOKEN".
+ *   dfn_consumer novocab TARGET
+ *       a target whose GGUF has no vocabulary: the text calls' statuses, then a generate from ids.
+ *   dfn_consumer oom TARGET
+ *       under an address-space limit of 1 TiB (RLIMIT_AS): an engine whose KV cache needs 4 TiB,
+ *       then a small one that generates.
  *   dfn_consumer overlap TARGET DRAFTER
  *       a dfn_generate on an engine while it runs one: from its token callback and from a second
  *       thread; prints their statuses and whether the running call's tokens are the undisturbed ones.
@@ -23,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -198,6 +206,82 @@ static int cmd_create(char ** argv) {
     return 0;
 }
 
+static int cmd_ids(int argc, char ** argv) {
+    dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = atoll(argv[4]);
+    o.n_threads = 2;
+    o.kv_type = DFN_KV_F32;
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], strcmp(argv[3], "-") == 0 ? NULL : argv[3], &o, &e);
+    if (s != DFN_OK) return die("create", s);
+    size_t max_tokens = (size_t) atoi(argv[5]), n_prompt = (size_t) (argc - 6), n_out = 0;
+    int32_t * prompt = malloc((n_prompt + 1) * sizeof(int32_t));
+    int32_t * out = malloc((max_tokens + 1) * sizeof(int32_t));
+    for (size_t i = 0; i < n_prompt; ++i) prompt[i] = atoi(argv[6 + i]);
+    s = dfn_generate(e, prompt, n_prompt, NULL, out, max_tokens, NULL, NULL, &n_out);
+    if (s != DFN_OK) return die("generate", s);
+    print_ids("tokens", out, n_out);
+    dfn_stats st;
+    st.struct_size = sizeof st;
+    s = dfn_engine_last_stats(e, &st);
+    if (s != DFN_OK) return die("stats", s);
+    printf("stats: %d %lld %d\n", st.stop_reason, (long long) st.n_generated, (int) dfn_engine_eos_token(e));
+    free(prompt);
+    free(out);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
+static int cmd_novocab(char ** argv) {
+    dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = 64;
+    o.n_threads = 1;
+    dfn_engine * e = NULL;
+    dfn_status s = dfn_engine_create(argv[2], NULL, &o, &e);
+    report("create", s);
+    if (s != DFN_OK) return 1;
+    int32_t ids[16] = {1, 2, 3};
+    size_t n = 7;
+    report("tokenize", dfn_tokenize(e, "hi", 2, ids, 16, &n));
+    printf("tokenize_n: %zu\n", n);
+    char text[64];
+    size_t nb = 7;
+    report("detokenize", dfn_detokenize(e, ids, 3, text, sizeof text, &nb));
+    printf("detokenize_n: %zu\n", nb);
+    printf("eos_token: %d\n", (int) dfn_engine_eos_token(e));
+    int32_t out[8];
+    size_t n_out = 0;
+    report("generate_ids", dfn_generate(e, ids, 3, NULL, out, 3, NULL, NULL, &n_out));
+    print_ids("tokens", out, n_out);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
+static int cmd_oom(char ** argv) {
+    struct rlimit lim = {(rlim_t) 1 << 40, (rlim_t) 1 << 40};  /* 1 TiB: far above what the tiny engines use */
+    if (setrlimit(RLIMIT_AS, &lim) != 0) {
+        perror("setrlimit");
+        return 1;
+    }
+    dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = 2147483647; /* the largest n_ctx accepted: an F32 KV cache of ~4 TiB here */
+    o.kv_type = DFN_KV_F32;
+    o.n_threads = 1;
+    dfn_engine * e = NULL;
+    report("huge_cache", dfn_engine_create(argv[2], NULL, &o, &e));
+    printf("huge_cache_handle: %s\n", e == NULL ? "null" : "set");
+    o.n_ctx = 64;
+    dfn_status s = dfn_engine_create(argv[2], NULL, &o, &e);
+    report("small_after", s);
+    if (s != DFN_OK) return 1;
+    int32_t prompt[3] = {1, 2, 3}, out[4];
+    size_t n_out = 0;
+    report("generate_after", dfn_generate(e, prompt, 3, NULL, out, 4, NULL, NULL, &n_out));
+    printf("generated_after: %zu\n", n_out);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
 /* ---- overlap: one engine, a second dfn_generate while one runs ---- */
 
 struct overlap {
@@ -318,11 +402,17 @@ int main(int argc, char ** argv) {
     if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
     if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
     if (argc == 4 && strcmp(argv[1], "create") == 0) return cmd_create(argv);
+    if (argc >= 7 && strcmp(argv[1], "ids") == 0) return cmd_ids(argc, argv);
+    if (argc == 3 && strcmp(argv[1], "novocab") == 0) return cmd_novocab(argv);
+    if (argc == 3 && strcmp(argv[1], "oom") == 0) return cmd_oom(argv);
     if (argc == 4 && strcmp(argv[1], "overlap") == 0) return cmd_overlap(argv);
     if (argc == 4 && strcmp(argv[1], "fork") == 0) return cmd_fork(argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
                     "       dfn_consumer errors TARGET\n"
                     "       dfn_consumer create TARGET DRAFTER|-\n"
+                    "       dfn_consumer ids TARGET DRAFTER|- N_CTX MAX_TOKENS ID...\n"
+                    "       dfn_consumer novocab TARGET\n"
+                    "       dfn_consumer oom TARGET\n"
                     "       dfn_consumer overlap TARGET DRAFTER\n"
                     "       dfn_consumer fork TARGET DRAFTER\n");
     return 2;
