@@ -25,7 +25,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from ..convert import _neg_exp
+from ..convert.archs.gdn import neg_exp as _neg_exp
 from ..convert_dflash import DFLASH_ARCH, target_layer_ids_from_gguf
 from ..hf_formats import TRAINED_CONTEXT_KEY, drafter_config
 
