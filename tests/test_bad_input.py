@@ -817,27 +817,26 @@ def test_harmless_keys_load(good, tmp_path):
     assert load_in_subprocess(p) == "LOADED"
 
 
-# Drafters llama.cpp knows and this engine does not implement: refused by kind and name.
+# Drafter files that are not what they claim, or that llama.cpp runs and this engine does not:
+# refused by name. (DFlash 2's selector and convs, DSpark's Markov head, partial RoPE and the
+# attention scales are implemented: tests/test_dflash2.py, test_dspark.py, test_drafter_options.py.)
 STRICT_DRAFTER_CASES = [
-    (dict(kv={"dflash.conv_kernel_size": 4, "dflash.conv_group_size": 8}), "DFlash 2 (per-layer dynamic convolution)",
+    (dict(kv={"dflash.conv_kernel_size": 4, "dflash.conv_group_size": 8}), "without the selector tensors",
      "dflash.conv_kernel_size"),
-    (dict(add_tensors={"blk.0.attn_conv_base": np.zeros((2, 4, 64))}), "DFlash 2 (per-layer dynamic convolution)",
+    (dict(add_tensors={"blk.0.attn_conv_base": np.zeros((2, 4, 64))}), "not part of a 'dflash'",
      "blk.0.attn_conv_base"),
-    (dict(add_tensors={"selector_hidden.weight": np.zeros((8, 64))}), "DFlash 2 (candidate selector)",
+    (dict(add_tensors={"selector_hidden.weight": np.zeros((8, 64))}), "needs dflash.conv_kernel_size",
      "selector_hidden.weight"),
-    (dict(kv={"dflash.selector_rank": 8}), "DFlash 2 (candidate selector)", "dflash.selector_rank"),
-    (dict(add_tensors={"markov_w1.weight": np.zeros((640, 8)), "markov_w2.weight": np.zeros((640, 8))}),
-     "DSpark (Markov head)", "markov_w1.weight"),
-    (dict(kv={"dflash.sample_from_anchor": (True, GGUFValueType.BOOL)}), "DSpark (Markov head)",
+    (dict(kv={"dflash.selector_rank": 8}), "without the selector tensors", "dflash.selector_rank"),
+    (dict(add_tensors={"markov_w2.weight": np.zeros((640, 8))}), "without markov_w1.weight", "markov_w2"),
+    (dict(kv={"dflash.sample_from_anchor": (True, GGUFValueType.BOOL)}), "without markov_w1.weight",
      "dflash.sample_from_anchor"),
+    (dict(kv={"dflash.hyper_connection.count": 4}), "DeepSeek-V4", "dflash.hyper_connection.count"),
     (dict(add_tensors={"d2t": np.zeros(10)}), "d2t", "d2t"),
     (dict(add_tensors={"blk.0.attn_post_norm.weight": np.zeros(64)}), "not part of a 'dflash'",
      "blk.0.attn_post_norm.weight"),
     (dict(rename={"enc.output_norm.weight": "enc.output_norm.weight."}), "missing tensor", "enc.output_norm.weight"),
-    (dict(kv={"dflash.attention.value_scale": (0.5, _F32)}), "not supported for a 'dflash'",
-     "dflash.attention.value_scale"),
-    (dict(kv={"dflash.attention.scale": (0.5, _F32)}), "not supported for a 'dflash'", "dflash.attention.scale"),
-    (dict(kv={"dflash.rope.dimension_count": 8}), "rope.dimension_count 8", "partial RoPE"),
+    (dict(kv={"dflash.rope.dimension_count": 7}), "must be even", "rope.dimension_count"),
     (dict(kv={"dflash.hidden_activation": ("gelu", GGUFValueType.STRING)}), "hidden_activation 'gelu'", "silu"),
 ]
 

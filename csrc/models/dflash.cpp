@@ -184,11 +184,17 @@ void drafter_model::load_dspark(gguf_file & F, const std::string & path, const t
                 "': a DSpark drafter with a DeepSeek-V4 backbone (dflash.hyper_connection.count) is not supported");
     DFN_REQUIRE(!F.has_tensor("d2t"), W, "'", path,
                 "': tensor 'd2t' (llama.cpp's reduced draft vocabulary) is not supported");
+    // llama.cpp's converter writes both keys for a DSpark drafter (conversion/qwen.py)
+    const bool anchor_key = F.has_key("dflash.sample_from_anchor"), conf_key = F.has_key("dflash.has_confidence_head");
     hp_.sample_from_anchor = F.get_bool("dflash.sample_from_anchor", true);
+    const bool says_conf = F.get_bool("dflash.has_confidence_head", false);
     markov_w1 = F.tensor("markov_w1.weight", {}, TENSOR_ROLE_EMBEDDING, false);  // [rank, n_vocab]
     if (!markov_w1) {
         DFN_REQUIRE(!F.has_tensor("markov_w2.weight") && !F.has_tensor("conf_proj.weight"), W, "'", path,
                     "': markov_w2 / conf_proj without markov_w1.weight");
+        DFN_REQUIRE(!anchor_key && !conf_key, W, "'", path, "': ",
+                    anchor_key ? "dflash.sample_from_anchor" : "dflash.has_confidence_head",
+                    " (a DSpark key) without markov_w1.weight");
         return;
     }
     DFN_REQUIRE(!hp_.has_selector(), W, "'", path, "': a DSpark Markov head with a DFlash 2 selector is not supported");
@@ -202,6 +208,8 @@ void drafter_model::load_dspark(gguf_file & F, const std::string & path, const t
     conf_proj = F.tensor("conf_proj.weight", {E + R, 1}, TENSOR_ROLE_MATMUL, false);
     conf_proj_b = F.tensor("conf_proj.bias", {1}, TENSOR_ROLE_F32, false);
     hp_.has_confidence = conf_proj != nullptr;
+    DFN_REQUIRE(!conf_key || says_conf == hp_.has_confidence, W, "'", path, "': dflash.has_confidence_head is ",
+                says_conf ? "true" : "false", " but conf_proj.weight is ", hp_.has_confidence ? "there" : "absent");
     DFN_REQUIRE(conf_proj || !conf_proj_b, W, "'", path, "': conf_proj.bias without conf_proj.weight");
     // B - 1 drafts from block_size rows at most (llama.cpp leaves the Markov head out past them)
     DFN_REQUIRE(!hp_.sample_from_anchor || hp_.block_size >= 2, W, "'", path, "': block_size too small");
@@ -223,7 +231,7 @@ void drafter_model::load_dflash2(gguf_file & F, const std::string & path, const 
     hp_.selector_top_k = F.get_u32(key("selector_top_k"), 0);
     const int64_t E = hp_.n_embd, K = hp_.conv_kernel, k = hp_.selector_top_k, R = hp_.selector_rank;
     DFN_REQUIRE(K > 0 && hp_.conv_group > 0 && R > 0 && k > 0, W, "'", path,
-                "': a DFlash 2 drafter needs dflash.conv_kernel_size, conv_group_size, selector_rank and "
+                "': a DFlash 2 drafter (selector_hidden.weight) needs dflash.conv_kernel_size, conv_group_size, selector_rank and "
                 "selector_top_k > 0");
     DFN_REQUIRE(E % hp_.conv_group == 0, W, "'", path, "': hidden size ", E, " is not a multiple of dflash.conv_group_size ",
                 hp_.conv_group);

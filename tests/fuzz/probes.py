@@ -358,9 +358,9 @@ _EXTRA_KEYS = [("{a}.attention.sliding_window", 4, 128), ("{a}.attn_logit_softca
 
 
 # What the drafter implements of them (drafter.h: sliding window layers, the draft head's scale and
-# soft cap, the embedding scale): a file with them loads.
+# soft cap, the embedding scale, the attention scale and value scale): a file with them loads.
 _IMPLEMENTED = {"dflash": {"dflash.attention.sliding_window", "dflash.final_logit_softcapping", "dflash.logit_scale",
-                           "dflash.embedding_scale"}}
+                           "dflash.embedding_scale", "dflash.attention.scale", "dflash.attention.value_scale"}}
 
 
 def kv_extra(lay: G.Layout, base: bytes):
