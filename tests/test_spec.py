@@ -124,6 +124,16 @@ def test_lossless_with_forced_acceptance(pair_qwen35, B, seed):
     assert B == 2 or len(lengths) > 1
 
 
+def test_forced_draft_of_the_wrong_length_is_refused(pair_qwen35):
+    """A forced draft must hold B - 1 tokens (spec.cpp: check_forced_draft, which every round kind
+    calls)."""
+    t, s = pair_qwen35
+    last = s.prefill(PROMPT)
+    with pytest.raises(ValueError, match="forced draft must have B-1 = 3 tokens"):
+        s.round(last, 4, [1, 2])
+    s.reset()
+
+
 AR_CACHE: dict = {}
 
 

@@ -496,12 +496,15 @@ bool spec_session::drafted(const std::function<void()> & draft) {
     }
 }
 
+void spec_session::check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) {
+    DFN_REQUIRE(!forced_draft || (int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1,
+                " tokens");
+}
+
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
     round_result r;
     const double t0 = profile_now();
-    if (forced_draft) {
-        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
-    }
+    check_forced_draft(forced_draft, B);
     const bool ok = drafted([&] {
         if (forced_draft) {
             draft(last, B);  // the drafter runs as in a real round
@@ -531,7 +534,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     if (!drafted([&] { r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p); }))
         return ar_round(last, t0, sampling);
     if (forced_draft) {
-        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        check_forced_draft(forced_draft, B);
         r.draft = *forced_draft;
     }
     const int64_t k = std::min(ctl_.choose(p.data(), B - 1), cutoff_keep(p));
@@ -647,10 +650,10 @@ round_result spec_session::verify_tree(const std::vector<int32_t> & parents, con
 
 // A forced tree draft (spec.h: round_tree): forced[i] at rank 0 of position i with probability 1,
 // the candidates ranked before it moved one rank down (the last one dropped when forced[i] is not
-// among the K): ranks stay by probability, as build_tree needs.
+// among the K): ranks stay by probability, as build_tree needs. forced holds B - 1 tokens
+// (check_forced_draft).
 static void force_tree_draft(const std::vector<int32_t> & forced, int64_t B, int64_t K, std::vector<int32_t> & tok,
                              std::vector<float> & p) {
-    DFN_REQUIRE((int64_t) forced.size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
     for (int64_t i = 0; i + 1 < B; ++i) {
         int32_t * t = tok.data() + i * K;  // [K] position i's candidates
         float * q = p.data() + i * K;
@@ -681,6 +684,7 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
     // both check last, B and the room for the block
     const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
                                                       : draft_topk(last, B, tok, p);
+    check_forced_draft(forced_draft, B);
     if (forced_draft) force_tree_draft(*forced_draft, B, K, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);

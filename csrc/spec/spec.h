@@ -235,6 +235,8 @@ private:
     // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
     // and now (the end of the commit).
     static void set_times(round_result & r, double t0, double t1, double t2);
+    // A forced draft (benchmarks, tests) must hold B - 1 tokens; null: nothing to check.
+    static void check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)

@@ -92,9 +92,7 @@ round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling
     round_result r;
     const double t0 = profile_now();
     // temperature 0 (logprobs): round()'s greedy drafts
-    if (forced_draft) {
-        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
-    }
+    check_forced_draft(forced_draft, B);
     const bool ok = drafted([&] {
         if (forced_draft) {
             if (p.greedy()) {
