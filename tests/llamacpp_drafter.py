@@ -13,8 +13,23 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from test_convert_dflash import _LlamaDrafter, _cpp_fn
+
 # keys where llama.cpp's drafter file and ours differ (test_llamacpp_files.EXPECTED_DRAFTER_KEY_DIFFS)
 KEY_DIFFS = {"general.name", "dflash.attention.causal"}
+
+
+def spec_with_context(target_gguf, drafter_gguf, block, n_ctx, seed):
+    """Our Spec on `drafter_gguf`, with n_ctx random context features in its ring (the target
+    decoded n_ctx prompt tokens so the positions line up): (target, spec, features [n_ctx, width])."""
+    from dflash_native import _core
+
+    t = _core.Target(str(target_gguf), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
+    s = _core.Spec(t, str(drafter_gguf), block_size=block, ring_capacity=64)
+    feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
+    t.decode(list(range(3, 3 + n_ctx)))
+    s.push_features(feats, 0)
+    return t, s, feats.reshape(n_ctx, -1)
 
 
 def read_gguf(path):
@@ -72,19 +87,12 @@ def llama_cpp():
     _logger.logger.setLevel(level)
 
 
-class LlamaDrafter:
+class LlamaDrafter(_LlamaDrafter):
     """llama.cpp running a drafter with the target's context as ctx_other (flash attention off, F32
     KV cache: test_convert_dflash's settings), non-causal as common/speculative.cpp sets it."""
 
     def __init__(self, ll, target_gguf, drafter_gguf):
-        from test_convert_dflash import _cpp_fn, _ctx_params, _load_model
-
-        self.ll = ll
-        self.t_model = _load_model(ll, target_gguf)
-        self.t_ctx = ll.llama_init_from_model(self.t_model, _ctx_params(ll))
-        self.d_model = _load_model(ll, drafter_gguf)
-        self.d_ctx = ll.llama_init_from_model(self.d_model, _ctx_params(ll, self.t_ctx))
-        assert self.t_ctx and self.d_ctx
+        super().__init__(ll, target_gguf, drafter_gguf)  # the target and drafter models and contexts; close()
         top_k = _cpp_fn(ll, "_Z33llama_model_dflash_selector_top_kPK11llama_model", ctypes.c_uint32, [ctypes.c_void_p])
         self.k = int(top_k(self.d_model))
         set_nextn = _cpp_fn(ll, "_Z26llama_set_embeddings_nextnP13llama_contextbb", None,
@@ -95,13 +103,6 @@ class LlamaDrafter:
         ll.llama_set_causal_attn(self.d_ctx, False)  # and non-causal (no dflash.attention.causal: false)
         self.n_embd = ll.llama_model_n_embd(self.d_model)
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.d_model))
-
-    def close(self):
-        ll = self.ll
-        ll.llama_free(self.d_ctx)
-        ll.llama_model_free(self.d_model)
-        ll.llama_free(self.t_ctx)
-        ll.llama_model_free(self.t_model)
 
     def run(self, block, features):
         """Decode `block` after `features` [n, width] (positions 0..n-1; the block after them);

@@ -25,7 +25,7 @@ from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
 from fixtures import make_random_checkpoint
 from llamacpp_drafter import (LlamaDrafter, assert_same_files, both_converters, llama_cpp,  # noqa: F401
-                              read_gguf, walk)
+                              read_gguf, spec_with_context, walk)
 
 BLOCK = 8
 TOP_K = 4
@@ -73,14 +73,8 @@ def test_f16_conversion_keeps_base_kernels_f32(files, tmp_path):
 # ---- llama.cpp's DFlash 2 graph on the same files and context --------------------------------
 
 def _ours(files, which, n_ctx, seed):
-    """Our Spec on the `which` drafter file, with n_ctx random context features in its ring (the
-    target decoded n_ctx prompt tokens so the positions line up), and those features."""
-    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
-    s = _core.Spec(t, str(files[which]), block_size=BLOCK, ring_capacity=64)
-    feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
-    t.decode(list(range(3, 3 + n_ctx)))
-    s.push_features(feats, 0)
-    return t, s, feats.reshape(n_ctx, -1)
+    """Our Spec on the `which` drafter file, with n_ctx random context features in its ring."""
+    return spec_with_context(files["target"], files[which], BLOCK, n_ctx, seed)
 
 
 @pytest.mark.parametrize("which", ["ours", "llama.cpp"])
@@ -106,7 +100,6 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
                 # scores keyed by (predecessor token, successor token)
                 def table(lat):
                     c = lat[r, :k].astype(int)
-                    pred = c if r else [last] * k
                     prev = lat[r - 1, :k].astype(int) if r else None
                     sc = lat[r, k:].reshape(k, k)
                     return {(int(prev[p]) if r else last, int(c[j])): sc[p, j] for p in range(k) for j in range(k)}

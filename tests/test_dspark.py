@@ -25,7 +25,8 @@ from dflash_native import _core
 from dflash_native.convert import convert_hf_to_gguf
 from dflash_native.convert_dflash import convert_dflash_to_gguf
 from fixtures import make_random_checkpoint
-from llamacpp_drafter import LlamaDrafter, assert_same_files, both_converters, llama_cpp  # noqa: F401
+from llamacpp_drafter import (LlamaDrafter, assert_same_files, both_converters, llama_cpp,  # noqa: F401
+                              spec_with_context)
 
 BLOCK = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -53,12 +54,8 @@ def test_converters_write_the_same_file(files, variant):
 
 
 def _ours(files, key, n_ctx, seed):
-    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
-    s = _core.Spec(t, str(files[key]), block_size=BLOCK, ring_capacity=64)
-    feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
-    t.decode(list(range(3, 3 + n_ctx)))
-    s.push_features(feats, 0)
-    return t, s, feats.reshape(n_ctx, -1)
+    """Our Spec on the `key` drafter file, with n_ctx random context features in its ring."""
+    return spec_with_context(files["target"], files[key], BLOCK, n_ctx, seed)
 
 
 @pytest.mark.parametrize("which", ["ours", "llama.cpp"])
