@@ -135,6 +135,14 @@ public:
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);
     void set_controller(bool on) { params_.use_controller = on; }
+    // A structured-output request's grammar (constraint.h), for the calls until it is set back to
+    // nullptr; the caller keeps it alive. Under it every target choice (prefill, AR step, verify
+    // row) is taken from the row masked by the grammar's state there, and every draft is chosen
+    // under its mask; the constraint accepts each committed token. Only the sampling paths take
+    // it (a greedy request passes temperature-0 sampling_params: the argmax from the masked rows):
+    // the in-graph argmax paths (prefill, ar_step, round without sampling) and forced drafts raise.
+    void set_constraint(token_constraint * c) { constraint_ = c; }
+    token_constraint * constraint() const { return constraint_; }
     controller & control() { return ctl_; }
     void reset();
 
@@ -238,6 +246,23 @@ private:
     // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
                                 round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
+    // The drafts under the constraint (spec_sampled.cpp): d_{i+1} chosen from the drafter's row i
+    // masked by the grammar after d_1..d_i (argmax at temperature 0, else the draw), each accepted
+    // by the constraint; ends early where the drafter's row allows nothing, or before a token that
+    // would terminate the grammar (a stop token: nothing is verified after it). Fills masks_ rows
+    // 0..n (row i: the mask after i drafts, the verify's row i). probs, cut: as draft_sampled's.
+    // The constraint is left after all the drafts returned.
+    std::vector<int32_t> draft_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                           std::vector<float> * probs = nullptr);
+    // A tree under the constraint: the nodes whose token the grammar rejects after their parent's
+    // path (and those that would terminate it) are dropped with their subtrees; masks_ row i is the
+    // mask after node i's path. The constraint ends at the root's state.
+    void prune_tree(draft_tree & tree);
+    // The grammar's state back to the round's start plus its committed tokens: rollback of the
+    // n_in drafts it holds, then accept(committed).
+    void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
+    // The sampling paths' refusal of what the constraint cannot take.
+    void require_unconstrained(const char * what) const;
     // The controller's AR step as step() and step_tree() take it.
     round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
 
@@ -248,6 +273,9 @@ private:
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
     controller ctl_;
+    token_constraint * constraint_ = nullptr;
+    // Under a constraint, the round's masks: [n_rows, mask_words(n_vocab)], row i the verify's row i
+    std::vector<uint32_t> masks_;
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
     // On a device the queued rows stay there: the target's verify and AR graphs write their taps

@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import _core
+from .constraint import Grammar, JsonSchema, Regex
 from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
 from ._embed import get_cmake_dir, get_include, get_library_dir
 from .tape import GdnTape
@@ -97,6 +98,9 @@ __all__ = [
     "GdnTape",
     "GenerationResult",
     "GenerationStats",
+    "Grammar",
+    "JsonSchema",
+    "Regex",
     "RoundResult",
     "StreamPiece",
     "TextPiece",
