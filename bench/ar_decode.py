@@ -36,7 +36,7 @@ def bench_ours(path, prompt, n_decode, threads, n_ctx):
     from dflash_native import _core
 
     t = _core.Target(str(path), n_ctx=n_ctx, n_threads=threads, kv_type="f16")
-    # the engine's measured matmul levels (csrc/matmul_dispatch.h), recorded with its rows
+    # the engine's measured matmul levels (csrc/kernels/cpu/matmul/dispatch.h), recorded with its rows
     run_info = {"engine_isa": t.isa, "matmul_dispatch": t.matmul_dispatch()}
 
     def run():

@@ -1,4 +1,4 @@
-"""Kernel-only time of the own matmul (csrc/matmul.h) per weight type: the integer path (Q8
+"""Kernel-only time of the own matmul (csrc/kernels/cpu/matmul/matmul.h) per weight type: the integer path (Q8
 activations, integer block dots) against the dequantize-to-F32 path on the same rows
 (`_core.testing.matmul(..., f32_path=True)`) and against ggml's own one-column CPU path
 (`_core.testing.ggml_vec_dot`: ggml's from_float + vec_dot per output, what llama.cpp's decode

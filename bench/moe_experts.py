@@ -1,4 +1,4 @@
-"""The routed experts through the batch-invariant "moe_experts" op (csrc/moe_experts.h) against
+"""The routed experts through the batch-invariant "moe_experts" op (csrc/kernels/cpu/moe_experts.h) against
 ggml_mul_mat_id (issue 39), side by side in one run on one MoE target.
 
 Two engines on the same file: ours (matmul="own": the experts through moe_experts, every other
@@ -8,7 +8,7 @@ rep: an AR step (one token after a 64-token prompt), a verify pass of 16 tokens 
 of B = 16 runs; committed to 1 token after each) and the prefill of a 256-token prompt (one
 prompt chunk, past the 64 columns up to which both kinds of matmul take our kernels regardless of
 type). Then the same passes under the op profiler at
-level 2 (csrc/profile.h: every node computed alone, so its totals run high: compare the two
+level 2 (csrc/base/profile.h: every node computed alone, so its totals run high: compare the two
 engines, not absolute times): the time per AR step and per verify in the expert matmuls alone
 ("moe_experts" against "MUL_MAT_ID"). The table holds each figure's fastest rep (the least
 disturbed by other work on the machine), the JSON lines also the medians. The "expert ms" columns

@@ -1,7 +1,7 @@
 """Where a speculative round's time goes: op-level totals of the trained pair on held-out prompts.
 
 Runs AR and DFlash over the same held-out prompts with the engine's op profiler on
-(dflash_native._core.profile, csrc/profile.h) and prints, per graph ("target": AR steps and
+(dflash_native._core.profile, csrc/base/profile.h) and prints, per graph ("target": AR steps and
 verify passes, "draft", "encode": the feature-ring push), the time of each op and of the phases
 around the compute, per round and per AR token.
 

@@ -1,6 +1,6 @@
 """How often the drafter's coupled draw is the target's draw, per block position (issue 15).
 
-Sampled speculative decoding (csrc/spec_sampled.cpp) accepts a draft when it equals the target's
+Sampled speculative decoding (csrc/spec/spec_sampled.cpp) accepts a draft when it equals the target's
 draw at that position; both draw with the same Gumbel noise G(seed, position, token) over their own
 filtered logits. So acceptance is bounded by how close the drafter's distribution is to the
 target's, whatever the engine does. This measures it on the pair directly, with no timing.

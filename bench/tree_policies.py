@@ -8,7 +8,7 @@ drafted in one parallel pass), so a node at depth d with rank r among that posit
 tokens stands for the same token whatever its parent: the tree is a set of rank paths. Best-first
 trees of N nodes (N + 1 verified with the root) under three scores, summed along the path:
 
-- raw: the drafter's log-probability of each node (the engine's tree, csrc/tree.h);
+- raw: the drafter's log-probability of each node (the engine's tree, csrc/spec/tree.h);
 - depth-rank: log q[d][r], q the measured rate at which the rank-r token at depth d is the
   target's, given the path to depth d was (fitted on half the rounds, evaluated on the other half);
 - p-bin: log of the measured acceptance rate of drafts in the node's probability bin (20 bins), the

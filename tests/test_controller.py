@@ -1,4 +1,4 @@
-"""The speculation controller (csrc/controller.h, Engine(gate=True), the default).
+"""The speculation controller (csrc/spec/controller.h, Engine(gate=True), the default).
 
 What it decides never changes the output: every test compares with AR. Its decisions are tested
 under fixed costs (_core.testing.controller_fixed_costs), so that they depend on acceptance only

@@ -182,7 +182,7 @@ def test_greedy_matches_hf_64_steps(model):
         assert len(set(r.tokens)) >= 8
 
 
-# (logits atol, cache atol) per (matmul, weight type). matmul="own" (csrc/matmul.h) is
+# (logits atol, cache atol) per (matmul, weight type). matmul="own" (csrc/kernels/cpu/matmul/matmul.h) is
 # batch-invariant and attention, norms and the GDN kernel are per token already: bit for bit.
 # With ggml's matmul, F32: only summation order differs. F16: ggml's CPU matmul takes a batched
 # (sgemm) path for N > 1 and a dot-product path for N = 1, which round the F16 activations

@@ -1,4 +1,4 @@
-"""The instruction-set cap (csrc/cpu_isa.h): DFLASH_NATIVE_ISA=avx512|avx2|portable, or
+"""The instruction-set cap (csrc/base/cpu_isa.h): DFLASH_NATIVE_ISA=avx512|avx2|portable, or
 dflash_native.set_isa, holds every runtime-dispatched kernel of ours (matmul, attention, conv, GDN,
 top-1, sampler) at that level, so one machine runs what an AVX2-only or a baseline x86-64 CPU runs.
 

@@ -1,4 +1,4 @@
-"""The engine's own CPU matmul (csrc/matmul.h) and top-1 op (csrc/top1.h).
+"""The engine's own CPU matmul (csrc/kernels/cpu/matmul/matmul.h) and top-1 op (csrc/kernels/cpu/top1.h).
 
 The matmul's contract is batch invariance: every output's bits are the same whatever the number
 of columns, the tile, the thread split and the instruction set. The engine-level consequence is
@@ -141,7 +141,7 @@ def test_q8_path_matches_float64(qtype, M, K):
 
 
 def _wide_isas() -> list[str]:
-    """The levels the GEMM of matmul_wide.h runs at on this CPU: "avx512f" (VNNI), "avx2"."""
+    """The levels the GEMM of wide_gemm.h runs at on this CPU: "avx512f" (VNNI), "avx2"."""
     raw, _, x = _qcase("Q4_0", 1, 32, 1)
     out = []
     for isa in ("avx512f", "avx2"):
@@ -157,7 +157,7 @@ def _wide_isas() -> list[str]:
 def test_q8_path_is_the_contract(qtype):
     """Every output of the integer path, on every ISA (AVX-512 with and without VNNI), at 1, 3, 19
     and 24 columns (from 12 / 14 / 16 / 22 columns on AVX-512 VNNI and 6 / 24 on AVX2 the op runs the GEMM of
-    matmul_wide.h, also called directly here), with 1 and 2 threads, has the bits of an exact
+    wide_gemm.h, also called directly here), with 1 and 2 threads, has the bits of an exact
     emulation of matmul.h's operations (tests/reference/q8_matmul_ref.py: integer block sums, each
     F32 product, conversion and fmaf rounded exactly, in the contract's order): the contract itself,
     not only agreement between paths. 21 rows: partial tiles of 16 rows; an all-zero block and
@@ -215,7 +215,7 @@ def test_quantized_batch_invariant_bitwise(qtype):
 def test_q8_0_block_counts_bitwise(qtype, K):
     """Q8_0-kind rows of any block count and every tile (AVX-512 and AVX2: 16 rows in the lanes, up
     to 16 columns per pass over their blocks; 21 rows: a partial tile; from 16 (Q8_0 22) columns on
-    AVX-512 VNNI, 6 (Q8_0 24) on AVX2: the GEMM of matmul_wide.h): every ISA (AVX-512 with and without VNNI), thread split and batch size
+    AVX-512 VNNI, 6 (Q8_0 24) on AVX2: the GEMM of wide_gemm.h): every ISA (AVX-512 with and without VNNI), thread split and batch size
     gives the portable path's single-column bits."""
     raw, _, x = _qcase(qtype, 21, K, 24, seed=K)
     cols = np.stack([_core.testing.matmul(raw, x[i:i + 1], ISAS[-1], 1, qtype)[0] for i in range(24)])
@@ -230,7 +230,7 @@ def test_q8_0_block_counts_bitwise(qtype, K):
 def test_k_quant_tiles_bitwise(qtype, M, K):
     """The K-quant tiles (AVX-512BW, with and without VNNI: 2 rows x 1 column for one column, else
     16 rows in the lanes x 2-13 columns in one pass, 8 and 4 at a time past that; AVX2: 2 x 1 and 1 x 4 in blocks of 16 rows; 64 codes per
-    vector on AVX-512BW, 32 on AVX2; 12 (Q6_K 14) / 6 columns and more: the GEMM of matmul_wide.h): row counts
+    vector on AVX-512BW, 32 on AVX2; 12 (Q6_K 14) / 6 columns and more: the GEMM of wide_gemm.h): row counts
     that are not a multiple of a tile, column counts with every remainder, 1 and 2 threads, every
     ISA -- each output has the bits of the portable path's single-column result, which is within
     the float64 bound of test_q8_path_matches_float64 (here over 1..10 superblocks)."""
@@ -351,7 +351,7 @@ def test_decode_greedy_is_argmax_of_decode(gguf_model):
 
 @pytest.mark.parametrize("threads", [1, 3, 4])
 def test_attention_is_batch_invariant_across_thread_splits(gguf_model, threads):
-    """The own attention op (csrc/attn.cpp) splits tokens over threads when there are more threads
+    """The own attention op (csrc/kernels/cpu/attn.cpp) splits tokens over threads when there are more threads
     than KV heads: a batch of tokens still equals one-token steps bit for bit."""
     path = gguf_model("qwen3", outtype="f32")
     toks = [int(t) for t in np.random.default_rng(7).integers(0, 500, 14)]

@@ -1,4 +1,4 @@
-"""Measured matmul dispatch (csrc/matmul_dispatch.h): an engine times each weight type's matmul at
+"""Measured matmul dispatch (csrc/kernels/cpu/matmul/dispatch.h): an engine times each weight type's matmul at
 load, at one column and at 16, at the CPU's best level and at AVX2 below AVX-512, and runs each
 type at the fastest (the CPU's best unless another beats it by more than 5%).
 

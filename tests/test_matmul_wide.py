@@ -1,5 +1,5 @@
-"""The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/matmul_wide.h): matmuls of more than
-64 columns (prompt chunks), and inside the batch-invariant kernel those from wide_min_cols columns (csrc/matmul.cpp:
+"""The wide Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K GEMM on AVX-512 VNNI or AVX2 (csrc/kernels/cpu/matmul/wide_gemm.h): matmuls of more than
+64 columns (prompt chunks), and inside the batch-invariant kernel those from wide_min_cols columns (csrc/kernels/cpu/matmul/matmul.cpp:
 12, 14, 16 or 22 on AVX-512 VNNI, 6 or 24 on AVX2; verify passes). test_matmul.test_q8_path_is_the_contract checks both
 against an exact emulation of the contract.
 

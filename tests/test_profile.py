@@ -1,4 +1,4 @@
-"""The op profiler (csrc/profile.h) and the per-shape graph plans of graph_runner::run."""
+"""The op profiler (csrc/base/profile.h) and the per-shape graph plans of graph_runner::run."""
 from __future__ import annotations
 
 import pytest

@@ -103,7 +103,7 @@ def test_speculative_equals_ar(qpair):
     assert len(set(lengths)) > 2, lengths
 
 
-# Weight types on the own kernel's integer path (csrc/matmul.h): their matmuls round the
+# Weight types on the own kernel's integer path (csrc/kernels/cpu/matmul/matmul.h): their matmuls round the
 # activations to Q8_0 / Q8_K, as llama.cpp's do.
 INT_PATH = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 

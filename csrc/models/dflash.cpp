@@ -1,12 +1,12 @@
 // DFlash drafter (GGUF arch "dflash"): Qwen3-style layers whose attention reads, besides the
 // block itself, context K/V made from fused target hidden states: RMSNorm(fc([h_l1; h_l2; ...])).
 // The block [last, MASK x (B-1)] attends to context + block without a causal mask.
-#include "../alloc.h"
-#include "../common.h"
-#include "../attn.h"
-#include "../drafter.h"
-#include "../graph.h"
-#include "../matmul.h"
+#include "base/alloc.h"
+#include "base/common.h"
+#include "kernels/cpu/attn.h"
+#include "models/drafter.h"
+#include "graph/graph.h"
+#include "kernels/cpu/matmul/matmul.h"
 
 #include <cmath>
 

@@ -1,9 +1,9 @@
 // Llama 3.x dense target (GGUF arch "llama"): pre-norm attention without q/k norms, NORM RoPE
 // (the converter permutes W_q / W_k rows to adjacent pairs, as llama.cpp's does), optional
 // per-frequency divisors (rope_freqs: Llama 3.1's llama3 scaling), SwiGLU FFN.
-#include "../common.h"
-#include "../graph.h"
-#include "../model.h"
+#include "base/common.h"
+#include "graph/graph.h"
+#include "models/model.h"
 
 namespace dfn {
 

@@ -1,8 +1,8 @@
 // Qwen3 dense target (GGUF arch "qwen3"): pre-norm attention with q/k RMSNorm, NeoX RoPE, SwiGLU FFN.
-#include "../common.h"
-#include "../matmul.h"
-#include "../graph.h"
-#include "../model.h"
+#include "base/common.h"
+#include "kernels/cpu/matmul/matmul.h"
+#include "graph/graph.h"
+#include "models/model.h"
 
 #include <cmath>
 

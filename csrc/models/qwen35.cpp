@@ -3,11 +3,11 @@
 // Norm weights are stored as (1 + w) by the converter, so every norm here is x_hat * w.
 // Also Qwen3.5-MoE (GGUF arch "qwen35moe"): the same layers with the routed FFN and its shared
 // expert (moe.h) in place of the dense SwiGLU.
-#include "../common.h"
-#include "../matmul.h"
-#include "../graph.h"
-#include "../model.h"
-#include "../moe.h"
+#include "base/common.h"
+#include "kernels/cpu/matmul/matmul.h"
+#include "graph/graph.h"
+#include "models/model.h"
+#include "graph/moe.h"
 
 #include <cmath>
 

@@ -1,9 +1,9 @@
 // Qwen3-MoE target (GGUF arch "qwen3moe", Qwen3-30B-A3B's shape): Qwen3's attention (q/k RMSNorm,
 // NeoX RoPE) and routed SwiGLU experts in every layer (moe.h).
-#include "../common.h"
-#include "../graph.h"
-#include "../model.h"
-#include "../moe.h"
+#include "base/common.h"
+#include "graph/graph.h"
+#include "models/model.h"
+#include "graph/moe.h"
 
 namespace dfn {
 

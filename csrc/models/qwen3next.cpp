@@ -6,11 +6,11 @@
 //   - beta and alpha come from one fused projection ssm_ba, per key head [b x r | a x r];
 //   - attention uses NeoX RoPE on the first rope.dimension_count dims (partial, one position).
 // Norm weights are stored as (1 + w) by the converter, as for Qwen3.5.
-#include "../common.h"
-#include "../matmul.h"
-#include "../graph.h"
-#include "../model.h"
-#include "../moe.h"
+#include "base/common.h"
+#include "kernels/cpu/matmul/matmul.h"
+#include "graph/graph.h"
+#include "models/model.h"
+#include "graph/moe.h"
 
 namespace dfn {
 

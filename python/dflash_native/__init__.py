@@ -10,7 +10,7 @@ from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, Text
 from ._embed import get_cmake_dir, get_include, get_library_dir
 from .tape import GdnTape
 
-RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec.h)
+RoundResult = _core.RoundResult  # what _core.Spec.round returns (typed fields; see csrc/spec/spec.h)
 
 
 def gpu_available() -> bool:

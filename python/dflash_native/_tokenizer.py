@@ -1,4 +1,4 @@
-"""Tokenizer over llama.cpp's own vocabulary code (libllama, linked by the C++ core: csrc/tokenizer.h),
+"""Tokenizer over llama.cpp's own vocabulary code (libllama, linked by the C++ core: csrc/gguf/tokenizer.h),
 so that tokenization equals llama.cpp's on the same GGUF file, plus the GGUF chat template."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class NoVocabulary(ValueError):
 
 class Tokenizer:
     """llama.cpp's vocabulary of a GGUF, loaded alone (vocab_only) by the core. The file's tokenizer
-    metadata is validated first by the core's GGUF parser (csrc/vocab.h): llama.cpp's loader
+    metadata is validated first by the core's GGUF parser (csrc/gguf/vocab.h): llama.cpp's loader
     asserts on some broken vocabularies."""
 
     def __init__(self, gguf_path: str | Path):

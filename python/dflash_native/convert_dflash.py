@@ -71,7 +71,7 @@ _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_ran
                             "attention_value_scale", "use_swa", "swa_window_size")
 
 # Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
-MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/session.h k_max_block_size)
+MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/runtime/session.h k_max_block_size)
 
 _QWEN3_DEFAULTS: Mapping[str, Any] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=32768,
                                          rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,

@@ -162,7 +162,7 @@ class Engine:
         """block_size: tokens verified per round, 2..64 (None: the drafter's trained block size).
         n_threads: None (or 0) uses every core.
 
-        gate: the speculation controller (csrc/controller.h). Per request it times AR steps, draft
+        gate: the speculation controller (csrc/spec/controller.h). Per request it times AR steps, draft
         passes and verify passes of each size, keeps the drafter's acceptance rate per confidence
         level over a sliding window of rounds, and chooses every step: how many of a round's
         drafts to verify (the most expected tokens per second), or AR steps when speculation
@@ -421,7 +421,7 @@ class Engine:
 
     def matmul_dispatch(self) -> list[dict]:
         """The instruction set each weight type's matmul runs at, as this engine measured it at load
-        (csrc/matmul_dispatch.h). One dict per weight type and column count (1: a decode step; 16: a
+        (csrc/kernels/cpu/matmul/dispatch.h). One dict per weight type and column count (1: a decode step; 16: a
         verify or draft block): `type`, `columns`, the matrix timed (`tensor`, its first `rows` rows
         of `K`), `seconds` (the fastest run at each level tried), `chosen` (the fastest; the CPU's best
         unless another beat it by more than 5%), `in_use` (`chosen`, held under any cap set later) and
@@ -439,7 +439,7 @@ class Engine:
             return self._live().device
 
     def memory_report(self) -> dict[str, int]:
-        """What this engine holds in memory, in bytes, by part (csrc/session.h: memory_usage):
+        """What this engine holds in memory, in bytes, by part (csrc/runtime/session.h: memory_usage):
 
         - target_weights_mapped, drafter_weights_mapped: weights used in place from the mapped GGUF
           files (page-cache pages shared with the file, resident once touched; see use_mmap);

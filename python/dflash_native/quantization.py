@@ -1,5 +1,5 @@
 """Quantize a GGUF with llama.cpp's own quantizer (`llama_model_quantize` in libllama, which the
-core links: csrc/quantize.h): targets (qwen3, qwen35, ...) and DFlash drafters (arch `dflash`,
+core links: csrc/gguf/quantize.h): targets (qwen3, qwen35, ...) and DFlash drafters (arch `dflash`,
 which llama.cpp's quantizer accepts like any arch it knows), so users need no second tool.
 
 The file types are llama.cpp's `LLAMA_FTYPE_MOSTLY_*` (the names `llama-quantize` takes): a mix

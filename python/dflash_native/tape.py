@@ -1,6 +1,6 @@
 """The GDN tape as a Python object: record a Gated DeltaNet pass, replay any prefix of it.
 
-This is the hybrid-rollback primitive of the engine (csrc/gdn_tape.cpp), for embedding and tests.
+This is the hybrid-rollback primitive of the engine (csrc/kernels/cpu/gdn_tape.cpp), for embedding and tests.
 Shapes (float32): q, k [T, H_k, d]; v [T, H_v, d]; g (log decay) and beta [T, H_v]; states
 [H_v, d_k, d_v] (value head h reads key head h % H_k).
 """

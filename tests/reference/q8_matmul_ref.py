@@ -1,4 +1,4 @@
-"""The integer path of the batch-invariant matmul (csrc/matmul.h), emulated operation by operation.
+"""The integer path of the batch-invariant matmul (csrc/kernels/cpu/matmul/matmul.h), emulated operation by operation.
 
 Written from the GGUF block layouts and the contract in matmul.h, not from the C++: the weight
 rows are decoded to integer codes and scales here, the activations quantized as ggml's reference

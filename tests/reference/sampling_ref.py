@@ -51,7 +51,7 @@ def gumbel(seed: int, pos: int, tokens) -> np.ndarray:
 
 
 def exp_neg(x) -> np.ndarray:
-    """The package's float exp for x <= 0 (csrc/vmath.h: exp_neg), operation by operation in
+    """The package's float exp for x <= 0 (csrc/kernels/cpu/vmath.h: exp_neg), operation by operation in
     float32: 2^n 2^f with n the nearest integer to x log2(e) and 2^f a degree-6 polynomial; x below
     -87 gives 0."""
     f32 = np.float32

@@ -1,5 +1,5 @@
-"""NumPy references for tree verify: the accept rule and the best-first tree (csrc/verify.h,
-csrc/tree.h), written from their definitions rather than from the C++ algorithms."""
+"""NumPy references for tree verify: the accept rule and the best-first tree (csrc/spec/verify.h,
+csrc/spec/tree.h), written from their definitions rather than from the C++ algorithms."""
 
 from __future__ import annotations
 

@@ -410,7 +410,7 @@ def context_window_mask(anchors: torch.Tensor, ctx_pos: torch.Tensor | int, wind
     a - window <= p < a (p < a without a window). `ctx_pos`: the positions [S, L] of the
     context features (an int n: positions 0..n-1). The engine's ring window is the same set:
     a draft at n_past = a attends to the committed positions >= n_past - window, every block
-    row alike (csrc/spec.cpp run_draft), so training and inference see the same context."""
+    row alike (csrc/spec/spec.cpp run_draft), so training and inference see the same context."""
     p = torch.arange(ctx_pos) if isinstance(ctx_pos, int) else ctx_pos[:, None, :]
     a = anchors[..., None]
     vis = p < a

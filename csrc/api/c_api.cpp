@@ -1,0 +1,510 @@
+// The C API (include/dflash_native.h) over the core: the engine (target_session, spec_session,
+// tokenizer) and the generation loop of python/dflash_native/engine.py's _Run without text (no
+// stop strings, no prompt cache, no logprobs): the same steps in the same order, so the tokens
+// equal Engine.generate's. Every entry point catches everything; failures become a dfn_status
+// and the calling thread's dfn_last_error().
+#define DFN_BUILDING_LIBRARY
+#include "dflash_native.h"
+
+#include "base/alloc.h"
+#include "base/common.h"
+#include "models/drafter.h"
+#include "gguf/gguf_file.h"
+#include "kernels/cpu/sampler.h"
+#include "runtime/session.h"
+#include "spec/spec.h"
+#include "gguf/tokenizer.h"
+
+#include <sys/stat.h>
+#if !defined(_WIN32)
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <unordered_set>
+#include <mutex>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+using namespace dfn;
+
+static long current_pid() {
+#if defined(_WIN32)
+    return 0;  // no fork()
+#else
+    return (long) getpid();
+#endif
+}
+
+struct dfn_engine {
+    std::unique_ptr<target_session> target;
+    std::unique_ptr<spec_session> spec;  // after target: destroyed first (it refers to the target)
+    std::unique_ptr<tokenizer> tok;      // null: the GGUF has no vocabulary
+    bool tree = false;
+    dfn_stats stats{};
+    // a dfn_generate is running: another (from a second thread, or from its own token callback) is
+    // refused rather than left to corrupt the sequence or abort in ggml
+    std::atomic<bool> busy{false};
+    // the process that made it: in a fork() of that process a graph would wait for ever on ggml's
+    // OpenMP worker threads, which fork() does not copy (dfn_generate refuses to run there)
+    long pid = current_pid();
+};
+
+namespace {
+
+// The engines dfn_engine_create made and dfn_engine_destroy has not freed: a handle used after its
+// destroy (or destroyed twice) is refused with DFN_ERR_INVALID_ARGUMENT instead of being
+// dereferenced, as long as no newer engine took its address (the header says so).
+std::mutex g_live_mu;
+std::unordered_set<const dfn_engine *> g_live;
+const char * k_not_live = "engine is not a live engine: destroyed already, or not made by dfn_engine_create";
+
+bool live(const dfn_engine * e) {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    return e && g_live.count(e) != 0;
+}
+
+}  // namespace
+
+namespace {
+
+thread_local std::string t_last_error;
+
+dfn_status fail(dfn_status s, const std::string & msg) {
+    t_last_error = msg;
+    return s;
+}
+
+// Runs f (returning dfn_status) with every exception turned into a status. During engine
+// creation (creating = true) an input_error about the file is DFN_ERR_FILE; the core's option
+// checks say "[engine] ..." and stay DFN_ERR_INVALID_ARGUMENT.
+template <typename F>
+dfn_status guarded(const char * where, F && f, bool creating = false) noexcept {
+    try {
+        return f();
+    } catch (const memory_error & e) {
+        return fail(DFN_ERR_OUT_OF_MEMORY, e.what());
+    } catch (const std::bad_alloc &) {
+        return fail(DFN_ERR_OUT_OF_MEMORY, cat("[", where, "] out of memory"));
+    } catch (const input_error & e) {
+        const std::string m = e.what();
+        const bool option = m.rfind("[engine]", 0) == 0;
+        return fail(creating && !option ? DFN_ERR_FILE : DFN_ERR_INVALID_ARGUMENT, m);
+    } catch (const std::exception & e) {
+        return fail(DFN_ERR_RUNTIME, e.what());
+    } catch (...) {
+        return fail(DFN_ERR_RUNTIME, cat("[", where, "] unknown exception"));
+    }
+}
+
+// The ABI rule of the header: struct_size between the first release's size and ours.
+template <typename T>
+bool size_ok(const T * p, size_t first_release) {
+    return p->struct_size >= first_release && p->struct_size <= sizeof(T);
+}
+
+constexpr size_t k_options_v1 = offsetof(dfn_engine_options, device_name);  // device_name came later
+constexpr size_t k_generate_v1 = sizeof(dfn_generate_params);
+constexpr size_t k_stats_v1 = sizeof(dfn_stats);
+
+// options' fields within struct_size over the defaults (the header's growth rule)
+template <typename T>
+T read_struct(const T * p, T defaults) {
+    std::memcpy(&defaults, p, std::min(p->struct_size, sizeof(T)));
+    defaults.struct_size = sizeof(T);
+    return defaults;
+}
+
+// Whether the path names something: stat, never open (opening a FIFO for reading blocks until a
+// writer comes); the core refuses what is not a regular GGUF file (gguf_file) before opening it.
+bool file_exists(const char * path, std::string & why) {
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        why = std::strerror(errno);
+        return false;
+    }
+    return true;
+}
+
+dfn_status create(const char * target_path, const char * drafter_path, const dfn_engine_options & o, dfn_engine ** out) {
+    const char * W = "dfn_engine_create";
+    std::string why;
+    if (!file_exists(target_path, why)) return fail(DFN_ERR_FILE, cat("[", W, "] cannot open target '", target_path, "': ", why));
+    if (drafter_path && !file_exists(drafter_path, why))
+        return fail(DFN_ERR_FILE, cat("[", W, "] cannot open drafter '", drafter_path, "': ", why));
+    // Engine.__init__'s checks of what the core does not check itself
+    if (o.kv_type != DFN_KV_F16 && o.kv_type != DFN_KV_F32)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got ", o.kv_type));
+    if (!o.device_name && o.device != DFN_DEVICE_CPU && o.device != DFN_DEVICE_GPU)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] device must be DFN_DEVICE_CPU or DFN_DEVICE_GPU, got ", o.device));
+    if (o.matmul != DFN_MATMUL_OWN && o.matmul != DFN_MATMUL_GGML)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] matmul must be DFN_MATMUL_OWN or DFN_MATMUL_GGML, got ", o.matmul));
+    if (o.verify != DFN_VERIFY_CHAIN && o.verify != DFN_VERIFY_TREE)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] verify must be DFN_VERIFY_CHAIN or DFN_VERIFY_TREE, got ", o.verify));
+    const bool tree = o.verify == DFN_VERIFY_TREE;
+    if (tree && !drafter_path) return fail(DFN_ERR_INVALID_ARGUMENT, "[engine] verify=tree needs a drafter");
+    if (tree && !(o.tree_budget >= 1 && o.tree_budget <= k_max_block_size - 1))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] tree_budget must be in [1, ", k_max_block_size - 1,
+                                                  "] (the verify capacity ", k_max_block_size, " minus the root), got ",
+                                                  o.tree_budget));
+    if (o.block_size < 0) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] block_size must be >= 2 (or 0: the drafter's), got ", o.block_size));
+    if (o.drafter_window < 0) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] drafter_window must be >= 0, got ", o.drafter_window));
+
+    auto e = std::make_unique<dfn_engine>();
+    e->tree = tree;
+    // Engine._load: the Target sized for the drafter's verify, the Spec, the tokenizer
+    int64_t max_verify = 0;
+    if (drafter_path) {
+        max_verify = o.block_size ? o.block_size : drafter_block_size(gguf_file(drafter_path));
+        if (tree) max_verify = std::max<int64_t>(max_verify, o.tree_budget + 1);
+    }
+    session_params p;
+    p.n_ctx = o.n_ctx;
+    p.n_threads = o.n_threads;
+    p.kv_type = o.kv_type == DFN_KV_F32 ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    p.n_batch = o.n_batch;
+    p.device = o.device_name ? std::string(o.device_name) : o.device == DFN_DEVICE_GPU ? "gpu" : "cpu";
+    p.max_verify = max_verify;
+    p.matmul = o.matmul == DFN_MATMUL_GGML ? MATMUL_GGML : MATMUL_OWN;
+    p.use_mmap = o.use_mmap != 0;
+    e->target = std::make_unique<target_session>(target_path, p);
+    if (drafter_path) {
+        spec_params s;
+        s.block_size = o.block_size;
+        s.ring_capacity = o.feature_ring_capacity;
+        s.window = o.drafter_window;
+        s.draft_cutoff = (float) o.draft_cutoff;
+        s.draft_vocab = o.draft_vocab != 0;
+        s.use_controller = o.gate != 0;
+        s.tree_budget = tree ? o.tree_budget : 0;
+        e->spec = std::make_unique<spec_session>(*e->target, drafter_path, s);
+    }
+    e->tok = tokenizer::load(target_path);
+    if (e->tok && e->tok->n_vocab() > e->target->hparams().n_vocab)
+        throw input_error(cat("[load_gguf] tokenizer has ", e->tok->n_vocab(), " tokens but the model's embedding has only ",
+                              e->target->hparams().n_vocab, " rows"));
+    e->stats.struct_size = sizeof(dfn_stats);
+    *out = e.release();
+    return DFN_OK;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One request: engine.py's _Run (start, step, emit) for token ids.
+struct run {
+    dfn_engine & e;
+    const sampling_params * sampling;  // null: greedy (the argmax in the graph)
+    bool spec;
+    int32_t * out;
+    size_t max_tokens;
+    dfn_token_callback cb;
+    void * user;
+    size_t n_out = 0;
+    bool done = false;
+    int32_t last = -1;
+    dfn_stats & st;
+
+    // Appends committed tokens; sets done at an end-of-generation token, max_tokens or the callback's stop.
+    void emit(const std::vector<int32_t> & tokens) {
+        for (int32_t t : tokens) {
+            if (e.tok && e.tok->is_eog(t)) {
+                st.stop_reason = DFN_STOP_EOS, done = true;
+                return;
+            }
+            out[n_out++] = t;
+            if (cb && cb(t, user) != 0) {
+                st.stop_reason = DFN_STOP_CALLBACK, done = true;
+                return;
+            }
+            if (n_out >= max_tokens) {
+                st.stop_reason = DFN_STOP_LENGTH, done = true;
+                return;
+            }
+        }
+    }
+
+    int32_t ar(const int32_t * tokens, int64_t n) {
+        if (sampling) return e.target->decode_sampled(tokens, n, *sampling);
+        return e.target->decode(tokens, n, false, {}, true).argmax[0];
+    }
+
+    void start(const int32_t * prompt, int64_t n) {
+        const auto t0 = std::chrono::steady_clock::now();
+        int32_t tok;
+        e.target->reset();  // Engine._claim; a speculative prefill resets the drafter's side too
+        if (!spec) {
+            tok = ar(prompt, n);
+        } else {
+            tok = sampling ? e.spec->prefill_sampled(prompt, n, *sampling) : e.spec->prefill(prompt, n);
+        }
+        st.prefill_s = seconds_since(t0);
+        if (max_tokens == 0) {
+            st.stop_reason = DFN_STOP_LENGTH, done = true;
+            return;
+        }
+        last = tok;
+        emit({tok});
+    }
+
+    void step() {
+        target_session & t = *e.target;
+        const int64_t room = t.params().n_ctx - t.n_past();
+        if (room <= 0) {
+            st.stop_reason = DFN_STOP_CONTEXT, done = true;
+            return;
+        }
+        std::vector<int32_t> committed;
+        if (spec && room >= 2) {
+            const int64_t Bc = std::min<int64_t>(e.spec->block_size(), room);
+            const round_result r = e.tree ? e.spec->step_tree(last, Bc, sampling) : e.spec->step(last, Bc, nullptr, sampling);
+            committed = r.committed;
+            st.controller_switches = e.spec->control().switches();
+            if (r.ar) {
+                st.ar_steps += 1;
+            } else {
+                st.acceptance_histogram[committed.size()] += 1;
+                st.rounds += 1;
+                st.draft_s += r.draft_s;
+                st.verify_s += r.verify_s;
+                st.rollback_s += r.rollback_s;
+                st.verified_tokens += r.n_verified;
+            }
+        } else {  // AR (also the last position of n_ctx in a speculative request: no room for a block)
+            committed = {ar(&last, 1)};
+        }
+        last = committed.back();
+        emit(committed);
+    }
+};
+
+dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params & g, int32_t * out,
+                    size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
+    // Engine.generate's checks: the sampling settings always (sampler.h), then speculative
+    sampling_params sp;
+    sp.temperature = g.temperature;
+    sp.top_k = g.top_k;
+    sp.top_p = g.top_p;
+    sp.min_p = g.min_p;
+    sp.seed = g.seed;
+    check_sampling_params(sp);
+    if (g.speculative < -1 || g.speculative > 1)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[generate] speculative must be -1, 0 or 1, got ", g.speculative));
+    if (g.speculative == 1 && !e.spec)
+        return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] speculative=1 needs an engine created with a drafter");
+    if (n_prompt > (size_t) INT64_MAX) return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] n_prompt is too large");
+    dfn_stats & st = e.stats;  // zeroed by dfn_generate
+    const bool spec = g.speculative == -1 ? (bool) e.spec : g.speculative == 1;
+    st.n_prompt_tokens = (int64_t) n_prompt;
+    st.speculative = spec;
+    st.seed = sp.greedy() ? 0 : sp.seed;
+    run r{e, sp.greedy() ? nullptr : &sp, spec, out, max_tokens, cb, user, 0, false, -1, st};
+    st.stop_reason = DFN_STOP_NONE;
+    struct count_out {  // *n_out and n_generated as they stand, also when a step throws
+        run & r;
+        size_t * n_out;
+        ~count_out() {
+            *n_out = r.n_out;
+            r.st.n_generated = (int64_t) r.n_out;
+        }
+    } counted{r, n_out};
+    r.start(prompt, (int64_t) n_prompt);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!r.done) r.step();
+    st.decode_s = seconds_since(t0);
+    if (spec) st.block_size = (int32_t) e.spec->block_size();
+    return DFN_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char * dfn_last_error(void) { return t_last_error.c_str(); }
+
+const char * dfn_status_name(dfn_status s) {
+    switch (s) {
+        case DFN_OK: return "DFN_OK";
+        case DFN_ERR_INVALID_ARGUMENT: return "DFN_ERR_INVALID_ARGUMENT";
+        case DFN_ERR_FILE: return "DFN_ERR_FILE";
+        case DFN_ERR_BUFFER_TOO_SMALL: return "DFN_ERR_BUFFER_TOO_SMALL";
+        case DFN_ERR_NO_VOCABULARY: return "DFN_ERR_NO_VOCABULARY";
+        case DFN_ERR_OUT_OF_MEMORY: return "DFN_ERR_OUT_OF_MEMORY";
+        case DFN_ERR_RUNTIME: return "DFN_ERR_RUNTIME";
+    }
+    return "DFN_ERR_UNKNOWN";
+}
+
+const char * dfn_version(void) { return DFN_VERSION_STRING; }
+int dfn_version_number(void) { return DFN_VERSION_NUMBER; }
+
+dfn_engine_options dfn_engine_options_default(void) {
+    dfn_engine_options o;
+    std::memset(&o, 0, sizeof o);
+    o.struct_size = sizeof o;
+    o.n_ctx = 4096;
+    o.n_threads = 0;
+    o.block_size = 0;
+    o.n_batch = 512;
+    o.kv_type = DFN_KV_F16;
+    o.device = DFN_DEVICE_CPU;
+    o.device_name = nullptr;
+    o.matmul = DFN_MATMUL_OWN;
+    o.verify = DFN_VERIFY_CHAIN;
+    o.tree_budget = 32;
+    o.gate = 1;
+    o.feature_ring_capacity = 4096;
+    o.drafter_window = 0;
+    o.draft_cutoff = 0.0;
+    o.draft_vocab = 1;
+    o.use_mmap = 1;
+    return o;
+}
+
+dfn_generate_params dfn_generate_params_default(void) {
+    dfn_generate_params g;
+    std::memset(&g, 0, sizeof g);
+    g.struct_size = sizeof g;
+    g.temperature = 0.0;
+    g.top_k = 0;
+    g.top_p = 1.0;
+    g.min_p = 0.0;
+    g.seed = 0;
+    g.speculative = -1;
+    return g;
+}
+
+dfn_status dfn_engine_create(const char * target_path, const char * drafter_path, const dfn_engine_options * options,
+                             dfn_engine ** out) {
+    const char * W = "dfn_engine_create";
+    if (!out) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] out must not be NULL"));
+    *out = nullptr;
+    if (!target_path) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] target_path must not be NULL"));
+    if (options && !size_ok(options, k_options_v1))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] options->struct_size = ", options->struct_size,
+                                                  " (set it with dfn_engine_options_default(); this library takes ",
+                                                  k_options_v1, "..", sizeof(dfn_engine_options), ")"));
+    const dfn_engine_options o = options ? read_struct(options, dfn_engine_options_default()) : dfn_engine_options_default();
+    const dfn_status st = guarded(W, [&] { return create(target_path, drafter_path, o, out); }, true);
+    if (st == DFN_OK && *out) {
+        std::lock_guard<std::mutex> lock(g_live_mu);
+        g_live.insert(*out);
+    }
+    return st;
+}
+
+dfn_status dfn_engine_destroy(dfn_engine * engine) {
+    const char * W = "dfn_engine_destroy";
+    if (!engine) return DFN_OK;
+    {
+        std::lock_guard<std::mutex> lock(g_live_mu);
+        if (!g_live.count(engine)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+        if (engine->busy)
+            return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] the engine is running a dfn_generate: destroy it after "
+                                                      "that call returns"));
+        g_live.erase(engine);
+    }
+    try {
+        delete engine;
+    } catch (...) {  // destructors do not throw; nothing may cross the C boundary regardless
+    }
+    return DFN_OK;
+}
+
+int32_t dfn_engine_n_vocab(const dfn_engine * e) { return live(e) ? (int32_t) e->target->hparams().n_vocab : -1; }
+int64_t dfn_engine_n_ctx(const dfn_engine * e) { return live(e) ? e->target->params().n_ctx : -1; }
+int32_t dfn_engine_block_size(const dfn_engine * e) { return live(e) ? (e->spec ? (int32_t) e->spec->block_size() : 0) : -1; }
+int32_t dfn_engine_eos_token(const dfn_engine * e) { return live(e) && e->tok ? e->tok->eos() : -1; }
+
+dfn_status dfn_tokenize(const dfn_engine * e, const char * text, size_t n_text, int32_t * tokens, size_t capacity,
+                        size_t * n_tokens) {
+    const char * W = "dfn_tokenize";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+    if (!e || !n_tokens || (!text && n_text) || (!tokens && capacity))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_tokens must not be NULL, nor text or tokens "
+                                                  "when their size is not 0"));
+    *n_tokens = 0;
+    if (!e->tok) return fail(DFN_ERR_NO_VOCABULARY, cat("[", W, "] the target GGUF has no tokenizer; pass token ids"));
+    return guarded(W, [&] {
+        const std::vector<int32_t> ids = e->tok->tokenize(std::string(text ? text : "", n_text));
+        *n_tokens = ids.size();
+        if (ids.size() > capacity)
+            return fail(DFN_ERR_BUFFER_TOO_SMALL, cat("[", W, "] the text has ", ids.size(), " tokens; the buffer holds ", capacity));
+        std::copy(ids.begin(), ids.end(), tokens);
+        return DFN_OK;
+    });
+}
+
+dfn_status dfn_detokenize(const dfn_engine * e, const int32_t * tokens, size_t n, char * text, size_t capacity,
+                          size_t * n_bytes) {
+    const char * W = "dfn_detokenize";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+    if (!e || !n_bytes || (!tokens && n) || (!text && capacity))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and n_bytes must not be NULL, nor tokens or text "
+                                                  "when their size is not 0"));
+    *n_bytes = 0;
+    if (!e->tok) return fail(DFN_ERR_NO_VOCABULARY, cat("[", W, "] the target GGUF has no tokenizer"));
+    return guarded(W, [&] {
+        const std::string s = e->tok->detokenize(tokens, (int64_t) n);
+        *n_bytes = s.size();
+        if (s.size() > capacity)
+            return fail(DFN_ERR_BUFFER_TOO_SMALL, cat("[", W, "] the text has ", s.size(), " bytes; the buffer holds ", capacity));
+        std::memcpy(text, s.data(), s.size());
+        if (s.size() < capacity) text[s.size()] = '\0';
+        return DFN_OK;
+    });
+}
+
+dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params * params,
+                        int32_t * out, size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
+    const char * W = "dfn_generate";
+    const char * nulls = "] engine and n_out must not be NULL, nor prompt or out when their size is not 0";
+    if (!e) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
+    if (!live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+    bool idle = false;
+    if (!e->busy.compare_exchange_strong(idle, true))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] this engine is running another dfn_generate (on another "
+                                                  "thread, or this call comes from its token callback): one engine "
+                                                  "runs one call at a time"));
+    struct idle_again {
+        std::atomic<bool> & busy;
+        ~idle_again() { busy = false; }
+    } release{e->busy};
+    if (e->pid != current_pid())
+        return fail(DFN_ERR_RUNTIME, cat("[", W, "] this engine was made in process ", e->pid, ", and this process (",
+                                         current_pid(), ") is a fork() of it: ggml's worker threads do not survive "
+                                         "fork(), so it cannot run here; make engines in the process that uses them"));
+    // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
+    e->stats = dfn_stats{};
+    e->stats.struct_size = sizeof(dfn_stats);
+    if (!n_out || (!prompt && n_prompt) || (!out && max_tokens)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
+    *n_out = 0;
+    if (params && !size_ok(params, k_generate_v1))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->struct_size = ", params->struct_size,
+                                                  " (set it with dfn_generate_params_default())"));
+    const dfn_generate_params g = params ? read_struct(params, dfn_generate_params_default()) : dfn_generate_params_default();
+    return guarded(W, [&] { return generate(*e, prompt, n_prompt, g, out, max_tokens, cb, user, n_out); });
+}
+
+dfn_status dfn_engine_last_stats(const dfn_engine * e, dfn_stats * stats) {
+    const char * W = "dfn_engine_last_stats";
+    if (e && !live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+    if (!e || !stats) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] engine and stats must not be NULL"));
+    if (!size_ok(stats, k_stats_v1))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] stats->struct_size = ", stats->struct_size,
+                                                  " (set it to sizeof(dfn_stats))"));
+    const size_t n = stats->struct_size;
+    std::memcpy(stats, &e->stats, n);
+    stats->struct_size = n;
+    return DFN_OK;
+}
+
+}  // extern "C"

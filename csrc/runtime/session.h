@@ -1,0 +1,198 @@
+// A loaded target plus its sequence state: the unit that runs forward passes.
+#pragma once
+
+#include "runtime/cache.h"
+#include "kernels/cpu/constraint.h"
+#include "graph/graph.h"
+#include "graph/device_heads.h"
+#include "runtime/graph_runner.h"
+#include "runtime/rollback.h"
+#include "models/model.h"
+#include "kernels/cpu/sampler.h"
+
+#include "ggml-backend.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+// The bindings parse the Python strings ("tape"/..., "own"/"ggml") into these fields; the device
+// string goes to the graph runner as it is.
+struct session_params {
+    int64_t n_ctx = 4096;
+    int n_threads = 0;            // 0: all cores
+    ggml_type kv_type = GGML_TYPE_F16;
+    int64_t n_batch = 512;        // tokens per forward graph; longer inputs run in chunks
+    std::string device = "cpu";  // devices.h: resolve_device ("cpu", "gpu", "CUDA0", "rpc://H:P")
+    int64_t max_verify = 0;       // most tokens one verify() may take (sizes the GDN tape); 0: no verify
+    rollback_kind rollback = ROLLBACK_TAPE;  // rollback.h: the product's tape, or a benchmark baseline
+    // Weight matmuls on the CPU: MATMUL_OWN (matmul.h: batch-invariant, so a verify pass computes
+    // each token as the AR step does; F16/F32 weights) or MATMUL_GGML (ggml_mul_mat).
+    matmul_kind matmul = MATMUL_OWN;
+    // Weights (target and drafter) in host memory are the file's pages, mapped (gguf_file.h);
+    // false: read into buffers of their own.
+    bool use_mmap = true;
+};
+
+// What a target session, and the drafter beside it, hold in memory, in bytes (Engine.memory_report).
+// Weights "mapped" are tensors read in place from the mapped GGUF (file pages, shared with the page
+// cache, not a copy); "copied" are weights in buffers of their own (the few tensors converted to
+// F32 at load, the draft vocabulary's lm_head rows, or all of them when the file is not mapped or
+// lives on a GPU). Compute: the graph plans' buffers (activations), which come and go with the
+// graph shapes run (graph_runner.h).
+struct memory_usage {
+    size_t target_weights_mapped = 0, target_weights_copied = 0;
+    size_t drafter_weights_mapped = 0, drafter_weights_copied = 0;
+    size_t kv_cache = 0;      // attention K/V over n_ctx
+    size_t gdn_state = 0;     // GDN recurrent + conv state
+    size_t gdn_tape = 0;      // GDN tape of one verify (max_verify tokens)
+    size_t feature_ring = 0;  // drafter-context K/V, capacity + block scratch
+    size_t feature_queue = 0; // host: the target taps queued for the ring (at most capacity + max(1, capacity / 8)
+                              // rows, spec.cpp: queue_features; 1.125x the ring's capacity from 8 rows on)
+    size_t compute_target = 0, compute_drafter = 0;
+    size_t on_device = 0;     // of the above, the bytes held by a device other than the CPU (0 on the CPU)
+};
+
+struct decode_result {
+    std::vector<float> logits;  // [n_rows, n_vocab], rows = all tokens or the last one
+    int64_t n_rows = 0;
+    std::vector<float> taps;    // [n_tokens, n_taps, n_embd] when taps were asked for
+    std::vector<int32_t> argmax;  // [n_rows] when only the greedy tokens were asked for (logits empty)
+};
+
+// Attention's key range (the target's KV cache, the drafter's ring) is padded to a multiple of
+// this many rows, masked: the graph's sizes, and with them its allocation plan, hold for that
+// many tokens instead of changing every step.
+constexpr int64_t k_kv_pad = 64;
+inline int64_t kv_padded(int64_t n) { return (n + k_kv_pad - 1) / k_kv_pad * k_kv_pad; }
+
+// Most tokens one speculative round may verify (Engine(block_size=...)): the GDN tape, the
+// verify graph and the drafter's block scale with it, and a drafter gains nothing past its
+// trained block size (DFlash drafters train with 16), so larger values only waste time and memory.
+constexpr int64_t k_max_block_size = 64;
+
+class target_session {
+public:
+    target_session(const std::string & path, const session_params & params);
+    ~target_session();
+    target_session(const target_session &) = delete;
+    target_session & operator=(const target_session &) = delete;
+
+    // Runs tokens at positions n_past .. n_past + n - 1 and appends them to the cache.
+    // argmax_only: the greedy token of each returned row instead of its logits (computed in the
+    // graph: the AR loop's step).
+    decode_result decode(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers = {},
+                         bool argmax_only = false);
+
+    // decode() of the tokens, then the next token chosen by choose_token (sampler.h: drawn by the
+    // sampler, or the argmax at temperature 0) from the last row's logits at its position (n_past
+    // after the tokens): the sampled AR step, and the AR step that reports logprobs (into lp).
+    // With a constraint (constraint.h): the choice under its mask, which then accepts the token.
+    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr,
+                           token_constraint * constraint = nullptr);
+
+    // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
+    // updating their state. Must be followed by commit(n_keep) before the next decode or verify.
+    // argmax_only: return the greedy token per row instead of the logits (computed in the graph).
+    decode_result verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers = {},
+                         bool argmax_only = false);
+
+    // Tree verify: tokens[i] is node i of a tree (parents[0] == -1, parents[i] < i), at position
+    // n_past + depth(i), in one graph: attention sees the committed rows and the node's ancestors
+    // (gathered: attn.h), GDN layers run and record each node from its parent's state (gdn_tape.h),
+    // the conv over its ancestors (conv.h). Returns the argmax per node (and the taps per node).
+    // At most max_verify nodes; host caches and tape rollback only. Must be followed by
+    // commit_tree(path). argmax_only false: the logits per node instead (sampled trees, logprobs).
+    decode_result verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
+                              const std::vector<int> & tap_layers = {}, bool argmax_only = true);
+    // Keep the accepted path of the pending tree verify (node indices, root first: path[0] == 0,
+    // each the previous one's child): its K/V rows and tape slots are compacted into rows
+    // n_past_before + d and slots d (in order, so no row is read after it was overwritten),
+    // then commit(path.size()) as for a chain.
+    void commit_tree(const std::vector<int32_t> & path);
+
+    // Keep the first n_keep (1..n) tokens of the pending verify: attention K/V cursor to
+    // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
+    void commit(int64_t n_keep);
+
+    void reset() { cache_->clear(); pending_n_ = 0; }
+    int64_t n_past() const { return cache_->n_past; }
+
+    const target_hparams & hparams() const { return model_->hparams(); }
+    const target_model & model() const { return *model_; }
+    // The cache as it stands, for inspection: a replay commit() deferred is done first.
+    model_cache & cache() {
+        flush_replay();
+        return *cache_;
+    }
+    const session_params & params() const { return params_; }
+    size_t n_graph_plans() const { return runner_->n_plans(); }
+    // The target's part of memory_usage: its weights, caches and compute buffers.
+    memory_usage memory() const;
+
+    // The backends, plans and metadata arena this session's graphs run on; the drafter runs its
+    // graphs on the same runner (it shares the target's embeddings, lm_head and buffers).
+    graph_runner & runner() { return *runner_; }
+    // The next decode or verify with taps writes them into `dst` (F32 [n_taps * n_embd, cols], a
+    // device tensor) at columns col0.. instead of copying them to the host (decode_result::taps
+    // stays empty): the spec session's device feature queue. One call only; cleared by it.
+    void set_tap_sink(ggml_tensor * dst, int64_t col0) { sink_ = {dst, col0}; }
+    ggml_backend_buffer_type_t buffer_type() const { return runner_->buffer_type(); }
+
+private:
+    void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
+    // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
+    void commit_on_device(int64_t n_keep, int64_t n_verified);
+    void flush_replay();  // the replay commit() left to the next graph, done now on the host
+    void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
+    // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
+    decode_result run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
+                             const std::vector<int> & tap_layers, bool argmax_only);
+    void run_chunk(const int32_t * tokens, int64_t n, bool all_logits, const std::vector<int> & tap_layers,
+                   decode_result & out, int64_t tok_offset, int64_t n_total, bool record_tape, bool argmax_only,
+                   const int32_t * tree_parents = nullptr);
+    // One forward graph of run_chunk: the target's inputs and which outputs it gives.
+    struct chunk_graph {
+        graph_inputs g;
+        bool all_logits = false;   // every row (else the last)
+        bool want_logits = false;  // logits at all (a prompt chunk before the last: only the caches)
+        bool argmax_only = false;  // the greedy token per row instead of the logits
+        ggml_tensor * logits = nullptr;  // F32 [n_vocab, rows]
+        ggml_tensor * argmax = nullptr;  // I32 [rows], when argmax_only
+        device_head head;                // on a device: the argmax in stock ops (device_heads.h)
+        ggml_tensor * sink = nullptr;    // the taps' destination (set_tap_sink), at column sink_col0
+        int64_t sink_col0 = 0;
+        const int32_t * parents = nullptr;  // tree verify: the nodes' parents [n] (graph.h)
+    };
+    // tree verify's inputs: positions n_past + depth, the ancestor mask, the parents
+    void set_tree_inputs(const chunk_graph & c) const;
+    void compact_rows(ggml_tensor * t, size_t row_bytes, size_t stride, int64_t row0, const std::vector<int32_t> & path);
+    void build_chunk(const build_context & b, chunk_graph & c) const;
+    void set_chunk_inputs(const chunk_graph & c, const int32_t * tokens) const;
+    // logits or argmax rows and taps into out at token tok_offset; throws on non-finite logits
+    void read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const;
+
+    // Declaration order is destruction order reversed: the buffers (cache, weights) go before
+    // the runner's backends they live on.
+    session_params params_;
+    std::unique_ptr<graph_runner> runner_;
+    std::unique_ptr<target_model> model_;
+    std::unique_ptr<model_cache> cache_;
+    std::unique_ptr<gdn_rollback> rollback_;  // chosen at construction (params_.rollback)
+    int64_t pending_n_ = 0;       // tokens of an uncommitted verify
+    int64_t pending_past_ = 0;    // n_past before it
+    std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)
+    std::vector<int32_t> pending_parents_;  // a pending tree verify's parents (empty: a chain)
+    struct tap_sink {
+        ggml_tensor * dst = nullptr;
+        int64_t col0 = 0;
+    } sink_;
+    struct sink_reset {
+        tap_sink & s;
+        ~sink_reset() { s = {}; }
+    };
+};
+
+}  // namespace dfn

@@ -1,0 +1,292 @@
+// The speculative round loop: draft, verify, accept, roll back, push features.
+#pragma once
+
+#include "spec/controller.h"
+#include "models/drafter.h"
+#include "kernels/cpu/sampler.h"
+#include "runtime/session.h"
+#include "spec/tree.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dfn {
+
+struct spec_params {
+    int64_t block_size = 0;           // B: verified tokens per round; 0 = the drafter's block_size
+    int64_t ring_capacity = 4096;     // feature ring positions
+    // drafter attention window in committed positions before the block; 0 = the drafter's
+    // trained context (GGUF dflash.trained_context_length), or the whole ring when it has none
+    int64_t window = 0;
+    // Confidence cut: verify the drafts d_1..d_k only while the product of the drafter's top-1
+    // probabilities p(d_1)...p(d_k) stays >= draft_cutoff (0 = always verify all B-1). On a
+    // compute-bound device every verified token costs time, and a draft the drafter itself doubts
+    // is rarely accepted; the output is the same either way (only target tokens are committed).
+    float draft_cutoff = 0.0f;
+    // Draft over the drafter's draft vocabulary when its GGUF has one (drafter.h); false = always
+    // the whole vocabulary. Either way only target tokens are committed.
+    bool draft_vocab = true;
+    // The controller (controller.h) picks each step: an AR step or a round, and how many drafts
+    // a round verifies (draft_cutoff still caps them). false: fixed settings, every step a round.
+    bool use_controller = true;
+    // Tree verify (round_tree, step_tree): the best-first tree of at most tree_budget nodes below
+    // `last` (tree.h) from one draft pass's per-position top-K, verified in one target pass.
+    // draft_cutoff is then the tree's minimum path score. 1 + tree_budget <= the target's max_verify;
+    // 0: chain only (round_tree raises).
+    int64_t tree_budget = 0;
+};
+
+struct round_result {
+    std::vector<int32_t> committed;  // accepted drafts + bonus: 1..B tokens
+    std::vector<int32_t> draft;      // the drafts as verified: d_1 .. d_{n_verified-1}
+    int64_t n_verified = 0;          // tokens in the verify pass: `last` + the drafts kept by the cut
+    bool ar = false;                 // an AR step (step(): the controller's choice): one token, no draft
+    // Tree rounds: the verified tree's parents (node 0 the root `last`; draft holds nodes 1..) and
+    // the accepted path's node indices, root first. Empty for a chain.
+    std::vector<int32_t> parents, path;
+    // One per committed token, in order, when the request's sampling_params ask for logprobs
+    // (sampler.h: token_logprobs, from the verify's rows of the committed tokens); else empty.
+    std::vector<token_logprobs> logprobs;
+    double draft_s = 0, verify_s = 0, rollback_s = 0;
+};
+
+class spec_session {
+public:
+    // `target` must have been created with max_verify >= the block size.
+    spec_session(target_session & target, const std::string & drafter_path, const spec_params & params);
+
+    // Prefill the prompt through the target with taps, fill the ring; returns the first token.
+    // n_cached > 0 (the prompt cache): prompt[0, n_cached) is the sequence the target and the ring
+    // already hold (n_cached == target.n_past() == the ring's next position; the caller checks the
+    // tokens), so only prompt[n_cached, n) runs, its taps pushed as a prefill pushes them.
+    int32_t prefill(const int32_t * prompt, int64_t n, int64_t n_cached = 0);
+
+    // Draft d_1 .. d_{B-1} after `last` at position target.n_past() (nothing is committed).
+    std::vector<int32_t> draft(int32_t last, int64_t B);
+    // The drafter's logits for d_1 .. d_{B-1}, [B-1, n_vocab] row-major (tests and debugging).
+    std::vector<float> draft_logits(int32_t last, int64_t B);
+
+    // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
+    // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
+    round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
+
+    // The next step of a request: under the controller (params.use_controller) an AR step or a round
+    // whose verified drafts the controller chose, each timed and fed back to it; else round().
+    // With `sampling`: the sampled AR step and round (spec_sampled.cpp); at temperature 0 (a
+    // request that wants logprobs) the greedy ones, taking each argmax from the logits rows.
+    round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr,
+                      const sampling_params * sampling = nullptr);
+
+    // Tree verify (spec_params::tree_budget): one draft pass (per-position top-K), build_tree,
+    // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
+    // step()'s form: under the controller an AR step or a tree round of the first nodes of the
+    // best-first tree (the controller chooses how many, tree_budget at most); else round_tree.
+    // With `sampling` (temperature > 0) the tree holds at each position the drafter's K best
+    // tokens by perturbed score (draft_topk_sampled) and the path kept is the target's draws
+    // (choose_token at each node's position): sampled AR's tokens. At temperature 0 with
+    // logprobs: the greedy tree, its argmaxes from the logits.
+    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
+    // (tests: trees the drafter would not build). The drafter does not run. With `sampling`: the
+    // target's choices by choose_token, as a sampled tree round takes them.
+    round_result verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                             const sampling_params * sampling = nullptr);
+    void set_tree_budget(int64_t n);
+
+    // One exact AR step from the last committed token (the controller's AR step):
+    // decodes `last` with the taps, queues its features for the ring as a round's commit does,
+    // and returns the greedy next token (taken in the graph, as the AR loop's decode_greedy).
+    // Rounds may follow: the ring stays in step with the target.
+    int32_t ar_step(int32_t last);
+
+    // Sampled decoding (sampler.h; spec_sampled.cpp): prefill, AR probe and round as above, with
+    // each target token drawn by the sampler at its position instead of taken by argmax, and the
+    // drafter proposing its own draw under the same noise. The committed tokens equal sampled AR
+    // decoding's at p.seed (p.temperature > 0). At temperature 0 (a greedy request that wants
+    // logprobs) they are greedy decoding's, each argmax taken from the logits rows on the host.
+    // lp, when given and p.want_logprobs(): the token's logprobs. n_cached: as prefill's.
+    int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr,
+                            int64_t n_cached = 0);
+    int32_t ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp = nullptr);
+    round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
+                               const std::vector<int32_t> * forced_draft = nullptr);
+
+    // Push target features (taps) of m committed positions starting at `pos0` into the ring.
+    // feats: [m, n_taps, n_embd] row-major (nullptr: the device queue's first m columns).
+    void push_features(const float * feats, int64_t m, int64_t pos0);
+
+    const drafter_hparams & drafter_hparams_() const { return drafter_->hparams(); }
+    int64_t block_size() const { return block_size_; }
+    // The ring, with the features a round left pending pushed first.
+    feature_ring & ring() {
+        flush_features();
+        return *ring_;
+    }
+    const spec_params & params() const { return params_; }  // window: as resolved at construction
+    // Committed positions a draft attends to at most: the window, bounded by the ring.
+    int64_t effective_window() const {
+        return params_.window > 0 ? std::min(params_.window, ring_->capacity) : ring_->capacity;
+    }
+    // Adds the drafter's weights, the ring and the draft and ring-push graphs' compute buffers.
+    void add_memory(memory_usage & m) const;
+    void set_draft_cutoff(float c);
+    void set_draft_vocab(bool on);
+    void set_controller(bool on) { params_.use_controller = on; }
+    // A structured-output request's grammar (constraint.h), for the calls until it is set back to
+    // nullptr; the caller keeps it alive. Under it every target choice (prefill, AR step, verify
+    // row) is taken from the row masked by the grammar's state there, and every draft is chosen
+    // under its mask; the constraint accepts each committed token. Only the sampling paths take
+    // it (a greedy request passes temperature-0 sampling_params: the argmax from the masked rows):
+    // the in-graph argmax paths (prefill, ar_step, round without sampling) and forced drafts raise.
+    void set_constraint(token_constraint * c) { constraint_ = c; }
+    token_constraint * constraint() const { return constraint_; }
+    controller & control() { return ctl_; }
+    void reset();
+
+private:
+    // prefill's pass (either form): reset (n_cached 0) or check the continuation and begin the
+    // controller's request, then decode prompt[n_cached, n) with the taps and push them
+    decode_result prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only,
+                               uint64_t regime = 0);
+    // A run of ring slots [slot0, slot0 + k) taking positions [pos0, pos0 + k): no wrap inside.
+    struct ring_segment {
+        int64_t slot0, k, pos0, row0;  // row0: the first of the pushed rows it takes
+    };
+    // The segments that pushing m positions from pos0 writes (the oldest skipped when m > capacity).
+    std::vector<ring_segment> ring_segments(int64_t m, int64_t pos0) const;
+    // Builds the ring writes of `segs` into a graph; inputs: per segment features F32
+    // [n_taps * n_embd, k] and positions I32 [k].
+    // On a device the features are columns row0.. of the device queue instead of inputs.
+    void build_push(const build_context & b, const std::vector<ring_segment> & segs,
+                    std::vector<ggml_tensor *> & f_in, std::vector<ggml_tensor *> & pos_in, bool from_queue) const;
+    void set_push_inputs(const std::vector<ring_segment> & segs, const float * feats, const std::vector<ggml_tensor *> & f_in,
+                         const std::vector<ggml_tensor *> & pos_in) const;
+    ggml_tensor * lm_head() const;  // the drafter's own lm_head, else the target's
+    // The features a round committed are pushed by the next draft graph (one graph per round
+    // fewer); anything that reads the ring or pushes out of a round flushes them first.
+    void flush_features();
+    // Queue m rows of features [m, n_taps * n_embd] at positions pos0.. after those pending.
+    void queue_features(std::vector<float> && feats, int64_t m, int64_t pos0);
+
+    // One drafter pass; fills the output that is given: argmax_out [B-1], logits_out
+    // [B-1, n_vocab], or top1_out [B-1, 2] (top1.h: argmax and its probability).
+    // topk_out: [B-1, K, 2] (top1.h: topk_op) with K entries per row. dv_logits: the logits over
+    // the draft vocabulary when it is on ([B-1, its size]; sampled drafts).
+    void run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out = nullptr,
+                   float * topk_out = nullptr, int64_t K = 0, bool dv_logits = false);
+    bool drafts_over_draft_vocab() const { return params_.draft_vocab && drafter_->draft_head; }
+    // One draft graph: its sizes, inputs and output (run_draft fills the sizes, build_draft the tensors).
+    struct draft_graph {
+        enum output { ARGMAX, LOGITS, TOP1, TOPK } what = ARGMAX;
+        int64_t B = 0, n_past = 0;
+        int64_t K = 0;      // TOPK: entries per row
+        int64_t n_ctx = 0;  // ring slots holding context
+        int64_t n_att = 0;  // ring slots attended to: context, block, masked padding
+        int64_t lo = 0;     // oldest position any layer sees (the user's window)
+        int64_t w = 0;      // the GGUF sliding window of its layers (0: none)
+        bool sub = false;   // over the draft vocabulary's rows of the lm_head
+        std::vector<ring_segment> push;  // pending features this graph writes into the ring first
+        std::vector<ggml_tensor *> push_f, push_pos;
+        ggml_tensor * tok = nullptr;       // I32 [B]: last, MASK x (B-1)
+        ggml_tensor * pos = nullptr;       // I32 [B]
+        ggml_tensor * mask = nullptr;      // F16 [n_att, B]
+        ggml_tensor * mask_swa = nullptr;  // F16 [n_att, B], when w > 0
+        ggml_tensor * out = nullptr;       // I32 [B-1] argmax, F32 [n_vocab, B-1] logits or F32 [2, B-1] top1
+        device_head head;                  // on a device: argmax / top1 in stock ops (device_heads.h)
+    };
+    void check_draft(int32_t last, int64_t B) const;
+    void build_draft(const build_context & b, draft_graph & d) const;
+    void set_draft_inputs(const draft_graph & d, int32_t last) const;
+    // mask (swa: mask_swa) over ring slots [0, n_att) for each block row, [B, n_att] row-major
+    void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
+    // argmax_out: the argmax output; f32_out: the logits or top1 output
+    void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
+    // d_1..d_{B-1} by argmax with their top-1 probabilities [B-1] (TOP1 output).
+    std::vector<int32_t> draft_top1(int32_t last, int64_t B, std::vector<float> & p);
+    // The number of drafts the draft_cutoff keeps: while the running product of p stays >= it.
+    int64_t cutoff_keep(const std::vector<float> & p) const;
+    // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's
+    // start and the draft's end (profile_now) for r's times.
+    void verify_and_commit(int32_t last, round_result & r, double t0, double t1);
+    // The end of a chain round: commit r.committed, queue their taps, fill r's times (t0: start,
+    // t1: draft done, t2: verify done).
+    void commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1, double t2);
+    // round()'s drafts: all B-1 argmaxes, or those the draft_cutoff keeps
+    std::vector<int32_t> draft_chain(int32_t last, int64_t B);
+    // The drafter's logits for d_1..d_{B-1} as the sampler reads them, [B-1, row.n]: over the
+    // draft vocabulary when it is on (row.ids its token ids), else the whole vocabulary; sets
+    // row.n and row.ids (row i's logits start at i * row.n of the result).
+    std::vector<float> draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row);
+    // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
+    // and now (the end of the commit).
+    static void set_times(round_result & r, double t0, double t1, double t2);
+    // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
+    // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
+    // distribution); with it, all B-1 and their probabilities (the controller cuts)
+    std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                       std::vector<float> * probs = nullptr);
+    // round()'s verify_and_commit with choose_token's choices (draws, or argmaxes from the logits
+    // at temperature 0) in place of the in-graph argmaxes, and their logprobs when asked for
+    void verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1);
+    // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
+    // (K = min(tree_budget, rows of the head)); returns K.
+    int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
+    // draft_topk's sampled form (spec_sampled.cpp): per position the K best tokens by the
+    // perturbed score l / T + G(seed, pos, token) over the drafter's filtered logits, with
+    // perturbed_topk's weights in place of probabilities (0 past the tokens the filters keep).
+    int64_t draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
+                               std::vector<float> & w);
+    // A round's tree: draft_topk (or its sampled form), then build_tree with the room left
+    // (tree_budget at most).
+    draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling);
+    // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
+    // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
+    void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                                round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
+    // The drafts under the constraint (spec_sampled.cpp): d_{i+1} chosen from the drafter's row i
+    // masked by the grammar after d_1..d_i (argmax at temperature 0, else the draw), each accepted
+    // by the constraint; ends early where the drafter's row allows nothing, or before a token that
+    // would terminate the grammar (a stop token: nothing is verified after it). Fills masks_ rows
+    // 0..n (row i: the mask after i drafts, the verify's row i). probs, cut: as draft_sampled's.
+    // The constraint is left after all the drafts returned.
+    std::vector<int32_t> draft_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                           std::vector<float> * probs = nullptr);
+    // A tree under the constraint: the nodes whose token the grammar rejects after their parent's
+    // path (and those that would terminate it) are dropped with their subtrees; masks_ row i is the
+    // mask after node i's path. The constraint ends at the root's state.
+    void prune_tree(draft_tree & tree);
+    // The grammar's state back to the round's start plus its committed tokens: rollback of the
+    // n_in drafts it holds, then accept(committed).
+    void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
+    // The sampling paths' refusal of what the constraint cannot take.
+    void require_unconstrained(const char * what) const;
+    // The controller's AR step as step() and step_tree() take it.
+    round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
+
+    target_session & target_;
+    graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
+    spec_params params_;
+    std::unique_ptr<drafter_model> drafter_;
+    std::unique_ptr<feature_ring> ring_;
+    int64_t block_size_ = 0;
+    controller ctl_;
+    token_constraint * constraint_ = nullptr;
+    // Under a constraint, the round's masks: [n_rows, mask_words(n_vocab)], row i the verify's row i
+    std::vector<uint32_t> masks_;
+    std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
+    int64_t pending_m_ = 0, pending_pos0_ = 0;
+    // On a device the queued rows stay there: the target's verify and AR graphs write their taps
+    // into this queue (target_session::set_tap_sink) at column pending_m_, and the ring push reads
+    // its columns; pending_feats_ is unused. F32 [n_taps * n_embd, Q], Q = max(64, 2 B).
+    ggml_context_ptr queue_ctx_;
+    ggml_backend_buffer_ptr queue_buf_;
+    ggml_tensor * dev_queue_ = nullptr;
+    // Before a target pass of n tokens with taps: on a device, room for n more rows in the queue
+    // (pushing the queue into the ring when full) and the target's tap sink at its next column.
+    void sink_taps(int64_t n);
+};
+
+}  // namespace dfn

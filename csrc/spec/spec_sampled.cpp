@@ -1,0 +1,201 @@
+// Sampled speculative decoding: spec_session's prefill, AR probe and round with the sampler
+// (sampler.h) in place of the argmax. The target token at absolute position q is drawn from its
+// logits row with the noise G(seed, q, .); a verify row's logits are bit for bit the AR step's, so
+// every committed token is the one sampled AR decoding draws at q. The drafter proposes d_i, at
+// position n_past + i, as its own draw with the same noise (Gumbel coupling): where its
+// distribution is close to the target's the two draws agree, and acceptance stays near greedy's.
+// The same paths serve a greedy request that asks for logprobs (temperature 0): choose_token
+// then takes the argmax from the rows, which is the in-graph argmax the greedy paths read.
+#include "spec/spec.h"
+
+#include "base/common.h"
+#include "base/profile.h"
+#include "spec/verify.h"
+
+#include <cmath>
+
+namespace dfn {
+
+int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p,
+                                      token_logprobs * lp, int64_t n_cached) {
+    check_sampling_params(p);
+    decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false,
+                                   regime_key(p.temperature, p.top_k, p.top_p, p.min_p));
+    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    return constraint_ ? choose_constrained(*constraint_, row, p, n, "decode", lp) : choose_token(row, p, n, "decode", lp);
+}
+
+int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp) {
+    check_sampling_params(p);
+    const int64_t pos = target_.n_past();
+    sink_taps(1);
+    decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers);
+    queue_features(std::move(r.taps), 1, pos);
+    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    return constraint_ ? choose_constrained(*constraint_, row, p, pos + 1, "decode", lp)
+                       : choose_token(row, p, pos + 1, "decode", lp);
+}
+
+std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {
+    const bool dv = drafts_over_draft_vocab();
+    const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;
+    row.n = dv ? (int64_t) ids.size() : target_.hparams().n_vocab;
+    row.ids = dv ? ids.data() : nullptr;
+    std::vector<float> logits((size_t) (B - 1) * row.n);  // [B-1, row.n]
+    run_draft(last, B, nullptr, logits.data(), nullptr, nullptr, 0, /*dv_logits=*/true);
+    return logits;
+}
+
+std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                                 std::vector<float> * probs) {
+    const int64_t n_past = target_.n_past();
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    const int64_t n_cols = row0.n;
+    const bool cut = !probs && params_.draft_cutoff > 0.0f;
+    std::vector<int32_t> out;
+    if (probs) probs->clear();
+    double p_all = 1.0;
+    for (int64_t i = 0; i + 1 < B; ++i) {
+        const logits_row row{logits.data() + (size_t) i * n_cols, n_cols, row0.ids};
+        const sample_result s = sample_row(row, p, n_past + 1 + i, "draft", cut || probs);  // d_{i+1}
+        if (probs) probs->push_back((float) std::exp(s.logprob));
+        if (cut) {
+            p_all *= std::exp(s.logprob);
+            if (p_all < params_.draft_cutoff) break;
+        }
+        out.push_back(s.token);
+    }
+    return out;
+}
+
+std::vector<int32_t> spec_session::draft_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                                     std::vector<float> * probs) {
+    const int64_t n_past = target_.n_past();
+    const int64_t W = mask_words(target_.hparams().n_vocab);
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    const bool cut = !probs && params_.draft_cutoff > 0.0f;
+    sampling_params q = p;
+    q.n_logprobs = 0;  // the draft's probability under the masked distribution (cut, controller)
+    masks_.assign((size_t) B * W, 0);
+    std::vector<int32_t> out;
+    if (probs) probs->clear();
+    std::vector<float> buf;
+    double p_all = 1.0;
+    int64_t i = 0;
+    for (; i + 1 < B; ++i) {
+        uint32_t * mask = masks_.data() + (size_t) i * W;
+        constraint_->fill_mask(mask, W);
+        int64_t n_allowed = 0;
+        const logits_row row = mask_row({logits.data() + (size_t) i * row0.n, row0.n, row0.ids}, mask, buf, &n_allowed);
+        if (n_allowed == 0) break;  // the draft vocabulary holds nothing the grammar allows here
+        token_logprobs lp;
+        const int32_t d = choose_token(row, q, n_past + 1 + i, "draft", &lp);  // d_{i+1}
+        const double pr = std::exp(lp.logprob);
+        if (cut && (p_all *= pr) < params_.draft_cutoff) break;
+        if (!constraint_->accept(d)) break;
+        if (constraint_->terminated()) {  // a stop token: the verify row after it would allow nothing
+            constraint_->rollback(1);
+            break;
+        }
+        out.push_back(d);
+        if (probs) probs->push_back((float) pr);
+    }
+    if (i + 1 == B) constraint_->fill_mask(masks_.data() + (size_t) i * W, W);  // the bonus row's
+    return out;
+}
+
+void spec_session::constraint_commit(int64_t n_in, const std::vector<int32_t> & committed) {
+    if (!constraint_) return;
+    constraint_->rollback(n_in);
+    for (const int32_t t : committed) {
+        if (!constraint_->accept(t)) throw runtime_error(cat("[verify] the constraint rejected committed token ", t));
+    }
+}
+
+void spec_session::require_unconstrained(const char * what) const {
+    DFN_REQUIRE(!constraint_, "round", what, " cannot run under a constraint (pass sampling params: temperature 0 "
+                "for greedy)");
+}
+
+round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p,
+                                         const std::vector<int32_t> * forced_draft) {
+    check_sampling_params(p);
+    round_result r;
+    const double t0 = profile_now();
+    // temperature 0 (logprobs): round()'s greedy drafts
+    if (forced_draft) {
+        require_unconstrained("a forced draft");
+        DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+        if (p.greedy()) {
+            draft(last, B);  // the drafter runs as in a real round
+        } else {
+            draft_sampled(last, B, p);
+        }
+        r.draft = *forced_draft;
+    } else {
+        r.draft = constraint_ ? draft_constrained(last, B, p) : p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
+    }
+    verify_sampled(last, r, p, t0, profile_now());
+    return r;
+}
+
+void spec_session::verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1) {
+    check_sampling_params(p);
+    const int64_t L = (int64_t) r.draft.size() + 1;  // `last` + the drafts
+    std::vector<int32_t> input(L);
+    input[0] = last;
+    std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
+    const int64_t n_past0 = target_.n_past();
+    sink_taps(L);
+    decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers);  // logits [L, n_vocab]
+    const int64_t n_vocab = target_.hparams().n_vocab;
+    // t_i: the target's choice after input i, at position n_past0 + i + 1; rows after the first
+    // rejected draft are not drawn (nothing reads them). Every t_i is committed, so these are
+    // the logprobs of the committed tokens.
+    // Under a constraint row i is masked by masks_ row i: the grammar after d_1..d_i.
+    const int64_t W = mask_words(n_vocab);
+    std::vector<int32_t> t;
+    for (int64_t i = 0; i < L; ++i) {
+        token_logprobs lp;
+        const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
+        t.push_back(constraint_ ? choose_masked(row, masks_.data() + (size_t) i * W, p, n_past0 + i + 1, "verify", &lp)
+                                : choose_token(row, p, n_past0 + i + 1, "verify", &lp));
+        if (p.want_logprobs()) r.logprobs.push_back(std::move(lp));
+        if (i + 1 == L || r.draft[i] != t[i]) break;
+    }
+    const double t2 = profile_now();
+    r.n_verified = L;
+
+    const int64_t n_acc = (int64_t) t.size() - 1;  // drafts equal to the target's draws
+    r.committed = accept_prefix(r.draft.data(), n_acc, t.data(), n_acc + 1);
+    constraint_commit(L - 1, r.committed);
+    commit_round(r, v.taps, n_past0, t0, t1, t2);
+}
+
+int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
+                                         std::vector<float> & w) {
+    DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
+    const int64_t n_past = target_.n_past();
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    const int64_t K = std::min(params_.tree_budget, row0.n);
+    // [B-1, K]; a position whose filters keep fewer than K tokens has weight 0 past them, which
+    // build_tree never takes
+    tok.assign((size_t) (B - 1) * K, 0);
+    w.assign(tok.size(), 0.0f);
+    std::vector<int32_t> idx;
+    std::vector<float> wk;
+    for (int64_t i = 0; i + 1 < B; ++i) {  // d_{i+1} at position n_past + i + 1
+        const logits_row row{logits.data() + (size_t) i * row0.n, row0.n, row0.ids};
+        perturbed_topk(row, p, n_past + 1 + i, K, "draft", idx, wk);
+        for (size_t k = 0; k < idx.size(); ++k) {
+            tok[i * K + k] = row.id(idx[k]);
+            w[i * K + k] = wk[k];
+        }
+    }
+    return K;
+}
+
+}  // namespace dfn
