@@ -1,7 +1,8 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 //
 // One binder per area: module information (bind_module_info), verify primitives (bind_verify),
-// the GDN tape (bind_tape), the sampling settings (bind_sampling), the Target and Spec sessions
+// the GDN tape (bind_tape), the sampling settings (bind_sampling), structured output's grammar
+// seam (bind_constraint), the Target and Spec sessions
 // (bind_target, bind_spec), and the hooks
 // only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
 #include "base/alloc.h"
