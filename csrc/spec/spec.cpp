@@ -597,15 +597,15 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
     std::vector<int32_t> tok;
     std::vector<float> p;
     // both check last, B and the room for the block
-    const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
-                                                      : draft_topk(last, B, tok, p);
+    DFN_REQUIRE(sampling || !constraint_, "round", "a constrained tree round needs sampling params (temperature 0 "
+                "for greedy)");
+    const int64_t K = constraint_                        ? draft_topk_constrained(last, B, *sampling, tok, p)
+                      : sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
+                                                        : draft_topk(last, B, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
     draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
-    if (constraint_) {
-        DFN_REQUIRE(sampling, "round", "a constrained tree round needs sampling params (temperature 0 for greedy)");
-        prune_tree(tree);
-    }
+    if (constraint_) prune_tree(tree);
     return tree;
 }
 

@@ -254,6 +254,12 @@ private:
     // The constraint is left after all the drafts returned.
     std::vector<int32_t> draft_constrained(int32_t last, int64_t B, const sampling_params & p,
                                            std::vector<float> * probs = nullptr);
+    // draft_topk's form under the constraint (spec_sampled.cpp): position i's K candidates from the
+    // drafter's row i masked by the grammar after the spine (the rank-0 candidates of positions
+    // before it: the chain draft_constrained takes), greedy (row_topk) or by perturbed score; the
+    // positions after the spine ends have weight 0. The constraint is left as it was.
+    int64_t draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
+                                   std::vector<float> & w);
     // A tree under the constraint: the nodes whose token the grammar rejects after their parent's
     // path (and those that would terminate it) are dropped with their subtrees; masks_ row i is the
     // mask after node i's path. The constraint ends at the root's state.

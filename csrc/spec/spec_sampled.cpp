@@ -174,6 +174,42 @@ void spec_session::verify_sampled(int32_t last, round_result & r, const sampling
     commit_round(r, v.taps, n_past0, t0, t1, t2);
 }
 
+int64_t spec_session::draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                             std::vector<int32_t> & tok, std::vector<float> & w) {
+    DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
+    const int64_t n_past = target_.n_past(), W = mask_words(target_.hparams().n_vocab);
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    const int64_t K = std::min(params_.tree_budget, row0.n);
+    tok.assign((size_t) (B - 1) * K, 0);  // [B-1, K]
+    w.assign(tok.size(), 0.0f);
+    std::vector<uint32_t> mask((size_t) W);
+    std::vector<float> buf, wk;
+    std::vector<int32_t> idx;
+    int64_t n_spine = 0;
+    for (int64_t i = 0; i + 1 < B; ++i) {  // position n_past + i + 1
+        constraint_->fill_mask(mask.data(), W);
+        int64_t n_allowed = 0;
+        const logits_row row = mask_row({logits.data() + (size_t) i * row0.n, row0.n, row0.ids}, mask.data(), buf,
+                                        &n_allowed);
+        if (n_allowed == 0) break;
+        if (p.greedy()) {
+            row_topk(row, K, idx, wk);
+        } else {
+            perturbed_topk(row, p, n_past + 1 + i, K, "draft", idx, wk);
+        }
+        for (size_t k = 0; k < idx.size(); ++k) {
+            tok[i * K + k] = row.id(idx[k]);
+            w[i * K + k] = wk[k];
+        }
+        if (!constraint_->accept(row.id(idx[0]))) break;
+        ++n_spine;
+        if (constraint_->terminated()) break;  // nothing follows a stop token (prune_tree drops it)
+    }
+    constraint_->rollback(n_spine);
+    return K;
+}
+
 int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
                                          std::vector<float> & w) {
     DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");

@@ -465,11 +465,11 @@ class Engine:
 
     # ---- structured output ------------------------------------------------------------
     def _grammar_engine(self) -> GrammarEngine:
-        with self._cv:
-            if self._grammars is None:
-                tok = self._tok()
-                self._grammars = _shared_grammar_engine(tok, self.path, self._live().n_vocab)
-            return self._grammars
+        # not under _cv: the server's request parsing compiles here while a slot computes
+        g = self._grammars
+        if g is None:
+            g = self._grammars = _shared_grammar_engine(self._tok(), self.path, self._live().n_vocab)
+        return g
 
     def check_constraint(self, constraint: "Constraint | dict") -> None:
         """Compiles a constraint (see generate) for this engine's vocabulary, as generate would:

@@ -43,6 +43,11 @@ logits_row mask_row(const logits_row & row, const uint32_t * mask, std::vector<f
 int32_t choose_masked(const logits_row & row, const uint32_t * mask, const sampling_params & p, int64_t pos,
                       const char * where, token_logprobs * lp = nullptr);
 
+// The K entries of the row with the largest logits (those above -inf; fewer when fewer are), logit
+// descending, ties by the lower index, with their probabilities under softmax over the row's
+// entries above -inf: a masked row's greedy top-K (constrained tree drafts).
+void row_topk(const logits_row & row, int64_t K, std::vector<int32_t> & idx, std::vector<float> & prob);
+
 // The committed token of an AR step under c: c's mask, choose_masked, then c accepts it.
 int32_t choose_constrained(token_constraint & c, const logits_row & row, const sampling_params & p, int64_t pos,
                            const char * where, token_logprobs * lp = nullptr);
