@@ -31,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_rev, machine, resolve_pair, write_jsonl  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_server(target, drafter, slots: int, n_ctx: int, threads: int | None) -> tuple[subprocess.Popen, str]:
@@ -43,7 +42,10 @@ def start_server(target, drafter, slots: int, n_ctx: int, threads: int | None) -
            "--model-name", "bench"]
     if threads:
         cmd += ["--threads", str(threads)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import dflash_native  # the server imports the package this process imports (installed, or a dev build)
+
+    pkg_root = str(Path(dflash_native.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -85,9 +85,6 @@ typedef struct dfn_engine dfn_engine; /* opaque */
 
 typedef enum dfn_kv_type { DFN_KV_F16 = 0, DFN_KV_F32 = 1 } dfn_kv_type;
 typedef enum dfn_device { DFN_DEVICE_CPU = 0, DFN_DEVICE_GPU = 1 } dfn_device;
-/* DFN_MATMUL_OWN: the package's batch-invariant kernel (speculative output equals AR bit for bit);
- * DFN_MATMUL_GGML: ggml_mul_mat (a benchmark baseline) */
-typedef enum dfn_matmul { DFN_MATMUL_OWN = 0, DFN_MATMUL_GGML = 1 } dfn_matmul;
 typedef enum dfn_verify { DFN_VERIFY_CHAIN = 0, DFN_VERIFY_TREE = 1 } dfn_verify;
 
 /* The Engine's options (see dflash_native.Engine for what each does). */
@@ -99,7 +96,7 @@ typedef struct dfn_engine_options {
     int64_t n_batch;               /* tokens per prefill graph (512) */
     int32_t kv_type;               /* dfn_kv_type (DFN_KV_F16) */
     int32_t device;                /* dfn_device (DFN_DEVICE_CPU) */
-    int32_t matmul;                /* dfn_matmul (DFN_MATMUL_OWN) */
+    int32_t reserved0;             /* must be 0 (the field that chose a benchmark matmul in 0.1 builds) */
     int32_t verify;                /* dfn_verify (DFN_VERIFY_CHAIN); tree needs a drafter */
     int32_t tree_budget;           /* tree nodes below the root, 1..63 (32) */
     int32_t gate;                  /* the speculation controller on (1) or fixed settings (0) (1) */

@@ -174,6 +174,8 @@ def test_c_program_error_paths(consumer, pair):
     assert r["missing_file"][0] == "DFN_ERR_FILE" and "cannot open target '/nonexistent/dir/model.gguf'" in r["missing_file"][1]
     assert r["missing_file_handle"][0] == "null"
     assert r["bad_kv_type"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got 7")
+    # the field that chose the ggml matmul baseline is reserved: the C ABI has no benchmark switch
+    assert r["nonzero_reserved"] == ("DFN_ERR_INVALID_ARGUMENT", "[engine] reserved0 must be 0, got 1")
     assert r["bad_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "n_ctx must be >= 1" in r["bad_n_ctx"][1]
     assert r["huge_n_ctx"] == ("DFN_ERR_INVALID_ARGUMENT",
                                "[engine] n_ctx must be <= 2147483647 (positions are int32), got 4611686018427387904")

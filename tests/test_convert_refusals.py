@@ -131,3 +131,66 @@ def test_token_ids_must_be_a_sequence():
         for bad in ({1, 2, 3}, {1: 2}, frozenset({4})):
             with pytest.raises(ValueError, match="sequence"):
                 eng.generate(bad, max_tokens=1)
+
+
+_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def _saved_by_transformers(src: Path, tmp: Path) -> dict:
+    """src's config.json rewritten by the installed transformers: its config class (AutoConfig for
+    the checkpoint's model_type) built from the keys it knows, saved with save_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    ours = json.loads((src / "config.json").read_text())
+    known = set(transformers.AutoConfig.for_model(ours["model_type"]).to_dict())
+    if "num_experts" in ours and "num_local_experts" in known:
+        ours["num_local_experts"] = ours["num_experts"]
+    cfg = transformers.AutoConfig.for_model(ours["model_type"], **{k: v for k, v in ours.items()
+                                                                  if k in known and k != "model_type"})
+    cfg.architectures = ours["architectures"]
+    cfg.save_pretrained(tmp)
+    return json.loads((tmp / "config.json").read_text())
+
+
+def _metadata(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    return {name: [p.tolist() for p in (f.parts[i] for i in f.data)] for name, f in r.fields.items()
+            if name != "general.name" and not name.startswith("GGUF.")}
+
+
+@pytest.mark.parametrize("arch", _ARCHS)
+def test_configs_saved_by_transformers_convert_alike(tmp_path, arch):
+    """Every architecture's config as the installed transformers saves it converts to the same GGUF
+    metadata as the config the tests write by hand: the keys the config classes leave out (e.g.
+    Qwen3-MoE's head_dim, Qwen3.5-MoE's norm_topk_prob) are derived as transformers' modelling
+    derives them, not filled with another default (a Qwen3-MoE config got head_dim 128 before)."""
+    src = make_random_checkpoint(tmp_path / "ckpt", arch)
+    ref = _metadata(dn.convert_hf_to_gguf(src, tmp_path / "ours.gguf"))
+    saved = _saved_by_transformers(src, tmp_path / "saved")
+    (src / "config.json").write_text(json.dumps(saved))
+    assert _metadata(dn.convert_hf_to_gguf(src, tmp_path / "theirs.gguf")) == ref
+
+
+@pytest.mark.parametrize("arch", _ARCHS)
+def test_a_missing_hyperparameter_is_refused_by_name(tmp_path, arch):
+    """Drop each hyperparameter the architecture needs from a config saved by transformers: the
+    converter names it (ValueError), never fills a default."""
+    from dflash_native.convert import _REQUIRED, _MODEL_TYPES
+
+    src = make_random_checkpoint(tmp_path / "ckpt", arch)
+    saved = _saved_by_transformers(src, tmp_path / "saved")
+    required = list(_REQUIRED[_MODEL_TYPES[saved["model_type"]]])
+    for key in required + ["rope_theta"]:
+        d = json.loads(json.dumps(saved))
+        if key == "rope_theta":
+            d["rope_parameters"].pop("rope_theta")
+            d.pop("rope_theta", None)
+        else:
+            assert key in d or (key == "num_experts" and "num_local_experts" in d), (key, sorted(d))
+            d.pop(key, None)
+            if key == "num_experts":
+                d.pop("num_local_experts", None)
+        (src / "config.json").write_text(json.dumps(d))
+        with pytest.raises(ValueError, match=f"missing key '{key}'"):
+            dn.convert_hf_to_gguf(src, tmp_path / "out.gguf")

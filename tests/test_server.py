@@ -67,6 +67,10 @@ def _start_server(*args: str) -> tuple[subprocess.Popen, str]:
 def server():
     proc, base = _start_server("--slots", "2", "--queue", "40", "--n-ctx", str(N_CTX))
     yield base
+    _stop_server(proc)
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)

@@ -144,8 +144,8 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] kv_type must be DFN_KV_F16 or DFN_KV_F32, got ", o.kv_type));
     if (!o.device_name && o.device != DFN_DEVICE_CPU && o.device != DFN_DEVICE_GPU)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] device must be DFN_DEVICE_CPU or DFN_DEVICE_GPU, got ", o.device));
-    if (o.matmul != DFN_MATMUL_OWN && o.matmul != DFN_MATMUL_GGML)
-        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] matmul must be DFN_MATMUL_OWN or DFN_MATMUL_GGML, got ", o.matmul));
+    if (o.reserved0 != 0)
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] reserved0 must be 0, got ", o.reserved0));
     if (o.verify != DFN_VERIFY_CHAIN && o.verify != DFN_VERIFY_TREE)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[engine] verify must be DFN_VERIFY_CHAIN or DFN_VERIFY_TREE, got ", o.verify));
     const bool tree = o.verify == DFN_VERIFY_TREE;
@@ -172,7 +172,7 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     p.n_batch = o.n_batch;
     p.device = o.device_name ? std::string(o.device_name) : o.device == DFN_DEVICE_GPU ? "gpu" : "cpu";
     p.max_verify = max_verify;
-    p.matmul = o.matmul == DFN_MATMUL_GGML ? MATMUL_GGML : MATMUL_OWN;
+    p.matmul = MATMUL_OWN;  // the ggml baseline is for benchmarks (Engine.for_benchmark), not the C API
     p.use_mmap = o.use_mmap != 0;
     e->target = std::make_unique<target_session>(target_path, p);
     if (drafter_path) {
@@ -357,7 +357,6 @@ dfn_engine_options dfn_engine_options_default(void) {
     o.kv_type = DFN_KV_F16;
     o.device = DFN_DEVICE_CPU;
     o.device_name = nullptr;
-    o.matmul = DFN_MATMUL_OWN;
     o.verify = DFN_VERIFY_CHAIN;
     o.tree_budget = 32;
     o.gate = 1;

@@ -4,6 +4,7 @@ so that tokenization equals llama.cpp's on the same GGUF file, plus the GGUF cha
 from __future__ import annotations
 
 import codecs
+import functools
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -78,7 +79,13 @@ class Tokenizer:
     def decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
-    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
+        """The GGUF's chat template rendered as transformers' apply_chat_template renders it (its
+        jinja environment: tojson without HTML escaping, loop controls, strftime_now): `messages`
+        are dicts with a str 'role' and 'content' (an assistant's 'tool_calls', a tool message's
+        'tool_call_id' as HF templates read them), `tools` JSON schemas of functions
+        ({"type": "function", "function": {...}}) or None."""
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"[chat] messages must be a list of dicts, got {type(messages).__name__}")
         for i, m in enumerate(messages):
@@ -87,25 +94,51 @@ class Tokenizer:
             for key in ("role", "content"):
                 if not isinstance(m[key], str):
                     raise ValueError(f"[chat] message {i}: '{key}' must be a str, got {type(m[key]).__name__}")
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"[chat] tools must be a list of dicts, got {tools!r}"[:200])
         if not self.chat_template:
             raise ValueError("[chat] the model has no tokenizer.chat_template in its GGUF metadata")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise ValueError(f"[chat] template error: {msg}")
-
-        env.globals["raise_exception"] = raise_exception
         bos = self.token_text(self.bos_token_id) if self.bos_token_id >= 0 else ""
         eos = self.token_text(self.eos_token_id) if self.eos_token_id >= 0 else ""
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-            )
-        except TemplateError as e:  # the template comes from the file: a broken one is bad input
-            raise ValueError(f"[chat] tokenizer.chat_template: {type(e).__name__}: {e}") from None
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, bos_token=bos, eos_token=eos)
+
+
+def render_chat_template(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                         tools: Sequence[dict] | None = None, bos_token: str = "", eos_token: str = "") -> str:
+    """A chat template's text rendered with the variables transformers gives it (messages, tools,
+    documents=None, add_generation_prompt, the special tokens); a template error is a ValueError."""
+    from jinja2 import TemplateError
+
+    try:
+        return _jinja_env().from_string(template).render(
+            messages=list(messages), tools=None if tools is None else list(tools), documents=None,
+            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+    except TemplateError as e:  # the template comes from the file: a broken one is bad input
+        raise ValueError(f"[chat] tokenizer.chat_template: {type(e).__name__}: {e}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _jinja_env():
+    """A sandboxed jinja2 environment with what transformers gives chat templates."""
+    import json
+    from datetime import datetime
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+    def raise_exception(msg):
+        raise ValueError(f"[chat] template error: {msg}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 class StreamDecoder:

@@ -360,32 +360,63 @@ _ARCHS = {
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
                 "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 
-# Defaults of the transformers 5 config classes for keys a config.json may omit. The MoE sizes
-# (num_experts, num_experts_per_tok, moe_intermediate_size) have none here: a config without them
-# is refused by name rather than converted into a different model.
-_DEFAULTS = {
-    "llama": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
-    "qwen3": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False),
-    "qwen3moe": dict(num_key_value_heads=None, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False, attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
-                     norm_topk_prob=False),
-    "qwen35": dict(num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
-                   rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-                   linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                   linear_num_key_heads=16, linear_num_value_heads=32),
-    "qwen35moe": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-                      linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                      linear_num_key_heads=16, linear_num_value_heads=32,
-                      shared_expert_intermediate_size=512, norm_topk_prob=True),
-    "qwen3next": dict(num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, attention_bias=False, intermediate_size=5632,
-                      linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                      linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, mlp_only_layers=[],
-                      shared_expert_intermediate_size=512, norm_topk_prob=True),
+# What each architecture's config.json must state: a missing one is refused by name, never filled
+# with a default (which would convert a different model). The keys below are those the
+# transformers 5.24 config classes save (tests/test_convert_refusals.py builds each config with the
+# installed transformers and drops each key in turn).
+_COMMON_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                    "max_position_embeddings", "rms_norm_eps")
+_HYBRID_REQUIRED = ("head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_num_key_heads", "linear_num_value_heads")
+_MOE_REQUIRED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_REQUIRED = {
+    "llama": _COMMON_REQUIRED + ("intermediate_size",),
+    "qwen3": _COMMON_REQUIRED + ("intermediate_size", "head_dim"),
+    "qwen3moe": _COMMON_REQUIRED + _MOE_REQUIRED + ("norm_topk_prob", "decoder_sparse_step"),
+    "qwen35": _COMMON_REQUIRED + _HYBRID_REQUIRED + ("intermediate_size",),
+    "qwen35moe": _COMMON_REQUIRED + _HYBRID_REQUIRED + _MOE_REQUIRED + ("shared_expert_intermediate_size",),
+    "qwen3next": _COMMON_REQUIRED + _HYBRID_REQUIRED + _MOE_REQUIRED
+    + ("intermediate_size", "norm_topk_prob", "decoder_sparse_step", "shared_expert_intermediate_size"),
 }
+# Keys that switch a feature on, whose absence means the feature is off in every config class of
+# these architectures (the converter refuses each feature it cannot state when it is on).
+_ABSENT_MEANS_OFF = {"attention_bias": False, "mlp_bias": False, "use_sliding_window": False, "mlp_only_layers": [],
+                     "tie_word_embeddings": False}
+
+
+def _apply_hf_rules(arch: str, text: dict[str, Any]) -> None:
+    """The values transformers' modelling code derives when a config leaves a key out (rules, not
+    defaults): the KV heads are the attention heads; Llama's and Qwen3-MoE's head_dim is
+    hidden_size / num_attention_heads (Qwen3MoeConfig saves no head_dim); Qwen3.5-MoE always
+    renormalizes its top-k router weights (its config has no norm_topk_prob)."""
+    if text.get("num_experts") is None and text.get("num_local_experts") is not None:
+        # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (4.x: num_experts)
+        text["num_experts"] = text["num_local_experts"]
+    if text.get("num_key_value_heads") is None and text.get("num_attention_heads") is not None:
+        text["num_key_value_heads"] = text["num_attention_heads"]
+    if (arch in ("llama", "qwen3moe") and text.get("head_dim") is None and text.get("num_attention_heads")
+            and text.get("hidden_size")):
+        text["head_dim"] = int(text["hidden_size"]) // int(text["num_attention_heads"])
+    if arch == "qwen35moe":
+        text["norm_topk_prob"] = True
+    for key, off in _ABSENT_MEANS_OFF.items():
+        text.setdefault(key, off)
+
+
+def _require_hparams(arch: str, config_path: Path, text: Mapping[str, Any]) -> None:
+    """ValueError naming the first hyperparameter `arch` needs that the config does not state."""
+    for key in _REQUIRED[arch]:
+        if text.get(key) is None:
+            raise ValueError(f"[convert] {config_path}: missing key {key!r} (a {arch} config states it; "
+                             f"the converter does not guess it)")
+    rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rp, dict) or (rp.get("rope_theta") is None and text.get("rope_theta") is None):
+        raise ValueError(f"[convert] {config_path}: missing key 'rope_theta' (in rope_parameters or at the top level)")
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
+        if rp.get("partial_rotary_factor") is None and text.get("partial_rotary_factor") is None:
+            raise ValueError(f"[convert] {config_path}: missing key 'partial_rotary_factor' (in rope_parameters)")
+        if text.get("layer_types") is None and text.get("full_attention_interval") is None:
+            raise ValueError(f"[convert] {config_path}: missing key 'layer_types' (or full_attention_interval)")
 
 
 def read_config_json(src: Path, where: str) -> dict[str, Any]:
@@ -452,16 +483,10 @@ def _load_model_spec(src: Path) -> _ModelSpec:
         for key in ("tie_word_embeddings",):
             if key in config and key not in text:
                 text[key] = config[key]
-    text = {**_DEFAULTS[gguf_arch], **text}
-    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (4.x: num_experts)
-    if text.get("num_experts") is None and text.get("num_local_experts") is not None:
-        text["num_experts"] = text["num_local_experts"]
+    text = dict(text)
+    _apply_hf_rules(gguf_arch, text)
     check_hparams("convert", config_path, text)
-    if text.get("num_key_value_heads") is None:
-        text["num_key_value_heads"] = text.get("num_attention_heads")
-    if text.get("head_dim") is None and text.get("num_attention_heads"):
-        text["head_dim"] = int(text.get("hidden_size", 0)) // int(text["num_attention_heads"])
-    check_hparams("convert", config_path, text)  # head_dim, when computed
+    _require_hparams(gguf_arch, config_path, text)
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return _ModelSpec(src, gguf_arch, config, text, tied)
 
@@ -473,7 +498,7 @@ def _rope_parameters(spec: _ModelSpec) -> dict[str, Any]:
         rp["rope_type"] = rp["type"]
     rp.setdefault("rope_type", "default")
     if "rope_theta" not in rp:
-        rp["rope_theta"] = spec.get("rope_theta", 10000.0)
+        rp["rope_theta"] = spec.require("rope_theta")
     if "partial_rotary_factor" not in rp and spec.get("partial_rotary_factor") is not None:
         rp["partial_rotary_factor"] = spec.get("partial_rotary_factor")
     return rp
@@ -744,9 +769,13 @@ def llama3_rope_factors(spec: _ModelSpec) -> np.ndarray | None:
         return None
     dim = int(spec.get("head_dim"))
     base = float(rp["rope_theta"])
-    factor = float(rp.get("factor", 8.0))
-    low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
-    old_ctx = float(rp.get("original_max_position_embeddings", spec.get("original_max_position_embeddings", 8192)))
+    where = spec.src_dir / "config.json"
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if rp.get(key) is None:
+            raise ValueError(f"[convert] {where}: llama3 rope scaling needs {key!r} in rope_parameters")
+    factor = float(rp["factor"])
+    low, high = float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+    old_ctx = float(rp["original_max_position_embeddings"])
     if not (factor > 0 and high > low > 0 and old_ctx > 0):
         raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: llama3 rope scaling needs factor > 0 and "
                          f"high_freq_factor > low_freq_factor > 0 (got {factor}, {high}, {low})")
@@ -800,7 +829,7 @@ def _qwen35_layer_types(spec: _ModelSpec) -> list[str]:
     n_layer = int(spec.require("num_hidden_layers"))
     layer_types = spec.get("layer_types")
     if layer_types is None:
-        return hybrid_layer_types(n_layer, int(spec.get("full_attention_interval", 4)))
+        return hybrid_layer_types(n_layer, int(spec.require("full_attention_interval")))
     if len(layer_types) != n_layer:
         raise ValueError(f"[convert] {spec.src_dir / 'config.json'}: layer_types has {len(layer_types)} "
                          f"entries, num_hidden_layers is {n_layer}")
@@ -930,7 +959,7 @@ def _qwen35_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     _common_kv(writer, spec)
     rp = _rope_parameters(spec)
     head_dim = int(spec.get("head_dim"))
-    n_rot = int(head_dim * float(rp.get("partial_rotary_factor", 0.25)))
+    n_rot = int(head_dim * float(rp["partial_rotary_factor"]))
     writer.add_rope_dimension_sections(_text_mrope_sections(n_rot, head_dim, rp.get("mrope_section")))
     writer.add_rope_freq_base(float(rp["rope_theta"]))
     _add_rope_scaling(writer, spec, rp)
@@ -1053,7 +1082,7 @@ def _qwen3next_kv(writer: gguf.GGUFWriter, spec: _ModelSpec) -> None:
     writer.add_rope_freq_base(float(rp["rope_theta"]))
     _add_rope_scaling(writer, spec, rp)
     head_dim = int(spec.get("head_dim"))
-    n_rot = int(head_dim * float(rp.get("partial_rotary_factor", 0.25)))
+    n_rot = int(head_dim * float(rp["partial_rotary_factor"]))
     if n_rot <= 0 or n_rot % 2 != 0:
         raise ValueError(f"[convert] {where}: head_dim x partial_rotary_factor = {n_rot} must be even and > 0")
     writer.add_rope_dimension_count(n_rot)

@@ -42,9 +42,6 @@ cdef extern from "dflash_native.h" nogil:
     ctypedef enum dfn_device:
         DFN_DEVICE_CPU
         DFN_DEVICE_GPU
-    ctypedef enum dfn_matmul:
-        DFN_MATMUL_OWN
-        DFN_MATMUL_GGML
     ctypedef enum dfn_verify:
         DFN_VERIFY_CHAIN
         DFN_VERIFY_TREE
@@ -57,7 +54,7 @@ cdef extern from "dflash_native.h" nogil:
         int64_t n_batch
         int32_t kv_type
         int32_t device
-        int32_t matmul
+        int32_t reserved0
         int32_t verify
         int32_t tree_budget
         int32_t gate

@@ -10,7 +10,8 @@ is closed at the engine's next step, and its slot freed.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every response carries a
-`usage` block and, as an extension, `dflash`: the request's GenerationStats.
+`usage` block and, as an extension, `dflash`: the request's GenerationStats. Chat requests take
+OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ except ImportError as e:  # the optional extra
     raise ImportError(f"the server needs the [server] extra: pip install 'dflash-native[server]' ({e})") from None
 
 from . import _core
+from . import tools as _tools
 from .constraint import JsonSchema
 from .engine import Engine, GenerationResult
 
@@ -91,7 +93,7 @@ _GENERATE_TAKES_LOGPROBS = "logprobs" in inspect.signature(Engine.generate).para
 # fields that change the output and that this server does not implement: a value other than
 # OpenAI's default is refused (400, code "not_supported") rather than silently ignored
 _UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "",
-                "tools": [], "functions": []}
+                "functions": [], "function_call": "none"}
 _I64 = 1 << 63
 
 
@@ -339,16 +341,20 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
         running.discard(job)
         pool.release(job.slot)
 
-    def tokens_of(body: dict, chat: bool) -> list[int]:
+    def tokens_of(body: dict, chat: bool, tools: list[dict] | None = None) -> list[int]:
         if eng0.tokenizer is None and (chat or isinstance(body.get("prompt"), str)):
             raise ApiError(400, "this model has no tokenizer: send token ids", "prompt")
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", "messages")
+            for i, m in enumerate(msgs):
+                _role(i, m)
             try:
-                text = eng0.tokenizer.apply_chat_template([{"role": _ROLES[_role(i, m)], "content": _content(i, m)}
-                                                           for i, m in enumerate(msgs)])
+                msgs = _tools.template_messages([{**m, "role": _ROLES[m["role"]]} for m in msgs], _content)
+                text = eng0.tokenizer.apply_chat_template(msgs, tools=tools)
+            except _tools.ToolRequestError as e:
+                raise ApiError(400, str(e), e.param, e.code) from None
             except ValueError as e:
                 raise ApiError(400, str(e), "messages") from None
             return tokenize(text, "messages")
@@ -395,11 +401,34 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(499, "the client went away before sending the whole request") from None
         return b"".join(chunks)
 
-    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:
+    async def parse(request: Request, chat: bool) -> tuple[list[int], dict, bool, bool, str | None, Any]:
         data = await read_body(request)
         return await asyncio.get_running_loop().run_in_executor(prep, parse_body, data, chat)
 
-    def parse_body(data: bytes, chat: bool) -> tuple[list[int], dict, bool, bool, str | None]:  # on `prep`
+    def tool_request(body: dict) -> tuple[list[dict] | None, Any]:
+        """(the tools the template renders, a factory of the output's ToolParser or None) of a chat
+        request's tools and tool_choice. "none": no tools rendered and no calls read (the model is
+        not told of them); "required" or a named function: refused until constrained decoding forces
+        the call (tools.forced_call_schema is the schema it will enforce)."""
+        try:
+            tools = _tools.check_tools(body["tools"]) if body.get("tools") is not None else None
+            choice = _tools.check_tool_choice(body.get("tool_choice"), tools)
+        except _tools.ToolRequestError as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
+        parallel = _field(body, "parallel_tool_calls", (bool,), True)
+        if choice == "none":
+            return None, None
+        if choice != "auto":
+            raise ApiError(400, f"'tool_choice' {json.dumps(choice)} forces a call, which needs constrained decoding; "
+                           "this server does not have it yet (use \"auto\")", "tool_choice", "not_supported")
+        fmt = _tools.parser_for(eng0.tokenizer.chat_template if eng0.tokenizer is not None else None)
+        if fmt is None:
+            raise ApiError(400, "'tools' are not supported by this model: its chat template renders no tools in a "
+                           f"tool-call format this server reads ({', '.join(_tools.PARSERS)})", "tools",
+                           "not_supported")
+        return tools, lambda: _tools.PARSERS[fmt](tools, parallel=parallel)
+
+    def parse_body(data: bytes, chat: bool) -> tuple[list[int], dict, bool, bool, str | None, Any]:  # on `prep`
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
@@ -429,7 +458,12 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
                 raise ApiError(400, str(e), "response_format", "not_supported") from None
             except ValueError as e:
                 raise ApiError(400, str(e), "response_format", "invalid_schema") from None
-        prompt = tokens_of(body, chat)
+        if not chat:
+            for name in ("tools", "tool_choice"):
+                if body.get(name) is not None:
+                    raise ApiError(400, f"'{name}' is for /v1/chat/completions", name)
+        tools, tool_parser = tool_request(body) if chat else (None, None)
+        prompt = tokens_of(body, chat, tools)
         if len(prompt) >= n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
@@ -443,7 +477,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
                                "not_supported")
             p = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
             echo = p if isinstance(p, str) else eng0.detokenize(prompt) if eng0.tokenizer is not None else ""
-        return prompt, kw, stream, include_usage, echo
+        return prompt, kw, stream, include_usage, echo, tool_parser
 
     def usage(r: GenerationResult) -> dict:
         s = r.stats
@@ -486,7 +520,7 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
     async def handle(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
-            prompt, kw, stream, include_usage, echo = await parse(request, chat)
+            prompt, kw, stream, include_usage, echo, tool_parser = await parse(request, chat)
         except ApiError as e:
             metrics.count(endpoint, e.status)
             return e.response()
@@ -528,12 +562,18 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
         t_created = int(time.time())  # every chunk of a stream carries the same
         obj = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, finish: str | None, delta: bool, r: GenerationResult | None = None) -> dict:
+        def choice(text: str | None, finish: str | None, delta: bool, r: GenerationResult | None = None,
+                   calls: list | None = None) -> dict:
             lp = logprobs(r, chat) if r is not None else None  # streamed: all in the last chunk
             if not chat:
                 return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             msg = {"content": text} if delta else {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
             return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": lp, "finish_reason": finish}
+
+        def finish_reason(r: GenerationResult, called: bool) -> str:
+            return "tool_calls" if called else _FINISH.get(r.stats.stop_reason, "stop")
 
         if not stream:
             gone.add_done_callback(lambda t: None if t.cancelled() else cancel_job())
@@ -563,9 +603,12 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             r = job.result
             metrics.add(r)
             metrics.count(endpoint, 200)
+            content, calls = (echo or "") + "".join(text), []
+            if tool_parser is not None:
+                content, calls = tool_parser().parse(content)
             return JSONResponse({"id": rid, "object": obj, "created": t_created, "model": model_name,
-                                 "choices": [choice((echo or "") + "".join(text),
-                                                    _FINISH.get(r.stats.stop_reason, "stop"), False, r)],
+                                 "choices": [choice(content, finish_reason(r, bool(calls)), False, r,
+                                                    [c.openai() for c in calls])],
                                  "usage": usage(r), **extras(r)})
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -575,6 +618,24 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
                 more = {"usage": None, **more}
             return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": t_created,
                                           "model": model_name, "choices": choices, **more}) + "\n\n"
+
+        parser = tool_parser() if tool_parser is not None else None
+        n_calls = 0
+
+        def deltas(events: list) -> list[str]:
+            """Chunks of a tool parser's events: content; a call's id, type and name, then its arguments."""
+            nonlocal n_calls
+            out = []
+            for e in events:
+                if isinstance(e, str):
+                    out.append(sse([choice(e, None, True)]))
+                    continue
+                head = {"index": n_calls, "id": e.id, "type": "function",
+                        "function": {"name": e.name, "arguments": ""}}
+                args = {"index": n_calls, "function": {"arguments": e.arguments}}
+                out += [sse([choice(None, None, True, calls=[head])]), sse([choice(None, None, True, calls=[args])])]
+                n_calls += 1
+            return out
 
         async def events():
             if chat:
@@ -590,12 +651,15 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
                     etype = "invalid_request_error" if isinstance(item, ValueError) else "server_error"
                     yield "data: " + json.dumps({"error": {"message": str(item), "type": etype}}) + "\n\n"
                     continue
-                if item:
+                if parser is not None:
+                    for c in deltas(parser.feed(str(item)) + (parser.finish() if item.result is not None else [])):
+                        yield c
+                elif item:
                     yield sse([choice(str(item), None, True)])
                 if item.result is not None:
                     r = item.result
                     metrics.add(r)
-                    yield sse([choice("", _FINISH.get(r.stats.stop_reason, "stop"), True, r)], **extras(r))
+                    yield sse([choice(None if n_calls else "", finish_reason(r, n_calls > 0), True, r)], **extras(r))
                     if include_usage:
                         yield sse([], usage=usage(r))
             yield "data: [DONE]\n\n"

@@ -106,6 +106,9 @@ static int cmd_errors(const char * target) {
     o.kv_type = 7;
     report("bad_kv_type", dfn_engine_create(target, NULL, &o, &e));
     o = dfn_engine_options_default();
+    o.reserved0 = 1;
+    report("nonzero_reserved", dfn_engine_create(target, NULL, &o, &e));
+    o = dfn_engine_options_default();
     o.n_ctx = 0;
     report("bad_n_ctx", dfn_engine_create(target, NULL, &o, &e));
     o = dfn_engine_options_default();
