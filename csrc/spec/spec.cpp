@@ -464,6 +464,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     // drafter's filtered distribution)
     std::vector<float> p;
     const bool drawn = sampling && !sampling->greedy();
+    if (forced_draft) require_unconstrained("a forced draft");
     if (constraint_) {
         DFN_REQUIRE(sampling, "round", "a constrained step needs sampling params (temperature 0 for greedy)");
         r.draft = draft_constrained(last, B, *sampling, &p);  // may stop short of B-1
@@ -471,7 +472,6 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
         r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p);
     }
     if (forced_draft) {
-        require_unconstrained("a forced draft");
         DFN_REQUIRE((int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
         r.draft = *forced_draft;
     }
