@@ -37,6 +37,7 @@ except ImportError as e:  # the optional extra
 
 from . import _core
 from . import tools as _tools
+from .constraint import JsonSchema
 from .engine import Engine, GenerationResult
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any context's worth of text, well below what hurts
@@ -110,10 +111,7 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
         if body.get(name) is not None and body[name] != default:
             raise ApiError(400, f"'{name}' is not supported by this server (only its default, {default!r})", name,
                            "not_supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "'response_format' is not supported by this server (only {'type': 'text'})",
-                       "response_format", "not_supported")
+    constraint = _response_format(body.get("response_format"))
     num = (int, float)
     kw = dict(
         temperature=float(_field(body, "temperature", num, 0.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")),
@@ -123,6 +121,8 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
         seed=_field(body, "seed", (int,), None, lambda x: 0 <= x < 1 << 64, "an int in [0, 2**64)"),
         stop=_stop(body),
     )
+    if constraint is not None:
+        kw["constraint"] = constraint
     spec = _field(body, "speculative", (bool,), None)  # extension: False runs AR on the same slot
     if spec is not None:
         kw["speculative"] = spec
@@ -143,6 +143,30 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
             raise ApiError(400, "logprobs are not supported by this engine", "logprobs", "not_supported")
         kw["logprobs"] = lp
     return kw
+
+
+def _response_format(fmt) -> JsonSchema | None:
+    """OpenAI's response_format as a constraint: {"type": "text"} (or none): None; {"type":
+    "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name": ..., "schema":
+    {...}, "strict": ...}}: that schema (no "schema": any JSON object). Anything else is a 400."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonSchema()
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict):
+            raise ApiError(400, "'response_format' of type 'json_schema' needs a 'json_schema' object", "response_format")
+        schema = js.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise ApiError(400, f"'response_format.json_schema.schema' must be a JSON schema object, got "
+                                f"{type(schema).__name__}", "response_format")
+        return JsonSchema(schema)
+    raise ApiError(400, f"'response_format' must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got "
+                        f"{fmt!r}"[:300], "response_format")
 
 
 # ---- slots -------------------------------------------------------------------------------------
@@ -430,6 +454,15 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(400, "'speculative': true needs a drafter; this server runs without one", "speculative")
         if kw["stop"] and eng0.tokenizer is None:
             raise ApiError(400, "'stop' needs a tokenizer; this model has none", "stop")
+        if "constraint" in kw:  # compiled here, so that a schema the engine cannot take is a 400
+            if eng0.tokenizer is None:
+                raise ApiError(400, "'response_format' needs a tokenizer; this model has none", "response_format")
+            try:
+                eng0.check_constraint(kw["constraint"])
+            except ImportError as e:
+                raise ApiError(400, str(e), "response_format", "not_supported") from None
+            except ValueError as e:
+                raise ApiError(400, str(e), "response_format", "invalid_schema") from None
         if not chat:
             for name in ("tools", "tool_choice"):
                 if body.get(name) is not None:
