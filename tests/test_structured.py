@@ -17,7 +17,9 @@ xgr = pytest.importorskip("xgrammar")
 
 import dflash_native as dn  # noqa: E402
 from dflash_native.cli import default_pair  # noqa: E402
-from fixtures import make_spec_pair  # noqa: E402
+from dflash_native.convert import convert_hf_to_gguf  # noqa: E402
+from fixtures import make_random_checkpoint, make_random_drafter_gguf, make_spec_pair  # noqa: E402
+from reference.gguf_edit import rewrite_gguf  # noqa: E402
 
 # bounded: the grammar completes (every field an enum or a boolean), then allows only EOS
 BOUNDED = {"type": "object",
@@ -189,8 +191,18 @@ def test_core_refuses_constraint_on_in_graph_argmax(pair):
         with pytest.raises(ValueError, match=r"in-graph argmax prefill cannot run under a constraint"):
             eng._spec.prefill(eng.tokenize("x"), None, 0, m)
         eng._spec.prefill(eng.tokenize("x"), _core.Sampling(0.0), 0, m)
+        before = np.zeros((eng._grammar_engine().n_vocab + 31) // 32, dtype=np.int32)
+        m.fill_mask(before)
         with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
             eng._spec.round(1, 4, [1, 2, 3], _core.Sampling(0.0), m)
+        with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
+            eng._spec.step(1, 4, [1, 2, 3], _core.Sampling(0.0), m)
+        for tree in (eng._spec.round_tree, eng._spec.step_tree):
+            with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
+                tree(1, 4, _core.Sampling(0.0), [1, 2, 3], m)
+        after = np.zeros_like(before)
+        m.fill_mask(after)
+        assert (after == before).all()  # refused before the drafts moved the grammar
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen35"])
@@ -206,22 +218,85 @@ def test_random_pair_constrained_spec_equals_ar(random_pair, verify):
     the controller. The grammar forces most tokens of a BOUNDED object, so masked drafts are
     accepted even from a random drafter."""
     tg, dg = random_pair
-    n_rounds = n_committed = 0
-    for gate in (True, False):
-        with dn.Engine(tg, drafter=dg, n_ctx=256, n_threads=2, kv_type="f32", verify=verify, gate=gate) as eng:
+    out = _spec_equals_ar(tg, dg, "hello world", BOUNDED, verify=verify)
+    _assert_accepted(out)
+
+
+def _spec_equals_ar(tg, dg, prompt: str, constraint, *, verify: str, gates=(True, False), **engine_kw):
+    """Constrained spec == constrained AR (greedy, seeded sampled, sampled with top_k) on the pair:
+    the (AR, spec) results by gate."""
+    out = {}
+    for gate in gates:
+        with dn.Engine(tg, drafter=dg, n_ctx=256, n_threads=2, kv_type="f32", verify=verify, gate=gate,
+                       **engine_kw) as eng:
             if eng.tokenizer is None:
                 pytest.skip("this fixture has no vocabulary")
+            out[gate] = []
             for kw in (dict(), dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=20, seed=4)):
-                c = dict(max_tokens=48, constraint=BOUNDED, **kw)
-                ar = eng.generate("hello world", speculative=False, **c)
-                sp = eng.generate("hello world", **c)
-                assert sp.tokens == ar.tokens, (gate, kw)
-                if ar.stats.stop_reason == "eos":
-                    _valid(ar.text, BOUNDED)
-                hist = sp.stats.acceptance_histogram
-                n_rounds += sum(hist)
-                n_committed += sum(k * c for k, c in enumerate(hist))
+                c = dict(max_tokens=48, constraint=constraint, **kw)
+                ar = eng.generate(prompt, speculative=False, **c)
+                sp = eng.generate(prompt, **c)
+                assert sp.tokens == ar.tokens, (verify, gate, kw)
+                out[gate].append((ar, sp))
+    return out
+
+
+def _assert_accepted(out) -> None:
+    """Rounds ran and committed more than one token each on average; the complete outputs are valid."""
+    n_rounds = n_committed = 0
+    for runs in out.values():
+        for ar, sp in runs:
+            if ar.stats.stop_reason == "eos":
+                _valid(ar.text, BOUNDED)
+            hist = sp.stats.acceptance_histogram
+            n_rounds += sum(hist)
+            n_committed += sum(k * c for k, c in enumerate(hist))
     assert n_rounds > 0 and n_committed / n_rounds > 1.0
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory):
+    """A Qwen3 target and a random DFlash 2 drafter (selector_top_k 4), as tests/test_dflash2.py
+    builds them (our converter only)."""
+    d = tmp_path_factory.mktemp("structured-dflash2")
+    ckpt = make_random_checkpoint(d / "target", "qwen3", seed=5, num_hidden_layers=3)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "d2.gguf", ckpt, outtype="f32", seed=6, target_gguf=tg, ckpt_dir=d / "d2-hf",
+                                  kind="dflash2", block_size=8, num_hidden_layers=2, target_layer_ids=[0, 1],
+                                  dflash_config={"selector_top_k": 4})
+    return tg, dg
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+def test_dflash2_drafter_constrained_spec_equals_ar(dflash2_pair, verify):
+    """A DFlash 2 drafter under a constraint drafts from its masked logits rows (not the selector's
+    k candidates, which may hold nothing the grammar allows): spec == AR, chain and tree, greedy and
+    sampled, with and without the controller; drafts are accepted."""
+    tg, dg = dflash2_pair
+    with dn.Engine(tg, drafter=dg, n_ctx=64, n_threads=1) as eng:
+        assert eng._spec.selector_top_k == 4
+    _assert_accepted(_spec_equals_ar(tg, dg, "hello world", BOUNDED, verify=verify))
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+def test_failed_drafter_under_a_constraint_falls_back_to_constrained_ar(random_pair, tmp_path, verify):
+    """A drafter whose logits are NaN (issue 38's fallback): the constrained rounds become
+    constrained AR steps (the masked AR step), and the output is constrained AR's, greedy and
+    sampled. The NaN is seen before the drafts move the grammar (spec_sampled.cpp:
+    check_draft_rows)."""
+    tg, dg = random_pair
+
+    def nan_norm(name, a):
+        return np.full_like(a, np.nan) if name == "output_norm.weight" else a
+
+    bad = rewrite_gguf(dg, tmp_path / "dnan.gguf", tensor_fn=nan_norm)
+    with pytest.warns(RuntimeWarning, match="drafter failed"):
+        out = _spec_equals_ar(tg, bad, "hello world", BOUNDED, verify=verify)
+    for ar, sp in out[True] + out[False]:
+        assert re.search(r"\[draft\] the drafter failed .*non-finite logits", sp.stats.drafter_failure)
+        assert sum(sp.stats.acceptance_histogram) == 0 and sp.stats.ar_steps >= 1
+        if ar.stats.stop_reason == "eos":
+            _valid(ar.text, BOUNDED)
 
 
 # ---- the server: response_format through a real `dflash-native serve` and the openai client ----
