@@ -38,6 +38,10 @@ class JsonSchema:
     those the schema lists unless it says additionalProperties (xgrammar's strict mode)."""
 
     schema: dict | str | None = None
+    # literal text before and after the JSON value (the server's forced tool call: a chat format's
+    # call markers around the call's JSON, tools.ToolParser.CALL_OPEN / CALL_CLOSE)
+    begin: str = ""
+    end: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ def as_constraint(value) -> Constraint | None:
     if isinstance(c, JsonSchema) and not isinstance(c.schema, (dict, str, type(None))):
         raise ValueError(f"[constraint] JsonSchema.schema must be a dict, a JSON str or None, got "
                          f"{type(c.schema).__name__}")
+    if isinstance(c, JsonSchema) and not (isinstance(c.begin, str) and isinstance(c.end, str)):
+        raise ValueError("[constraint] JsonSchema.begin and .end must be str")
     if isinstance(c, Regex) and not isinstance(c.pattern, str):
         raise ValueError(f"[constraint] Regex.pattern must be a str, got {type(c.pattern).__name__}")
     if isinstance(c, Grammar) and not isinstance(c.ebnf, str):
@@ -113,11 +119,15 @@ class GrammarEngine:
             what, text = ("regex", c.pattern) if isinstance(c, Regex) else ("grammar", c.ebnf)
         try:
             with self._lock:
-                if isinstance(c, JsonSchema) and c.schema is None:
-                    return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                              strict_mode=False)
                 if isinstance(c, JsonSchema):
-                    return self._compiler.compile_json_schema(text, any_whitespace=False)
+                    strict = c.schema is not None
+                    text = text if strict else '{"type": "object"}'
+                    if not (c.begin or c.end):
+                        return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=strict)
+                    xgr = _xgrammar()
+                    parts = [xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)]
+                    parts = [_literal(xgr, c.begin)] * bool(c.begin) + parts + [_literal(xgr, c.end)] * bool(c.end)
+                    return self._compiler.compile_grammar(xgr.Grammar.concat(*parts))
                 if isinstance(c, Regex):
                     return self._compiler.compile_regex(text)
                 return self._compiler.compile_grammar(text)
@@ -126,6 +136,11 @@ class GrammarEngine:
 
     def matcher(self, c: Constraint) -> "Matcher":
         return Matcher(self.compile(c))
+
+
+def _literal(xgr, text: str):
+    """The grammar of exactly `text` (an EBNF string literal: JSON's escapes are EBNF's)."""
+    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
 
 def _schema_text(schema: dict) -> str:

@@ -11,7 +11,8 @@ is closed at the engine's next step, and its slot freed.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every response carries a
 `usage` block and, as an extension, `dflash`: the request's GenerationStats. Chat requests take
-OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed).
+OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed); a forced call
+("required", a named function) and `response_format` are grammar constraints (constraint.py).
 """
 
 from __future__ import annotations
@@ -410,11 +411,12 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
         data = await read_body(request)
         return await asyncio.get_running_loop().run_in_executor(prep, parse_body, data, chat)
 
-    def tool_request(body: dict) -> tuple[list[dict] | None, Any]:
-        """(the tools the template renders, a factory of the output's ToolParser or None) of a chat
-        request's tools and tool_choice. "none": no tools rendered and no calls read (the model is
-        not told of them); "required" or a named function: refused until constrained decoding forces
-        the call (tools.forced_call_schema is the schema it will enforce)."""
+    def tool_request(body: dict) -> tuple[list[dict] | None, Any, JsonSchema | None]:
+        """(the tools the template renders, a factory of the output's ToolParser or None, the
+        constraint that forces a call or None) of a chat request's tools and tool_choice. "none": no
+        tools rendered and no calls read (the model is not told of them); "required" (any of the
+        tools) or a named function (that one): one call in the template's format, its JSON held to
+        tools.forced_call_schema between the format's call markers by the grammar engine."""
         try:
             tools = _tools.check_tools(body["tools"]) if body.get("tools") is not None else None
             choice = _tools.check_tool_choice(body.get("tool_choice"), tools)
@@ -422,16 +424,33 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(400, str(e), e.param, e.code) from None
         parallel = _field(body, "parallel_tool_calls", (bool,), True)
         if choice == "none":
-            return None, None
-        if choice != "auto":
-            raise ApiError(400, f"'tool_choice' {json.dumps(choice)} forces a call, which needs constrained decoding; "
-                           "this server does not have it yet (use \"auto\")", "tool_choice", "not_supported")
+            return None, None, None
         fmt = _tools.parser_for(eng0.tokenizer.chat_template if eng0.tokenizer is not None else None)
         if fmt is None:
             raise ApiError(400, "'tools' are not supported by this model: its chat template renders no tools in a "
                            f"tool-call format this server reads ({', '.join(_tools.PARSERS)})", "tools",
                            "not_supported")
-        return tools, lambda: _tools.PARSERS[fmt](tools, parallel=parallel)
+        parser = _tools.PARSERS[fmt]
+        forced = None
+        if choice != "auto":
+            if parser.ARGS_KEY is None:
+                raise ApiError(400, f"'tool_choice' {json.dumps(choice)} forces a call, and this model's tool-call "
+                               f"format ({fmt}) is not JSON: this server forces calls in the JSON formats only "
+                               "(use \"auto\")", "tool_choice", "not_supported")
+            forced = JsonSchema(_tools.forced_call_schema(tools, choice, parser.ARGS_KEY), begin=parser.CALL_OPEN,
+                                end=parser.CALL_CLOSE)
+        return tools, lambda: parser(tools, parallel=parallel), forced
+
+    def check_constraint(c: JsonSchema, param: str) -> None:
+        """Compiles a constraint as the engine will, so that one it cannot take is a 400 here."""
+        if eng0.tokenizer is None:
+            raise ApiError(400, f"'{param}' needs a tokenizer; this model has none", param)
+        try:
+            eng0.check_constraint(c)
+        except ImportError as e:
+            raise ApiError(400, str(e), param, "not_supported") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param, "invalid_schema") from None
 
     def parse_body(data: bytes, chat: bool) -> tuple[list[int], dict, bool, bool, str | None, Any]:  # on `prep`
         try:
@@ -454,20 +473,19 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(400, "'speculative': true needs a drafter; this server runs without one", "speculative")
         if kw["stop"] and eng0.tokenizer is None:
             raise ApiError(400, "'stop' needs a tokenizer; this model has none", "stop")
-        if "constraint" in kw:  # compiled here, so that a schema the engine cannot take is a 400
-            if eng0.tokenizer is None:
-                raise ApiError(400, "'response_format' needs a tokenizer; this model has none", "response_format")
-            try:
-                eng0.check_constraint(kw["constraint"])
-            except ImportError as e:
-                raise ApiError(400, str(e), "response_format", "not_supported") from None
-            except ValueError as e:
-                raise ApiError(400, str(e), "response_format", "invalid_schema") from None
+        if "constraint" in kw:
+            check_constraint(kw["constraint"], "response_format")
         if not chat:
             for name in ("tools", "tool_choice"):
                 if body.get(name) is not None:
                     raise ApiError(400, f"'{name}' is for /v1/chat/completions", name)
-        tools, tool_parser = tool_request(body) if chat else (None, None)
+        tools, tool_parser, forced = tool_request(body) if chat else (None, None, None)
+        if forced is not None:
+            if "constraint" in kw:
+                raise ApiError(400, f"'tool_choice' {json.dumps(body['tool_choice'])} forces a call, which cannot also "
+                               "follow 'response_format'", "tool_choice", "not_supported")
+            check_constraint(forced, "tool_choice")
+            kw["constraint"] = forced
         prompt = tokens_of(body, chat, tools)
         if len(prompt) >= n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",
