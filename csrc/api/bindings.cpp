@@ -23,6 +23,7 @@
 #include "gguf/vocab.h"
 #include "runtime/devices.h"
 #include "runtime/session.h"
+#include "spec/batch_engine.h"
 #include "spec/spec.h"
 
 #include <pybind11/numpy.h>
@@ -1115,6 +1116,37 @@ void bind_testing_batch(py::module_ & t) {
         py::arg("target"), py::arg("slot"), py::arg("n_keep"));
     t.def("reset_slot", &target_session::reset_slot, py::arg("target"), py::arg("slot"));
     t.def("slot_n_past", &target_session::slot_n_past, py::arg("target"), py::arg("slot"));
+
+    py::class_<batch_engine>(t, "BatchEngine", "Greedy chain rounds for a batch target's slots (spec/batch_engine.h)")
+        .def(py::init([](target_session & target, const std::string & drafter, int64_t block_size, int64_t prefill_chunk,
+                         int64_t max_step_tokens) {
+                 batch_engine_params p;
+                 p.block_size = block_size;
+                 p.prefill_chunk = prefill_chunk;
+                 p.max_step_tokens = max_step_tokens;
+                 py::gil_scoped_release release;
+                 return std::make_unique<batch_engine>(target, drafter, p);
+             }),
+             py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("prefill_chunk") = 32,
+             py::arg("max_step_tokens") = k_matmul_max_cols, py::keep_alive<1, 2>())
+        .def("start", [](batch_engine & e, const py::object & prompt, int64_t max_tokens) {
+                 return e.start(to_tokens(prompt), max_tokens);
+             }, py::arg("prompt"), py::arg("max_tokens"), "Admit a request into a free slot; returns the slot")
+        .def("step", [](batch_engine & e) {
+                 py::gil_scoped_release release;
+                 return e.step();
+             }, "One drafter pass and one target pass over the active requests; returns how many stay active")
+        .def("finished", &batch_engine::finished, py::arg("slot"))
+        .def("output", &batch_engine::output, py::arg("slot"))
+        .def("rounds", [](const batch_engine & e, int slot) {
+                 py::list out;
+                 for (const batch_engine::round_record & r : e.rounds(slot)) out.append(py::make_tuple(r.draft, r.committed));
+                 return out;
+             }, py::arg("slot"), "Per round of the slot's request: (drafts verified, tokens committed)")
+        .def("release", &batch_engine::release, py::arg("slot"))
+        .def_property_readonly("block_size", &batch_engine::block_size)
+        .def_readonly("n_steps", &batch_engine::n_steps)
+        .def_readonly("n_step_tokens", &batch_engine::n_step_tokens);
 }
 
 void bind_testing_caches(py::module_ & t) {

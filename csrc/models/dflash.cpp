@@ -150,36 +150,59 @@ void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, g
 ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
                                          ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
                                          int64_t n_ctx, ggml_tensor * target_tok_embd) const {
+    return build_blocks(b, tokens, pos, nullptr, nullptr, {{&ring, n_ctx, mask, mask_swa}}, target_tok_embd);
+}
+
+ggml_tensor * drafter_model::build_blocks(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
+                                          ggml_tensor * q_rows, ggml_tensor * q_pos, const std::vector<block_ring> & blocks,
+                                          ggml_tensor * target_tok_embd) const {
     ggml_context * ctx = b.ctx;
-    const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
+    const int64_t n_blk = (int64_t) blocks.size(), B = tokens->ne[0] / n_blk, hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     const float scale = 1.0f / sqrtf((float) hd);
-    ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
+    ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, n_blk B]
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
+    // columns [c0, c0 + n) of t along its token dimension `dim`
+    auto cols = [&](ggml_tensor * t, int dim, int64_t c0, int64_t n) {
+        int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+        ne[dim] = n;
+        return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], c0 * t->nb[dim]);
+    };
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        // In the last layer, row 0 (`last`) only lends its K/V: its query, attention output and
-        // FFN would feed nothing, so those run on rows 1 .. B-1 (Bq of them).
+        // In the last layer, row 0 (`last`) of each block only lends its K/V: its query, attention
+        // output and FFN would feed nothing, so those run on rows 1 .. B-1 (Bq of them).
         const int64_t r0 = il + 1 == hp_.n_layer ? 1 : 0, Bq = B - r0;
-        auto rows = [&](ggml_tensor * t) {  // rows r0.. of a 2-D [n, B] tensor
-            return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
+        auto rows = [&](ggml_tensor * t) {  // rows r0.. of each block of a 2-D [n, n_blk B] tensor
+            if (!r0) return t;
+            if (n_blk == 1) return ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]);
+            return ggml_get_rows(ctx, t, q_rows);  // a copy of those columns
         };
         ggml_tensor * inp = rows(x);
         ggml_tensor * xn = norm(b, x, L.attn_norm);
-        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, Bq);  // [hd, n_head, Bq]
-        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, B);              // [hd, n_kv, B]
-        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, B);
-        Q = rope(b, norm(b, Q, L.q_norm), r0 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : pos);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, n_blk * Bq);  // [hd, n_head, n_blk Bq]
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, n_blk * B);               // [hd, n_kv, n_blk B]
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, n_blk * B);
+        ggml_tensor * q_p = !r0 ? pos : n_blk == 1 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : q_pos;
+        Q = rope(b, norm(b, Q, L.q_norm), q_p);
         K = rope(b, norm(b, K, L.k_norm), pos);
 
-        // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
-        // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
-        // without a causal mask
-        write_kv_rows(b, ring.k[il], K, n_ctx);
-        write_kv_rows(b, ring.v[il], V, n_ctx);
-        const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
-        ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
-        ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
-        ggml_tensor * a = attention(b, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
+        std::vector<ggml_tensor *> out;
+        for (int64_t s = 0; s < n_blk; ++s) {
+            const block_ring & blk = blocks[s];
+            const feature_ring & ring = *blk.ring;
+            // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
+            // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
+            // without a causal mask
+            write_kv_rows(b, ring.k[il], n_blk == 1 ? K : cols(K, 2, s * B, B), blk.n_ctx);
+            write_kv_rows(b, ring.v[il], n_blk == 1 ? V : cols(V, 2, s * B, B), blk.n_ctx);
+            ggml_tensor * m = layer_is_swa(il) ? blk.mask_swa : blk.mask;
+            const int64_t n_att = m->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
+            ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
+            ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
+            if (r0) m = ggml_view_2d(ctx, m, m->ne[0], Bq, m->nb[1], r0 * m->nb[1]);
+            out.push_back(attention(b, n_blk == 1 ? Q : cols(Q, 2, s * Bq, Bq), Ka, Va, m, scale));  // [hd * n_head, Bq]
+        }
+        ggml_tensor * a = join_segments(b, out, 1);
         x = ggml_add(ctx, matmul(b, L.wo, a), inp);
 
         x = ggml_add(ctx, ffn_swiglu(b, norm(b, x, L.ffn_norm), L), x);

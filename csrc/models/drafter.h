@@ -68,6 +68,13 @@ private:
     ggml_backend_buffer_ptr buf_;  // the tensors' data
 };
 
+// A draft block's attention mask over ring slots [0, n_att), [B, n_att] row-major, row i at position
+// n_past + i: context slot s (s < n_ctx, holding position k) is visible when k >= lo and, with a
+// sliding window w > 0, n_past + i - k < w; block row j (slot n_ctx + j) when j <= i or the drafter
+// is not causal, and |i - j| < w; the rest (padding) is hidden.
+void fill_block_mask(const feature_ring & ring, int64_t n_past, int64_t n_ctx, int64_t n_att, int64_t B, int64_t lo,
+                     int64_t w, bool causal, std::vector<ggml_fp16_t> & m);
+
 // dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the
 // target's verify batch from it before the drafter itself is loaded.
 constexpr int64_t k_max_gguf_block_size = 1024;
@@ -106,6 +113,21 @@ public:
     ggml_tensor * build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * mask,
                               ggml_tensor * mask_swa, const feature_ring & ring, int64_t n_ctx,
                               ggml_tensor * tok_embd) const;
+    // One block of build_blocks: its ring, context slots and masks as build_block takes them.
+    struct block_ring {
+        const feature_ring * ring = nullptr;
+        int64_t n_ctx = 0;
+        ggml_tensor * mask = nullptr;      // F16 [n_att, B]
+        ggml_tensor * mask_swa = nullptr;  // F16 [n_att, B], when there are sliding-window layers
+    };
+    // Several sequences' blocks of B tokens in one pass (batch_engine.h): block s is tokens
+    // [s B, (s + 1) B) at positions pos (I32 [n B] each), over its own ring. Every weight matmul runs once
+    // over all blocks; attention per block over its ring (as build_block). With more than one block,
+    // q_rows I32 [n (B-1)] holds the columns of every block's rows 1 .. B-1 and q_pos their positions
+    // (the last layer's queries). Returns F32 [n_embd, n (B-1)]: block s's columns are the ones
+    // build_block gives for it alone, bit for bit (matmul.h: each column alone).
+    ggml_tensor * build_blocks(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * q_rows,
+                               ggml_tensor * q_pos, const std::vector<block_ring> & blocks, ggml_tensor * tok_embd) const;
     // The draft head: lm_head [n_embd, n_cols] times h F32 [n_embd, n], then logit_scale and the
     // soft cap. Returns F32 [n_cols, n].
     ggml_tensor * build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const;

@@ -510,7 +510,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
 }
 
 std::vector<decode_result> target_session::decode_batch(const std::vector<batch_item> & items,
-                                                       const std::vector<int> & tap_layers) {
+                                                       const std::vector<int> & tap_layers, bool argmax_only) {
     const target_hparams & hp = model_->hparams();
     DFN_REQUIRE(!items.empty(), "batch", "no work: the batch has no items");
     std::vector<char> seen(slots_.size(), 0);
@@ -536,7 +536,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
     std::vector<int32_t> rows, tokens;
     std::vector<int64_t> text_pos;
     std::vector<int64_t> row0(items.size());  // each item's first row in `rows`
-    std::string key = cat("target-batch:", n_total);
+    std::string key = cat("target:batch:", n_total);  // "target:": counted as the target's compute
     for (size_t i = 0; i < items.size(); ++i) {
         const batch_item & it = items[i];
         model_cache & c = *slots_[it.slot].cache;
@@ -557,12 +557,12 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
         key += cat(",", seg.n_tokens, "PDV"[it.kind]);
     }
-    key += ":taps";
+    key += argmax_only ? ":argmax:taps" : ":taps";
     for (int il : tap_layers) key += cat(",", il);
     const int64_t n_rows = (int64_t) rows.size();
     const bool all_rows = n_rows == n_total;
 
-    ggml_tensor * rows_in = nullptr, * logits = nullptr;
+    ggml_tensor * rows_in = nullptr, * logits = nullptr, * argmax = nullptr;
     auto build = [&](const build_context & b) {
         static_cast<build_context &>(g) = b;
         ggml_context * ctx = b.ctx;
@@ -587,8 +587,10 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             hidden = ggml_get_rows(ctx, hidden, rows_in);  // [n_embd, n_rows]
         }
         logits = matmul(g, model_->output, hidden);  // [n_vocab, n_rows]
-        ggml_set_output(logits);
-        ggml_build_forward_expand(g.gf, logits);
+        // the greedy tokens by the AR step's op (it flags non-finite rows: top1.h)
+        ggml_tensor * res = argmax_only ? (argmax = argmax_op(ctx, logits)) : logits;  // I32 [n_rows]
+        ggml_set_output(res);
+        ggml_build_forward_expand(g.gf, res);
     };
     auto set_inputs = [&] {
         ggml_backend_tensor_set(g.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
@@ -605,8 +607,10 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
     };
     std::vector<decode_result> out(items.size());
     auto read_outputs = [&] {
-        std::vector<float> all((size_t) n_rows * hp.n_vocab);
-        if (n_rows > 0) ggml_backend_tensor_get(logits, all.data(), 0, all.size() * sizeof(float));
+        std::vector<float> all((size_t) (argmax_only ? 0 : n_rows) * hp.n_vocab);
+        std::vector<int32_t> ids(argmax_only ? n_rows : 0);
+        if (!all.empty()) ggml_backend_tensor_get(logits, all.data(), 0, all.size() * sizeof(float));
+        if (!ids.empty()) ggml_backend_tensor_get(argmax, ids.data(), 0, ids.size() * sizeof(int32_t));
         std::vector<std::vector<float>> taps(tap_layers.size());
         for (size_t t = 0; t < tap_layers.size(); ++t) {
             taps[t].resize((size_t) hp.n_embd * n_total);
@@ -616,11 +620,17 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             const graph_inputs::seq_segment & s = g.segs[i];
             decode_result & r = out[i];
             r.n_rows = items[i].kind == BATCH_VERIFY ? s.n_tokens : items[i].kind == BATCH_DECODE ? 1 : 0;
-            r.logits.assign(all.begin() + row0[i] * hp.n_vocab, all.begin() + (row0[i] + r.n_rows) * hp.n_vocab);
             const int64_t pos0 = s.n_past + s.n_tokens - r.n_rows;  // position of row 0
-            for (size_t k = 0; k < r.logits.size(); ++k) {
-                if (!std::isfinite(r.logits[k])) {
-                    throw_non_finite_logits(items[i].kind == BATCH_VERIFY ? "verify" : W, pos0 + (int64_t) k / hp.n_vocab);
+            const char * where = items[i].kind == BATCH_VERIFY ? "verify" : W;
+            if (argmax_only) {
+                r.argmax.assign(ids.begin() + row0[i], ids.begin() + row0[i] + r.n_rows);
+                for (int64_t k = 0; k < r.n_rows; ++k) {
+                    if (r.argmax[k] < 0) throw_non_finite_logits(where, pos0 + k);
+                }
+            } else {
+                r.logits.assign(all.begin() + row0[i] * hp.n_vocab, all.begin() + (row0[i] + r.n_rows) * hp.n_vocab);
+                for (size_t k = 0; k < r.logits.size(); ++k) {
+                    if (!std::isfinite(r.logits[k])) throw_non_finite_logits(where, pos0 + (int64_t) k / hp.n_vocab);
                 }
             }
             // taps [n_tokens, n_taps, n_embd] as decode() gives them

@@ -135,8 +135,10 @@ public:
     // weight is read once for all of them; attention, the GDN conv and recurrence run per item over
     // its slot's cache. Each item's logits (rows as its kind says), taps and caches are those of
     // the same work run alone on that slot, bit for bit (the matmul contract: at most
-    // k_matmul_max_cols tokens in all, or weights the wide GEMM takes). Returns one result per item.
-    std::vector<decode_result> decode_batch(const std::vector<batch_item> & items, const std::vector<int> & tap_layers = {});
+    // k_matmul_max_cols tokens in all, or weights the wide GEMM takes). Returns one result per item;
+    // argmax_only: the greedy token of each of its rows (in the graph) instead of the logits.
+    std::vector<decode_result> decode_batch(const std::vector<batch_item> & items, const std::vector<int> & tap_layers = {},
+                                            bool argmax_only = false);
     // commit() of slot `slot`'s pending verify.
     void commit_slot(int slot, int64_t n_keep);
     void reset_slot(int slot);

@@ -294,24 +294,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
 }
 
 void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const {
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    const int64_t B = d.B, w = d.w;
-    const bool causal = drafter_->hparams().causal;
-    m.assign((size_t) d.n_att * B, ninf);
-    std::vector<int64_t> slot_pos(d.n_ctx);
-    for (int64_t s = 0; s < d.n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
-    for (int64_t i = 0; i < B; ++i) {
-        const int64_t q = d.n_past + i;
-        ggml_fp16_t * row = m.data() + (size_t) i * d.n_att;
-        for (int64_t s = 0; s < d.n_ctx; ++s) {
-            const int64_t k = slot_pos[s];
-            row[s] = (k >= d.lo && (!swa || q - k < w)) ? zero : ninf;
-        }
-        for (int64_t j = 0; j < B; ++j) {
-            const bool ok = (!causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
-            row[d.n_ctx + j] = ok ? zero : ninf;
-        }
-    }
+    fill_block_mask(*ring_, d.n_past, d.n_ctx, d.n_att, d.B, d.lo, swa ? d.w : 0, drafter_->hparams().causal, m);
 }
 
 void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
