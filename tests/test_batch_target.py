@@ -191,3 +191,19 @@ def test_slots_that_do_not_fit_fail_at_creation(tmp_path):
         T.batch_target(str(path), n_seq, n_ctx=n_ctx, n_threads=1)
     two = T.batch_target(str(path), 2, n_ctx=n_ctx, n_threads=1)
     assert two.memory_report()["kv_cache"] == 2 * kv  # every slot's caches counted
+
+
+def test_eight_slots_of_a_deep_hybrid(tmp_path):
+    """Eight sequences through a 24-layer Qwen3-Next (the most graph nodes per segment: its q/k
+    repeat) in one pass: the graph fits the runner's arena (session.cpp sizes it by n_seq) and each
+    slot's verify rows are its solo pass's."""
+    path = make_random_gguf(tmp_path / "m.gguf", "qwen3_next", outtype="f16", seed=4, num_hidden_layers=24)
+    bt = T.batch_target(str(path), 8, n_ctx=64, n_threads=2, max_verify=MAX_VERIFY)
+    ref = _core.Target(str(path), n_ctx=64, n_threads=2, max_verify=MAX_VERIFY)
+    rng = np.random.default_rng(2)
+    work = [(s, list(map(int, rng.integers(3, bt.n_vocab, MAX_VERIFY))), "verify") for s in range(8)]
+    out = T.decode_batch(bt, work)
+    for (s, toks, _), logits in zip(work, out):
+        ref.reset()
+        assert np.array_equal(logits, ref.verify(toks)), f"slot {s}"
+        ref.commit(1)

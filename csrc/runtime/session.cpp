@@ -46,7 +46,7 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.n_seq == 1 || (params.device == "cpu" && params.rollback == ROLLBACK_TAPE), "engine",
                 "n_seq > 1 (several sequence slots) runs on the CPU with tape rollback only");
     // a batch adds, per layer and sequence, its views, K/V writes and the joins of the outputs
-    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 24 * (params.n_seq - 1)) + 256);
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 32 * (params.n_seq - 1)) + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
     // by layer over the devices of a split (graph_runner::target_buffer_type); one device or the CPU:
