@@ -26,6 +26,44 @@ def pair(request, tmp_path_factory):
     return {"target": str(tg), "drafter": str(dg)}
 
 
+# drafter kinds beyond DFlash (docs/architecture.md, "Drafter kinds"): the target (a SPEC_PAIRS
+# name) and make_random_drafter_gguf overrides
+KINDS = {
+    # per-layer dynamic convolutions (rows mix within a block) and the top-k path selector
+    "dflash2": ("qwen35", dict(kind="dflash2", dflash_config={"selector_top_k": 3})),
+    # anchor-first rows (a block of B-1 rows, every one drafting), Markov and confidence heads,
+    # partial RoPE (on a target without M-RoPE sections) and the attention value scale;
+    # dflash.attention.scale added to the file below
+    "dspark": ("qwen3", dict(kind="dspark", sample_from_anchor=True, confidence_head=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "partial_rotary_factor": 0.5},
+                             dflash_config={"attention_value_scale": 0.5})),
+    # DFlash's rows (the anchor row drafts nothing) with the Markov head
+    "dspark-bonus": ("qwen35", dict(kind="dspark", sample_from_anchor=False, confidence_head=False)),
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def kind_pair(request, tmp_path_factory):
+    """A target and a random drafter of the kind."""
+    from dflash_native.convert import convert_hf_to_gguf
+    from dflash_native.random_models import make_random_drafter_gguf
+    from fixtures import SPEC_PAIRS, make_random_checkpoint
+    from gguf import GGUFValueType
+    from reference.gguf_edit import rewrite_gguf
+
+    d = tmp_path_factory.mktemp("batch-kind-" + request.param)
+    target, over = KINDS[request.param]
+    arch, t_over, d_over = SPEC_PAIRS[target]
+    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, target_gguf=tg, block_size=B,
+                                  **{**d_over, **over})
+    if request.param == "dspark":
+        dg = rewrite_gguf(dg, d / "drafter-scaled.gguf", kv={"dflash.attention.scale": (0.2, GGUFValueType.FLOAT32)})
+    return {"target": str(tg), "drafter": str(dg)}
+
+
 def solo_target(pair):
     return _core.Target(pair["target"], n_ctx=N_CTX, kv_type="f32", max_verify=B, n_threads=2)
 
@@ -52,6 +90,18 @@ def solo_rounds(pair, prompt, n_rounds):
 
 @pytest.mark.parametrize("n_seq,seed", [(2, 0), (3, 1)])
 def test_concurrent_requests_equal_solo(pair, n_seq, seed):
+    check_concurrent_requests(pair, n_seq, seed)
+
+
+@pytest.mark.parametrize("n_seq,seed", [(3, 2)])
+def test_drafter_kinds_batched_equal_solo(kind_pair, n_seq, seed):
+    """DFlash 2 and DSpark drafters in the batched drafter pass: the same tokens and rounds as solo."""
+    check_concurrent_requests(kind_pair, n_seq, seed)
+
+
+def check_concurrent_requests(pair, n_seq, seed):
+    """n_seq + 2 random requests through a batch engine of n_seq slots, joining at random steps:
+    each one's tokens are its AR tokens, its rounds a solo Spec's."""
     rng = np.random.default_rng(seed)
     bt = T.batch_target(pair["target"], n_seq, n_ctx=N_CTX, n_threads=2, kv_type="f32", max_verify=B)
     eng = T.BatchEngine(bt, pair["drafter"], block_size=B, prefill_chunk=int(rng.integers(3, 12)))
