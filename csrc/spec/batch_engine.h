@@ -3,7 +3,9 @@
 // over their verifies and the prompt chunks of the slots still prefilling
 // (target_session::decode_batch). Requests join (start) and leave (they finish, or are released)
 // between steps. Each request's tokens are its greedy AR tokens, as a one-sequence engine gives
-// them (docs/architecture.md, "Batched target"). Not yet behind Engine, the server or the C API.
+// them (docs/architecture.md, "Batched target"); its drafts are a one-sequence spec_session's, for
+// every drafter kind (DFlash, DFlash 2's selector walk, DSpark's rows and Markov head). Not yet
+// behind Engine, the server or the C API.
 #pragma once
 
 #include "kernels/cpu/matmul/matmul.h"
