@@ -25,6 +25,7 @@
 #include "gguf/vocab.h"
 #include "runtime/devices.h"
 #include "runtime/session.h"
+#include "spec/batch_engine.h"
 #include "spec/spec.h"
 
 #include <pybind11/numpy.h>
@@ -385,11 +386,12 @@ void bind_constraint(py::module_ & m) {
 
 // ---- Target -----------------------------------------------------------------------------------
 
-std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
-                                            const std::string & kv_type, int64_t n_batch, const std::string & device,
-                                            int64_t max_verify, const std::string & rollback, const std::string & matmul,
-                                            bool use_mmap) {
+std::unique_ptr<target_session> make_target_slots(const std::string & path, int64_t n_ctx, int n_threads,
+                                                  const std::string & kv_type, int64_t n_batch, const std::string & device,
+                                                  int64_t max_verify, const std::string & rollback,
+                                                  const std::string & matmul, bool use_mmap, int n_seq) {
     session_params p;
+    p.n_seq = n_seq;
     p.n_ctx = n_ctx;
     p.n_threads = n_threads;
     p.kv_type = parse_kv_type(kv_type);
@@ -401,6 +403,13 @@ std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_
     p.use_mmap = use_mmap;
     py::gil_scoped_release release;
     return std::make_unique<target_session>(path, p);
+}
+
+std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
+                                            const std::string & kv_type, int64_t n_batch, const std::string & device,
+                                            int64_t max_verify, const std::string & rollback, const std::string & matmul,
+                                            bool use_mmap) {
+    return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, rollback, matmul, use_mmap, 1);
 }
 
 py::object target_decode(target_session & s, const py::object & tokens, bool all_logits, const std::vector<int> & taps) {
@@ -1164,6 +1173,92 @@ void bind_testing_tape(py::module_ & t) {
         "gdn_tape_replay writing into `state` (float32, C-contiguous, [H_v, S, S]) without copies.");
 }
 
+// The batched target (session.h: decode_batch) as the tests reach it: not on Target until the
+// batch engine serves it.
+void bind_testing_batch(py::module_ & t) {
+    t.def(
+        "batch_target",
+        [](const std::string & path, int n_seq, int64_t n_ctx, int n_threads, const std::string & kv_type, int64_t n_batch,
+           int64_t max_verify, const std::string & matmul) {
+            return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, "cpu", max_verify, "tape", matmul, true, n_seq);
+        },
+        py::arg("path"), py::arg("n_seq"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
+        py::arg("n_batch") = 512, py::arg("max_verify") = 0, py::arg("matmul") = "own",
+        "A Target with n_seq sequence slots (slot 0 is the one its own methods serve)");
+    t.def("n_seq", [](const target_session & s) { return s.n_seq(); }, py::arg("target"));
+    t.def(
+        "decode_batch",
+        [](target_session & s, const std::vector<std::tuple<int, py::object, std::string>> & work,
+           const std::vector<int> & taps) {
+            std::vector<batch_item> items;
+            for (const auto & w : work) {
+                batch_item it;
+                it.slot = std::get<0>(w);
+                it.tokens = to_tokens(std::get<1>(w));
+                const std::string & kind = std::get<2>(w);
+                if (kind == "prefill") it.kind = BATCH_PREFILL;
+                else if (kind == "decode") it.kind = BATCH_DECODE;
+                else if (kind == "verify") it.kind = BATCH_VERIFY;
+                else throw input_error(cat("[batch] kind must be 'prefill', 'decode' or 'verify', got '", kind, "'"));
+                items.push_back(std::move(it));
+            }
+            std::vector<decode_result> res;
+            {
+                py::gil_scoped_release release;
+                res = s.decode_batch(items, taps);
+            }
+            py::list out;
+            for (size_t i = 0; i < res.size(); ++i) {
+                out.append(result_to_py(std::move(res[i]), (int64_t) items[i].tokens.size(), taps.size(), s.hparams()));
+            }
+            return out;
+        },
+        py::arg("target"), py::arg("work"), py::arg("taps") = std::vector<int>{},
+        "One target pass over several slots' work [(slot, tokens, 'prefill' | 'decode' | 'verify')]: per item what "
+        "decode() / verify() of it alone returns (prefill: no logit rows; decode: the last row; verify: all rows, "
+        "pending until commit_slot)");
+    t.def(
+        "commit_slot",
+        [](target_session & s, int slot, int64_t n_keep) {
+            py::gil_scoped_release release;
+            s.commit_slot(slot, n_keep);
+        },
+        py::arg("target"), py::arg("slot"), py::arg("n_keep"));
+    t.def("reset_slot", &target_session::reset_slot, py::arg("target"), py::arg("slot"));
+    t.def("slot_n_past", &target_session::slot_n_past, py::arg("target"), py::arg("slot"));
+
+    py::class_<batch_engine>(t, "BatchEngine", "Greedy chain rounds for a batch target's slots (spec/batch_engine.h)")
+        .def(py::init([](target_session & target, const std::string & drafter, int64_t block_size, int64_t prefill_chunk,
+                         int64_t max_step_tokens) {
+                 batch_engine_params p;
+                 p.block_size = block_size;
+                 p.prefill_chunk = prefill_chunk;
+                 p.max_step_tokens = max_step_tokens;
+                 py::gil_scoped_release release;
+                 return std::make_unique<batch_engine>(target, drafter, p);
+             }),
+             py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("prefill_chunk") = 32,
+             py::arg("max_step_tokens") = k_matmul_max_cols, py::keep_alive<1, 2>())
+        .def("start", [](batch_engine & e, const py::object & prompt, int64_t max_tokens) {
+                 return e.start(to_tokens(prompt), max_tokens);
+             }, py::arg("prompt"), py::arg("max_tokens"), "Admit a request into a free slot; returns the slot")
+        .def("step", [](batch_engine & e) {
+                 py::gil_scoped_release release;
+                 return e.step();
+             }, "One drafter pass and one target pass over the active requests; returns how many stay active")
+        .def("finished", &batch_engine::finished, py::arg("slot"))
+        .def("output", &batch_engine::output, py::arg("slot"))
+        .def("rounds", [](const batch_engine & e, int slot) {
+                 py::list out;
+                 for (const batch_engine::round_record & r : e.rounds(slot)) out.append(py::make_tuple(r.draft, r.committed));
+                 return out;
+             }, py::arg("slot"), "Per round of the slot's request: (drafts verified, tokens committed)")
+        .def("release", &batch_engine::release, py::arg("slot"))
+        .def_property_readonly("block_size", &batch_engine::block_size)
+        .def_readonly("n_steps", &batch_engine::n_steps)
+        .def_readonly("n_step_tokens", &batch_engine::n_step_tokens);
+}
+
 void bind_testing_caches(py::module_ & t) {
     t.def(
         "check_placement", [](target_session & s, bool on) { s.runner().set_check_placement(on); },
@@ -1174,31 +1269,31 @@ void bind_testing_caches(py::module_ & t) {
         "'<graph> <op> <node name>' per node a device engine ran on the CPU backend since check_placement");
     t.def(
         "kv",
-        [](target_session & s, int il) {
+        [](target_session & s, int il, int slot) {
             const auto & hp = s.hparams();
             if (il < 0 || il >= hp.n_layer || hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " has no K/V"));
-            const kv_layer & c = s.cache().kv[il];
-            const int64_t n = s.n_past();
+            const kv_layer & c = s.slot_cache(slot).kv[il];
+            const int64_t n = s.slot_n_past(slot);
             auto k = to_array(read_tensor_f32(c.k, n), {n, hp.n_head_kv, hp.head_dim});
             auto v = to_array(read_tensor_f32(c.v, n), {n, hp.n_head_kv, hp.head_dim});
             return py::make_tuple(k, v);
         },
-        py::arg("target"), py::arg("layer"),
-        "Cached K and V of an attention layer, float32 [n_past, n_head_kv, head_dim] each");
+        py::arg("target"), py::arg("layer"), py::arg("slot") = 0,
+        "Cached K and V of an attention layer (of sequence slot `slot`), float32 [n_past, n_head_kv, head_dim] each");
     t.def(
         "gdn_state",
-        [](target_session & s, int il) {
+        [](target_session & s, int il, int slot) {
             const auto & hp = s.hparams();
             if (il < 0 || il >= hp.n_layer || !hp.layer_is_gdn(il)) throw input_error(cat("[cache] layer ", il, " is not a GDN layer"));
-            const gdn_layer & c = s.cache().gdn[il];
+            const gdn_layer & c = s.slot_cache(slot).gdn[il];
             const int64_t S = hp.ssm_head_dim;
             // ggml stores S^T per head (k index fastest): numpy [H_v, v, k] -> transpose to [H_v, k, v] in Python
             auto ssm = to_array(read_tensor_f32(c.ssm), {hp.ssm_n_v_heads, S, S});
             auto conv = to_array(read_tensor_f32(c.conv), {hp.ssm_conv_channels(), hp.ssm_d_conv - 1});
             return py::make_tuple(ssm, conv);
         },
-        py::arg("target"), py::arg("layer"),
-        "GDN state of a layer: (ssm float32 [n_v_heads, d_v, d_k] i.e. S^T per head, conv float32 [channels, d_conv-1])");
+        py::arg("target"), py::arg("layer"), py::arg("slot") = 0,
+        "GDN state of a layer (of sequence slot `slot`): (ssm float32 [n_v_heads, d_v, d_k] i.e. S^T per head, conv float32 [channels, d_conv-1])");
     t.def(
         "ring_kv",
         [](spec_session & s, int il) {
@@ -1247,4 +1342,5 @@ PYBIND11_MODULE(_core, m) {
     bind_testing_sampler(t);
     bind_testing_tape(t);
     bind_testing_caches(t);
+    bind_testing_batch(t);
 }

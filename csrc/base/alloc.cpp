@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #endif
 
 namespace dfn {
@@ -47,6 +48,15 @@ void require_headroom(size_t bytes, const char * where, const std::string & what
     munmap(p, bytes);
 #else
     (void) bytes, (void) where, (void) what;
+#endif
+}
+
+size_t physical_memory_bytes() {
+#if defined(__unix__) || defined(__APPLE__)
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (size_t) pages * (size_t) page : 0;
+#else
+    return 0;
 #endif
 }
 

@@ -41,6 +41,10 @@ void require_headroom(size_t bytes, const char * where, const std::string & what
 // headroom probe can fail. Cheap (one getrlimit).
 bool address_space_limited();
 
+// The machine's physical memory in bytes (0 where it cannot be read): what a cache that is
+// zeroed when made (every page touched) can never exceed.
+size_t physical_memory_bytes();
+
 // Headroom for the small allocations ggml makes without checking them (graph allocator tables,
 // CPU threadpool, OpenMP thread stacks) before a graph runs on n_threads threads.
 size_t graph_headroom(int n_threads);

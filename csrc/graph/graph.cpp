@@ -23,6 +23,38 @@ void graph_inputs::tap(int il, ggml_tensor * cur) {
     }
 }
 
+graph_inputs graph_inputs::segment(const seq_segment & s) const {
+    graph_inputs g;
+    static_cast<build_context &>(g) = *this;
+    g.hp = hp;
+    g.cache = s.cache;
+    g.n_tokens = s.n_tokens;
+    g.n_past = s.n_past;
+    g.n_kv = s.n_kv;
+    g.tokens = tokens;
+    g.pos = pos;
+    g.kq_mask = s.kq_mask;
+    g.record_tape = s.record_tape;
+    return g;
+}
+
+ggml_tensor * columns_view(const build_context & b, ggml_tensor * x, int dim, int64_t c0, int64_t n) {
+    int64_t ne[4] = {x->ne[0], x->ne[1], x->ne[2], x->ne[3]};
+    ne[dim] = n;
+    return ggml_view_4d(b.ctx, x, ne[0], ne[1], ne[2], ne[3], x->nb[1], x->nb[2], x->nb[3], c0 * x->nb[dim]);
+}
+
+ggml_tensor * join_segments(const build_context & b, std::vector<ggml_tensor *> parts, int dim) {
+    // pairwise, so each column is copied log2(n) times rather than up to n times
+    while (parts.size() > 1) {
+        std::vector<ggml_tensor *> next;
+        for (size_t i = 0; i + 1 < parts.size(); i += 2) next.push_back(ggml_concat(b.ctx, parts[i], parts[i + 1], dim));
+        if (parts.size() % 2) next.push_back(parts.back());
+        parts.swap(next);
+    }
+    return parts[0];
+}
+
 ggml_tensor * rms_norm(const build_context & b, ggml_tensor * x, ggml_tensor * w, float eps) {
     return ggml_mul(b.ctx, ggml_rms_norm(b.ctx, x, eps), w);
 }
@@ -63,6 +95,16 @@ void write_kv_rows(const build_context & b, ggml_tensor * t, ggml_tensor * src, 
 }
 
 ggml_tensor * attention_kv(graph_inputs & g, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
+    if (!g.segs.empty()) {
+        // several sequences: each segment's tokens over its own cache, as its own pass would
+        std::vector<ggml_tensor *> out;
+        for (const graph_inputs::seq_segment & s : g.segs) {
+            graph_inputs gs = g.segment(s);
+            out.push_back(attention_kv(gs, il, segment_view(g, q, 2, s), segment_view(g, k, 2, s), segment_view(g, v, 2, s),
+                                       scale));  // [hd * n_head, n_tokens_s]
+        }
+        return join_segments(g, out, 1);
+    }
     const kv_layer & c = g.cache->kv[il];
 
     // Append this batch's K/V at rows n_past .. n_past + n_tokens - 1.
@@ -248,19 +290,19 @@ ggml_tensor * gated_attention(graph_inputs & g, int il, const layer_weights & L,
     return matmul(g, L.wo, ggml_mul(ctx, a, ggml_sigmoid(ctx, gate)));
 }
 
-ggml_tensor * gdn_block(graph_inputs & g, int il, const layer_weights & w, const gdn_proj & p, bool v_grouped) {
+namespace {
+
+// One sequence's conv, L2-normalised q/k and delta rule over its state (or tape): qkv F32 [n_ch, n_tok],
+// gate, beta F32 [1, H_v, n_tok, 1]. Returns o F32 [S, H_v, n_tok, 1].
+ggml_tensor * gdn_sequence(graph_inputs & g, int il, const layer_weights & w, ggml_tensor * qkv, ggml_tensor * gate,
+                           ggml_tensor * beta, bool v_grouped) {
     ggml_context * ctx = g.ctx;
     const target_hparams & hp = *g.hp;
     const gdn_layer & st = g.cache->gdn[il];
     const int64_t n_tok = g.n_tokens;
     const int64_t S = hp.ssm_head_dim, H_k = hp.ssm_n_k_heads, H_v = hp.ssm_n_v_heads;
 
-    ggml_tensor * beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, p.b), 1, H_v, n_tok, 1);
-    // g = softplus(a + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
-    ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, p.a, w.ssm_dt)), w.ssm_a);
-    gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
-
-    ggml_tensor * conv_out = gdn_conv(g, st, w, p.qkv);  // [n_ch, n_tok]
+    ggml_tensor * conv_out = gdn_conv(g, st, w, qkv);  // [n_ch, n_tok]
     const size_t es = ggml_element_size(conv_out);
     const size_t row = conv_out->nb[1];
     ggml_tensor * q = ggml_view_4d(ctx, conv_out, S, H_k, n_tok, 1, S * es, row, row * n_tok, 0);
@@ -281,7 +323,35 @@ ggml_tensor * gdn_block(graph_inputs & g, int il, const layer_weights & w, const
         k = repeat(k);
     }
 
-    ggml_tensor * o = gdn_recurrence(g, st, q, k, v, gate, beta);  // [S, H_v, n_tok, 1]
+    return gdn_recurrence(g, st, q, k, v, gate, beta);  // [S, H_v, n_tok, 1]
+}
+
+}  // namespace
+
+ggml_tensor * gdn_block(graph_inputs & g, int il, const layer_weights & w, const gdn_proj & p, bool v_grouped) {
+    ggml_context * ctx = g.ctx;
+    const target_hparams & hp = *g.hp;
+    const int64_t n_tok = g.n_tokens;
+    const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads;
+
+    ggml_tensor * beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, p.b), 1, H_v, n_tok, 1);
+    // g = softplus(a + dt_bias) * ssm_a, with ssm_a = -exp(A_log): the log of the decay.
+    ggml_tensor * gate = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, p.a, w.ssm_dt)), w.ssm_a);
+    gate = ggml_reshape_4d(ctx, gate, 1, H_v, n_tok, 1);
+
+    ggml_tensor * o = nullptr;  // [S, H_v, n_tok, 1]
+    if (g.segs.empty()) {
+        o = gdn_sequence(g, il, w, p.qkv, gate, beta, v_grouped);
+    } else {
+        // several sequences: each segment from its own conv and recurrent state (or tape)
+        std::vector<ggml_tensor *> out;
+        for (const graph_inputs::seq_segment & s : g.segs) {
+            graph_inputs gs = g.segment(s);
+            out.push_back(gdn_sequence(gs, il, w, segment_view(g, p.qkv, 1, s), segment_view(g, gate, 2, s),
+                                       segment_view(g, beta, 2, s), v_grouped));
+        }
+        o = join_segments(g, out, 2);
+    }
 
     // Per-head RMSNorm of the output, gated by SiLU(z).
     ggml_tensor * z4 = ggml_reshape_4d(ctx, p.z, S, H_v, n_tok, 1);

@@ -41,8 +41,37 @@ struct graph_inputs : build_context {
     std::vector<int> tap_layers;
     std::vector<ggml_tensor *> taps;
 
+    // A batch of several sequences (target_session::decode_batch): the n_tokens columns are the
+    // segments' tokens one after another, each segment one sequence slot's work at its own positions
+    // over its own cache. Empty: one sequence, the fields above. The ops that mix tokens (attention,
+    // the GDN conv and recurrence) run once per segment as a one-sequence pass of its tokens does
+    // (segment()); everything else (matmuls, norms, RoPE, FFNs) runs once over all columns.
+    struct seq_segment {
+        model_cache * cache = nullptr;
+        int64_t tok0 = 0;      // first column of the batch
+        int64_t n_tokens = 0;
+        int64_t n_past = 0;
+        int64_t n_kv = 0;      // as above, for this sequence
+        ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tokens]
+        bool record_tape = false;         // a chain verify
+    };
+    std::vector<seq_segment> segs;
+
+    // The one-sequence inputs of segment s (its cache, positions, mask, tape), for the blocks that
+    // run per sequence; taps are not taken through it.
+    graph_inputs segment(const seq_segment & s) const;
+
     void tap(int il, ggml_tensor * cur);
 };
+
+// Columns [c0, c0 + n) of x along its dimension `dim` (the token dimension), as a view.
+ggml_tensor * columns_view(const build_context & b, ggml_tensor * x, int dim, int64_t c0, int64_t n);
+// Segment s's columns [s.tok0, s.tok0 + s.n_tokens) of x (columns_view).
+inline ggml_tensor * segment_view(const build_context & b, ggml_tensor * x, int dim, const graph_inputs::seq_segment & s) {
+    return columns_view(b, x, dim, s.tok0, s.n_tokens);
+}
+// The segments' outputs (each [.., n_tokens_s, ..] along `dim`) joined in batch order along `dim`.
+ggml_tensor * join_segments(const build_context & b, std::vector<ggml_tensor *> parts, int dim);
 
 // ---- blocks shared by the targets and the drafter ----
 

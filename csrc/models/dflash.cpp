@@ -277,10 +277,6 @@ void drafter_model::gather_draft_head(const ggml_tensor * lm_head, ggml_backend_
     }
 }
 
-ggml_tensor * drafter_model::build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const {
-    return scale_logits(b, matmul(b, lm_head, h));  // [n_cols, n]
-}
-
 ggml_tensor * drafter_model::scale_logits(const build_context & b, ggml_tensor * logits) const {
     ggml_context * ctx = b.ctx;
     if (hp_.logit_scale != 0.0f && hp_.logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp_.logit_scale);
@@ -314,23 +310,43 @@ void drafter_model::build_encode(const build_context & b, ggml_tensor * feats, g
     }
 }
 
+// Columns r0 .. R-1 of each of the n_blk blocks of R columns of t [n, n_blk R] (contiguous), in
+// block order: [n, n_blk (R - r0)] (for n_blk 1, a view). A 1-D t [n_blk R] (positions): its
+// elements alike (r0 > 0 means R >= 2, so a 2-D t is never taken for 1-D).
+static ggml_tensor * block_rows_from(ggml_context * ctx, ggml_tensor * t, int64_t n_blk, int64_t R, int64_t r0) {
+    if (!r0) return t;
+    const bool is_1d = ggml_n_dims(t) == 1;
+    const int64_t n = is_1d ? 1 : t->ne[0];
+    const size_t col = is_1d ? ggml_element_size(t) : t->nb[1];
+    if (n_blk == 1) {
+        return is_1d ? ggml_view_1d(ctx, t, R - r0, r0 * col) : ggml_view_2d(ctx, t, n, R - r0, col, r0 * col);
+    }
+    ggml_tensor * v = ggml_cont(ctx, ggml_view_3d(ctx, t, n, R - r0, n_blk, col, R * col, r0 * col));  // [n, R - r0, n_blk]
+    return is_1d ? ggml_reshape_1d(ctx, v, n_blk * (R - r0)) : ggml_reshape_2d(ctx, v, n, n_blk * (R - r0));
+}
+
 ggml_tensor * drafter_model::build_conv(const build_context & b, ggml_tensor * x, ggml_tensor * dyn,
-                                        ggml_tensor * base, int side) const {
+                                        ggml_tensor * base, int side, int64_t R) const {
     ggml_context * ctx = b.ctx;
-    const int64_t E = x->ne[0], B = x->ne[1], K = hp_.conv_kernel, gs = hp_.conv_group, G = E / gs;
+    const int64_t E = x->ne[0], N = x->ne[1], n_blk = N / R, K = hp_.conv_kernel, gs = hp_.conv_group, G = E / gs;
     if (!ggml_is_contiguous(x)) x = ggml_cont(ctx, x);
     if (!ggml_is_contiguous(dyn)) dyn = ggml_cont(ctx, dyn);
-    // this side's per-token coefficients [G, K, B] of dyn viewed as [G, K, 2, B], one per channel group
-    ggml_tensor * coeff = ggml_view_3d(ctx, dyn, G, K, B, G * sizeof(float), dyn->nb[1], side * K * G * sizeof(float));
-    coeff = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, ggml_cont(ctx, coeff), 1, G, K, B), gs, G, K, B);
+    // this side's per-token coefficients [G, K, N] of dyn viewed as [G, K, 2, N], one per channel group
+    ggml_tensor * coeff = ggml_view_3d(ctx, dyn, G, K, N, G * sizeof(float), dyn->nb[1], side * K * G * sizeof(float));
+    coeff = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, ggml_cont(ctx, coeff), 1, G, K, N), gs, G, K, N);
     ggml_tensor * base_side = ggml_reshape_4d(ctx, ggml_view_1d(ctx, base, E * K, side * base->nb[2]), gs, G, K, 1);
-    ggml_tensor * w = ggml_add(ctx, coeff, base_side);  // [gs, G, K, B]: tap weights per channel and token
+    ggml_tensor * w = ggml_add(ctx, coeff, base_side);  // [gs, G, K, N]: tap weights per channel and token
     ggml_tensor * out = nullptr;
-    for (int64_t tap = 0; tap < std::min(K, B); ++tap) {  // taps >= B read only the zero padding
-        ggml_tensor * xs = x;                             // x[t - tap]: rows shifted down, zeros on top
-        if (tap > 0) xs = ggml_pad_ext(ctx, ggml_view_2d(ctx, x, E, B - tap, x->nb[1], 0), 0, 0, (int) tap, 0, 0, 0, 0, 0);
-        ggml_tensor * wt = ggml_view_4d(ctx, w, gs, G, 1, B, w->nb[1], w->nb[2], w->nb[3], tap * w->nb[2]);
-        ggml_tensor * term = ggml_mul(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, wt), E, B), xs);
+    for (int64_t tap = 0; tap < std::min(K, R); ++tap) {  // taps >= R read only the zero padding
+        ggml_tensor * xs = x;  // x[t - tap] within each block: its rows shifted down, zeros on top
+        if (tap > 0 && n_blk == 1) {
+            xs = ggml_pad_ext(ctx, ggml_view_2d(ctx, x, E, R - tap, x->nb[1], 0), 0, 0, (int) tap, 0, 0, 0, 0, 0);
+        } else if (tap > 0) {
+            xs = ggml_view_3d(ctx, x, E, R - tap, n_blk, x->nb[1], R * x->nb[1], 0);  // [E, R - tap, n_blk]
+            xs = ggml_reshape_2d(ctx, ggml_pad_ext(ctx, xs, 0, 0, (int) tap, 0, 0, 0, 0, 0), E, N);
+        }
+        ggml_tensor * wt = ggml_view_4d(ctx, w, gs, G, 1, N, w->nb[1], w->nb[2], w->nb[3], tap * w->nb[2]);
+        ggml_tensor * term = ggml_mul(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, wt), E, N), xs);
         out = out ? ggml_add(ctx, out, term) : term;
     }
     return out;
@@ -339,60 +355,89 @@ ggml_tensor * drafter_model::build_conv(const build_context & b, ggml_tensor * x
 ggml_tensor * drafter_model::build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
                                          ggml_tensor * mask, ggml_tensor * mask_swa, const feature_ring & ring,
                                          int64_t n_ctx, ggml_tensor * target_tok_embd) const {
+    return build_blocks(b, tokens, pos, {{&ring, n_ctx, mask, mask_swa}}, target_tok_embd);
+}
+
+ggml_tensor * drafter_model::build_blocks(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
+                                          const std::vector<block_ring> & blocks, ggml_tensor * target_tok_embd) const {
     ggml_context * ctx = b.ctx;
-    const int64_t B = tokens->ne[0], hd = hp_.head_dim, n_kv = hp_.n_head_kv;
+    const int64_t n_blk = (int64_t) blocks.size(), R = tokens->ne[0] / n_blk, hd = hp_.head_dim, n_kv = hp_.n_head_kv;
     const float scale = hp_.attn_scale != 0.0f ? hp_.attn_scale : 1.0f / sqrtf((float) hd);
     const bool conv = !conv_.empty();
-    const int64_t first = hp_.first_draft_row();  // rows first.. draft
-    ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, B]
+    const int64_t first = hp_.first_draft_row();  // rows first.. of each block draft
+    ggml_tensor * x = ggml_get_rows(ctx, tok_embd ? tok_embd : target_tok_embd, tokens);  // [n_embd, n_blk R]
     if (hp_.embedding_scale != 0.0f) x = ggml_scale(ctx, x, hp_.embedding_scale);
+    // block s's columns [c0, c0 + n) of t along its token dimension `dim` (one block: all of t)
+    auto cols = [&](ggml_tensor * t, int dim, int64_t c0, int64_t n) { return n_blk == 1 ? t : columns_view(b, t, dim, c0, n); };
     for (int il = 0; il < hp_.n_layer; ++il) {
         const layer_weights & L = layers_[il];
-        // In the last layer, row 0 (`last`) only lends its K/V when it drafts nothing: its
-        // query, attention output and FFN would feed nothing, so those run on rows 1 .. B-1 (Bq
-        // of them). DFlash 2's convolutions mix rows, so there every row runs.
-        const int64_t r0 = il + 1 == hp_.n_layer && !conv ? first : 0, Bq = B - r0;
-        auto rows = [&](ggml_tensor * t) {  // rows r0.. of a 2-D [n, B] tensor
-            return r0 ? ggml_view_2d(ctx, t, t->ne[0], Bq, t->nb[1], r0 * t->nb[1]) : t;
-        };
+        // In the last layer, row 0 (`last`) of each block only lends its K/V when it drafts
+        // nothing: its query, attention output and FFN would feed nothing, so those run on rows
+        // 1 .. R-1 (Rq of them). DFlash 2's convolutions mix rows, so there every row runs.
+        const int64_t r0 = il + 1 == hp_.n_layer && !conv ? first : 0, Rq = R - r0;
+        auto rows = [&](ggml_tensor * t) { return block_rows_from(ctx, t, n_blk, R, r0); };
         ggml_tensor * inp = rows(x);
         ggml_tensor * xn = norm(b, x, L.attn_norm);
         ggml_tensor * dyn_attn = nullptr;
         if (conv) {
-            dyn_attn = matmul(b, conv_[il].attn_proj, xn);  // [2 * K * n_groups, B]
-            xn = build_conv(b, xn, dyn_attn, conv_[il].attn_base, 0);
+            dyn_attn = matmul(b, conv_[il].attn_proj, xn);  // [2 * K * n_groups, n_blk R]
+            xn = build_conv(b, xn, dyn_attn, conv_[il].attn_base, 0, R);
         }
-        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, Bq);  // [hd, n_head, Bq]
-        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, B);              // [hd, n_kv, B]
-        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, B);
-        Q = rope(b, norm(b, Q, L.q_norm), r0 ? ggml_view_1d(ctx, pos, Bq, r0 * ggml_element_size(pos)) : pos);
+        ggml_tensor * Q = ggml_reshape_3d(ctx, matmul(b, L.wq, rows(xn)), hd, hp_.n_head, n_blk * Rq);  // [hd, n_head, n_blk Rq]
+        ggml_tensor * K = ggml_reshape_3d(ctx, matmul(b, L.wk, xn), hd, n_kv, n_blk * R);               // [hd, n_kv, n_blk R]
+        ggml_tensor * V = ggml_reshape_3d(ctx, matmul(b, L.wv, xn), hd, n_kv, n_blk * R);
+        Q = rope(b, norm(b, Q, L.q_norm), rows(pos));
         K = rope(b, norm(b, K, L.k_norm), pos);
 
-        // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
-        // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
-        // without a causal mask
-        write_kv_rows(b, ring.k[il], K, n_ctx);
-        write_kv_rows(b, ring.v[il], V, n_ctx);
-        const int64_t n_att = mask->ne[0];  // >= n_ctx + B: the mask hides the slots past the block
-        ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
-        ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
-        ggml_tensor * a = attention(b, Q, Ka, Va, rows(layer_is_swa(il) ? mask_swa : mask), scale);  // [hd * n_head, Bq]
-        ggml_tensor * o = matmul(b, L.wo, a);  // [n_embd, Bq]
+        std::vector<ggml_tensor *> out;
+        for (int64_t s = 0; s < n_blk; ++s) {
+            const block_ring & blk = blocks[s];
+            const feature_ring & ring = *blk.ring;
+            // [ring slots 0 .. n_ctx-1 ; block]: the block's K/V go to the slots after the context
+            // (computed before the attention: ggml runs nodes in order); slot order is irrelevant
+            // without a causal mask
+            write_kv_rows(b, ring.k[il], cols(K, 2, s * R, R), blk.n_ctx);
+            write_kv_rows(b, ring.v[il], cols(V, 2, s * R, R), blk.n_ctx);
+            ggml_tensor * m = layer_is_swa(il) ? blk.mask_swa : blk.mask;
+            const int64_t n_att = m->ne[0];  // >= n_ctx + R: the mask hides the slots past the block
+            ggml_tensor * Ka = kv_rows(b, ring.k[il], 0, n_att);  // [hd, n_kv, n_att]
+            ggml_tensor * Va = kv_rows(b, ring.v[il], 0, n_att);
+            if (r0) m = ggml_view_2d(ctx, m, m->ne[0], Rq, m->nb[1], r0 * m->nb[1]);
+            out.push_back(attention(b, cols(Q, 2, s * Rq, Rq), Ka, Va, m, scale));  // [hd * n_head, Rq]
+        }
+        ggml_tensor * o = matmul(b, L.wo, join_segments(b, out, 1));  // [n_embd, n_blk Rq]
         if (hp_.attn_value_scale != 0.0f) o = ggml_scale(ctx, o, hp_.attn_value_scale);
-        if (conv) o = build_conv(b, o, dyn_attn, conv_[il].attn_base, 1);
+        if (conv) o = build_conv(b, o, dyn_attn, conv_[il].attn_base, 1, R);
         x = ggml_add(ctx, o, inp);
 
         ggml_tensor * fn = norm(b, x, L.ffn_norm);
         if (conv) {
             ggml_tensor * dyn_ffn = matmul(b, conv_[il].ffn_proj, fn);
-            fn = build_conv(b, fn, dyn_ffn, conv_[il].ffn_base, 0);
-            x = ggml_add(ctx, build_conv(b, ffn_swiglu(b, fn, L), dyn_ffn, conv_[il].ffn_base, 1), x);
+            fn = build_conv(b, fn, dyn_ffn, conv_[il].ffn_base, 0, R);
+            x = ggml_add(ctx, build_conv(b, ffn_swiglu(b, fn, L), dyn_ffn, conv_[il].ffn_base, 1, R), x);
         } else {
             x = ggml_add(ctx, ffn_swiglu(b, fn, L), x);
         }
     }
     x = norm(b, x, output_norm);
-    return conv && first ? ggml_view_2d(ctx, x, x->ne[0], B - 1, x->nb[1], x->nb[1]) : x;  // the drafting rows
+    return conv ? block_rows_from(ctx, x, n_blk, R, first) : x;  // the drafting rows
+}
+
+ggml_tensor * drafter_model::build_draft_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h,
+                                                ggml_tensor * tokens, int64_t n_blk, ggml_tensor ** conf) const {
+    ggml_tensor * logits = matmul(b, lm_head, h);  // [n_cols, n_blk (B-1)]
+    if (conf) *conf = nullptr;
+    if (!hp_.has_markov()) return scale_logits(b, logits);
+    const int64_t n = h->ne[1] / n_blk, R = tokens->ne[0] / n_blk;
+    auto cols = [&](ggml_tensor * t, int dim, int64_t c0, int64_t m) { return n_blk == 1 ? t : columns_view(b, t, dim, c0, m); };
+    std::vector<ggml_tensor *> out, confs;
+    for (int64_t s = 0; s < n_blk; ++s) {
+        ggml_tensor * c = nullptr;
+        out.push_back(build_markov(b, cols(logits, 1, s * n, n), cols(h, 1, s * n, n), cols(tokens, 0, s * R, R), &c));
+        if (c) confs.push_back(c);
+    }
+    if (conf && !confs.empty()) *conf = join_segments(b, confs, 1);
+    return scale_logits(b, join_segments(b, out, 1));
 }
 
 ggml_tensor * drafter_model::build_markov(const build_context & b, ggml_tensor * logits, ggml_tensor * h,

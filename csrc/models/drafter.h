@@ -109,6 +109,13 @@ void walk_lattice(const float * lattice, int64_t n, int64_t k, int32_t * tok, fl
 // scores: cond_p [n, k, k] (tree.h's build_tree_conditional reads both).
 void lattice_probs(const float * lattice, int64_t n, int64_t k, int32_t * cand, float * cond_p, int64_t pos0);
 
+// A draft block's attention mask over ring slots [0, n_att), [R, n_att] row-major for its R rows
+// (block_rows), row i at position n_past + i: context slot s (s < n_ctx, holding position k) is
+// visible when k >= lo and, with a sliding window w > 0, n_past + i - k < w; block row j (slot
+// n_ctx + j) when j <= i or the drafter is not causal, and |i - j| < w; the rest (padding) is hidden.
+void fill_block_mask(const feature_ring & ring, int64_t n_past, int64_t n_ctx, int64_t n_att, int64_t R, int64_t lo,
+                     int64_t w, bool causal, std::vector<ggml_fp16_t> & m);
+
 // dflash.block_size of a drafter file (16 when absent), range-checked: the engine sizes the
 // target's verify batch from it before the drafter itself is loaded.
 constexpr int64_t k_max_gguf_block_size = 1024;
@@ -139,19 +146,35 @@ public:
 
     // Block forward: tokens I32 [R] = [last, MASK...] at positions pos I32 [R], attending to the
     // first n_ctx ring slots and (non-causally) to the block, whose K/V go to ring slots
-    // [n_ctx, n_ctx + B) (n_ctx = ring.n_valid(), B <= ring.scratch). mask, mask_swa: F16
-    // [n_att, B] for full and sliding-window layers, over ring slots [0, n_att), n_att >= n_ctx + B
+    // [n_ctx, n_ctx + R) (n_ctx = ring.n_valid(), R <= ring.scratch). mask, mask_swa: F16
+    // [n_att, R] for full and sliding-window layers, over ring slots [0, n_att), n_att >= n_ctx + R
     // (-inf past the block: padding keeps the graph's sizes, and its plan, for many rounds).
     // Returns the final hidden states after output_norm of the rows that draft d_1 .. d_{B-1}
-    // (rows first_draft_row() .. R-1; R = block_rows(B)), F32 [n_embd, B-1].
+    // (rows first_draft_row() .. R-1; R = block_rows(B)), F32 [n_embd, B-1]. build_blocks' one-block case.
     ggml_tensor * build_block(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos, ggml_tensor * mask,
                               ggml_tensor * mask_swa, const feature_ring & ring, int64_t n_ctx,
                               ggml_tensor * tok_embd) const;
-    // The draft head: lm_head [n_embd, n_cols] times h F32 [n_embd, n], then logit_scale and the
-    // soft cap. Returns F32 [n_cols, n].
-    ggml_tensor * build_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h) const;
-    // build_logits' logit_scale and soft cap alone, on logits F32 [n_cols, n].
-    ggml_tensor * scale_logits(const build_context & b, ggml_tensor * logits) const;
+    // One block of build_blocks: its ring, context slots and masks as build_block takes them.
+    struct block_ring {
+        const feature_ring * ring = nullptr;
+        int64_t n_ctx = 0;
+        ggml_tensor * mask = nullptr;      // F16 [n_att, R]
+        ggml_tensor * mask_swa = nullptr;  // F16 [n_att, R], when there are sliding-window layers
+    };
+    // Several sequences' blocks of R rows in one pass (batch_engine.h): block s is tokens
+    // [s R, (s + 1) R) at positions pos (I32 [n R] each), over its own ring. Every weight matmul
+    // runs once over all blocks; attention, and DFlash 2's convolutions, per block. Returns F32
+    // [n_embd, n (B-1)]: block s's drafting rows are the columns build_block gives for it alone,
+    // bit for bit (matmul.h: each column alone).
+    ggml_tensor * build_blocks(const build_context & b, ggml_tensor * tokens, ggml_tensor * pos,
+                               const std::vector<block_ring> & blocks, ggml_tensor * tok_embd) const;
+    // The draft head over n_blk blocks: lm_head [n_embd, n_cols] times h F32 [n_embd, n_blk (B-1)]
+    // (build_blocks'), then logit_scale and the soft cap; for DSpark, the Markov head first chains
+    // each block's rows (tokens I32 [n_blk R], the blocks) on the raw logits (llama.cpp's argmaxes).
+    // Returns F32 [n_cols, n_blk (B-1)]; *conf (when conf is given): DSpark's confidences F32
+    // [1, n_blk (B-1)], else nullptr.
+    ggml_tensor * build_draft_logits(const build_context & b, ggml_tensor * lm_head, ggml_tensor * h, ggml_tensor * tokens,
+                                     int64_t n_blk, ggml_tensor ** conf) const;
     // DSpark's Markov head, as llama.cpp chains it: logits F32 [n_vocab, n] (the draft rows' lm_head
     // output, before logit_scale / soft cap), h F32 [n_embd, n] (their hidden states), tokens the
     // block (tokens[0]: the anchor). Row i gets + markov_w2 (markov_w1[prev_i]) (times
@@ -161,7 +184,7 @@ public:
     ggml_tensor * build_markov(const build_context & b, ggml_tensor * logits, ggml_tensor * h, ggml_tensor * tokens,
                                ggml_tensor ** conf) const;
     // DFlash 2's selector over the block's rows 1..B-1: h F32 [n_embd, B-1] (build_block's),
-    // logits F32 [n_vocab, B-1] (build_logits' over the whole vocabulary), tokens I32 [B] (the
+    // logits F32 [n_vocab, B-1] (build_draft_logits' over the whole vocabulary), tokens I32 [B] (the
     // block: tokens[0] is the anchor, `last`). Returns the lattice, F32 [k + k*k, B-1]: per row r
     // (block position r + 1) its k candidates (the logits' top k, token ids as floats) and, for
     // each predecessor p (row r-1's candidate p; for r = 0 the anchor, every p alike), the k
@@ -185,10 +208,13 @@ private:
     void refuse_unimplemented(gguf_file & F, const std::string & path);
     // DFlash 2's block-local dynamic convolution, one side (0: a sublayer's input, 1: its output):
     // out[t] = sum_{tap < K} (base[side, tap, c] + dyn[t, side, tap, c / group]) * x[t - tap, c],
-    // x[t < 0] = 0. x F32 [n_embd, B] (one block), dyn F32 [2 * K * n_groups, B] (the sublayer's
-    // kernel projection of its normed input), base F32 [n_embd, K, 2]. Returns F32 [n_embd, B].
+    // x[t < 0] = 0, t counted within each block of R rows. x F32 [n_embd, n R] (n blocks), dyn F32
+    // [2 * K * n_groups, n R] (the sublayer's kernel projection of its normed input), base F32
+    // [n_embd, K, 2]. Returns F32 [n_embd, n R].
     ggml_tensor * build_conv(const build_context & b, ggml_tensor * x, ggml_tensor * dyn, ggml_tensor * base,
-                             int side) const;
+                             int side, int64_t R) const;
+    // logit_scale and the soft cap, on logits F32 [n_cols, n].
+    ggml_tensor * scale_logits(const build_context & b, ggml_tensor * logits) const;
     ggml_tensor * norm(const build_context & b, ggml_tensor * x, ggml_tensor * w) const;
     ggml_tensor * rope(const build_context & b, ggml_tensor * x, ggml_tensor * pos) const;
 

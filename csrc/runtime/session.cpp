@@ -1,5 +1,6 @@
 #include "runtime/session.h"
 
+#include "base/alloc.h"
 #include "base/common.h"
 #include "base/cpu_isa.h"
 #include "kernels/cpu/gdn_tape.h"
@@ -41,7 +42,11 @@ target_session::target_session(const std::string & path, const session_params & 
     model_ = target_model::open(path);
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
     params_.n_threads = n_threads;
-    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * 96 + 256);
+    DFN_REQUIRE(params.n_seq >= 1, "engine", "n_seq must be >= 1, got ", params.n_seq);
+    DFN_REQUIRE(params.n_seq == 1 || (params.device == "cpu" && params.rollback == ROLLBACK_TAPE), "engine",
+                "n_seq > 1 (several sequence slots) runs on the CPU with tape rollback only");
+    // a batch adds, per layer and sequence, its views, K/V writes and the joins of the outputs
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 32 * (params.n_seq - 1)) + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
     // by layer over the devices of a split (graph_runner::target_buffer_type); one device or the CPU:
@@ -51,9 +56,40 @@ target_session::target_session(const std::string & path, const session_params & 
                          params.use_mmap);
     tune_matmul(*runner_, model_->file().tensors());  // each weight type's matmul level (dispatch.h)
     rollback_ = make_gdn_rollback(params.rollback);
-    cache_ = std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
-                                           rollback_->keeps_snapshots(), runner_->on_device(),
-                                           [&](int il) { return runner_->layer_buffer_type(il, n_layer); });
+    auto new_cache = [&] {
+        return std::make_unique<model_cache>(model_->hparams(), params.n_ctx, params.kv_type, params.max_verify,
+                                             rollback_->keeps_snapshots(), runner_->on_device(),
+                                             [&](int il) { return runner_->layer_buffer_type(il, n_layer); });
+    };
+    slots_.resize(params.n_seq);
+    slots_[0].cache = new_cache();
+    if (params.n_seq > 1) {
+        // all slots' caches must fit before any is made: they are zeroed (touched) when made
+        const size_t per_slot = slots_[0].cache->bytes(), rest = per_slot * (size_t) (params.n_seq - 1);
+        const std::string what = cat("the caches of n_seq = ", params.n_seq, " sequence slots (", format_bytes(per_slot),
+                                     " each at n_ctx = ", params.n_ctx, ")");
+        const size_t phys = physical_memory_bytes();
+        if (phys > 0 && per_slot * (size_t) params.n_seq > phys) {
+            throw memory_error(cat("[engine] out of memory: ", what, " need ", format_bytes(per_slot * params.n_seq),
+                                   ", more than this machine's ", format_bytes(phys), "; lower n_seq or n_ctx"));
+        }
+        require_headroom(rest, "engine", what);
+        for (int i = 1; i < params.n_seq; ++i) slots_[i].cache = new_cache();
+    }
+    cache_ = slots_[0].cache.get();
+}
+
+int target_session::check_slot(int slot) const {
+    DFN_REQUIRE(slot >= 0 && slot < (int) slots_.size(), "batch", "sequence slot ", slot, " outside [0, ", slots_.size(),
+                ") (n_seq = ", slots_.size(), ")");
+    return slot;
+}
+
+void target_session::reset_slot(int slot) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    s.cache->clear();
+    s.pending_n = 0;
+    s.pending_parents.clear();
 }
 
 target_session::~target_session() = default;
@@ -62,19 +98,23 @@ memory_usage target_session::memory() const {
     memory_usage m;
     m.target_weights_mapped = model_->file().mapped_bytes();
     m.target_weights_copied = model_->file().copied_bytes();
-    m.kv_cache = cache_->kv_bytes();
-    m.gdn_state = cache_->gdn_state_bytes();
-    m.gdn_tape = cache_->gdn_tape_bytes();
+    for (const seq_slot & s : slots_) {  // every sequence slot's
+        m.kv_cache += s.cache->kv_bytes();
+        m.gdn_state += s.cache->gdn_state_bytes();
+        m.gdn_tape += s.cache->gdn_tape_bytes();
+    }
     m.compute_target = runner_->compute_bytes({"target:", "commit:"});
     return m;
 }
 
-void target_session::check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
+void target_session::check_slot_tokens(const seq_slot & s, const int32_t * tokens, int64_t n,
+                                       const std::vector<int> & tap_layers) const {
     const target_hparams & hp = model_->hparams();
-    DFN_REQUIRE(pending_n_ == 0, W, "a verify of ", pending_n_, " tokens is pending: commit() it first");
+    const model_cache & c = *s.cache;
+    DFN_REQUIRE(s.pending_n == 0, W, "a verify of ", s.pending_n, " tokens is pending: commit() it first");
     DFN_REQUIRE(n > 0, W, "empty input: no tokens to decode");
-    DFN_REQUIRE(cache_->n_past + n <= cache_->n_ctx, W, "context overflow: ", cache_->n_past, " cached + ", n,
-                " new tokens > n_ctx = ", cache_->n_ctx);
+    DFN_REQUIRE(c.n_past + n <= c.n_ctx, W, "context overflow: ", c.n_past, " cached + ", n, " new tokens > n_ctx = ",
+                c.n_ctx);
     for (int64_t i = 0; i < n; ++i) {
         DFN_REQUIRE(tokens[i] >= 0 && tokens[i] < hp.n_vocab, W, "token id ", tokens[i], " at index ", i,
                     " is outside the vocabulary [0, ", hp.n_vocab, ")");
@@ -147,9 +187,9 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
         cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
         throw;
     }
-    pending_past_ = n_past0;
-    pending_n_ = n;
-    pending_tokens_.assign(tokens, tokens + n);
+    slots_[0].pending_past = n_past0;
+    slots_[0].pending_n = n;
+    slots_[0].pending_tokens.assign(tokens, tokens + n);
     return out;
 }
 
@@ -166,7 +206,7 @@ decode_result target_session::verify_tree(const int32_t * tokens, const int32_t 
     cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
     cache_->tree.replay_n = cache_->replay_n;
     decode_result out = run_verify(tokens, parents, n, tap_layers, argmax_only);
-    pending_parents_.assign(parents, parents + n);
+    slots_[0].pending_parents.assign(parents, parents + n);
     return out;
 }
 
@@ -188,10 +228,10 @@ void target_session::compact_rows(ggml_tensor * t, size_t row_bytes, size_t stri
 }
 
 void target_session::commit_tree(const std::vector<int32_t> & path) {
-    DFN_REQUIRE(pending_n_ > 0 && !pending_parents_.empty(), "commit", "no tree verify is pending");
+    DFN_REQUIRE(slots_[0].pending_n > 0 && !slots_[0].pending_parents.empty(), "commit", "no tree verify is pending");
     DFN_REQUIRE(!path.empty() && path[0] == 0, "commit", "the accepted path must start at the root (node 0)");
     for (size_t d = 1; d < path.size(); ++d) {
-        DFN_REQUIRE(path[d] > 0 && path[d] < pending_n_ && pending_parents_[path[d]] == path[d - 1], "commit",
+        DFN_REQUIRE(path[d] > 0 && path[d] < slots_[0].pending_n && slots_[0].pending_parents[path[d]] == path[d - 1], "commit",
                     "path[", d, "] = ", path[d], " is not a child of path[", d - 1, "] = ", path[d - 1]);
     }
     const target_hparams & hp = model_->hparams();
@@ -205,12 +245,12 @@ void target_session::commit_tree(const std::vector<int32_t> & path) {
             compact_rows(L.tape_qkv, L.tape_qkv->nb[1], L.tape_qkv->nb[1], 0, path);
         } else {
             const kv_layer & L = cache_->kv[il];
-            compact_rows(L.k, L.k->nb[2], L.k->nb[2], pending_past_, path);
-            compact_rows(L.v, L.v->nb[2], L.v->nb[2], pending_past_, path);
+            compact_rows(L.k, L.k->nb[2], L.k->nb[2], slots_[0].pending_past, path);
+            compact_rows(L.v, L.v->nb[2], L.v->nb[2], slots_[0].pending_past, path);
         }
     }
-    for (size_t d = 0; d < path.size(); ++d) pending_tokens_[d] = pending_tokens_[path[d]];
-    pending_parents_.clear();
+    for (size_t d = 0; d < path.size(); ++d) slots_[0].pending_tokens[d] = slots_[0].pending_tokens[path[d]];
+    slots_[0].pending_parents.clear();
     commit((int64_t) path.size());
 }
 
@@ -220,20 +260,24 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
                        (float *) L.tape_g->data}, S, H_v, n_keep, params_.n_threads);
 }
 
-void target_session::commit(int64_t n_keep) {
-    DFN_REQUIRE(pending_n_ > 0, "commit", "no verify is pending");
-    DFN_REQUIRE(n_keep >= 1 && n_keep <= pending_n_, "commit", "n_keep = ", n_keep, " outside [1, ", pending_n_, "]");
+void target_session::commit(int64_t n_keep) { commit_slot(0, n_keep); }
+
+void target_session::commit_slot(int slot, int64_t n_keep) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    model_cache & cache = *s.cache;
+    DFN_REQUIRE(s.pending_n > 0, "commit", "no verify is pending");
+    DFN_REQUIRE(n_keep >= 1 && n_keep <= s.pending_n, "commit", "n_keep = ", n_keep, " outside [1, ", s.pending_n, "]");
     profile_scope timer("target", ":commit");
-    pending_parents_.clear();
+    s.pending_parents.clear();
     const target_hparams & hp = model_->hparams();
-    cache_->n_past = pending_past_ + n_keep;  // attention: dead rows past the cursor are overwritten later
-    const int64_t n_verified = pending_n_;
-    pending_n_ = 0;
+    cache.n_past = s.pending_past + n_keep;  // attention: dead rows past the cursor are overwritten later
+    const int64_t n_verified = s.pending_n;
+    s.pending_n = 0;
     if (hp.is_gdn.empty()) return;
     if (rollback_->redecodes()) {
         // the GDN state is still the one before the verify: run the kept tokens again
-        cache_->n_past = pending_past_;
-        decode(pending_tokens_.data(), n_keep, false);
+        cache.n_past = s.pending_past;
+        decode(s.pending_tokens.data(), n_keep, false);
         return;
     }
 
@@ -246,7 +290,7 @@ void target_session::commit(int64_t n_keep) {
     bool defer = false;
     for (int il = 0; il < hp.n_layer; ++il) {
         if (!hp.is_gdn[il]) continue;
-        gdn_layer & L = cache_->gdn[il];
+        gdn_layer & L = cache.gdn[il];
         defer = rollback_->restore_host(L, n_keep, n_verified) || defer;  // deferred: cache.h, replay_n
 
         // conv state: the last kc inputs of [old state (kc columns); the n_keep kept inputs]
@@ -262,7 +306,7 @@ void target_session::commit(int64_t n_keep) {
         }
         ggml_backend_tensor_set(L.conv, out.data(), 0, out.size() * sizeof(float));
     }
-    if (defer) cache_->replay_n = n_keep;
+    if (defer) cache.replay_n = n_keep;
 }
 
 void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
@@ -290,13 +334,13 @@ void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
     runner_->run(cat("commit:", n_keep, ":", rollback_->name()), build, [] {}, [] {});
 }
 
-void target_session::flush_replay() {
-    if (cache_->replay_n == 0) return;
+void target_session::flush_replay(model_cache & c) {
+    if (c.replay_n == 0) return;
     const target_hparams & hp = model_->hparams();
     for (int il = 0; il < hp.n_layer; ++il) {
-        if (hp.is_gdn[il]) replay_state(cache_->gdn[il], hp.ssm_head_dim, hp.ssm_n_v_heads, cache_->replay_n);
+        if (hp.is_gdn[il]) replay_state(c.gdn[il], hp.ssm_head_dim, hp.ssm_n_v_heads, c.replay_n);
     }
-    cache_->replay_n = 0;
+    c.replay_n = 0;
 }
 
 void target_session::build_chunk(const build_context & b, chunk_graph & c) const {
@@ -377,14 +421,18 @@ void target_session::set_chunk_inputs(const chunk_graph & c, const int32_t * tok
     // Positions and mask feed attention layers only: in a model without any (all GDN) no node
     // reads them, the scheduler gives them no buffer, and there is nothing to set.
     if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = g.n_past + i;
-        ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
-        for (int64_t j = 0; j < g.n_kv; ++j) row[j] = j <= p ? zero : ninf;
-    }
+    fill_causal_mask(g.n_past, n, g.n_kv, mask.data());
     if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+}
+
+void target_session::fill_causal_mask(int64_t n_past, int64_t n, int64_t n_kv, ggml_fp16_t * mask) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = n_past + i;
+        ggml_fp16_t * row = mask + (size_t) i * n_kv;
+        for (int64_t j = 0; j < n_kv; ++j) row[j] = j <= p ? zero : ninf;
+    }
 }
 
 void target_session::read_chunk(const chunk_graph & c, decode_result & out, int64_t tok_offset) const {
@@ -441,7 +489,7 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     c.argmax_only = argmax_only;
     graph_inputs & g = c.g;
     g.hp = &model_->hparams();
-    g.cache = cache_.get();
+    g.cache = cache_;
     g.n_tokens = n;
     g.n_past = cache_->n_past;
     // the live prefix, padded (session.h; the mask hides the rest, and padded keys change no bits)
@@ -461,6 +509,157 @@ void target_session::run_chunk(const int32_t * tokens, int64_t n, bool all_logit
     for (int il : tap_layers) key += cat(",", il);
     runner_->run(
         key, [&](const build_context & b) { build_chunk(b, c); }, [&] { set_chunk_inputs(c, tokens); }, read_outputs);
+}
+
+std::vector<decode_result> target_session::decode_batch(const std::vector<batch_item> & items,
+                                                       const std::vector<int> & tap_layers, bool argmax_only) {
+    const target_hparams & hp = model_->hparams();
+    DFN_REQUIRE(!items.empty(), "batch", "no work: the batch has no items");
+    std::vector<char> seen(slots_.size(), 0);
+    int64_t n_total = 0;
+    for (const batch_item & it : items) {
+        const seq_slot & s = slots_.at(check_slot(it.slot));
+        DFN_REQUIRE(!seen[it.slot], "batch", "sequence slot ", it.slot, " appears twice in one batch");
+        seen[it.slot] = 1;
+        const int64_t n = (int64_t) it.tokens.size();
+        check_slot_tokens(s, it.tokens.data(), n, tap_layers);
+        DFN_REQUIRE(it.kind != BATCH_VERIFY || n <= s.cache->n_tape || hp.is_gdn.empty(), "verify", n,
+                    " tokens > max_verify = ", s.cache->n_tape, " (the GDN tape capacity this engine was created with)");
+        n_total += n;
+    }
+    DFN_REQUIRE(n_total <= params_.n_batch, "batch", n_total, " tokens in one batch > n_batch = ", params_.n_batch);
+
+    // the segments (graph.h: graph_inputs::seq_segment) and the batch columns whose logits are read
+    graph_inputs g;
+    g.hp = &hp;
+    g.n_tokens = n_total;
+    g.tap_layers = tap_layers;
+    g.taps.assign(tap_layers.size(), nullptr);
+    std::vector<int32_t> rows, tokens;
+    std::vector<int64_t> text_pos;
+    std::vector<int64_t> row0(items.size());  // each item's first row in `rows`
+    std::string key = cat("target:batch:", n_total);  // "target:": counted as the target's compute
+    for (size_t i = 0; i < items.size(); ++i) {
+        const batch_item & it = items[i];
+        model_cache & c = *slots_[it.slot].cache;
+        graph_inputs::seq_segment seg;
+        seg.cache = &c;
+        seg.tok0 = (int64_t) tokens.size();
+        seg.n_tokens = (int64_t) it.tokens.size();
+        seg.n_past = c.n_past;
+        seg.n_kv = std::min(c.n_ctx, kv_padded(c.n_past + seg.n_tokens));  // as run_chunk pads it
+        seg.record_tape = it.kind == BATCH_VERIFY;
+        g.segs.push_back(seg);
+        row0[i] = (int64_t) rows.size();
+        for (int64_t j = 0; j < seg.n_tokens; ++j) {
+            const bool row = it.kind == BATCH_VERIFY || (it.kind == BATCH_DECODE && j == seg.n_tokens - 1);
+            if (row) rows.push_back((int32_t) (seg.tok0 + j));
+            text_pos.push_back(c.n_past + j);
+        }
+        tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
+        key += cat(",", seg.n_tokens, "PDV"[it.kind]);
+    }
+    key += argmax_only ? ":argmax:taps" : ":taps";
+    for (int il : tap_layers) key += cat(",", il);
+    const int64_t n_rows = (int64_t) rows.size();
+    const bool all_rows = n_rows == n_total;
+
+    ggml_tensor * rows_in = nullptr, * logits = nullptr, * argmax = nullptr;
+    auto build = [&](const build_context & b) {
+        static_cast<build_context &>(g) = b;
+        ggml_context * ctx = b.ctx;
+        g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_total);
+        g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_total * model_->n_pos_per_token());
+        ggml_set_input(g.tokens);
+        ggml_set_input(g.pos);
+        for (graph_inputs::seq_segment & s : g.segs) {
+            s.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, s.n_kv, s.n_tokens);
+            ggml_set_input(s.kq_mask);
+        }
+        ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n_total]
+        if (n_rows == 0) {
+            ggml_build_forward_expand(g.gf, hidden);
+            return;
+        }
+        if (!all_rows) {
+            // the rows asked for (an exact copy): their logits are the one-sequence pass's, as the
+            // matmul computes each column alone
+            rows_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+            ggml_set_input(rows_in);
+            hidden = ggml_get_rows(ctx, hidden, rows_in);  // [n_embd, n_rows]
+        }
+        logits = matmul(g, model_->output, hidden);  // [n_vocab, n_rows]
+        // the greedy tokens by the AR step's op (it flags non-finite rows: top1.h)
+        ggml_tensor * res = argmax_only ? (argmax = argmax_op(ctx, logits)) : logits;  // I32 [n_rows]
+        ggml_set_output(res);
+        ggml_build_forward_expand(g.gf, res);
+    };
+    auto set_inputs = [&] {
+        ggml_backend_tensor_set(g.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
+        std::vector<int32_t> pos(n_total * model_->n_pos_per_token());
+        model_->fill_positions_at(text_pos.data(), n_total, pos.data());
+        if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+        for (const graph_inputs::seq_segment & s : g.segs) {
+            if (!s.kq_mask->buffer) continue;  // no attention layer reads it
+            std::vector<ggml_fp16_t> mask((size_t) s.n_kv * s.n_tokens);
+            fill_causal_mask(s.n_past, s.n_tokens, s.n_kv, mask.data());
+            ggml_backend_tensor_set(s.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+        }
+        if (rows_in) ggml_backend_tensor_set(rows_in, rows.data(), 0, rows.size() * sizeof(int32_t));
+    };
+    std::vector<decode_result> out(items.size());
+    auto read_outputs = [&] {
+        std::vector<float> all((size_t) (argmax_only ? 0 : n_rows) * hp.n_vocab);
+        std::vector<int32_t> ids(argmax_only ? n_rows : 0);
+        if (!all.empty()) ggml_backend_tensor_get(logits, all.data(), 0, all.size() * sizeof(float));
+        if (!ids.empty()) ggml_backend_tensor_get(argmax, ids.data(), 0, ids.size() * sizeof(int32_t));
+        std::vector<std::vector<float>> taps(tap_layers.size());
+        for (size_t t = 0; t < tap_layers.size(); ++t) {
+            taps[t].resize((size_t) hp.n_embd * n_total);
+            ggml_backend_tensor_get(g.taps[t], taps[t].data(), 0, taps[t].size() * sizeof(float));
+        }
+        for (size_t i = 0; i < items.size(); ++i) {
+            const graph_inputs::seq_segment & s = g.segs[i];
+            decode_result & r = out[i];
+            r.n_rows = items[i].kind == BATCH_VERIFY ? s.n_tokens : items[i].kind == BATCH_DECODE ? 1 : 0;
+            const int64_t pos0 = s.n_past + s.n_tokens - r.n_rows;  // position of row 0
+            const char * where = items[i].kind == BATCH_VERIFY ? "verify" : W;
+            if (argmax_only) {
+                r.argmax.assign(ids.begin() + row0[i], ids.begin() + row0[i] + r.n_rows);
+                for (int64_t k = 0; k < r.n_rows; ++k) {
+                    if (r.argmax[k] < 0) throw_non_finite_logits(where, pos0 + k);
+                }
+            } else {
+                r.logits.assign(all.begin() + row0[i] * hp.n_vocab, all.begin() + (row0[i] + r.n_rows) * hp.n_vocab);
+                for (size_t k = 0; k < r.logits.size(); ++k) {
+                    if (!std::isfinite(r.logits[k])) throw_non_finite_logits(where, pos0 + (int64_t) k / hp.n_vocab);
+                }
+            }
+            // taps [n_tokens, n_taps, n_embd] as decode() gives them
+            r.taps.resize((size_t) s.n_tokens * tap_layers.size() * hp.n_embd);
+            for (int64_t j = 0; j < s.n_tokens; ++j) {
+                for (size_t t = 0; t < tap_layers.size(); ++t) {
+                    std::memcpy(r.taps.data() + ((size_t) j * tap_layers.size() + t) * hp.n_embd,
+                                taps[t].data() + (size_t) (s.tok0 + j) * hp.n_embd, hp.n_embd * sizeof(float));
+                }
+            }
+        }
+    };
+    runner_->run(key, build, set_inputs, read_outputs);
+    // the caches took the tokens (K/V rows, GDN state or tape) and the replay commit_slot deferred
+    for (size_t i = 0; i < items.size(); ++i) {
+        seq_slot & s = slots_[items[i].slot];
+        const int64_t n = (int64_t) items[i].tokens.size();
+        if (items[i].kind == BATCH_VERIFY) {
+            s.pending_past = s.cache->n_past;
+            s.pending_n = n;
+            s.pending_tokens = items[i].tokens;
+            s.pending_parents.clear();
+        }
+        s.cache->n_past += n;
+        s.cache->replay_n = 0;
+    }
+    return out;
 }
 
 }  // namespace dfn

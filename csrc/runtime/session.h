@@ -34,6 +34,9 @@ struct session_params {
     // Weights (target and drafter) in host memory are the file's pages, mapped (gguf_file.h);
     // false: read into buffers of their own.
     bool use_mmap = true;
+    // Sequence slots, each with its own cache (KV, GDN state, tape): decode_batch runs several in one
+    // pass. Slot 0 is the sequence decode / verify / commit serve. More than one: CPU, tape rollback.
+    int n_seq = 1;
 };
 
 // What a target session, and the drafter beside it, hold in memory, in bytes (Engine.memory_report).
@@ -72,6 +75,16 @@ inline int64_t kv_padded(int64_t n) { return (n + k_kv_pad - 1) / k_kv_pad * k_k
 // verify graph and the drafter's block scale with it, and a drafter gains nothing past its
 // trained block size (DFlash drafters train with 16), so larger values only waste time and memory.
 constexpr int64_t k_max_block_size = 64;
+
+// One sequence's work in a decode_batch: prompt tokens that fill its cache (no logits), an AR step
+// or the last prompt chunk (the last row's logits), or a chain verify (every row's logits, the
+// GDN tape recorded, pending until commit_slot). Each at the slot's own positions n_past...
+enum batch_kind { BATCH_PREFILL, BATCH_DECODE, BATCH_VERIFY };
+struct batch_item {
+    int slot = 0;
+    std::vector<int32_t> tokens;
+    batch_kind kind = BATCH_DECODE;
+};
 
 class target_session {
 public:
@@ -117,16 +130,34 @@ public:
     // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
     void commit(int64_t n_keep);
 
-    void reset() { cache_->clear(); pending_n_ = 0; }
+    void reset() { reset_slot(0); }
     int64_t n_past() const { return cache_->n_past; }
+
+    // ---- several sequences: session_params::n_seq slots (docs/architecture.md, "Batched target") ----
+    // One target pass over the items' tokens (distinct slots, at most n_batch tokens in all): every
+    // weight is read once for all of them; attention, the GDN conv and recurrence run per item over
+    // its slot's cache. Each item's logits (rows as its kind says), taps and caches are those of
+    // the same work run alone on that slot, bit for bit (the matmul contract: at most
+    // k_matmul_max_cols tokens in all, or weights the wide GEMM takes). Returns one result per item;
+    // argmax_only: the greedy token of each of its rows (in the graph) instead of the logits.
+    std::vector<decode_result> decode_batch(const std::vector<batch_item> & items, const std::vector<int> & tap_layers = {},
+                                            bool argmax_only = false);
+    // commit() of slot `slot`'s pending verify.
+    void commit_slot(int slot, int64_t n_keep);
+    void reset_slot(int slot);
+    int n_seq() const { return (int) slots_.size(); }
+    int64_t slot_n_past(int slot) const { return slots_.at(check_slot(slot)).cache->n_past; }
+    // A slot's cache for inspection (its deferred replay done first), as cache() is slot 0's.
+    model_cache & slot_cache(int slot) {
+        model_cache & c = *slots_.at(check_slot(slot)).cache;
+        flush_replay(c);
+        return c;
+    }
 
     const target_hparams & hparams() const { return model_->hparams(); }
     const target_model & model() const { return *model_; }
     // The cache as it stands, for inspection: a replay commit() deferred is done first.
-    model_cache & cache() {
-        flush_replay();
-        return *cache_;
-    }
+    model_cache & cache() { return slot_cache(0); }
     const session_params & params() const { return params_; }
     size_t n_graph_plans() const { return runner_->n_plans(); }
     // The target's part of memory_usage: its weights, caches and compute buffers.
@@ -145,8 +176,22 @@ private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
     void commit_on_device(int64_t n_keep, int64_t n_verified);
-    void flush_replay();  // the replay commit() left to the next graph, done now on the host
-    void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
+    // one sequence slot: its cache and its pending verify
+    struct seq_slot {
+        std::unique_ptr<model_cache> cache;
+        int64_t pending_n = 0;       // tokens of an uncommitted verify
+        int64_t pending_past = 0;    // n_past before it
+        std::vector<int32_t> pending_tokens;   // its tokens (re-decode rollback)
+        std::vector<int32_t> pending_parents;  // a pending tree verify's parents (empty: a chain)
+    };
+    int check_slot(int slot) const;
+    void flush_replay(model_cache & c);  // the replay commit() left to the next graph, done now on the host
+    void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
+        check_slot_tokens(slots_[0], tokens, n, tap_layers);
+    }
+    void check_slot_tokens(const seq_slot & s, const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
+    // the causal mask of n tokens after n_past over n_kv rows: F16 [n_kv, n] (0 or -inf)
+    static void fill_causal_mask(int64_t n_past, int64_t n, int64_t n_kv, ggml_fp16_t * mask);
     // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
     decode_result run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
                              const std::vector<int> & tap_layers, bool argmax_only);
@@ -179,12 +224,9 @@ private:
     session_params params_;
     std::unique_ptr<graph_runner> runner_;
     std::unique_ptr<target_model> model_;
-    std::unique_ptr<model_cache> cache_;
+    std::vector<seq_slot> slots_;  // n_seq; slot 0 serves decode / verify / commit
+    model_cache * cache_ = nullptr;  // slot 0's cache
     std::unique_ptr<gdn_rollback> rollback_;  // chosen at construction (params_.rollback)
-    int64_t pending_n_ = 0;       // tokens of an uncommitted verify
-    int64_t pending_past_ = 0;    // n_past before it
-    std::vector<int32_t> pending_tokens_;  // its tokens (re-decode rollback)
-    std::vector<int32_t> pending_parents_;  // a pending tree verify's parents (empty: a chain)
     struct tap_sink {
         ggml_tensor * dst = nullptr;
         int64_t col0 = 0;

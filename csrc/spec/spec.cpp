@@ -290,18 +290,12 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
                                            target_.model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
-    if (drafter_->hparams().has_markov()) {
-        // DSpark: the Markov head chains the rows on the raw logits (llama.cpp's argmaxes), then
-        // logit_scale / soft cap shape the probabilities
-        d.out = drafter_->scale_logits(b, drafter_->build_markov(b, matmul(b, head, h), h, d.tok, &d.conf));
-        if (d.conf && d.what == draft_graph::TOP1) {
-            ggml_set_output(d.conf);
-            ggml_build_forward_expand(b.gf, d.conf);
-        } else {
-            d.conf = nullptr;
-        }
+    d.out = drafter_->build_draft_logits(b, head, h, d.tok, 1, &d.conf);  // logits [n_draft_vocab or n_vocab, B-1]
+    if (d.conf && d.what == draft_graph::TOP1) {
+        ggml_set_output(d.conf);
+        ggml_build_forward_expand(b.gf, d.conf);
     } else {
-        d.out = drafter_->build_logits(b, head, h);  // logits [n_draft_vocab or n_vocab, B-1]
+        d.conf = nullptr;
     }
     if (d.what == draft_graph::LATTICE) {
         d.out = drafter_->build_selector(b, h, d.out, d.tok);  // F32 [lattice_row, B-1]
@@ -327,24 +321,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
 }
 
 void spec_session::fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const {
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    const int64_t B = d.rows, w = d.w;
-    const bool causal = drafter_->hparams().causal;
-    m.assign((size_t) d.n_att * B, ninf);
-    std::vector<int64_t> slot_pos(d.n_ctx);
-    for (int64_t s = 0; s < d.n_ctx; ++s) slot_pos[s] = ring_->slot_position(s);
-    for (int64_t i = 0; i < B; ++i) {
-        const int64_t q = d.n_past + i;
-        ggml_fp16_t * row = m.data() + (size_t) i * d.n_att;
-        for (int64_t s = 0; s < d.n_ctx; ++s) {
-            const int64_t k = slot_pos[s];
-            row[s] = (k >= d.lo && (!swa || q - k < w)) ? zero : ninf;
-        }
-        for (int64_t j = 0; j < B; ++j) {
-            const bool ok = (!causal || j <= i) && (!swa || (i > j ? i - j : j - i) < w);
-            row[d.n_ctx + j] = ok ? zero : ninf;
-        }
-    }
+    fill_block_mask(*ring_, d.n_past, d.n_ctx, d.n_att, d.rows, d.lo, swa ? d.w : 0, drafter_->hparams().causal, m);
 }
 
 void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
