@@ -447,8 +447,8 @@ def test_five_turn_tool_chat(tool_server, offline):
 
 def test_tool_choice_none_and_refusals(tool_server, offline):
     """"none": the tools are not rendered and nothing is parsed (the prompt is the chat's without
-    tools); "required" and a named function need constrained decoding: 400 not_supported; bad
-    tools, tool_choice and tool messages: 400 naming the field."""
+    tools); a forced call with a response_format: 400 not_supported; bad tools, tool_choice and tool
+    messages: 400 naming the field."""
     from test_server import post_raw
 
     c = _client(tool_server)
@@ -462,8 +462,8 @@ def test_tool_choice_none_and_refusals(tool_server, offline):
     url = tool_server + "/v1/chat/completions"
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     for body, status, param, code in [
-        ({"tool_choice": "required"}, 400, "tool_choice", "not_supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, 400, "tool_choice", "not_supported"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "tool_choice",
+         "not_supported"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "tool_choice", None),
         ({"tool_choice": "sometimes"}, 400, "tool_choice", None),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools[0].function.name", None),
@@ -489,3 +489,95 @@ def test_tool_choice_none_and_refusals(tool_server, offline):
     ok = history + [{"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
     assert c.chat.completions.create(model="toolmodel", messages=ok, tools=TOOLS, max_tokens=4).choices
+
+
+# ---- forced calls: tool_choice "required" / a named function as a grammar constraint --------------
+
+def _forced(choice) -> "object":
+    """The constraint the server puts on a forced call in this model's format (hermes)."""
+    import dflash_native as dn
+
+    return dn.JsonSchema(T.forced_call_schema(TOOLS, choice, T.HermesParser.ARGS_KEY), begin=T.HermesParser.CALL_OPEN,
+                         end=T.HermesParser.CALL_CLOSE)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_forced_tool_choice(tool_server, offline, choice):
+    """A forced call: the output is one call in the template's format (hermes), its JSON held to
+    forced_call_schema by the grammar; the server answers it as tool_calls with finish_reason
+    "tool_calls", speculative and AR both equal to the engine's constrained AR output, streamed or
+    not. Named "add" on the weather question: the grammar, not the model, picks the function."""
+    c = _client(tool_server)
+    history = TM.turns()[0][0]
+    r = offline.generate(_render(history, TOOLS), max_tokens=120, constraint=_forced(choice), speculative=False)
+    content, calls = T.HermesParser(TOOLS).parse(r.text)
+    want_calls = [(x.name, json.loads(x.arguments)) for x in calls]
+    assert r.stats.stop_reason == "eos" and content is None and len(want_calls) == 1, r.text
+    if isinstance(choice, dict):
+        assert want_calls[0][0] == "add"
+    for spec in (True, False):
+        kw = dict(model="toolmodel", messages=history, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                  extra_body={"speculative": spec})
+        resp = c.chat.completions.create(**kw)
+        ch = resp.choices[0]
+        assert (ch.finish_reason, ch.message.content, _calls_of(ch.message)) == ("tool_calls", None, want_calls)
+        assert resp.model_extra["dflash"]["speculative"] is spec
+        assert resp.usage.completion_tokens == len(r.tokens)
+        s_content, s_calls, s_finish, _ = _streamed(c, **kw)
+        assert (s_content, s_calls, s_finish) == (None, want_calls, "tool_calls")
+
+
+# OpenAI's documented examples, as its guides write them (function calling; structured outputs)
+DOC_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get current temperature for a given location.",
+    "parameters": {"type": "object", "properties": {
+        "location": {"type": "string", "description": "City and country e.g. Bogotá, Colombia"}},
+        "required": ["location"], "additionalProperties": False},
+    "strict": True}}]
+DOC_TOOL_MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+DOC_MATH_FORMAT = {"type": "json_schema", "json_schema": {"name": "math_reasoning", "strict": True, "schema": {
+    "type": "object", "properties": {
+        "steps": {"type": "array", "items": {"type": "object", "properties": {
+            "explanation": {"type": "string"}, "output": {"type": "string"}},
+            "required": ["explanation", "output"], "additionalProperties": False}},
+        "final_answer": {"type": "string"}},
+    "required": ["steps", "final_answer"], "additionalProperties": False}}}
+DOC_MATH_MESSAGES = [
+    {"role": "system", "content": "You are a helpful math tutor. Guide the user through the solution step by step."},
+    {"role": "user", "content": "how can I solve 8x + 7 = -23"}]
+
+
+def test_openai_documented_examples(tool_server, offline):
+    """The official openai client runs OpenAI's documented `tools` example (as written, and with
+    tool_choice "required") and its `response_format` json_schema example against `serve`:
+    speculative output == AR output, and both equal the engine's own AR output."""
+    import dflash_native as dn
+
+    c = _client(tool_server)
+    prompt = _render(DOC_TOOL_MESSAGES, DOC_TOOLS)
+    for choice in ("auto", "required"):
+        forced = None if choice == "auto" else dn.JsonSchema(
+            T.forced_call_schema(DOC_TOOLS, choice, "arguments"), begin=T.HermesParser.CALL_OPEN,
+            end=T.HermesParser.CALL_CLOSE)
+        r = offline.generate(prompt, max_tokens=60, constraint=forced, speculative=False)
+        content, calls = T.HermesParser(DOC_TOOLS).parse(r.text)
+        want = (content, [(x.name, json.loads(x.arguments)) for x in calls])
+        for spec in (True, False):
+            resp = c.chat.completions.create(model="toolmodel", messages=DOC_TOOL_MESSAGES, tools=DOC_TOOLS,
+                                             tool_choice=choice, max_tokens=60, extra_body={"speculative": spec})
+            msg = resp.choices[0].message
+            assert (msg.content, _calls_of(msg)) == want, (choice, spec)
+            assert resp.usage.completion_tokens == len(r.tokens)
+        if choice == "required" and r.stats.stop_reason == "eos":
+            assert want[1] and want[1][0][0] == "get_weather"
+    schema = DOC_MATH_FORMAT["json_schema"]["schema"]
+    r = offline.chat(DOC_MATH_MESSAGES, max_tokens=80, constraint=schema, speculative=False)
+    for spec in (True, False):
+        resp = c.chat.completions.create(model="toolmodel", messages=DOC_MATH_MESSAGES, response_format=DOC_MATH_FORMAT,
+                                         max_tokens=80, extra_body={"speculative": spec})
+        assert resp.choices[0].message.content == r.text and resp.usage.completion_tokens == len(r.tokens), spec
+    if r.stats.stop_reason == "eos":
+        import jsonschema
+
+        jsonschema.validate(json.loads(r.text), schema)

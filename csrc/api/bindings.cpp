@@ -1,11 +1,13 @@
 // pybind11 module dflash_native._core: the only file that knows about Python.
 //
 // One binder per area: module information (bind_module_info), verify primitives (bind_verify),
-// the GDN tape (bind_tape), the sampling settings (bind_sampling), the Target and Spec sessions
+// the GDN tape (bind_tape), the sampling settings (bind_sampling), structured output's grammar
+// seam (bind_constraint), the Target and Spec sessions
 // (bind_target, bind_spec), and the hooks
 // only tests and benchmarks call, in the submodule _core.testing (bind_testing_*).
 #include "base/alloc.h"
 #include "base/common.h"
+#include "kernels/cpu/constraint.h"
 #include "ggml-cpu.h"
 #include "kernels/cpu/conv.h"
 #include "base/cpu_isa.h"
@@ -337,6 +339,46 @@ void bind_sampling(py::module_ & m) {
         .def_readonly("top_logprobs", &token_logprobs::top_logprobs);
 }
 
+// ---- constraints (structured output) -------------------------------------------------------------
+
+// A grammar written in Python (dflash_native/constraint.py): token_constraint's methods are its
+// methods, called with the GIL taken (the core calls them from its compute, the GIL released).
+// fill_mask gets the core's mask buffer itself, an int32 array [n_words], to fill in place.
+struct py_token_constraint : token_constraint {
+    py::function method(const char * name) const {
+        py::function f = py::get_override(static_cast<const token_constraint *>(this), name);
+        if (!f) throw runtime_error(cat("[constraint] ", name, " is not implemented"));
+        return f;
+    }
+    void fill_mask(uint32_t * mask, int64_t n_words) override {
+        py::gil_scoped_acquire gil;
+        int32_t * p = reinterpret_cast<int32_t *>(mask);
+        method("fill_mask")(py::array_t<int32_t>({(py::ssize_t) n_words}, {(py::ssize_t) sizeof(int32_t)}, p,
+                                                 py::capsule(p, [](void *) {})));
+    }
+    bool accept(int32_t token) override {
+        py::gil_scoped_acquire gil;
+        return method("accept")(token).cast<bool>();
+    }
+    void rollback(int64_t n) override {
+        py::gil_scoped_acquire gil;
+        method("rollback")(n);
+    }
+    bool terminated() override {
+        py::gil_scoped_acquire gil;
+        return method("terminated")().cast<bool>();
+    }
+};
+
+void bind_constraint(py::module_ & m) {
+    py::class_<token_constraint, py_token_constraint>(
+        m, "Constraint",
+        "A grammar's hold on the next token (constraint.h), subclassed in Python: fill_mask(mask: int32 "
+        "[ceil(n_vocab / 32)], bit t % 32 of word t // 32 = token t allowed; all zero once terminated), "
+        "accept(token) -> bool, rollback(n), terminated() -> bool")
+        .def(py::init<>());
+}
+
 // ---- Target -----------------------------------------------------------------------------------
 
 std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
@@ -465,23 +507,23 @@ void bind_target(py::module_ & m) {
             py::arg("tokens"), "decode() that returns only the greedy next token (argmax of the last row, in the graph)")
         .def(
             "decode_sampled",
-            [](target_session & s, const py::object & tokens, const sampling_params & p) {
+            [](target_session & s, const py::object & tokens, const sampling_params & p, token_constraint * c) {
                 std::vector<int32_t> toks = to_tokens(tokens);
                 py::gil_scoped_release release;
-                return s.decode_sampled(toks.data(), (int64_t) toks.size(), p);
+                return s.decode_sampled(toks.data(), (int64_t) toks.size(), p, nullptr, c);
             },
-            py::arg("tokens"), py::arg("sampling"),
+            py::arg("tokens"), py::arg("sampling"), py::arg("constraint") = py::none(),
             "decode() that returns the next token drawn by the sampler (Sampling) at its position")
         .def(
             "decode_logprobs",
-            [](target_session & s, const py::object & tokens, const sampling_params & p) {
+            [](target_session & s, const py::object & tokens, const sampling_params & p, token_constraint * c) {
                 std::vector<int32_t> toks = to_tokens(tokens);
                 py::gil_scoped_release release;
                 token_logprobs lp;
-                s.decode_sampled(toks.data(), (int64_t) toks.size(), p, &lp);
+                s.decode_sampled(toks.data(), (int64_t) toks.size(), p, &lp, c);
                 return lp;
             },
-            py::arg("tokens"), py::arg("sampling"),
+            py::arg("tokens"), py::arg("sampling"), py::arg("constraint") = py::none(),
             "decode_sampled() that returns the next token's TokenLogprobs (Sampling.logprobs >= 0; temperature 0: "
             "the argmax)")
         .def("verify", &target_verify, py::arg("tokens"), py::arg("taps") = std::vector<int>{},
@@ -544,12 +586,13 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
 // with a Sampling, their sampled forms
 template <bool step>
 round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced,
-                        const sampling_params * sampling) {
+                        const sampling_params * sampling, token_constraint * c) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
     std::vector<int32_t> f;
     const bool has_forced = !forced.is_none();
     if (has_forced) f = to_tokens(forced);
     py::gil_scoped_release release;
+    constraint_scope scope(&s, c);
     if (step) return s.step(last, B, has_forced ? &f : nullptr, sampling);
     if (sampling) return s.round_sampled(last, B, *sampling, has_forced ? &f : nullptr);
     return s.round(last, B, has_forced ? &f : nullptr);
@@ -607,26 +650,31 @@ void def_spec_drafting(py::class_<spec_session> & c) {
     c.def("reset", &spec_session::reset)
         .def(
             "prefill",
-            [](spec_session & s, const py::object & tokens, const sampling_params * sampling, int64_t n_cached) {
+            [](spec_session & s, const py::object & tokens, const sampling_params * sampling, int64_t n_cached,
+               token_constraint * c) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling, nullptr, n_cached);
                 return s.prefill(t.data(), (int64_t) t.size(), n_cached);
             },
             py::arg("tokens"), py::arg("sampling") = py::none(), py::arg("n_cached") = 0,
+            py::arg("constraint") = py::none(),
             "Reset, run the prompt through the target with taps, fill the ring; returns the first token (the "
             "argmax, or with a Sampling its draw). n_cached > 0: the target and the ring already hold "
             "tokens[:n_cached] (the prompt cache); only the rest runs, without a reset")
         .def(
             "prefill_logprobs",
-            [](spec_session & s, const py::object & tokens, const sampling_params & p, int64_t n_cached) {
+            [](spec_session & s, const py::object & tokens, const sampling_params & p, int64_t n_cached,
+               token_constraint * c) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 token_logprobs lp;
                 s.prefill_sampled(t.data(), (int64_t) t.size(), p, &lp, n_cached);
                 return lp;
             },
-            py::arg("tokens"), py::arg("sampling"), py::arg("n_cached") = 0,
+            py::arg("tokens"), py::arg("sampling"), py::arg("n_cached") = 0, py::arg("constraint") = py::none(),
             "prefill() that returns the first token's TokenLogprobs")
         .def(
             "draft",
@@ -681,11 +729,11 @@ void def_spec_drafting(py::class_<spec_session> & c) {
         .def_property_readonly("selector_top_k", [](spec_session & s) { return s.drafter_hparams_().selector_top_k; },
                                "DFlash 2's selector_top_k (0: a drafter without a selector)")
         .def("round", &spec_round<false>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(),
+             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult. "
              "With a Sampling: sampled drafts and target draws (spec_sampled.cpp)")
         .def("step", &spec_round<true>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(),
+             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "The request's next step: under the controller an AR step or a round of the drafts it chose "
              "(RoundResult.ar tells which); without it, round(). With a Sampling: their sampled forms.")
         .def("controller_state", &controller_state, "The controller's cost and rate estimates (a dict)")
@@ -696,23 +744,25 @@ void def_spec_drafting(py::class_<spec_session> & c) {
                                "round (round, step, their tree and sampled forms) is then an AR step")
         .def(
             "ar_step",
-            [](spec_session & s, int32_t last, const sampling_params * sampling) {
+            [](spec_session & s, int32_t last, const sampling_params * sampling, token_constraint * c) {
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 if (sampling) return s.ar_step_sampled(last, *sampling);
                 return s.ar_step(last);
             },
-            py::arg("last"), py::arg("sampling") = py::none(),
+            py::arg("last"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
             "One exact AR step from `last` (the gate's probe), its features queued for the ring as a round's "
             "are; returns the greedy next token, or with a Sampling its draw")
         .def(
             "ar_step_logprobs",
-            [](spec_session & s, int32_t last, const sampling_params & p) {
+            [](spec_session & s, int32_t last, const sampling_params & p, token_constraint * c) {
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 token_logprobs lp;
                 s.ar_step_sampled(last, p, &lp);
                 return lp;
             },
-            py::arg("last"), py::arg("sampling"), "ar_step() that returns the token's TokenLogprobs")
+            py::arg("last"), py::arg("sampling"), py::arg("constraint") = py::none(), "ar_step() that returns the token's TokenLogprobs")
         .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
 }
 
@@ -729,25 +779,30 @@ void bind_spec(py::module_ & m) {
                       "Most nodes below the root a tree round verifies (round_tree, step_tree)")
         .def(
             "round_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced,
+               token_constraint * c) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
                 std::vector<int32_t> f;
                 if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 return s.round_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
-            "One tree round (fixed settings); with a Sampling, its sampled form")
+            py::arg("constraint") = py::none(), "One tree round (fixed settings); with a Sampling, its sampled form")
         .def(
             "step_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced) {
+            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced,
+               token_constraint * c) {
                 if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
                 std::vector<int32_t> f;
                 if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
+                constraint_scope scope(&s, c);
                 return s.step_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
+            py::arg("constraint") = py::none(),
             "The next step in tree mode: the controller's AR step or a tree round; with a Sampling, their sampled forms")
         .def(
             "verify_tree",
@@ -1174,18 +1229,21 @@ void bind_request(py::module_ & m) {
     py::class_<request>(m, "Request", "One request's loop: prefill, then AR steps or rounds until a token-level "
                                       "stop (engine/request.h)")
         .def(py::init([](target_session & t, spec_session * s, const tokenizer * vocab, bool speculative, bool tree,
-                         const sampling_params * sampling, int64_t max_tokens, bool exact_max_tokens) {
+                         const sampling_params * sampling, int64_t max_tokens, bool exact_max_tokens,
+                         token_constraint * constraint) {
                  request_policy p;
                  p.speculative = speculative;
                  p.tree = tree;
                  if (sampling) p.sampling = *sampling;
                  p.max_tokens = max_tokens;
                  p.exact_max_tokens = exact_max_tokens;
+                 p.constraint = constraint;
                  return std::make_unique<request>(t, s, vocab, p);
              }),
              py::arg("target"), py::arg("spec"), py::arg("vocab"), py::arg("speculative"), py::arg("tree") = false,
              py::arg("sampling") = py::none(), py::arg("max_tokens") = 0, py::arg("exact_max_tokens") = false,
-             py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+             py::arg("constraint") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>(),
+             py::keep_alive<1, 10>())
         .def(
             "start",
             [](request & r, const py::object & prompt, int64_t n_cached) {
@@ -1254,6 +1312,7 @@ PYBIND11_MODULE(_core, m) {
     bind_verify(m);
     bind_tape(m);
     bind_sampling(m);
+    bind_constraint(m);
     bind_target(m);
     bind_spec(m);
     bind_tokenizer(m);

@@ -43,7 +43,8 @@ void bind_tokenizer(py::module_ & m) {
         .def(
             "piece", [](const tokenizer & t, int32_t token) { return py::bytes(t.piece(token)); }, py::arg("token"),
             "The bytes of one token")
-        .def("is_eog", &tokenizer::is_eog, py::arg("token"));
+        .def("is_eog", &tokenizer::is_eog, py::arg("token"))
+        .def("is_control", &tokenizer::is_control, py::arg("token"));
 
     // The file libdflash_native was loaded from (the library the C API's users link): dladdr of one
     // of its functions, so the answer holds in an installed package and in a build tree alike.

@@ -16,7 +16,8 @@ request::request(target_session & target, spec_session * spec, const tokenizer *
     DFN_REQUIRE(!policy.speculative || spec, "generate", "a speculative request needs an engine with a drafter");
     DFN_REQUIRE(!policy.tree || (spec && spec->params().tree_budget > 0), "generate",
                 "tree verify needs a drafter and a tree budget > 0");
-    if (policy.sampling) check_sampling_params(*policy.sampling);
+    if (policy_.constraint && !policy_.sampling) policy_.sampling = sampling_params{};  // the masked argmax
+    if (policy_.sampling) check_sampling_params(*policy_.sampling);
     if (policy.speculative) {
         B_ = spec->block_size();
         stats_.histogram.assign(B_ + 1, 0);
@@ -42,9 +43,8 @@ request::emitted request::emit(const std::vector<int32_t> & tokens, const std::v
 
 int32_t request::ar(const int32_t * tokens, int64_t n, std::vector<token_logprobs> & lps) {
     if (!sampling()) return target_.decode(tokens, n, false, {}, true).argmax[0];
-    if (!want_logprobs()) return target_.decode_sampled(tokens, n, *sampling());
-    lps.resize(1);
-    return target_.decode_sampled(tokens, n, *sampling(), &lps[0]);
+    if (want_logprobs()) lps.resize(1);
+    return target_.decode_sampled(tokens, n, *sampling(), want_logprobs() ? &lps[0] : nullptr, policy_.constraint);
 }
 
 request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cached) {
@@ -52,6 +52,7 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
     const double t0 = profile_now();
     std::vector<token_logprobs> lps;
     int32_t tok;
+    constraint_scope scope(spec_, policy_.constraint);
     if (!policy_.speculative) {
         if (n_cached == 0) target_.reset();
         tok = ar(prompt + n_cached, n - n_cached, lps);
@@ -75,7 +76,7 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
 
 round_result request::round(int64_t Bc) {
     std::vector<int32_t> forced;
-    if (forced_) forced = forced_(out_, Bc);
+    if (forced_ && !policy_.constraint) forced = forced_(out_, Bc);  // a forced draft is refused under a constraint
     const std::vector<int32_t> * f = forced.empty() ? nullptr : &forced;
     round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling(), f) : spec_->step(last_, Bc, f, sampling());
     stats_.controller_switches = spec_->control().switches();
@@ -106,6 +107,7 @@ request::emitted request::step() {
     const int64_t left = policy_.exact_max_tokens ? policy_.max_tokens - (int64_t) out_.size() : B_;
     std::vector<int32_t> committed;
     std::vector<token_logprobs> lps;
+    constraint_scope scope(spec_, policy_.constraint);
     if (policy_.speculative && room >= 2 && left >= 2) {
         round_result r = round(std::min({B_, room, left}));
         committed = std::move(r.committed);

@@ -6,6 +6,7 @@
 // the verify kind (chain or tree).
 #pragma once
 
+#include "kernels/cpu/constraint.h"
 #include "kernels/cpu/sampler.h"
 #include "runtime/session.h"
 #include "spec/spec.h"
@@ -35,6 +36,9 @@ struct request_policy {
     // exactly its prompt and tokens). Otherwise a round may verify past it; the extra tokens are
     // committed in the core but not emitted.
     bool exact_max_tokens = false;
+    // Structured output (constraint.h): every target choice and draft under the grammar's mask,
+    // the request taking the sampling path (temperature 0 when unset). The caller keeps it alive.
+    token_constraint * constraint = nullptr;
 };
 
 // What a request measured; the Python GenerationStats and the C dfn_stats are filled from it.

@@ -110,4 +110,8 @@ bool tokenizer::is_eog(int32_t token) const {
     return token >= 0 && token < n_vocab_ && llama_vocab_is_eog(vocab_, token);
 }
 
+bool tokenizer::is_control(int32_t token) const {
+    return token >= 0 && token < n_vocab_ && llama_vocab_is_control(vocab_, token);
+}
+
 }  // namespace dfn

@@ -33,6 +33,8 @@ public:
     // The pieces of `tokens` concatenated (bytes; not necessarily valid UTF-8 at a cut).
     std::string detokenize(const int32_t * tokens, int64_t n) const;
     bool is_eog(int32_t token) const;  // false outside the vocabulary
+    // a control token (llama.cpp's attribute: BOS, EOS, chat markers), never text; false outside
+    bool is_control(int32_t token) const;
 
     int32_t n_vocab() const { return n_vocab_; }
     int32_t bos() const { return bos_; }  // -1: none

@@ -112,10 +112,12 @@ decode_result target_session::decode(const int32_t * tokens, int64_t n, bool all
 }
 
 int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p,
-                                       token_logprobs * lp) {
+                                       token_logprobs * lp, token_constraint * constraint) {
     check_sampling_params(p);
     const decode_result r = decode(tokens, n, false);
-    return choose_token({r.logits.data(), model_->hparams().n_vocab}, p, cache_->n_past, W, lp);
+    const logits_row row{r.logits.data(), model_->hparams().n_vocab};
+    if (constraint) return choose_constrained(*constraint, row, p, cache_->n_past, W, lp);
+    return choose_token(row, p, cache_->n_past, W, lp);
 }
 
 decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,

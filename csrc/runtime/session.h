@@ -2,6 +2,7 @@
 #pragma once
 
 #include "runtime/cache.h"
+#include "kernels/cpu/constraint.h"
 #include "graph/graph.h"
 #include "graph/device_heads.h"
 #include "runtime/graph_runner.h"
@@ -88,7 +89,9 @@ public:
     // decode() of the tokens, then the next token chosen by choose_token (sampler.h: drawn by the
     // sampler, or the argmax at temperature 0) from the last row's logits at its position (n_past
     // after the tokens): the sampled AR step, and the AR step that reports logprobs (into lp).
-    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr);
+    // With a constraint (constraint.h): the choice under its mask, which then accepts the token.
+    int32_t decode_sampled(const int32_t * tokens, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr,
+                           token_constraint * constraint = nullptr);
 
     // Verify pass: like decode() with all logits, but GDN layers record their tape instead of
     // updating their state. Must be followed by commit(n_keep) before the next decode or verify.

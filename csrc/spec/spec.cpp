@@ -209,6 +209,7 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
 }
 
 int32_t spec_session::ar_step(int32_t last) {
+    require_unconstrained("the in-graph argmax AR step");
     const int64_t pos = target_.n_past();
     sink_taps(1);
     // the target checks the token and n_ctx; like decode_greedy, plus the taps
@@ -236,6 +237,7 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n, int64_t n_cached) {
     // the next token by the in-graph argmax, as AR's decode_greedy takes it (and checked there)
+    require_unconstrained("the in-graph argmax prefill");
     return prefill_pass(prompt, n, n_cached, /*argmax_only=*/true).argmax[0];
 }
 
@@ -496,12 +498,15 @@ bool spec_session::drafted(const std::function<void()> & draft) {
     }
 }
 
-void spec_session::check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) {
+void spec_session::check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) const {
+    DFN_REQUIRE(!forced_draft || !constraint_, "round", "a forced draft cannot run under a constraint (its tokens "
+                "would bypass the grammar)");
     DFN_REQUIRE(!forced_draft || (int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1,
                 " tokens");
 }
 
 round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
+    require_unconstrained("the in-graph argmax round");
     round_result r;
     const double t0 = profile_now();
     check_forced_draft(forced_draft, B);
@@ -520,6 +525,7 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
 
 round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft,
                                 const sampling_params * sampling) {
+    check_forced_draft(forced_draft, B);  // whatever the controller chooses, before the drafts move the constraint
     if (!params_.use_controller) {
         return sampling ? round_sampled(last, B, *sampling, forced_draft) : round(last, B, forced_draft);
     }
@@ -531,16 +537,19 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
     // drafter's filtered distribution)
     std::vector<float> p;
     const bool drawn = sampling && !sampling->greedy();
-    if (!drafted([&] { r.draft = drawn ? draft_sampled(last, B, *sampling, &p) : draft_top1(last, B, p); }))
+    if (constraint_) DFN_REQUIRE(sampling, "round", "a constrained step needs sampling params (temperature 0 for greedy)");
+    if (!drafted([&] {
+            r.draft = constraint_ ? draft_constrained(last, B, *sampling, &p)  // may stop short of B-1
+                      : drawn     ? draft_sampled(last, B, *sampling, &p)
+                                  : draft_top1(last, B, p);
+        }))
         return ar_round(last, t0, sampling);
-    if (forced_draft) {
-        check_forced_draft(forced_draft, B);
-        r.draft = *forced_draft;
-    }
-    const int64_t k = std::min(ctl_.choose(p.data(), B - 1), cutoff_keep(p));
+    if (forced_draft) r.draft = *forced_draft;
+    const int64_t k = std::min(ctl_.choose(p.data(), (int64_t) p.size()), cutoff_keep(p));
     // the first draft left unverified: when every verified one is accepted, the bonus token says
     // whether it would have been too (calibration for free, also when k = 0)
     const int32_t next = k < (int64_t) r.draft.size() ? r.draft[k] : -1;
+    if (constraint_) constraint_->rollback((int64_t) r.draft.size() - k);  // it holds the k verified drafts
     r.draft.resize(k);
     if (sampling) {
         verify_sampled(last, r, *sampling, t0, profile_now());
@@ -554,6 +563,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
 }
 
 void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, double t1) {
+    require_unconstrained("the in-graph argmax verify");
     const int64_t L = (int64_t) r.draft.size() + 1;  // verified tokens: `last` + the drafts
     std::vector<int32_t> input(L);
     input[0] = last;
@@ -611,16 +621,19 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
     r.draft.assign(tokens.begin() + 1, tokens.end());
     if (sampling) {
         // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR
-        // makes at n_past0 + depth(i) + 1, drawn only along the path accept_tree_by walks
+        // makes at n_past0 + depth(i) + 1, drawn only along the path accept_tree_by walks; under a
+        // constraint from the row masked by masks_ row i (the grammar after node i's path)
         std::vector<int64_t> depth(n, 0);
         for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
-        const int64_t n_vocab = target_.hparams().n_vocab;
+        const int64_t n_vocab = target_.hparams().n_vocab, W = mask_words(n_vocab);
         r.committed = accept_tree_by(
             parents.data(), tokens.data(), n,
             [&](int64_t i) {
                 token_logprobs lp;
-                const int32_t t = choose_token({v.logits.data() + (size_t) i * n_vocab, n_vocab}, *sampling,
-                                               n_past0 + depth[i] + 1, "verify", &lp);
+                const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
+                const int64_t pos = n_past0 + depth[i] + 1;
+                const int32_t t = constraint_ ? choose_masked(row, masks_.data() + (size_t) i * W, *sampling, pos, "verify", &lp)
+                                              : choose_token(row, *sampling, pos, "verify", &lp);
                 if (sampling->want_logprobs()) r.logprobs.push_back(std::move(lp));
                 return t;
             },
@@ -628,6 +641,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
     } else {
         r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
     }
+    constraint_commit(0, r.committed);  // prune_tree left it at the root's state
     target_.commit_tree(r.path);
     // the path's taps in path order: the ring gets exactly the committed positions
     const size_t row = (size_t) drafter_->hparams().n_feature_row();
@@ -641,6 +655,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
 
 round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
                                        const sampling_params * sampling) {
+    require_unconstrained("verify_tree");
     if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
@@ -667,11 +682,15 @@ static void force_tree_draft(const std::vector<int32_t> & forced, int64_t B, int
 
 draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
                                         const std::vector<int32_t> * forced_draft) {
+    check_forced_draft(forced_draft, B);  // before the drafts advance the constraint
+    DFN_REQUIRE(sampling || !constraint_, "round", "a constrained tree round needs sampling params (temperature 0 "
+                "for greedy)");
     std::vector<int32_t> tok;
     std::vector<float> p;
-    if (has_selector() && !(sampling && !sampling->greedy()) && !forced_draft) {
+    if (has_selector() && !(sampling && !sampling->greedy()) && !forced_draft && !constraint_) {
         // DFlash 2: each node's children are its row's selector candidates ranked by their
-        // transition probability from that node
+        // transition probability from that node (under a constraint: draft_topk_constrained's
+        // masked rows, where a candidate the grammar allows is always found when there is one)
         DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
         const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
         const std::vector<float> lat = draft_lattice(last, B);
@@ -682,13 +701,53 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
         return build_tree_conditional(last, tok.data(), p.data(), B - 1, k, budget, params_.draft_cutoff);
     }
     // both check last, B and the room for the block
-    const int64_t K = sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
-                                                      : draft_topk(last, B, tok, p);
-    check_forced_draft(forced_draft, B);
+    const int64_t K = constraint_                        ? draft_topk_constrained(last, B, *sampling, tok, p)
+                      : sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
+                                                        : draft_topk(last, B, tok, p);
     if (forced_draft) force_tree_draft(*forced_draft, B, K, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
-    return build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
+    draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
+    if (constraint_) prune_tree(tree);
+    return tree;
+}
+
+void spec_session::prune_tree(draft_tree & tree) {
+    const int64_t n = tree.size(), W = mask_words(target_.hparams().n_vocab);
+    std::vector<std::vector<int32_t>> children(n);
+    for (int64_t i = 1; i < n; ++i) children[tree.parent[i]].push_back((int32_t) i);
+    std::vector<uint32_t> mask_of((size_t) n * W, 0);  // by the old index
+    std::vector<char> keep(n, 0);
+    keep[0] = 1;
+    // depth first: the constraint holds node i's path while its children are tried
+    auto visit = [&](auto & self, int32_t i) -> void {
+        uint32_t * mask = mask_of.data() + (size_t) i * W;
+        constraint_->fill_mask(mask, W);
+        for (const int32_t c : children[i]) {
+            if (!mask_allows(mask, tree.token[c]) || !constraint_->accept(tree.token[c])) continue;
+            if (!constraint_->terminated()) {  // a stop token: nothing to verify after it
+                keep[c] = 1;
+                self(self, c);
+            }
+            constraint_->rollback(1);
+        }
+    };
+    visit(visit, 0);
+    // the kept nodes in their order (parents first, so still best-first), parents renumbered
+    std::vector<int32_t> index(n, -1);
+    draft_tree out;
+    masks_.clear();
+    for (int64_t i = 0; i < n; ++i) {
+        if (!keep[i]) continue;
+        index[i] = (int32_t) out.size();
+        out.parent.push_back(i == 0 ? -1 : index[tree.parent[i]]);
+        out.token.push_back(tree.token[i]);
+        out.depth.push_back(tree.depth[i]);
+        out.score.push_back(tree.score[i]);
+        out.prob.push_back(tree.prob[i]);
+        masks_.insert(masks_.end(), mask_of.begin() + (size_t) i * W, mask_of.begin() + (size_t) (i + 1) * W);
+    }
+    tree = std::move(out);
 }
 
 round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling,
@@ -721,6 +780,7 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
 
 round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling,
                                      const std::vector<int32_t> * forced_draft) {
+    check_forced_draft(forced_draft, B);  // whatever the controller chooses
     if (!params_.use_controller) return round_tree(last, B, sampling, forced_draft);
     const double t0 = profile_now();
     if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);

@@ -53,6 +53,17 @@ struct round_result {
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
+class spec_session;
+
+// A spec_session's constraint (set_constraint) for one scope; a null session is left alone.
+struct constraint_scope {
+    spec_session * s;
+    constraint_scope(spec_session * s, token_constraint * c);
+    ~constraint_scope();
+    constraint_scope(const constraint_scope &) = delete;
+    constraint_scope & operator=(const constraint_scope &) = delete;
+};
+
 class spec_session {
 public:
     // `target` must have been created with max_verify >= the block size.
@@ -153,6 +164,17 @@ public:
     // step, their tree and sampled forms) is an AR step (round_result::ar), so requests go on with
     // AR's output, exactly. Empty while the drafter is healthy; reset() keeps it.
     const std::string & drafter_failure() const { return drafter_failure_; }
+    // A structured-output request's grammar (constraint.h), for the calls until it is set back to
+    // nullptr; the caller keeps it alive. Under it every target choice (prefill, AR step, verify
+    // row) is taken from the row masked by the grammar's state there, and every draft is chosen
+    // under its mask; the constraint accepts each committed token. Only the sampling paths take
+    // it (a greedy request passes temperature-0 sampling_params: the argmax from the masked rows):
+    // the in-graph argmax paths (prefill, ar_step, round without sampling) and forced drafts raise.
+    // A failed drafter's AR steps (drafter_failure) are the constrained AR step. A DFlash 2
+    // drafter's drafts come from its masked logits rows, not its selector (whose k candidates may
+    // hold nothing the grammar allows).
+    void set_constraint(token_constraint * c) { constraint_ = c; }
+    token_constraint * constraint() const { return constraint_; }
     controller & control() { return ctl_; }
     void reset();
 
@@ -235,8 +257,9 @@ private:
     // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
     // and now (the end of the commit).
     static void set_times(round_result & r, double t0, double t1, double t2);
-    // A forced draft (benchmarks, tests) must hold B - 1 tokens; null: nothing to check.
-    static void check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B);
+    // A forced draft (benchmarks, tests) must hold B - 1 tokens and is refused under a constraint
+    // (checked before the drafts advance it); null: nothing to check.
+    void check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) const;
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
@@ -261,6 +284,29 @@ private:
     // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
                                 round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
+    // The drafts under the constraint (spec_sampled.cpp): d_{i+1} chosen from the drafter's row i
+    // masked by the grammar after d_1..d_i (argmax at temperature 0, else the draw), each accepted
+    // by the constraint; ends early where the drafter's row allows nothing, or before a token that
+    // would terminate the grammar (a stop token: nothing is verified after it). Fills masks_ rows
+    // 0..n (row i: the mask after i drafts, the verify's row i). probs, cut: as draft_sampled's.
+    // The constraint is left after all the drafts returned.
+    std::vector<int32_t> draft_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                           std::vector<float> * probs = nullptr);
+    // draft_topk's form under the constraint (spec_sampled.cpp): position i's K candidates from the
+    // drafter's row i masked by the grammar after the spine (the rank-0 candidates of positions
+    // before it: the chain draft_constrained takes), greedy (row_topk) or by perturbed score; the
+    // positions after the spine ends have weight 0. The constraint is left as it was.
+    int64_t draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
+                                   std::vector<float> & w);
+    // A tree under the constraint: the nodes whose token the grammar rejects after their parent's
+    // path (and those that would terminate it) are dropped with their subtrees; masks_ row i is the
+    // mask after node i's path. The constraint ends at the root's state.
+    void prune_tree(draft_tree & tree);
+    // The grammar's state back to the round's start plus its committed tokens: rollback of the
+    // n_in drafts it holds, then accept(committed).
+    void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
+    // The sampling paths' refusal of what the constraint cannot take.
+    void require_unconstrained(const char * what) const;
     // The controller's AR step as step() and step_tree() take it.
     round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
     // One AR step as a round_result (ar = true), for the controller and for a failed drafter.
@@ -278,6 +324,9 @@ private:
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
     controller ctl_;
+    token_constraint * constraint_ = nullptr;
+    // Under a constraint, the round's masks: [n_rows, mask_words(n_vocab)], row i the verify's row i
+    std::vector<uint32_t> masks_;
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;
     // On a device the queued rows stay there: the target's verify and AR graphs write their taps
@@ -290,5 +339,12 @@ private:
     // (pushing the queue into the ring when full) and the target's tap sink at its next column.
     void sink_taps(int64_t n);
 };
+
+inline constraint_scope::constraint_scope(spec_session * s, token_constraint * c) : s(s) {
+    if (s) s->set_constraint(c);
+}
+inline constraint_scope::~constraint_scope() {
+    if (s) s->set_constraint(nullptr);
+}
 
 }  // namespace dfn

@@ -10,6 +10,7 @@
 
 #include "base/common.h"
 #include "base/profile.h"
+#include "kernels/cpu/top1.h"
 #include "spec/verify.h"
 
 #include <algorithm>
@@ -22,7 +23,8 @@ int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const s
     check_sampling_params(p);
     decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false,
                                    regime_key(p.temperature, p.top_k, p.top_p, p.min_p));
-    return choose_token({r.logits.data(), target_.hparams().n_vocab}, p, n, "decode", lp);
+    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    return constraint_ ? choose_constrained(*constraint_, row, p, n, "decode", lp) : choose_token(row, p, n, "decode", lp);
 }
 
 int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp) {
@@ -31,7 +33,9 @@ int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, t
     sink_taps(1);
     decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers);
     queue_features(std::move(r.taps), 1, pos);
-    return choose_token({r.logits.data(), target_.hparams().n_vocab}, p, pos + 1, "decode", lp);
+    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    return constraint_ ? choose_constrained(*constraint_, row, p, pos + 1, "decode", lp)
+                       : choose_token(row, p, pos + 1, "decode", lp);
 }
 
 std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {
@@ -86,13 +90,74 @@ std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const 
     return out;
 }
 
+// Under a constraint the drafter's rows are checked whole before the grammar moves: a non-finite
+// logit anywhere is the drafter's failure (drafted()), raised while the constraint is still at the
+// round's start, so the failed round's AR step masks from the right state. (mask_row would hide
+// a NaN the grammar disallows, and row_topk skips NaN: the failure would go unseen.)
+static void check_draft_rows(const std::vector<float> & logits, int64_t n, int64_t pos0) {
+    for (size_t j = 0; j < logits.size(); ++j) {
+        if (logits[j] != logits[j] || logits[j] == INFINITY) throw_non_finite_logits("draft", pos0 + (int64_t) j / n);
+    }
+}
+
+std::vector<int32_t> spec_session::draft_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                                     std::vector<float> * probs) {
+    const int64_t n_past = target_.n_past();
+    const int64_t W = mask_words(target_.hparams().n_vocab);
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    check_draft_rows(logits, row0.n, n_past + 1);
+    const bool cut = !probs && params_.draft_cutoff > 0.0f;
+    sampling_params q = p;
+    q.n_logprobs = 0;  // the draft's probability under the masked distribution (cut, controller)
+    masks_.assign((size_t) B * W, 0);
+    std::vector<int32_t> out;
+    if (probs) probs->clear();
+    std::vector<float> buf;
+    double p_all = 1.0;
+    int64_t i = 0;
+    for (; i + 1 < B; ++i) {
+        uint32_t * mask = masks_.data() + (size_t) i * W;
+        constraint_->fill_mask(mask, W);
+        int64_t n_allowed = 0;
+        const logits_row row = mask_row({logits.data() + (size_t) i * row0.n, row0.n, row0.ids}, mask, buf, &n_allowed);
+        if (n_allowed == 0) break;  // the draft vocabulary holds nothing the grammar allows here
+        token_logprobs lp;
+        const int32_t d = choose_token(row, q, n_past + 1 + i, "draft", &lp);  // d_{i+1}
+        const double pr = std::exp(lp.logprob);
+        if (cut && (p_all *= pr) < params_.draft_cutoff) break;
+        if (!constraint_->accept(d)) break;
+        if (constraint_->terminated()) {  // a stop token: the verify row after it would allow nothing
+            constraint_->rollback(1);
+            break;
+        }
+        out.push_back(d);
+        if (probs) probs->push_back((float) pr);
+    }
+    if (i + 1 == B) constraint_->fill_mask(masks_.data() + (size_t) i * W, W);  // the bonus row's
+    return out;
+}
+
+void spec_session::constraint_commit(int64_t n_in, const std::vector<int32_t> & committed) {
+    if (!constraint_) return;
+    constraint_->rollback(n_in);
+    for (const int32_t t : committed) {
+        if (!constraint_->accept(t)) throw runtime_error(cat("[verify] the constraint rejected committed token ", t));
+    }
+}
+
+void spec_session::require_unconstrained(const char * what) const {
+    DFN_REQUIRE(!constraint_, "round", what, " cannot run under a constraint (pass sampling params: temperature 0 "
+                "for greedy)");
+}
+
 round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p,
                                          const std::vector<int32_t> * forced_draft) {
     check_sampling_params(p);
     round_result r;
     const double t0 = profile_now();
     // temperature 0 (logprobs): round()'s greedy drafts
-    check_forced_draft(forced_draft, B);
+    check_forced_draft(forced_draft, B);  // before the drafts advance the constraint
     const bool ok = drafted([&] {
         if (forced_draft) {
             if (p.greedy()) {
@@ -102,7 +167,7 @@ round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling
             }
             r.draft = *forced_draft;
         } else {
-            r.draft = p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
+            r.draft = constraint_ ? draft_constrained(last, B, p) : p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
         }
     });
     if (!ok) return ar_round(last, t0, &p);
@@ -123,10 +188,14 @@ void spec_session::verify_sampled(int32_t last, round_result & r, const sampling
     // t_i: the target's choice after input i, at position n_past0 + i + 1; rows after the first
     // rejected draft are not drawn (nothing reads them). Every t_i is committed, so these are
     // the logprobs of the committed tokens.
+    // Under a constraint row i is masked by masks_ row i: the grammar after d_1..d_i.
+    const int64_t W = mask_words(n_vocab);
     std::vector<int32_t> t;
     for (int64_t i = 0; i < L; ++i) {
         token_logprobs lp;
-        t.push_back(choose_token({v.logits.data() + (size_t) i * n_vocab, n_vocab}, p, n_past0 + i + 1, "verify", &lp));
+        const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
+        t.push_back(constraint_ ? choose_masked(row, masks_.data() + (size_t) i * W, p, n_past0 + i + 1, "verify", &lp)
+                                : choose_token(row, p, n_past0 + i + 1, "verify", &lp));
         if (p.want_logprobs()) r.logprobs.push_back(std::move(lp));
         if (i + 1 == L || r.draft[i] != t[i]) break;
     }
@@ -135,7 +204,45 @@ void spec_session::verify_sampled(int32_t last, round_result & r, const sampling
 
     const int64_t n_acc = (int64_t) t.size() - 1;  // drafts equal to the target's draws
     r.committed = accept_prefix(r.draft.data(), n_acc, t.data(), n_acc + 1);
+    constraint_commit(L - 1, r.committed);
     commit_round(r, v.taps, n_past0, t0, t1, t2);
+}
+
+int64_t spec_session::draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p,
+                                             std::vector<int32_t> & tok, std::vector<float> & w) {
+    DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
+    const int64_t n_past = target_.n_past(), W = mask_words(target_.hparams().n_vocab);
+    logits_row row0{nullptr, 0};
+    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    check_draft_rows(logits, row0.n, n_past + 1);
+    const int64_t K = std::min(params_.tree_budget, row0.n);
+    tok.assign((size_t) (B - 1) * K, 0);  // [B-1, K]
+    w.assign(tok.size(), 0.0f);
+    std::vector<uint32_t> mask((size_t) W);
+    std::vector<float> buf, wk;
+    std::vector<int32_t> idx;
+    int64_t n_spine = 0;
+    for (int64_t i = 0; i + 1 < B; ++i) {  // position n_past + i + 1
+        constraint_->fill_mask(mask.data(), W);
+        int64_t n_allowed = 0;
+        const logits_row row = mask_row({logits.data() + (size_t) i * row0.n, row0.n, row0.ids}, mask.data(), buf,
+                                        &n_allowed);
+        if (n_allowed == 0) break;
+        if (p.greedy()) {
+            row_topk(row, K, idx, wk);
+        } else {
+            perturbed_topk(row, p, n_past + 1 + i, K, "draft", idx, wk);
+        }
+        for (size_t k = 0; k < idx.size(); ++k) {
+            tok[i * K + k] = row.id(idx[k]);
+            w[i * K + k] = wk[k];
+        }
+        if (!constraint_->accept(row.id(idx[0]))) break;
+        ++n_spine;
+        if (constraint_->terminated()) break;  // nothing follows a stop token (prune_tree drops it)
+    }
+    constraint_->rollback(n_spine);
+    return K;
 }
 
 int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
@@ -144,6 +251,7 @@ int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling
     const int64_t n_past = target_.n_past();
     logits_row row0{nullptr, 0};
     const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    check_draft_rows(logits, row0.n, n_past + 1);
     const int64_t K = std::min(params_.tree_budget, row0.n);
     // [B-1, K]; a position whose filters keep fewer than K tokens has weight 0 past them, which
     // build_tree never takes

@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 try:  # Ctrl-C here, under the dflash-native command: exit 130 without a traceback (_interrupt.py)
     from . import _interrupt
     from . import _core
+    from .constraint import Grammar, JsonSchema, Regex
     from .engine import Engine, GenerationResult, GenerationStats, StreamPiece, TextPiece, TokenLogprobs
     from ._embed import get_cmake_dir, get_include, get_library_dir
     from .tape import GdnTape
@@ -103,6 +104,9 @@ __all__ = [
     "GdnTape",
     "GenerationResult",
     "GenerationStats",
+    "Grammar",
+    "JsonSchema",
+    "Regex",
     "RoundResult",
     "StreamPiece",
     "TextPiece",

@@ -69,6 +69,10 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return 0 <= token < self.n_vocab and bool(self._live().is_eog(int(token)))
 
+    def is_control(self, token: int) -> bool:
+        """A control token (BOS, EOS, chat markers): rendered by token_bytes, but never text."""
+        return 0 <= token < self.n_vocab and bool(self._live().is_control(int(token)))
+
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _core
 from ._tokenizer import NoVocabulary, Tokenizer
+from .constraint import Constraint, GrammarEngine, as_constraint
 from .hub import is_hub_name
 
 log = logging.getLogger("dflash_native")
@@ -53,6 +54,9 @@ class GenerationStats:
     # this engine measured faster at another level (Engine.matmul_dispatch: "avx512f; matmul q4_K x1
     # avx2"), so that timings from different ISAs are never mixed
     isa: str = ""
+    # generate(constraint=...): seconds in the grammar engine (masks, accepts, rollbacks) and masks made
+    constraint_s: float = 0.0
+    n_masks: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -264,6 +268,7 @@ class Engine:
         # Benchmarks' acceptance-controlled mode and tests: f(prompt, generated, B) -> the B-1 draft
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
+        self._grammars: GrammarEngine | None = None  # built at the first constraint
 
     _drafter_warned = False
 
@@ -486,6 +491,21 @@ class Engine:
         with self._cv:
             return dict(self._live().memory_report(self._spec))
 
+    # ---- structured output ------------------------------------------------------------
+    def _grammar_engine(self) -> GrammarEngine:
+        # not under _cv: the server's request parsing compiles here while a slot computes
+        g = self._grammars
+        if g is None:
+            g = self._grammars = _shared_grammar_engine(self._tok(), self.path, self._live().n_vocab)
+        return g
+
+    def check_constraint(self, constraint: "Constraint | dict") -> None:
+        """Compiles a constraint (see generate) for this engine's vocabulary, as generate would:
+        ValueError naming what cannot be compiled (the server's 400 before it answers)."""
+        c = as_constraint(constraint)
+        if c is not None:
+            self._grammar_engine().compile(c)
+
     # ---- scoring ----------------------------------------------------------------------
     def eval(self, tokens: str | Sequence[int]) -> np.ndarray:
         """Logits float32 [n_tokens, n_vocab] of a fresh sequence; no state is kept."""
@@ -513,6 +533,7 @@ class Engine:
         seed: int | None = None,
         logprobs: int | None = None,
         cache_prompt: bool = False,
+        constraint: "Constraint | dict | None" = None,
     ) -> GenerationResult | Iterator[StreamPiece]:
         """Generation, greedy by default. speculative=None uses the drafter when there is one;
         speculative=False runs plain AR on the same engine (the lossless baseline).
@@ -536,7 +557,15 @@ class Engine:
         states and the feature ring (stats.n_cached_tokens says how many tokens were reused).
         Otherwise, or after eval(), an error or a stream that did not finish, a cold start. The
         output equals a cold start's bit for bit when every prefill chunk is at most 64 tokens
-        (n_batch <= 64, or short prompts); else the near-tie rule (docs/architecture.md)."""
+        (n_batch <= 64, or short prompts); else the near-tie rule (docs/architecture.md).
+
+        constraint: structured output (dflash_native.constraint): JsonSchema(schema) (or the schema
+        dict itself), JsonSchema() for any JSON object, Regex(pattern) or Grammar(ebnf). Every token
+        is chosen from logits masked by the grammar (needs xgrammar: the `structured` extra); the
+        output is constrained AR's, bit for bit, with and without the drafter, greedy or sampled,
+        chain or tree. The grammar ends generation with an end-of-generation token once complete
+        (stop_reason "eos"); max_tokens may end it first. One that cannot be compiled: ValueError.
+        result.stats.constraint_s is the time spent in the grammar engine."""
         self._live(compute=True)
         max_tokens = _int("generate", "max_tokens", max_tokens)
         if max_tokens < 0:
@@ -553,7 +582,9 @@ class Engine:
         if speculative and self._spec is None:
             raise ValueError("[generate] speculative=True needs an Engine created with a drafter")
         spec = self._spec is not None if speculative is None else speculative
-        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt))
+        c = as_constraint(constraint)
+        matcher = self._grammar_engine().matcher(c) if c is not None else None
+        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt, matcher))
         if stream:
             return gen
         last = None
@@ -670,10 +701,14 @@ class _Run:
     committed tokens become text pieces, cut at stop strings. Every step runs under Engine._cv."""
 
     def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
-                 sampling: "_core.Sampling | None" = None, cache_prompt: bool = False):
+                 sampling: "_core.Sampling | None" = None, cache_prompt: bool = False, constraint=None):
         self.eng, self.prompt, self.max_tokens, self.stop, self.spec = eng, prompt, max_tokens, stop, spec
-        # None: greedy without logprobs (the argmax in the graph); temperature 0: greedy with them
+        # None: greedy without logprobs (the argmax in the graph); temperature 0: greedy with them,
+        # or under a constraint (the argmax of the masked rows, on the host)
+        if constraint is not None and sampling is None:
+            sampling = _core.Sampling(0.0)
         self.sampling = sampling
+        self.constraint = constraint  # constraint.Matcher: the core masks and advances it
         sampled = sampling is not None and sampling.temperature > 0
         self.cache_prompt = cache_prompt  # Engine.generate(cache_prompt=...): continue / leave a held sequence
         self.stats = GenerationStats(n_prompt_tokens=len(prompt), speculative=spec,
@@ -725,9 +760,11 @@ class _Run:
         tok = eng.tokenizer._core if eng.tokenizer is not None else None
         self.req = _core.Request(eng._core, eng._spec if self.spec else None, tok, self.spec,
                                  tree=self.spec and eng.verify == "tree", sampling=self.sampling,
-                                 max_tokens=self.max_tokens, exact_max_tokens=self.cache_prompt)
-        if self.spec and eng._draft_override is not None:
-            # tests, benchmarks: the B-1 drafts to verify; a tree round puts them first in the drafter's top-K
+                                 max_tokens=self.max_tokens, exact_max_tokens=self.cache_prompt,
+                                 constraint=self.constraint)
+        if self.spec and eng._draft_override is not None and self.constraint is None:
+            # tests, benchmarks: the B-1 drafts to verify; a tree round puts them first in the drafter's
+            # top-K. Unconstrained requests only (the core refuses a forced draft under a constraint).
             override, prompt = eng._draft_override, self.prompt
             self.req.set_draft_source(lambda out, B: override(prompt, out, B) or [])
         return self.emit(*self.req.start(self.prompt, n_cached))
@@ -757,6 +794,8 @@ class _Run:
                 stats.block_size = self.req.block_size
                 stats.rounds = core["rounds"]
                 stats.acceptance_histogram = core["acceptance_histogram"]
+        if self.constraint is not None:
+            stats.constraint_s, stats.n_masks = self.constraint.mask_s, self.constraint.n_masks
         if self.dec is not None and stats.stop_reason != "stop":
             self.text += self.dec.flush()
         stats.n_generated = len(self.out)
@@ -849,6 +888,23 @@ def _sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core.S
     s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
                        logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
     return s if temperature > 0 or logprobs is not None else None
+
+
+_GRAMMARS: dict = {}  # (path, size, mtime_ns, n_vocab) -> GrammarEngine: engines of one file share one
+_GRAMMARS_LOCK = threading.Lock()
+
+
+def _shared_grammar_engine(tok: Tokenizer, path: Path, n_vocab: int) -> GrammarEngine:
+    try:
+        st = os.stat(path)
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, n_vocab)
+    except OSError:
+        return GrammarEngine(tok, n_vocab)
+    with _GRAMMARS_LOCK:
+        g = _GRAMMARS.get(key)
+        if g is None:
+            g = _GRAMMARS[key] = GrammarEngine(tok, n_vocab)
+        return g
 
 
 def _baseline_modes(baselines: dict | None) -> tuple[str, str]:

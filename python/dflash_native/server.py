@@ -11,7 +11,8 @@ is closed at the engine's next step, and its slot freed.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with stream: true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Every response carries a
 `usage` block and, as an extension, `dflash`: the request's GenerationStats. Chat requests take
-OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed).
+OpenAI's `tools` and `tool_choice` (tools.py: the checks, and the output's calls parsed); a forced call
+("required", a named function) and `response_format` are grammar constraints (constraint.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ except ImportError as e:  # the optional extra
 
 from . import _core
 from . import tools as _tools
+from .constraint import JsonSchema
 from .engine import Engine, GenerationResult
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any context's worth of text, well below what hurts
@@ -110,10 +112,7 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
         if body.get(name) is not None and body[name] != default:
             raise ApiError(400, f"'{name}' is not supported by this server (only its default, {default!r})", name,
                            "not_supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "'response_format' is not supported by this server (only {'type': 'text'})",
-                       "response_format", "not_supported")
+    constraint = _response_format(body.get("response_format"))
     num = (int, float)
     kw = dict(
         temperature=float(_field(body, "temperature", num, 0.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")),
@@ -123,6 +122,8 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
         seed=_field(body, "seed", (int,), None, lambda x: 0 <= x < 1 << 64, "an int in [0, 2**64)"),
         stop=_stop(body),
     )
+    if constraint is not None:
+        kw["constraint"] = constraint
     spec = _field(body, "speculative", (bool,), None)  # extension: False runs AR on the same slot
     if spec is not None:
         kw["speculative"] = spec
@@ -143,6 +144,30 @@ def _sampling_fields(body: dict, chat: bool) -> dict:
             raise ApiError(400, "logprobs are not supported by this engine", "logprobs", "not_supported")
         kw["logprobs"] = lp
     return kw
+
+
+def _response_format(fmt) -> JsonSchema | None:
+    """OpenAI's response_format as a constraint: {"type": "text"} (or none): None; {"type":
+    "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name": ..., "schema":
+    {...}, "strict": ...}}: that schema (no "schema": any JSON object). Anything else is a 400."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonSchema()
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict):
+            raise ApiError(400, "'response_format' of type 'json_schema' needs a 'json_schema' object", "response_format")
+        schema = js.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise ApiError(400, f"'response_format.json_schema.schema' must be a JSON schema object, got "
+                                f"{type(schema).__name__}", "response_format")
+        return JsonSchema(schema)
+    raise ApiError(400, f"'response_format' must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got "
+                        f"{fmt!r}"[:300], "response_format")
 
 
 # ---- slots -------------------------------------------------------------------------------------
@@ -386,11 +411,12 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
         data = await read_body(request)
         return await asyncio.get_running_loop().run_in_executor(prep, parse_body, data, chat)
 
-    def tool_request(body: dict) -> tuple[list[dict] | None, Any]:
-        """(the tools the template renders, a factory of the output's ToolParser or None) of a chat
-        request's tools and tool_choice. "none": no tools rendered and no calls read (the model is
-        not told of them); "required" or a named function: refused until constrained decoding forces
-        the call (tools.forced_call_schema is the schema it will enforce)."""
+    def tool_request(body: dict) -> tuple[list[dict] | None, Any, JsonSchema | None]:
+        """(the tools the template renders, a factory of the output's ToolParser or None, the
+        constraint that forces a call or None) of a chat request's tools and tool_choice. "none": no
+        tools rendered and no calls read (the model is not told of them); "required" (any of the
+        tools) or a named function (that one): one call in the template's format, its JSON held to
+        tools.forced_call_schema between the format's call markers by the grammar engine."""
         try:
             tools = _tools.check_tools(body["tools"]) if body.get("tools") is not None else None
             choice = _tools.check_tool_choice(body.get("tool_choice"), tools)
@@ -398,16 +424,33 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(400, str(e), e.param, e.code) from None
         parallel = _field(body, "parallel_tool_calls", (bool,), True)
         if choice == "none":
-            return None, None
-        if choice != "auto":
-            raise ApiError(400, f"'tool_choice' {json.dumps(choice)} forces a call, which needs constrained decoding; "
-                           "this server does not have it yet (use \"auto\")", "tool_choice", "not_supported")
+            return None, None, None
         fmt = _tools.parser_for(eng0.tokenizer.chat_template if eng0.tokenizer is not None else None)
         if fmt is None:
             raise ApiError(400, "'tools' are not supported by this model: its chat template renders no tools in a "
                            f"tool-call format this server reads ({', '.join(_tools.PARSERS)})", "tools",
                            "not_supported")
-        return tools, lambda: _tools.PARSERS[fmt](tools, parallel=parallel)
+        parser = _tools.PARSERS[fmt]
+        forced = None
+        if choice != "auto":
+            if parser.ARGS_KEY is None:
+                raise ApiError(400, f"'tool_choice' {json.dumps(choice)} forces a call, and this model's tool-call "
+                               f"format ({fmt}) is not JSON: this server forces calls in the JSON formats only "
+                               "(use \"auto\")", "tool_choice", "not_supported")
+            forced = JsonSchema(_tools.forced_call_schema(tools, choice, parser.ARGS_KEY), begin=parser.CALL_OPEN,
+                                end=parser.CALL_CLOSE)
+        return tools, lambda: parser(tools, parallel=parallel), forced
+
+    def check_constraint(c: JsonSchema, param: str) -> None:
+        """Compiles a constraint as the engine will, so that one it cannot take is a 400 here."""
+        if eng0.tokenizer is None:
+            raise ApiError(400, f"'{param}' needs a tokenizer; this model has none", param)
+        try:
+            eng0.check_constraint(c)
+        except ImportError as e:
+            raise ApiError(400, str(e), param, "not_supported") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param, "invalid_schema") from None
 
     def parse_body(data: bytes, chat: bool) -> tuple[list[int], dict, bool, bool, str | None, Any]:  # on `prep`
         try:
@@ -430,11 +473,19 @@ def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
             raise ApiError(400, "'speculative': true needs a drafter; this server runs without one", "speculative")
         if kw["stop"] and eng0.tokenizer is None:
             raise ApiError(400, "'stop' needs a tokenizer; this model has none", "stop")
+        if "constraint" in kw:
+            check_constraint(kw["constraint"], "response_format")
         if not chat:
             for name in ("tools", "tool_choice"):
                 if body.get(name) is not None:
                     raise ApiError(400, f"'{name}' is for /v1/chat/completions", name)
-        tools, tool_parser = tool_request(body) if chat else (None, None)
+        tools, tool_parser, forced = tool_request(body) if chat else (None, None, None)
+        if forced is not None:
+            if "constraint" in kw:
+                raise ApiError(400, f"'tool_choice' {json.dumps(body['tool_choice'])} forces a call, which cannot also "
+                               "follow 'response_format'", "tool_choice", "not_supported")
+            check_constraint(forced, "tool_choice")
+            kw["constraint"] = forced
         prompt = tokens_of(body, chat, tools)
         if len(prompt) >= n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is {n_ctx} tokens",

@@ -16,8 +16,9 @@ type and name, then its arguments; a call that does not parse (bad JSON, a funct
 `tools`, cut off by max_tokens) is content, as if the model had written text. Whitespace that only
 separates content from a call is dropped.
 
-Forcing a call (`tool_choice` "required" or a named function) needs constrained decoding:
-`forced_call_schema` is the JSON schema the call must match, for the grammar engine to enforce.
+Forcing a call (`tool_choice` "required" or a named function): `forced_call_schema` is the JSON
+schema the call must match; the server has the grammar engine hold the output to it between the
+format's CALL_OPEN and CALL_CLOSE (the JSON formats: hermes, llama3_json; qwen3_coder is refused).
 """
 
 from __future__ import annotations
