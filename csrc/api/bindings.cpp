@@ -27,7 +27,10 @@
 #include "runtime/session.h"
 #include "spec/batch_engine.h"
 #include "spec/spec.h"
+#include "engine/request.h"
+#include "gguf/tokenizer.h"
 
+#include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -368,13 +371,6 @@ struct py_token_constraint : token_constraint {
     }
 };
 
-// A Spec's constraint for one call.
-struct constraint_scope {
-    spec_session & s;
-    constraint_scope(spec_session & s, token_constraint * c) : s(s) { s.set_constraint(c); }
-    ~constraint_scope() { s.set_constraint(nullptr); }
-};
-
 void bind_constraint(py::module_ & m) {
     py::class_<token_constraint, py_token_constraint>(
         m, "Constraint",
@@ -605,7 +601,7 @@ round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::obj
     const bool has_forced = !forced.is_none();
     if (has_forced) f = to_tokens(forced);
     py::gil_scoped_release release;
-    constraint_scope scope(s, c);
+    constraint_scope scope(&s, c);
     if (step) return s.step(last, B, has_forced ? &f : nullptr, sampling);
     if (sampling) return s.round_sampled(last, B, *sampling, has_forced ? &f : nullptr);
     return s.round(last, B, has_forced ? &f : nullptr);
@@ -667,7 +663,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
                token_constraint * c) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 if (sampling) return s.prefill_sampled(t.data(), (int64_t) t.size(), *sampling, nullptr, n_cached);
                 return s.prefill(t.data(), (int64_t) t.size(), n_cached);
             },
@@ -682,7 +678,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
                token_constraint * c) {
                 std::vector<int32_t> t = to_tokens(tokens);
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 token_logprobs lp;
                 s.prefill_sampled(t.data(), (int64_t) t.size(), p, &lp, n_cached);
                 return lp;
@@ -759,7 +755,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             "ar_step",
             [](spec_session & s, int32_t last, const sampling_params * sampling, token_constraint * c) {
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 if (sampling) return s.ar_step_sampled(last, *sampling);
                 return s.ar_step(last);
             },
@@ -770,7 +766,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             "ar_step_logprobs",
             [](spec_session & s, int32_t last, const sampling_params & p, token_constraint * c) {
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 token_logprobs lp;
                 s.ar_step_sampled(last, p, &lp);
                 return lp;
@@ -798,7 +794,7 @@ void bind_spec(py::module_ & m) {
                 std::vector<int32_t> f;
                 if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 return s.round_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
@@ -811,7 +807,7 @@ void bind_spec(py::module_ & m) {
                 std::vector<int32_t> f;
                 if (!forced.is_none()) f = to_tokens(forced);
                 py::gil_scoped_release release;
-                constraint_scope scope(s, c);
+                constraint_scope scope(&s, c);
                 return s.step_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
             },
             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
@@ -1323,6 +1319,84 @@ void bind_testing_caches(py::module_ & t) {
         "verify0_s + verify1_s * n), so its decisions depend only on acceptance");
 }
 
+// _core.Request: engine/request.h, the one request loop (engine.py's _Run is its text layer).
+void bind_request(py::module_ & m) {
+    py::class_<request>(m, "Request", "One request's loop: prefill, then AR steps or rounds until a token-level "
+                                      "stop (engine/request.h)")
+        .def(py::init([](target_session & t, spec_session * s, const tokenizer * vocab, bool speculative, bool tree,
+                         const sampling_params * sampling, int64_t max_tokens, bool exact_max_tokens,
+                         token_constraint * constraint) {
+                 request_policy p;
+                 p.speculative = speculative;
+                 p.tree = tree;
+                 if (sampling) p.sampling = *sampling;
+                 p.max_tokens = max_tokens;
+                 p.exact_max_tokens = exact_max_tokens;
+                 p.constraint = constraint;
+                 return std::make_unique<request>(t, s, vocab, p);
+             }),
+             py::arg("target"), py::arg("spec"), py::arg("vocab"), py::arg("speculative"), py::arg("tree") = false,
+             py::arg("sampling") = py::none(), py::arg("max_tokens") = 0, py::arg("exact_max_tokens") = false,
+             py::arg("constraint") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>(),
+             py::keep_alive<1, 10>())
+        .def(
+            "start",
+            [](request & r, const py::object & prompt, int64_t n_cached) {
+                std::vector<int32_t> t = to_tokens(prompt);
+                py::gil_scoped_release release;
+                request::emitted e = r.start(t.data(), (int64_t) t.size(), n_cached);
+                return std::make_pair(std::move(e.tokens), std::move(e.logprobs));
+            },
+            py::arg("prompt"), py::arg("n_cached") = 0,
+            "The prefill; (tokens emitted, their TokenLogprobs when asked for). n_cached: the leading prompt tokens "
+            "the target (and ring) already hold")
+        .def(
+            "step",
+            [](request & r) {
+                py::gil_scoped_release release;
+                request::emitted e = r.step();
+                return std::make_pair(std::move(e.tokens), std::move(e.logprobs));
+            },
+            "One AR step or round: (tokens emitted, their TokenLogprobs when asked for)")
+        .def("stop", &request::stop, "End the request (a stop string, a cancellation)")
+        .def_property_readonly("done", &request::done)
+        .def_property_readonly("stop_reason", [](const request & r) -> py::object {
+            switch (r.stats().stop) {
+                case stop_reason::eos: return py::str("eos");
+                case stop_reason::length: return py::str("length");
+                case stop_reason::context: return py::str("context");
+                case stop_reason::caller: return py::str("stop");
+                default: return py::none();
+            }
+        })
+        .def("set_draft_source", &request::set_draft_source, py::arg("source"),
+             "Tests, benchmarks: f(output tokens, B) -> the B-1 drafts to verify instead of the drafter's "
+             "(which still runs), or [] for the drafter's")
+        .def_property_readonly("block_size", &request::block_size)
+        .def_property_readonly("output", &request::output)
+        .def_property_readonly("committed", &request::committed,
+                               "Every token the target committed, past a stop too (it has run all but the last)")
+        .def_property_readonly("ring_in_step", &request::ring_in_step)
+        .def_property_readonly("stats", [](const request & r) {
+            const request_stats & s = r.stats();
+            py::dict d;
+            d["n_prompt_tokens"] = s.n_prompt;
+            d["n_cached_tokens"] = s.n_cached;
+            d["prefill_s"] = s.prefill_s;
+            d["decode_s"] = s.decode_s;
+            d["ar_steps"] = s.ar_steps;
+            d["acceptance_histogram"] = s.histogram;
+            d["rounds"] = s.rounds();
+            d["draft_s"] = s.draft_s;
+            d["verify_s"] = s.verify_s;
+            d["rollback_s"] = s.rollback_s;
+            d["verified_tokens"] = s.verified_tokens;
+            d["controller_switches"] = s.controller_switches;
+            d["drafter_failure"] = s.drafter_failure;
+            return d;
+        }, "The request's statistics (request_stats) as a dict of GenerationStats' fields");
+}
+
 }  // namespace
 
 void bind_tokenizer(py::module_ & m);  // bindings_embed.cpp
@@ -1337,6 +1411,7 @@ PYBIND11_MODULE(_core, m) {
     bind_target(m);
     bind_spec(m);
     bind_tokenizer(m);
+    bind_request(m);
     py::module_ t = m.def_submodule("testing", "Kernels, tape and cache inspection for tests and benchmarks");
     bind_testing_kernels(t);
     bind_testing_sampler(t);

@@ -12,6 +12,7 @@
 #include "gguf/gguf_file.h"
 #include "kernels/cpu/sampler.h"
 #include "runtime/session.h"
+#include "engine/request.h"
 #include "spec/spec.h"
 #include "gguf/tokenizer.h"
 
@@ -23,7 +24,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <unordered_set>
@@ -195,97 +195,32 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     return DFN_OK;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+// A request's statistics (engine/request.h) as dfn_stats; n: the tokens written to the output.
+void fill_stats(const request & r, dfn_stats & st, size_t n) {
+    const request_stats & s = r.stats();
+    st.n_prompt_tokens = s.n_prompt;
+    st.n_generated = (int64_t) n;
+    st.prefill_s = s.prefill_s;
+    st.decode_s = s.decode_s;
+    switch (s.stop) {
+        case stop_reason::none: st.stop_reason = DFN_STOP_NONE; break;
+        case stop_reason::eos: st.stop_reason = DFN_STOP_EOS; break;
+        case stop_reason::length: st.stop_reason = DFN_STOP_LENGTH; break;
+        case stop_reason::context: st.stop_reason = DFN_STOP_CONTEXT; break;
+        case stop_reason::caller: st.stop_reason = DFN_STOP_CALLBACK; break;
+    }
+    st.speculative = r.policy().speculative;
+    st.block_size = r.policy().speculative ? (int32_t) r.block_size() : 0;
+    st.rounds = s.rounds();
+    st.ar_steps = s.ar_steps;
+    st.controller_switches = s.controller_switches;
+    st.verified_tokens = s.verified_tokens;
+    st.draft_s = s.draft_s;
+    st.verify_s = s.verify_s;
+    st.rollback_s = s.rollback_s;
+    for (size_t k = 0; k < s.histogram.size() && k <= DFN_MAX_BLOCK_SIZE; ++k) st.acceptance_histogram[k] = s.histogram[k];
+    st.drafter_failed = !s.drafter_failure.empty();
 }
-
-// One request: engine.py's _Run (start, step, emit) for token ids.
-struct run {
-    dfn_engine & e;
-    const sampling_params * sampling;  // null: greedy (the argmax in the graph)
-    bool spec;
-    int32_t * out;
-    size_t max_tokens;
-    dfn_token_callback cb;
-    void * user;
-    size_t n_out = 0;
-    bool done = false;
-    int32_t last = -1;
-    dfn_stats & st;
-
-    // Appends committed tokens; sets done at an end-of-generation token, max_tokens or the callback's stop.
-    void emit(const std::vector<int32_t> & tokens) {
-        for (int32_t t : tokens) {
-            if (e.tok && e.tok->is_eog(t)) {
-                st.stop_reason = DFN_STOP_EOS, done = true;
-                return;
-            }
-            out[n_out++] = t;
-            if (cb && cb(t, user) != 0) {
-                st.stop_reason = DFN_STOP_CALLBACK, done = true;
-                return;
-            }
-            if (n_out >= max_tokens) {
-                st.stop_reason = DFN_STOP_LENGTH, done = true;
-                return;
-            }
-        }
-    }
-
-    int32_t ar(const int32_t * tokens, int64_t n) {
-        if (sampling) return e.target->decode_sampled(tokens, n, *sampling);
-        return e.target->decode(tokens, n, false, {}, true).argmax[0];
-    }
-
-    void start(const int32_t * prompt, int64_t n) {
-        const auto t0 = std::chrono::steady_clock::now();
-        int32_t tok;
-        e.target->reset();  // Engine._claim; a speculative prefill resets the drafter's side too
-        if (!spec) {
-            tok = ar(prompt, n);
-        } else {
-            tok = sampling ? e.spec->prefill_sampled(prompt, n, *sampling) : e.spec->prefill(prompt, n);
-        }
-        st.prefill_s = seconds_since(t0);
-        if (max_tokens == 0) {
-            st.stop_reason = DFN_STOP_LENGTH, done = true;
-            return;
-        }
-        last = tok;
-        emit({tok});
-    }
-
-    void step() {
-        target_session & t = *e.target;
-        const int64_t room = t.params().n_ctx - t.n_past();
-        if (room <= 0) {
-            st.stop_reason = DFN_STOP_CONTEXT, done = true;
-            return;
-        }
-        std::vector<int32_t> committed;
-        if (spec && room >= 2) {
-            const int64_t Bc = std::min<int64_t>(e.spec->block_size(), room);
-            const round_result r = e.tree ? e.spec->step_tree(last, Bc, sampling) : e.spec->step(last, Bc, nullptr, sampling);
-            committed = r.committed;
-            st.controller_switches = e.spec->control().switches();
-            st.drafter_failed = !e.spec->drafter_failure().empty();
-            if (r.ar) {
-                st.ar_steps += 1;
-            } else {
-                st.acceptance_histogram[committed.size()] += 1;
-                st.rounds += 1;
-                st.draft_s += r.draft_s;
-                st.verify_s += r.verify_s;
-                st.rollback_s += r.rollback_s;
-                st.verified_tokens += r.n_verified;
-            }
-        } else {  // AR (also the last position of n_ctx in a speculative request: no room for a block)
-            committed = {ar(&last, 1)};
-        }
-        last = committed.back();
-        emit(committed);
-    }
-};
 
 dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params & g, int32_t * out,
                     size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
@@ -304,24 +239,38 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     if (n_prompt > (size_t) INT64_MAX) return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] n_prompt is too large");
     dfn_stats & st = e.stats;  // zeroed by dfn_generate
     const bool spec = g.speculative == -1 ? (bool) e.spec : g.speculative == 1;
-    st.n_prompt_tokens = (int64_t) n_prompt;
-    st.speculative = spec;
     st.seed = sp.greedy() ? 0 : sp.seed;
-    run r{e, sp.greedy() ? nullptr : &sp, spec, out, max_tokens, cb, user, 0, false, -1, st};
-    st.stop_reason = DFN_STOP_NONE;
-    struct count_out {  // *n_out and n_generated as they stand, also when a step throws
-        run & r;
+    request_policy pol;
+    pol.speculative = spec;
+    pol.tree = spec && e.tree;
+    if (!sp.greedy()) pol.sampling = sp;  // greedy: the argmax in the graph
+    pol.max_tokens = (int64_t) std::min<size_t>(max_tokens, INT64_MAX);
+    request r(*e.target, spec ? e.spec.get() : nullptr, e.tok.get(), pol);
+    e.target->reset();  // Engine._claim: a cold start (a speculative prefill resets the drafter's side too)
+    struct count_out {  // *n_out and the statistics as they stand, also when a step throws
+        const request & r;
+        dfn_stats & st;
         size_t * n_out;
+        size_t & n;
         ~count_out() {
-            *n_out = r.n_out;
-            r.st.n_generated = (int64_t) r.n_out;
+            *n_out = n;
+            fill_stats(r, st, n);
         }
-    } counted{r, n_out};
-    r.start(prompt, (int64_t) n_prompt);
-    const auto t0 = std::chrono::steady_clock::now();
-    while (!r.done) r.step();
-    st.decode_s = seconds_since(t0);
-    if (spec) st.block_size = (int32_t) e.spec->block_size();
+    };
+    size_t n = 0;
+    count_out counted{r, st, n_out, n};
+    // the tokens a call emitted into out, each shown to the callback; a nonzero answer ends the request
+    auto take = [&](const request::emitted & em) {
+        for (int32_t t : em.tokens) {
+            out[n++] = t;
+            if (cb && cb(t, user) != 0) {
+                r.stop();  // DFN_STOP_CALLBACK
+                return;
+            }
+        }
+    };
+    take(r.start(prompt, (int64_t) n_prompt));
+    while (!r.done()) take(r.step());
     return DFN_OK;
 }
 

@@ -53,6 +53,17 @@ struct round_result {
     double draft_s = 0, verify_s = 0, rollback_s = 0;
 };
 
+class spec_session;
+
+// A spec_session's constraint (set_constraint) for one scope; a null session is left alone.
+struct constraint_scope {
+    spec_session * s;
+    constraint_scope(spec_session * s, token_constraint * c);
+    ~constraint_scope();
+    constraint_scope(const constraint_scope &) = delete;
+    constraint_scope & operator=(const constraint_scope &) = delete;
+};
+
 class spec_session {
 public:
     // `target` must have been created with max_verify >= the block size.
@@ -328,5 +339,12 @@ private:
     // (pushing the queue into the ring when full) and the target's tap sink at its next column.
     void sink_taps(int64_t n);
 };
+
+inline constraint_scope::constraint_scope(spec_session * s, token_constraint * c) : s(s) {
+    if (s) s->set_constraint(c);
+}
+inline constraint_scope::~constraint_scope() {
+    if (s) s->set_constraint(nullptr);
+}
 
 }  // namespace dfn

@@ -696,8 +696,9 @@ class _Claim:
 
 
 class _Run:
-    """One request (greedy or sampled) between the engine's steps: the prefill, then AR steps or speculative
-    rounds, each committing tokens that become text pieces. Every step runs under Engine._cv."""
+    """One request's text layer (greedy or sampled) over the core's request loop (_core.Request,
+    csrc/engine/request.h: the prefill, AR steps or rounds, the token-level stops and the stats):
+    committed tokens become text pieces, cut at stop strings. Every step runs under Engine._cv."""
 
     def __init__(self, eng: Engine, prompt: list[int], max_tokens: int, stop: tuple[str, ...], spec: bool,
                  sampling: "_core.Sampling | None" = None, cache_prompt: bool = False, constraint=None):
@@ -719,25 +720,18 @@ class _Run:
         self.emitted = 0
         self.dec = eng.tokenizer.decoder() if eng.tokenizer is not None else None
         self.hold = max((len(s) for s in stop), default=0)
-        self.done = False
-        self.last = -1  # the last committed token: the next step's input
-        self.B = eng._spec.block_size if spec else 1
-        self.hist = [0] * (self.B + 1)
-        self.t_dec = 0.0
-        # every committed token, those past a stop / EOS / max_tokens too: the core has run all but
-        # the last (the prompt cache's sequence); ring_ok: the Spec's ring is in step with it
-        self.committed: list[int] = []
-        self.ring_ok = spec
+        self.req: "_core.Request | None" = None  # made by start(), on the engine's core
+        self.stopped = False  # a stop string ended the request
 
-    def emit(self, tokens: list[int], lps: list | None = None) -> list[StreamPiece]:
-        """Appends committed tokens (and their core TokenLogprobs when the request wants them);
-        returns the text pieces now safe to show (sets done)."""
-        stats, tok = self.stats, self.eng.tokenizer
+    @property
+    def done(self) -> bool:
+        return self.req is not None and self.req.done
+
+    def emit(self, tokens: list[int], lps: list) -> list[StreamPiece]:
+        """Appends the tokens the core emitted (and their core TokenLogprobs when the request wants
+        them); returns the text pieces now safe to show (a stop string ends the request)."""
         pieces = []
         for i, t in enumerate(tokens):
-            if tok is not None and tok.is_eog(t):
-                stats.stop_reason, self.done = "eos", True
-                return pieces
             self.out.append(t)
             if self.want_lp:
                 self.lps.append(TokenLogprobs._of(lps[i]))
@@ -750,123 +744,58 @@ class _Run:
                     cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
                     if cut >= 0:
                         self.text = self.text[:cut]
-                        stats.stop_reason, self.done = "stop", True
+                        self.stopped = True
+                        self.req.stop()
                         return pieces
                 safe = len(self.text) - self.hold
                 if safe > self.emitted:
                     pieces.append(StreamPiece(self.text[self.emitted:safe]))
                     self.emitted = safe
-            if len(self.out) >= self.max_tokens:
-                stats.stop_reason, self.done = "length", True
-                return pieces
         return pieces
 
     def start(self, n_cached: int = 0) -> list[StreamPiece]:
         """The prefill (also for max_tokens=0: the core checks the prompt); n_cached: the leading
         prompt tokens the core already holds (Engine._take_held), else a cold start."""
         eng = self.eng
-        t0 = time.perf_counter()
-        if not self.spec:
-            if n_cached == 0:
-                eng._core.reset()
-            tok, lps = self._ar(self.prompt[n_cached:])
-        elif self.want_lp:
-            lps = [eng._spec.prefill_logprobs(self.prompt, self.sampling, n_cached, self.constraint)]
-            tok = int(lps[0].token)
-        else:
-            tok, lps = int(eng._spec.prefill(self.prompt, self.sampling, n_cached, self.constraint)), None
-        self.committed.append(tok)
-        self.stats.n_cached_tokens = n_cached
-        self.stats.prefill_s = time.perf_counter() - t0
-        if self.max_tokens == 0:
-            self.stats.stop_reason, self.done = "length", True
-            return []
-        self.last = tok
-        return self.emit([tok], lps)
+        tok = eng.tokenizer._core if eng.tokenizer is not None else None
+        self.req = _core.Request(eng._core, eng._spec if self.spec else None, tok, self.spec,
+                                 tree=self.spec and eng.verify == "tree", sampling=self.sampling,
+                                 max_tokens=self.max_tokens, exact_max_tokens=self.cache_prompt,
+                                 constraint=self.constraint)
+        if self.spec and eng._draft_override is not None and self.constraint is None:
+            # tests, benchmarks: the B-1 drafts to verify; a tree round puts them first in the drafter's
+            # top-K. Unconstrained requests only (the core refuses a forced draft under a constraint).
+            override, prompt = eng._draft_override, self.prompt
+            self.req.set_draft_source(lambda out, B: override(prompt, out, B) or [])
+        return self.emit(*self.req.start(self.prompt, n_cached))
 
     def step(self) -> list[StreamPiece]:
         """One AR step or one speculative round."""
-        eng, core = self.eng, self.eng._core
-        room = core.n_ctx - core.n_past
-        if room <= 0:
-            self.stats.stop_reason, self.done = "context", True
-            return []
-        t0 = time.perf_counter()
-        # With the prompt cache, a round never commits past max_tokens (the tokens still wanted), so
-        # a request that ends there leaves the core holding exactly its prompt and tokens (what the
-        # next turn continues). Without it, every step is the controller's or a full round.
-        left = self.max_tokens - len(self.out) if self.cache_prompt else self.B
-        if self.spec and room >= 2 and left >= 2:
-            committed, lps = self._round(min(self.B, room, left))
-        elif self.spec and room >= 2:  # the last token: an AR step that keeps the ring in step
-            if self.want_lp:
-                lps = [eng._spec.ar_step_logprobs(self.last, self.sampling, self.constraint)]
-                committed = [int(lps[0].token)]
-            else:
-                committed, lps = [int(eng._spec.ar_step(self.last, self.sampling, self.constraint))], None
-            self.stats.ar_steps += 1
-        else:
-            # AR (also the last position of n_ctx in a speculative request: no room for a block)
-            tok, lps = self._ar([self.last])
-            committed = [tok]
-            self.ring_ok = False  # no taps: the ring falls behind the target
-        self.t_dec += time.perf_counter() - t0
-        self.committed += committed
-        self.last = committed[-1]
-        return self.emit(committed, lps)
-
-    def _ar(self, tokens: list[int]) -> tuple[int, list | None]:
-        """One AR step: the next token, greedy or drawn at its position, and [its core
-        TokenLogprobs] when the request wants them."""
-        core = self.eng._core
-        if self.want_lp:
-            lp = core.decode_logprobs(tokens, self.sampling, self.constraint)
-            return int(lp.token), [lp]
-        if self.sampling is None:
-            return int(core.decode_greedy(tokens)), None
-        return int(core.decode_sampled(tokens, self.sampling, self.constraint)), None
-
-    def _round(self, Bc: int) -> tuple[list[int], list]:
-        """A round, or under the controller whatever step it chose (Spec.step): the committed
-        tokens and their core TokenLogprobs (empty unless the request wants them)."""
-        eng, stats = self.eng, self.stats
-        # _draft_override (tests, benchmarks): the B-1 drafts; a tree round puts them first in the drafter's
-        # top-K. Unconstrained requests only (the core refuses a forced draft under a constraint).
-        forced = eng._draft_override(self.prompt, self.out, Bc) if eng._draft_override and not self.constraint else None
-        if eng.verify == "tree":
-            r = eng._spec.step_tree(self.last, Bc, self.sampling, forced, self.constraint)
-        else:
-            r = eng._spec.step(self.last, Bc, forced, self.sampling, self.constraint)  # _core.RoundResult
-        committed, lps = r.committed, r.logprobs
-        stats.controller_switches = eng._spec.controller_switches
-        if r.ar and not stats.drafter_failure:
-            stats.drafter_failure = eng._spec.drafter_failure
-            if stats.drafter_failure:
-                eng._warn_drafter_failed(stats.drafter_failure)
-        if r.ar:
-            stats.ar_steps += 1
-            return committed, lps
-        self.hist[len(committed)] += 1
-        stats.draft_s += r.draft_s
-        stats.verify_s += r.verify_s
-        stats.rollback_s += r.rollback_s
-        stats.verified_tokens += r.n_verified
-        return committed, lps
+        pieces = self.emit(*self.req.step())
+        failure = self.req.stats["drafter_failure"]
+        if failure:
+            self.eng._warn_drafter_failed(failure)
+        return pieces
 
     def held(self) -> tuple[list[int], bool]:
         """What the core holds after this request: its sequence, and whether the ring is in step."""
-        return self.prompt + self.committed[:-1], self.ring_ok
+        return self.prompt + self.req.committed[:-1], self.req.ring_in_step
 
     def final_piece(self) -> StreamPiece:
         """The rest of the text, carrying the GenerationResult."""
         stats = self.stats
-        stats.decode_s = self.t_dec
+        if self.req is not None:
+            core = self.req.stats
+            for key in ("n_cached_tokens", "prefill_s", "decode_s", "ar_steps", "draft_s", "verify_s", "rollback_s",
+                        "verified_tokens", "controller_switches", "drafter_failure"):
+                setattr(stats, key, core[key])
+            stats.stop_reason = "stop" if self.stopped else self.req.stop_reason
+            if stats.speculative:
+                stats.block_size = self.req.block_size
+                stats.rounds = core["rounds"]
+                stats.acceptance_histogram = core["acceptance_histogram"]
         if self.constraint is not None:
             stats.constraint_s, stats.n_masks = self.constraint.mask_s, self.constraint.n_masks
-        if stats.speculative:
-            stats.block_size = self.B
-            stats.rounds = sum(self.hist)
-            stats.acceptance_histogram = self.hist
         if self.dec is not None and stats.stop_reason != "stop":
             self.text += self.dec.flush()
         stats.n_generated = len(self.out)

@@ -1,0 +1,130 @@
+#include "engine/request.h"
+
+#include "base/profile.h"
+#include "gguf/tokenizer.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace dfn {
+
+int64_t request_stats::rounds() const { return std::accumulate(histogram.begin(), histogram.end(), int64_t(0)); }
+
+request::request(target_session & target, spec_session * spec, const tokenizer * vocab, const request_policy & policy)
+    : target_(target), spec_(spec), vocab_(vocab), policy_(policy) {
+    DFN_REQUIRE(policy.max_tokens >= 0, "generate", "max_tokens must be >= 0, got ", policy.max_tokens);
+    DFN_REQUIRE(!policy.speculative || spec, "generate", "a speculative request needs an engine with a drafter");
+    DFN_REQUIRE(!policy.tree || (spec && spec->params().tree_budget > 0), "generate",
+                "tree verify needs a drafter and a tree budget > 0");
+    if (policy_.constraint && !policy_.sampling) policy_.sampling = sampling_params{};  // the masked argmax
+    if (policy_.sampling) check_sampling_params(*policy_.sampling);
+    if (policy.speculative) {
+        B_ = spec->block_size();
+        stats_.histogram.assign(B_ + 1, 0);
+    }
+    ring_ok_ = policy.speculative;
+}
+
+request::emitted request::emit(const std::vector<int32_t> & tokens, const std::vector<token_logprobs> & lps) {
+    emitted e;
+    for (size_t i = 0; i < tokens.size() && !done(); ++i) {
+        const int32_t t = tokens[i];
+        if (vocab_ && vocab_->is_eog(t)) {
+            finish(stop_reason::eos);
+            break;
+        }
+        out_.push_back(t);
+        e.tokens.push_back(t);
+        if (want_logprobs()) e.logprobs.push_back(lps[i]);
+        if ((int64_t) out_.size() >= policy_.max_tokens) finish(stop_reason::length);
+    }
+    return e;
+}
+
+int32_t request::ar(const int32_t * tokens, int64_t n, std::vector<token_logprobs> & lps) {
+    if (!sampling()) return target_.decode(tokens, n, false, {}, true).argmax[0];
+    if (want_logprobs()) lps.resize(1);
+    return target_.decode_sampled(tokens, n, *sampling(), want_logprobs() ? &lps[0] : nullptr, policy_.constraint);
+}
+
+request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cached) {
+    DFN_REQUIRE(committed_.empty() && !done(), "generate", "a request starts once");
+    const double t0 = profile_now();
+    std::vector<token_logprobs> lps;
+    int32_t tok;
+    constraint_scope scope(spec_, policy_.constraint);
+    if (!policy_.speculative) {
+        if (n_cached == 0) target_.reset();
+        tok = ar(prompt + n_cached, n - n_cached, lps);
+    } else if (!sampling()) {
+        tok = spec_->prefill(prompt, n, n_cached);
+    } else {
+        if (want_logprobs()) lps.resize(1);
+        tok = spec_->prefill_sampled(prompt, n, *sampling(), want_logprobs() ? &lps[0] : nullptr, n_cached);
+    }
+    committed_.push_back(tok);
+    stats_.n_prompt = n;
+    stats_.n_cached = n_cached;
+    stats_.prefill_s = profile_now() - t0;
+    if (policy_.max_tokens == 0) {
+        finish(stop_reason::length);
+        return {};
+    }
+    last_ = tok;
+    return emit({tok}, lps);
+}
+
+round_result request::round(int64_t Bc) {
+    std::vector<int32_t> forced;
+    if (forced_ && !policy_.constraint) forced = forced_(out_, Bc);  // a forced draft is refused under a constraint
+    const std::vector<int32_t> * f = forced.empty() ? nullptr : &forced;
+    round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling(), f) : spec_->step(last_, Bc, f, sampling());
+    stats_.controller_switches = spec_->control().switches();
+    if (r.ar && stats_.drafter_failure.empty()) stats_.drafter_failure = spec_->drafter_failure();
+    if (r.ar) {
+        stats_.ar_steps += 1;
+    } else {
+        stats_.histogram[r.committed.size()] += 1;
+        stats_.draft_s += r.draft_s;
+        stats_.verify_s += r.verify_s;
+        stats_.rollback_s += r.rollback_s;
+        stats_.verified_tokens += r.n_verified;
+    }
+    return r;
+}
+
+request::emitted request::step() {
+    DFN_REQUIRE(!committed_.empty(), "generate", "step() before start()");
+    if (done()) return {};
+    const int64_t room = target_.params().n_ctx - target_.n_past();
+    if (room <= 0) {
+        finish(stop_reason::context);
+        return {};
+    }
+    const double t0 = profile_now();
+    // Under exact_max_tokens a round never commits past max_tokens, so a request that ends there
+    // leaves the target holding exactly its prompt and tokens.
+    const int64_t left = policy_.exact_max_tokens ? policy_.max_tokens - (int64_t) out_.size() : B_;
+    std::vector<int32_t> committed;
+    std::vector<token_logprobs> lps;
+    constraint_scope scope(spec_, policy_.constraint);
+    if (policy_.speculative && room >= 2 && left >= 2) {
+        round_result r = round(std::min({B_, room, left}));
+        committed = std::move(r.committed);
+        lps = std::move(r.logprobs);
+    } else if (policy_.speculative && room >= 2) {  // the last token: an AR step that keeps the ring in step
+        if (want_logprobs()) lps.resize(1);
+        committed = {sampling() ? spec_->ar_step_sampled(last_, *sampling(), want_logprobs() ? &lps[0] : nullptr)
+                                : spec_->ar_step(last_)};
+        stats_.ar_steps += 1;
+    } else {  // AR (also the last position of n_ctx in a speculative request: no room for a block)
+        committed = {ar(&last_, 1, lps)};
+        ring_ok_ = false;  // no taps: the ring falls behind the target
+    }
+    stats_.decode_s += profile_now() - t0;
+    committed_.insert(committed_.end(), committed.begin(), committed.end());
+    last_ = committed.back();
+    return emit(committed, lps);
+}
+
+}  // namespace dfn
