@@ -446,7 +446,10 @@ def test_windowed_draft_matches_reference_on_the_window(trained_pair, window):
     feats = target_taps(hf, prompt, trained_pair["taps"])
     lo = len(prompt) - W
     want = ref.forward([last] + [s.mask_token_id] * 3, feats[lo:], ctx_start_pos=lo)[1:]
-    assert np.abs(ours - want).max() < 1e-3
+    diff = np.abs(ours - want).max()
+    print(f"{trained_pair['name']} window {W}: max |draft logits - reference on the window| = {diff:.2e}")
+    # about 5x the worst case measured over the pairs and windows (F32): 3.6e-6, summation order only
+    assert diff < 2e-5
     whole = ref.forward([last] + [s.mask_token_id] * 3, feats)[1:]
     assert np.abs(whole - want).max() > 1e-3  # the older positions would have changed the draft
 

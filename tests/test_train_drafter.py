@@ -169,7 +169,9 @@ def test_engine_drafter_logits_match_module(env, trained):
         want = drafter.draft_logits([last] + [s.mask_token_id] * (B - 1), target_taps(env["hf"], PROMPT, TAPS))
     want = want[1:].numpy()
     assert ours.shape == want.shape
-    assert np.abs(ours - want).max() < 1e-3
+    diff = np.abs(ours - want).max()
+    print(f"max |engine draft logits - module's| = {diff:.2e}")
+    assert diff < 7e-5  # about 5x the measured 1.3e-5: F32 summation order (ggml vs torch) only
 
 
 def test_engine_with_trained_drafter_is_lossless(trained):
@@ -271,7 +273,9 @@ def test_context_length_travels_to_the_engine(env, trained, windowed):
     with torch.no_grad():
         want = drafter.draft_logits([last] + [s.mask_token_id] * (B - 1),
                                     target_taps(env["hf"], PROMPT, TAPS)[lo:], ctx_start_pos=lo)[1:].numpy()
-    assert np.abs(ours - want).max() < 1e-3
+    diff = np.abs(ours - want).max()
+    print(f"max |engine draft logits - module's on the window| = {diff:.2e}")
+    assert diff < 1.2e-5  # about 5x the measured 2.4e-6: F32 summation order only
 
 
 def test_train_drafter_rejects_a_bad_context_length(env):
