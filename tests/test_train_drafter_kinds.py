@@ -128,10 +128,9 @@ def test_speculative_equals_ar(env, trained, verify):
     assert eng.generate(PROMPT, **kw).tokens == eng.generate(PROMPT, speculative=False, **kw).tokens
 
 
+@pytest.mark.parametrize("trained", ["dspark"], indirect=True)
 def test_confidence_head_separates_accepted_rows(env, trained):
     """DSpark's trained confidence is higher on the rows whose top-1 is the sequence's token."""
-    if trained["kind"] != "dspark":
-        pytest.skip("DSpark only")
     m = DFlashDrafter.from_pretrained(trained["res"].checkpoint, env["hf"]).eval()
     seq = greedy_continuations(env["hf"], [PROMPT], 40)[0]
     batch = block_batch([seq], [list(range(len(PROMPT), len(seq) - 2, 2))], B, m.mask_token_id, first_draft_row=0)
