@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hf_formats import set_drafter_kind
+
 __all__ = ["KINDS", "DynamicConv", "MarkovHead", "Selector", "confidence_loss", "kind_config", "kind_of",
            "selector_loss"]
 
@@ -64,19 +66,10 @@ def kind_config(config: dict[str, Any], kind: str) -> dict[str, Any]:
     confidence head and anchor-first block (where not given)."""
     if kind not in KINDS:
         raise ValueError(f"[train_drafter] kind must be one of {KINDS}, got {kind!r}")
-    if kind == "dflash2":
-        dc = config["dflash_config"]
-        h = int(config["hidden_size"])
-        for k, v in DFLASH2_TRAIN_DEFAULTS.items():
-            dc.setdefault(k, min(v, h) if k == "conv_group_size" else v)
-        config["architectures"] = ["DFlash2DraftModel"]
-        config["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
-    elif kind == "dspark":
-        config["architectures"] = ["DSparkDraftModel"]
-        config["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
-        config["markov_head_type"] = "vanilla"
-        config.setdefault("markov_rank", DSPARK_MARKOV_RANK)
-        config.setdefault("confidence_head", True)
+    h = int(config["hidden_size"])
+    sizes = {k: min(v, h) if k == "conv_group_size" else v for k, v in DFLASH2_TRAIN_DEFAULTS.items()}
+    set_drafter_kind(config, kind, dflash2=sizes, markov_rank=DSPARK_MARKOV_RANK, where="train_drafter")
+    if kind == "dspark":
         config.setdefault("sample_from_anchor", True)
     return config
 
