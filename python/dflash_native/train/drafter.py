@@ -27,6 +27,9 @@ checkpoint records the most context positions a block attended to
 continuations, tap the hidden states once per sequence, train with AdamW and
 write a z-lab style checkpoint (config.json + model.safetensors, the layout
 `convert_dflash.convert_dflash_to_gguf` reads) and `recipe.json`.
+
+`kind="dflash2"` / `"dspark"`: the same module with DFlash 2's convolutions and selector or
+DSpark's anchor-first block, Markov and confidence heads, and their losses (train/drafter_kinds.py).
 """
 
 from __future__ import annotations
