@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..convert_dflash import DFLASH2_KEYS
 from ..hf_formats import set_drafter_kind
 
 __all__ = ["KINDS", "DynamicConv", "MarkovHead", "Selector", "confidence_loss", "kind_config", "kind_of",
            "selector_loss"]
 
 KINDS = ("dflash", "dflash2", "dspark")
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # dflash_config of a trained DFlash 2 drafter unless given (the group size is capped at the hidden size)
 DFLASH2_TRAIN_DEFAULTS: Mapping[str, int] = {"conv_kernel_size": 2, "conv_group_size": 64, "selector_rank": 64,
                                              "selector_top_k": 8}
