@@ -1,16 +1,27 @@
-"""The draft pass's cost per drafter kind over DFlash's, side by side (issue 36).
+"""Drafter kinds side by side (issue 36): DFlash, DFlash 2 and DSpark.
 
-One random target (the 0.5B-shaped hybrid, or --tiny) and one random drafter of each kind with
-the same backbone (same seed, layers, heads, taps): DFlash; DFlash 2 (two-tap dynamic convs,
-selector rank 64, top-k 8); DSpark (Markov rank 64, confidence head, anchor-first). Per kind, one
-Spec on the same target context; the reps alternate the kinds. Measured: the greedy draft pass
-(`Spec.draft`: the block, the head, and DFlash 2's lattice read-back and walk) and the top-1 pass
-the controller and draft_cutoff use (`Spec.draft_top1`), median ms, and each over DFlash's.
+Default mode: acceptance and speed of trained drafters on the embedded target. The embedded
+target's HF checkpoint is re-created from its GGUF (train/from_gguf.py, as `train_pair.py
+--target-gguf` does); one drafter of each kind is trained with `train-drafter --kind` on the same
+prompts, the same engine continuations (generated once, cached in --out), the same steps and
+seed (pipeline.run; --steps / --prompts scale the budget; the shipped drafter's recipe is 2500
+steps on 1536 prompts); the shipped default drafter runs beside them. On held-out prompts
+(corpus.heldout_prompts: stdlib files never trained on) each prompt runs AR, then every
+drafter, greedy and at T = 0.7 (top-p 0.95, seeded), chain and tree verify, interleaved.
+gate=False: fixed block size and tree budget, so the acceptance lengths depend only on the
+models (not on the machine's load); tok/s and speedup do depend on it. Columns: mean acceptance
+length (committed tokens per round, pooled over prompts), tok/s (tokens after the first over
+decode time), speedup over AR in the same run, and whether every prompt's output equals AR's.
 
-Random drafters say nothing about acceptance: tokens per round and speedups per kind need trained
-drafters (train-drafter has no --kind yet), so this script measures cost only.
+    python bench/drafters.py --out /tmp/drafters --json bench/results/drafters.jsonl
+    python bench/drafters.py --out /tmp/drafters --steps 20 --prompts 16 --eval-prompts 2 --gen 32  # smoke
 
-    python bench/drafters.py --json bench/results/drafters.jsonl
+--cost: the draft pass's cost per kind over DFlash's, random drafters with the same backbone (same
+seed, layers, heads, taps) on one random target (the 0.5B-shaped hybrid, or --tiny): the greedy
+draft pass (`Spec.draft`: the block, the head, and DFlash 2's lattice read-back and walk) and the
+top-1 pass the controller and draft_cutoff use (`Spec.draft_top1`), median ms, reps alternating.
+
+    python bench/drafters.py --cost --json bench/results/drafters.jsonl
 """
 
 from __future__ import annotations
@@ -51,16 +62,7 @@ def kind_drafter(target_name: str, shape: dict, kind: str, block_size: int, n_la
     return path
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a smoke-run size")
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=1, help="drafter layers")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-
+def main_cost(a) -> None:
     from dflash_native import _core
 
     name, arch, shape = bench_target(moe=False, tiny=a.tiny)
@@ -91,6 +93,105 @@ def main() -> None:
                          draft_ms=d * 1e3, draft_x_dflash=d / base["draft"], top1_ms=p * 1e3,
                          top1_x_dflash=p / base["top1"], machine=machine(), isa=isa(), rev=git_rev()))
     write_jsonl(a.json, rows)
+
+
+def trained_drafters(a) -> dict[str, Path]:
+    """The shipped drafter and one trained drafter per kind (KINDS) for the embedded target, in
+    a.out (a drafter already there is reused)."""
+    from dflash_native.cli import default_pair
+    from dflash_native.train import pipeline
+    from dflash_native.train.from_gguf import target_checkpoint_from_gguf
+    from dflash_native.train.tokenizer import train_tokenizer
+
+    target_gguf, shipped = default_pair()
+    a.out.mkdir(parents=True, exist_ok=True)
+    target_dir = a.out / "target"
+    if not (target_dir / "config.json").is_file():
+        target_checkpoint_from_gguf(target_gguf, target_dir, train_tokenizer(a.out / "tokenizer", vocab_size=4096))
+    out = {"shipped": shipped}
+    for kind in KINDS:
+        gguf = a.out / f"{kind}-s{a.steps}-p{a.prompts}.gguf"
+        if not gguf.is_file():
+            # the shipped drafter's recipe (models/default-drafter-recipe.json) at this budget
+            pipeline.run(target_dir, None, a.out / gguf.stem, n_prompts=a.prompts, prompt_tokens=64,
+                         max_new_tokens=96, target_layer_ids=[1, 3, 5, 6], target_gguf=target_gguf, out_gguf=gguf,
+                         outtype="f16", block_size=16, steps=a.steps, seqs_per_step=8, anchors_per_seq=16,
+                         draft_vocab_size=1024 if kind == "dflash" else 0, kind=kind, n_threads=a.threads,
+                         engine_threads=a.threads, log_every=50, context_length=4096, window=256, long_share=0.25,
+                         continuations_file=a.out / f"continuations-p{a.prompts}.json", seed=0)
+        out[kind] = gguf
+    return {"target": target_gguf, **out}
+
+
+def main_trained(a) -> None:
+    import dflash_native as dn
+    from dflash_native.train import corpus
+
+    files = trained_drafters(a)
+    target = files.pop("target")
+    modes = [(T, v) for T in (0.0, 0.7) for v in ("chain", "tree")]
+    engines = {(k, v): dn.Engine(target, drafter=path, block_size=16, n_ctx=96 + a.gen + 64, n_threads=a.threads,
+                                 gate=False, verify=v, **({"tree_budget": 15} if v == "tree" else {}))
+               for k, path in files.items() for v in ("chain", "tree")}
+    ar_eng = engines["shipped", "chain"]
+    prompts = corpus.heldout_prompts(a.eval_prompts, 96, ar_eng, seed=0)
+    ar_eng.generate(prompts[0].text, max_tokens=8, speculative=False)  # warm-up (graph plans)
+    tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0) for key in [("ar", T, "-") for T in (0.0, 0.7)]
+           + [(k, T, v) for k in files for T, v in modes]}
+    for i, p in enumerate(prompts):
+        for T in (0.0, 0.7):
+            kw = dict(max_tokens=a.gen, **({"temperature": T, "top_p": 0.95, "seed": i} if T else {}))
+            ar = ar_eng.generate(p.text, speculative=False, **kw)
+            _add(tot["ar", T, "-"], ar, ar)
+            for k in files:
+                for v in ("chain", "tree"):
+                    _add(tot[k, T, v], engines[k, v].generate(p.text, **kw), ar)
+    rows = []
+    print(f"embedded target, held-out prompts {len(prompts)} x {a.gen} tokens, B = 16, tree budget 15, gate off, "
+          f"drafters trained {a.steps} steps on {a.prompts} prompts (shipped: its own recipe), {a.threads} threads")
+    print("| drafter | T | verify | mean acceptance length | tok/s | speedup | spec == AR |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for (k, T, v), t in tot.items():
+        if k == "ar":
+            continue
+        tok_s, ar_tok_s = t["n"] / t["s"], tot["ar", T, "-"]["n"] / tot["ar", T, "-"]["s"]
+        row = dict(bench="drafters_trained", drafter=k, kind=k if k in KINDS else "dflash", temperature=T, verify=v,
+                   mean_acceptance_length=t["committed"] / max(t["rounds"], 1), rounds=t["rounds"], tok_s=tok_s,
+                   ar_tok_s=ar_tok_s, speedup=tok_s / ar_tok_s, spec_equals_ar=t["same"], prompts=len(prompts),
+                   gen=a.gen, steps=a.steps if k in KINDS else None, train_prompts=a.prompts if k in KINDS else None,
+                   file=files[k].name, threads=a.threads, machine=machine(), isa=isa(), rev=git_rev())
+        print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
+              f"{t['same']}/{len(prompts)} |", flush=True)
+        rows.append(row)
+    write_jsonl(a.json, rows)
+
+
+def _add(t: dict, r, ar) -> None:
+    """Adds one generation's rounds, committed tokens, decode time and AR equality to `t`."""
+    s = r.stats
+    t["committed"] += sum(k * n for k, n in enumerate(s.acceptance_histogram))
+    t["rounds"] += sum(s.acceptance_histogram)
+    t["n"] += max(s.n_generated - 1, 0)
+    t["s"] += s.decode_s
+    t["same"] += r.tokens == ar.tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cost", action="store_true", help="the draft pass's cost per kind (random drafters)")
+    ap.add_argument("--tiny", action="store_true", help="--cost: a smoke-run size")
+    ap.add_argument("--block", type=int, default=16, help="--cost: block size")
+    ap.add_argument("--layers", type=int, default=1, help="--cost: drafter layers")
+    ap.add_argument("--reps", type=int, default=20, help="--cost: repetitions")
+    ap.add_argument("--out", type=Path, default=CACHE / "drafters", help="trained drafters and their data")
+    ap.add_argument("--steps", type=int, default=2500, help="training steps per kind")
+    ap.add_argument("--prompts", type=int, default=1536, help="training prompts (the engine continues each)")
+    ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
+    ap.add_argument("--gen", type=int, default=128, help="tokens generated per held-out prompt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    (main_cost if a.cost else main_trained)(a)
 
 
 if __name__ == "__main__":

@@ -180,15 +180,9 @@ def test_lossless_sampled(files, verify, seed):
     assert sp.stats.rounds > 0 and sp.tokens == ar.tokens
 
 
-def test_tree_nodes_are_selector_candidates(files):
-    """A greedy tree round's nodes at depth d are candidates of lattice row d - 1; the first
-    path (each node's first child) is the selector's walk."""
-    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
-    s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
-    last = s.prefill(PROMPT)
-    lat = s.draft_lattice(last, BLOCK)
-    s.prefill(PROMPT)
-    r = s.round_tree(last, BLOCK)
+def _tree_on_lattice(r, lat) -> list[int]:
+    """Checks that a tree round's nodes at depth d are candidates of lattice row d - 1; returns
+    its first path (each node's first child)."""
     depth = [0] * (len(r.draft) + 1)
     for i in range(1, len(depth)):
         depth[i] = depth[r.parents[i]] + 1
@@ -197,10 +191,36 @@ def test_tree_nodes_are_selector_candidates(files):
     while True:
         kids = [i for i in range(1, len(depth)) if r.parents[i] == node]
         if not kids:
-            break
+            return chain
         node = kids[0]
         chain.append(r.draft[node - 1])
+
+
+def test_tree_nodes_are_selector_candidates(files):
+    """A greedy tree round's nodes at depth d are candidates of lattice row d - 1; the first
+    path (each node's first child) is the selector's walk."""
+    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
+    s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
+    last = s.prefill(PROMPT)
+    lat = s.draft_lattice(last, BLOCK)
+    s.prefill(PROMPT)
+    chain = _tree_on_lattice(s.round_tree(last, BLOCK), lat)
     assert chain == walk(lat, TOP_K)[: len(chain)] and len(chain) >= 2
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_sampled_tree_nodes_are_selector_candidates(files, seed):
+    """A sampled tree round's nodes are the selector's candidates too, and its first path is the
+    sampled chain round's draft (the same draws along the selector, under the same noise)."""
+    t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
+    s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
+    sampling = _core.Sampling(temperature=0.7, top_p=0.95, seed=seed)
+    last = s.prefill(PROMPT)
+    lat = s.draft_lattice(last, BLOCK)
+    chain_draft = s.round(last, BLOCK, sampling=sampling).draft
+    s.prefill(PROMPT)
+    chain = _tree_on_lattice(s.round_tree(last, BLOCK, sampling=sampling), lat)
+    assert len(chain) >= 2 and chain == chain_draft[: len(chain)]
 
 
 # ---- bad input --------------------------------------------------------------------------------

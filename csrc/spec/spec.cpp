@@ -664,16 +664,21 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
                 "for greedy)");
     std::vector<int32_t> tok;
     std::vector<float> p;
-    if (has_selector() && !(sampling && !sampling->greedy()) && !forced_draft && !constraint_) {
+    if (has_selector() && !forced_draft && !constraint_) {
         // DFlash 2: each node's children are its row's selector candidates ranked by their
-        // transition probability from that node (under a constraint: draft_topk_constrained's
-        // masked rows, where a candidate the grammar allows is always found when there is one)
+        // transition probability from that node (sampled: by their perturbed weights; under a
+        // constraint: draft_topk_constrained's masked rows, where a candidate the grammar allows
+        // is always found when there is one)
         DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
         const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
-        const std::vector<float> lat = draft_lattice(last, B);
-        tok.resize((size_t) (B - 1) * k);
-        p.resize(tok.size() * k);
-        lattice_probs(lat.data(), B - 1, k, tok.data(), p.data(), n_past + 1);
+        if (sampling && !sampling->greedy()) {
+            draft_lattice_sampled(last, B, *sampling, tok, p);
+        } else {
+            const std::vector<float> lat = draft_lattice(last, B);
+            tok.resize((size_t) (B - 1) * k);
+            p.resize(tok.size() * k);
+            lattice_probs(lat.data(), B - 1, k, tok.data(), p.data(), n_past + 1);
+        }
         const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
         return build_tree_conditional(last, tok.data(), p.data(), B - 1, k, budget, params_.draft_cutoff);
     }

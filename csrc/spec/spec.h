@@ -276,6 +276,11 @@ private:
     // perturbed_topk's weights in place of probabilities (0 past the tokens the filters keep).
     int64_t draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
                                std::vector<float> & w);
+    // DFlash 2's sampled lattice (spec_sampled.cpp): lattice_probs' form [B-1, k] candidates and
+    // [B-1, k, k] weights, each (row, predecessor) the perturbed_topk weights of its transition
+    // scores under draft_sampled's noise, so a node's first child is draft_sampled's draw.
+    void draft_lattice_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & cand,
+                               std::vector<float> & w);
     // A round's tree: draft_topk (or its sampled form), then build_tree with the room left
     // (tree_budget at most).
     draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,

@@ -270,4 +270,22 @@ int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling
     return K;
 }
 
+void spec_session::draft_lattice_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & cand,
+                                         std::vector<float> & w) {
+    const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
+    const std::vector<float> lat = draft_lattice(last, B);  // [B-1, k + k*k]
+    cand.resize((size_t) (B - 1) * k);
+    w.assign(cand.size() * k, 0.0f);  // 0 past the candidates the filters keep
+    std::vector<int32_t> idx;
+    std::vector<float> wk;
+    for (int64_t r = 0; r + 1 < B; ++r) {  // row r: d_{r+1} at position n_past + 1 + r
+        const float * row = lat.data() + (size_t) r * drafter_->hparams().lattice_row();
+        for (int64_t j = 0; j < k; ++j) cand[r * k + j] = (int32_t) row[j];
+        for (int64_t q = 0; q < k; ++q) {  // the transition scores from predecessor column q
+            perturbed_topk({row + k + q * k, k, cand.data() + r * k}, p, n_past + 1 + r, k, "draft", idx, wk);
+            for (size_t m = 0; m < idx.size(); ++m) w[(size_t) (r * k + q) * k + idx[m]] = wk[m];
+        }
+    }
+}
+
 }  // namespace dfn

@@ -144,12 +144,13 @@ def _cmd_train_drafter(a) -> int:
         raise ValueError(f"training needs the [train] extra (pip install torch==2.13.0, then "
                          f"pip install 'dflash-native[train]'): {e}") from None
     layers = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    draft_vocab = a.draft_vocab if a.draft_vocab is not None else (1024 if a.kind == "dflash" else 0)
     recipe = pipeline.run(a.target, a.data, a.out, n_prompts=a.prompts, prompt_tokens=a.prompt_tokens,
                           max_new_tokens=a.max_new_tokens, target_layer_ids=layers, target_gguf=a.target_gguf,
                           out_gguf=a.gguf, outtype=a.outtype, num_layers=a.layers, block_size=a.block_size,
                           steps=a.steps, lr=a.lr, seed=a.seed, n_threads=a.threads, log_every=a.log_every,
                           seqs_per_step=a.seqs_per_step, anchors_per_seq=a.anchors_per_seq,
-                          draft_vocab_size=a.draft_vocab, context_length=a.context_length, window=a.window,
+                          draft_vocab_size=draft_vocab, kind=a.kind, context_length=a.context_length, window=a.window,
                           long_share=a.long_share, w_ce=a.w_ce, w_kl=a.w_kl, init_from=a.init_from,
                           sampled_share=a.sampled_share,
                           sample_temperatures=[float(x) for x in a.sample_temperatures.split(",") if x.strip()],
@@ -397,9 +398,13 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--seqs-per-step", type=_int_from(1), default=8, help="sequences per training step")
     t.add_argument("--anchors-per-seq", type=_int_from(1), default=16, help="random block anchors per sequence per step")
-    t.add_argument("--draft-vocab", type=int, default=1024,
+    t.add_argument("--kind", default="dflash", choices=["dflash", "dflash2", "dspark"],
+                   help="drafter architecture: DFlash; DFlash 2 (dynamic convolutions + candidate selector); DSpark "
+                        "(Markov + confidence heads)")
+    t.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over at most this many tokens: the most frequent of the target's continuations "
-                        "(GGUF dflash.draft_vocab; 0 = the whole vocabulary)")
+                        "(GGUF dflash.draft_vocab; 0 = the whole vocabulary; default 1024 for dflash, 0 for the "
+                        "other kinds, which draft over the whole vocabulary)")
     t.add_argument("--prompts", type=_int_from(1), default=64)
     t.add_argument("--prompt-tokens", type=_int_from(1), default=64)
     t.add_argument("--max-new-tokens", type=_int_from(1), default=64)

@@ -254,6 +254,29 @@ def drafter_config(*, vocab_size: int, hidden_size: int, intermediate_size: int,
     }
 
 
+def set_drafter_kind(config: dict[str, Any], kind: str, *, dflash2: Mapping[str, int], markov_rank: int,
+                     where: str) -> dict[str, Any]:
+    """`config` (a DFlash drafter's config.json, changed in place and returned) made a `kind`
+    drafter's: "dflash2" a `DFlash2DraftModel` with dflash_config's conv / selector sizes
+    (`dflash2` where not set); "dspark" a `DSparkDraftModel` (DFlash backbone) with a vanilla
+    Markov head (`markov_rank` where not set) and a confidence head unless `confidence_head` is
+    false; "dflash" as it is. Another kind: ValueError naming `where`."""
+    if kind == "dflash2":
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+        for k, v in dflash2.items():
+            config["dflash_config"].setdefault(k, v)
+    elif kind == "dspark":
+        config["architectures"] = ["DSparkDraftModel"]
+        config["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
+        config["markov_head_type"] = "vanilla"
+        config.setdefault("markov_rank", markov_rank)
+        config.setdefault("confidence_head", True)
+    elif kind != "dflash":
+        raise ValueError(f"[{where}] unknown kind {kind!r}; expected 'dflash', 'dflash2' or 'dspark'")
+    return config
+
+
 def drafter_tensor_shapes(*, hidden: int, n_taps: int, n_layer: int, n_head: int, n_kv: int, head_dim: int,
                           n_ff: int) -> dict[str, tuple[int, ...]]:
     """HF tensor name (no `model.` prefix) -> shape (row-major, PyTorch's) of every

@@ -56,6 +56,7 @@ from .hf_formats import (
     dspark_tensor_shapes,
     hybrid_layer_types,
     mask_token_id_of,
+    set_drafter_kind,
     write_tokenizer_config,
 )
 
@@ -553,19 +554,8 @@ def make_random_drafter_checkpoint(dst_dir: str | os.PathLike[str], *, hidden_si
     overrides = json.loads(json.dumps(dict(overrides)))
     dflash_overrides = overrides.pop("dflash_config", None)
     config.update(overrides)
-    if kind == "dflash2":
-        config["architectures"] = ["DFlash2DraftModel"]
-        config["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
-        config["dflash_config"].update(DFLASH2_DEFAULTS)
-    elif kind == "dspark":
-        config["architectures"] = ["DSparkDraftModel"]
-        config["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
-        config["markov_head_type"] = "vanilla"
-        config.setdefault("markov_rank", DSPARK_MARKOV_RANK)
-        config.setdefault("confidence_head", True)
-    elif kind != "dflash":
-        raise ValueError(f"[make_random_drafter_checkpoint] unknown kind {kind!r}; expected 'dflash', 'dflash2' "
-                         f"or 'dspark'")
+    set_drafter_kind(config, kind, dflash2=DFLASH2_DEFAULTS, markov_rank=DSPARK_MARKOV_RANK,
+                     where="make_random_drafter_checkpoint")
     if dflash_overrides:
         config["dflash_config"].update(dflash_overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:

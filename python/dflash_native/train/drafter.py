@@ -27,6 +27,9 @@ checkpoint records the most context positions a block attended to
 continuations, tap the hidden states once per sequence, train with AdamW and
 write a z-lab style checkpoint (config.json + model.safetensors, the layout
 `convert_dflash.convert_dflash_to_gguf` reads) and `recipe.json`.
+
+`kind="dflash2"` / `"dspark"`: the same module with DFlash 2's convolutions and selector or
+DSpark's anchor-first block, Markov and confidence heads, and their losses (train/drafter_kinds.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from torch import nn
 
 from ..hf_formats import (MASK_TOKEN_TEXT, MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, default_target_layer_ids,
                           drafter_config, mask_token_id_of)
+from .drafter_kinds import (KINDS, ConfidenceHead, DynamicConv, MarkovHead, Selector, check_kind, confidence_loss,
+                            kind_config, kind_of, selector_loss)
 from .schedule import warmup_cosine_lr
 
 __all__ = ["DFlashDrafter", "TrainResult", "block_batch", "context_window_mask", "distill_kl", "dflash_loss",
@@ -93,12 +98,16 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, h: int, ff: int, n_head: int, n_kv: int, head_dim: int, eps: float):
+    def __init__(self, h: int, ff: int, n_head: int, n_kv: int, head_dim: int, eps: float,
+                 conv: tuple[int, int] | None = None):
         super().__init__()
         self.input_layernorm = _RMSNorm(h, eps)
         self.self_attn = _Attention(h, n_head, n_kv, head_dim, eps)
         self.post_attention_layernorm = _RMSNorm(h, eps)
         self.mlp = _MLP(h, ff)
+        if conv is not None:  # DFlash 2: (kernel, group)
+            self.attention_conv = DynamicConv(h, *conv)
+            self.mlp_conv = DynamicConv(h, *conv)
 
 
 def _rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float,
@@ -117,12 +126,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, :, None] + torch.cat([-x2, x1], -1) * sin[:, :, None]
 
 
+_HEADS = ("candidate_selector.", "markov_head.", "confidence_head.")
+
+
 class DFlashDrafter(nn.Module):
     """A z-lab DFlash drafter over a frozen target's embed_tokens / lm_head.
 
     `config` is the drafter's config.json (Qwen3 hparams + `dflash_config`);
     `embed_tokens` / `lm_head` [vocab, hidden] are the target's and are kept as
-    non-persistent buffers: they are not trained and not saved.
+    non-persistent buffers: they are not trained and not saved. A DFlash 2 or DSpark config
+    (drafter_kinds.kind_of) adds that kind's convolutions and selector, or Markov and
+    confidence heads (train/drafter_kinds.py).
     """
 
     def __init__(self, config: Mapping[str, Any], embed_tokens: torch.Tensor, lm_head: torch.Tensor):
@@ -157,24 +171,40 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"[DFlashDrafter] target embed_tokens {tuple(embed_tokens.shape)} / lm_head "
                              f"{tuple(lm_head.shape)} do not have the drafter's hidden size {h}")
 
+        check_kind(c)
+        self.kind = kind_of(c)
+        # DSpark drafts from the anchor's row: rows 0 .. B-2 draft tokens 1 .. B-1
+        self.first_draft_row = 0 if self.kind == "dspark" else 1
+        self.block_rows = self.block_size - 1 + self.first_draft_row
         n_taps = len(self.target_layer_ids)
         ff = int(c["intermediate_size"])
+        conv = (int(dc["conv_kernel_size"]), int(dc["conv_group_size"])) if self.kind == "dflash2" else None
         self.fc = nn.Linear(n_taps * h, h, bias=False)
         self.hidden_norm = _RMSNorm(h, self.eps)
-        self.layers = nn.ModuleList(_Layer(h, ff, self.n_head, self.n_kv, self.head_dim, self.eps)
+        self.layers = nn.ModuleList(_Layer(h, ff, self.n_head, self.n_kv, self.head_dim, self.eps, conv)
                                     for _ in range(self.n_layer))
         self.norm = _RMSNorm(h, self.eps)
         self.register_buffer("embed_tokens", embed_tokens.detach().float().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
+        n_vocab = int(c.get("vocab_size") or lm_head.shape[0])
+        if self.kind == "dflash2":
+            self.candidate_selector = Selector(h, n_vocab, int(dc["selector_rank"]), int(dc["selector_top_k"]), 0.02)
+        if self.kind == "dspark":
+            rank = int(c["markov_rank"])
+            self.markov_head = MarkovHead(n_vocab, rank, 0.02)
+            if c.get("confidence_head", True):
+                self.confidence_head = ConfidenceHead(h, rank)
 
     # -- construction -----------------------------------------------------------
 
     @staticmethod
     def config_for_target(target_config: Any, *, target_layer_ids: Sequence[int], mask_token_id: int,
-                          num_layers: int = 1, block_size: int = 16, **overrides: Any) -> dict[str, Any]:
-        """A drafter config.json matching an HF target config (object or dict):
-        hidden size, vocabulary, attention shape, FFN width, eps and RoPE base
-        are the target's unless `overrides` says otherwise."""
+                          num_layers: int = 1, block_size: int = 16, kind: str = "dflash",
+                          **overrides: Any) -> dict[str, Any]:
+        """A drafter config.json of `kind` (drafter_kinds.KINDS) matching an HF target config
+        (object or dict): hidden size, vocabulary, attention shape, FFN width, eps and RoPE base
+        are the target's unless `overrides` says otherwise (a `dflash_config` override is merged
+        into the generated one)."""
         t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         t = t.to_dict() if hasattr(t, "to_dict") else dict(t.get("text_config", t))
         n_target = int(t["num_hidden_layers"])
@@ -193,26 +223,29 @@ class DFlashDrafter(nn.Module):
                              rope_theta=rope.get("rope_theta", t.get("rope_theta", 10000.0)),
                              n_target_layers=n_target, mask_token_id=mask_token_id,
                              target_layer_ids=target_layer_ids, block_size=block_size, dtype="float32")
+        overrides = dict(overrides)
+        cfg["dflash_config"].update(overrides.pop("dflash_config", None) or {})
         cfg.update(overrides)
         if "num_hidden_layers" in overrides:
             cfg["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"])
             cfg["max_window_layers"] = int(cfg["num_hidden_layers"])
-        return cfg
+        return kind_config(cfg, kind)
 
     @classmethod
     def for_target(cls, target: nn.Module, *, target_layer_ids: Sequence[int], mask_token_id: int,
                    num_layers: int = 1, block_size: int = 16, seed: int = 0, init_std: float = 0.02,
-                   **overrides: Any) -> "DFlashDrafter":
-        """A freshly initialised drafter for an HF causal LM `target` (linear
-        weights N(0, init_std), norms 1), sharing its embed_tokens / lm_head."""
+                   kind: str = "dflash", **overrides: Any) -> "DFlashDrafter":
+        """A freshly initialised drafter of `kind` for an HF causal LM `target` (linear
+        weights N(0, init_std), norms 1; the kinds' heads as drafter_kinds initialises them),
+        sharing its embed_tokens / lm_head."""
         cfg = cls.config_for_target(target.config, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
-                                    num_layers=num_layers, block_size=block_size, **overrides)
+                                    num_layers=num_layers, block_size=block_size, kind=kind, **overrides)
         embed, head = _target_embeddings(target)
         model = cls(cfg, embed, head)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 2:
+            for name, p in model.named_parameters():  # the kinds' heads keep their own inits (drafter_kinds)
+                if p.ndim == 2 and not name.startswith(_HEADS) and "_conv." not in name:
                     p.copy_(torch.randn(p.shape, generator=g) * init_std)
         return model
 
@@ -266,9 +299,13 @@ class DFlashDrafter(nn.Module):
         cos_b, sin_b = _rope_cos_sin(block_pos, self.head_dim, self.rope_theta, dt)
         attn_mask = None if mask is None else mask[:, None]                         # [S, 1, M, L+M]
         group = self.n_head // self.n_kv
+        conv = self.kind == "dflash2"
         for layer in self.layers:
             a = layer.self_attn
             hb = layer.input_layernorm(x)
+            if conv:  # DFlash 2: the block rows convolved before and after each sub-layer
+                ca = layer.attention_conv.coefficients(hb)
+                hb = layer.attention_conv(hb, ca, 0, self.block_rows)
             q = _rope(a.q_norm(a.q_proj(hb).view(S, M, self.n_head, self.head_dim)), cos_b, sin_b)
             kc = _rope(a.k_norm(a.k_proj(ctx).view(S, L, self.n_kv, self.head_dim)), cos_c, sin_c)
             kb = _rope(a.k_norm(a.k_proj(hb).view(S, M, self.n_kv, self.head_dim)), cos_b, sin_b)
@@ -280,26 +317,66 @@ class DFlashDrafter(nn.Module):
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=attn_mask)   # [S, n_head, M, d]
-            x = x + a.o_proj(o.transpose(1, 2).reshape(S, M, self.n_head * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = a.o_proj(o.transpose(1, 2).reshape(S, M, self.n_head * self.head_dim))
+            x = x + (layer.attention_conv(o, ca, 1, self.block_rows) if conv else o)
+            f = layer.post_attention_layernorm(x)
+            if conv:
+                cm = layer.mlp_conv.coefficients(f)
+                x = x + layer.mlp_conv(layer.mlp(layer.mlp_conv(f, cm, 0, self.block_rows)), cm, 1, self.block_rows)
+            else:
+                x = x + layer.mlp(f)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = (hidden @ self.lm_head.to(hidden.dtype).T) * self.output_multiplier
+    def logits(self, hidden: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft head of rows hidden [n, H]: lm_head, DSpark's Markov bias after the tokens
+        prev [n] (required for a DSpark drafter), then the output multiplier and soft cap."""
+        out = hidden @ self.lm_head.to(hidden.dtype).T
+        if self.kind == "dspark":
+            if prev is None:
+                raise ValueError("[DFlashDrafter] a DSpark drafter's logits need the previous tokens")
+            out = out + self.markov_head.bias(prev)[0]
+        out = out * self.output_multiplier
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
-    def draft_logits(self, block_tokens: Sequence[int], context_features: Any, ctx_start_pos: int = 0) -> torch.Tensor:
-        """Logits [B, vocab] of one block at positions ctx_start_pos + n_ctx ..,
-        attending to all of `context_features` [n_ctx, n_taps*H] (positions
-        ctx_start_pos ..): DFlashRef.forward's contract."""
+    def block_drafts(self, rows: torch.Tensor, anchor: int) -> tuple[list[int], torch.Tensor]:
+        """The greedy drafts of one block's drafting rows (hidden [B-1, H]) after `anchor`, as
+        the engine drafts them, and the logits they came from [B-1, V]: the argmax (DFlash), the
+        selector's path (DFlash 2), or the Markov chain (DSpark, each row biased by the draft
+        before it)."""
+        if self.kind == "dspark":
+            toks, out, prev = [], [], int(anchor)
+            for r in range(rows.shape[0]):
+                out.append(self.logits(rows[r:r + 1], torch.tensor([prev]))[0])
+                prev = int(out[-1].argmax())
+                toks.append(prev)
+            return toks, torch.stack(out)
+        logits = self.logits(rows)
+        if self.kind == "dflash2":
+            return self.candidate_selector.walk(rows, logits, anchor), logits
+        return logits.argmax(-1).tolist(), logits
+
+    def block_hidden(self, block_tokens: Sequence[int], context_features: Any, ctx_start_pos: int = 0) -> torch.Tensor:
+        """Hidden states [R, H] of one block of R rows at positions ctx_start_pos + n_ctx ..,
+        attending to all of `context_features` [n_ctx, n_taps*H] (positions ctx_start_pos ..)."""
         f = torch.as_tensor(context_features, dtype=torch.float32)[None]
         n_ctx = f.shape[1]
         tokens = torch.as_tensor(list(block_tokens), dtype=torch.long)[None]
         blk_pos = torch.arange(ctx_start_pos + n_ctx, ctx_start_pos + n_ctx + tokens.shape[1])[None]
         ctx_pos = torch.arange(ctx_start_pos, ctx_start_pos + n_ctx)[None]
-        return self.logits(self.hidden(f, tokens, blk_pos, None, ctx_pos))[0]
+        return self.hidden(f, tokens, blk_pos, None, ctx_pos)[0]
+
+    def draft_logits(self, block_tokens: Sequence[int], context_features: Any, ctx_start_pos: int = 0) -> torch.Tensor:
+        """Logits [B, vocab] of one DFlash block: `block_hidden`'s rows through the head
+        (DFlashRef.forward's contract)."""
+        return self.logits(self.block_hidden(block_tokens, context_features, ctx_start_pos))
+
+    def draft(self, anchor: int, context_features: Any, ctx_start_pos: int = 0) -> list[int]:
+        """The B-1 greedy drafts after `anchor` (`block_drafts` on the block [anchor, MASK...])."""
+        rows = self.block_hidden([int(anchor)] + [self.mask_token_id] * (self.block_rows - 1), context_features,
+                                 ctx_start_pos)
+        return self.block_drafts(rows[self.first_draft_row:], anchor)[0]
 
 
 def _target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +437,7 @@ def target_features(target: nn.Module, tokens: Sequence[int], target_layer_ids: 
 
 def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]], block_size: int,
                 mask_token_id: int, window: int | None = None,
-                ctx_start: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+                ctx_start: Sequence[int] | None = None, first_draft_row: int = 1) -> dict[str, torch.Tensor]:
     """The tensors of one training forward for S sequences with N anchors each
     (a sequence with fewer anchors is padded with dummy blocks whose labels are
     ignored).
@@ -372,8 +449,13 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
     from 0; a later start skips positions no window reaches, L = the longest len - start).
     mask [S, N*B, L+N*B]: context key p visible iff p < a_j (and a_j - window <= p
     with a `window`: `context_window_mask`); block keys of the same block only.
+    prev [S, N*B]: for each labelled row the sequence's token before its label (the anchor for
+    the first), what DFlash 2's selector and DSpark's Markov head condition on.
+    `first_draft_row` 0 (DSpark): blocks of B-1 rows [x_a, MASK x (B-2)] at positions a ..
+    a+B-2, row i labelled x_{a+i+1}; everything above holds with B-1 rows for B.
     """
-    B = block_size
+    first = int(first_draft_row)
+    B = block_size - 1 + first
     S = len(tokens)
     start = torch.zeros(S, dtype=torch.long) if ctx_start is None else torch.as_tensor(list(ctx_start), dtype=torch.long)
     L = max(len(t) - int(st) for t, st in zip(tokens, start))
@@ -381,6 +463,7 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
     block_tokens = torch.full((S, N * B), mask_token_id, dtype=torch.long)
     block_pos = torch.zeros((S, N * B), dtype=torch.long)
     labels = torch.full((S, N * B), IGNORE, dtype=torch.long)
+    prev = torch.zeros((S, N * B), dtype=torch.long)
     anchor_t = torch.zeros((S, N), dtype=torch.long)
     for s, (seq, anc) in enumerate(zip(tokens, anchors)):
         seq_t = torch.as_tensor(list(seq), dtype=torch.long)
@@ -393,8 +476,9 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
             r = j * B
             block_tokens[s, r] = seq_t[a]
             block_pos[s, r:r + B] = torch.arange(a, a + B)
-            n_lab = min(B - 1, len(seq) - 1 - a)
-            labels[s, r + 1:r + 1 + n_lab] = seq_t[a + 1:a + 1 + n_lab]
+            n_lab = min(block_size - 1, len(seq) - 1 - a)
+            labels[s, r + first:r + first + n_lab] = seq_t[a + 1:a + 1 + n_lab]
+            prev[s, r + first:r + first + n_lab] = seq_t[a:a + n_lab]
         for j in range(len(anc), N):  # dummy blocks: position 0, token MASK, no context, no labels
             block_pos[s, j * B:(j + 1) * B] = torch.arange(B)
     ctx_pos = start[:, None] + torch.arange(L)                                                   # [S, L]
@@ -402,7 +486,7 @@ def block_batch(tokens: Sequence[Sequence[int]], anchors: Sequence[Sequence[int]
     blk = torch.arange(N * B) // B
     blk_vis = (blk[:, None] == blk[None, :]).expand(S, N * B, N * B)
     return {"block_tokens": block_tokens, "block_pos": block_pos, "labels": labels, "ctx_pos": ctx_pos,
-            "mask": torch.cat([ctx_vis, blk_vis], -1)}
+            "mask": torch.cat([ctx_vis, blk_vis], -1), "prev": prev}
 
 
 def context_window_mask(anchors: torch.Tensor, ctx_pos: torch.Tensor | int, window: int | None) -> torch.Tensor:
@@ -448,16 +532,20 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
     `target_hidden` [n, H] (needed when w_kl > 0): the target's final hidden state at the position
     before each labelled row (row-major order of labels != IGNORE), so target_hidden @ lm_head.T
     are the logits the target predicted that row's token with; `vocab`: see `distill_kl`.
-    Returns (loss, stats): stats has the unweighted mean CE (and KL) and the top-1 accuracy
-    over labelled rows."""
-    B = drafter.block_size
+    A DSpark drafter's logits are Markov-biased by each row's `prev` token (teacher forcing), and
+    its confidence head adds `confidence_loss`; a DFlash 2 drafter adds `selector_loss` (both
+    in drafter_kinds). Returns (loss, stats): stats has the unweighted mean CE (and KL, the
+    selector's / confidence's loss) and the top-1 accuracy over labelled rows."""
+    R = drafter.block_rows
     labels = batch["labels"]
     hidden = drafter.hidden(features, batch["block_tokens"], batch["block_pos"], batch["mask"], batch.get("ctx_pos"))
-    valid = labels != IGNORE                                                       # [S, N*B]
+    valid = labels != IGNORE                                                       # [S, N*R]
     rows = hidden[valid]                                                           # [n, H]: only labelled rows
-    logits = drafter.logits(rows)
+    prev = batch["prev"][valid]                                                    # [n]
+    logits = drafter.logits(rows, prev if drafter.kind == "dspark" else None)
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
-    w = position_weights(B, gamma).repeat(labels.shape[1] // B)[None].expand_as(labels)[valid]
+    w = position_weights(drafter.block_size, gamma)[1 - drafter.first_draft_row:]
+    w = w.repeat(labels.shape[1] // R)[None].expand_as(labels)[valid]
     per_row = w_ce * ce
     stats: dict[str, float] = {}
     if w_kl:
@@ -470,6 +558,14 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Mapping[s
         per_row = per_row + w_kl * kl
         stats["kl"] = kl.mean().item()
     loss = (w * per_row).sum() / w.sum()
+    if drafter.kind == "dflash2":
+        sel, stats["selector_hit"] = selector_loss(drafter.candidate_selector, rows, logits, labels[valid], prev, w)
+        loss = loss + sel
+        stats["selector"] = sel.item()
+    if hasattr(drafter, "confidence_head"):
+        conf = confidence_loss(drafter.confidence_head, rows, drafter.markov_head.bias(prev)[1], logits, labels[valid])
+        loss = loss + conf
+        stats["confidence"] = conf.item()
     with torch.no_grad():
         acc = (logits.argmax(-1) == labels[valid]).float().mean().item()
     return loss, {"ce": ce.mean().item(), "acc": acc, "n_rows": int(valid.sum()), **stats}
@@ -489,11 +585,12 @@ def _anchor_range(n_tokens: int, min_anchor: int) -> range:
 
 def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], features: Sequence[torch.Tensor] | "_Features",
                   anchors: Sequence[Sequence[int]], window: int | None = None) -> float:
-    """Mean acceptance length (1 + leading block rows whose argmax equals the
-    sequence's next tokens; 1..B) of the drafter's greedy blocks at `anchors`,
-    where the sequences are the target's greedy continuations. `features`: per sequence
-    its taps from position 0 (a list of tensors) or a `_Features`."""
-    B = drafter.block_size
+    """Mean acceptance length (1 + leading drafts equal to the sequence's next tokens; 1..B)
+    of the drafter's greedy blocks at `anchors` (`DFlashDrafter.block_drafts`: the argmax, the
+    selector's path or the Markov chain), where the sequences are the target's greedy
+    continuations. `features`: per sequence its taps from position 0 (a list of tensors) or a
+    `_Features`."""
+    B, R, first = drafter.block_size, drafter.block_rows, drafter.first_draft_row
     feats = features if isinstance(features, _Features) else _Features(list(features), [0] * len(features))
     total, n = 0.0, 0
     with torch.no_grad():
@@ -501,14 +598,15 @@ def acceptance_on(drafter: DFlashDrafter, tokens: Sequence[Sequence[int]], featu
             if not anc:
                 continue
             start = _ctx_start(anc, window)
-            batch = block_batch([seq], [anc], B, drafter.mask_token_id, window, [start])
+            batch = block_batch([seq], [anc], B, drafter.mask_token_id, window, [start], first)
             f = feats.window(i, start, batch["ctx_pos"].shape[1])[None]
             hid = drafter.hidden(f, batch["block_tokens"], batch["block_pos"], batch["mask"], batch["ctx_pos"])
-            pred = drafter.logits(hid).argmax(-1)[0].view(-1, B)
-            lab = batch["labels"][0].view(-1, B)
+            hid = hid[0].view(-1, R, hid.shape[-1])[:, first:]                    # [N, B-1, H]: the drafting rows
+            lab = batch["labels"][0].view(-1, R)[:, first:]
             for j in range(len(anc)):
+                pred = drafter.block_drafts(hid[j], seq[anc[j]])[0]
                 k = 1
-                while k < B and lab[j, k] != IGNORE and pred[j, k] == lab[j, k]:
+                while k < B and lab[j, k - 1] != IGNORE and pred[k - 1] == lab[j, k - 1]:
                     k += 1
                 total += k
                 n += 1
@@ -629,6 +727,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
                   w_ce: float = 1.0,
                   w_kl: float = 0.0,
                   init_from: str | os.PathLike[str] | None = None,
+                  kind: str = "dflash",
                   log_every: int = 0) -> TrainResult:
     """Train a DFlash drafter for the HF target in `target_dir` (or a loaded
     causal LM) and write it to `out_dir` (config.json, model.safetensors,
@@ -660,11 +759,19 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     instead of a fresh one: its taps, layers, block size and mask token replace the arguments,
     and its draft vocabulary is kept (joined with this data's `draft_vocab_size` most frequent
     tokens when that is > 0).
+    `kind`: "dflash", "dflash2" (dynamic convolutions and the candidate selector) or "dspark"
+    (Markov and confidence heads): the drafter's architecture and its extra losses
+    (train/drafter_kinds.py); an `init_from` drafter must be of the same kind.
     Returns the loss history and throughput (TrainResult).
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
     _check_train_args(block_size, prompts, sequences, draft_vocab_size, context_length, window)
+    if kind not in KINDS:
+        raise ValueError(f"[train_drafter] kind must be one of {KINDS}, got {kind!r}")
+    if kind != "dflash" and draft_vocab_size:
+        raise ValueError(f"[train_drafter] a {kind} drafter drafts over the whole vocabulary: draft_vocab_size must "
+                         f"be 0, got {draft_vocab_size}")
     if not (w_ce >= 0 and w_kl >= 0 and w_ce + w_kl > 0):
         raise ValueError(f"[train_drafter] w_ce and w_kl must be >= 0, not both 0; got {w_ce!r}, {w_kl!r}")
     window = context_length if window is None else window
@@ -673,6 +780,8 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         dc = init_cfg["dflash_config"]
         target_layer_ids, mask_token_id = dc["target_layer_ids"], dc["mask_token_id"]
         num_layers, block_size = int(init_cfg["num_hidden_layers"]), int(dc.get("block_size", block_size))
+        if kind_of(init_cfg) != kind:
+            raise ValueError(f"[train_drafter] init_from '{init_from}' is a {kind_of(init_cfg)} drafter, not {kind}")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
@@ -688,7 +797,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     else:
         drafter = DFlashDrafter.for_target(target, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
                                            num_layers=num_layers, block_size=block_size, seed=seed,
-                                           init_std=init_std, **dict(drafter_overrides or {}))
+                                           init_std=init_std, kind=kind, **dict(drafter_overrides or {}))
     draft_vocab = sorted(set(drafter.config.get("draft_vocab") or []))
     if draft_vocab_size:
         new = draft_vocabulary([s[m:] for s, m in zip(data, min_anchor)], draft_vocab_size)
@@ -719,7 +828,7 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
         "max_new_tokens": max_new_tokens, "drafter_overrides": dict(drafter_overrides or {}),
         "draft_vocab_size": draft_vocab_size, "context_length": context_length, "window": window,
         "trained_context_length": trained_context,
-        "w_ce": w_ce, "w_kl": w_kl, "init_from": None if init_from is None else str(init_from),
+        "w_ce": w_ce, "w_kl": w_kl, "init_from": None if init_from is None else str(init_from), "kind": kind,
     }
     return _write_recipe(out, settings, n_draft_vocab=len(draft_vocab), data=data, t_data=t_data, t_train=t_train,
                          n_anchors=n_anchors, acc_before=acc_before, acc_after=acc_after, losses=losses, accs=accs)
@@ -790,6 +899,15 @@ def _frozen_target(target_dir, num_layers: int, target_layer_ids: Sequence[int] 
     return target, target_path, target_layer_ids, mask_token_id
 
 
+_KIND_OBJECTIVES = {
+    "dflash": "",
+    "dflash2": ("; + the selector's CE over each row's top-k lattice row (teacher-forced predecessor, rows whose "
+                "token is a candidate), position-weighted"),
+    "dspark": ("; the logits Markov-biased by the sequence's previous token (teacher forcing); + the confidence "
+               "head's BCE against the row's top-1 being its token (detached inputs)"),
+}
+
+
 def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int, data: Sequence[Sequence[int]],
                   t_data: float, t_train: float, n_anchors: int, acc_before: float, acc_after: float,
                   losses: list[float], accs: list[float]) -> TrainResult:
@@ -799,7 +917,8 @@ def _write_recipe(out: Path, settings: Mapping[str, Any], *, n_draft_vocab: int,
         "objective": ("dflash block loss w_ce * CE + w_kl * KL(p_target || p_drafter) (T = 1, over the draft "
                       "vocabulary when there is one), position weights exp(-(i-1)/gamma) normalised"
                       if settings.get("w_kl") else
-                      "dflash block CE, position weights exp(-(i-1)/gamma) normalised"),
+                      "dflash block CE, position weights exp(-(i-1)/gamma) normalised")
+                     + _KIND_OBJECTIVES[settings.get("kind", "dflash")],
         **settings,
         "n_draft_vocab": n_draft_vocab,
         "n_sequences": len(data), "n_tokens": sum(len(s) for s in data),
@@ -898,11 +1017,12 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "
         idx = torch.randperm(len(data), generator=anchors.gen)[:seqs_per_step].tolist()
         step_anchors = [anchors.sample(i) for i in idx]
         starts = [_ctx_start(a, window) for a in step_anchors]
-        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id, window, starts)
+        batch = block_batch([data[i] for i in idx], step_anchors, block_size, drafter.mask_token_id, window, starts,
+                            drafter.first_draft_row)
         f = torch.stack([feats.window(i, st, batch["ctx_pos"].shape[1]) for i, st in zip(idx, starts)])
         for g in opt.param_groups:
             g["lr"] = warmup_cosine_lr(step, lr=lr, warmup=warmup, steps=steps)
-        target_hidden = _target_hidden(feats, idx, batch) if w_kl else None
+        target_hidden = _target_hidden(feats, idx, batch, drafter.first_draft_row) if w_kl else None
         loss, stats = dflash_loss(drafter, f, batch, gamma, target_hidden=target_hidden, w_ce=w_ce, w_kl=w_kl,
                                   vocab=vocab)
         opt.zero_grad(set_to_none=True)
@@ -920,9 +1040,11 @@ def _train_steps(drafter: DFlashDrafter, data: Sequence[Sequence[int]], feats: "
     return losses, accs, n_anchors, time.perf_counter() - t1
 
 
-def _target_hidden(feats: "_Features", idx: Sequence[int], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _target_hidden(feats: "_Features", idx: Sequence[int], batch: Mapping[str, torch.Tensor],
+                   first_draft_row: int = 1) -> torch.Tensor:
     """[n, H]: for each labelled row of `batch` (row-major, as dflash_loss takes them) the
-    target's final hidden state at the position before it (row a+i predicts x_{a+i}, which the
-    target predicted at a+i-1)."""
+    target's final hidden state at the position before its label (row a+i predicts x_{a+i}, which
+    the target predicted at a+i-1; a DSpark row a+i predicts x_{a+i+1})."""
     valid = batch["labels"] != IGNORE
-    return torch.cat([feats.final_at(i, batch["block_pos"][s][valid[s]] - 1) for s, i in enumerate(idx)])
+    return torch.cat([feats.final_at(i, batch["block_pos"][s][valid[s]] - first_draft_row)
+                      for s, i in enumerate(idx)])
