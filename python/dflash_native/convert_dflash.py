@@ -34,6 +34,10 @@ The tokenizer is carried so llama.cpp can load the drafter on its own and
 find `tokenizer.ggml.mask_token_id`: copied key for key from `target_gguf`
 when given (llama.cpp's converter likewise takes the target's tokenizer),
 else built from tokenizer.json in the drafter directory (or `target_dir`).
+
+Over 600 lines as one architecture's converter (the drafter's three checkpoint layouts, DFlash,
+DFlash 2 and DSpark, with their keys, tensors and tokenizer), as convert/archs/<arch>.py is one
+per target architecture; what it shares with those comes from convert/ by public names.
 """
 
 from __future__ import annotations

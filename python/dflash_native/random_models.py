@@ -21,6 +21,10 @@ Python source of the standard library's posixpath module), then SPECIAL_TOKENS.
 Weights depend only on (seed, tensor name, shape): linear weights
 N(0, 0.5/sqrt(fan_in)), the residual output projections shrinking with depth,
 embeddings N(0, 1) / sqrt(hidden) * 2, norm weights near their neutral value.
+
+Over 600 lines as one recipe: the targets' and drafters' configs, their weights under the one
+scale policy above, and the tokenizer they carry must stay in step (a drafter matches its
+target's shapes and vocabulary), so they are written in one place.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import gguf
+
+from .. import _args
 
 
 # ---------------------------------------------------------------------------
@@ -131,9 +132,7 @@ def read_config_json(src: Path, where: str) -> dict[str, Any]:
 
 def as_path(where: str, name: str, value) -> Path:
     """A path argument as a Path; anything else (None included) is a ValueError naming it."""
-    if not isinstance(value, (str, bytes, os.PathLike)):
-        raise ValueError(f"[{where}] {name} must be a path (str, bytes or os.PathLike), got {type(value).__name__}")
-    return Path(os.fsdecode(os.fspath(value)))
+    return Path(_args.as_path(where, name, value))
 
 
 # architecture hyperparameters: ints that must be >= 1 when present, and reals that must be finite
