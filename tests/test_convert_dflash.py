@@ -410,7 +410,10 @@ BAD_CASES = {
     "no_mask": (_edit_config(["dflash_config", "mask_token_id"], _DELETE), "mask_token_id"),
     "mask_outside_vocab": (_edit_config(["dflash_config", "mask_token_id"], 10 ** 6), "mask_token_id"),
     "block_size_1": (_edit_config(["dflash_config", "block_size"], 1), r"block_size must be an int in \[2, 64\]"),
-    "missing_hidden": (_edit_config(["hidden_size"], _DELETE), "missing key 'hidden_size'"),
+    **{f"missing_{k}": (_edit_config([k], _DELETE), f"missing key '{k}'")
+       for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "max_position_embeddings", "rms_norm_eps", "hidden_act")},
+    "swa_without_window": (_edit_config(["sliding_window"], _DELETE), "'sliding_window' is missing"),
     "attention_bias": (_edit_config(["attention_bias"], True), "attention_bias"),
     "dflash2_partial_keys": (_edit_config(["dflash_config", "conv_kernel_size"], 2), "DFlash 2 needs all four"),
     "uniform_swa": (_edit_config(["dflash_config", "use_swa"], True), "unsupported DFlash options"),

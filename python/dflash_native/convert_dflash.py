@@ -46,14 +46,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import gguf
 from gguf import GGUFValueType, MODEL_TENSOR
 
 from .convert.archs.qwen3 import QWEN3_LAYER_TENSORS
 from .convert.checkpoint import Checkpoint
-from .convert.hparams import ModelSpec, add_rope_scaling, as_path, check_hparams, read_config_json, rope_parameters
+from .convert.hparams import ModelSpec, add_rope_scaling, apply_hf_rules, as_path, check_hparams, read_config_json, rope_parameters
 from .convert.tokenizer import add_tokenizer_kv
 from .convert.writer import OUTTYPES, Progress, SourceTensor, convert_tensors, tensor_name
 from .hf_formats import (MAX_TRAINED_CONTEXT, TRAINED_CONTEXT_KEY, dflash2_tensor_shapes, drafter_tensor_shapes,
@@ -82,12 +82,14 @@ DSPARK_NAMES = {
     "confidence_head.proj.bias": "conf_proj.bias",
 }
 
-# Qwen3Config defaults (transformers 5) for keys a drafter config.json may omit.
 MAX_BLOCK_SIZE = 64  # the engine's most tokens per verify (_core.MAX_VERIFY; csrc/runtime/session.h k_max_block_size)
 
-_QWEN3_DEFAULTS: Mapping[str, Any] = dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=32768,
-                                         rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
-                                         sliding_window=4096, max_window_layers=28, hidden_act="silu")
+# What a drafter's config.json must state (a Qwen3 config as transformers saves it): a missing one is
+# refused by name, never filled with a default. What transformers' modelling derives is derived
+# (hparams.apply_hf_rules: the KV heads; absent feature flags off); head_dim, when absent, is
+# hidden_size / num_attention_heads, as z-lab's DFlashDraftModel takes it.
+DRAFTER_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "max_position_embeddings", "rms_norm_eps", "hidden_act")
 
 # llama.cpp's LLM_TENSOR_FC / LLM_TENSOR_ENC_OUTPUT_NORM (PyPI gguf 0.19 has no FC)
 FC_NAME = "fc.weight"
@@ -96,7 +98,7 @@ ENC_OUTPUT_NORM_NAME = "enc.output_norm.weight"
 
 class DflashSpec:
     """A validated DFlash drafter config: the hparams the GGUF needs, with
-    Qwen3Config defaults applied and every DFlash field resolved."""
+    every required key present (refused by name when not) and every DFlash field resolved."""
 
     def __init__(self, src_dir: Path, config: dict[str, Any]):
         self.src_dir = src_dir
@@ -119,7 +121,8 @@ class DflashSpec:
         self._resolve_attention_layout()
 
     def _qwen3_hparams(self) -> dict[str, Any]:
-        """The config with Qwen3Config's defaults, after checking it is a DFlashDraftModel over Qwen3."""
+        """The config's hyperparameters (DRAFTER_REQUIRED refused by name when missing), after checking it
+        is a DFlashDraftModel over Qwen3."""
         config, where = self.config, self.where
         archs = config.get("architectures") or []
         if not any(a in DRAFTER_ARCHS for a in archs):
@@ -129,14 +132,19 @@ class DflashSpec:
         if model_type not in (None, "qwen3"):
             raise ValueError(f"[convert_dflash] {where}: model_type {model_type!r}; a DFlash drafter is a "
                              f"Qwen3 model (model_type 'qwen3')")
-        hp: dict[str, Any] = {**_QWEN3_DEFAULTS, **config}
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if key not in config:
-                raise ValueError(f"[convert_dflash] {where}: missing key {key!r}")
+        hp: dict[str, Any] = dict(config)
+        apply_hf_rules("qwen3", hp)
+        for key in DRAFTER_REQUIRED:
+            if hp.get(key) is None:
+                raise ValueError(f"[convert_dflash] {where}: missing key {key!r} (a drafter config states it; the "
+                                 f"converter does not guess it)")
+        if hp.get("use_sliding_window"):  # the window, and which layers take it (layer_types or max_window_layers)
+            needed = ("sliding_window",) + (("max_window_layers",) if hp.get("layer_types") is None else ())
+            for key in needed:
+                if hp.get(key) is None:
+                    raise ValueError(f"[convert_dflash] {where}: use_sliding_window is true but {key!r} is missing")
         check_hparams("convert_dflash", where, hp)
-        if hp["num_key_value_heads"] is None:
-            hp["num_key_value_heads"] = hp["num_attention_heads"]
-        if hp["head_dim"] is None:
+        if hp.get("head_dim") is None:
             hp["head_dim"] = int(hp["hidden_size"]) // int(hp["num_attention_heads"])
         check_hparams("convert_dflash", where, hp)  # head_dim, when computed
         return hp

@@ -79,7 +79,7 @@ _ABSENT_MEANS_OFF = {"attention_bias": False, "mlp_bias": False, "use_sliding_wi
                      "tie_word_embeddings": False}
 
 
-def _apply_hf_rules(arch: str, text: dict[str, Any]) -> None:
+def apply_hf_rules(arch: str, text: dict[str, Any]) -> None:
     """The values transformers' modelling code derives when a config leaves a key out (rules, not
     defaults): the KV heads are the attention heads; Llama's and Qwen3-MoE's head_dim is
     hidden_size / num_attention_heads (Qwen3MoeConfig saves no head_dim); Qwen3.5-MoE always
@@ -177,7 +177,7 @@ def load_model_spec(src: Path) -> ModelSpec:
             if key in config and key not in text:
                 text[key] = config[key]
     text = dict(text)
-    _apply_hf_rules(gguf_arch, text)
+    apply_hf_rules(gguf_arch, text)
     check_hparams("convert", config_path, text)
     _require_hparams(gguf_arch, config_path, text)
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
