@@ -5,7 +5,7 @@ the same backbone (same seed, layers, heads, taps): DFlash; DFlash 2 (two-tap dy
 selector rank 64, top-k 8); DSpark (Markov rank 64, confidence head, anchor-first). Per kind, one
 Spec on the same target context; the reps alternate the kinds. Measured: the greedy draft pass
 (`Spec.draft`: the block, the head, and DFlash 2's lattice read-back and walk) and the top-1 pass
-the controller and draft_cutoff use (`Spec.draft_top1`), median ms, and each over DFlash's.
+the controller and draft_cutoff use (`_core.testing.draft_top1`), median ms, and each over DFlash's.
 
 Random drafters say nothing about acceptance: tokens per round and speedups per kind need trained
 drafters (train-drafter has no --kind yet), so this script measures cost only.
@@ -75,7 +75,7 @@ def main() -> None:
     for rep in range(a.reps + 1):  # rep 0: warm-up (plans, caches)
         for k, (_, s) in specs.items():
             last = s.prefill(prompt)  # the same context for every kind
-            for m, f in (("draft", lambda: s.draft(last, a.block)), ("top1", lambda: s.draft_top1(last, a.block))):
+            for m, f in (("draft", lambda: s.draft(last, a.block)), ("top1", lambda: _core.testing.draft_top1(s, last, a.block))):
                 t0 = time.perf_counter()
                 f()
                 if rep:
