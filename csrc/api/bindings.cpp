@@ -570,9 +570,11 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
     return std::make_unique<spec_session>(t, drafter, p);
 }
 
-// Spec.round (fixed settings) and Spec.step (the controller's choice); with a Sampling, their sampled
-// forms. `forced` (_core.testing.round / step only): the spec's draft override for this call.
-template <bool step>
+// Spec.round (fixed settings), Spec.step (the controller's choice) and their tree forms; with a
+// Sampling, their sampled forms. `forced` (_core.testing's forms only): the spec's draft override
+// for this call.
+enum class round_kind { round, step, round_tree, step_tree };
+template <round_kind kind>
 round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced,
                         const sampling_params * sampling, token_constraint * c) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
@@ -584,9 +586,19 @@ round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::obj
     constraint_scope scope(&s, c);
     spec_session * forced_on = f ? &s : nullptr;  // before f is moved
     draft_override_scope forced_scope(forced_on, std::move(f));
-    if (step) return s.step(last, B, sampling);
-    if (sampling) return s.round_sampled(last, B, *sampling);
-    return s.round(last, B);
+    switch (kind) {
+        case round_kind::step: return s.step(last, B, sampling);
+        case round_kind::round_tree: return s.round_tree(last, B, sampling);
+        case round_kind::step_tree: return s.step_tree(last, B, sampling);
+        default: return sampling ? s.round_sampled(last, B, *sampling) : s.round(last, B);
+    }
+}
+
+// The Spec method of one round kind: spec_round without a forced draft.
+template <round_kind kind>
+round_result spec_round_unforced(spec_session & s, int32_t last, int64_t B, const sampling_params * sampling,
+                                 token_constraint * c) {
+    return spec_round<kind>(s, last, B, py::none(), sampling, c);
 }
 
 // The controller's estimates as they stand (engine stats, benchmarks, tests).
@@ -677,14 +689,10 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             py::arg("last"), py::arg("block_size"))
         .def_property_readonly("selector_top_k", [](spec_session & s) { return s.drafter_hparams_().selector_top_k; },
                                "DFlash 2's selector_top_k (0: a drafter without a selector)")
-        .def("round", [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling,
-                         token_constraint * c) { return spec_round<false>(s, last, B, py::none(), sampling, c); },
-             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+        .def("round", &spec_round_unforced<round_kind::round>, py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult. "
              "With a Sampling: sampled drafts and target draws (spec_sampled.cpp)")
-        .def("step", [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling,
-                        token_constraint * c) { return spec_round<true>(s, last, B, py::none(), sampling, c); },
-             py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+        .def("step", &spec_round_unforced<round_kind::step>, py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "The request's next step: under the controller an AR step or a round of the drafts it chose "
              "(RoundResult.ar tells which); without it, round(). With a Sampling: their sampled forms.")
         .def_property_readonly("controller_switches", [](spec_session & s) { return s.control().switches(); },
@@ -726,25 +734,11 @@ void bind_spec(py::module_ & m) {
         .def_property("tree_budget", [](spec_session & s) { return s.params().tree_budget; },
                       &spec_session::set_tree_budget,
                       "Most nodes below the root a tree round verifies (round_tree, step_tree)")
-        .def(
-            "round_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, token_constraint * c) {
-                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-                py::gil_scoped_release release;
-                constraint_scope scope(&s, c);
-                return s.round_tree(last, B, sampling);
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+        .def("round_tree", &spec_round_unforced<round_kind::round_tree>, py::arg("last"), py::arg("block_size"),
+             py::arg("sampling") = py::none(),
             py::arg("constraint") = py::none(), "One tree round (fixed settings); with a Sampling, its sampled form")
-        .def(
-            "step_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, token_constraint * c) {
-                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-                py::gil_scoped_release release;
-                constraint_scope scope(&s, c);
-                return s.step_tree(last, B, sampling);
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(),
+        .def("step_tree", &spec_round_unforced<round_kind::step_tree>, py::arg("last"), py::arg("block_size"),
+             py::arg("sampling") = py::none(),
             py::arg("constraint") = py::none(),
             "The next step in tree mode: the controller's AR step or a tree round; with a Sampling, their sampled forms")
         .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
@@ -776,13 +770,21 @@ void bind_spec(py::module_ & m) {
 // controller's estimates): free functions of _core.testing taking the Target or Spec, so the
 // classes hold only what the product path calls.
 void bind_testing_sessions(py::module_ & t) {
-    t.def("round", &spec_round<false>, py::arg("spec"), py::arg("last"), py::arg("block_size"),
-          py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
-          "Spec.round with `forced_draft` (B-1 tokens, acceptance-controlled rounds) as the spec's draft override "
-          "(spec.h: set_draft_override): verified in place of the drafter's, which still runs");
-    t.def("step", &spec_round<true>, py::arg("spec"), py::arg("last"), py::arg("block_size"),
-          py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
-          "Spec.step with `forced_draft` as the spec's draft override (checked whatever the controller chooses)");
+    // Spec.round / step / round_tree / step_tree with `forced_draft` (B-1 tokens: acceptance-controlled
+    // rounds) as the spec's draft override (spec.h: set_draft_override), checked at the step's start
+    // whatever the controller chooses: a chain verifies it in place of the drafter's (which still
+    // runs), a tree holds it at rank 0 of its positions
+    const std::pair<const char *, round_result (*)(spec_session &, int32_t, int64_t, const py::object &,
+                                                   const sampling_params *, token_constraint *)>
+        forms[] = {{"round", &spec_round<round_kind::round>},
+                   {"step", &spec_round<round_kind::step>},
+                   {"round_tree", &spec_round<round_kind::round_tree>},
+                   {"step_tree", &spec_round<round_kind::step_tree>}};
+    for (const auto & [name, fn] : forms) {
+        t.def(name, fn, py::arg("spec"), py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
+              py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+              "The Spec method of this name with forced_draft as the spec's draft override for this call");
+    }
     t.def(
         "verify_tree",
         [](spec_session & s, const py::object & parents, const py::object & tokens, const sampling_params * sampling) {
