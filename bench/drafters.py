@@ -19,7 +19,7 @@ decode time), speedup over AR in the same run, and whether every prompt's output
 --cost: the draft pass's cost per kind over DFlash's, random drafters with the same backbone (same
 seed, layers, heads, taps) on one random target (the 0.5B-shaped hybrid, or --tiny): the greedy
 draft pass (`Spec.draft`: the block, the head, and DFlash 2's lattice read-back and walk) and the
-top-1 pass the controller and draft_cutoff use (`Spec.draft_top1`), median ms, reps alternating.
+top-1 pass the controller and draft_cutoff use (`_core.testing.draft_top1`), median ms, reps alternating.
 
     python bench/drafters.py --cost --json bench/results/drafters.jsonl
 """
@@ -77,7 +77,7 @@ def main_cost(a) -> None:
     for rep in range(a.reps + 1):  # rep 0: warm-up (plans, caches)
         for k, (_, s) in specs.items():
             last = s.prefill(prompt)  # the same context for every kind
-            for m, f in (("draft", lambda: s.draft(last, a.block)), ("top1", lambda: s.draft_top1(last, a.block))):
+            for m, f in (("draft", lambda: s.draft(last, a.block)), ("top1", lambda: _core.testing.draft_top1(s, last, a.block))):
                 t0 = time.perf_counter()
                 f()
                 if rep:

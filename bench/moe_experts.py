@@ -49,7 +49,7 @@ def engines(path: Path, threads: int) -> dict:
     from dflash_native import _core
 
     kw = dict(n_ctx=512, kv_type="f16", max_verify=VERIFY, n_threads=threads)
-    return {"own": _core.Target(str(path), matmul="own", **kw), "ggml": _core.Target(str(path), matmul="ggml", **kw)}
+    return {m: _core.testing.baseline_target(str(path), matmul=m, **kw) for m in ("own", "ggml")}
 
 
 def time_ar(t, prompt: list[int], profiled: dict | None = None) -> float:

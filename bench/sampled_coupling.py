@@ -89,7 +89,7 @@ def main() -> None:
                 s.reset()
                 t.reset()
                 s.prefill(prompt + gen[:j])
-                d = s.draft_logits(gen[j], B, t).astype(np.float64)  # [B-1, n_vocab], -inf off the draft vocabulary
+                d = _core.testing.draft_logits(s, gen[j], B, t).astype(np.float64)  # [B-1, n_vocab], -inf off the draft vocabulary
                 h_draft.append(entropy(d[0]))
                 h_target.append(entropy(target_rows[len(prompt) + j]))
                 for i in range(1, B):

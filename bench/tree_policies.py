@@ -96,7 +96,7 @@ def main() -> None:
             s.reset()
             t.reset()
             s.prefill(prompt + gen[:j])
-            lg = s.draft_logits(gen[j], B, t).astype(np.float64)  # [D, n_vocab], -inf off the draft vocabulary
+            lg = _core.testing.draft_logits(s, gen[j], B, t).astype(np.float64)  # [D, n_vocab], -inf off the draft vocabulary
             lp = lg - lg.max(1, keepdims=True)
             lp -= np.log(np.exp(lp).sum(1, keepdims=True))
             idx = np.argsort(-lp, 1)[:, :K]

@@ -43,7 +43,7 @@ def run_case(c: dict) -> dict:
     eng.close()
     t = _core.Target(str(c["target"]), n_ctx=64, max_verify=BLOCK, n_threads=2)
     sp = _core.Spec(t, str(c["drafter"]), block_size=BLOCK, ring_capacity=32, window=0)
-    out["draft"] = np.asarray(sp.draft_logits(sp.prefill(PROMPT), BLOCK, t))
+    out["draft"] = np.asarray(_core.testing.draft_logits(sp, sp.prefill(PROMPT), BLOCK, t))
     return out
 
 

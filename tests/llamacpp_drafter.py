@@ -28,7 +28,7 @@ def spec_with_context(target_gguf, drafter_gguf, block, n_ctx, seed):
     s = _core.Spec(t, str(drafter_gguf), block_size=block, ring_capacity=64)
     feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
     t.decode(list(range(3, 3 + n_ctx)))
-    s.push_features(feats, 0)
+    _core.testing.push_features(s, feats, 0)
     return t, s, feats.reshape(n_ctx, -1)
 
 

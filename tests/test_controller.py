@@ -104,7 +104,7 @@ def test_goes_back_to_speculation_when_drafts_are_accepted_again(embedded):
     eng._draft_override = forced
     try:
         sp = eng.generate(TEXT, max_tokens=400)
-        state = eng._spec.controller_state()
+        state = _core.testing.controller_state(eng._spec)
     finally:
         eng._draft_override = None
     assert sp.tokens == ar.tokens
@@ -174,8 +174,8 @@ def test_long_ar_stretch_leaves_the_ring_as_a_fresh_prefill(tmp_path):
     for n in range(0, len(seq), 64):
         first = s2.prefill(seq[: n + 64], n_cached=n)
     assert first == out[-1]
-    d1 = s.draft_logits(out[-1], 8, t)  # pushes the pending rows first
-    d2 = s2.draft_logits(out[-1], 8, t2)
+    d1 = _core.testing.draft_logits(s, out[-1], 8, t)  # pushes the pending rows first
+    d2 = _core.testing.draft_logits(s2, out[-1], 8, t2)
     assert _core.testing.ring_slot_positions(s) == _core.testing.ring_slot_positions(s2)
     for il in range(s.drafter_n_layer):
         for x, y in zip(_core.testing.ring_kv(s, il), _core.testing.ring_kv(s2, il)):
@@ -195,7 +195,7 @@ def test_controller_state_reports_costs(embedded):
     """The read-out the benchmarks record: measured AR, draft and verify costs, one per size."""
     eng = embedded
     eng.generate(TEXT, max_tokens=64)
-    st = eng._spec.controller_state()
+    st = _core.testing.controller_state(eng._spec)
     assert st["mode"] in ("ar", "spec") and len(st["verify_s"]) == eng.block_size
     assert st["ar_s"] > 0 and st["draft_s"] > 0 and all(v > 0 for v in st["verify_s"])
 
@@ -207,12 +207,12 @@ def test_a_request_keeps_the_calibration_but_measures_its_own_rate(embedded):
     eng = embedded
     fixed_costs(eng, ar=1.0, draft=0.2, v0=1.0, v1=0.05)
     first = eng.generate(TEXT, max_tokens=120)
-    after = eng._spec.controller_state()
+    after = _core.testing.controller_state(eng._spec)
     observed = sum(n for n, _ in after["bins"])
     assert observed > 0 and after["spec_tok_s"] > 0
     short = eng.generate(TEXT, max_tokens=2)  # a request of one step: the AR step it starts with
     assert short.stats.ar_steps == 1 and short.stats.rounds == 0
-    fresh = eng._spec.controller_state()
+    fresh = _core.testing.controller_state(eng._spec)
     assert fresh["mode"] == "spec"
     assert fresh["bins"] == after["bins"]  # calibration kept
     assert fresh["spec_tok_s"] == 0.0  # no rate until this request's rounds
@@ -231,7 +231,7 @@ def test_each_sampling_regime_keeps_its_own_calibration(embedded):
     greedy_before = eng.generate(TEXT, max_tokens=40)
     ar = eng.generate(TEXT, max_tokens=40, speculative=False, **hot)
     first = eng.generate(TEXT, max_tokens=40, **hot)
-    st = eng._spec.controller_state()
+    st = _core.testing.controller_state(eng._spec)
     assert st["regimes"] == 2 and not st["round_can_win"]
     assert sum(n for n, _ in st["bins"]) > 0 and sum(h for _, h in st["bins"]) < sum(n for n, _ in st["bins"]) / 2
     second = eng.generate(TEXT, max_tokens=40, **hot)
@@ -250,12 +250,12 @@ def test_the_last_eight_sampling_regimes_keep_their_calibration(embedded):
     eng = embedded
     fixed_costs(eng, ar=1.0, draft=1.0, v0=1.0, v1=0.2)
     eng.generate(TEXT, max_tokens=40, temperature=1.5, seed=5)
-    kept = eng._spec.controller_state()["bins"]
+    kept = _core.testing.controller_state(eng._spec)["bins"]
     assert sum(n for n, _ in kept) > 0
     for i in range(7):
         eng.generate(TEXT, max_tokens=1, temperature=1.0 + i / 16, seed=5)
     eng.generate(TEXT, max_tokens=1, temperature=1.5, seed=5)  # the prefill only: no step
-    st = eng._spec.controller_state()
+    st = _core.testing.controller_state(eng._spec)
     assert st["regimes"] == 8 and st["bins"] == kept
 
 
@@ -265,7 +265,7 @@ def test_a_round_of_no_verified_drafts_still_calibrates(embedded):
     eng = embedded
     fixed_costs(eng, ar=1.0, draft=1.0, v0=1.0, v1=0.2)
     eng.generate(TEXT, max_tokens=40, temperature=1.5, seed=5)
-    assert sum(n for n, _ in eng._spec.controller_state()["bins"]) > 0
+    assert sum(n for n, _ in _core.testing.controller_state(eng._spec)["bins"]) > 0
 
 
 def test_probes_ar_less_often_the_further_ahead_speculation_is(embedded):

@@ -202,7 +202,7 @@ def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
     ref = a.generate(PROMPT, max_tokens=2 * B, speculative=False).tokens
     s, t = a._spec, a._core
     last = s.prefill(PROMPT)
-    r = s.round(last, B, drafts_kept_until(ref, B, n_keep))
+    r = _core.testing.round(s, last, B, drafts_kept_until(ref, B, n_keep))
     assert len(r.committed) == n_keep
     got = caches(t)
     b = engine(pair, device)
@@ -210,7 +210,7 @@ def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
     if n_keep == 1:
         b._spec.ar_step(last)
     else:
-        assert len(b._spec.round(last, n_keep, ref[1:n_keep]).committed) == n_keep
+        assert len(_core.testing.round(b._spec, last, n_keep, ref[1:n_keep]).committed) == n_keep
     assert b._core.n_past == t.n_past == len(PROMPT) + n_keep
     atol, rtol = (2e-4, 1e-4) if device.startswith("rpc://") else (2e-3, 1e-3)
     for x, y in zip(got, caches(b._core)):
@@ -220,8 +220,8 @@ def test_rollback_equals_a_fresh_device_computation(pair, device, n_keep):
             else:
                 np.testing.assert_allclose(u, v, atol=atol, rtol=rtol)
     # the next round drafts from the pushed features and verifies the same tokens
-    r1 = s.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
-    r2 = b._spec.round(r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    r1 = _core.testing.round(s, r.committed[-1], B, ref[n_keep + 1: n_keep + B])
+    r2 = _core.testing.round(b._spec, r.committed[-1], B, ref[n_keep + 1: n_keep + B])
     assert r1.committed == r2.committed
 
 
@@ -240,7 +240,7 @@ def test_tape_replay_equals_the_verify_state_bitwise(pair, device, n_keep):
                                              n_ctx=256, n_threads=1, block_size=B, kv_type="f32", gate=False))
         last = eng._spec.prefill(PROMPT)
         forced = drafts_kept_until(ref, B, n_keep)
-        assert len(eng._spec.round(last, B, forced).committed) == n_keep
+        assert len(_core.testing.round(eng._spec, last, B, forced).committed) == n_keep
         states.append(caches(eng._core))
     for x, y in zip(*states):
         for u, v in zip(x, y):

@@ -92,7 +92,7 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
             assert s.selector_top_k == TOP_K
             block = [last] + [s.mask_token_id] * (BLOCK - 1)
             want_lat = run.lattice(block, feats)
-            ours_lat = s.draft_lattice(last, BLOCK)
+            ours_lat = _core.testing.draft_lattice(s, last, BLOCK)
             k = TOP_K
             # candidates: the same sets per row (ggml's top_k order may differ on near-equal logits)
             for r in range(BLOCK - 1):
@@ -108,7 +108,7 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, which):
                 np.testing.assert_allclose([a[x] for x in a], [b[x] for x in a], atol=2e-3, rtol=0)
             want = walk(want_lat, k)
             assert s.draft(last, BLOCK) == want, f"n_ctx={n_ctx}"
-            logits = s.draft_logits(last, BLOCK, t)
+            logits = _core.testing.draft_logits(s, last, BLOCK, t)
             differs += want != [int(i) for i in logits.argmax(-1)]
     finally:
         run.close()
@@ -135,7 +135,7 @@ def test_parity_bar_catches_a_missing_convolution(files, llama_cpp, tmp_path):
     try:
         _, s, feats = _ours(files, "ours", 5, 0)
         lat = run.lattice([17] + [s.mask_token_id] * (BLOCK - 1), feats)
-        assert np.abs(s.draft_lattice(17, BLOCK)[:, TOP_K:] - lat[:, TOP_K:]).max() > 0.2
+        assert np.abs(_core.testing.draft_lattice(s, 17, BLOCK)[:, TOP_K:] - lat[:, TOP_K:]).max() > 0.2
     finally:
         run.close()
 
@@ -144,7 +144,7 @@ def test_selector_walk_matches_reference_walk(files):
     """Our walk of our own lattice is walk() above (same tie rule), and its top-1 form (the
     controller's and draft_cutoff's probabilities) keeps the same tokens."""
     t, s, _ = _ours(files, "ours", 6, 4)
-    lat = s.draft_lattice(42, BLOCK)
+    lat = _core.testing.draft_lattice(s, 42, BLOCK)
     assert s.draft(42, BLOCK) == walk(lat, TOP_K)
 
 
@@ -202,7 +202,7 @@ def test_tree_nodes_are_selector_candidates(files):
     t = _core.Target(str(files["target"]), n_ctx=256, kv_type="f32", max_verify=16, n_threads=2)
     s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
     last = s.prefill(PROMPT)
-    lat = s.draft_lattice(last, BLOCK)
+    lat = _core.testing.draft_lattice(s, last, BLOCK)
     s.prefill(PROMPT)
     chain = _tree_on_lattice(s.round_tree(last, BLOCK), lat)
     assert chain == walk(lat, TOP_K)[: len(chain)] and len(chain) >= 2
@@ -216,7 +216,7 @@ def test_sampled_tree_nodes_are_selector_candidates(files, seed):
     s = _core.Spec(t, str(files["ours"]), block_size=BLOCK, ring_capacity=64, tree_budget=12, controller=False)
     sampling = _core.Sampling(temperature=0.7, top_p=0.95, seed=seed)
     last = s.prefill(PROMPT)
-    lat = s.draft_lattice(last, BLOCK)
+    lat = _core.testing.draft_lattice(s, last, BLOCK)
     chain_draft = s.round(last, BLOCK, sampling=sampling).draft
     s.prefill(PROMPT)
     chain = _tree_on_lattice(s.round_tree(last, BLOCK, sampling=sampling), lat)

@@ -41,9 +41,9 @@ def _parity(llama_cpp, target, drafter, seeds=((5, 0, 17), (12, 1, 250))):
             s = _core.Spec(t, str(drafter), block_size=BLOCK, ring_capacity=64)
             feats = np.random.default_rng(seed).standard_normal((n_ctx, len(s.tap_layers), t.n_embd)).astype(np.float32)
             t.decode(list(range(3, 3 + n_ctx)))
-            s.push_features(feats, 0)
+            _core.testing.push_features(s, feats, 0)
             logits, _ = run.run([last] + [s.mask_token_id] * (BLOCK - 1), feats.reshape(n_ctx, -1))
-            ours = s.draft_logits(last, BLOCK, t)
+            ours = _core.testing.draft_logits(s, last, BLOCK, t)
             np.testing.assert_allclose(ours, logits[1:], atol=2e-3, rtol=0)
             assert s.draft(last, BLOCK) == [int(i) for i in logits[1:].argmax(-1)]
     finally:
@@ -74,9 +74,9 @@ def test_option_changes_the_logits(files):
             t = _core.Target(str(files["target"]), n_ctx=64, kv_type="f32", max_verify=16, n_threads=2)
             s = _core.Spec(t, str(path), block_size=BLOCK, ring_capacity=32)
             t.decode([3, 4, 5, 6])
-            s.push_features(np.random.default_rng(0).standard_normal((4, len(s.tap_layers), t.n_embd))
+            _core.testing.push_features(s, np.random.default_rng(0).standard_normal((4, len(s.tap_layers), t.n_embd))
                             .astype(np.float32), 0)
-            out.append(s.draft_logits(17, BLOCK, t))
+            out.append(_core.testing.draft_logits(s, 17, BLOCK, t))
         assert np.abs(out[0] - out[1]).max() > 0.05, case
 
 

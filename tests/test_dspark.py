@@ -75,9 +75,9 @@ def test_drafted_block_is_llama_cpps(files, llama_cpp, variant, which):
             logits, nextn = run.run(block, feats)
             want = [int(i) for i in logits[first:].argmax(-1)]
             assert s.draft(last, BLOCK) == want, f"n_ctx={n_ctx}"
-            ours_logits = s.draft_logits(last, BLOCK, t)
+            ours_logits = _core.testing.draft_logits(s, last, BLOCK, t)
             np.testing.assert_allclose(ours_logits, logits[first:], atol=2e-3, rtol=0)
-            drafts, p = s.draft_top1(last, BLOCK)
+            drafts, p = _core.testing.draft_top1(s, last, BLOCK)
             assert drafts == want
             if conf:
                 np.testing.assert_allclose(p, nextn[first:, 0], atol=1e-4, rtol=0)

@@ -137,7 +137,7 @@ def test_given_trees_carry_the_path_rows_logprobs(pair):
             depth = int(rng.integers(0, 9))
             parents, tokens, _ = random_tree_with_path(rng, got[-1], ar.tokens[len(got): len(got) + depth],
                                                        int(rng.integers(0, 40)))
-            r = spec.verify_tree(parents, tokens, sampling)
+            r = _core.testing.verify_tree(spec, parents, tokens, sampling)
             assert len(r.logprobs) == len(r.committed)
             got += r.committed
             lps += [dn.TokenLogprobs._of(x) for x in r.logprobs]

@@ -97,7 +97,7 @@ def test_speculative_equals_ar(qpair):
     forced, lengths = [s.prefill(PROMPT)], []
     while len(forced) < 40:
         drafts = [tok if rng.random() > 0.15 else (tok + 1) % 500 for tok in ref[len(forced): len(forced) + BLOCK - 1]]
-        committed = s.round(forced[-1], BLOCK, drafts).committed
+        committed = _core.testing.round(s, forced[-1], BLOCK, drafts).committed
         lengths.append(len(committed))
         forced += committed
     assert forced[:40] == ref[:40]
@@ -205,7 +205,7 @@ def test_draft_logits_match_dequantized_drafter(qpair, f32_pair, tmp_path):
     def draft(drafter):
         t = _core.Target(str(qpair["target"]), n_ctx=64, kv_type="f32", max_verify=BLOCK, n_threads=2)
         s = _core.Spec(t, str(drafter), block_size=BLOCK, ring_capacity=32, window=0)
-        return s.draft_logits(s.prefill(PROMPT), BLOCK, t)
+        return _core.testing.draft_logits(s, s.prefill(PROMPT), BLOCK, t)
 
     got, want = draft(qpair["drafter"]), draft(dequantized(qpair["drafter"], tmp_path / "dq.gguf"))
     diff = float(np.abs(got - want).max())

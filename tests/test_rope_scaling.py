@@ -166,7 +166,7 @@ def test_drafter_matches_reference(drafter_pair):
     t = _core.Target(str(drafter_pair["target"]), n_ctx=128, kv_type="f32", max_verify=16, n_threads=2)
     s = _core.Spec(t, str(drafter_pair["drafter"]), block_size=8, ring_capacity=64, window=0)
     last = s.prefill(prompt)
-    ours = s.draft_logits(last, 8, t)
+    ours = _core.testing.draft_logits(s, last, 8, t)
     hf = hf_model(drafter_pair["ckpt"])
     ref = DFlashRef.from_dirs(drafter_pair["drafter_ckpt"], drafter_pair["ckpt"])
     ref_logits = ref.forward([last] + [s.mask_token_id] * 7, target_taps(hf, prompt, drafter_pair["taps"]))[1:]

@@ -249,7 +249,7 @@ def test_joint_distribution_of_two_tokens_with_the_drafter(hybrid_pair):
     for seed in range(N_SEEDS):
         sampling = _core.Sampling(seed=seed * 0x9E3779B1 + 1, **s)
         t1 = spec.prefill(PROMPT, sampling)
-        t2 = spec.round(t1, 2, None, sampling).committed[0]
+        t2 = spec.round(t1, 2, sampling=sampling).committed[0]
         counts[t1, t2] += 1
         if seed < 20:
             assert eng.generate(PROMPT, max_tokens=2, seed=sampling.seed, **s).tokens == [t1, t2]

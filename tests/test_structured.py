@@ -194,12 +194,12 @@ def test_core_refuses_constraint_on_in_graph_argmax(pair):
         before = np.zeros((eng._grammar_engine().n_vocab + 31) // 32, dtype=np.int32)
         m.fill_mask(before)
         with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
-            eng._spec.round(1, 4, [1, 2, 3], _core.Sampling(0.0), m)
+            _core.testing.round(eng._spec, 1, 4, [1, 2, 3], _core.Sampling(0.0), m)
         with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
-            eng._spec.step(1, 4, [1, 2, 3], _core.Sampling(0.0), m)
-        for tree in (eng._spec.round_tree, eng._spec.step_tree):
+            _core.testing.step(eng._spec, 1, 4, [1, 2, 3], _core.Sampling(0.0), m)
+        for tree in (_core.testing.round_tree, _core.testing.step_tree):
             with pytest.raises(ValueError, match=r"forced draft cannot run under a constraint"):
-                tree(1, 4, _core.Sampling(0.0), [1, 2, 3], m)
+                tree(eng._spec, 1, 4, [1, 2, 3], _core.Sampling(0.0), m)
         after = np.zeros_like(before)
         m.fill_mask(after)
         assert (after == before).all()  # refused before the drafts moved the grammar

@@ -74,7 +74,7 @@ def _draft_logits(target: str, drafter: str) -> list:
 
     t = _core.Target(target, n_ctx=64, kv_type="f32", max_verify=8, n_threads=2)
     s = _core.Spec(t, drafter, block_size=8, ring_capacity=32, window=0)
-    return s.draft_logits(s.prefill(PROMPT), 8, t).tolist()
+    return _core.testing.draft_logits(s, s.prefill(PROMPT), 8, t).tolist()
 
 
 def _spec_vs_ar(target: str, drafter: str, block_size: int) -> dict:
@@ -100,7 +100,7 @@ def _spec_vs_ar(target: str, drafter: str, block_size: int) -> dict:
     while len(forced) < 60:
         good = ref[len(forced): len(forced) + block_size - 1]
         drafts = [tok if rng.random() > 0.2 else (tok + 1) % 500 for tok in good]
-        committed = s.round(forced[-1], block_size, drafts).committed
+        committed = _core.testing.round(s, forced[-1], block_size, drafts).committed
         lengths.append(len(committed))
         forced += committed
     return {"ar": ar, "spec": sp.tokens, "rounds": sp.stats.rounds, "ref": ref[:60], "forced": forced[:60],

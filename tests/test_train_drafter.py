@@ -163,7 +163,7 @@ def test_engine_drafter_logits_match_module(env, trained):
     s = _core.Spec(t, str(trained["drafter_gguf"]), block_size=B)
     assert s.draft_vocab == json.loads((trained["res"].checkpoint / "config.json").read_text())["draft_vocab"]
     last = s.prefill(PROMPT)
-    ours = s.draft_logits(last, B, t)
+    ours = _core.testing.draft_logits(s, last, B, t)
     drafter = DFlashDrafter.from_pretrained(trained["res"].checkpoint, env["hf"]).eval()
     with torch.no_grad():
         want = drafter.draft_logits([last] + [s.mask_token_id] * (B - 1), target_taps(env["hf"], PROMPT, TAPS))
@@ -267,7 +267,7 @@ def test_context_length_travels_to_the_engine(env, trained, windowed):
     s = _core.Spec(t, str(windowed["drafter_gguf"]), block_size=B)
     assert s.trained_context_length == WINDOW and s.window == WINDOW
     last = s.prefill(PROMPT)  # 11 positions > WINDOW
-    ours = s.draft_logits(last, B, t)
+    ours = _core.testing.draft_logits(s, last, B, t)
     drafter = DFlashDrafter.from_pretrained(windowed["res"].checkpoint, env["hf"]).eval()
     lo = len(PROMPT) - WINDOW
     with torch.no_grad():

@@ -102,7 +102,7 @@ def test_engine_drafts_what_the_module_drafts(env, trained):
     t = _core.Target(str(env["target_gguf"]), n_ctx=128, kv_type="f32", max_verify=B, n_threads=N_THREADS)
     s = _core.Spec(t, str(trained["gguf"]), block_size=B)
     last = s.prefill(PROMPT)
-    logits = s.draft_logits(last, B, t)
+    logits = _core.testing.draft_logits(s, last, B, t)
     drafts = list(s.draft(last, B))
     m = DFlashDrafter.from_pretrained(trained["res"].checkpoint, env["hf"]).eval()
     taps = target_taps(env["hf"], PROMPT, TAPS)

@@ -93,7 +93,7 @@ def test_children_are_the_perturbed_ranking(pair, si):
     spec = _core.Spec(t, pair[1], block_size=16, ring_capacity=64, tree_budget=40)
     last = spec.prefill(PROMPT, sampling)
     n_past = t.n_past
-    rows = spec.draft_logits(last, 16, t)  # [15, n_vocab]: the drafter's logits for this block
+    rows = _core.testing.draft_logits(spec, last, 16, t)  # [15, n_vocab]: the drafter's logits for this block
     ranking = []
     for d in range(15):
         kept = ref.filter_kept(rows[d], **f)
@@ -114,7 +114,7 @@ def test_children_are_the_perturbed_ranking(pair, si):
     t2 = _core.Target(pair[0], n_ctx=256, kv_type="f32", max_verify=64, n_threads=2)
     spec2 = _core.Spec(t2, pair[1], block_size=16, ring_capacity=64)
     assert spec2.prefill(PROMPT, sampling) == last
-    assert spec2.round(last, 16, None, sampling).draft[0] == ranking[0][0]  # the same block of 16
+    assert spec2.round(last, 16, sampling=sampling).draft[0] == ranking[0][0]  # the same block of 16
 
 
 # the embedded default pair with sampled trees: test_sampling.py::test_default_pair_sampled_speculative_equals_sampled_ar

@@ -401,11 +401,12 @@ std::unique_ptr<target_session> make_target_slots(const std::string & path, int6
     return std::make_unique<target_session>(path, p);
 }
 
+// The product's Target: the tape rollback and the batch-invariant matmul (the baselines are
+// _core.testing.baseline_target's).
 std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
                                             const std::string & kv_type, int64_t n_batch, const std::string & device,
-                                            int64_t max_verify, const std::string & rollback, const std::string & matmul,
-                                            bool use_mmap) {
-    return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, rollback, matmul, use_mmap, 1);
+                                            int64_t max_verify, bool use_mmap) {
+    return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, "tape", "own", use_mmap, 1);
 }
 
 py::object target_decode(target_session & s, const py::object & tokens, bool all_logits, const std::vector<int> & taps) {
@@ -457,7 +458,7 @@ void bind_target(py::module_ & m) {
     py::class_<target_session>(m, "Target")
         .def(py::init(&make_target), py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0,
              py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
-             py::arg("rollback") = "tape", py::arg("matmul") = "own", py::arg("use_mmap") = true)
+             py::arg("use_mmap") = true)
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })
@@ -498,8 +499,6 @@ void bind_target(py::module_ & m) {
         .def("memory_report", &memory_report, py::arg("spec") = nullptr,
              "Bytes held by this target and, given its Spec, the drafter beside it (see memory_usage in "
              "session.h): a dict of the parts and their total")
-        .def_property_readonly("n_graph_plans", &target_session::n_graph_plans,
-                               "Graph shapes holding a scheduler and allocation plan (see graph_runner.h)")
         .def("reset", &target_session::reset, "Empty the sequence: n_past = 0, GDN state zeroed")
         .def("decode", &target_decode, py::arg("tokens"), py::arg("all_logits") = false,
              py::arg("taps") = std::vector<int>{},
@@ -546,26 +545,6 @@ void bind_target(py::module_ & m) {
             },
             py::arg("tokens"), "verify() that returns only the greedy token per row (what a chain round runs)")
         .def(
-            "verify_tree",
-            [](target_session & s, const py::object & tokens, const py::object & parents) {
-                std::vector<int32_t> toks = to_tokens(tokens), par = to_tokens(parents);
-                if (par.size() != toks.size())
-                    throw input_error(cat("[verify] ", toks.size(), " tokens but ", par.size(), " parents"));
-                py::gil_scoped_release release;
-                return s.verify_tree(toks.data(), par.data(), (int64_t) toks.size(), {}, true).argmax;
-            },
-            py::arg("tokens"), py::arg("parents"),
-            "Tree verify (what a tree round runs): tokens[i] is node i, parents[i] < i its parent (-1 for the root); "
-            "returns the greedy token after each node. Follow with commit_tree(path).")
-        .def(
-            "commit_tree",
-            [](target_session & s, const py::object & path) {
-                std::vector<int32_t> p = to_tokens(path);
-                py::gil_scoped_release release;
-                s.commit_tree(p);
-            },
-            py::arg("path"), "Keep the accepted path (node indices from the root 0) of the pending tree verify")
-        .def(
             "commit",
             [](target_session & s, int64_t n_keep) {
                 py::gil_scoped_release release;
@@ -591,20 +570,35 @@ std::unique_ptr<spec_session> make_spec(target_session & t, const std::string & 
     return std::make_unique<spec_session>(t, drafter, p);
 }
 
-// Spec.round (fixed settings) and Spec.step (the controller's choice), `forced` as the benchmarks' draft;
-// with a Sampling, their sampled forms
-template <bool step>
+// Spec.round (fixed settings), Spec.step (the controller's choice) and their tree forms; with a
+// Sampling, their sampled forms. `forced` (_core.testing's forms only): the spec's draft override
+// for this call.
+enum class round_kind { round, step, round_tree, step_tree };
+template <round_kind kind>
 round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::object & forced,
                         const sampling_params * sampling, token_constraint * c) {
     if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-    std::vector<int32_t> f;
-    const bool has_forced = !forced.is_none();
-    if (has_forced) f = to_tokens(forced);
+    draft_override f;
+    if (!forced.is_none()) {
+        f = [d = to_tokens(forced)](int64_t) { return std::optional<std::vector<int32_t>>(d); };
+    }
     py::gil_scoped_release release;
     constraint_scope scope(&s, c);
-    if (step) return s.step(last, B, has_forced ? &f : nullptr, sampling);
-    if (sampling) return s.round_sampled(last, B, *sampling, has_forced ? &f : nullptr);
-    return s.round(last, B, has_forced ? &f : nullptr);
+    spec_session * forced_on = f ? &s : nullptr;  // before f is moved
+    draft_override_scope forced_scope(forced_on, std::move(f));
+    switch (kind) {
+        case round_kind::step: return s.step(last, B, sampling);
+        case round_kind::round_tree: return s.round_tree(last, B, sampling);
+        case round_kind::step_tree: return s.step_tree(last, B, sampling);
+        default: return sampling ? s.round_sampled(last, B, *sampling) : s.round(last, B);
+    }
+}
+
+// The Spec method of one round kind: spec_round without a forced draft.
+template <round_kind kind>
+round_result spec_round_unforced(spec_session & s, int32_t last, int64_t B, const sampling_params * sampling,
+                                 token_constraint * c) {
+    return spec_round<kind>(s, last, B, py::none(), sampling, c);
 }
 
 // The controller's estimates as they stand (engine stats, benchmarks, tests).
@@ -693,59 +687,14 @@ void def_spec_drafting(py::class_<spec_session> & c) {
                 return s.draft(last, B);
             },
             py::arg("last"), py::arg("block_size"))
-        .def(
-            "draft_logits",
-            [](spec_session & s, int32_t last, int64_t B, const target_session & t) {
-                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-                std::vector<float> l;
-                {
-                    py::gil_scoped_release release;
-                    l = s.draft_logits(last, B);
-                }
-                return to_array(std::move(l), {B - 1, t.hparams().n_vocab});
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("target"),
-            "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]")
-        .def(
-            "draft_lattice",
-            [](spec_session & s, int32_t last, int64_t B) {
-                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-                std::vector<float> l;
-                {
-                    py::gil_scoped_release release;
-                    l = s.draft_lattice(last, B);
-                }
-                return to_array(std::move(l), {B - 1, s.drafter_hparams_().lattice_row()});
-            },
-            py::arg("last"), py::arg("block_size"),
-            "A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, float32 [B-1, k + k*k]: per row the k "
-            "candidate ids, then for each predecessor p the k transition scores (drafter.h: build_selector)")
-        .def(
-            "draft_top1",
-            [](spec_session & s, int32_t last, int64_t B) {
-                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-                std::vector<float> p;
-                std::vector<int32_t> d;
-                {
-                    py::gil_scoped_release release;
-                    d = s.draft_top1(last, B, p);
-                }
-                return py::make_tuple(d, p);
-            },
-            py::arg("last"), py::arg("block_size"),
-            "(drafts d_1..d_{B-1}, their probabilities) as the controller and draft_cutoff read them: the "
-            "top-1 probability, DFlash 2's selector softmax, or DSpark's confidence head where the drafter has one")
         .def_property_readonly("selector_top_k", [](spec_session & s) { return s.drafter_hparams_().selector_top_k; },
                                "DFlash 2's selector_top_k (0: a drafter without a selector)")
-        .def("round", &spec_round<false>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+        .def("round", &spec_round_unforced<round_kind::round>, py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "One round: draft, verify, accept, roll back, queue the committed features. Returns a RoundResult. "
              "With a Sampling: sampled drafts and target draws (spec_sampled.cpp)")
-        .def("step", &spec_round<true>, py::arg("last"), py::arg("block_size"),
-             py::arg("forced_draft") = py::none(), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+        .def("step", &spec_round_unforced<round_kind::step>, py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
              "The request's next step: under the controller an AR step or a round of the drafts it chose "
              "(RoundResult.ar tells which); without it, round(). With a Sampling: their sampled forms.")
-        .def("controller_state", &controller_state, "The controller's cost and rate estimates (a dict)")
         .def_property_readonly("controller_switches", [](spec_session & s) { return s.control().switches(); },
                                "The controller's switches between AR and speculation in this request")
         .def_property_readonly("drafter_failure", &spec_session::drafter_failure,
@@ -771,8 +720,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
                 s.ar_step_sampled(last, p, &lp);
                 return lp;
             },
-            py::arg("last"), py::arg("sampling"), py::arg("constraint") = py::none(), "ar_step() that returns the token's TokenLogprobs")
-        .def("push_features", &spec_push_features, py::arg("features"), py::arg("pos0"));
+            py::arg("last"), py::arg("sampling"), py::arg("constraint") = py::none(), "ar_step() that returns the token's TokenLogprobs");
 }
 
 void bind_spec(py::module_ & m) {
@@ -786,43 +734,13 @@ void bind_spec(py::module_ & m) {
         .def_property("tree_budget", [](spec_session & s) { return s.params().tree_budget; },
                       &spec_session::set_tree_budget,
                       "Most nodes below the root a tree round verifies (round_tree, step_tree)")
-        .def(
-            "round_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced,
-               token_constraint * c) {
-                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-                std::vector<int32_t> f;
-                if (!forced.is_none()) f = to_tokens(forced);
-                py::gil_scoped_release release;
-                constraint_scope scope(&s, c);
-                return s.round_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
+        .def("round_tree", &spec_round_unforced<round_kind::round_tree>, py::arg("last"), py::arg("block_size"),
+             py::arg("sampling") = py::none(),
             py::arg("constraint") = py::none(), "One tree round (fixed settings); with a Sampling, its sampled form")
-        .def(
-            "step_tree",
-            [](spec_session & s, int32_t last, int64_t B, const sampling_params * sampling, const py::object & forced,
-               token_constraint * c) {
-                if (B < 2) throw input_error(cat("[round] block size must be >= 2, got ", B));
-                std::vector<int32_t> f;
-                if (!forced.is_none()) f = to_tokens(forced);
-                py::gil_scoped_release release;
-                constraint_scope scope(&s, c);
-                return s.step_tree(last, B, sampling, forced.is_none() ? nullptr : &f);
-            },
-            py::arg("last"), py::arg("block_size"), py::arg("sampling") = py::none(), py::arg("forced_draft") = py::none(),
+        .def("step_tree", &spec_round_unforced<round_kind::step_tree>, py::arg("last"), py::arg("block_size"),
+             py::arg("sampling") = py::none(),
             py::arg("constraint") = py::none(),
             "The next step in tree mode: the controller's AR step or a tree round; with a Sampling, their sampled forms")
-        .def(
-            "verify_tree",
-            [](spec_session & s, const py::object & parents, const py::object & tokens,
-               const sampling_params * sampling) {
-                std::vector<int32_t> p = to_tokens(parents), t = to_tokens(tokens);
-                py::gil_scoped_release release;
-                return s.verify_tree(p, t, sampling);
-            },
-            py::arg("parents"), py::arg("tokens"), py::arg("sampling") = py::none(),
-            "Verify a given tree (tokens[0]: the last committed token) and commit its accepted path")
         .def_property("controller", [](spec_session & s) { return s.params().use_controller; },
                       &spec_session::set_controller,
                       "Spec.step under the controller (True) or fixed settings (False)")
@@ -846,6 +764,115 @@ void bind_spec(py::module_ & m) {
         .def_property_readonly("ring_capacity", [](spec_session & s) { return s.ring().capacity; },
                                "Ring slots (feature_ring_capacity, cut to the window when one is set)");
     def_spec_drafting(c);
+}
+
+// The session hooks tests and benchmarks reach (forced rounds, given trees, drafter outputs, the
+// controller's estimates): free functions of _core.testing taking the Target or Spec, so the
+// classes hold only what the product path calls.
+void bind_testing_sessions(py::module_ & t) {
+    // Spec.round / step / round_tree / step_tree with `forced_draft` (B-1 tokens: acceptance-controlled
+    // rounds) as the spec's draft override (spec.h: set_draft_override), checked at the step's start
+    // whatever the controller chooses: a chain verifies it in place of the drafter's (which still
+    // runs), a tree holds it at rank 0 of its positions
+    const std::pair<const char *, round_result (*)(spec_session &, int32_t, int64_t, const py::object &,
+                                                   const sampling_params *, token_constraint *)>
+        forms[] = {{"round", &spec_round<round_kind::round>},
+                   {"step", &spec_round<round_kind::step>},
+                   {"round_tree", &spec_round<round_kind::round_tree>},
+                   {"step_tree", &spec_round<round_kind::step_tree>}};
+    for (const auto & [name, fn] : forms) {
+        t.def(name, fn, py::arg("spec"), py::arg("last"), py::arg("block_size"), py::arg("forced_draft") = py::none(),
+              py::arg("sampling") = py::none(), py::arg("constraint") = py::none(),
+              "The Spec method of this name with forced_draft as the spec's draft override for this call");
+    }
+    t.def(
+        "verify_tree",
+        [](spec_session & s, const py::object & parents, const py::object & tokens, const sampling_params * sampling) {
+            std::vector<int32_t> p = to_tokens(parents), tk = to_tokens(tokens);
+            py::gil_scoped_release release;
+            return s.verify_tree(p, tk, sampling);
+        },
+        py::arg("spec"), py::arg("parents"), py::arg("tokens"), py::arg("sampling") = py::none(),
+        "Verify a given tree (tokens[0]: the last committed token) and commit its accepted path");
+    t.def(
+        "draft_logits",
+        [](spec_session & s, int32_t last, int64_t B, const target_session & tg) {
+            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+            std::vector<float> l;
+            {
+                py::gil_scoped_release release;
+                l = s.draft_logits(last, B);
+            }
+            return to_array(std::move(l), {B - 1, tg.hparams().n_vocab});
+        },
+        py::arg("spec"), py::arg("last"), py::arg("block_size"), py::arg("target"),
+        "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]");
+    t.def(
+        "draft_lattice",
+        [](spec_session & s, int32_t last, int64_t B) {
+            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+            std::vector<float> l;
+            {
+                py::gil_scoped_release release;
+                l = s.draft_lattice(last, B);
+            }
+            return to_array(std::move(l), {B - 1, s.drafter_hparams_().lattice_row()});
+        },
+        py::arg("spec"), py::arg("last"), py::arg("block_size"),
+        "A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, float32 [B-1, k + k*k]: per row the k "
+        "candidate ids, then for each predecessor p the k transition scores (drafter.h: build_selector)");
+    t.def(
+        "draft_top1",
+        [](spec_session & s, int32_t last, int64_t B) {
+            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+            std::vector<float> p;
+            std::vector<int32_t> d;
+            {
+                py::gil_scoped_release release;
+                d = s.draft_top1(last, B, p);
+            }
+            return py::make_tuple(d, p);
+        },
+        py::arg("spec"), py::arg("last"), py::arg("block_size"),
+        "(drafts d_1..d_{B-1}, their probabilities) as the controller and draft_cutoff read them: the "
+        "top-1 probability, DFlash 2's selector softmax, or DSpark's confidence head where the drafter has one");
+    t.def("push_features", &spec_push_features, py::arg("spec"), py::arg("features"), py::arg("pos0"),
+          "Push target features [m, n_taps, n_embd] of m committed positions from pos0 into the ring");
+    t.def("controller_state", &controller_state, py::arg("spec"), "The controller's cost and rate estimates (a dict)");
+    t.def(
+        "target_verify_tree",
+        [](target_session & s, const py::object & tokens, const py::object & parents) {
+            std::vector<int32_t> toks = to_tokens(tokens), par = to_tokens(parents);
+            if (par.size() != toks.size()) throw input_error(cat("[verify] ", toks.size(), " tokens but ", par.size(), " parents"));
+            py::gil_scoped_release release;
+            return s.verify_tree(toks.data(), par.data(), (int64_t) toks.size(), {}, true).argmax;
+        },
+        py::arg("target"), py::arg("tokens"), py::arg("parents"),
+        "Tree verify (what a tree round runs): tokens[i] is node i, parents[i] < i its parent (-1 for the root); "
+        "returns the greedy token after each node. Follow with commit_tree(target, path).");
+    t.def(
+        "commit_tree",
+        [](target_session & s, const py::object & path) {
+            std::vector<int32_t> p = to_tokens(path);
+            py::gil_scoped_release release;
+            s.commit_tree(p);
+        },
+        py::arg("target"), py::arg("path"), "Keep the accepted path (node indices from the root 0) of the pending tree verify");
+    t.def(
+        "baseline_target",
+        [](const std::string & path, const std::string & rollback, const std::string & matmul, int64_t n_ctx,
+           int n_threads, const std::string & kv_type, int64_t n_batch, const std::string & device, int64_t max_verify,
+           bool use_mmap) {
+            return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, rollback, matmul,
+                                     use_mmap, 1);
+        },
+        py::arg("path"), py::arg("rollback") = "tape", py::arg("matmul") = "own", py::arg("n_ctx") = 4096,
+        py::arg("n_threads") = 0, py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu",
+        py::arg("max_verify") = 0, py::arg("use_mmap") = true,
+        "A Target on a benchmark baseline (Engine.for_benchmark): the GDN rollback strategy 'tape', 'snapshot' "
+        "or 'redecode' (runtime/rollback.h), the matmul 'own' or 'ggml' (ggml_mul_mat everywhere)");
+    t.def("n_graph_plans", &target_session::n_graph_plans, py::arg("target"),
+          "Graph shapes holding a scheduler and allocation plan (see graph_runner.h)");
 }
 
 // ---- _core.testing: kernels, tape and caches as tests and benchmarks reach them -----------------
@@ -1418,4 +1445,5 @@ PYBIND11_MODULE(_core, m) {
     bind_testing_tape(t);
     bind_testing_caches(t);
     bind_testing_batch(t);
+    bind_testing_sessions(t);
 }

@@ -75,10 +75,19 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
 }
 
 round_result request::round(int64_t Bc) {
-    std::vector<int32_t> forced;
-    if (forced_ && !policy_.constraint) forced = forced_(out_, Bc);  // a forced draft is refused under a constraint
-    const std::vector<int32_t> * f = forced.empty() ? nullptr : &forced;
-    round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling(), f) : spec_->step(last_, Bc, f, sampling());
+    // the draft source as the spec's draft override for this round (a forced draft is refused
+    // under a constraint: a constrained request leaves the drafter's)
+    draft_override f;
+    if (forced_ && !policy_.constraint) {
+        f = [this](int64_t B) -> std::optional<std::vector<int32_t>> {
+            std::vector<int32_t> d = forced_(out_, B);
+            if (d.empty()) return std::nullopt;
+            return d;
+        };
+    }
+    spec_session * forced_on = f ? spec_ : nullptr;  // before f is moved
+    draft_override_scope scope(forced_on, std::move(f));
+    round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling()) : spec_->step(last_, Bc, sampling());
     stats_.controller_switches = spec_->control().switches();
     if (r.ar && stats_.drafter_failure.empty()) stats_.drafter_failure = spec_->drafter_failure();
     if (r.ar) {

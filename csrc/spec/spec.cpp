@@ -475,22 +475,30 @@ bool spec_session::drafted(const std::function<void()> & draft) {
     }
 }
 
-void spec_session::check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) const {
-    DFN_REQUIRE(!forced_draft || !constraint_, "round", "a forced draft cannot run under a constraint (its tokens "
-                "would bypass the grammar)");
-    DFN_REQUIRE(!forced_draft || (int64_t) forced_draft->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1,
-                " tokens");
+const std::vector<int32_t> * spec_session::forced_draft(int64_t B) {
+    if (!override_) return nullptr;
+    std::optional<std::vector<int32_t>> f = override_(B);
+    if (!f) return nullptr;
+    DFN_REQUIRE(!constraint_, "round", "a forced draft cannot run under a constraint (its tokens would bypass the "
+                "grammar)");
+    DFN_REQUIRE((int64_t) f->size() == B - 1, "round", "forced draft must have B-1 = ", B - 1, " tokens");
+    forced_ = std::move(*f);
+    return &forced_;
 }
 
-round_result spec_session::round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft) {
+round_result spec_session::round(int32_t last, int64_t B) {
+    require_unconstrained("the in-graph argmax round");
+    return round_chain(last, B, forced_draft(B));
+}
+
+round_result spec_session::round_chain(int32_t last, int64_t B, const std::vector<int32_t> * forced) {
     require_unconstrained("the in-graph argmax round");
     round_result r;
     const double t0 = profile_now();
-    check_forced_draft(forced_draft, B);
     const bool ok = drafted([&] {
-        if (forced_draft) {
+        if (forced) {
             draft(last, B);  // the drafter runs as in a real round
-            r.draft = *forced_draft;
+            r.draft = *forced;
         } else {
             r.draft = draft_chain(last, B);
         }
@@ -500,11 +508,11 @@ round_result spec_session::round(int32_t last, int64_t B, const std::vector<int3
     return r;
 }
 
-round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft,
-                                const sampling_params * sampling) {
-    check_forced_draft(forced_draft, B);  // whatever the controller chooses, before the drafts move the constraint
+round_result spec_session::step(int32_t last, int64_t B, const sampling_params * sampling) {
+    // whatever the controller chooses, before the drafts move the constraint
+    const std::vector<int32_t> * forced = forced_draft(B);
     if (!params_.use_controller) {
-        return sampling ? round_sampled(last, B, *sampling, forced_draft) : round(last, B, forced_draft);
+        return sampling ? round_sampled_chain(last, B, *sampling, forced) : round_chain(last, B, forced);
     }
     round_result r;
     const double t0 = profile_now();
@@ -521,7 +529,7 @@ round_result spec_session::step(int32_t last, int64_t B, const std::vector<int32
                                   : draft_top1(last, B, p);
         }))
         return ar_round(last, t0, sampling);
-    if (forced_draft) r.draft = *forced_draft;
+    if (forced) r.draft = *forced;
     const int64_t k = std::min(ctl_.choose(p.data(), (int64_t) p.size()), cutoff_keep(p));
     // the first draft left unverified: when every verified one is accepted, the bonus token says
     // whether it would have been too (calibration for free, also when k = 0)
@@ -643,7 +651,7 @@ round_result spec_session::verify_tree(const std::vector<int32_t> & parents, con
 // A forced tree draft (spec.h: round_tree): forced[i] at rank 0 of position i with probability 1,
 // the candidates ranked before it moved one rank down (the last one dropped when forced[i] is not
 // among the K): ranks stay by probability, as build_tree needs. forced holds B - 1 tokens
-// (check_forced_draft).
+// (forced_draft).
 static void force_tree_draft(const std::vector<int32_t> & forced, int64_t B, int64_t K, std::vector<int32_t> & tok,
                              std::vector<float> & p) {
     for (int64_t i = 0; i + 1 < B; ++i) {
@@ -658,13 +666,12 @@ static void force_tree_draft(const std::vector<int32_t> & forced, int64_t B, int
 }
 
 draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
-                                        const std::vector<int32_t> * forced_draft) {
-    check_forced_draft(forced_draft, B);  // before the drafts advance the constraint
+                                        const std::vector<int32_t> * forced) {
     DFN_REQUIRE(sampling || !constraint_, "round", "a constrained tree round needs sampling params (temperature 0 "
                 "for greedy)");
     std::vector<int32_t> tok;
     std::vector<float> p;
-    if (has_selector() && !forced_draft && !constraint_) {
+    if (has_selector() && !forced && !constraint_) {
         // DFlash 2: each node's children are its row's selector candidates ranked by their
         // transition probability from that node (sampled: by their perturbed weights; under a
         // constraint: draft_topk_constrained's masked rows, where a candidate the grammar allows
@@ -686,7 +693,7 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
     const int64_t K = constraint_                        ? draft_topk_constrained(last, B, *sampling, tok, p)
                       : sampling && !sampling->greedy() ? draft_topk_sampled(last, B, *sampling, tok, p)
                                                         : draft_topk(last, B, tok, p);
-    if (forced_draft) force_tree_draft(*forced_draft, B, K, tok, p);
+    if (forced) force_tree_draft(*forced, B, K, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
     const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
     draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
@@ -732,13 +739,17 @@ void spec_session::prune_tree(draft_tree & tree) {
     tree = std::move(out);
 }
 
-round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling,
-                                      const std::vector<int32_t> * forced_draft) {
+round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+    return round_tree_of(last, B, sampling, forced_draft(B));
+}
+
+round_result spec_session::round_tree_of(int32_t last, int64_t B, const sampling_params * sampling,
+                                         const std::vector<int32_t> * forced) {
     if (sampling) check_sampling_params(*sampling);
     round_result r;
     const double t0 = profile_now();
     draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced_draft); })) return ar_round(last, t0, sampling);
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced); })) return ar_round(last, t0, sampling);
     verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
     return r;
 }
@@ -760,10 +771,9 @@ round_result spec_session::controller_ar_step(int32_t last, double t0, const sam
     return r;
 }
 
-round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling,
-                                     const std::vector<int32_t> * forced_draft) {
-    check_forced_draft(forced_draft, B);  // whatever the controller chooses
-    if (!params_.use_controller) return round_tree(last, B, sampling, forced_draft);
+round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+    const std::vector<int32_t> * forced = forced_draft(B);  // whatever the controller chooses
+    if (!params_.use_controller) return round_tree_of(last, B, sampling, forced);
     const double t0 = profile_now();
     if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
     if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
@@ -772,7 +782,7 @@ round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_par
     // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
     // weights (perturbed_topk's) stand in for the probabilities.
     draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced_draft); })) return ar_round(last, t0, sampling);
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced); })) return ar_round(last, t0, sampling);
     const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
     tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
     round_result r;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,11 @@ struct round_result {
 
 class spec_session;
 
+// Tests and benchmarks only (acceptance-controlled rounds): given B, the B - 1 tokens a round
+// verifies in place of the drafter's (spec_session::set_draft_override); nullopt lets the
+// drafter's stand. The product never sets one.
+using draft_override = std::function<std::optional<std::vector<int32_t>>(int64_t B)>;
+
 // A spec_session's constraint (set_constraint) for one scope; a null session is left alone.
 struct constraint_scope {
     spec_session * s;
@@ -86,16 +92,14 @@ public:
     // the selector's path and its softmax; DSpark with a confidence head: its confidences.
     std::vector<int32_t> draft_top1(int32_t last, int64_t B, std::vector<float> & p);
 
-    // One round from the last committed token. `forced_draft` (benchmarks: acceptance-controlled
-    // mode) replaces the drafter's tokens after the drafter has run. B may be lowered near n_ctx.
-    round_result round(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr);
+    // One round from the last committed token. B may be lowered near n_ctx.
+    round_result round(int32_t last, int64_t B);
 
     // The next step of a request: under the controller (params.use_controller) an AR step or a round
     // whose verified drafts the controller chose, each timed and fed back to it; else round().
     // With `sampling`: the sampled AR step and round (spec_sampled.cpp); at temperature 0 (a
     // request that wants logprobs) the greedy ones, taking each argmax from the logits rows.
-    round_result step(int32_t last, int64_t B, const std::vector<int32_t> * forced_draft = nullptr,
-                      const sampling_params * sampling = nullptr);
+    round_result step(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
 
     // Tree verify (spec_params::tree_budget): one draft pass (per-position top-K), build_tree,
     // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
@@ -105,14 +109,8 @@ public:
     // tokens by perturbed score (draft_topk_sampled) and the path kept is the target's draws
     // (choose_token at each node's position): sampled AR's tokens. At temperature 0 with
     // logprobs: the greedy tree, its argmaxes from the logits.
-    // `forced_draft` (tests, benchmarks: acceptance-controlled tree rounds): B-1 tokens put at rank 0
-    // of their positions with probability 1 after the drafter has run (the drafter's candidates
-    // behind them, the last dropped), so the tree holds the forced chain first and the drafter's
-    // tokens as its siblings.
-    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
-                            const std::vector<int32_t> * forced_draft = nullptr);
-    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
-                           const std::vector<int32_t> * forced_draft = nullptr);
+    round_result round_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    round_result step_tree(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
     // Verify a given tree (parents[0] == -1, tokens[0] == last) and commit its accepted path
     // (tests: trees the drafter would not build). The drafter does not run. With `sampling`: the
     // target's choices by choose_token, as a sampled tree round takes them.
@@ -135,8 +133,17 @@ public:
     int32_t prefill_sampled(const int32_t * prompt, int64_t n, const sampling_params & p, token_logprobs * lp = nullptr,
                             int64_t n_cached = 0);
     int32_t ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp = nullptr);
-    round_result round_sampled(int32_t last, int64_t B, const sampling_params & p,
-                               const std::vector<int32_t> * forced_draft = nullptr);
+    round_result round_sampled(int32_t last, int64_t B, const sampling_params & p);
+
+    // Tests and benchmarks only: the draft override (draft_override) every round from now on
+    // consults, until set back to nullptr (draft_override_scope). Each step (round, step, their
+    // tree and sampled forms) asks it once, at its start, whatever the controller then chooses:
+    // its tokens must number B - 1 and are refused under a constraint (both checked there, before
+    // any draft moves the constraint). A chain round verifies them in place of the drafter's
+    // (which still runs); a tree round puts them at rank 0 of their positions with probability 1
+    // (the drafter's candidates behind them, the last dropped), so the tree holds the forced
+    // chain first and the drafter's tokens as its siblings.
+    void set_draft_override(draft_override f) { override_ = std::move(f); }
 
     // Push target features (taps) of m committed positions starting at `pos0` into the ring.
     // feats: [m, n_taps, n_embd] row-major (nullptr: the device queue's first m columns).
@@ -257,9 +264,18 @@ private:
     // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
     // and now (the end of the commit).
     static void set_times(round_result & r, double t0, double t1, double t2);
-    // A forced draft (benchmarks, tests) must hold B - 1 tokens and is refused under a constraint
-    // (checked before the drafts advance it); null: nothing to check.
-    void check_forced_draft(const std::vector<int32_t> * forced_draft, int64_t B) const;
+    // The draft override's tokens for this step (set_draft_override), checked: B - 1 of them, and
+    // none under a constraint (before the drafts advance it); null without an override or when it
+    // lets the drafter's stand. Valid until the next call.
+    const std::vector<int32_t> * forced_draft(int64_t B);
+    draft_override override_;
+    std::vector<int32_t> forced_;
+    // The steps' bodies, given the step's forced draft (forced_draft(B), asked once per step).
+    round_result round_chain(int32_t last, int64_t B, const std::vector<int32_t> * forced);
+    round_result round_sampled_chain(int32_t last, int64_t B, const sampling_params & p,
+                                     const std::vector<int32_t> * forced);
+    round_result round_tree_of(int32_t last, int64_t B, const sampling_params * sampling,
+                               const std::vector<int32_t> * forced);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
@@ -284,7 +300,7 @@ private:
     // A round's tree: draft_topk (or its sampled form), then build_tree with the room left
     // (tree_budget at most).
     draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
-                              const std::vector<int32_t> * forced_draft);
+                              const std::vector<int32_t> * forced);
     // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
     // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
     void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
@@ -343,6 +359,19 @@ private:
     // Before a target pass of n tokens with taps: on a device, room for n more rows in the queue
     // (pushing the queue into the ring when full) and the target's tap sink at its next column.
     void sink_taps(int64_t n);
+};
+
+// A spec_session's draft override (set_draft_override) for one scope; a null session is left alone.
+struct draft_override_scope {
+    spec_session * s;
+    draft_override_scope(spec_session * s, draft_override f) : s(s) {
+        if (s) s->set_draft_override(std::move(f));
+    }
+    ~draft_override_scope() {
+        if (s) s->set_draft_override(nullptr);
+    }
+    draft_override_scope(const draft_override_scope &) = delete;
+    draft_override_scope & operator=(const draft_override_scope &) = delete;
 };
 
 inline constraint_scope::constraint_scope(spec_session * s, token_constraint * c) : s(s) {

@@ -151,21 +151,25 @@ void spec_session::require_unconstrained(const char * what) const {
                 "for greedy)");
 }
 
-round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p,
-                                         const std::vector<int32_t> * forced_draft) {
+round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p) {
+    check_sampling_params(p);
+    return round_sampled_chain(last, B, p, forced_draft(B));  // before the drafts advance the constraint
+}
+
+round_result spec_session::round_sampled_chain(int32_t last, int64_t B, const sampling_params & p,
+                                               const std::vector<int32_t> * forced) {
     check_sampling_params(p);
     round_result r;
     const double t0 = profile_now();
     // temperature 0 (logprobs): round()'s greedy drafts
-    check_forced_draft(forced_draft, B);  // before the drafts advance the constraint
     const bool ok = drafted([&] {
-        if (forced_draft) {
+        if (forced) {
             if (p.greedy()) {
                 draft(last, B);  // the drafter runs as in a real round
             } else {
                 draft_sampled(last, B, p);
             }
-            r.draft = *forced_draft;
+            r.draft = *forced;
         } else {
             r.draft = constraint_ ? draft_constrained(last, B, p) : p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
         }

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["as_baseline_modes", "as_bool", "as_int", "as_opt_int", "as_path", "as_real", "as_sampling",
+__all__ = ["as_bool", "as_int", "as_opt_int", "as_path", "as_real", "as_sampling",
            "as_stop_strings", "as_str", "as_token_ids"]
 
 
@@ -100,16 +100,6 @@ def as_sampling(temperature, top_k, top_p, min_p, seed, logprobs=None) -> "_core
     s = _core.Sampling(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=int(seed),
                        logprobs=-1 if logprobs is None else logprobs)  # "[sampling] ..."
     return s if temperature > 0 or logprobs is not None else None
-
-
-def as_baseline_modes(baselines: dict | None) -> tuple[str, str]:
-    """(rollback, matmul) from Engine.for_benchmark's dict; the core checks the values."""
-    b = dict(baselines or {})
-    rollback = as_str("engine", "rollback", b.pop("rollback", "tape"))
-    matmul = as_str("engine", "matmul", b.pop("matmul", "own"))
-    if b:
-        raise ValueError(f"[engine] unknown baseline setting(s) {sorted(b)} (Engine.for_benchmark takes rollback, matmul)")
-    return rollback, matmul
 
 
 def as_stop_strings(stop) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _core
-from ._args import (as_baseline_modes as _baseline_modes, as_bool as _bool, as_int as _int, as_opt_int as _opt_int,
+from ._args import (as_bool as _bool, as_int as _int, as_opt_int as _opt_int,
                     as_path as _path, as_real as _real, as_sampling as _sampling, as_stop_strings as _stop_strings,
                     as_str as _str, as_token_ids as _token_ids)
 from ._tokenizer import NoVocabulary, Tokenizer
@@ -172,7 +172,6 @@ class Engine:
         tree_budget: int = 32,
         use_mmap: bool = True,
         quiet: bool = False,
-        _baselines: dict | None = None,
     ):
         """target, drafter: GGUF paths, or model names hf://ORG/REPO[@REVISION][:TYPE] (a GGUF
         repository's file, or a Hugging Face checkpoint downloaded, converted and quantized once
@@ -221,8 +220,7 @@ class Engine:
         these against are reached through Engine.for_benchmark.
 
         Arguments are type-checked here (so that none reaches the core as a raw TypeError);
-        what their values may be (ranges, files, names) the C++ core checks, raising ValueError.
-        `_baselines` is Engine.for_benchmark's route, not an argument of its own."""
+        what their values may be (ranges, files, names) the C++ core checks, raising ValueError."""
         w = "engine"
         quiet = _bool(w, "quiet", quiet)
         if is_hub_name(target) or is_hub_name(drafter):
@@ -240,7 +238,6 @@ class Engine:
         n_threads = _opt_int(w, "n_threads", n_threads, bits=32) or 0  # 0: all cores
         n_batch = _int(w, "n_batch", n_batch)
         kv_type, device = _str(w, "kv_type", kv_type), _str(w, "device", device)
-        rollback, matmul = _baseline_modes(_baselines)
         gate = _bool(w, "gate", gate)
         draft_cutoff = _real(w, "draft_cutoff", draft_cutoff)
         draft_vocab = _bool(w, "draft_vocab", draft_vocab)
@@ -260,7 +257,7 @@ class Engine:
         self.drafter_path = Path(drafter) if drafter is not None else None
         self._load(target, drafter, block_size,
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
-                        rollback=rollback, matmul=matmul, use_mmap=use_mmap),
+                        use_mmap=use_mmap),
                    dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
                         draft_vocab=draft_vocab, controller=gate, tree_budget=tree_budget if verify == "tree" else 0))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
@@ -293,7 +290,7 @@ class Engine:
             max_verify = block_size or _core.drafter_block_size(drafter)
             if spec_kw.get("tree_budget"):  # a tree verifies its root and up to tree_budget nodes
                 max_verify = max(max_verify, spec_kw["tree_budget"] + 1)
-        self._core = _core.Target(target, max_verify=max_verify, **target_kw)
+        self._core = self._new_target(target, max_verify=max_verify, **target_kw)
         self._spec = None
         if drafter is not None:
             self._spec = _core.Spec(self._core, drafter, block_size=block_size, **spec_kw)
@@ -305,6 +302,10 @@ class Engine:
             raise ValueError(f"[load_gguf] tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                              f"embedding has only {self._core.n_vocab} rows")
 
+    def _new_target(self, path: str, **target_kw) -> "_core.Target":
+        """The core's Target (the strategy seam: Engine.for_benchmark's engine builds a baseline's)."""
+        return _core.Target(path, **target_kw)
+
     @classmethod
     def for_benchmark(cls, target: str | os.PathLike, *, rollback: str = "tape", matmul: str = "own",
                       **engine_kwargs) -> "Engine":
@@ -312,8 +313,10 @@ class Engine:
         rollback="snapshot" (per-token GDN state snapshots) or "redecode" (re-running the kept
         tokens) instead of "tape" (tape replay); matmul="ggml" (ggml_mul_mat everywhere, which
         rounds a batch differently from single steps) instead of "own". The other arguments are
-        Engine's. A bad mode raises ValueError."""
-        return cls(target, _baselines={"rollback": rollback, "matmul": matmul}, **engine_kwargs)
+        Engine's. A bad mode raises ValueError. The strategies are chosen when its Target is built
+        (_core.testing.baseline_target); the product constructor reads no baseline setting."""
+        return _BenchmarkEngine(target, _str("engine", "rollback", rollback), _str("engine", "matmul", matmul),
+                                **engine_kwargs)
 
     # ---- lifetime ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
@@ -699,6 +702,18 @@ class _Claim:
     def __init__(self, thread: threading.Thread):
         self.thread = thread  # the thread that ran its last step
         self.superseded_by: str | None = None
+
+
+class _BenchmarkEngine(Engine):
+    """Engine.for_benchmark's engine: an Engine whose Target runs the given rollback strategy
+    (runtime/rollback.h) and matmul kind."""
+
+    def __init__(self, target, rollback: str, matmul: str, **engine_kwargs):
+        self._baselines = dict(rollback=rollback, matmul=matmul)
+        super().__init__(target, **engine_kwargs)
+
+    def _new_target(self, path: str, **target_kw) -> "_core.Target":
+        return _core.testing.baseline_target(path, **self._baselines, **target_kw)
 
 
 class _Run:
