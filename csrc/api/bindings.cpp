@@ -624,6 +624,7 @@ py::dict controller_state(spec_session & s) {
     d["bins"] = bins;  // [k_bins]: (drafts observed, accepted) in the window, by drafter p-bin
     d["round_can_win"] = c.round_can_win();  // by the calibration's best case at the current costs
     d["regimes"] = c.n_regimes();            // sampling regimes with a calibration of their own
+    d["stall_s"] = c.stall();                 // the mean wait per graph run of late (a busy machine)
     return d;
 }
 
