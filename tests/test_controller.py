@@ -302,3 +302,49 @@ def test_chooses_how_many_tree_nodes_to_verify():
     eng.gate = False  # fixed settings: the whole budget every round
     fixed = eng.generate(TEXT, max_tokens=160)
     assert fixed.tokens == ar.tokens and fixed.stats.mean_verified_length == 25
+
+
+def spiky_costs(eng, spike, p, seed=7):
+    """A busy machine, made up (_core.testing.controller_synthetic_costs): every step's measured time
+    is the fixed_costs(ar=1, draft=0.3, v0=1, v1=0.1) time plus, with probability p, a wait of
+    `spike` (seeded per step), and the controller estimates its costs from these times."""
+    _core.testing.controller_synthetic_costs(eng._spec, 1.0, 0.3, 1.0, 0.1, spike, p, seed)
+
+
+@pytest.mark.parametrize("spike,p", [(20.0, 0.3), (50.0, 0.5), (200.0, 0.1)])
+def test_keeps_speculating_on_a_busy_machine(embedded, spike, p):
+    """Waits of 20-200x an AR step on 10-50% of the steps (a loaded machine: a descheduled thread
+    stalls a graph whatever its size) slow AR steps and rounds alike, so drafts that are all
+    accepted keep winning: request after request on one engine, the controller keeps speculating
+    (the AR steps are its cost probes and a request's first step), and the output is AR's."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=300, speculative=False)
+    full = ar.tokens + [0] * 64
+    eng._draft_override = lambda prompt, out, B: full[len(out): len(out) + B - 1]
+    try:
+        spiky_costs(eng, spike, p)
+        runs = [eng.generate(TEXT, max_tokens=300) for _ in range(3)]
+        state = eng._spec.controller_state()
+    finally:
+        eng._draft_override = None
+    for sp in runs:
+        assert sp.tokens == ar.tokens
+        assert sp.stats.mean_acceptance_length >= 8, sp.stats
+        assert sp.stats.ar_steps <= 1 + sp.stats.rounds // 32 + 1, sp.stats
+    assert state["mode"] == "spec" and state["round_can_win"]
+
+
+def test_still_falls_back_on_a_busy_machine(embedded):
+    """The same waits with drafts that are never accepted: a round commits one token for two graph
+    runs, so the controller goes to AR as on a quiet machine; exact throughout."""
+    eng = embedded
+    ar = eng.generate(TEXT, max_tokens=200, speculative=False)
+    full = ar.tokens + [0] * 64
+    eng._draft_override = lambda prompt, out, B: [(full[len(out)] + 1) % eng.n_vocab] * (B - 1)
+    try:
+        spiky_costs(eng, 50.0, 0.5)
+        sp = eng.generate(TEXT, max_tokens=200)
+    finally:
+        eng._draft_override = None
+    assert sp.tokens == ar.tokens
+    assert sp.stats.ar_steps > 4 * sp.stats.rounds and sp.stats.controller_switches >= 2

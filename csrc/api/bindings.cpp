@@ -618,6 +618,7 @@ py::dict controller_state(spec_session & s) {
     d["bins"] = bins;  // [k_bins]: (drafts observed, accepted) in the window, by drafter p-bin
     d["round_can_win"] = c.round_can_win();  // by the calibration's best case at the current costs
     d["regimes"] = c.n_regimes();            // sampling regimes with a calibration of their own
+    d["stall_s"] = c.stall();                 // the mean wait per graph run of late (a busy machine)
     return d;
 }
 
@@ -1344,6 +1345,15 @@ void bind_testing_caches(py::module_ & t) {
         py::arg("spec"), py::arg("ar_s"), py::arg("draft_s"), py::arg("verify0_s"), py::arg("verify1_s"),
         "The controller prices steps by these costs instead of measuring them (a verify of n tokens: "
         "verify0_s + verify1_s * n), so its decisions depend only on acceptance");
+    t.def(
+        "controller_synthetic_costs",
+        [](spec_session & s, double t_ar, double t_draft, double v0, double v1, double spike_s, double spike_p,
+           uint64_t seed) { s.control().set_synthetic_costs(t_ar, t_draft, v0, v1, spike_s, spike_p, seed); },
+        py::arg("spec"), py::arg("ar_s"), py::arg("draft_s"), py::arg("verify0_s"), py::arg("verify1_s"),
+        py::arg("spike_s"), py::arg("spike_p"), py::arg("seed") = 0,
+        "A busy machine, made up: each step's measured time becomes these costs (as controller_fixed_costs) "
+        "plus, with probability spike_p (a seeded draw per step), spike_s seconds; the controller estimates "
+        "its costs from these times as from measured ones");
 }
 
 // _core.Request: engine/request.h, the one request loop (engine.py's _Run is its text layer).

@@ -30,8 +30,7 @@ uint64_t regime_key(double temperature, int64_t top_k, double top_p, double min_
 }
 
 controller::controller(int64_t max_block, controller_params p)
-    : p_(p), max_block_(max_block), t_verify_(max_block + 1, 0.0), n_verify_(max_block + 1, 0),
-      seen_verify_(max_block + 1, 0) {
+    : p_(p), max_block_(max_block), timed_verify_(max_block + 1, 0) {
     regimes_.emplace_front(0, regime_state{});
     r_ = &regimes_.front().second;
 }
@@ -73,13 +72,14 @@ bool controller::round_can_win() const {
     for (int b = 0; b < k_bins; ++b) {
         if (r_->bin_n[b] > 0) q = std::max(q, calibrated_in(b, b < k_bins - 1 ? k_bin_edges[b] : 1.0));
     }
-    if (t_ar_ <= 0 || q < 0) return true;  // nothing measured: find out
-    const double ar_rate = 1.0 / t_ar_;
+    const double t_ar = ar_cost(), t_draft = draft_cost();
+    if (t_ar <= 0 || q < 0) return true;  // nothing measured: find out
+    const double ar_rate = 1.0 / t_ar;
     double expect = 1.0, run = 1.0;
     for (int64_t k = 1; k < max_block_; ++k) {
         run *= q;
         expect += run;
-        if (expect / (t_draft_ + verify_cost(k + 1)) > ar_rate) return true;
+        if (expect / (t_draft + verify_cost(k + 1)) > ar_rate) return true;
     }
     return false;
 }
@@ -93,7 +93,7 @@ void controller::forget_rounds() {
 
 void controller::forget_rate() {
     for (round_obs & o : r_->window) o.timed = false;
-    r_->win_s = 0;
+    r_->win_n = 0;
     r_->win_tokens = 0;
     r_->win_timed = 0;
 }
@@ -102,7 +102,7 @@ controller::mode controller::next() const {
     if (mode_ == mode::ar) return mode::ar;
     // The AR cost decides only near the margin (fall back or not; lambda is the spec rate while
     // it is higher): the further ahead speculation is, the rarer the probe, up to 4x apart.
-    const double ahead = std::clamp(spec_rate() * t_ar_, 1.0, 4.0);
+    const double ahead = std::clamp(spec_rate() * ar_cost(), 1.0, 4.0);
     return rounds_since_ar_ >= (int64_t) std::lround(p_.ar_probe_every * ahead) ? mode::ar : mode::spec;
 }
 
@@ -118,37 +118,55 @@ double controller::calibrated_in(int b, double p) const {
 
 double controller::calibrated(float p) const { return calibrated_in(bin_of(p), p); }
 
-double controller::spec_rate() const { return r_->win_s > 0 ? r_->win_tokens / r_->win_s : 0.0; }
+double controller::floor_cost::value(int64_t since) const {
+    double v = -1;
+    for (int64_t i = 0; i < std::min<int64_t>(n, k_floor); ++i)
+        if (at[i] >= since && (v < 0 || s[i] < v)) v = s[i];
+    return since == INT64_MIN && v < 0 ? 0 : v;
+}
+
+double controller::spec_rate() const {
+    // the window's rounds at the current costs (see the header: not their wall seconds)
+    double a, b;
+    line(a, b);
+    const double seconds = (double) r_->win_timed * (draft_cost() + a + stall()) + b * (double) r_->win_n;
+    return r_->win_timed > 0 && seconds > 0 ? r_->win_tokens / seconds : 0.0;
+}
 
 double controller::verify_cost(int64_t n) const {
-    if (fixed_) return fixed_v0_ + fixed_v1_ * n;
-    // Weighted least squares over the timed sizes, the AR step standing for size 1 (timed every
-    // ar_probe_every rounds at most, so always recent); a size's weight halves every
-    // window_rounds rounds since it was last timed.
-    double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
-    auto add = [&](double x, double y, double w) {
-        sw += w, sx += w * x, sy += w * y, sxx += w * x * x, sxy += w * x * y;
-    };
-    if (n_ar_ > 0) add(1, t_ar_, 1);
-    for (int64_t m = 1; m <= max_block_; ++m)
-        if (n_verify_[m] > 0) {
-            const double age = (double) (n_rounds_ - seen_verify_[m]) / (double) p_.window_rounds;
-            add((double) m, t_verify_[m], (double) std::min<int64_t>(n_verify_[m], 8) * std::exp2(-age));
-        }
-    if (sw == 0) return 0;
-    const double den = sw * sxx - sx * sx;
-    if (den <= 1e-12 * sw * sw) {  // one size known: the prior slope through it
-        const double x0 = sx / sw, y0 = sy / sw;
-        const double c1 = y0 / (1 + k_prior_slope * (x0 - 1));
-        return c1 * (1 + k_prior_slope * (n - 1));
+    double a, b;
+    line(a, b);
+    return std::max(a + b * n, 1e-9) + stall();
+}
+
+double controller::stall() const { return excess_.empty() ? 0.0 : excess_sum_ / (double) excess_.size(); }
+
+void controller::add_excess(double seconds) {
+    excess_.push_back(std::max(seconds, 0.0));
+    excess_sum_ += excess_.back();
+    if ((int64_t) excess_.size() > p_.window_rounds) excess_sum_ -= excess_.front(), excess_.pop_front();
+}
+
+void controller::line(double & a, double & b) const {
+    a = b = 0;
+    if (fixed_ && !synthetic_) {
+        a = fixed_v0_, b = fixed_v1_;
+        return;
     }
-    const double b = (sw * sxy - sx * sy) / den, a = (sy - b * sx) / sw;
-    return std::max(a + b * n, 1e-9);
+    // c(1): the least of the AR floor and the floor of a verify of one token (the same work)
+    double c1 = ar_.value();  // the floors, without the stall
+    if (v1_.n > 0) c1 = c1 > 0 ? std::min(c1, v1_.value()) : v1_.value();
+    if (c1 <= 0) return;
+    // the slope: the least of its recent bounds; before any, c(n) = c(1) * (1 + slope * (n - 1))
+    const double lo = slope_.value(n_steps_ - p_.window_rounds);
+    b = lo < 0 ? c1 * k_prior_slope : lo;
+    a = c1 - b;
 }
 
 double controller::lambda() const {
     // no AR time yet cannot happen: a request starts with an AR step
-    return std::max(spec_rate(), t_ar_ > 0 ? 1.0 / t_ar_ : 0.0);
+    const double t_ar = ar_cost();
+    return std::max(spec_rate(), t_ar > 0 ? 1.0 / t_ar : 0.0);
 }
 
 int64_t controller::choose(const float * p, int64_t n) const {
@@ -180,22 +198,42 @@ int64_t controller::choose_tree(const int32_t * parent, const float * prob, int6
     return best_m;
 }
 
-double controller::ewma(double old, double sample, int64_t n_seen) {
-    if (n_seen <= 1) return sample;
-    // a graph built for a new shape, or a stolen time slice, is one slow sample, not a new cost
-    sample = std::min(sample, 3.0 * old);
-    const double a = std::max(1.0 / (double) n_seen, 0.2);
-    return old + a * (sample - old);
-}
-
 void controller::set_fixed_costs(double t_ar, double t_draft, double v0, double v1) {
     fixed_ = true;
-    t_ar_ = t_ar, t_draft_ = t_draft, fixed_v0_ = v0, fixed_v1_ = v1;
-    n_ar_ = n_draft_ = 1;
+    synthetic_ = false;
+    fixed_ar_ = t_ar, fixed_draft_ = t_draft, fixed_v0_ = v0, fixed_v1_ = v1;
+    ar_ = draft_ = floor_cost{};
+    ar_.add(t_ar, n_steps_);
+    draft_.add(t_draft, n_steps_);
+}
+
+void controller::set_synthetic_costs(double t_ar, double t_draft, double v0, double v1, double spike_s, double spike_p,
+                                     uint64_t seed) {
+    set_fixed_costs(t_ar, t_draft, v0, v1);
+    synthetic_ = true;
+    spike_s_ = spike_s, spike_p_ = spike_p, rng_ = seed;
+    ar_ = draft_ = v1_ = slope_ = floor_cost{};
+    excess_.clear();
+    excess_sum_ = 0;
+    std::fill(timed_verify_.begin(), timed_verify_.end(), 0);
+}
+
+double controller::synthetic(double base) {
+    rng_ += 0x9e3779b97f4a7c15ull;  // splitmix64
+    uint64_t z = rng_;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double) (z >> 11) * 0x1.0p-53 < spike_p_ ? base + spike_s_ : base;
 }
 
 void controller::observe_ar(double seconds) {
-    if (!fixed_) t_ar_ = ewma(t_ar_, seconds, ++n_ar_);
+    if (synthetic_) seconds = synthetic(fixed_ar_);
+    if (!fixed_ || synthetic_) {
+        ar_.add(seconds, n_steps_);
+        add_excess(seconds - ar_.value());
+    }
+    ++n_steps_;
     if (mode_ == mode::ar) {
         --ar_left_;
     } else {
@@ -222,27 +260,27 @@ void controller::observe_tree_round(const std::vector<std::pair<float, bool>> & 
 }
 
 void controller::observe(round_obs o, int64_t n, double draft_s, double verify_s) {
-    if (fixed_) {
-        draft_s = t_draft_;
-        verify_s = verify_cost(n);
-    } else {
-        t_draft_ = ewma(t_draft_, draft_s, ++n_draft_);
-        if (n <= max_block_) {
-            // a size's first time is priced no higher than 3x what the line says it should cost
-            // (later samples are capped by ewma against the size's own estimate)
-            double s = verify_s;
-            if (n_verify_[n] == 0) {
-                const double line = verify_cost(n);
-                if (line > 0) s = std::min(s, 3.0 * line);
-            }
-            t_verify_[n] = ewma(t_verify_[n], s, ++n_verify_[n]);
-            seen_verify_[n] = n_rounds_;
+    if (synthetic_) draft_s = synthetic(fixed_draft_), verify_s = synthetic(fixed_v0_ + fixed_v1_ * (double) n);
+    if (!fixed_ || synthetic_) {
+        draft_.add(draft_s, n_steps_);
+        add_excess(draft_s - draft_.value());
+        // a size's first verify builds its graph: a stall like a wait, left out of the slope
+        const bool first = n <= max_block_ && timed_verify_[n]++ == 0;
+        double a, b;
+        if (n == 1) {
+            v1_.add(verify_s, n_steps_);
+        } else if (!first) {
+            line(a, b);
+            slope_.add(std::max((verify_s - (a + b)) / (double) (n - 1), 0.0), n_steps_);  // a + b: c(1)
         }
+        line(a, b);
+        if (!first) add_excess(verify_s - (a + b * (double) n));
     }
-    o.seconds = draft_s + verify_s;
+    ++n_steps_;
+    o.n = n;
     regime_state & r = *r_;
     for (auto [b, hit] : o.outcomes) r.bin_n[b] += 1, r.bin_hit[b] += hit;
-    r.win_s += o.seconds;
+    r.win_n += o.n;
     r.win_tokens += o.tokens;
     ++r.win_timed;
     r.window.push_back(std::move(o));
@@ -250,14 +288,13 @@ void controller::observe(round_obs o, int64_t n, double draft_s, double verify_s
         const round_obs & old = r.window.front();
         for (auto [b, hit] : old.outcomes) r.bin_n[b] -= 1, r.bin_hit[b] -= hit;
         if (old.timed) {
-            r.win_s -= old.seconds;
+            r.win_n -= old.n;
             r.win_tokens -= old.tokens;
             --r.win_timed;
         }
         r.window.pop_front();
     }
     ++rounds_since_ar_;
-    ++n_rounds_;
     settle_mode();
 }
 
@@ -275,8 +312,9 @@ void controller::settle_mode() {
         rounds_since_ar_ = 0;
         return;
     }
-    if (r_->win_timed < p_.min_rounds || t_ar_ <= 0) return;
-    if (spec_rate() < 1.0 / t_ar_) {  // losing to AR: fall back, for longer after a failed probe
+    const double t_ar = ar_cost();
+    if (r_->win_timed < p_.min_rounds || t_ar <= 0) return;
+    if (spec_rate() < 1.0 / t_ar) {  // losing to AR: fall back, for longer after a failed probe
         backoff_ = probing_ ? std::min(2 * backoff_, p_.backoff_max) : p_.backoff_min;
         r_->backoff = backoff_;
         ar_left_ = backoff_;

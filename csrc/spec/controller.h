@@ -18,11 +18,26 @@
 // rounds: kept when it beats AR, else back to AR with the backoff doubled (up to backoff_max).
 // A probe costs at most min_rounds rounds, and the doubling bounds how often it is paid.
 //
-// Costs are measured on the steady clock per step (AR, draft, verify by size). A verify of n is
-// priced by a least-squares line through the timed sizes (the AR step standing for size 1), each
-// weighted down by how many rounds ago it was timed: costs grow with the context, and a size the
-// controller stopped choosing long ago would otherwise keep its cheaper, early price and make
-// the line steeper than it is now.
+// Costs are measured on the steady clock per step (AR, draft, verify by size), and each is priced
+// by its floor: the least of its last few samples. On a busy machine a step's wall time is its
+// work plus the time its threads waited for a core, and the wait is heavy-tailed and unrelated to
+// the step's size (a descheduled ggml worker stalls the whole graph at its next barrier): an
+// average of samples taken at different moments mixes load into the cost, and the ratio of two
+// such averages (a round against an AR step, measured far apart in time) is the ratio of two
+// loads. The floor is the step's own cost, which a load slows for every kind of step alike, so
+// that which step is faster does not change with it. The speculative rate the controller judges
+// by is priced the same way: the window's tokens over its rounds' floor costs (draft + verify of
+// their size), never over their wall seconds, and it is compared with the AR floor of the same
+// moment. A step is priced at its floor plus the mean wait per graph run (AR steps, drafts and
+// verifies pooled: a step's time over its kind's floor, over the last window_rounds graph runs), so
+// that a round (two graphs: draft, verify) pays two waits and an AR step one, by waits measured in
+// whichever mode the controller is in. A verify of n is priced by a line c(n) = c(1) + slope * (n - 1): c(1) the AR floor (or a
+// verify of 1's, the same work), and the slope the least of the bounds (verify(m) - c(1)) / (m - 1)
+// that the last k_floor rounds of m >= 2 gave (a wait only adds: each is the slope or more, so a
+// round timed in a stall raises no price; a size's first verify, which builds its graph, gives
+// none). Bounds older than window_rounds steps (rounds or AR steps) expire, and with none the
+// prior slope holds: costs grow with the context, and a slope that once priced the drafts out
+// would otherwise never be measured again (a stalled estimate would keep the controller in AR).
 #pragma once
 
 #include <cstddef>
@@ -86,11 +101,17 @@ public:
 
     // Tests: replace the measured times by c(n) = v0 + v1 * n, t_draft and t_ar.
     void set_fixed_costs(double t_ar, double t_draft, double v0, double v1);
+    // Tests: a busy machine, made up: each step's measured time is replaced by those costs plus,
+    // with probability spike_p (a seeded draw per step), spike_s seconds, and the estimates are
+    // made from these times as from measured ones.
+    void set_synthetic_costs(double t_ar, double t_draft, double v0, double v1, double spike_s, double spike_p,
+                             uint64_t seed);
 
     // Read-outs (engine stats, benchmarks, tests).
-    double ar_cost() const { return t_ar_; }
-    double draft_cost() const { return t_draft_; }
-    double verify_cost(int64_t n) const;  // c(n): the age-weighted line through the timed sizes
+    double ar_cost() const { return ar_.value() + stall(); }
+    double draft_cost() const { return draft_.value() + stall(); }
+    double stall() const;  // the mean wait per graph run (a step's time over its floor) of late
+    double verify_cost(int64_t n) const;  // c(n): the line under the timed sizes' floors
     double calibrated(float p) const;     // acceptance probability of a draft of top-1 probability p
     double spec_rate() const;             // tokens/s of the window's rounds (0: none yet)
     // Whether a round of the best case the calibration allows (every draft in the top p-bin, any
@@ -103,8 +124,18 @@ public:
     std::pair<int64_t, int64_t> bin_counts(int b) const { return {r_->bin_n[b], r_->bin_hit[b]}; }
 
 private:
+    // A cost's last k_floor samples, each with the step it was taken at; its value is their least
+    // (0: none yet), or the least of those taken at step `since` or later (-1: none).
+    static constexpr int k_floor = 8;
+    struct floor_cost {
+        double s[k_floor] = {};
+        int64_t at[k_floor] = {};
+        int64_t n = 0;  // samples seen
+        void add(double seconds, int64_t step) { s[n % k_floor] = seconds, at[n % k_floor] = step, ++n; }
+        double value(int64_t since = INT64_MIN) const;
+    };
     struct round_obs {
-        double seconds = 0;
+        int64_t n = 0;  // verified tokens (its price: t_draft + c(n) at the current costs)
         int64_t tokens = 0;
         std::vector<std::pair<uint8_t, bool>> outcomes;  // (p-bin, accepted) per observed draft
         bool timed = true;  // counts in the speculative rate (false: a round of an earlier request)
@@ -112,7 +143,9 @@ private:
     static int bin_of(float p);
     // bin b's observed acceptance with the prior "q = p" (weight k_prior_weight) folded in
     double calibrated_in(int b, double p) const;
-    static double ewma(double old, double sample, int64_t n_seen);
+    void line(double & a, double & b) const;  // the floors' c(n) = a + b * n, b >= 0
+    void add_excess(double seconds);          // one graph run's time over its floor
+    double synthetic(double base);            // set_synthetic_costs: base + a spike, or not
     void forget_rounds();  // empties the window (a new probe measures fresh)
     void forget_rate();    // keeps the window's calibration, drops its rounds from the rate
     void settle_mode();    // after a round or an AR step: switch when the evidence says so
@@ -123,21 +156,25 @@ private:
     controller_params p_;
     int64_t max_block_;
     // costs (seconds)
-    double t_ar_ = 0, t_draft_ = 0;
-    int64_t n_ar_ = 0, n_draft_ = 0;
-    std::vector<double> t_verify_;  // [max_block + 1]: mean cost of a verify of n tokens
-    std::vector<int64_t> n_verify_;
-    std::vector<int64_t> seen_verify_;  // [max_block + 1]: n_rounds_ when size n was last timed
-    int64_t n_rounds_ = 0;              // rounds observed (all requests): the clock of seen_verify_
+    floor_cost ar_, draft_, v1_;  // an AR step, a draft pass, a verify of 1 token
+    // bounds on the verify slope, (verify(n) - c(1)) / (n - 1), from rounds of n >= 2 tokens
+    floor_cost slope_;
+    std::deque<double> excess_;  // the last window_rounds graph runs' times over their floors
+    double excess_sum_ = 0;
+    std::vector<int64_t> timed_verify_;  // [max_block + 1]: verifies of n tokens timed
+    int64_t n_steps_ = 0;                // steps observed (all requests): the clock of the samples
     bool fixed_ = false;
-    double fixed_v0_ = 0, fixed_v1_ = 0;
+    double fixed_ar_ = 0, fixed_draft_ = 0, fixed_v0_ = 0, fixed_v1_ = 0;
+    bool synthetic_ = false;  // set_synthetic_costs: the fixed_ costs plus spikes, measured
+    double spike_s_ = 0, spike_p_ = 0;
+    uint64_t rng_ = 0;
     // Per sampling regime: the acceptance calibration over the window, the window's rate, and the
     // back-off its last fall-back left (kept for the regime's next request). The most recently
     // used k_max_regimes regimes are kept, the current one first.
     struct regime_state {
         std::deque<round_obs> window;
         int64_t bin_hit[k_bins] = {}, bin_n[k_bins] = {};
-        double win_s = 0;  // seconds and tokens of the window's timed rounds
+        int64_t win_n = 0;  // verified and committed tokens of the window's timed rounds
         int64_t win_tokens = 0;
         int64_t win_timed = 0;  // the window's timed rounds
         int64_t backoff = 0;
