@@ -30,6 +30,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import dflash_native as dn
+    from dflash_native import _core
     from dflash_native.train import corpus
 
     target, drafter = resolve_pair(a.target, a.drafter)
@@ -49,7 +50,7 @@ def main() -> None:
                 p = prompts[len(rows)].text
                 ar = eng.generate(p, max_tokens=a.gen, speculative=False)
                 sp = eng.generate(p, max_tokens=a.gen)
-                st = eng._spec.controller_state()
+                st = _core.testing.controller_state(eng._spec)
                 r = dict(bench="controller_load", phase=phase, request=i, load=a.load if phase == "load" else 0,
                          ar_tok_s=len(ar.tokens) / ar.stats.decode_s, spec_tok_s=len(sp.tokens) / sp.stats.decode_s,
                          acceptance=sp.stats.mean_acceptance_length, ar_steps=sp.stats.ar_steps,
