@@ -434,6 +434,8 @@ def train_drafter(target_dir: str | os.PathLike[str] | nn.Module, out_dir: str |
     (Markov and confidence heads): the drafter's architecture and its extra losses
     (train/drafter_kinds.py); an `init_from` drafter must be of the same kind.
     Returns the loss history and throughput (TrainResult).
+    Over 80 lines: the signature (one keyword per recipe setting) and this docstring are most of it;
+    the steps themselves are helpers (_training_sequences, _Features, _train_steps, _write_recipe).
     """
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
