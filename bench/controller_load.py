@@ -41,18 +41,23 @@ def main() -> None:
           f"load={a.load} busy loops, {a.requests} requests per phase, {a.gen} tokens; rev {git_rev()}")
     print(f"{'phase':7} {'req':>3} {'AR tok/s':>9} {'spec tok/s':>10} {'ratio':>6} {'acc len':>7} "
           f"{'AR steps':>8} {'mode':>5} {'exact':>5}")
-    rows = []
+    rows, k = [], 0
     for phase in ("quiet", "load", "after"):
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)] \
             if phase == "load" else []
         try:
             for i in range(a.requests):
-                p = prompts[len(rows)].text
+                p, k = prompts[k].text, k + 1
                 ar = eng.generate(p, max_tokens=a.gen, speculative=False)
                 sp = eng.generate(p, max_tokens=a.gen)
                 st = _core.testing.controller_state(eng._spec)
+                if len(ar.tokens) < 2 or ar.stats.decode_s <= 0 or sp.stats.decode_s <= 0:
+                    print(f"{phase:7} {i:>3} (ended at its first token: no decode to time)", flush=True)
+                    continue
                 r = dict(bench="controller_load", phase=phase, request=i, load=a.load if phase == "load" else 0,
-                         ar_tok_s=len(ar.tokens) / ar.stats.decode_s, spec_tok_s=len(sp.tokens) / sp.stats.decode_s,
+                         ar_tok_s=(len(ar.tokens) - 1) / ar.stats.decode_s,
+                         spec_tok_s=(len(sp.tokens) - 1) / sp.stats.decode_s, ar_s=ar.stats.decode_s,
+                         spec_s=sp.stats.decode_s, n_tokens=len(sp.tokens) - 1,
                          acceptance=sp.stats.mean_acceptance_length, ar_steps=sp.stats.ar_steps,
                          rounds=sp.stats.rounds, mode=st["mode"], stall_s=st["stall_s"],
                          exact=sp.tokens == ar.tokens, gen=a.gen, threads=a.threads, machine=info, rev=git_rev())
@@ -64,6 +69,11 @@ def main() -> None:
             for pr in procs:
                 pr.kill()
                 pr.wait()
+        done = [r for r in rows if r["phase"] == phase]
+        if done:  # the phase's aggregate: its tokens over its decode seconds, spec over AR
+            n = sum(r["n_tokens"] for r in done)
+            ratio = (n / sum(r["spec_s"] for r in done)) / (n / sum(r["ar_s"] for r in done))
+            print(f"{phase:7} all {'':>9} {'':>10} {ratio:6.2f}  (the phase's tokens over its decode seconds)", flush=True)
     write_jsonl(a.json, rows)
 
 
