@@ -650,6 +650,14 @@ void spec_push_features(spec_session & s, farr feats, int64_t pos0) {
     s.push_features(feats.data(), feats.shape(0), pos0);
 }
 
+// A drafting call of block size B (>= 2: `last` and at least one draft): f() with the GIL released.
+template <class F>
+auto drafting(int64_t B, F && f) {
+    if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
+    py::gil_scoped_release release;
+    return f();
+}
+
 void def_spec_drafting(py::class_<spec_session> & c) {
     c.def("reset", &spec_session::reset)
         .def(
@@ -682,11 +690,7 @@ void def_spec_drafting(py::class_<spec_session> & c) {
             "prefill() that returns the first token's TokenLogprobs")
         .def(
             "draft",
-            [](spec_session & s, int32_t last, int64_t B) {
-                if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-                py::gil_scoped_release release;
-                return s.draft(last, B);
-            },
+            [](spec_session & s, int32_t last, int64_t B) { return drafting(B, [&] { return s.draft(last, B); }); },
             py::arg("last"), py::arg("block_size"))
         .def_property_readonly("selector_top_k", [](spec_session & s) { return s.drafter_hparams_().selector_top_k; },
                                "DFlash 2's selector_top_k (0: a drafter without a selector)")
@@ -798,26 +802,15 @@ void bind_testing_sessions(py::module_ & t) {
     t.def(
         "draft_logits",
         [](spec_session & s, int32_t last, int64_t B, const target_session & tg) {
-            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-            std::vector<float> l;
-            {
-                py::gil_scoped_release release;
-                l = s.draft_logits(last, B);
-            }
-            return to_array(std::move(l), {B - 1, tg.hparams().n_vocab});
+            return to_array(drafting(B, [&] { return s.draft_logits(last, B); }), {B - 1, tg.hparams().n_vocab});
         },
         py::arg("spec"), py::arg("last"), py::arg("block_size"), py::arg("target"),
         "The drafter's logits for d_1..d_{B-1}, float32 [B-1, n_vocab]");
     t.def(
         "draft_lattice",
         [](spec_session & s, int32_t last, int64_t B) {
-            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
-            std::vector<float> l;
-            {
-                py::gil_scoped_release release;
-                l = s.draft_lattice(last, B);
-            }
-            return to_array(std::move(l), {B - 1, s.drafter_hparams_().lattice_row()});
+            return to_array(drafting(B, [&] { return s.draft_lattice(last, B); }),
+                            {B - 1, s.drafter_hparams_().lattice_row()});
         },
         py::arg("spec"), py::arg("last"), py::arg("block_size"),
         "A DFlash 2 drafter's selector lattice for d_1..d_{B-1}, float32 [B-1, k + k*k]: per row the k "
@@ -825,13 +818,8 @@ void bind_testing_sessions(py::module_ & t) {
     t.def(
         "draft_top1",
         [](spec_session & s, int32_t last, int64_t B) {
-            if (B < 2) throw input_error(cat("[draft] block size must be >= 2, got ", B));
             std::vector<float> p;
-            std::vector<int32_t> d;
-            {
-                py::gil_scoped_release release;
-                d = s.draft_top1(last, B, p);
-            }
+            std::vector<int32_t> d = drafting(B, [&] { return s.draft_top1(last, B, p); });
             return py::make_tuple(d, p);
         },
         py::arg("spec"), py::arg("last"), py::arg("block_size"),
