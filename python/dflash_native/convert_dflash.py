@@ -652,14 +652,8 @@ def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
             f"ffn={int(spec.hp['intermediate_size'])}")
     out: list[SourceTensor] = []
     for hf_name, gguf_name in _gguf_names(spec.n_layer, spec.dflash2 is not None).items():
-        name, shape = prefix + hf_name, shapes[hf_name]
-        if name not in ckpt:
-            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
-        src = ckpt.get(name)
-        if src.shape != shape:
-            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
-                             f"{list(shape)} from config.json ({dims})")
-        out.append(SourceTensor(gguf_name, shape, src.load, not gguf_name.endswith(".weight"), name))
+        src = _checked_tensor(ckpt, prefix + hf_name, shapes[hf_name], f"from config.json ({dims})")
+        out.append(SourceTensor(gguf_name, shapes[hf_name], src.load, not gguf_name.endswith(".weight"), prefix + hf_name))
 
     if spec.dspark:
         out += _dspark_tensors(spec, ckpt, prefix)
@@ -669,6 +663,18 @@ def _dflash_tensors(spec: DflashSpec, ckpt: Checkpoint) -> list[SourceTensor]:
         shown = ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
         raise ValueError(f"[convert_dflash] {ckpt.src_dir}: unexpected tensors for a DFlash drafter: {shown}")
     return out
+
+
+def _checked_tensor(ckpt: Checkpoint, name: str, shape, why: str):
+    """ckpt's tensor `name`; ValueError when it is missing or its shape is not `shape` (`why`: where
+    the expected shape comes from)."""
+    if name not in ckpt:
+        raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
+    src = ckpt.get(name)
+    if src.shape != shape:
+        raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
+                         f"{list(shape)} {why}")
+    return src
 
 
 def _dspark_tensors(spec: DflashSpec, ckpt: Checkpoint, prefix: str) -> list[SourceTensor]:
@@ -683,14 +689,8 @@ def _dspark_tensors(spec: DflashSpec, ckpt: Checkpoint, prefix: str) -> list[Sou
                                   confidence=spec.has_confidence_head)
     out = []
     for hf_name, shape in shapes.items():
-        name = prefix + hf_name
-        if name not in ckpt:
-            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: missing tensor {name!r}")
-        src = ckpt.get(name)
-        if src.shape != shape:
-            raise ValueError(f"[convert_dflash] {ckpt.src_dir}: {name} has shape {list(src.shape)}, expected "
-                             f"{list(shape)} (vocab_size, hidden_size and markov_w1's rank {rank})")
-        out.append(SourceTensor(DSPARK_NAMES[hf_name], shape, src.load, False, name))
+        src = _checked_tensor(ckpt, prefix + hf_name, shape, f"(vocab_size, hidden_size and markov_w1's rank {rank})")
+        out.append(SourceTensor(DSPARK_NAMES[hf_name], shape, src.load, False, prefix + hf_name))
     return out
 
 
