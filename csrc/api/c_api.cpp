@@ -245,8 +245,7 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     pol.tree = spec && e.tree;
     if (!sp.greedy()) pol.sampling = sp;  // greedy: the argmax in the graph
     pol.max_tokens = (int64_t) std::min<size_t>(max_tokens, INT64_MAX);
-    request r(*e.target, spec ? e.spec.get() : nullptr, e.tok.get(), pol);
-    e.target->reset();  // Engine._claim: a cold start (a speculative prefill resets the drafter's side too)
+    request r(*e.target, spec ? e.spec.get() : nullptr, e.tok.get(), pol);  // start() below is a cold start
     struct count_out {  // *n_out and the statistics as they stand, also when a step throws
         const request & r;
         dfn_stats & st;
