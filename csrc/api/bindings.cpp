@@ -26,6 +26,7 @@
 #include "runtime/devices.h"
 #include "runtime/session.h"
 #include "spec/batch_engine.h"
+#include "engine/scheduler.h"
 #include "spec/spec.h"
 #include "engine/request.h"
 #include "gguf/tokenizer.h"
@@ -405,8 +406,8 @@ std::unique_ptr<target_session> make_target_slots(const std::string & path, int6
 // _core.testing.baseline_target's).
 std::unique_ptr<target_session> make_target(const std::string & path, int64_t n_ctx, int n_threads,
                                             const std::string & kv_type, int64_t n_batch, const std::string & device,
-                                            int64_t max_verify, bool use_mmap) {
-    return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, "tape", "own", use_mmap, 1);
+                                            int64_t max_verify, bool use_mmap, int n_seq) {
+    return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, "tape", "own", use_mmap, n_seq);
 }
 
 py::object target_decode(target_session & s, const py::object & tokens, bool all_logits, const std::vector<int> & taps) {
@@ -458,7 +459,8 @@ void bind_target(py::module_ & m) {
     py::class_<target_session>(m, "Target")
         .def(py::init(&make_target), py::arg("path"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0,
              py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
-             py::arg("use_mmap") = true)
+             py::arg("use_mmap") = true, py::arg("n_seq") = 1)
+        .def_property_readonly("n_seq", &target_session::n_seq)
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })
@@ -1344,6 +1346,47 @@ void bind_testing_caches(py::module_ & t) {
         "its costs from these times as from measured ones");
 }
 
+py::object stop_reason_of(const request & r) {
+    switch (r.stats().stop) {
+        case stop_reason::eos: return py::str("eos");
+        case stop_reason::length: return py::str("length");
+        case stop_reason::context: return py::str("context");
+        case stop_reason::caller: return py::str("stop");
+        default: return py::none();
+    }
+}
+
+py::dict stats_of(const request & r) {
+    const request_stats & s = r.stats();
+    py::dict d;
+    d["n_prompt_tokens"] = s.n_prompt;
+    d["n_cached_tokens"] = s.n_cached;
+    d["prefill_s"] = s.prefill_s;
+    d["decode_s"] = s.decode_s;
+    d["ar_steps"] = s.ar_steps;
+    d["acceptance_histogram"] = s.histogram;
+    d["rounds"] = s.rounds();
+    d["draft_s"] = s.draft_s;
+    d["verify_s"] = s.verify_s;
+    d["rollback_s"] = s.rollback_s;
+    d["verified_tokens"] = s.verified_tokens;
+    d["controller_switches"] = s.controller_switches;
+    d["drafter_failure"] = s.drafter_failure;
+    return d;
+}
+
+request_policy policy_of(bool speculative, bool tree, const sampling_params * sampling, int64_t max_tokens,
+                         bool exact_max_tokens, token_constraint * constraint) {
+    request_policy p;
+    p.speculative = speculative;
+    p.tree = tree;
+    if (sampling) p.sampling = *sampling;
+    p.max_tokens = max_tokens;
+    p.exact_max_tokens = exact_max_tokens;
+    p.constraint = constraint;
+    return p;
+}
+
 // _core.Request: engine/request.h, the one request loop (engine.py's _Run is its text layer).
 void bind_request(py::module_ & m) {
     py::class_<request>(m, "Request", "One request's loop: prefill, then AR steps or rounds until a token-level "
@@ -1351,14 +1394,8 @@ void bind_request(py::module_ & m) {
         .def(py::init([](target_session & t, spec_session * s, const tokenizer * vocab, bool speculative, bool tree,
                          const sampling_params * sampling, int64_t max_tokens, bool exact_max_tokens,
                          token_constraint * constraint) {
-                 request_policy p;
-                 p.speculative = speculative;
-                 p.tree = tree;
-                 if (sampling) p.sampling = *sampling;
-                 p.max_tokens = max_tokens;
-                 p.exact_max_tokens = exact_max_tokens;
-                 p.constraint = constraint;
-                 return std::make_unique<request>(t, s, vocab, p);
+                 return std::make_unique<request>(t, s, vocab, policy_of(speculative, tree, sampling, max_tokens,
+                                                                          exact_max_tokens, constraint));
              }),
              py::arg("target"), py::arg("spec"), py::arg("vocab"), py::arg("speculative"), py::arg("tree") = false,
              py::arg("sampling") = py::none(), py::arg("max_tokens") = 0, py::arg("exact_max_tokens") = false,
@@ -1385,15 +1422,7 @@ void bind_request(py::module_ & m) {
             "One AR step or round: (tokens emitted, their TokenLogprobs when asked for)")
         .def("stop", &request::stop, "End the request (a stop string, a cancellation)")
         .def_property_readonly("done", &request::done)
-        .def_property_readonly("stop_reason", [](const request & r) -> py::object {
-            switch (r.stats().stop) {
-                case stop_reason::eos: return py::str("eos");
-                case stop_reason::length: return py::str("length");
-                case stop_reason::context: return py::str("context");
-                case stop_reason::caller: return py::str("stop");
-                default: return py::none();
-            }
-        })
+        .def_property_readonly("stop_reason", &stop_reason_of)
         .def("set_draft_source", &request::set_draft_source, py::arg("source"),
              "Tests, benchmarks: f(output tokens, B) -> the B-1 drafts to verify instead of the drafter's "
              "(which still runs), or [] for the drafter's")
@@ -1402,24 +1431,72 @@ void bind_request(py::module_ & m) {
         .def_property_readonly("committed", &request::committed,
                                "Every token the target committed, past a stop too (it has run all but the last)")
         .def_property_readonly("ring_in_step", &request::ring_in_step)
-        .def_property_readonly("stats", [](const request & r) {
-            const request_stats & s = r.stats();
+        .def_property_readonly("stats", &stats_of, "The request's statistics (request_stats) as a dict of GenerationStats' fields");
+}
+
+// _core.Scheduler: engine/scheduler.h, the engine over several sequence slots; each request a Ticket.
+void bind_scheduler(py::module_ & m) {
+    using ticket_ptr = std::shared_ptr<scheduler::ticket>;
+    struct py_ticket {
+        scheduler * s;
+        ticket_ptr t;
+        const request & done_request() const {
+            const request * r = s->result(*t);
+            if (!r) throw input_error("[generate] the request has not ended");
+            return *r;
+        }
+    };
+    py::class_<scheduler>(m, "Scheduler", "Requests over a target's sequence slots, batched per step (engine/scheduler.h)")
+        .def(py::init([](target_session & t, spec_session * spec0, const tokenizer * vocab) {
+                 return std::make_unique<scheduler>(t, spec0, vocab);
+             }),
+             py::arg("target"), py::arg("spec"), py::arg("vocab"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+             py::keep_alive<1, 4>())
+        .def(
+            "submit",
+            [](scheduler & s, const py::object & prompt, bool speculative, bool tree, const sampling_params * sampling,
+               int64_t max_tokens, bool exact_max_tokens, token_constraint * constraint, bool cache_prompt,
+               std::optional<request::draft_source> source) {
+                std::vector<int32_t> toks = to_tokens(prompt);
+                return py_ticket{&s, s.submit(std::move(toks), policy_of(speculative, tree, sampling, max_tokens,
+                                                                         exact_max_tokens, constraint),
+                                              cache_prompt, source ? *source : request::draft_source{})};
+            },
+            py::arg("prompt"), py::arg("speculative"), py::arg("tree") = false, py::arg("sampling") = py::none(),
+            py::arg("max_tokens") = 0, py::arg("exact_max_tokens") = false, py::arg("constraint") = py::none(),
+            py::arg("cache_prompt") = false, py::arg("draft_source") = py::none(), py::keep_alive<0, 1>(),
+            py::keep_alive<0, 8>(), "Queues a request; its Ticket")
+        .def_property_readonly("n_slots", &scheduler::n_slots)
+        .def("spec", &scheduler::spec, py::arg("slot"), py::return_value_policy::reference_internal)
+        .def_property_readonly("pass_stats", [](const scheduler & s) {
+            const scheduler::pass_stats p = s.stats();
             py::dict d;
-            d["n_prompt_tokens"] = s.n_prompt;
-            d["n_cached_tokens"] = s.n_cached;
-            d["prefill_s"] = s.prefill_s;
-            d["decode_s"] = s.decode_s;
-            d["ar_steps"] = s.ar_steps;
-            d["acceptance_histogram"] = s.histogram;
-            d["rounds"] = s.rounds();
-            d["draft_s"] = s.draft_s;
-            d["verify_s"] = s.verify_s;
-            d["rollback_s"] = s.rollback_s;
-            d["verified_tokens"] = s.verified_tokens;
-            d["controller_switches"] = s.controller_switches;
-            d["drafter_failure"] = s.drafter_failure;
+            d["passes"] = p.passes;
+            d["tokens"] = p.tokens;
+            d["solo_steps"] = p.solo_steps;
+            d["width"] = p.width;
             return d;
-        }, "The request's statistics (request_stats) as a dict of GenerationStats' fields");
+        }, "Batched target passes: count, tokens, solo steps, and passes by the number of requests in them");
+    py::class_<py_ticket>(m, "Ticket", "One request in a Scheduler")
+        .def(
+            "next",
+            [](py_ticket & t) {
+                request::emitted e;
+                {
+                    py::gil_scoped_release release;
+                    e = t.s->next(*t.t);
+                }
+                return std::make_pair(std::move(e.tokens), std::move(e.logprobs));
+            },
+            "The tokens emitted since the last call (and their TokenLogprobs when asked for), waiting (and "
+            "stepping the engine) until there are some or the request has ended")
+        .def("stop", [](py_ticket & t) { t.s->cancel(*t.t); }, "End the request at the next step")
+        .def_property_readonly("done", [](const py_ticket & t) { return t.s->done(*t.t); })
+        .def_property_readonly("stop_reason", [](const py_ticket & t) { return stop_reason_of(t.done_request()); })
+        .def_property_readonly("stats", [](const py_ticket & t) { return stats_of(t.done_request()); })
+        .def_property_readonly("committed", [](const py_ticket & t) { return t.done_request().committed(); })
+        .def_property_readonly("ring_in_step", [](const py_ticket & t) { return t.done_request().ring_in_step(); })
+        .def_property_readonly("block_size", [](const py_ticket & t) { return t.done_request().block_size(); });
 }
 
 }  // namespace
@@ -1437,6 +1514,7 @@ PYBIND11_MODULE(_core, m) {
     bind_spec(m);
     bind_tokenizer(m);
     bind_request(m);
+    bind_scheduler(m);
     py::module_ t = m.def_submodule("testing", "Kernels, tape and cache inspection for tests and benchmarks");
     bind_testing_kernels(t);
     bind_testing_sampler(t);

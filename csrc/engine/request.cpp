@@ -10,8 +10,12 @@ namespace dfn {
 
 int64_t request_stats::rounds() const { return std::accumulate(histogram.begin(), histogram.end(), int64_t(0)); }
 
-request::request(target_session & target, spec_session * spec, const tokenizer * vocab, const request_policy & policy)
-    : target_(target), spec_(spec), vocab_(vocab), policy_(policy) {
+request::request(target_session & target, spec_session * spec, const tokenizer * vocab, const request_policy & policy,
+                 int slot)
+    : target_(target), spec_(spec), vocab_(vocab), policy_(policy), slot_(spec ? spec->slot() : slot) {
+    DFN_REQUIRE(slot >= 0 && slot < target.n_seq(), "generate", "sequence slot ", slot, " outside [0, ", target.n_seq(), ")");
+    DFN_REQUIRE(!spec || spec->slot() == slot || slot == 0, "generate", "the request's slot ", slot,
+                " is not its spec session's slot ", spec ? spec->slot() : 0);
     DFN_REQUIRE(policy.max_tokens >= 0, "generate", "max_tokens must be >= 0, got ", policy.max_tokens);
     DFN_REQUIRE(!policy.speculative || spec, "generate", "a speculative request needs an engine with a drafter");
     DFN_REQUIRE(!policy.tree || (spec && spec->params().tree_budget > 0), "generate",
@@ -49,6 +53,7 @@ int32_t request::ar(const int32_t * tokens, int64_t n, std::vector<token_logprob
 
 request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cached) {
     DFN_REQUIRE(committed_.empty() && !done(), "generate", "a request starts once");
+    target_.select_slot(slot());
     const double t0 = profile_now();
     std::vector<token_logprobs> lps;
     int32_t tok;
@@ -74,20 +79,19 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
     return emit({tok}, lps);
 }
 
-round_result request::round(int64_t Bc) {
-    // the draft source as the spec's draft override for this round (a forced draft is refused
-    // under a constraint: a constrained request leaves the drafter's)
-    draft_override f;
-    if (forced_ && !policy_.constraint) {
-        f = [this](int64_t B) -> std::optional<std::vector<int32_t>> {
-            std::vector<int32_t> d = forced_(out_, B);
-            if (d.empty()) return std::nullopt;
-            return d;
-        };
-    }
-    spec_session * forced_on = f ? spec_ : nullptr;  // before f is moved
-    draft_override_scope scope(forced_on, std::move(f));
-    round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling()) : spec_->step(last_, Bc, sampling());
+// The draft source as a spec draft override (a forced draft is refused under a constraint: a
+// constrained request leaves the drafter's); empty without one.
+static draft_override override_of(const request::draft_source & forced, const request_policy & policy,
+                                  const std::vector<int32_t> & out) {
+    if (!forced || policy.constraint) return {};
+    return [&forced, &out](int64_t B) -> std::optional<std::vector<int32_t>> {
+        std::vector<int32_t> d = forced(out, B);
+        if (d.empty()) return std::nullopt;
+        return d;
+    };
+}
+
+void request::count(const round_result & r) {
     stats_.controller_switches = spec_->control().switches();
     if (r.ar && stats_.drafter_failure.empty()) stats_.drafter_failure = spec_->drafter_failure();
     if (r.ar) {
@@ -99,26 +103,46 @@ round_result request::round(int64_t Bc) {
         stats_.rollback_s += r.rollback_s;
         stats_.verified_tokens += r.n_verified;
     }
+}
+
+round_result request::round(int64_t Bc) {
+    draft_override f = override_of(forced_, policy_, out_);
+    draft_override_scope scope(f ? spec_ : nullptr, std::move(f));
+    round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling()) : spec_->step(last_, Bc, sampling());
+    count(r);
     return r;
+}
+
+int64_t request::round_room() const {
+    const int64_t room = target_.params().n_ctx - target_.slot_n_past(slot());
+    // Under exact_max_tokens a round never commits past max_tokens, so a request that ends there
+    // leaves the target holding exactly its prompt and tokens.
+    const int64_t left = policy_.exact_max_tokens ? policy_.max_tokens - (int64_t) out_.size() : B_;
+    return std::min({B_, room, left});
+}
+
+request::emitted request::commit_step(std::vector<int32_t> committed, std::vector<token_logprobs> lps, double t0) {
+    stats_.decode_s += profile_now() - t0;
+    committed_.insert(committed_.end(), committed.begin(), committed.end());
+    last_ = committed.back();
+    return emit(committed, lps);
 }
 
 request::emitted request::step() {
     DFN_REQUIRE(!committed_.empty(), "generate", "step() before start()");
     if (done()) return {};
+    target_.select_slot(slot());
     const int64_t room = target_.params().n_ctx - target_.n_past();
     if (room <= 0) {
         finish(stop_reason::context);
         return {};
     }
     const double t0 = profile_now();
-    // Under exact_max_tokens a round never commits past max_tokens, so a request that ends there
-    // leaves the target holding exactly its prompt and tokens.
-    const int64_t left = policy_.exact_max_tokens ? policy_.max_tokens - (int64_t) out_.size() : B_;
     std::vector<int32_t> committed;
     std::vector<token_logprobs> lps;
     constraint_scope scope(spec_, policy_.constraint);
-    if (policy_.speculative && room >= 2 && left >= 2) {
-        round_result r = round(std::min({B_, room, left}));
+    if (policy_.speculative && round_room() >= 2) {
+        round_result r = round(round_room());
         committed = std::move(r.committed);
         lps = std::move(r.logprobs);
     } else if (policy_.speculative && room >= 2) {  // the last token: an AR step that keeps the ring in step
@@ -130,10 +154,68 @@ request::emitted request::step() {
         committed = {ar(&last_, 1, lps)};
         ring_ok_ = false;  // no taps: the ring falls behind the target
     }
-    stats_.decode_s += profile_now() - t0;
-    committed_.insert(committed_.end(), committed.begin(), committed.end());
-    last_ = committed.back();
-    return emit(committed, lps);
+    return commit_step(std::move(committed), std::move(lps), t0);
+}
+
+std::optional<batch_item> request::begin_step() {
+    DFN_REQUIRE(!committed_.empty(), "generate", "begin_step() before start()");
+    DFN_REQUIRE(!pending_, "generate", "a step is pending: finish_step() it first");
+    if (done() || policy_.tree) return std::nullopt;
+    const int64_t room = target_.params().n_ctx - target_.slot_n_past(slot());
+    batch_item it;
+    it.slot = slot();
+    it.kind = BATCH_DECODE;
+    pending_t0_ = profile_now();
+    if (!policy_.speculative) {
+        if (room <= 0) return std::nullopt;
+        it.tokens = {last_};
+        pending_.emplace();  // an AR request's step: only its token
+        pending_->ar = true;
+        pending_->sampling = sampling();
+        pending_->input = it.tokens;
+        return it;
+    }
+    if (round_room() < 2) return std::nullopt;
+    constraint_scope scope(spec_, policy_.constraint);
+    draft_override f = override_of(forced_, policy_, out_);
+    draft_override_scope forced(f ? spec_ : nullptr, std::move(f));
+    pending_ = spec_->begin_step(last_, round_room(), sampling());
+    pending_->n_past0 = target_.slot_n_past(slot());
+    it.tokens = pending_->input;
+    if (!pending_->ar) it.kind = BATCH_VERIFY;
+    return it;
+}
+
+bool request::wants_logits() const { return sampling() != nullptr; }
+
+request::emitted request::finish_step(decode_result & v) {
+    DFN_REQUIRE(pending_, "generate", "finish_step() without a pending step");
+    pending_step s = std::move(*pending_);
+    pending_.reset();
+    std::vector<int32_t> committed;
+    std::vector<token_logprobs> lps;
+    if (!policy_.speculative) {  // an AR step: the choice from its row, as ar() takes it
+        if (want_logprobs()) lps.resize(1);
+        const int64_t pos = target_.slot_n_past(slot());
+        if (!sampling()) {
+            committed = {v.argmax.empty() ? choose_token(logits_row{v.logits.data(), target_.hparams().n_vocab},
+                                                         sampling_params{}, pos, "decode")
+                                          : v.argmax[0]};
+        } else {
+            const logits_row row{v.logits.data(), target_.hparams().n_vocab};
+            token_logprobs * lp = want_logprobs() ? &lps[0] : nullptr;
+            committed = {policy_.constraint ? choose_constrained(*policy_.constraint, row, *sampling(), pos, "decode", lp)
+                                            : choose_token(row, *sampling(), pos, "decode", lp)};
+        }
+        ring_ok_ = false;
+    } else {
+        constraint_scope scope(spec_, policy_.constraint);
+        round_result r = spec_->finish_step(s, v);
+        count(r);
+        committed = std::move(r.committed);
+        lps = std::move(r.logprobs);
+    }
+    return commit_step(std::move(committed), std::move(lps), pending_t0_);
 }
 
 }  // namespace dfn

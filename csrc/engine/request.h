@@ -65,7 +65,11 @@ public:
 
     // `spec` may be null for an AR request (policy.speculative false); `vocab`, when given, ends the
     // request at an end-of-generation token (not emitted). The target and spec outlive the request.
-    request(target_session & target, spec_session * spec, const tokenizer * vocab, const request_policy & policy);
+    // slot: the target's sequence slot an AR request runs on (a speculative one runs on its spec
+    // session's).
+    request(target_session & target, spec_session * spec, const tokenizer * vocab, const request_policy & policy,
+            int slot = 0);
+    int slot() const { return slot_; }
 
     // The tokens one call committed and emitted (cut at an end-of-generation token and at
     // max_tokens) and, when the policy asks for logprobs, theirs.
@@ -80,6 +84,16 @@ public:
     emitted start(const int32_t * prompt, int64_t n, int64_t n_cached = 0);
     // One AR step or one speculative round (the controller's choice under it). done() after a stop.
     emitted step();
+    // step() split around its target pass, for a scheduler that runs several requests' passes as
+    // one (engine/scheduler.h): when the next step is a chain round or an AR step, begin_step runs
+    // its drafts and returns the pass's work for this request's slot (a BATCH_VERIFY of the
+    // verified tokens, or a BATCH_DECODE of one token); finish_step takes that work's result from
+    // the shared pass (target_session::decode_batch, with the drafter's tap layers; logits rows
+    // when wants_logits()) and commits, as step() would have. nullopt: the step is one only
+    // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
+    std::optional<batch_item> begin_step();
+    bool wants_logits() const;
+    emitted finish_step(decode_result & v);
     // The caller ends the request (a stop string, a callback, a cancellation).
     void stop() { finish(stop_reason::caller); }
     bool done() const { return stats_.stop != stop_reason::none; }
@@ -106,6 +120,15 @@ private:
     int32_t ar(const int32_t * tokens, int64_t n, std::vector<token_logprobs> & lps);
     // A round (or the controller's AR step) of Bc verified tokens at most.
     round_result round(int64_t Bc);
+    // The verified tokens a round may take now: min(B, room in n_ctx, tokens left under
+    // exact_max_tokens); < 2: no round.
+    int64_t round_room() const;
+    // A round's result into the stats.
+    void count(const round_result & r);
+    emitted commit_step(std::vector<int32_t> committed, std::vector<token_logprobs> lps, double t0);
+    // begin_step's pending work: a round's (spec's pending_step) or an AR request's step
+    std::optional<pending_step> pending_;
+    double pending_t0_ = 0;
     const sampling_params * sampling() const { return policy_.sampling ? &*policy_.sampling : nullptr; }
     bool want_logprobs() const { return policy_.sampling && policy_.sampling->want_logprobs(); }
 
@@ -113,6 +136,7 @@ private:
     spec_session * spec_;
     const tokenizer * vocab_;
     request_policy policy_;
+    int slot_ = 0;
     int64_t B_ = 1;
     draft_source forced_;
     request_stats stats_;

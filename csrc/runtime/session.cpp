@@ -187,9 +187,9 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
         cache_->n_past = n_past0;  // GDN state was not touched by a verify pass
         throw;
     }
-    slots_[0].pending_past = n_past0;
-    slots_[0].pending_n = n;
-    slots_[0].pending_tokens.assign(tokens, tokens + n);
+    slots_[cur_].pending_past = n_past0;
+    slots_[cur_].pending_n = n;
+    slots_[cur_].pending_tokens.assign(tokens, tokens + n);
     return out;
 }
 
@@ -206,7 +206,7 @@ decode_result target_session::verify_tree(const int32_t * tokens, const int32_t 
     cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
     cache_->tree.replay_n = cache_->replay_n;
     decode_result out = run_verify(tokens, parents, n, tap_layers, argmax_only);
-    slots_[0].pending_parents.assign(parents, parents + n);
+    slots_[cur_].pending_parents.assign(parents, parents + n);
     return out;
 }
 
@@ -228,10 +228,10 @@ void target_session::compact_rows(ggml_tensor * t, size_t row_bytes, size_t stri
 }
 
 void target_session::commit_tree(const std::vector<int32_t> & path) {
-    DFN_REQUIRE(slots_[0].pending_n > 0 && !slots_[0].pending_parents.empty(), "commit", "no tree verify is pending");
+    DFN_REQUIRE(slots_[cur_].pending_n > 0 && !slots_[cur_].pending_parents.empty(), "commit", "no tree verify is pending");
     DFN_REQUIRE(!path.empty() && path[0] == 0, "commit", "the accepted path must start at the root (node 0)");
     for (size_t d = 1; d < path.size(); ++d) {
-        DFN_REQUIRE(path[d] > 0 && path[d] < slots_[0].pending_n && slots_[0].pending_parents[path[d]] == path[d - 1], "commit",
+        DFN_REQUIRE(path[d] > 0 && path[d] < slots_[cur_].pending_n && slots_[cur_].pending_parents[path[d]] == path[d - 1], "commit",
                     "path[", d, "] = ", path[d], " is not a child of path[", d - 1, "] = ", path[d - 1]);
     }
     const target_hparams & hp = model_->hparams();
@@ -245,12 +245,12 @@ void target_session::commit_tree(const std::vector<int32_t> & path) {
             compact_rows(L.tape_qkv, L.tape_qkv->nb[1], L.tape_qkv->nb[1], 0, path);
         } else {
             const kv_layer & L = cache_->kv[il];
-            compact_rows(L.k, L.k->nb[2], L.k->nb[2], slots_[0].pending_past, path);
-            compact_rows(L.v, L.v->nb[2], L.v->nb[2], slots_[0].pending_past, path);
+            compact_rows(L.k, L.k->nb[2], L.k->nb[2], slots_[cur_].pending_past, path);
+            compact_rows(L.v, L.v->nb[2], L.v->nb[2], slots_[cur_].pending_past, path);
         }
     }
-    for (size_t d = 0; d < path.size(); ++d) slots_[0].pending_tokens[d] = slots_[0].pending_tokens[path[d]];
-    slots_[0].pending_parents.clear();
+    for (size_t d = 0; d < path.size(); ++d) slots_[cur_].pending_tokens[d] = slots_[cur_].pending_tokens[path[d]];
+    slots_[cur_].pending_parents.clear();
     commit((int64_t) path.size());
 }
 
@@ -260,7 +260,12 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
                        (float *) L.tape_g->data}, S, H_v, n_keep, params_.n_threads);
 }
 
-void target_session::commit(int64_t n_keep) { commit_slot(0, n_keep); }
+void target_session::commit(int64_t n_keep) { commit_slot(cur_, n_keep); }
+
+void target_session::select_slot(int slot) {
+    cur_ = check_slot(slot);
+    cache_ = slots_[cur_].cache.get();
+}
 
 void target_session::commit_slot(int slot, int64_t n_keep) {
     seq_slot & s = slots_.at(check_slot(slot));

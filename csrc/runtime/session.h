@@ -130,7 +130,7 @@ public:
     // n_past_before + n_keep; GDN state replayed from the tape; conv state from the tape inputs.
     void commit(int64_t n_keep);
 
-    void reset() { reset_slot(0); }
+    void reset() { reset_slot(cur_); }
     int64_t n_past() const { return cache_->n_past; }
 
     // ---- several sequences: session_params::n_seq slots (docs/architecture.md, "Batched target") ----
@@ -142,6 +142,10 @@ public:
     // argmax_only: the greedy token of each of its rows (in the graph) instead of the logits.
     std::vector<decode_result> decode_batch(const std::vector<batch_item> & items, const std::vector<int> & tap_layers = {},
                                             bool argmax_only = false);
+    // The slot the one-sequence methods above (decode, verify, commit, n_past, reset, cache) serve
+    // from now on; slot 0 until changed. A spec_session bound to a slot selects it before each use.
+    void select_slot(int slot);
+    int selected_slot() const { return cur_; }
     // commit() of slot `slot`'s pending verify.
     void commit_slot(int slot, int64_t n_keep);
     void reset_slot(int slot);
@@ -157,7 +161,7 @@ public:
     const target_hparams & hparams() const { return model_->hparams(); }
     const target_model & model() const { return *model_; }
     // The cache as it stands, for inspection: a replay commit() deferred is done first.
-    model_cache & cache() { return slot_cache(0); }
+    model_cache & cache() { return slot_cache(cur_); }
     const session_params & params() const { return params_; }
     size_t n_graph_plans() const { return runner_->n_plans(); }
     // The target's part of memory_usage: its weights, caches and compute buffers.
@@ -187,7 +191,7 @@ private:
     int check_slot(int slot) const;
     void flush_replay(model_cache & c);  // the replay commit() left to the next graph, done now on the host
     void check_tokens(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const {
-        check_slot_tokens(slots_[0], tokens, n, tap_layers);
+        check_slot_tokens(slots_[cur_], tokens, n, tap_layers);
     }
     void check_slot_tokens(const seq_slot & s, const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     // the causal mask of n tokens after n_past over n_kv rows: F16 [n_kv, n] (0 or -inf)
@@ -224,8 +228,9 @@ private:
     session_params params_;
     std::unique_ptr<graph_runner> runner_;
     std::unique_ptr<target_model> model_;
-    std::vector<seq_slot> slots_;  // n_seq; slot 0 serves decode / verify / commit
-    model_cache * cache_ = nullptr;  // slot 0's cache
+    std::vector<seq_slot> slots_;  // n_seq; slot cur_ serves decode / verify / commit
+    int cur_ = 0;                    // select_slot
+    model_cache * cache_ = nullptr;  // slot cur_'s cache
     std::unique_ptr<gdn_rollback> rollback_;  // chosen at construction (params_.rollback)
     struct tap_sink {
         ggml_tensor * dst = nullptr;

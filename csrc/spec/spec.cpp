@@ -16,9 +16,25 @@
 
 namespace dfn {
 
+// The drafter's file read and its weights placed beside the target's output head (on a model
+// split over devices: on the last device), its draft head gathered and its matmuls tuned.
+static std::shared_ptr<drafter_model> load_drafter(target_session & target, const std::string & path) {
+    graph_runner & runner = target.runner();
+    auto d = std::make_shared<drafter_model>(path, target.hparams());
+    d->load_weights(runner.last_buffer_type(), target.params().use_mmap);
+    d->gather_draft_head(d->output ? d->output : target.model().output, runner.last_buffer_type());
+    tune_matmul(runner, d->weight_tensors());  // the types the target did not measure
+    return d;
+}
+
 spec_session::spec_session(target_session & target, const std::string & drafter_path, const spec_params & params)
-    : target_(target), runner_(target.runner()), params_(params), ctl_(k_max_block_size) {
-    drafter_ = std::make_unique<drafter_model>(drafter_path, target.hparams());
+    : spec_session(target, load_drafter(target, drafter_path), params, 0) {}
+
+spec_session::spec_session(target_session & target, std::shared_ptr<drafter_model> drafter, const spec_params & params,
+                           int slot)
+    : target_(target), runner_(target.runner()), params_(params), drafter_(std::move(drafter)), slot_(slot),
+      ctl_(k_max_block_size) {
+    DFN_REQUIRE(slot >= 0 && slot < target.n_seq(), "engine", "sequence slot ", slot, " outside [0, ", target.n_seq(), ")");
     const drafter_hparams & dh = drafter_->hparams();
     block_size_ = params.block_size > 0 ? params.block_size : dh.block_size;
     DFN_REQUIRE(params.block_size >= 0, "engine", "block_size must be >= 2 (or 0: the drafter's), got ",
@@ -43,8 +59,6 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
     // drafts the same and masks fewer slots each round. A smaller ring than that still wins.
     const int64_t capacity = params_.window > 0 ? std::min(params.ring_capacity, std::max(params_.window, block_size_))
                                                 : params.ring_capacity;
-    // on a model split over devices: beside the target's output head, on the last device
-    drafter_->load_weights(runner_.last_buffer_type(), target.params().use_mmap);
     ring_ = std::make_unique<feature_ring>(dh, capacity, block_size_, runner_.last_buffer_type());
     if (runner_.on_device()) {
         queue_ctx_.reset(init_meta_ctx(1, "feature queue"));
@@ -53,8 +67,6 @@ spec_session::spec_session(target_session & target, const std::string & drafter_
         ggml_set_name(dev_queue_, "feature_queue");
         queue_buf_.reset(alloc_ctx_tensors(queue_ctx_.get(), runner_.last_buffer_type(), "feature_ring", "the device feature queue"));
     }
-    drafter_->gather_draft_head(lm_head(), runner_.last_buffer_type());
-    tune_matmul(runner_, drafter_->weight_tensors());  // the types the target did not measure
 }
 
 void spec_session::add_memory(memory_usage & m) const {
@@ -65,7 +77,7 @@ void spec_session::add_memory(memory_usage & m) const {
     m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
 
-ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : target_.model().output; }
+ggml_tensor * spec_session::lm_head() const { return drafter_->output ? drafter_->output : tgt().model().output; }
 
 void spec_session::set_draft_vocab(bool on) { params_.draft_vocab = on; }
 
@@ -75,14 +87,14 @@ void spec_session::set_draft_cutoff(float c) {
 }
 
 void spec_session::set_tree_budget(int64_t n) {
-    const int64_t cap = std::max<int64_t>(target_.params().max_verify, 1) - 1;
+    const int64_t cap = std::max<int64_t>(tgt().params().max_verify, 1) - 1;
     DFN_REQUIRE(n >= 1 && n <= cap, "engine", "tree_budget must be in [1, ", cap, "] (the verify capacity ",
                 cap + 1, " this engine was created with, minus the root), got ", n);
     params_.tree_budget = n;
 }
 
 void spec_session::reset() {
-    target_.reset();
+    tgt().reset();
     ring_->clear();
     pending_m_ = 0;  // the controller's request begins in prefill_pass (with its sampling regime)
 }
@@ -160,7 +172,7 @@ void spec_session::flush_features() {
 void spec_session::sink_taps(int64_t n) {
     if (!dev_queue_) return;
     if (pending_m_ + n > dev_queue_->ne[1]) flush_features();
-    target_.set_tap_sink(dev_queue_, pending_m_);
+    tgt().set_tap_sink(dev_queue_, pending_m_);
 }
 
 void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_t pos0) {
@@ -210,10 +222,10 @@ void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_
 
 int32_t spec_session::ar_step(int32_t last) {
     require_unconstrained("the in-graph argmax AR step");
-    const int64_t pos = target_.n_past();
+    const int64_t pos = tgt().n_past();
     sink_taps(1);
     // the target checks the token and n_ctx; like decode_greedy, plus the taps
-    decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
+    decode_result r = tgt().decode(&last, 1, false, drafter_->hparams().tap_layers, /*argmax_only=*/true);
     queue_features(std::move(r.taps), 1, pos);
     return r.argmax[0];
 }
@@ -226,11 +238,11 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
         const int64_t ring_next = pending_m_ > 0 ? pending_pos0_ + pending_m_ : ring_->n_pushed;
         DFN_REQUIRE(n_cached > 0 && n_cached < n, "prefill", "n_cached = ", n_cached, " must be in [0, ", n,
                     ") (at least one prompt token must run)");
-        DFN_REQUIRE(n_cached == target_.n_past() && n_cached == ring_next, "prefill", "n_cached = ", n_cached,
-                    " but the target holds ", target_.n_past(), " positions and the ring ", ring_next);
+        DFN_REQUIRE(n_cached == tgt().n_past() && n_cached == ring_next, "prefill", "n_cached = ", n_cached,
+                    " but the target holds ", tgt().n_past(), " positions and the ring ", ring_next);
     }
     ctl_.begin_request(regime);
-    decode_result r = target_.decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
+    decode_result r = tgt().decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
     push_features(r.taps.data(), n - n_cached, n_cached);
     return r;
 }
@@ -244,7 +256,7 @@ int32_t spec_session::prefill(const int32_t * prompt, int64_t n, int64_t n_cache
 std::vector<int32_t> spec_session::draft(int32_t last, int64_t B) {
     std::vector<int32_t> out(B - 1);
     if (has_selector()) {  // DFlash 2: the selector's path
-        const int64_t n_past = target_.n_past();
+        const int64_t n_past = tgt().n_past();
         const std::vector<float> lat = draft_lattice(last, B);
         walk_lattice(lat.data(), B - 1, drafter_->hparams().selector_top_k, out.data(), nullptr, n_past + 1);
         return out;
@@ -261,15 +273,15 @@ std::vector<float> spec_session::draft_lattice(int32_t last, int64_t B) {
 }
 
 std::vector<float> spec_session::draft_logits(int32_t last, int64_t B) {
-    std::vector<float> out((size_t) (B - 1) * target_.hparams().n_vocab);
+    std::vector<float> out((size_t) (B - 1) * tgt().hparams().n_vocab);
     run_draft(last, B, nullptr, out.data(), nullptr);
     return out;
 }
 
 void spec_session::check_draft(int32_t last, int64_t B) const {
-    DFN_REQUIRE(last >= 0 && last < target_.hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
-    DFN_REQUIRE(B >= 2 && target_.n_past() + B <= target_.params().n_ctx, "draft", "block of ", B, " at position ",
-                target_.n_past(), " does not fit n_ctx = ", target_.params().n_ctx);
+    DFN_REQUIRE(last >= 0 && last < tgt().hparams().n_vocab, "draft", "token id ", last, " is outside the vocabulary");
+    DFN_REQUIRE(B >= 2 && tgt().n_past() + B <= tgt().params().n_ctx, "draft", "block of ", B, " at position ",
+                tgt().n_past(), " does not fit n_ctx = ", tgt().params().n_ctx);
     DFN_REQUIRE(B <= block_size_, "draft", "block of ", B, " > this engine's block_size ", block_size_);
 }
 
@@ -288,7 +300,7 @@ void spec_session::build_draft(const build_context & b, draft_graph & d) const {
         ggml_set_input(d.mask_swa);
     }
     ggml_tensor * h = drafter_->build_block(b, d.tok, d.pos, d.mask, d.mask_swa, *ring_, d.n_ctx,
-                                           target_.model().tok_embd);  // [n_embd, B-1]
+                                           tgt().model().tok_embd);  // [n_embd, B-1]
     ggml_tensor * head = d.sub ? drafter_->draft_head : lm_head();  // [n_embd, n_draft_vocab or n_vocab]
     d.out = drafter_->build_draft_logits(b, head, h, d.tok, 1, &d.conf);  // logits [n_draft_vocab or n_vocab, B-1]
     if (d.conf && d.what == draft_graph::TOP1) {
@@ -349,7 +361,7 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     d.B = B;
     d.rows = drafter_->hparams().block_rows(B);
     d.K = K;
-    d.n_past = target_.n_past();
+    d.n_past = tgt().n_past();
     d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
              : lattice_out ? draft_graph::LATTICE : draft_graph::ARGMAX;
     if (topk_out) top1_out = topk_out;  // read_draft's f32 output
@@ -432,7 +444,7 @@ std::vector<int32_t> spec_session::draft_top1(int32_t last, int64_t B, std::vect
     if (has_selector()) {  // DFlash 2: the selector's path, p its softmax at each choice
         std::vector<int32_t> out(B - 1);
         p.resize(B - 1);
-        const int64_t n_past = target_.n_past();
+        const int64_t n_past = tgt().n_past();
         const std::vector<float> lat = draft_lattice(last, B);
         walk_lattice(lat.data(), B - 1, drafter_->hparams().selector_top_k, out.data(), p.data(), n_past + 1);
         return out;
@@ -486,103 +498,17 @@ const std::vector<int32_t> * spec_session::forced_draft(int64_t B) {
     return &forced_;
 }
 
-round_result spec_session::round(int32_t last, int64_t B) {
-    require_unconstrained("the in-graph argmax round");
-    return round_chain(last, B, forced_draft(B));
-}
-
-round_result spec_session::round_chain(int32_t last, int64_t B, const std::vector<int32_t> * forced) {
-    require_unconstrained("the in-graph argmax round");
-    round_result r;
-    const double t0 = profile_now();
-    const bool ok = drafted([&] {
-        if (forced) {
-            draft(last, B);  // the drafter runs as in a real round
-            r.draft = *forced;
-        } else {
-            r.draft = draft_chain(last, B);
-        }
-    });
-    if (!ok) return ar_round(last, t0, nullptr);
-    verify_and_commit(last, r, t0, profile_now());
-    return r;
-}
-
-round_result spec_session::step(int32_t last, int64_t B, const sampling_params * sampling) {
-    // whatever the controller chooses, before the drafts move the constraint
-    const std::vector<int32_t> * forced = forced_draft(B);
-    if (!params_.use_controller) {
-        return sampling ? round_sampled_chain(last, B, *sampling, forced) : round_chain(last, B, forced);
-    }
-    round_result r;
-    const double t0 = profile_now();
-    if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
-    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
-    // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
-    // drafter's filtered distribution)
-    std::vector<float> p;
-    const bool drawn = sampling && !sampling->greedy();
-    if (constraint_) DFN_REQUIRE(sampling, "round", "a constrained step needs sampling params (temperature 0 for greedy)");
-    if (!drafted([&] {
-            r.draft = constraint_ ? draft_constrained(last, B, *sampling, &p)  // may stop short of B-1
-                      : drawn     ? draft_sampled(last, B, *sampling, &p)
-                                  : draft_top1(last, B, p);
-        }))
-        return ar_round(last, t0, sampling);
-    if (forced) r.draft = *forced;
-    const int64_t k = std::min(ctl_.choose(p.data(), (int64_t) p.size()), cutoff_keep(p));
-    // the first draft left unverified: when every verified one is accepted, the bonus token says
-    // whether it would have been too (calibration for free, also when k = 0)
-    const int32_t next = k < (int64_t) r.draft.size() ? r.draft[k] : -1;
-    if (constraint_) constraint_->rollback((int64_t) r.draft.size() - k);  // it holds the k verified drafts
-    r.draft.resize(k);
-    if (sampling) {
-        verify_sampled(last, r, *sampling, t0, profile_now());
-    } else {
-        verify_and_commit(last, r, t0, profile_now());
-    }
-    const int64_t accepted = (int64_t) r.committed.size() - 1;
-    const int next_hit = next >= 0 && accepted == k ? (int) (r.committed.back() == next) : -1;
-    ctl_.observe_round(p.data(), k, accepted, r.draft_s, r.verify_s + r.rollback_s, next_hit);
-    return r;
-}
-
-void spec_session::verify_and_commit(int32_t last, round_result & r, double t0, double t1) {
-    require_unconstrained("the in-graph argmax verify");
-    const int64_t L = (int64_t) r.draft.size() + 1;  // verified tokens: `last` + the drafts
-    std::vector<int32_t> input(L);
-    input[0] = last;
-    std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
-    const int64_t n_past0 = target_.n_past();
-    sink_taps(L);
-    decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers, /*argmax_only=*/true);
-    const double t2 = profile_now();
-    r.n_verified = L;
-
-    r.committed = accept_prefix(r.draft.data(), L - 1, v.argmax.data(), L);
-    commit_round(r, v.taps, n_past0, t0, t1, t2);
-}
-
 void spec_session::set_times(round_result & r, double t0, double t1, double t2) {
     r.draft_s = t1 - t0;
     r.verify_s = t2 - t1;
     r.rollback_s = profile_now() - t2;  // accept, commit (rollback) and queueing the features
 }
 
-void spec_session::commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1,
-                                double t2) {
-    const int64_t n_keep = (int64_t) r.committed.size();  // `last` and the accepted drafts were fed
-    target_.commit(n_keep);
-    // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
-    queue_features(std::move(taps), n_keep, n_past0);
-    set_times(r, t0, t1, t2);
-}
-
 // ---- tree verify ----
 
 int64_t spec_session::draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p) {
     const int64_t rows =
-        drafts_over_draft_vocab() ? (int64_t) drafter_->hparams().draft_vocab.size() : target_.hparams().n_vocab;
+        drafts_over_draft_vocab() ? (int64_t) drafter_->hparams().draft_vocab.size() : tgt().hparams().n_vocab;
     DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
     const int64_t K = std::min(params_.tree_budget, rows);
     std::vector<float> out((size_t) (B - 1) * K * 2);  // [B-1, K, (index, p)]
@@ -597,8 +523,8 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
                                           round_result & r, double t0, double t1, const sampling_params * sampling) {
     const int64_t n = (int64_t) tokens.size();
     DFN_REQUIRE(parents.size() == tokens.size(), "verify", "parents and tokens must have one entry per node");
-    const int64_t n_past0 = target_.n_past();
-    decode_result v = target_.verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers,
+    const int64_t n_past0 = tgt().n_past();
+    decode_result v = tgt().verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers,
                                           /*argmax_only=*/sampling == nullptr);  // logits [n, n_vocab] otherwise
     const double t2 = profile_now();
     r.n_verified = n;
@@ -610,7 +536,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
         // constraint from the row masked by masks_ row i (the grammar after node i's path)
         std::vector<int64_t> depth(n, 0);
         for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
-        const int64_t n_vocab = target_.hparams().n_vocab, W = mask_words(n_vocab);
+        const int64_t n_vocab = tgt().hparams().n_vocab, W = mask_words(n_vocab);
         r.committed = accept_tree_by(
             parents.data(), tokens.data(), n,
             [&](int64_t i) {
@@ -627,7 +553,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
         r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
     }
     constraint_commit(0, r.committed);  // prune_tree left it at the root's state
-    target_.commit_tree(r.path);
+    tgt().commit_tree(r.path);
     // the path's taps in path order: the ring gets exactly the committed positions
     const size_t row = (size_t) drafter_->hparams().n_feature_row();
     std::vector<float> feats(r.path.size() * row);
@@ -677,7 +603,7 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
         // constraint: draft_topk_constrained's masked rows, where a candidate the grammar allows
         // is always found when there is one)
         DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
-        const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
+        const int64_t k = drafter_->hparams().selector_top_k, n_past = tgt().n_past();
         if (sampling && !sampling->greedy()) {
             draft_lattice_sampled(last, B, *sampling, tok, p);
         } else {
@@ -686,7 +612,7 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
             p.resize(tok.size() * k);
             lattice_probs(lat.data(), B - 1, k, tok.data(), p.data(), n_past + 1);
         }
-        const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
+        const int64_t budget = std::min(params_.tree_budget, tgt().params().n_ctx - tgt().n_past() - 1);
         return build_tree_conditional(last, tok.data(), p.data(), B - 1, k, budget, params_.draft_cutoff);
     }
     // both check last, B and the room for the block
@@ -695,14 +621,14 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
                                                         : draft_topk(last, B, tok, p);
     if (forced) force_tree_draft(*forced, B, K, tok, p);
     // the verify writes 1 + nodes rows from n_past: near n_ctx the tree gets what is left
-    const int64_t budget = std::min(params_.tree_budget, target_.params().n_ctx - target_.n_past() - 1);
+    const int64_t budget = std::min(params_.tree_budget, tgt().params().n_ctx - tgt().n_past() - 1);
     draft_tree tree = build_tree(last, tok.data(), p.data(), B - 1, K, budget, params_.draft_cutoff);
     if (constraint_) prune_tree(tree);
     return tree;
 }
 
 void spec_session::prune_tree(draft_tree & tree) {
-    const int64_t n = tree.size(), W = mask_words(target_.hparams().n_vocab);
+    const int64_t n = tree.size(), W = mask_words(tgt().hparams().n_vocab);
     std::vector<std::vector<int32_t>> children(n);
     for (int64_t i = 1; i < n; ++i) children[tree.parent[i]].push_back((int32_t) i);
     std::vector<uint32_t> mask_of((size_t) n * W, 0);  // by the old index
@@ -754,29 +680,12 @@ round_result spec_session::round_tree_of(int32_t last, int64_t B, const sampling
     return r;
 }
 
-round_result spec_session::ar_round(int32_t last, double t0, const sampling_params * sampling) {
-    round_result r;
-    token_logprobs lp;
-    r.committed = {sampling ? ar_step_sampled(last, *sampling, &lp) : ar_step(last)};
-    if (sampling && sampling->want_logprobs()) r.logprobs = {std::move(lp)};
-    r.ar = true;
-    r.n_verified = 1;
-    r.verify_s = profile_now() - t0;
-    return r;
-}
-
-round_result spec_session::controller_ar_step(int32_t last, double t0, const sampling_params * sampling) {
-    round_result r = ar_round(last, t0, sampling);
-    ctl_.observe_ar(r.verify_s);
-    return r;
-}
-
 round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
     const std::vector<int32_t> * forced = forced_draft(B);  // whatever the controller chooses
     if (!params_.use_controller) return round_tree_of(last, B, sampling, forced);
     const double t0 = profile_now();
     if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
-    if (ctl_.next() == controller::mode::ar) return controller_ar_step(last, t0, sampling);
+    if (ctl_.next() == controller::mode::ar) return ar_round(last, t0, sampling, /*observe=*/true);
     if (sampling) check_sampling_params(*sampling);
     // The controller verifies the prefix of the best-first node order (a tree: parents first)
     // with the most expected tokens per second; tree_budget caps it. A sampled tree's node

@@ -56,6 +56,23 @@ struct round_result {
 
 class spec_session;
 
+// A chain step between its drafts and its target pass (spec_session::begin_step / finish_step).
+struct pending_step {
+    bool ar = false;       // an AR step: `last` decoded with the taps; else a verify of `input`
+    bool observe = false;  // the controller measures it (its AR step, or its round)
+    const sampling_params * sampling = nullptr;
+    int32_t last = -1;
+    std::vector<int32_t> input;  // the target pass's tokens: [last] or [last, d_1 .. d_k]
+    int64_t n_past0 = 0;         // the slot's n_past before the pass (finish_step)
+    std::vector<float> p;        // the drafts' probabilities, as the controller chose k from them
+    int32_t next = -1;           // the first draft left unverified (the controller's calibration)
+    double t0 = 0, t1 = 0;       // the step's start, the drafts' end
+    round_result r;              // its draft
+    // The pass must give every row's logits (a sampled or constrained step, logprobs); else the
+    // argmax per row is enough.
+    bool wants_logits() const { return sampling != nullptr; }
+};
+
 // Tests and benchmarks only (acceptance-controlled rounds): given B, the B - 1 tokens a round
 // verifies in place of the drafter's (spec_session::set_draft_override); nullopt lets the
 // drafter's stand. The product never sets one.
@@ -74,6 +91,12 @@ class spec_session {
 public:
     // `target` must have been created with max_verify >= the block size.
     spec_session(target_session & target, const std::string & drafter_path, const spec_params & params);
+    // A session for sequence slot `slot` of a target with several (session_params::n_seq), drafting
+    // with a drafter another session loaded (drafter()): its weights are shared, while the ring,
+    // the feature queue, the controller and the constraint are this session's own.
+    spec_session(target_session & target, std::shared_ptr<drafter_model> drafter, const spec_params & params, int slot);
+    const std::shared_ptr<drafter_model> & drafter() const { return drafter_; }
+    int slot() const { return slot_; }
 
     // Prefill the prompt through the target with taps, fill the ring; returns the first token.
     // n_cached > 0 (the prompt cache): prompt[0, n_cached) is the sequence the target and the ring
@@ -100,6 +123,17 @@ public:
     // With `sampling`: the sampled AR step and round (spec_sampled.cpp); at temperature 0 (a
     // request that wants logprobs) the greedy ones, taking each argmax from the logits rows.
     round_result step(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+
+    // step() split around its target pass, so that a scheduler runs the passes of several slots'
+    // steps as one (engine/scheduler.h, target_session::decode_batch): begin_step runs the
+    // drafter (its graphs only; nothing of the target moves) and says what the target must run:
+    // pending_step::input at the slot's n_past, an AR step (decode with the taps) or a chain verify.
+    // finish_step takes that pass's result (logits rows, or the argmax per row when the pass
+    // computed only those: pending_step::wants_logits false) and commits: the same round step()
+    // gives. step() is begin_step, the pass alone (run_step), finish_step.
+    pending_step begin_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    round_result finish_step(pending_step & s, decode_result & v);
+    round_result run_step(pending_step & s);
 
     // Tree verify (spec_params::tree_budget): one draft pass (per-position top-K), build_tree,
     // one target pass over the tree, accept_tree, commit the accepted path. step_tree is
@@ -249,12 +283,6 @@ private:
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
     // The number of drafts the draft_cutoff keeps: while the running product of p stays >= it.
     int64_t cutoff_keep(const std::vector<float> & p) const;
-    // Verify `last` + r.draft, accept, commit, queue the committed features; t0/t1: the round's
-    // start and the draft's end (profile_now) for r's times.
-    void verify_and_commit(int32_t last, round_result & r, double t0, double t1);
-    // The end of a chain round: commit r.committed, queue their taps, fill r's times (t0: start,
-    // t1: draft done, t2: verify done).
-    void commit_round(round_result & r, std::vector<float> & taps, int64_t n_past0, double t0, double t1, double t2);
     // round()'s drafts: all B-1 argmaxes, or those the draft_cutoff keeps
     std::vector<int32_t> draft_chain(int32_t last, int64_t B);
     // The drafter's logits for d_1..d_{B-1} as the sampler reads them, [B-1, row.n]: over the
@@ -270,10 +298,7 @@ private:
     const std::vector<int32_t> * forced_draft(int64_t B);
     draft_override override_;
     std::vector<int32_t> forced_;
-    // The steps' bodies, given the step's forced draft (forced_draft(B), asked once per step).
-    round_result round_chain(int32_t last, int64_t B, const std::vector<int32_t> * forced);
-    round_result round_sampled_chain(int32_t last, int64_t B, const sampling_params & p,
-                                     const std::vector<int32_t> * forced);
+    // The tree step's body, given the step's forced draft (forced_draft(B), asked once per step).
     round_result round_tree_of(int32_t last, int64_t B, const sampling_params * sampling,
                                const std::vector<int32_t> * forced);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
@@ -281,9 +306,6 @@ private:
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
     std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
                                        std::vector<float> * probs = nullptr);
-    // round()'s verify_and_commit with choose_token's choices (draws, or argmaxes from the logits
-    // at temperature 0) in place of the in-graph argmaxes, and their logprobs when asked for
-    void verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1);
     // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
     // (K = min(tree_budget, rows of the head)); returns K.
     int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
@@ -328,10 +350,18 @@ private:
     void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
     // The sampling paths' refusal of what the constraint cannot take.
     void require_unconstrained(const char * what) const;
-    // The controller's AR step as step() and step_tree() take it.
-    round_result controller_ar_step(int32_t last, double t0, const sampling_params * sampling = nullptr);
-    // One AR step as a round_result (ar = true), for the controller and for a failed drafter.
-    round_result ar_round(int32_t last, double t0, const sampling_params * sampling);
+    // An AR step as a round_result (ar = true), for the controller (observe: it measures it) and
+    // for a failed drafter: plan_ar's step run alone.
+    round_result ar_round(int32_t last, double t0, const sampling_params * sampling, bool observe = false);
+    // A chain step's plan: the drafts (the controller's choice among them when `controlled`) or an AR
+    // step (a failed drafter, the controller's AR mode).
+    pending_step plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
+                            const std::vector<int32_t> * forced, bool controlled);
+    pending_step plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const;
+    // The target's choice after input row i of `v` at position pos: the in-graph argmax, else
+    // choose_token's (the argmax of the row at temperature 0; `mask`: under the constraint's mask).
+    int32_t choice(const pending_step & s, const decode_result & v, int64_t i, int64_t pos, const uint32_t * mask,
+                   token_logprobs * lp) const;
     // Runs `draft` (a round's drafting: drafter graphs only, nothing of the target's state moves);
     // false when the drafter has failed, before or now (drafter_failure()): the round is then an
     // ar_round. Any other error propagates.
@@ -341,7 +371,14 @@ private:
     target_session & target_;
     graph_runner & runner_;  // the target's: the drafter's graphs run on its backends and plans
     spec_params params_;
-    std::unique_ptr<drafter_model> drafter_;
+    std::shared_ptr<drafter_model> drafter_;  // shared by the sessions of one target's slots
+    int slot_ = 0;                           // the target's sequence slot this session drafts for
+    // The target with this session's slot selected (target_session::select_slot): every use of
+    // the target goes through it.
+    target_session & tgt() const {
+        target_.select_slot(slot_);
+        return target_;
+    }
     std::unique_ptr<feature_ring> ring_;
     int64_t block_size_ = 0;
     controller ctl_;

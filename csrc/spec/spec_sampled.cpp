@@ -23,17 +23,17 @@ int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const s
     check_sampling_params(p);
     decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false,
                                    regime_key(p.temperature, p.top_k, p.top_p, p.min_p));
-    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    const logits_row row{r.logits.data(), tgt().hparams().n_vocab};
     return constraint_ ? choose_constrained(*constraint_, row, p, n, "decode", lp) : choose_token(row, p, n, "decode", lp);
 }
 
 int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp) {
     check_sampling_params(p);
-    const int64_t pos = target_.n_past();
+    const int64_t pos = tgt().n_past();
     sink_taps(1);
-    decode_result r = target_.decode(&last, 1, false, drafter_->hparams().tap_layers);
+    decode_result r = tgt().decode(&last, 1, false, drafter_->hparams().tap_layers);
     queue_features(std::move(r.taps), 1, pos);
-    const logits_row row{r.logits.data(), target_.hparams().n_vocab};
+    const logits_row row{r.logits.data(), tgt().hparams().n_vocab};
     return constraint_ ? choose_constrained(*constraint_, row, p, pos + 1, "decode", lp)
                        : choose_token(row, p, pos + 1, "decode", lp);
 }
@@ -41,7 +41,7 @@ int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, t
 std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {
     const bool dv = drafts_over_draft_vocab();
     const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;
-    row.n = dv ? (int64_t) ids.size() : target_.hparams().n_vocab;
+    row.n = dv ? (int64_t) ids.size() : tgt().hparams().n_vocab;
     row.ids = dv ? ids.data() : nullptr;
     std::vector<float> logits((size_t) (B - 1) * row.n);  // [B-1, row.n]
     run_draft(last, B, nullptr, logits.data(), nullptr, nullptr, 0, /*dv_logits=*/true);
@@ -50,7 +50,7 @@ std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t
 
 std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const sampling_params & p,
                                                  std::vector<float> * probs) {
-    const int64_t n_past = target_.n_past();
+    const int64_t n_past = tgt().n_past();
     const bool cut = !probs && params_.draft_cutoff > 0.0f;
     logits_row row0{nullptr, 0};
     std::vector<float> logits;  // [B-1, row0.n]; DFlash 2: the selector lattice [B-1, lattice_row]
@@ -102,8 +102,8 @@ static void check_draft_rows(const std::vector<float> & logits, int64_t n, int64
 
 std::vector<int32_t> spec_session::draft_constrained(int32_t last, int64_t B, const sampling_params & p,
                                                      std::vector<float> * probs) {
-    const int64_t n_past = target_.n_past();
-    const int64_t W = mask_words(target_.hparams().n_vocab);
+    const int64_t n_past = tgt().n_past();
+    const int64_t W = mask_words(tgt().hparams().n_vocab);
     logits_row row0{nullptr, 0};
     const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
     check_draft_rows(logits, row0.n, n_past + 1);
@@ -151,71 +151,10 @@ void spec_session::require_unconstrained(const char * what) const {
                 "for greedy)");
 }
 
-round_result spec_session::round_sampled(int32_t last, int64_t B, const sampling_params & p) {
-    check_sampling_params(p);
-    return round_sampled_chain(last, B, p, forced_draft(B));  // before the drafts advance the constraint
-}
-
-round_result spec_session::round_sampled_chain(int32_t last, int64_t B, const sampling_params & p,
-                                               const std::vector<int32_t> * forced) {
-    check_sampling_params(p);
-    round_result r;
-    const double t0 = profile_now();
-    // temperature 0 (logprobs): round()'s greedy drafts
-    const bool ok = drafted([&] {
-        if (forced) {
-            if (p.greedy()) {
-                draft(last, B);  // the drafter runs as in a real round
-            } else {
-                draft_sampled(last, B, p);
-            }
-            r.draft = *forced;
-        } else {
-            r.draft = constraint_ ? draft_constrained(last, B, p) : p.greedy() ? draft_chain(last, B) : draft_sampled(last, B, p);
-        }
-    });
-    if (!ok) return ar_round(last, t0, &p);
-    verify_sampled(last, r, p, t0, profile_now());
-    return r;
-}
-
-void spec_session::verify_sampled(int32_t last, round_result & r, const sampling_params & p, double t0, double t1) {
-    check_sampling_params(p);
-    const int64_t L = (int64_t) r.draft.size() + 1;  // `last` + the drafts
-    std::vector<int32_t> input(L);
-    input[0] = last;
-    std::copy(r.draft.begin(), r.draft.end(), input.begin() + 1);
-    const int64_t n_past0 = target_.n_past();
-    sink_taps(L);
-    decode_result v = target_.verify(input.data(), L, drafter_->hparams().tap_layers);  // logits [L, n_vocab]
-    const int64_t n_vocab = target_.hparams().n_vocab;
-    // t_i: the target's choice after input i, at position n_past0 + i + 1; rows after the first
-    // rejected draft are not drawn (nothing reads them). Every t_i is committed, so these are
-    // the logprobs of the committed tokens.
-    // Under a constraint row i is masked by masks_ row i: the grammar after d_1..d_i.
-    const int64_t W = mask_words(n_vocab);
-    std::vector<int32_t> t;
-    for (int64_t i = 0; i < L; ++i) {
-        token_logprobs lp;
-        const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
-        t.push_back(constraint_ ? choose_masked(row, masks_.data() + (size_t) i * W, p, n_past0 + i + 1, "verify", &lp)
-                                : choose_token(row, p, n_past0 + i + 1, "verify", &lp));
-        if (p.want_logprobs()) r.logprobs.push_back(std::move(lp));
-        if (i + 1 == L || r.draft[i] != t[i]) break;
-    }
-    const double t2 = profile_now();
-    r.n_verified = L;
-
-    const int64_t n_acc = (int64_t) t.size() - 1;  // drafts equal to the target's draws
-    r.committed = accept_prefix(r.draft.data(), n_acc, t.data(), n_acc + 1);
-    constraint_commit(L - 1, r.committed);
-    commit_round(r, v.taps, n_past0, t0, t1, t2);
-}
-
 int64_t spec_session::draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p,
                                              std::vector<int32_t> & tok, std::vector<float> & w) {
     DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
-    const int64_t n_past = target_.n_past(), W = mask_words(target_.hparams().n_vocab);
+    const int64_t n_past = tgt().n_past(), W = mask_words(tgt().hparams().n_vocab);
     logits_row row0{nullptr, 0};
     const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
     check_draft_rows(logits, row0.n, n_past + 1);
@@ -252,7 +191,7 @@ int64_t spec_session::draft_topk_constrained(int32_t last, int64_t B, const samp
 int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
                                          std::vector<float> & w) {
     DFN_REQUIRE(params_.tree_budget >= 1, "round", "tree verify needs a tree_budget (this engine verifies chains)");
-    const int64_t n_past = target_.n_past();
+    const int64_t n_past = tgt().n_past();
     logits_row row0{nullptr, 0};
     const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
     check_draft_rows(logits, row0.n, n_past + 1);
@@ -276,7 +215,7 @@ int64_t spec_session::draft_topk_sampled(int32_t last, int64_t B, const sampling
 
 void spec_session::draft_lattice_sampled(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & cand,
                                          std::vector<float> & w) {
-    const int64_t k = drafter_->hparams().selector_top_k, n_past = target_.n_past();
+    const int64_t k = drafter_->hparams().selector_top_k, n_past = tgt().n_past();
     const std::vector<float> lat = draft_lattice(last, B);  // [B-1, k + k*k]
     cand.resize((size_t) (B - 1) * k);
     w.assign(cand.size() * k, 0.0f);  // 0 past the candidates the filters keep

@@ -171,6 +171,7 @@ class Engine:
         verify: str = "chain",
         tree_budget: int = 32,
         use_mmap: bool = True,
+        n_seq: int = 1,
         quiet: bool = False,
     ):
         """target, drafter: GGUF paths, or model names hf://ORG/REPO[@REVISION][:TYPE] (a GGUF
@@ -214,6 +215,13 @@ class Engine:
         that map the same file share its pages. False reads them into memory of their own instead
         (which may take transparent huge pages). A GPU device always loads its own copy.
 
+        n_seq: sequence slots (CPU). With more than one, generate() calls from several threads run
+        at once, batched: each engine step runs one target pass over every active request's work
+        (a round's verify, an AR step) through the core's scheduler (csrc/engine/scheduler.h),
+        and requests join and leave between steps. Each request's output is the one it gets run
+        alone, bit for bit. Each slot has its own caches, feature ring, controller and prompt
+        cache; memory_report() counts them all. An n_seq whose caches do not fit raises MemoryError.
+
         Weight matmuls on the CPU run the package's batch-invariant kernel (F16/F32 weights; other
         types fall back to ggml), under which a verify pass computes every token bit for bit as the
         AR step does; GDN layers roll back by tape replay. The baselines the benchmarks compare
@@ -244,6 +252,7 @@ class Engine:
         verify = _str(w, "verify", verify)
         tree_budget = _int(w, "tree_budget", tree_budget)
         use_mmap = _bool(w, "use_mmap", use_mmap)
+        n_seq = _int(w, "n_seq", n_seq, bits=32)
         if verify not in ("chain", "tree"):
             raise ValueError(f"[engine] verify must be 'chain' or 'tree', got {verify!r}")
         if verify == "tree" and drafter is None:
@@ -257,7 +266,7 @@ class Engine:
         self.drafter_path = Path(drafter) if drafter is not None else None
         self._load(target, drafter, block_size,
                    dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, n_batch=n_batch, device=device,
-                        use_mmap=use_mmap),
+                        use_mmap=use_mmap, n_seq=n_seq),
                    dict(ring_capacity=feature_ring_capacity, window=drafter_window or 0, draft_cutoff=draft_cutoff,
                         draft_vocab=draft_vocab, controller=gate, tree_budget=tree_budget if verify == "tree" else 0))
         # _cv guards the core: held while the core computes, never across a yield. _owner is the
@@ -272,6 +281,13 @@ class Engine:
         # tokens to verify instead of the drafter's (which still runs), or None.
         self._draft_override = None
         self._grammars: GrammarEngine | None = None  # built at the first constraint
+        # n_seq > 1: the core's scheduler runs the requests (_stream_batched); _inflight counts
+        # them (eval() and close() wait for none)
+        self._sched = None
+        self._inflight = 0
+        if n_seq > 1:
+            tok = self.tokenizer._core if self.tokenizer is not None else None
+            self._sched = _core.Scheduler(self._core, self._spec, tok)
 
     _drafter_warned = False
 
@@ -333,7 +349,8 @@ class Engine:
                 return
             self._claim("close()", timeout)
             self._owner = None
-            self._spec = None  # first: the Spec keeps its Target alive
+            self._sched = None  # first: it keeps the Spec and the Target alive
+            self._spec = None  # then: the Spec keeps its Target alive
             self._core = None
             tok, self.tokenizer = self.tokenizer, None
             if tok is not None:
@@ -593,7 +610,8 @@ class Engine:
         spec = self._spec is not None if speculative is None else speculative
         c = as_constraint(constraint)
         matcher = self._grammar_engine().matcher(c) if c is not None else None
-        gen = self._stream(_Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt, matcher))
+        run = _Run(self, toks, max_tokens, stop, spec, sampling, cache_prompt, matcher)
+        gen = self._stream_batched(run) if self._sched is not None else self._stream(run)
         if stream:
             return gen
         last = None
@@ -625,8 +643,15 @@ class Engine:
         while True:
             core = self._live()
             owner = self._owner
-            if owner is None:
+            if owner is None and self._inflight == 0:
                 break
+            if owner is None:  # the scheduler's requests (n_seq > 1) hold the core
+                wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if wait <= 0:
+                    raise RuntimeError(f"[engine] {what}: other threads' requests are still running on this Engine "
+                                       f"after {timeout:g} s")
+                self._cv.wait(wait)
+                continue
             if owner.thread is me or not owner.thread.is_alive():
                 owner.superseded_by = what
                 break
@@ -694,6 +719,33 @@ class Engine:
         yield run.final_piece()
 
 
+    def _stream_batched(self, run: "_Run") -> Iterator[StreamPiece]:
+        # n_seq > 1: the request is a ticket of the core's scheduler; whichever thread waits runs
+        # the next step for every request (the core's lock, not _cv, orders them).
+        with self._cv:
+            self._live(compute=True)
+            while self._owner is not None:  # eval() or close() holds the core
+                self._cv.wait(0.5)
+                self._live(compute=True)
+            self._inflight += 1
+            sched = self._sched
+        try:
+            pieces = run.start_ticket(sched)
+            while True:
+                yield from pieces
+                if run.done:
+                    break
+                pieces = run.step()
+        finally:
+            if not run.done and run.req is not None:
+                run.req.stop()  # an abandoned stream: its slot frees at the next step
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+        run.drain()
+        yield run.final_piece()
+
+
 class _Claim:
     """A call's or a stream's hold on the engine's sequence (Engine._claim)."""
 
@@ -746,7 +798,7 @@ class _Run:
 
     @property
     def done(self) -> bool:
-        return self.req is not None and self.req.done
+        return self.req is not None and (self.stopped or self.req.done)
 
     def emit(self, tokens: list[int], lps: list) -> list[StreamPiece]:
         """Appends the tokens the core emitted (and their core TokenLogprobs when the request wants
@@ -790,13 +842,38 @@ class _Run:
             self.req.set_draft_source(lambda out, B: override(prompt, out, B) or [])
         return self.emit(*self.req.start(self.prompt, n_cached))
 
+    def start_ticket(self, sched) -> list[StreamPiece]:
+        """start() through the core's scheduler (Engine(n_seq > 1)): the request queues for a slot
+        (with cache_prompt, one whose prompt cache holds a prefix of the prompt); its first tokens."""
+        eng = self.eng
+        source = None
+        if self.spec and eng._draft_override is not None and self.constraint is None:
+            override, prompt = eng._draft_override, self.prompt
+            source = lambda out, B: override(prompt, out, B) or []  # noqa: E731
+        self.req = sched.submit(self.prompt, self.spec, tree=self.spec and eng.verify == "tree",
+                                sampling=self.sampling, max_tokens=self.max_tokens,
+                                exact_max_tokens=self.cache_prompt, constraint=self.constraint,
+                                cache_prompt=self.cache_prompt, draft_source=source)
+        return self.emit(*self.req.next())
+
     def step(self) -> list[StreamPiece]:
-        """One AR step or one speculative round."""
-        pieces = self.emit(*self.req.step())
-        failure = self.req.stats["drafter_failure"]
+        """One AR step or one speculative round (a scheduler's ticket: the tokens of the steps
+        since the last call)."""
+        if isinstance(self.req, _core.Request):
+            pieces = self.emit(*self.req.step())
+            failure = self.req.stats["drafter_failure"]
+        else:
+            pieces = self.emit(*self.req.next())
+            failure = self.req.stats["drafter_failure"] if self.req.done else ""
         if failure:
             self.eng._warn_drafter_failed(failure)
         return pieces
+
+    def drain(self) -> None:
+        """A ticket stopped by a stop string: wait for its end (the tokens after the stop are dropped)."""
+        if self.req is not None and not isinstance(self.req, _core.Request):
+            while not self.req.done:
+                self.req.next()
 
     def held(self) -> tuple[list[int], bool]:
         """What the core holds after this request: its sequence, and whether the ring is in step."""

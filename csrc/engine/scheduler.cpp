@@ -1,0 +1,275 @@
+#include "engine/scheduler.h"
+
+#include "base/common.h"
+#include "kernels/cpu/matmul/matmul.h"
+
+#include <algorithm>
+
+namespace dfn {
+
+struct scheduler::ticket {
+    std::vector<int32_t> prompt;
+    request_policy policy;
+    bool cache_prompt = false;
+    request::draft_source forced;
+    std::unique_ptr<request> req;  // once admitted
+    int slot = -1;
+    int64_t n_cached = 0;
+    bool started = false, finished = false, cancelled = false;
+    request::emitted buf;  // emitted, not taken by next() yet
+    std::exception_ptr error;
+};
+
+scheduler::scheduler(target_session & target, spec_session * spec0, const tokenizer * vocab)
+    : target_(target), vocab_(vocab) {
+    DFN_REQUIRE(!spec0 || spec0->slot() == 0, "engine", "the scheduler's first spec session must serve slot 0");
+    specs_.push_back(spec0);
+    for (int k = 1; k < target.n_seq(); ++k) {
+        if (spec0) {
+            owned_.push_back(std::make_unique<spec_session>(target, spec0->drafter(), spec0->params(), k));
+            specs_.push_back(owned_.back().get());
+        } else {
+            specs_.push_back(nullptr);
+        }
+    }
+    slots_.resize(target.n_seq());
+    stats_.width.assign(target.n_seq() + 1, 0);
+}
+
+scheduler::~scheduler() = default;
+
+std::shared_ptr<scheduler::ticket> scheduler::submit(std::vector<int32_t> prompt, const request_policy & policy,
+                                                      bool cache_prompt, request::draft_source forced) {
+    DFN_REQUIRE(!policy.speculative || specs_[0], "generate", "a speculative request needs an engine with a drafter");
+    auto t = std::make_shared<ticket>();
+    t->prompt = std::move(prompt);
+    t->policy = policy;
+    t->cache_prompt = cache_prompt;
+    t->forced = std::move(forced);
+    std::lock_guard<std::mutex> lock(m_);
+    queue_.push_back(t);
+    return t;
+}
+
+void scheduler::cancel(ticket & t) {
+    std::lock_guard<std::mutex> lock(m_);
+    t.cancelled = true;
+}
+
+bool scheduler::done(const ticket & t) const {
+    std::lock_guard<std::mutex> lock(m_);
+    return t.finished && t.buf.tokens.empty();
+}
+
+const request * scheduler::result(const ticket & t) const {
+    std::lock_guard<std::mutex> lock(m_);
+    return t.finished ? t.req.get() : nullptr;
+}
+
+scheduler::pass_stats scheduler::stats() const {
+    std::lock_guard<std::mutex> lock(m_);
+    return stats_;
+}
+
+request::emitted scheduler::next(ticket & t) {
+    std::unique_lock<std::mutex> lock(m_);
+    while (true) {
+        if (t.error) {
+            std::exception_ptr e = t.error;
+            t.error = nullptr;
+            std::rethrow_exception(e);
+        }
+        if (!t.buf.tokens.empty() || t.finished) {
+            request::emitted e = std::move(t.buf);
+            t.buf = {};
+            return e;
+        }
+        if (!stepping_) {
+            stepping_ = true;
+            lock.unlock();
+            try {
+                step_once();
+            } catch (...) {
+                lock.lock();
+                stepping_ = false;
+                cv_.notify_all();
+                throw;
+            }
+            lock.lock();
+            stepping_ = false;
+            cv_.notify_all();
+        } else {
+            cv_.wait(lock);
+        }
+    }
+}
+
+std::vector<int> scheduler::admit() {
+    std::vector<int> admitted;
+    while (!queue_.empty()) {
+        std::shared_ptr<ticket> t = queue_.front();
+        if (t->cancelled) {  // never started: ends with nothing
+            queue_.pop_front();
+            t->finished = true;
+            continue;
+        }
+        // a free slot: the one whose held sequence is the longest usable prefix of the prompt
+        // (cache_prompt), else one holding nothing, else any
+        int best = -1;
+        int64_t best_n = -1;
+        for (int k = 0; k < n_slots(); ++k) {
+            const slot_state & s = slots_[k];
+            if (s.t) continue;
+            int64_t n = s.held.empty() ? 0 : -1;  // prefer empty slots for cold starts
+            const bool usable = t->cache_prompt && !s.held.empty() && s.held.size() < t->prompt.size() &&
+                                (!t->policy.speculative || s.held_ring) &&
+                                std::equal(s.held.begin(), s.held.end(), t->prompt.begin());
+            if (usable) n = (int64_t) s.held.size();
+            if (n > best_n) best = k, best_n = n;
+        }
+        if (best < 0) break;  // every slot is busy
+        queue_.pop_front();
+        slot_state & s = slots_[best];
+        t->slot = best;
+        t->n_cached = std::max<int64_t>(best_n, 0);
+        s.t = t;
+        s.held.clear();  // in flight: a request that fails leaves nothing held
+        admitted.push_back(best);
+    }
+    return admitted;
+}
+
+void scheduler::fail(slot_state & s, std::exception_ptr e) {
+    // the slot's caches may hold part of the failed work: the next request there starts cold
+    s.t->error = e;
+    s.t->finished = true;
+    s.held.clear();
+}
+
+void scheduler::step_once() {
+    std::vector<int> admitted;
+    std::vector<std::shared_ptr<ticket>> active(n_slots());
+    {
+        std::lock_guard<std::mutex> lock(m_);
+        admitted = admit();
+        for (int k = 0; k < n_slots(); ++k) {
+            active[k] = slots_[k].t;
+            if (active[k] && active[k]->cancelled && active[k]->req) active[k]->req->stop();
+        }
+    }
+    std::vector<request::emitted> out(n_slots());
+    std::vector<std::exception_ptr> err(n_slots());
+    // the new requests' prefills, each alone
+    for (int k : admitted) {
+        ticket & t = *active[k];
+        try {
+            spec_session * spec = t.policy.speculative ? specs_[k] : nullptr;
+            if (spec && k > 0) {  // slot 0's settings (the Engine's setters change them there)
+                const spec_params & p0 = specs_[0]->params();
+                spec->set_draft_cutoff(p0.draft_cutoff);
+                spec->set_draft_vocab(p0.draft_vocab);
+                spec->set_controller(p0.use_controller);
+                if (p0.tree_budget > 0) spec->set_tree_budget(p0.tree_budget);
+            }
+            t.req = std::make_unique<request>(target_, spec, vocab_, t.policy, k);
+            if (t.forced) t.req->set_draft_source(t.forced);
+            if (t.cancelled) t.req->stop();
+            out[k] = t.req->start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached);
+            t.started = true;
+        } catch (...) {
+            err[k] = std::current_exception();
+        }
+    }
+    // the others' steps: planned (drafts run), then one pass over the batchable ones
+    std::vector<batch_item> items;
+    std::vector<int> in_pass;
+    bool taps = false, logits = false;
+    for (int k = 0; k < n_slots(); ++k) {
+        if (!active[k] || !active[k]->started || err[k]) continue;
+        if (std::find(admitted.begin(), admitted.end(), k) != admitted.end()) continue;
+        request & r = *active[k]->req;
+        if (r.done()) continue;
+        try {
+            std::optional<batch_item> it = r.begin_step();
+            if (!it) {  // a step only step() runs: alone, now
+                out[k] = r.step();
+                stats_.solo_steps += 1;
+                continue;
+            }
+            taps = taps || r.policy().speculative;
+            logits = logits || r.wants_logits();
+            items.push_back(std::move(*it));
+            in_pass.push_back(k);
+        } catch (...) {
+            err[k] = std::current_exception();
+        }
+    }
+    // One pass, or several when the work is wider than the matmul's batch-invariant width.
+    const int64_t budget = std::min(target_.params().n_batch, k_matmul_max_cols);
+    const std::vector<int> * tap_layers = nullptr;
+    for (int k = 0; k < n_slots() && taps; ++k) {
+        if (specs_[k]) {
+            tap_layers = &specs_[k]->drafter_hparams_().tap_layers;
+            break;
+        }
+    }
+    static const std::vector<int> no_taps;
+    size_t i0 = 0;
+    while (i0 < items.size()) {
+        size_t i1 = i0;
+        int64_t width = 0;
+        while (i1 < items.size() && (i1 == i0 || width + (int64_t) items[i1].tokens.size() <= budget)) {
+            width += (int64_t) items[i1].tokens.size();
+            ++i1;
+        }
+        std::vector<batch_item> part(items.begin() + i0, items.begin() + i1);
+        std::vector<decode_result> res;
+        try {
+            res = target_.decode_batch(part, tap_layers ? *tap_layers : no_taps, /*argmax_only=*/!logits);
+        } catch (...) {
+            for (size_t i = i0; i < i1; ++i) err[in_pass[i]] = std::current_exception();
+            i0 = i1;
+            continue;
+        }
+        {
+            std::lock_guard<std::mutex> lock(m_);
+            stats_.passes += 1;
+            stats_.tokens += width;
+            stats_.width[i1 - i0] += 1;
+        }
+        for (size_t i = i0; i < i1; ++i) {
+            const int k = in_pass[i];
+            try {
+                out[k] = active[k]->req->finish_step(res[i - i0]);
+            } catch (...) {
+                err[k] = std::current_exception();
+            }
+        }
+        i0 = i1;
+    }
+    std::lock_guard<std::mutex> lock(m_);
+    for (int k = 0; k < n_slots(); ++k) {
+        if (!active[k]) continue;
+        ticket & t = *active[k];
+        slot_state & s = slots_[k];
+        if (err[k]) {
+            fail(s, err[k]);
+            if (t.req) target_.reset_slot(k);
+            s.t.reset();
+            continue;
+        }
+        t.buf.tokens.insert(t.buf.tokens.end(), out[k].tokens.begin(), out[k].tokens.end());
+        t.buf.logprobs.insert(t.buf.logprobs.end(), out[k].logprobs.begin(), out[k].logprobs.end());
+        if (t.req && t.req->done()) {
+            t.finished = true;
+            if (t.policy.exact_max_tokens && !t.req->committed().empty()) {
+                s.held = t.prompt;
+                s.held.insert(s.held.end(), t.req->committed().begin(), t.req->committed().end() - 1);
+                s.held_ring = t.req->ring_in_step();
+            }
+            s.t.reset();
+        }
+    }
+}
+
+}  // namespace dfn

@@ -1,0 +1,84 @@
+// The engine over several sequences (issue 35; docs/architecture.md, "The scheduler"): requests
+// queue for one of the target's sequence slots, start there (the prefill), then advance together.
+// Each step runs every active request's plan (a round's drafts, or an AR step), then ONE target
+// pass over all of their work (target_session::decode_batch: every weight read once for the
+// batch), then each request's acceptance and commit. A request's tokens in any batch are its
+// tokens run alone, bit for bit (the matmul contract: each column computed as alone). Requests
+// join and leave between steps (continuous batching). Tree rounds and the last token's AR step
+// run alone, between the batched passes.
+//
+// Threads: any number of callers submit and wait (next()); whichever waits while no step runs
+// runs the next one for everybody (no thread of the scheduler's own).
+#pragma once
+
+#include "engine/request.h"
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace dfn {
+
+class scheduler {
+public:
+    // target: a session with n_seq slots (CPU); spec0: slot 0's spec session, or null for an
+    // engine without a drafter (AR only). Slots 1.. get spec sessions of their own that share its
+    // drafter's weights and settings. vocab: ends requests at an end-of-generation token.
+    scheduler(target_session & target, spec_session * spec0, const tokenizer * vocab);
+    ~scheduler();
+
+    struct ticket;
+    // Queues a request: its prompt, policy and, for tests and benchmarks, a draft source
+    // (request::set_draft_source). cache_prompt: start from the held sequence of a free slot
+    // whose prompt cache holds a strict prefix of the prompt (the request should then set
+    // exact_max_tokens, so that it leaves its own sequence held).
+    std::shared_ptr<ticket> submit(std::vector<int32_t> prompt, const request_policy & policy, bool cache_prompt = false,
+                                   request::draft_source forced = {});
+    // The tokens the ticket's request emitted since the last call, waiting (and stepping the
+    // engine while no other thread does) until there are some or the request has ended; its
+    // error, if it failed, is thrown here.
+    request::emitted next(ticket & t);
+    // Ends the request at the next step (stop_reason caller); a queued one never starts.
+    void cancel(ticket & t);
+    bool done(const ticket & t) const;
+    // The request once it has ended (stats, committed tokens); null before.
+    const request * result(const ticket & t) const;
+
+    int n_slots() const { return (int) specs_.size(); }
+    spec_session * spec(int slot) { return specs_.at(slot); }
+
+    // What the batched passes ran, summed over the engine's life (metrics, benchmarks): passes,
+    // tokens, and histogram of passes by the number of requests in them.
+    struct pass_stats {
+        int64_t passes = 0, tokens = 0, solo_steps = 0;
+        std::vector<int64_t> width;  // width[n]: passes over n requests
+    };
+    pass_stats stats() const;
+
+private:
+    struct slot_state {
+        std::shared_ptr<ticket> t;  // the request in it
+        std::vector<int32_t> held;  // its prompt cache: the sequence the slot holds after its last request
+        bool held_ring = false;     // and whether the ring is in step with it
+    };
+    void step_once();
+    // Admits queued tickets into free slots (caller holds m_); returns those admitted.
+    std::vector<int> admit();
+    void fail(slot_state & s, std::exception_ptr e);
+
+    target_session & target_;
+    const tokenizer * vocab_;
+    std::vector<spec_session *> specs_;  // per slot; null without a drafter
+    std::vector<std::unique_ptr<spec_session>> owned_;
+    std::vector<slot_state> slots_;
+    std::deque<std::shared_ptr<ticket>> queue_;
+    mutable std::mutex m_;
+    std::condition_variable cv_;
+    bool stepping_ = false;
+    pass_stats stats_;
+};
+
+}  // namespace dfn
