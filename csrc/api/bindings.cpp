@@ -25,7 +25,6 @@
 #include "gguf/vocab.h"
 #include "runtime/devices.h"
 #include "runtime/session.h"
-#include "spec/batch_engine.h"
 #include "engine/scheduler.h"
 #include "spec/spec.h"
 #include "engine/request.h"
@@ -431,9 +430,24 @@ py::object target_verify(target_session & s, const py::object & tokens, const st
 }
 
 // memory_usage as a dict of bytes, with its sum under "total" (Engine.memory_report).
-py::dict memory_report(const target_session & t, const spec_session * s) {
+py::dict memory_report(const target_session & t, const spec_session * s, scheduler * sched) {
     memory_usage u = t.memory();
     if (s) s->add_memory(u);
+    py::list slots;  // a scheduler's slots: each one's caches, ring and feature queue
+    for (int k = 0; sched && k < sched->n_slots(); ++k) {
+        memory_usage m = t.slot_memory(k);
+        if (spec_session * sk = sched->spec(k)) {
+            sk->add_memory(m);
+            if (k > 0) u.feature_ring += m.feature_ring, u.feature_queue += m.feature_queue;
+        }
+        py::dict d;
+        d["kv_cache"] = m.kv_cache;
+        d["gdn_state"] = m.gdn_state;
+        d["gdn_tape"] = m.gdn_tape;
+        d["feature_ring"] = m.feature_ring;
+        d["feature_queue"] = m.feature_queue;
+        slots.append(d);
+    }
     graph_runner & r = const_cast<target_session &>(t).runner();
     if (r.on_device()) {
         u.on_device = u.target_weights_copied + u.drafter_weights_copied + u.kv_cache + u.gdn_state + u.gdn_tape +
@@ -452,6 +466,7 @@ py::dict memory_report(const target_session & t, const spec_session * s) {
     }
     d["total"] = total;
     d["on_device"] = u.on_device;
+    if (sched) d["slots"] = slots;
     return d;
 }
 
@@ -498,7 +513,7 @@ void bind_target(py::module_ & m) {
         }, "The matmul levels this engine measured at load (dispatch.h), one dict per weight type and "
            "column count: the matrix timed, its fastest run per level (seconds), the level chosen and the one in use, "
            "and the measurement's own time (wall_seconds)")
-        .def("memory_report", &memory_report, py::arg("spec") = nullptr,
+        .def("memory_report", &memory_report, py::arg("spec") = nullptr, py::arg("scheduler") = nullptr,
              "Bytes held by this target and, given its Spec, the drafter beside it (see memory_usage in "
              "session.h): a dict of the parts and their total")
         .def("reset", &target_session::reset, "Empty the sequence: n_past = 0, GDN state zeroed")
@@ -1241,36 +1256,7 @@ void bind_testing_batch(py::module_ & t) {
     t.def("reset_slot", &target_session::reset_slot, py::arg("target"), py::arg("slot"));
     t.def("slot_n_past", &target_session::slot_n_past, py::arg("target"), py::arg("slot"));
 
-    py::class_<batch_engine>(t, "BatchEngine", "Greedy chain rounds for a batch target's slots (spec/batch_engine.h)")
-        .def(py::init([](target_session & target, const std::string & drafter, int64_t block_size, int64_t prefill_chunk,
-                         int64_t max_step_tokens) {
-                 batch_engine_params p;
-                 p.block_size = block_size;
-                 p.prefill_chunk = prefill_chunk;
-                 p.max_step_tokens = max_step_tokens;
-                 py::gil_scoped_release release;
-                 return std::make_unique<batch_engine>(target, drafter, p);
-             }),
-             py::arg("target"), py::arg("drafter"), py::arg("block_size") = 0, py::arg("prefill_chunk") = 32,
-             py::arg("max_step_tokens") = k_matmul_max_cols, py::keep_alive<1, 2>())
-        .def("start", [](batch_engine & e, const py::object & prompt, int64_t max_tokens) {
-                 return e.start(to_tokens(prompt), max_tokens);
-             }, py::arg("prompt"), py::arg("max_tokens"), "Admit a request into a free slot; returns the slot")
-        .def("step", [](batch_engine & e) {
-                 py::gil_scoped_release release;
-                 return e.step();
-             }, "One drafter pass and one target pass over the active requests; returns how many stay active")
-        .def("finished", &batch_engine::finished, py::arg("slot"))
-        .def("output", &batch_engine::output, py::arg("slot"))
-        .def("rounds", [](const batch_engine & e, int slot) {
-                 py::list out;
-                 for (const batch_engine::round_record & r : e.rounds(slot)) out.append(py::make_tuple(r.draft, r.committed));
-                 return out;
-             }, py::arg("slot"), "Per round of the slot's request: (drafts verified, tokens committed)")
-        .def("release", &batch_engine::release, py::arg("slot"))
-        .def_property_readonly("block_size", &batch_engine::block_size)
-        .def_readonly("n_steps", &batch_engine::n_steps)
-        .def_readonly("n_step_tokens", &batch_engine::n_step_tokens);
+
 }
 
 void bind_testing_caches(py::module_ & t) {
@@ -1492,6 +1478,8 @@ void bind_scheduler(py::module_ & m) {
             "stepping the engine) until there are some or the request has ended")
         .def("stop", [](py_ticket & t) { t.s->cancel(*t.t); }, "End the request at the next step")
         .def_property_readonly("done", [](const py_ticket & t) { return t.s->done(*t.t); })
+        .def_property_readonly("slot", [](const py_ticket & t) { return t.s->slot_of(*t.t); },
+                               "The sequence slot it runs in (-1 while it queues)")
         .def_property_readonly("stop_reason", [](const py_ticket & t) { return stop_reason_of(t.done_request()); })
         .def_property_readonly("stats", [](const py_ticket & t) { return stats_of(t.done_request()); })
         .def_property_readonly("committed", [](const py_ticket & t) { return t.done_request().committed(); })

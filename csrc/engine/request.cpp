@@ -188,9 +188,10 @@ std::optional<batch_item> request::begin_step() {
 
 bool request::wants_logits() const { return sampling() != nullptr; }
 
-request::emitted request::finish_step(decode_result & v) {
+request::emitted request::finish_step(decode_result & v, double pass_s) {
     DFN_REQUIRE(pending_, "generate", "finish_step() without a pending step");
     pending_step s = std::move(*pending_);
+    s.pass_s = pass_s;
     pending_.reset();
     std::vector<int32_t> committed;
     std::vector<token_logprobs> lps;

@@ -93,7 +93,9 @@ public:
     // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
     std::optional<batch_item> begin_step();
     bool wants_logits() const;
-    emitted finish_step(decode_result & v);
+    // pass_s: this request's share of the shared pass's time (engine/batch_costs.h), for the
+    // controller's prices; < 0: unknown (timed from the drafts' end).
+    emitted finish_step(decode_result & v, double pass_s = -1);
     // The caller ends the request (a stop string, a callback, a cancellation).
     void stop() { finish(stop_reason::caller); }
     bool done() const { return stats_.stop != stop_reason::none; }

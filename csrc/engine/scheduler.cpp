@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include "base/common.h"
+#include "base/profile.h"
 #include "kernels/cpu/matmul/matmul.h"
 
 #include <algorithm>
@@ -21,7 +22,7 @@ struct scheduler::ticket {
 };
 
 scheduler::scheduler(target_session & target, spec_session * spec0, const tokenizer * vocab)
-    : target_(target), vocab_(vocab) {
+    : target_(target), vocab_(vocab), costs_(std::min(target.params().n_batch, k_matmul_max_cols)) {
     DFN_REQUIRE(!spec0 || spec0->slot() == 0, "engine", "the scheduler's first spec session must serve slot 0");
     specs_.push_back(spec0);
     for (int k = 1; k < target.n_seq(); ++k) {
@@ -59,6 +60,11 @@ void scheduler::cancel(ticket & t) {
 bool scheduler::done(const ticket & t) const {
     std::lock_guard<std::mutex> lock(m_);
     return t.finished && t.buf.tokens.empty();
+}
+
+int scheduler::slot_of(const ticket & t) const {
+    std::lock_guard<std::mutex> lock(m_);
+    return t.slot;
 }
 
 const request * scheduler::result(const ticket & t) const {
@@ -115,8 +121,10 @@ std::vector<int> scheduler::admit() {
         }
         // a free slot: the one whose held sequence is the longest usable prefix of the prompt
         // (cache_prompt), else one holding nothing, else any
+        // scores: the usable prefix's length (>= 1), 0 for an empty slot, -1 for one holding a
+        // sequence this prompt cannot continue (it loses that slot's prompt cache)
         int best = -1;
-        int64_t best_n = -1;
+        int64_t best_n = -2;
         for (int k = 0; k < n_slots(); ++k) {
             const slot_state & s = slots_[k];
             if (s.t) continue;
@@ -183,6 +191,7 @@ void scheduler::step_once() {
     // the others' steps: planned (drafts run), then one pass over the batchable ones
     std::vector<batch_item> items;
     std::vector<int> in_pass;
+    int64_t solo = 0;
     bool taps = false, logits = false;
     for (int k = 0; k < n_slots(); ++k) {
         if (!active[k] || !active[k]->started || err[k]) continue;
@@ -193,7 +202,7 @@ void scheduler::step_once() {
             std::optional<batch_item> it = r.begin_step();
             if (!it) {  // a step only step() runs: alone, now
                 out[k] = r.step();
-                stats_.solo_steps += 1;
+                solo += 1;
                 continue;
             }
             taps = taps || r.policy().speculative;
@@ -224,8 +233,11 @@ void scheduler::step_once() {
         }
         std::vector<batch_item> part(items.begin() + i0, items.begin() + i1);
         std::vector<decode_result> res;
+        double pass_s = 0;
         try {
+            const double t0 = profile_now();
             res = target_.decode_batch(part, tap_layers ? *tap_layers : no_taps, /*argmax_only=*/!logits);
+            pass_s = profile_now() - t0;
         } catch (...) {
             for (size_t i = i0; i < i1; ++i) err[in_pass[i]] = std::current_exception();
             i0 = i1;
@@ -237,10 +249,12 @@ void scheduler::step_once() {
             stats_.tokens += width;
             stats_.width[i1 - i0] += 1;
         }
+        costs_.observe(width, pass_s);
         for (size_t i = i0; i < i1; ++i) {
             const int k = in_pass[i];
             try {
-                out[k] = active[k]->req->finish_step(res[i - i0]);
+                const double share = costs_.share((int64_t) part[i - i0].tokens.size(), width, (int64_t) (i1 - i0), pass_s);
+                out[k] = active[k]->req->finish_step(res[i - i0], share);
             } catch (...) {
                 err[k] = std::current_exception();
             }
@@ -248,6 +262,7 @@ void scheduler::step_once() {
         i0 = i1;
     }
     std::lock_guard<std::mutex> lock(m_);
+    stats_.solo_steps += solo;
     for (int k = 0; k < n_slots(); ++k) {
         if (!active[k]) continue;
         ticket & t = *active[k];

@@ -11,6 +11,7 @@
 // runs the next one for everybody (no thread of the scheduler's own).
 #pragma once
 
+#include "engine/batch_costs.h"
 #include "engine/request.h"
 
 #include <condition_variable>
@@ -44,6 +45,8 @@ public:
     // Ends the request at the next step (stop_reason caller); a queued one never starts.
     void cancel(ticket & t);
     bool done(const ticket & t) const;
+    // The slot the ticket's request runs in (-1 while it queues).
+    int slot_of(const ticket & t) const;
     // The request once it has ended (stats, committed tokens); null before.
     const request * result(const ticket & t) const;
 
@@ -79,6 +82,7 @@ private:
     std::condition_variable cv_;
     bool stepping_ = false;
     pass_stats stats_;
+    batch_costs costs_;  // the shared passes' costs, split into the requests' shares
 };
 
 }  // namespace dfn

@@ -161,7 +161,7 @@ public:
         ggml_tensor * mask = nullptr;      // F16 [n_att, R]
         ggml_tensor * mask_swa = nullptr;  // F16 [n_att, R], when there are sliding-window layers
     };
-    // Several sequences' blocks of R rows in one pass (batch_engine.h): block s is tokens
+    // Several sequences' blocks of R rows in one pass (build_block is its one-block case): block s is tokens
     // [s R, (s + 1) R) at positions pos (I32 [n R] each), over its own ring. Every weight matmul
     // runs once over all blocks; attention, and DFlash 2's convolutions, per block. Returns F32
     // [n_embd, n (B-1)]: block s's drafting rows are the columns build_block gives for it alone,

@@ -94,6 +94,15 @@ void target_session::reset_slot(int slot) {
 
 target_session::~target_session() = default;
 
+memory_usage target_session::slot_memory(int slot) const {
+    const model_cache & c = *slots_.at(check_slot(slot)).cache;
+    memory_usage m;
+    m.kv_cache = c.kv_bytes();
+    m.gdn_state = c.gdn_state_bytes();
+    m.gdn_tape = c.gdn_tape_bytes();
+    return m;
+}
+
 memory_usage target_session::memory() const {
     memory_usage m;
     m.target_weights_mapped = model_->file().mapped_bytes();

@@ -166,6 +166,8 @@ public:
     size_t n_graph_plans() const { return runner_->n_plans(); }
     // The target's part of memory_usage: its weights, caches and compute buffers.
     memory_usage memory() const;
+    // One sequence slot's caches (kv_cache, gdn_state, gdn_tape; the rest 0).
+    memory_usage slot_memory(int slot) const;
 
     // The backends, plans and metadata arena this session's graphs run on; the drafter runs its
     // graphs on the same runner (it shares the target's embeddings, lm_head and buffers).

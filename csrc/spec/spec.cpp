@@ -72,8 +72,8 @@ spec_session::spec_session(target_session & target, std::shared_ptr<drafter_mode
 void spec_session::add_memory(memory_usage & m) const {
     m.drafter_weights_mapped = drafter_->weights_mapped();
     m.drafter_weights_copied = drafter_->weights_copied();
-    m.feature_ring = ring_->bytes() + (dev_queue_ ? ggml_nbytes(dev_queue_) : 0);
-    m.feature_queue = pending_feats_.capacity() * sizeof(float);
+    m.feature_ring += ring_->bytes() + (dev_queue_ ? ggml_nbytes(dev_queue_) : 0);
+    m.feature_queue += pending_feats_.capacity() * sizeof(float);
     m.compute_drafter = runner_.compute_bytes({"draft:", "encode:"});
 }
 

@@ -67,6 +67,9 @@ struct pending_step {
     std::vector<float> p;        // the drafts' probabilities, as the controller chose k from them
     int32_t next = -1;           // the first draft left unverified (the controller's calibration)
     double t0 = 0, t1 = 0;       // the step's start, the drafts' end
+    // The target pass's cost to this step when the pass was shared (the scheduler's share of it:
+    // engine/batch_costs.h); < 0: the pass was this step's alone, timed from t1 to finish_step.
+    double pass_s = -1;
     round_result r;              // its draft
     // The pass must give every row's logits (a sampled or constrained step, logprobs); else the
     // argmax per row is enough.
@@ -195,7 +198,8 @@ public:
     int64_t effective_window() const {
         return params_.window > 0 ? std::min(params_.window, ring_->capacity) : ring_->capacity;
     }
-    // Adds the drafter's weights, the ring and the draft and ring-push graphs' compute buffers.
+    // Sets the drafter's weights and the draft and ring-push graphs' compute buffers; adds the
+    // ring and the feature queue (several slots' sessions add theirs).
     void add_memory(memory_usage & m) const;
     void set_draft_cutoff(float c);
     void set_draft_vocab(bool on);

@@ -44,6 +44,7 @@ pending_step spec_session::plan_ar(int32_t last, const sampling_params * samplin
     s.last = last;
     s.input = {last};
     s.t0 = t0;
+    s.t1 = profile_now();
     return s;
 }
 
@@ -135,7 +136,9 @@ int32_t spec_session::choice(const pending_step & s, const decode_result & v, in
 }
 
 round_result spec_session::finish_step(pending_step & s, decode_result & v) {
-    const double t2 = profile_now();
+    // a shared pass: the step's draft time, then its share of the pass (the controller prices the
+    // step by what it adds to the batch), then its own commit
+    const double now = profile_now(), t2 = s.pass_s >= 0 ? s.t1 + s.pass_s : now;
     round_result & r = s.r;
     const bool lps = s.sampling && s.sampling->want_logprobs();
     if (s.ar) {
@@ -145,7 +148,7 @@ round_result spec_session::finish_step(pending_step & s, decode_result & v) {
         if (lps) r.logprobs = {std::move(lp)};
         r.ar = true;
         r.n_verified = 1;
-        r.verify_s = profile_now() - s.t0;
+        r.verify_s = (s.pass_s >= 0 ? s.t1 - s.t0 + s.pass_s : 0) + profile_now() - (s.pass_s >= 0 ? now : s.t0);
         if (s.observe) ctl_.observe_ar(r.verify_s);
         return std::move(r);
     }
@@ -170,7 +173,9 @@ round_result spec_session::finish_step(pending_step & s, decode_result & v) {
     tgt().commit(n_keep);
     // the first n_keep rows are pushed into the ring by the next draft graph (see flush_features)
     queue_features(std::move(v.taps), n_keep, s.n_past0);
-    set_times(r, s.t0, s.t1, t2);
+    r.draft_s = s.t1 - s.t0;
+    r.verify_s = t2 - s.t1;
+    r.rollback_s = profile_now() - now;  // accept, commit (rollback) and queueing the features
     if (s.observe) {
         const int64_t k = L - 1, accepted = n_keep - 1;
         const int next_hit = s.next >= 0 && accepted == k ? (int) (r.committed.back() == s.next) : -1;

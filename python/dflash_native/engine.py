@@ -513,9 +513,11 @@ class Engine:
           is not the CPU: the weights, caches, tape, ring and the device's compute buffers (0 on
           the CPU).
 
-        Parts the engine does not have (a drafter, GDN layers) are 0."""
+        Parts the engine does not have (a drafter, GDN layers) are 0. With n_seq > 1 the caches,
+        rings and queues are every slot's, and "slots" lists each slot's kv_cache, gdn_state,
+        gdn_tape, feature_ring and feature_queue."""
         with self._cv:
-            return dict(self._live().memory_report(self._spec))
+            return dict(self._live().memory_report(self._spec, self._sched))
 
     # ---- structured output ------------------------------------------------------------
     def _grammar_engine(self) -> GrammarEngine:

@@ -1,0 +1,304 @@
+"""The engine over several sequence slots (csrc/engine/scheduler.h; Engine(n_seq=N)): requests run
+at once, each step one target pass over every active request's work, joining and leaving between
+steps. Exactness per sequence: a request's output in any batch (tokens, logprobs, stop reason) is
+its output run alone on a one-slot engine, bit for bit, and each slot's caches after a step are
+those of its sequence computed afresh.
+
+Streams are advanced from one thread, interleaved at random, so that joins and leaves happen at
+seeded, reproducible steps (each next() of a stream runs engine steps for every active request);
+the threaded tests run the same through threads, as a server does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import dflash_native as dn
+from dflash_native import _core
+from fixtures import make_spec_pair
+
+T = _core.testing
+N_CTX = 192
+B = 4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen35", "qwen3next"])
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("sched-" + request.param)
+    _, tg, dg = make_spec_pair(d, request.param, seed=5, block_size=B)
+    return {"target": str(tg), "drafter": str(dg)}
+
+
+# drafter kinds beyond DFlash (docs/architecture.md, "Drafter kinds"): the target (a SPEC_PAIRS
+# name) and make_random_drafter_gguf overrides
+KINDS = {
+    # per-layer dynamic convolutions (rows mix within a block) and the top-k path selector
+    "dflash2": ("qwen35", dict(kind="dflash2", dflash_config={"selector_top_k": 3})),
+    # anchor-first rows, Markov and confidence heads, partial RoPE, the attention value scale
+    "dspark": ("qwen3", dict(kind="dspark", sample_from_anchor=True, confidence_head=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "partial_rotary_factor": 0.5},
+                             dflash_config={"attention_value_scale": 0.5})),
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def kind_pair(request, tmp_path_factory):
+    from dflash_native.convert import convert_hf_to_gguf
+    from dflash_native.random_models import make_random_drafter_gguf
+    from fixtures import SPEC_PAIRS, make_random_checkpoint
+
+    d = tmp_path_factory.mktemp("sched-kind-" + request.param)
+    target, over = KINDS[request.param]
+    arch, t_over, d_over = SPEC_PAIRS[target]
+    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
+    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
+    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, target_gguf=tg, block_size=B,
+                                  **{**d_over, **over})
+    return {"target": str(tg), "drafter": str(dg)}
+
+
+def engine(pair, n_seq, **kw):
+    return dn.Engine(pair["target"], drafter=pair["drafter"], n_ctx=N_CTX, kv_type="f32", n_threads=2, block_size=B,
+                     n_seq=n_seq, **kw)
+
+
+def random_requests(rng, vocab, n, *, sampled=True, logprobs=True, ar=True):
+    reqs = []
+    for _ in range(n):
+        r = dict(prompt=list(map(int, rng.integers(3, vocab, int(rng.integers(2, 40))))),
+                 max_tokens=int(rng.integers(1, 28)))
+        if sampled and rng.random() < 0.5:
+            r.update(temperature=float(rng.choice([0.6, 1.0])), seed=int(rng.integers(1 << 30)),
+                     top_p=float(rng.choice([1.0, 0.9])))
+        if logprobs and rng.random() < 0.3:
+            r["logprobs"] = int(rng.integers(0, 4))
+        if ar and rng.random() < 0.25:
+            r["speculative"] = False
+        reqs.append(r)
+    return reqs
+
+
+def result_of(res):
+    lps = None if res.logprobs is None else [(x.token, x.logprob, tuple(x.top))
+                                             for x in res.logprobs]
+    return res.tokens, lps, res.stats.stop_reason
+
+
+def solo_results(pair, reqs, **kw):
+    with engine(pair, 1, **kw) as e:
+        return [e.generate(**r) for r in reqs]
+
+
+def interleaved(eng, reqs, rng, *, inspect=None):
+    """The requests as streams advanced from one thread in a seeded random order, each starting
+    (joining) at a random point; returns their results. inspect(eng, live) runs after every
+    advance, with the live streams' (request, tokens so far, ticket)."""
+    pending = list(range(len(reqs)))
+    live = {}  # index -> (generator, tokens so far)
+    results = {}
+    while pending or live:
+        if pending and (not live or rng.random() < 0.35):
+            i = pending.pop(0)
+            live[i] = eng.generate(**reqs[i], stream=True)
+        i = int(rng.choice(list(live)))
+        try:
+            piece = next(live[i])
+        except StopIteration:  # pragma: no cover - the last piece carries the result first
+            raise AssertionError("stream ended without its result")
+        if getattr(piece, "result", None) is not None:
+            results[i] = piece.result
+            del live[i]
+        if inspect is not None:
+            inspect(eng)
+    return [results[i] for i in range(len(reqs))]
+
+
+@pytest.mark.parametrize("n_seq,seed", [(2, 0), (3, 1)])
+def test_random_mix_equals_solo(pair, n_seq, seed):
+    """Greedy and seeded sampled, speculative and AR requests with logprobs, more than the slots,
+    joining at random points: each one's tokens, logprobs and stop reason are its solo run's."""
+    rng = np.random.default_rng(seed)
+    with engine(pair, n_seq) as eng:
+        reqs = random_requests(rng, eng.n_vocab, n_seq + 3)
+        got = interleaved(eng, reqs, rng)
+        widths = eng._sched.pass_stats["width"]
+    want = solo_results(pair, reqs)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert result_of(g) == result_of(w), f"request {i} ({reqs[i]}) differs from its solo run"
+    assert sum(widths[2:]) > 0, f"no pass ran several requests' work: {widths}"
+
+
+@pytest.mark.parametrize("seed", [2])
+def test_drafter_kinds_batched_equal_solo(kind_pair, seed):
+    """DFlash 2 and DSpark drafters, gate off: the same tokens and the same rounds (acceptance
+    histograms: the drafts were the solo run's) as each request run alone."""
+    rng = np.random.default_rng(seed)
+    with engine(kind_pair, 3, gate=False) as eng:
+        reqs = random_requests(rng, eng.n_vocab, 5, ar=False)
+        got = interleaved(eng, reqs, rng)
+    want = solo_results(kind_pair, reqs, gate=False)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert result_of(g) == result_of(w), f"request {i} differs from its solo run"
+        assert g.stats.acceptance_histogram == w.stats.acceptance_histogram, f"request {i}: other rounds"
+
+
+def caches(t, slot):
+    out = []
+    for il, kind in enumerate(t.layer_types):
+        f = T.gdn_state if kind == "gdn" else T.kv
+        out.append(f(t, il, slot))
+    return out
+
+
+def solo_caches(t, il_kinds):
+    return [(T.gdn_state if k == "gdn" else T.kv)(t, il) for il, k in enumerate(il_kinds)]
+
+
+def test_slot_caches_after_each_step_equal_a_fresh_computation(pair):
+    """After every step, the slot of the request just advanced holds the caches of its sequence (its
+    prompt and every emitted token but the last) decoded afresh on a one-slot target. The
+    scheduler's tickets directly: next() returns once a step emitted the ticket's tokens."""
+    rng = np.random.default_rng(7)
+    fresh = _core.Target(pair["target"], n_ctx=N_CTX, n_threads=2, kv_type="f32", n_batch=32)
+    checked = 0
+    with engine(pair, 3, gate=False) as eng:
+        sched = eng._sched
+        reqs = random_requests(rng, eng.n_vocab, 5, logprobs=False)
+        live, outs = {}, {}
+        pending = list(range(len(reqs)))
+        while pending or live:
+            if pending and (not live or rng.random() < 0.4):
+                i = pending.pop(0)
+                r = reqs[i]
+                sampling = _core.Sampling(r["temperature"], top_p=r["top_p"], seed=r["seed"]) if "temperature" in r else None
+                # exact_max_tokens: no round commits past max_tokens, so the slot holds just the tokens emitted
+                live[i] = sched.submit(r["prompt"], r.get("speculative", True), sampling=sampling,
+                                       max_tokens=r["max_tokens"] + 8, exact_max_tokens=True)
+                outs[i] = []
+            i = int(rng.choice(list(live)))
+            toks, _ = live[i].next()
+            outs[i] += toks
+            t = live[i]
+            if t.done:
+                del live[i]
+                continue
+            seq = reqs[i]["prompt"] + outs[i][:-1]
+            assert T.slot_n_past(eng._core, t.slot) == len(seq)
+            fresh.reset()
+            fresh.decode(seq)
+            for il, (x, y) in enumerate(zip(caches(eng._core, t.slot), solo_caches(fresh, eng.layer_types))):
+                for u, v in zip(x, y):
+                    assert np.array_equal(u, v), f"request {i} slot {t.slot} layer {il} differs"
+            checked += 1
+        assert sum(sched.pass_stats["width"][2:]) > 0
+    assert checked >= 5
+    want = solo_results(pair, [dict(r, max_tokens=r["max_tokens"] + 8) for r in reqs], gate=False)
+    for i in range(len(reqs)):
+        assert outs[i] == want[i].tokens, f"request {i} differs from its solo run"
+
+
+def test_tree_requests_in_a_batch(pair):
+    """Tree rounds run alone between the batched passes: outputs still the solo runs'."""
+    rng = np.random.default_rng(3)
+    with engine(pair, 2, verify="tree", tree_budget=6) as eng:
+        reqs = random_requests(rng, eng.n_vocab, 4, logprobs=False)
+        got = interleaved(eng, reqs, rng)
+        assert eng._sched.pass_stats["solo_steps"] > 0
+    want = solo_results(pair, reqs, verify="tree", tree_budget=6)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert result_of(g) == result_of(w), f"request {i} differs from its solo run"
+
+
+def test_threads_and_failures(pair):
+    """Requests from threads at once, among them one with a token outside the vocabulary and one
+    stopped early by its caller: the bad one raises its own error, the others give their solo
+    outputs, and the engine serves the next requests."""
+    rng = np.random.default_rng(11)
+    with engine(pair, 3) as eng:
+        vocab = eng.n_vocab
+        reqs = random_requests(rng, vocab, 6)
+        results, errors = {}, {}
+
+        def run(i, r):
+            try:
+                results[i] = eng.generate(**r)
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                errors[i] = e
+
+        bad = dict(prompt=[5, vocab + 3], max_tokens=4)
+        ths = [threading.Thread(target=run, args=(i, r)) for i, r in enumerate(reqs + [bad])]
+        for t in ths:
+            t.start()
+        # a stream abandoned after its first piece: its slot frees for the others
+        it = eng.generate(prompt=reqs[0]["prompt"], max_tokens=20, stream=True)
+        next(it)
+        it.close()
+        for t in ths:
+            t.join()
+        assert set(errors) == {len(reqs)}, errors
+        assert isinstance(errors[len(reqs)], ValueError) and "vocabulary" in str(errors[len(reqs)])
+        again = eng.generate(**reqs[1])
+    want = solo_results(pair, reqs)
+    for i in range(len(reqs)):
+        assert result_of(results[i]) == result_of(want[i]), f"request {i} differs from its solo run"
+    assert result_of(again) == result_of(want[1])
+
+
+def test_prompt_cache_per_slot(pair):
+    """cache_prompt: a continuation goes to the slot holding its prefix, reuses it, and gives the
+    cold start's output."""
+    rng = np.random.default_rng(5)
+    with engine(pair, 2) as eng:
+        vocab = eng.n_vocab
+        a = list(map(int, rng.integers(3, vocab, 20)))
+        b = list(map(int, rng.integers(3, vocab, 24)))
+        ra = eng.generate(a, max_tokens=6, cache_prompt=True)
+        rb = eng.generate(b, max_tokens=6, cache_prompt=True)
+        a2 = a + ra.tokens + [7, 8, 9]
+        b2 = b + rb.tokens + [10, 11]
+        r2 = eng.generate(a2, max_tokens=8, cache_prompt=True)
+        s2 = eng.generate(b2, max_tokens=8, cache_prompt=True)
+        assert r2.stats.n_cached_tokens == len(a) + len(ra.tokens) - 1
+        assert s2.stats.n_cached_tokens == len(b) + len(rb.tokens) - 1
+    with engine(pair, 1) as solo:
+        assert r2.tokens == solo.generate(a2, max_tokens=8).tokens
+        assert s2.tokens == solo.generate(b2, max_tokens=8).tokens
+
+
+def test_close_and_eval_wait_for_requests(pair):
+    with engine(pair, 2) as eng:
+        it = eng.generate(prompt=[5, 6, 7], max_tokens=30, stream=True)
+        next(it)
+        with pytest.raises(RuntimeError, match="still running"):
+            eng.close(timeout=0.2)
+        for _ in it:
+            pass
+        eng.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            eng.generate([5], max_tokens=2)
+
+
+def test_slots_that_do_not_fit_fail_at_creation(pair):
+    with pytest.raises(MemoryError, match="n_seq"):
+        dn.Engine(pair["target"], drafter=pair["drafter"], n_ctx=1 << 20, n_seq=64, n_threads=1)
+    with pytest.raises(ValueError, match="n_seq"):
+        dn.Engine(pair["target"], drafter=pair["drafter"], n_seq=0)
+
+
+def test_memory_report_counts_every_slot(pair):
+    with engine(pair, 1) as one:
+        solo = one.memory_report()
+    with engine(pair, 3) as eng:
+        eng.generate([5, 6, 7], max_tokens=3)
+        rep = eng.memory_report()
+    slots = rep["slots"]
+    assert len(slots) == 3
+    for part in ("kv_cache", "gdn_state", "gdn_tape", "feature_ring"):
+        assert all(s[part] == solo[part] for s in slots), part  # each slot holds a one-slot engine's caches
+        assert rep[part] == sum(s[part] for s in slots) == 3 * solo[part], part
+    assert rep["drafter_weights_mapped"] + rep["drafter_weights_copied"] == \
+        solo["drafter_weights_mapped"] + solo["drafter_weights_copied"]  # one drafter, shared
