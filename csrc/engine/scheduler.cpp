@@ -116,7 +116,7 @@ std::vector<int> scheduler::admit() {
         // a free slot: the one whose held sequence is the longest usable prefix of the prompt
         // (cache_prompt), else one holding nothing, else any
         int best = -1;
-        int64_t best_n = -1;
+        int64_t best_n = -2;  // below the -1 of a slot whose held sequence is of no use: any free slot will do
         for (int k = 0; k < n_slots(); ++k) {
             const slot_state & s = slots_[k];
             if (s.t) continue;
