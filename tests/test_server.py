@@ -642,3 +642,33 @@ def test_parallel_disconnect_frees_its_slot(server4, offline):
     after = _metrics(server4)
     four = [m['dflash_batch_width_bucket{le="4"}'] - m['dflash_batch_width_bucket{le="3"}'] for m in (mid, after)]
     assert four[1] > four[0], "no pass over 4 requests: a slot stayed taken"
+
+
+def test_parallel_prompt_caches(server4, offline):
+    """4 three-turn chats at once on 4 slots: the core puts each later turn in the slot holding its
+    conversation (usage's cached_tokens past the previous prompt), and every reply equals a cold
+    start's; the slots' held sequences are each conversation's own (a turn never continues another's)."""
+    c = client(server4)
+    go = threading.Barrier(4)
+
+    def chat(i: int) -> list[tuple[int, int, bool]]:
+        msgs = [{"role": "user", "content": f"{PROMPTS[i]} # conversation {i}"}]
+        out, prev = [], 0
+        go.wait()
+        for turn in range(3):
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+            want = offline.chat(msgs, max_tokens=24)  # cold: no cache_prompt
+            out.append((r.usage.prompt_tokens_details.cached_tokens, prev,
+                        r.choices[0].message.content == want.text))
+            prev = r.usage.prompt_tokens
+            msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                           {"role": "user", "content": f"and turn {turn + 2}"}]
+        return out
+
+    with ThreadPoolExecutor(4) as ex:
+        runs = list(ex.map(chat, range(4)))
+    for i, turns in enumerate(runs):
+        assert all(same for _, _, same in turns), (i, turns)
+        assert turns[0][0] == 0, (i, turns)  # no slot holds a prefix of a first turn
+        # the later turns reuse at least the previous turn's whole prompt
+        assert all(cached >= prev > 0 for cached, prev, _ in turns[1:]), (i, turns)
