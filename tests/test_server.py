@@ -65,7 +65,7 @@ def _start_server(*args: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = _start_server("--slots", "2", "--queue", "40", "--n-ctx", str(N_CTX))
+    proc, base = _start_server("--parallel", "2", "--queue", "40", "--n-ctx", str(N_CTX))
     yield base
     _stop_server(proc)
 
@@ -478,7 +478,7 @@ def test_shutdown_cancels_running_requests():
     stop at their next step and the process exits. It waited for every running request to finish
     (the grace period had no end, and the shutdown then blocked the event loop that the cancelled
     requests needed): minutes for a long request."""
-    proc, base = _start_server("--slots", "2", "--n-ctx", "32768", "--shutdown-timeout", "0.5")
+    proc, base = _start_server("--parallel", "2", "--n-ctx", "32768", "--shutdown-timeout", "0.5")
     try:
         s = client(base).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32000, stream=True)
         it = iter(s)
@@ -547,3 +547,128 @@ def test_stream_chunk_fields(server, path, body):
     assert all("usage" in c for c in chunks)
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+# ---- --parallel 4: one engine, its requests batched into shared target passes ------------------
+
+@pytest.fixture(scope="module")
+def server4():
+    proc, base = _start_server("--parallel", "4", "--queue", "16", "--n-ctx", str(N_CTX))
+    yield base
+    _stop_server(proc)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """Every sample in /metrics, by its name with labels."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln and not ln.startswith("#")}
+
+
+def test_parallel_streams_equal_solo(server4, offline):
+    """8 streaming clients at once on 4 slots of one engine (greedy, sampled at a seed, AR, and a
+    response_format): each one's text equals the same request run alone; /metrics shows target
+    passes over more than one request, and requests on every slot."""
+    sampled = dict(temperature=0.8, top_p=0.9, seed=11)
+    reqs = [(f"{PROMPTS[i % 4]}{i}", {} if i % 2 == 0 else {**sampled, "seed": 11 + i}) for i in range(6)]
+    reqs.append((PROMPTS[2], {"extra_body": {"speculative": False}}))
+    want = [offline.generate(p, max_tokens=40, **{k: v for k, v in kw.items() if k != "extra_body"},
+                             **({"speculative": False} if "extra_body" in kw else {})).text for p, kw in reqs]
+    fmt_msgs = [{"role": "user", "content": "Give me a JSON object."}]
+    want.append(offline.chat(fmt_msgs, max_tokens=40, constraint=dn.JsonSchema()).text)
+    c = client(server4)
+    before = _metrics(server4)
+    go = threading.Barrier(len(want))
+
+    def one(i: int) -> str:
+        go.wait()
+        if i < len(reqs):
+            p, kw = reqs[i]
+            return "".join(ch.choices[0].text for ch in
+                           c.completions.create(model=MODEL, prompt=p, max_tokens=40, stream=True, **kw))
+        s = c.chat.completions.create(model=MODEL, messages=fmt_msgs, max_tokens=40, stream=True,
+                                      response_format={"type": "json_object"})
+        return "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+
+    with ThreadPoolExecutor(len(want)) as ex:
+        got = list(ex.map(one, range(len(want))))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, (i, g, w)
+    after = _metrics(server4)
+    assert after["dflash_slots"] == 4
+    passes = after["dflash_batch_passes_total"] - before["dflash_batch_passes_total"]
+    solo = after['dflash_batch_width_bucket{le="1"}'] - before.get('dflash_batch_width_bucket{le="1"}', 0.0)
+    assert passes > 0 and passes - solo > 0, (passes, solo)  # passes over 2 or more requests
+    assert after["dflash_batch_width_mean"] > 1.0
+    assert all(after[f'dflash_slot_requests_total{{slot="{k}"}}'] > 0 for k in range(4)), after
+    assert sum(after[f'dflash_slot_rounds_total{{slot="{k}"}}'] for k in range(4)) \
+        == after["dflash_acceptance_length_count"]
+    h = get_json(server4 + "/health")
+    assert h["slots"] == 4 and h["slots_busy"] == 0 and h["queued"] == 0
+
+
+def test_parallel_disconnect_frees_its_slot(server4, offline):
+    """A streaming client that goes away while 3 others run: its request is cancelled and its slot in
+    the engine comes free (the core's scheduler ends the ticket at its next step). Then 4 requests
+    at once all run, on all 4 slots together (passes 4 wide), with their solo outputs."""
+    c = client(server4)
+    before = _metrics(server4)
+    others = [f"{PROMPTS[i]}x" for i in range(3)]
+    with ThreadPoolExecutor(3) as ex:
+        runs = [ex.submit(lambda p: "".join(ch.choices[0].text for ch in c.completions.create(
+            model=MODEL, prompt=p, max_tokens=60, stream=True)), p) for p in others]
+        s = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=800, stream=True)
+        it = iter(s)
+        next(it), next(it)
+        s.close()  # the client goes away mid-stream
+        got = [f.result() for f in runs]
+    assert got == [offline.generate(p, max_tokens=60).text for p in others]
+    _wait_health(server4, lambda h: h["slots_busy"] == 0, "the cancelled request still holds its slot")
+    mid = _metrics(server4)
+    assert mid["dflash_requests_cancelled_total"] == before["dflash_requests_cancelled_total"] + 1
+    assert mid["dflash_generated_tokens_total"] == before["dflash_generated_tokens_total"] + sum(
+        len(offline.generate(p, max_tokens=60).tokens) for p in others)  # the cancelled one counts none
+    prompts = [f"{PROMPTS[3 - i]}y{i}" for i in range(4)]
+    go = threading.Barrier(4)
+
+    def one(p: str) -> str:
+        go.wait()
+        return "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=64,
+                                                                          stream=True))
+
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(one, prompts))
+    assert got == [offline.generate(p, max_tokens=64).text for p in prompts]
+    after = _metrics(server4)
+    four = [m['dflash_batch_width_bucket{le="4"}'] - m['dflash_batch_width_bucket{le="3"}'] for m in (mid, after)]
+    assert four[1] > four[0], "no pass over 4 requests: a slot stayed taken"
+
+
+def test_parallel_prompt_caches(server4, offline):
+    """4 three-turn chats at once on 4 slots: the core puts each later turn in the slot holding its
+    conversation (usage's cached_tokens past the previous prompt), and every reply equals a cold
+    start's; the slots' held sequences are each conversation's own (a turn never continues another's)."""
+    c = client(server4)
+    go = threading.Barrier(4)
+
+    def chat(i: int) -> list[tuple[int, int, bool]]:
+        msgs = [{"role": "user", "content": f"{PROMPTS[i]} # conversation {i}"}]
+        out, prev = [], 0
+        go.wait()
+        for turn in range(3):
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+            want = offline.chat(msgs, max_tokens=24)  # cold: no cache_prompt
+            out.append((r.usage.prompt_tokens_details.cached_tokens, prev,
+                        r.choices[0].message.content == want.text))
+            prev = r.usage.prompt_tokens
+            msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                           {"role": "user", "content": f"and turn {turn + 2}"}]
+        return out
+
+    with ThreadPoolExecutor(4) as ex:
+        runs = list(ex.map(chat, range(4)))
+    for i, turns in enumerate(runs):
+        assert all(same for _, _, same in turns), (i, turns)
+        assert turns[0][0] == 0, (i, turns)  # no slot holds a prefix of a first turn
+        # the later turns reuse at least the previous turn's whole prompt
+        assert all(cached >= prev > 0 for cached, prev, _ in turns[1:]), (i, turns)

@@ -54,8 +54,7 @@ def engine():
 
 
 def _close(app) -> None:
-    for s in app.state.pool.slots:
-        s.worker.shutdown(wait=True)
+    app.state.pool.worker.shutdown(wait=True)
 
 
 def test_tokenization_runs_off_the_event_loop(engine, monkeypatch):
@@ -74,7 +73,7 @@ def test_tokenization_runs_off_the_event_loop(engine, monkeypatch):
         return tokenize(text)
 
     monkeypatch.setattr(engine, "tokenize", blocking_tokenize)
-    app = create_app([engine], model_name="m")
+    app = create_app(engine, model_name="m")
 
     async def main():
         body = json.dumps({"prompt": "def fib(n):\n" * 8, "max_tokens": 2}).encode()
@@ -100,7 +99,7 @@ def test_tokenization_runs_off_the_event_loop(engine, monkeypatch):
 def test_request_body_limit(engine):
     """Bodies over max_body_bytes are 413s, known from Content-Length before reading, or while a
     body without one streams in; at the limit they are served."""
-    app = create_app([engine], model_name="m", max_body_bytes=1000)
+    app = create_app(engine, model_name="m", max_body_bytes=1000)
     ok = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
     big = json.dumps({"prompt": "x" * 2000, "max_tokens": 1}).encode()
 
@@ -118,7 +117,21 @@ def test_request_body_limit(engine):
         assert code == 413 and err["error"]["code"] == "request_too_large" and "1000" in err["error"]["message"], err
     assert answers[3][0] == 200, answers[3]
     with pytest.raises(ValueError, match="max_body_bytes"):
-        create_app([engine], model_name="m", max_body_bytes=0)
+        create_app(engine, model_name="m", max_body_bytes=0)
+
+
+def test_parallel_flag_and_one_engine(engine):
+    """--parallel N (--slots, its earlier name) is the engine's n_seq, at least 1; create_app takes
+    one Engine (a list of engines, the earlier design, is a TypeError naming what it takes)."""
+    assert build_parser().parse_args(["serve"]).parallel == 1
+    assert build_parser().parse_args(["serve", "--parallel", "4"]).parallel == 4
+    assert build_parser().parse_args(["serve", "--slots", "3"]).parallel == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--parallel", "0"])
+    with pytest.raises(TypeError, match="one Engine"):
+        create_app([engine], model_name="m")
+    with pytest.raises(ValueError, match="parallel"):
+        server.serve(default_pair()[0], parallel=0)
 
 
 def test_max_body_bytes_flag():
@@ -141,7 +154,7 @@ def test_max_body_bytes_flag():
 ], ids=["nested-arrays", "unknown-role", "no-messages", "empty-stop", "empty-stop-in-list", "int-stop",
         "unencodable-stop"])
 def test_client_errors_are_400(engine, data, param):
-    app = create_app([engine], model_name="m")
+    app = create_app(engine, model_name="m")
     try:
         code, err = asyncio.run(call(app, "POST", "/v1/chat/completions", [data]))
     finally:
@@ -151,7 +164,7 @@ def test_client_errors_are_400(engine, data, param):
 
 def test_chat_roles(engine):
     """OpenAI's roles are taken ("developer" is the system role), others refused above."""
-    app = create_app([engine], model_name="m")
+    app = create_app(engine, model_name="m")
     body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "x"}],
             "max_tokens": 1}
     try:
@@ -164,13 +177,14 @@ def test_chat_roles(engine):
 def test_queue_full_is_503(engine):
     """Every slot busy and the queue at max_queue: the request is refused at once with a 503 in
     OpenAI's shape (code queue_full), and the server keeps serving once a slot is free."""
-    app = create_app([engine], model_name="m", max_queue=0)
+    app = create_app(engine, model_name="m", max_queue=0)
     pool = app.state.pool
-    busy = pool.free.pop()  # the only slot, taken by a request still running
+    assert pool.n_slots == 1
+    pool.n_busy = 1  # the only slot, taken by a request still running
     body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
     try:
         code, err = asyncio.run(call(app, "POST", "/v1/completions", [body]))
-        pool.free.append(busy)  # that request ended
+        pool.release()  # that request ended
         code2, r = asyncio.run(call(app, "POST", "/v1/completions", [body]))
     finally:
         _close(app)
@@ -205,7 +219,7 @@ def novocab_engine(tmp_path_factory):
 def test_no_tokenizer_needs_token_ids(novocab_engine, path, body, param):
     """A model without a vocabulary serves token ids; text prompts, chat and stop strings are 400s
     that say so. Token ids are served."""
-    app = create_app([novocab_engine], model_name="m")
+    app = create_app(novocab_engine, model_name="m")
     try:
         code, err = asyncio.run(call(app, "POST", path, [json.dumps(body).encode()]))
         ok, r = asyncio.run(call(app, "POST", "/v1/completions",

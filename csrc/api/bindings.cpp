@@ -1358,6 +1358,7 @@ py::dict stats_of(const request & r) {
     d["verified_tokens"] = s.verified_tokens;
     d["controller_switches"] = s.controller_switches;
     d["drafter_failure"] = s.drafter_failure;
+    d["slot"] = r.slot();  // the sequence slot it ran on (a scheduler's; 0 on a one-slot engine)
     return d;
 }
 

@@ -90,7 +90,7 @@ def _cmd_serve(a) -> int:
     from .server import serve
 
     target, drafter = _target_and_drafter(a, "serve")
-    serve(target, drafter=drafter, host=a.host, port=a.port, slots=a.slots, queue=a.queue, model_name=a.model_name,
+    serve(target, drafter=drafter, host=a.host, port=a.port, parallel=a.parallel, queue=a.queue, model_name=a.model_name,
           quiet=a.quiet, n_threads=a.threads, block_size=a.block_size, n_ctx=a.n_ctx, kv_type=a.kv_type,
           n_batch=a.n_batch,
           gate=not a.no_gate, draft_cutoff=a.draft_cutoff, verify=a.verify, tree_budget=a.tree_budget,
@@ -489,7 +489,9 @@ def _add_serve_parser(sub) -> None:
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535")
-    s.add_argument("--slots", type=int, default=1, help="engines, each running one request at a time")
+    s.add_argument("--parallel", "--slots", dest="parallel", type=_int_from(1), default=1,
+                   help="requests run at once: the engine's sequence slots, batched into shared passes "
+                   "(--slots: the earlier name)")
     s.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot (503 beyond)")
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the target file's stem, "
                    "or an hf:// name's ORG/REPO[:TYPE])")
@@ -497,7 +499,7 @@ def _add_serve_parser(sub) -> None:
     _add_speculation_args(s, draft_cutoff=0.0)
     s.add_argument("--n-ctx", type=int, default=4096)
     s.add_argument("--n-batch", type=int, default=512, help="prompt tokens per forward graph")
-    s.add_argument("--threads", type=int, default=None, help="threads per slot (default: cores / slots)")
+    s.add_argument("--threads", type=int, default=None, help="the engine's threads (default: every core)")
     s.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds running requests get to finish at Ctrl-C / SIGTERM before they are cancelled")

@@ -63,6 +63,7 @@ class GenerationStats:
     # generate(constraint=...): seconds in the grammar engine (masks, accepts, rollbacks) and masks made
     constraint_s: float = 0.0
     n_masks: int = 0
+    slot: int = 0  # the sequence slot the request ran on (Engine(n_seq > 1): the scheduler's choice)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -887,7 +888,7 @@ class _Run:
         if self.req is not None:
             core = self.req.stats
             for key in ("n_cached_tokens", "prefill_s", "decode_s", "ar_steps", "draft_s", "verify_s", "rollback_s",
-                        "verified_tokens", "controller_switches", "drafter_failure"):
+                        "verified_tokens", "controller_switches", "drafter_failure", "slot"):
                 setattr(stats, key, core[key])
             stats.stop_reason = "stop" if self.stopped else self.req.stop_reason
             if stats.speculative:

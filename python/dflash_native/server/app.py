@@ -1,9 +1,10 @@
-"""The server's routes and lifespan: `create_app` over the engines, `serve` (`dflash-native serve`).
+"""The server's routes and lifespan: `create_app` over one engine, `serve` (`dflash-native serve`).
 
 A request's body is read on the event loop (a 413 past max_body_bytes), then checked and tokenized
-on the prep pool (protocol.RequestReader); it waits for a slot (slots.SlotPool), runs as a job on
-the slot's worker, and is answered whole or as server-sent events (protocol.Reply). A client that
-goes away is noticed while it waits and while it runs: its job stops at the engine's next step.
+on the prep pool (protocol.RequestReader); it waits for one of the engine's slots (slots.SlotPool),
+runs as a job on a worker, batched with the other running jobs by the engine's scheduler, and is
+answered whole or as server-sent events (protocol.Reply). A client that goes away is noticed while
+it waits and while it runs: its job stops at the engine's next step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.routing import Route
 
 from ..engine import Engine
 from .protocol import ApiError, ParsedRequest, Reply, RequestReader
-from .slots import Job, Metrics, Slot, SlotPool
+from .slots import Job, Metrics, SlotPool
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any context's worth of text, well below what hurts
 
@@ -36,14 +37,14 @@ class _Server:
     """The state create_app's routes share: the slot pool, the prep pool, the request reader and the
     metrics. Every method but `_close` runs on the event loop."""
 
-    def __init__(self, engines: list[Engine], model_name: str, max_queue: int, max_body_bytes: int):
-        self.pool = SlotPool(engines, max_queue)
+    def __init__(self, engine: Engine, model_name: str, max_queue: int, max_body_bytes: int):
+        self.pool = SlotPool(engine, max_queue)
         # a request's model work before it has a slot (JSON, the chat template, tokenization) runs here,
         # never on the event loop: a long prompt must not stall /health or the running streams
-        self.prep = ThreadPoolExecutor(max_workers=len(engines) + 1, thread_name_prefix="prep")
-        self.reader = RequestReader(engines[0], model_name)
-        self.tokenizer = engines[0].tokenizer
-        self.metrics = Metrics()
+        self.prep = ThreadPoolExecutor(max_workers=self.pool.n_slots + 1, thread_name_prefix="prep")
+        self.reader = RequestReader(engine, model_name)
+        self.tokenizer = engine.tokenizer
+        self.metrics = Metrics(self.pool.n_slots)
         self.model_name, self.max_body_bytes = model_name, max_body_bytes
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()),
                            "owned_by": "dflash-native"}
@@ -98,10 +99,10 @@ class _Server:
             return self._shutting_down(endpoint)
         # the body is read: the next ASGI message is http.disconnect, whenever the client goes away
         gone = asyncio.ensure_future(_disconnected(request))
-        got = await self._acquire(req.prompt, gone, endpoint)
-        if isinstance(got, Response):
-            return got
-        job = self.pool.start(got, req.prompt, req.kw)
+        refused = await self._acquire(gone, endpoint)
+        if refused is not None:
+            return refused
+        job = self.pool.start(req.prompt, req.kw)
         reply = Reply(req, self.model_name, self.tokenizer)
         if not req.stream:
             return await self._answer(job, reply, gone, endpoint)
@@ -109,10 +110,10 @@ class _Server:
         self.metrics.count(endpoint, 200)
         return _EventStream(self._events(job, reply), lambda: self._cancel(job))
 
-    async def _acquire(self, prompt: list[int], gone: asyncio.Future, endpoint: str) -> Slot | Response:
-        """A slot for the request, or its response when it gets none: the client left while queued
-        (499), the queue is full (503) or the server is shutting down (503)."""
-        acq = asyncio.ensure_future(self.pool.acquire(prompt))
+    async def _acquire(self, gone: asyncio.Future, endpoint: str) -> Response | None:
+        """Takes a slot for the request (None), or its response when it gets none: the client left
+        while queued (499), the queue is full (503) or the server is shutting down (503)."""
+        acq = asyncio.ensure_future(self.pool.acquire())
         try:
             await asyncio.wait({gone, acq}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the server is shutting down past its grace period: leave the queue
@@ -127,7 +128,7 @@ class _Server:
             self.metrics.count(endpoint, 499)
             return Response(status_code=499)
         try:
-            return acq.result()
+            return acq.result()  # None: a slot is ours
         except ApiError as e:
             gone.cancel()
             self.metrics.count(endpoint, e.status)
@@ -201,7 +202,7 @@ class _Server:
 
     async def health(self, request: Request) -> Response:
         pool = self.pool
-        return JSONResponse({"status": "ok", "model": self.model_name, "slots": len(pool.slots),
+        return JSONResponse({"status": "ok", "model": self.model_name, "slots": pool.n_slots,
                              "slots_busy": pool.n_busy, "queued": len(pool.waiting)})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -210,8 +211,8 @@ class _Server:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         yield
-        # at shutdown, after uvicorn's grace period: requests still running stop at their engine's
-        # next step, then the engines go; waited for off the event loop, which the requests'
+        # at shutdown, after uvicorn's grace period: requests still running stop at the engine's
+        # next step, then the engine goes; waited for off the event loop, which the requests'
         # cancelled handlers still need
         self.pool.cancel_all()
         await asyncio.to_thread(self._close)
@@ -231,12 +232,16 @@ async def _server_error(request: Request, exc: Exception):  # a bug: no tracebac
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").response()
 
 
-def create_app(engines: list[Engine], *, model_name: str, max_queue: int = 64,
+def create_app(engine: Engine, *, model_name: str, max_queue: int = 64,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app over `engines` (one slot each; all load the same model). A request body over
-    `max_body_bytes` is a 413."""
+    """The ASGI app over `engine`: as many requests run at once as it has sequence slots
+    (Engine(n_seq=N); one without a scheduler has one), the rest wait in a queue of `max_queue`.
+    The app owns the engine: it is closed at shutdown. A request body over `max_body_bytes` is a 413."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"[serve] create_app takes one Engine (its n_seq slots serve requests at once), "
+                        f"got {type(engine).__name__}")
     _check_max_body_bytes(max_body_bytes)
-    s = _Server(engines, model_name, max_queue, max_body_bytes)
+    s = _Server(engine, model_name, max_queue, max_body_bytes)
     app = Starlette(exception_handlers={HTTPException: _http_error, Exception: _server_error}, routes=[
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat_completions, methods=["POST"]),
@@ -271,37 +276,36 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, slots: int = 1, queue: int = 64,
+def serve(target, *, drafter=None, host: str = "127.0.0.1", port: int = 8000, parallel: int = 1, queue: int = 64,
           model_name: str | None = None, n_threads: int | None = None, log_level: str = "warning",
           shutdown_timeout: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, quiet: bool = False,
           **engine_kwargs: Any) -> None:
-    """Load `slots` engines and serve them until interrupted (`dflash-native serve`). At Ctrl-C or
-    SIGTERM running requests get `shutdown_timeout` seconds to finish; then they are cancelled (the
-    engines stop at their next step) and the server exits. A request body over `max_body_bytes`
-    is refused (413). target / drafter may be hf:// names (dflash_native.hub), resolved once for
-    every slot (quiet: without progress output); the model id is then the name's repository
-    (and :TYPE) unless `model_name` is given."""
-    import os
+    """Load one engine with `parallel` sequence slots (Engine(n_seq=parallel): up to `parallel`
+    requests run at once, batched into shared target passes, each one's output its output run
+    alone) and serve it until interrupted (`dflash-native serve`). At Ctrl-C or SIGTERM running
+    requests get `shutdown_timeout` seconds to finish; then they are cancelled (they stop at the
+    engine's next step) and the server exits. A request body over `max_body_bytes` is refused
+    (413). target / drafter may be hf:// names (dflash_native.hub), resolved once (quiet: without
+    progress output); the model id is then the name's repository (and :TYPE) unless `model_name`
+    is given. n_threads: None uses every core."""
     from pathlib import Path
 
     import uvicorn
 
     from ..hub import is_hub_name, parse as parse_hub_name, resolve_pair
 
-    if slots < 1 or queue < 0 or not shutdown_timeout >= 0:
-        raise ValueError(f"[serve] slots must be >= 1, queue >= 0 and shutdown_timeout >= 0, got {slots}, {queue} "
-                         f"and {shutdown_timeout}")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1 or queue < 0 \
+            or not shutdown_timeout >= 0:
+        raise ValueError(f"[serve] parallel must be an int >= 1, queue >= 0 and shutdown_timeout >= 0, got "
+                         f"{parallel!r}, {queue} and {shutdown_timeout}")
     _check_max_body_bytes(max_body_bytes)
-    if n_threads is None:
-        n_threads = max(1, (os.cpu_count() or 1) // slots)
     if is_hub_name(target):
         hn = parse_hub_name(target)
         model_name = model_name or hn.repo + (f":{hn.type}" if hn.type else "")
     target, drafter = resolve_pair(target, drafter, quiet=quiet)
-    engines = [Engine(target, drafter=drafter, n_threads=n_threads, **engine_kwargs) for _ in range(slots)]
-    app = create_app(engines, model_name=model_name or Path(target).stem, max_queue=queue,
+    engine = Engine(target, drafter=drafter, n_threads=n_threads, n_seq=parallel, **engine_kwargs)
+    app = create_app(engine, model_name=model_name or Path(target).stem, max_queue=queue,
                      max_body_bytes=max_body_bytes)
-    print(f"[dflash-native serve] {slots} slot(s) of {Path(target).name}"
-          f"{' + ' + Path(drafter).name if drafter else ''}, {n_threads} thread(s) each, "
-          f"on http://{host}:{port}/v1", flush=True)
+    print(f"[dflash-native serve] {Path(target).name}{' + ' + Path(drafter).name if drafter else ''}, "
+          f"{parallel} slot(s) batched, {engine.n_threads} thread(s), on http://{host}:{port}/v1", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
