@@ -399,6 +399,16 @@ def test_cython_greedy_and_sampled_equal_engine(cython_ext, pair, engines):
     assert tokens == want.tokens[:3] and stop == 4
 
 
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1234)])
+def test_cython_constraint_equals_c_program(cython_ext, consumer, pair, allowed_set, temperature, seed):
+    """A dfn_constraint written in Cython through the package's .pxd (the "set" automaton of
+    consumer.c): the tokens of the C program's."""
+    _, tokens, stop = cython_ext.generate(pair[0], pair[1], PROMPT, N_CONSTRAINED, temperature=temperature, seed=seed,
+                                          allowed=allowed_set, k=K_SET)
+    assert stop == 1 and len(tokens) == K_SET and set(tokens) <= set(allowed_set)
+    assert tokens == _c_constrained(consumer, pair, temperature=temperature, seed=seed, ids=allowed_set)["tokens"]
+
+
 def test_cython_errors(cython_ext, pair):
     status, msg = cython_ext.create_error(pair[0], -3)
     assert status == "DFN_ERR_INVALID_ARGUMENT" and "block_size must be >= 2" in msg
