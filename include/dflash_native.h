@@ -65,7 +65,8 @@ typedef enum dfn_status {
     DFN_ERR_BUFFER_TOO_SMALL = 3,  /* the caller's buffer is too small: *n_needed says how much is needed */
     DFN_ERR_NO_VOCABULARY = 4,     /* text asked of a model whose GGUF has no tokenizer (token ids still work) */
     DFN_ERR_OUT_OF_MEMORY = 5,     /* memory ran out (the message names the buffer) */
-    DFN_ERR_RUNTIME = 6            /* any other failure while running (a backend, non-finite logits) */
+    DFN_ERR_RUNTIME = 6,           /* any other failure while running (a backend, non-finite logits) */
+    DFN_ERR_CONSTRAINT = 7         /* a callback of the caller's dfn_constraint returned an error */
 } dfn_status;
 
 /* The calling thread's last failure message ("" when none yet), valid until its next failing call.
@@ -146,6 +147,8 @@ DFN_API dfn_status dfn_detokenize(const dfn_engine * engine, const int32_t * tok
 /* temperature 0: greedy. > 0: the filters top_k (0: off), top_p (in (0, 1], 1: off), min_p
  * (in [0, 1), 0: off), then a draw from softmax(kept logits / temperature) with noise fixed by
  * (seed, position, token): speculative output equals AR output at the same seed. */
+struct dfn_constraint;
+
 typedef struct dfn_generate_params {
     size_t struct_size;  /* sizeof(dfn_generate_params) */
     double temperature;  /* (0) */
@@ -154,9 +157,55 @@ typedef struct dfn_generate_params {
     double min_p;        /* (0) */
     uint64_t seed;       /* (0) */
     int32_t speculative; /* -1: with the drafter when there is one; 0: plain AR; 1: speculative (-1) */
+    /* structured output: every token is chosen under this constraint's mask (see dfn_constraint);
+       NULL: none. Added in 0.1 after the first release: a caller compiled without it passes the
+       smaller struct_size and gets NULL (NULL) */
+    const struct dfn_constraint * constraint;
 } dfn_generate_params;
 
 DFN_API dfn_generate_params dfn_generate_params_default(void);
+
+/* ---- structured output ------------------------------------------------------------------------ */
+
+/* A constraint on the tokens dfn_generate may produce (a grammar matcher, a JSON-schema matcher, an
+ * automaton), written by the caller as callbacks over its own state (user_data), for one request
+ * at a time. dfn_generate chooses every token from logits masked by it: each AR step, every verify
+ * row (chain or tree, the constraint advanced along the drafted path and rolled back to the
+ * accepted prefix) and each draft (masked drafts are accepted more often). The output is the
+ * constrained AR output bit for bit, greedy and sampled, chain and tree. The same core runs
+ * Engine.generate(constraint=...) in Python (there over xgrammar).
+ *
+ * The constraint's state is the sequence of tokens it accepted since dfn_generate began (set it up
+ * before the call: the first mask asked is the first generated token's). Every callback gets
+ * user_data and returns an int; a negative return is an error: dfn_generate stops and returns
+ * DFN_ERR_CONSTRAINT, dfn_last_error() naming the callback and the value it returned. The engine is
+ * left as usable as after any other request (the next dfn_generate starts afresh); the tokens
+ * emitted before the error are in out[0 .. *n_out). The callbacks run on the calling thread, inside
+ * dfn_generate: they may call dfn_detokenize, dfn_engine_n_vocab or dfn_engine_eos_token on the
+ * engine, and a dfn_generate on it is refused (see Threads).
+ *
+ * A token the mask allows that accept then rejects, or a mask that allows no token while the
+ * request goes on, fails the call with DFN_ERR_RUNTIME ("... the constraint allows no token at
+ * position N"). End the output by allowing an end-of-generation token (dfn_engine_eos_token): once
+ * accepted, is_terminated returns 1 and the request stops there (DFN_STOP_EOS); max_tokens and the
+ * context may end it before. */
+typedef struct dfn_constraint {
+    size_t struct_size; /* sizeof(dfn_constraint) */
+    void * user_data;   /* passed to every callback */
+    /* The tokens allowed next, as a bitmask: mask[n_words], n_words = (dfn_engine_n_vocab + 31) / 32,
+       bit (t % 32) of mask[t / 32] set when token t is allowed. The mask arrives all zero: set the
+       allowed tokens' bits (none once terminated). 0: done; negative: an error. */
+    int (*fill_mask)(void * user_data, uint32_t * mask, size_t n_words);
+    /* Advance by token: 1 accepted; 0 rejected (the state unchanged; drafts end at a rejected one);
+       negative: an error. */
+    int (*accept)(void * user_data, int32_t token);
+    /* Undo the last n accepted tokens (n >= 1; never more than DFN_MAX_BLOCK_SIZE, never a token
+       dfn_generate has emitted). 0: done; negative: an error. */
+    int (*rollback)(void * user_data, size_t n);
+    /* 1 when the last accepted token ended the output (a stop token: nothing may follow); 0: more
+       may follow; negative: an error. */
+    int (*is_terminated)(void * user_data);
+} dfn_constraint;
 
 /* Called once per generated token, in order; return non-zero to stop after this token. It may call
  * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused (see
@@ -173,7 +222,8 @@ typedef enum dfn_stop_reason {
 
 /* Generates up to max_tokens tokens after the prompt into out[0 .. max_tokens) (the caller's
  * buffer); *n_out is how many were written. params NULL: greedy, with the drafter when there is
- * one. callback may be NULL. Tokens equal dflash_native.Engine.generate's for the same settings. */
+ * one, no constraint. callback may be NULL. Tokens equal dflash_native.Engine.generate's for the
+ * same settings (and constraint). */
 DFN_API dfn_status dfn_generate(dfn_engine * engine, const int32_t * prompt, size_t n_prompt,
                                 const dfn_generate_params * params, int32_t * out, size_t max_tokens,
                                 dfn_token_callback callback, void * user_data, size_t * n_out);

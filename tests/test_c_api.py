@@ -220,6 +220,16 @@ def test_c_program_error_paths(consumer, pair):
     assert r["stats_after_failure_values"][0].split() == ["0", "0", "0"]  # DFN_STOP_NONE, nothing generated
     assert r["prompt_over_n_ctx"][0] == "DFN_ERR_INVALID_ARGUMENT" and "context" in r["prompt_over_n_ctx"][1]
     assert r["null_out"][0] == "DFN_ERR_INVALID_ARGUMENT"
+    # dfn_generate_params.constraint: its checks; a mask with nothing in it fails the request, not the engine
+    assert r["constraint_allows_nothing"][0] == "DFN_ERR_RUNTIME"
+    assert "the constraint allows no token at position" in r["constraint_allows_nothing"][1]
+    assert r["generate_after_constraint_failure"][0] == "DFN_OK"
+    assert r["constraint_null_callback"] == ("DFN_ERR_INVALID_ARGUMENT", "[dfn_generate] params->constraint's "
+                                             "callbacks must not be NULL: accept, is_terminated")
+    assert r["constraint_bad_struct_size"][0] == "DFN_ERR_INVALID_ARGUMENT"
+    assert "constraint->struct_size = 3" in r["constraint_bad_struct_size"][1]
+    # a caller compiled before the field: the bytes past its struct_size are not read as a pointer
+    assert r["params_before_constraint"][0] == "DFN_OK"
     # issue 38: the C API guards its handles (double destroy and use after destroy were segfaults)
     assert r["destroy"][0] == "DFN_OK" and r["destroy_null"][0] == "DFN_OK"
     for case in ("destroy_again", "tokenize_after_destroy", "generate_after_destroy", "stats_after_destroy"):
@@ -274,6 +284,108 @@ def test_c_program_engine_in_a_forked_child_is_refused(consumer, pair):
     assert r["parent"] == "DFN_OK 1", r
 
 
+# ---- structured output: a dfn_constraint written in C (consumer.c's automaton) ----------------------------
+
+N_CONSTRAINED = 32  # max_tokens of the constrained requests
+K_SET = 16          # "set" mode: exactly this many tokens of the set, then the end-of-generation token
+
+
+def _c_constrained(exe, pair, *, drafter=True, verify="chain", gate=1, temperature=0.0, seed=0, mode="set",
+                   budget=K_SET, stops="-", fail="-", fail_at=0, ids=()) -> dict:
+    out = _check(_run([exe, "constrained", pair[0], pair[1] if drafter else "-", verify, gate, PROMPT, N_CONSTRAINED,
+                       temperature, seed, mode, budget, stops, fail, fail_at, *ids]), "dfn_consumer constrained")
+    r = {}
+    for line in out.splitlines():
+        key, v = line.split(":", 1)
+        r[key] = tuple(v.strip().split(" | ", 1)) if key == "fail" else [int(x) for x in v.split()]
+    return r
+
+
+@pytest.fixture(scope="module")
+def allowed_set(engines) -> list[int]:
+    """The tokens of the pair's unconstrained greedy output but its most frequent one (and any
+    end-of-generation token): the constrained output is not the unconstrained one, and the drafter
+    still guesses much of it."""
+    eng = engines["ar"]
+    out = eng.generate(PROMPT, max_tokens=N_CONSTRAINED).tokens
+    most = max(set(out), key=out.count)
+    ids = sorted(t for t in set(out) if t != most and not eng.tokenizer.is_eog(t))
+    assert len(ids) >= 5
+    return ids
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1234)])
+@pytest.mark.parametrize("verify,gate", [("chain", 0), ("chain", 1), ("tree", 0), ("tree", 1)])
+def test_c_constraint_speculative_equals_ar(consumer, pair, allowed_set, verify, gate, temperature, seed):
+    """A C program's constraint (only the tokens of a set, exactly K_SET of them, then the end-of-
+    generation token) through dfn_generate: the speculative output equals the constrained AR output
+    on the same engine, token for token, and every token is one the automaton allows."""
+    r = _c_constrained(consumer, pair, verify=verify, gate=gate, temperature=temperature, seed=seed, ids=allowed_set)
+    assert r["allowed"] == [len(allowed_set)]
+    assert r["tokens"] == r["ar_tokens"]
+    assert len(r["tokens"]) == K_SET and set(r["tokens"]) <= set(allowed_set)
+    stop, spec, rounds, round_tokens, ar_steps = r["stats"]
+    assert stop == 1 and spec == 1  # DFN_STOP_EOS: the automaton's end after K_SET tokens
+    assert r["ar_stats"] == [1, 0]
+    assert r["valid"] == [1] and r["ar_valid"] == [1]  # replayed through the automaton: each token allowed
+    fill, accept, rollback, terminated, max_rollback = r["calls"]
+    if gate == 0:  # fixed settings: every step after the prefill is a round (gate=1: the controller's choice),
+        # committing the K_SET - 1 tokens after the prefill's and the end-of-generation token
+        assert rounds >= 1 and ar_steps == 0 and round_tokens == K_SET
+    if rounds:  # the drafts moved the constraint and a verify rolled it back
+        assert rollback >= 1 and 1 <= max_rollback <= 64
+    assert fill >= K_SET and accept >= K_SET and terminated >= 1
+
+
+@pytest.mark.parametrize("drafter,verify,temperature,seed", [(True, "chain", 0.0, 0), (True, "tree", 0.8, 1234),
+                                                             (True, "chain", 0.8, 7), (False, "chain", 0.8, 99)])
+def test_c_constraint_equals_engine_regex(consumer, pair, engines, drafter, verify, temperature, seed):
+    """The C automaton "tokens whose pieces are digits, 20 digits at most, then an end-of-generation
+    token" is the regex [0-9]{1,20} over the GGUF's vocabulary: dfn_generate under it gives the tokens
+    Engine.generate(constraint=Regex(...)) gives (xgrammar's matcher), with and without the drafter."""
+    pytest.importorskip("xgrammar")
+    from dflash_native.constraint import Regex
+
+    tok = engines["ar"].tokenizer
+    eog = [t for t in range(tok.n_vocab) if tok.is_eog(t)]
+    r = _c_constrained(consumer, pair, drafter=drafter, verify=verify, temperature=temperature, seed=seed,
+                       mode="digits", budget=20, stops=",".join(map(str, eog)))
+    want = _engine(engines, drafter=drafter, verify=verify, max_tokens=N_CONSTRAINED, temperature=temperature,
+                   seed=seed, constraint=Regex("[0-9]{1,20}"))
+    assert r["allowed"][0] >= 10  # the ten digits at least
+    assert r["tokens"] == want.tokens and len(want.tokens) > 0
+    text = engines["ar"].detokenize(r["tokens"])
+    assert text.isdigit() and len(text) <= 20
+    assert r["stats"][0] == {"eos": 1, "length": 2}[want.stats.stop_reason] and r["valid"] == [1]
+    if drafter:
+        assert r["ar_tokens"] == want.tokens
+
+
+@pytest.mark.parametrize("drafter,verify,callback,at", [
+    (True, "chain", "fill_mask", 3), (True, "chain", "accept", 3), (True, "chain", "rollback", 2),
+    (True, "chain", "is_terminated", 3), (True, "tree", "rollback", 5), (True, "tree", "accept", 20),
+    (False, "chain", "accept", 6)])
+def test_c_constraint_callback_error(consumer, pair, engines, allowed_set, drafter, verify, callback, at):
+    """A constraint callback that returns an error (-7 at its at-th call): dfn_generate returns
+    DFN_ERR_CONSTRAINT naming the callback, the tokens emitted before it are the clean run's, and the
+    same engine then runs the constrained and an unconstrained request as a fresh one would (the
+    drafter not marked failed)."""
+    kw = dict(drafter=drafter, verify=verify, gate=0, temperature=0.8 if not drafter else 0.0, seed=5, ids=allowed_set)
+    clean = _c_constrained(consumer, pair, **kw)
+    r = _c_constrained(consumer, pair, fail=callback, fail_at=at, **kw)
+    status, msg = r["fail"]
+    assert status == "DFN_ERR_CONSTRAINT", r["fail"]
+    assert msg.startswith(f"[dfn_generate] the constraint's {callback} callback returned -7"), msg
+    assert r["fail_tokens"] == clean["tokens"][:len(r["fail_tokens"])]
+    assert r["fail_stats"] == [0]  # DFN_STOP_NONE: the call failed
+    assert r["after_tokens"] == clean["tokens"] and len(clean["tokens"]) == K_SET
+    spec, rounds, drafter_failed, why = r["after_stats"]
+    assert spec == int(drafter) and drafter_failed == 0 and why == 0
+    if drafter:
+        assert rounds >= 1  # still speculative: the error did not fail the drafter
+    assert r["after_plain"] == _engine(engines, drafter=drafter, verify=verify, max_tokens=N_CONSTRAINED).tokens
+
+
 # ---- the Cython extension --------------------------------------------------------------------------------
 
 
@@ -285,6 +397,16 @@ def test_cython_greedy_and_sampled_equal_engine(cython_ext, pair, engines):
     assert tokens == _engine(engines, drafter=False, temperature=0.8, seed=7).tokens
     _, tokens, stop = cython_ext.generate(pair[0], pair[1], PROMPT, N_TOKENS, stop_after=3)
     assert tokens == want.tokens[:3] and stop == 4
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1234)])
+def test_cython_constraint_equals_c_program(cython_ext, consumer, pair, allowed_set, temperature, seed):
+    """A dfn_constraint written in Cython through the package's .pxd (the "set" automaton of
+    consumer.c): the tokens of the C program's."""
+    _, tokens, stop = cython_ext.generate(pair[0], pair[1], PROMPT, N_CONSTRAINED, temperature=temperature, seed=seed,
+                                          allowed=allowed_set, k=K_SET)
+    assert stop == 1 and len(tokens) == K_SET and set(tokens) <= set(allowed_set)
+    assert tokens == _c_constrained(consumer, pair, temperature=temperature, seed=seed, ids=allowed_set)["tokens"]
 
 
 def test_cython_errors(cython_ext, pair):

@@ -10,6 +10,7 @@
 #include "base/common.h"
 #include "models/drafter.h"
 #include "gguf/gguf_file.h"
+#include "kernels/cpu/constraint.h"
 #include "kernels/cpu/sampler.h"
 #include "runtime/session.h"
 #include "engine/request.h"
@@ -30,7 +31,9 @@
 #include <mutex>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace dfn;
@@ -82,6 +85,11 @@ dfn_status fail(dfn_status s, const std::string & msg) {
     return s;
 }
 
+// A dfn_constraint callback returned an error: DFN_ERR_CONSTRAINT at the boundary.
+struct constraint_failure : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 // Runs f (returning dfn_status) with every exception turned into a status. During engine
 // creation (creating = true) an input_error about the file is DFN_ERR_FILE; the core's option
 // checks say "[engine] ..." and stay DFN_ERR_INVALID_ARGUMENT.
@@ -93,6 +101,8 @@ dfn_status guarded(const char * where, F && f, bool creating = false) noexcept {
         return fail(DFN_ERR_OUT_OF_MEMORY, e.what());
     } catch (const std::bad_alloc &) {
         return fail(DFN_ERR_OUT_OF_MEMORY, cat("[", where, "] out of memory"));
+    } catch (const constraint_failure & e) {
+        return fail(DFN_ERR_CONSTRAINT, e.what());
     } catch (const input_error & e) {
         const std::string m = e.what();
         const bool option = m.rfind("[engine]", 0) == 0;
@@ -111,7 +121,8 @@ bool size_ok(const T * p, size_t first_release) {
 }
 
 constexpr size_t k_options_v1 = offsetof(dfn_engine_options, device_name);  // device_name came later
-constexpr size_t k_generate_v1 = sizeof(dfn_generate_params);
+constexpr size_t k_generate_v1 = offsetof(dfn_generate_params, constraint);  // constraint came later
+constexpr size_t k_constraint_v1 = sizeof(dfn_constraint);
 constexpr size_t k_stats_v1 = offsetof(dfn_stats, drafter_failed);  // drafter_failed came later
 
 // options' fields within struct_size over the defaults (the header's growth rule)
@@ -195,6 +206,29 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     return DFN_OK;
 }
 
+// The caller's dfn_constraint as the core's token_constraint (kernels/cpu/constraint.h): each
+// method calls its callback; a negative return throws constraint_failure.
+class c_constraint final : public token_constraint {
+public:
+    explicit c_constraint(const dfn_constraint & c) : c_(c) {}
+    void fill_mask(uint32_t * mask, int64_t n_words) override {
+        std::fill(mask, mask + n_words, 0u);  // the header: the mask arrives all zero
+        check(c_.fill_mask(c_.user_data, mask, (size_t) n_words), "fill_mask", "");
+    }
+    bool accept(int32_t token) override { return check(c_.accept(c_.user_data, token), "accept", cat(" (token ", token, ")")) > 0; }
+    void rollback(int64_t n) override {
+        if (n > 0) check(c_.rollback(c_.user_data, (size_t) n), "rollback", cat(" (n = ", n, ")"));
+    }
+    bool terminated() override { return check(c_.is_terminated(c_.user_data), "is_terminated", "") > 0; }
+
+private:
+    static int check(int r, const char * what, const std::string & args) {
+        if (r < 0) throw constraint_failure(cat("[dfn_generate] the constraint's ", what, " callback returned ", r, args));
+        return r;
+    }
+    dfn_constraint c_;
+};
+
 // A request's statistics (engine/request.h) as dfn_stats; n: the tokens written to the output.
 void fill_stats(const request & r, dfn_stats & st, size_t n) {
     const request_stats & s = r.stats();
@@ -245,6 +279,8 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     pol.tree = spec && e.tree;
     if (!sp.greedy()) pol.sampling = sp;  // greedy: the argmax in the graph
     pol.max_tokens = (int64_t) std::min<size_t>(max_tokens, INT64_MAX);
+    std::optional<c_constraint> constraint;
+    if (g.constraint) pol.constraint = &constraint.emplace(read_struct(g.constraint, dfn_constraint{}));
     request r(*e.target, spec ? e.spec.get() : nullptr, e.tok.get(), pol);  // start() below is a cold start
     struct count_out {  // *n_out and the statistics as they stand, also when a step throws
         const request & r;
@@ -288,6 +324,7 @@ const char * dfn_status_name(dfn_status s) {
         case DFN_ERR_NO_VOCABULARY: return "DFN_ERR_NO_VOCABULARY";
         case DFN_ERR_OUT_OF_MEMORY: return "DFN_ERR_OUT_OF_MEMORY";
         case DFN_ERR_RUNTIME: return "DFN_ERR_RUNTIME";
+        case DFN_ERR_CONSTRAINT: return "DFN_ERR_CONSTRAINT";
     }
     return "DFN_ERR_UNKNOWN";
 }
@@ -327,6 +364,7 @@ dfn_generate_params dfn_generate_params_default(void) {
     g.min_p = 0.0;
     g.seed = 0;
     g.speculative = -1;
+    g.constraint = nullptr;
     return g;
 }
 
@@ -438,7 +476,20 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
     if (params && !size_ok(params, k_generate_v1))
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->struct_size = ", params->struct_size,
                                                   " (set it with dfn_generate_params_default())"));
-    const dfn_generate_params g = params ? read_struct(params, dfn_generate_params_default()) : dfn_generate_params_default();
+    dfn_generate_params g = params ? read_struct(params, dfn_generate_params_default()) : dfn_generate_params_default();
+    if (params && params->struct_size < offsetof(dfn_generate_params, constraint) + sizeof g.constraint)
+        g.constraint = nullptr;  // a caller compiled before the field (its padding is not a pointer)
+    const dfn_constraint * c = g.constraint;
+    if (c && !size_ok(c, k_constraint_v1))
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->constraint->struct_size = ", c->struct_size,
+                                                  " (set it to sizeof(dfn_constraint))"));
+    if (c && !(c->fill_mask && c->accept && c->rollback && c->is_terminated)) {
+        std::string null;
+        for (auto [f, name] : {std::pair{(bool) c->fill_mask, "fill_mask"}, {(bool) c->accept, "accept"},
+                               {(bool) c->rollback, "rollback"}, {(bool) c->is_terminated, "is_terminated"}})
+            if (!f) null += null.empty() ? name : cat(", ", name);
+        return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] params->constraint's callbacks must not be NULL: ", null));
+    }
     return guarded(W, [&] { return generate(*e, prompt, n_prompt, g, out, max_tokens, cb, user, n_out); });
 }
 

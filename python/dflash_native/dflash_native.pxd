@@ -9,7 +9,7 @@
 # libraries=["dflash_native"] and that directory as the runtime path (README: the Cython route).
 # See the header for what each function does, its error codes and the ABI rules.
 
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 cdef extern from "dflash_native.h" nogil:
     int DFN_VERSION_MAJOR
@@ -27,6 +27,7 @@ cdef extern from "dflash_native.h" nogil:
         DFN_ERR_NO_VOCABULARY
         DFN_ERR_OUT_OF_MEMORY
         DFN_ERR_RUNTIME
+        DFN_ERR_CONSTRAINT
 
     const char * dfn_last_error()
     const char * dfn_status_name(dfn_status status)
@@ -79,6 +80,14 @@ cdef extern from "dflash_native.h" nogil:
     dfn_status dfn_detokenize(const dfn_engine * engine, const int32_t * tokens, size_t n_tokens, char * text,
                               size_t capacity, size_t * n_bytes)
 
+    ctypedef struct dfn_constraint:
+        size_t struct_size
+        void * user_data
+        int (*fill_mask)(void * user_data, uint32_t * mask, size_t n_words)
+        int (*accept)(void * user_data, int32_t token)
+        int (*rollback)(void * user_data, size_t n)
+        int (*is_terminated)(void * user_data)
+
     ctypedef struct dfn_generate_params:
         size_t struct_size
         double temperature
@@ -87,6 +96,7 @@ cdef extern from "dflash_native.h" nogil:
         double min_p
         uint64_t seed
         int32_t speculative
+        const dfn_constraint * constraint
 
     dfn_generate_params dfn_generate_params_default()
 

@@ -21,6 +21,17 @@
  *   dfn_consumer overlap TARGET DRAFTER
  *       a dfn_generate on an engine while it runs one: from its token callback and from a second
  *       thread; prints their statuses and whether the running call's tokens are the undisturbed ones.
+ *   dfn_consumer constrained TARGET DRAFTER|- VERIFY GATE PROMPT MAX_TOKENS TEMPERATURE SEED MODE BUDGET STOPS
+ *                            FAIL_WHAT FAIL_AT [ID...]
+ *       structured output through a dfn_constraint written here (struct automaton): MODE "set": only
+ *       the tokens ID..., exactly BUDGET of them, then a stop token; MODE "digits": tokens whose
+ *       pieces are ASCII digits, BUDGET digits at most, then a stop token (the regex [0-9]{1,BUDGET}).
+ *       STOPS: the stop tokens, comma-separated ("-": dfn_engine_eos_token). Prints the speculative
+ *       (or, without a drafter, AR) run's "tokens", "stats", "calls" and "valid" lines, then the AR
+ *       run's on the same engine ("ar_tokens", "ar_valid"). FAIL_WHAT (a callback's name, "-": none):
+ *       that callback returns -7 at its FAIL_AT-th call; prints the failing call's "fail" status
+ *       line and "fail_tokens", then "after_tokens" (the same request without the failure) and
+ *       "after_plain" (an unconstrained greedy one) on the same engine.
  */
 #include <dflash_native.h>
 
@@ -51,20 +62,26 @@ static int die(const char * what, dfn_status s) {
     return 1;
 }
 
-static int cmd_generate(char ** argv) {
-    const char * drafter = strcmp(argv[3], "-") == 0 ? NULL : argv[3];
+/* The generate commands' engine (DRAFTER "-": none; VERIFY chain or tree) and their prompt's ids
+ * (prompt[4096]); 1 after printing the failure. */
+static int open_engine(const char * target, const char * drafter, const char * verify, int gate, const char * text,
+                       dfn_engine ** e, int32_t * prompt, size_t * n_prompt) {
     dfn_engine_options o = dfn_engine_options_default();
     o.n_ctx = 1024;
     o.n_threads = 2;
-    o.verify = strcmp(argv[9], "tree") == 0 ? DFN_VERIFY_TREE : DFN_VERIFY_CHAIN;
-    dfn_engine * e = NULL;
-    dfn_status s = dfn_engine_create(argv[2], drafter, &o, &e);
+    o.verify = strcmp(verify, "tree") == 0 ? DFN_VERIFY_TREE : DFN_VERIFY_CHAIN;
+    o.gate = gate;
+    dfn_status s = dfn_engine_create(target, strcmp(drafter, "-") == 0 ? NULL : drafter, &o, e);
     if (s != DFN_OK) return die("create", s);
+    s = dfn_tokenize(*e, text, strlen(text), prompt, 4096, n_prompt);
+    return s != DFN_OK ? die("tokenize", s) : 0;
+}
 
+static int cmd_generate(char ** argv) {
+    dfn_engine * e = NULL;
     int32_t prompt[4096];
     size_t n_prompt = 0;
-    s = dfn_tokenize(e, argv[4], strlen(argv[4]), prompt, 4096, &n_prompt);
-    if (s != DFN_OK) return die("tokenize", s);
+    if (open_engine(argv[2], argv[3], argv[9], 1, argv[4], &e, prompt, &n_prompt)) return 1;
     print_ids("prompt", prompt, n_prompt);
 
     dfn_generate_params g = dfn_generate_params_default();
@@ -74,7 +91,7 @@ static int cmd_generate(char ** argv) {
     int left = atoi(argv[8]);
     int32_t * out = malloc((max_tokens + 1) * sizeof(int32_t));
     size_t n_out = 0;
-    s = dfn_generate(e, prompt, n_prompt, &g, out, max_tokens, left > 0 ? stop_after_cb : NULL, &left, &n_out);
+    dfn_status s = dfn_generate(e, prompt, n_prompt, &g, out, max_tokens, left > 0 ? stop_after_cb : NULL, &left, &n_out);
     if (s != DFN_OK) return die("generate", s);
     print_ids("tokens", out, n_out);
 
@@ -101,6 +118,24 @@ static int cmd_generate(char ** argv) {
 
 static void report(const char * name, dfn_status s) {
     printf("%s: %s | %s\n", name, dfn_status_name(s), s == DFN_OK ? "" : dfn_last_error());
+}
+
+/* a constraint that allows no token */
+static int none_fill(void * user, uint32_t * mask, size_t n_words) {
+    (void) user, (void) mask, (void) n_words;
+    return 0;
+}
+static int none_accept(void * user, int32_t token) {
+    (void) user, (void) token;
+    return 0;
+}
+static int none_rollback(void * user, size_t n) {
+    (void) user, (void) n;
+    return 0;
+}
+static int none_terminated(void * user) {
+    (void) user;
+    return 0;
 }
 
 static int cmd_errors(const char * target) {
@@ -183,6 +218,25 @@ static int cmd_errors(const char * target) {
     st.struct_size = sizeof st;
     report("stats_after_failure", dfn_engine_last_stats(e, &st));
     printf("stats_after_failure_values: %d %lld %zu\n", st.stop_reason, (long long) st.n_generated, n_out);
+    /* the constraint's checks, and a constraint that allows nothing */
+    dfn_constraint c = {sizeof c, NULL, none_fill, none_accept, none_rollback, none_terminated};
+    g = dfn_generate_params_default();
+    g.constraint = &c;
+    report("constraint_allows_nothing", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    report("generate_after_constraint_failure", dfn_generate(e, all, n, NULL, out, 8, NULL, NULL, &n_out) == DFN_OK &&
+                                                    n_out == 8 ? DFN_OK : DFN_ERR_RUNTIME);
+    c.accept = NULL;
+    c.is_terminated = NULL;
+    report("constraint_null_callback", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    c.accept = none_accept;
+    c.is_terminated = none_terminated;
+    c.struct_size = 3;
+    report("constraint_bad_struct_size", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out));
+    /* a caller compiled before params.constraint: whatever follows its struct is not read */
+    g.struct_size = offsetof(dfn_generate_params, constraint);
+    g.constraint = (const dfn_constraint *) (uintptr_t) 1;
+    report("params_before_constraint", dfn_generate(e, all, n, &g, out, 8, NULL, NULL, &n_out) == DFN_OK && n_out == 8
+                                           ? DFN_OK : DFN_ERR_RUNTIME);
     int32_t longp[80];
     for (int i = 0; i < 80; ++i) longp[i] = all[i % n];
     report("prompt_over_n_ctx", dfn_generate(e, longp, 80, NULL, out, 8, NULL, NULL, &n_out));
@@ -398,6 +452,222 @@ static int cmd_fork(char ** argv) {
     return 0;
 }
 
+/* ---- constrained: structured output through a C automaton ---- */
+
+enum { CB_FILL, CB_ACCEPT, CB_ROLLBACK, CB_TERMINATED, CB_N };
+static const char * const cb_names[CB_N] = {"fill_mask", "accept", "rollback", "is_terminated"};
+
+/* The tokens the automaton accepted are a stack: a rollback pops them. Allowed next: a token of
+ * weight w > 0 while used + w <= budget, a stop token once used >= min_used; nothing after a stop. */
+struct automaton {
+    int32_t n_vocab;
+    int32_t * weight;        /* [n_vocab]: 0 not allowed, else what the token uses of the budget */
+    char * stop;             /* [n_vocab]: a stop token */
+    int64_t budget, min_used;
+    int32_t * stack;         /* the accepted tokens */
+    int64_t n_stack, capacity, used;
+    int terminated;
+    long calls[CB_N];
+    int64_t max_rollback;
+    int fail_what;           /* -1: none */
+    long fail_at;
+};
+
+static int injected(struct automaton * a, int what) {
+    return ++a->calls[what] == a->fail_at && a->fail_what == what;
+}
+
+static int allows(const struct automaton * a, int32_t t) {
+    if (a->terminated || t < 0 || t >= a->n_vocab) return 0;
+    if (a->stop[t]) return a->used >= a->min_used;
+    return a->weight[t] > 0 && a->used + a->weight[t] <= a->budget;
+}
+
+static int am_fill_mask(void * user, uint32_t * mask, size_t n_words) {
+    struct automaton * a = (struct automaton *) user;
+    if (injected(a, CB_FILL)) return -7;
+    for (int32_t t = 0; t < a->n_vocab && (size_t) (t / 32) < n_words; ++t) {
+        if (allows(a, t)) mask[t / 32] |= 1u << (t % 32);
+    }
+    return 0;
+}
+
+static int am_accept(void * user, int32_t token) {
+    struct automaton * a = (struct automaton *) user;
+    if (injected(a, CB_ACCEPT)) return -7;
+    if (!allows(a, token)) return 0;
+    if (a->n_stack == a->capacity) return -100;  /* more than max_tokens + a round: the library's bug */
+    a->stack[a->n_stack++] = token;
+    if (a->stop[token]) a->terminated = 1;
+    else a->used += a->weight[token];
+    return 1;
+}
+
+static int am_rollback(void * user, size_t n) {
+    struct automaton * a = (struct automaton *) user;
+    if (injected(a, CB_ROLLBACK)) return -7;
+    if (n == 0 || (int64_t) n > a->n_stack || n > DFN_MAX_BLOCK_SIZE) return -101;  /* outside the header's promise */
+    if ((int64_t) n > a->max_rollback) a->max_rollback = (int64_t) n;
+    for (size_t i = 0; i < n; ++i) {
+        int32_t t = a->stack[--a->n_stack];
+        if (a->stop[t]) a->terminated = 0;
+        else a->used -= a->weight[t];
+    }
+    return 0;
+}
+
+static int am_is_terminated(void * user) {
+    struct automaton * a = (struct automaton *) user;
+    if (injected(a, CB_TERMINATED)) return -7;
+    return a->terminated;
+}
+
+static void am_reset(struct automaton * a) {
+    a->n_stack = a->used = a->max_rollback = 0;
+    a->terminated = 0;
+    memset(a->calls, 0, sizeof a->calls);
+}
+
+static dfn_constraint am_constraint(struct automaton * a) {
+    dfn_constraint c;
+    c.struct_size = sizeof c;
+    c.user_data = a;
+    c.fill_mask = am_fill_mask;
+    c.accept = am_accept;
+    c.rollback = am_rollback;
+    c.is_terminated = am_is_terminated;
+    return c;
+}
+
+/* Whether tokens (and the stop token that ended them, when stop_reason is EOS) are a path of the
+ * automaton from its start, each allowed by its mask. */
+static int am_valid(struct automaton * a, const int32_t * tokens, size_t n, int stop_reason) {
+    int fail_what = a->fail_what;
+    a->fail_what = -1;
+    am_reset(a);
+    int ok = 1;
+    for (size_t i = 0; i < n && ok; ++i) ok = !a->stop[tokens[i]] && am_accept(a, tokens[i]) == 1;
+    if (ok && stop_reason == DFN_STOP_EOS) {  /* one of the stop tokens ended it: one was allowed */
+        int32_t t = 0;
+        while (t < a->n_vocab && !(a->stop[t] && allows(a, t))) ++t;
+        ok = t < a->n_vocab;
+    }
+    a->fail_what = fail_what;
+    am_reset(a);
+    return ok;
+}
+
+static dfn_status run_constrained(dfn_engine * e, const int32_t * prompt, size_t n_prompt, dfn_generate_params g,
+                                  struct automaton * a, int32_t * out, size_t max_tokens, size_t * n_out,
+                                  dfn_stats * st) {
+    am_reset(a);
+    dfn_constraint c = am_constraint(a);
+    g.constraint = &c;
+    dfn_status s = dfn_generate(e, prompt, n_prompt, &g, out, max_tokens, NULL, NULL, n_out);
+    st->struct_size = sizeof *st;
+    dfn_engine_last_stats(e, st);
+    return s;
+}
+
+static int cmd_constrained(int argc, char ** argv) {
+    dfn_engine * e = NULL;
+    int32_t prompt[4096];
+    size_t n_prompt = 0;
+    if (open_engine(argv[2], argv[3], argv[4], atoi(argv[5]), argv[6], &e, prompt, &n_prompt)) return 1;
+    const int drafter = dfn_engine_block_size(e) > 0;
+    dfn_status s;
+
+    size_t max_tokens = (size_t) atoi(argv[7]);
+    dfn_generate_params g = dfn_generate_params_default();
+    g.temperature = atof(argv[8]);
+    g.seed = strtoull(argv[9], NULL, 10);
+
+    struct automaton a;
+    memset(&a, 0, sizeof a);
+    a.n_vocab = dfn_engine_n_vocab(e);
+    a.weight = calloc((size_t) a.n_vocab, sizeof *a.weight);
+    a.stop = calloc((size_t) a.n_vocab, 1);
+    a.capacity = (int64_t) max_tokens + DFN_MAX_BLOCK_SIZE + 1;
+    a.stack = malloc((size_t) a.capacity * sizeof *a.stack);
+    a.budget = atoll(argv[11]);
+    if (strcmp(argv[10], "set") == 0) {
+        for (int i = 15; i < argc; ++i) a.weight[atoi(argv[i])] = 1;
+        a.min_used = a.budget;
+    } else {  /* digits: a token whose piece is 1.. ASCII digits weighs its length */
+        for (int32_t t = 0; t < a.n_vocab; ++t) {
+            char piece[256];
+            size_t nb = 0;
+            if (dfn_detokenize(e, &t, 1, piece, sizeof piece, &nb) != DFN_OK || nb == 0) continue;
+            size_t k = 0;
+            while (k < nb && piece[k] >= '0' && piece[k] <= '9') ++k;
+            if (k == nb) a.weight[t] = (int32_t) nb;
+        }
+        a.min_used = 1;
+    }
+    if (strcmp(argv[12], "-") == 0) {
+        a.stop[dfn_engine_eos_token(e)] = 1;
+    } else {
+        for (char * p = argv[12]; *p;) {
+            a.stop[strtol(p, &p, 10)] = 1;
+            if (*p == ',') ++p;
+        }
+    }
+    for (int32_t t = 0; t < a.n_vocab; ++t) if (a.stop[t]) a.weight[t] = 0;
+    int64_t n_allowed = 0;
+    for (int32_t t = 0; t < a.n_vocab; ++t) n_allowed += a.weight[t] > 0;
+    printf("allowed: %lld\n", (long long) n_allowed);
+    a.fail_what = -1;
+    for (int k = 0; k < CB_N; ++k) if (strcmp(argv[13], cb_names[k]) == 0) a.fail_what = k;
+    a.fail_at = atol(argv[14]);
+
+    int32_t * out = malloc((max_tokens + 1) * sizeof(int32_t));
+    size_t n_out = 0;
+    dfn_stats st;
+    if (a.fail_what >= 0) {
+        s = run_constrained(e, prompt, n_prompt, g, &a, out, max_tokens, &n_out, &st);
+        printf("fail: %s | %s\n", dfn_status_name(s), s == DFN_OK ? "" : dfn_last_error());
+        print_ids("fail_tokens", out, n_out);
+        printf("fail_stats: %d\n", st.stop_reason);
+        a.fail_what = -1;
+        s = run_constrained(e, prompt, n_prompt, g, &a, out, max_tokens, &n_out, &st);
+        if (s != DFN_OK) return die("generate after the failure", s);
+        print_ids("after_tokens", out, n_out);
+        const char * why = dfn_engine_drafter_failure(e);
+        printf("after_stats: %d %lld %d %d\n", st.speculative, (long long) st.rounds, st.drafter_failed,
+               why != NULL && why[0] != '\0');
+        s = dfn_generate(e, prompt, n_prompt, NULL, out, max_tokens, NULL, NULL, &n_out);
+        if (s != DFN_OK) return die("plain generate after the failure", s);
+        print_ids("after_plain", out, n_out);
+    } else {
+        s = run_constrained(e, prompt, n_prompt, g, &a, out, max_tokens, &n_out, &st);
+        if (s != DFN_OK) return die("generate", s);
+        print_ids("tokens", out, n_out);
+        int64_t hist_rounds = 0, hist_tokens = 0;
+        for (int k = 0; k <= DFN_MAX_BLOCK_SIZE; ++k) hist_rounds += st.acceptance_histogram[k];
+        for (int k = 0; k <= DFN_MAX_BLOCK_SIZE; ++k) hist_tokens += k * st.acceptance_histogram[k];
+        /* stop reason, speculative, rounds, tokens those rounds committed, AR steps */
+        printf("stats: %d %d %lld %lld %lld\n", st.stop_reason, st.speculative, (long long) hist_rounds,
+               (long long) hist_tokens, (long long) st.ar_steps);
+        printf("calls: %ld %ld %ld %ld %lld\n", a.calls[CB_FILL], a.calls[CB_ACCEPT], a.calls[CB_ROLLBACK],
+               a.calls[CB_TERMINATED], (long long) a.max_rollback);
+        printf("valid: %d\n", am_valid(&a, out, n_out, st.stop_reason));
+        if (drafter) {
+            g.speculative = 0;
+            s = run_constrained(e, prompt, n_prompt, g, &a, out, max_tokens, &n_out, &st);
+            if (s != DFN_OK) return die("generate (AR)", s);
+            print_ids("ar_tokens", out, n_out);
+            printf("ar_stats: %d %d\n", st.stop_reason, st.speculative);
+            printf("ar_valid: %d\n", am_valid(&a, out, n_out, st.stop_reason));
+        }
+    }
+    free(out);
+    free(a.weight);
+    free(a.stop);
+    free(a.stack);
+    dfn_engine_destroy(e);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc == 10 && strcmp(argv[1], "generate") == 0) return cmd_generate(argv);
     if (argc == 3 && strcmp(argv[1], "errors") == 0) return cmd_errors(argv[2]);
@@ -407,6 +677,7 @@ int main(int argc, char ** argv) {
     if (argc == 3 && strcmp(argv[1], "oom") == 0) return cmd_oom(argv);
     if (argc == 4 && strcmp(argv[1], "overlap") == 0) return cmd_overlap(argv);
     if (argc == 4 && strcmp(argv[1], "fork") == 0) return cmd_fork(argv);
+    if (argc >= 15 && strcmp(argv[1], "constrained") == 0) return cmd_constrained(argc, argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
                     "       dfn_consumer errors TARGET\n"
                     "       dfn_consumer create TARGET DRAFTER|-\n"
@@ -414,6 +685,8 @@ int main(int argc, char ** argv) {
                     "       dfn_consumer novocab TARGET\n"
                     "       dfn_consumer oom TARGET\n"
                     "       dfn_consumer overlap TARGET DRAFTER\n"
-                    "       dfn_consumer fork TARGET DRAFTER\n");
+                    "       dfn_consumer fork TARGET DRAFTER\n"
+                    "       dfn_consumer constrained TARGET DRAFTER|- VERIFY GATE PROMPT MAX_TOKENS TEMPERATURE SEED "
+                    "MODE BUDGET STOPS FAIL_WHAT FAIL_AT [ID...]\n");
     return 2;
 }
