@@ -1461,6 +1461,7 @@ void bind_scheduler(py::module_ & m) {
             d["passes"] = p.passes;
             d["tokens"] = p.tokens;
             d["solo_steps"] = p.solo_steps;
+            d["shared_drafts"] = p.shared_drafts;
             d["width"] = p.width;
             return d;
         }, "Batched target passes: count, tokens, solo steps, and passes by the number of requests in them");

@@ -157,7 +157,12 @@ request::emitted request::step() {
     return commit_step(std::move(committed), std::move(lps), t0);
 }
 
-std::optional<batch_item> request::begin_step() {
+bool request::top1_round() const {
+    return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && !policy_.constraint && !forced_ &&
+           round_room() >= 2 && spec_->top1_step(sampling());
+}
+
+std::optional<batch_item> request::begin_step(const top1_draft * pre) {
     DFN_REQUIRE(!committed_.empty(), "generate", "begin_step() before start()");
     DFN_REQUIRE(!pending_, "generate", "a step is pending: finish_step() it first");
     if (done() || policy_.tree) return std::nullopt;
@@ -179,7 +184,7 @@ std::optional<batch_item> request::begin_step() {
     constraint_scope scope(spec_, policy_.constraint);
     draft_override f = override_of(forced_, policy_, out_);
     draft_override_scope forced(f ? spec_ : nullptr, std::move(f));
-    pending_ = spec_->begin_step(last_, round_room(), sampling());
+    pending_ = spec_->begin_step(last_, round_room(), sampling(), pre);
     pending_->n_past0 = target_.slot_n_past(slot());
     it.tokens = pending_->input;
     if (!pending_->ar) it.kind = BATCH_VERIFY;

@@ -91,7 +91,15 @@ public:
     // the shared pass (target_session::decode_batch, with the drafter's tap layers; logits rows
     // when wants_logits()) and commits, as step() would have. nullopt: the step is one only
     // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
-    std::optional<batch_item> begin_step();
+    // pre: this step's drafts from a drafter pass shared with other requests
+    // (spec_session::draft_top1_batch), when top1_round() said the step takes them.
+    std::optional<batch_item> begin_step(const top1_draft * pre = nullptr);
+    // Whether the next step is a greedy chain round whose drafts draft_top1_batch may give (the
+    // spec's top1_step, no draft source, no constraint); its block size then is round_room().
+    bool top1_round() const;
+    int64_t round_room() const;
+    int32_t last() const { return last_; }
+    spec_session * spec() const { return spec_; }
     bool wants_logits() const;
     // pass_s: this request's share of the shared pass's time (engine/batch_costs.h), for the
     // controller's prices; < 0: unknown (timed from the drafts' end).
@@ -122,9 +130,8 @@ private:
     int32_t ar(const int32_t * tokens, int64_t n, std::vector<token_logprobs> & lps);
     // A round (or the controller's AR step) of Bc verified tokens at most.
     round_result round(int64_t Bc);
-    // The verified tokens a round may take now: min(B, room in n_ctx, tokens left under
-    // exact_max_tokens); < 2: no round.
-    int64_t round_room() const;
+    // (round_room: the verified tokens a round may take now: min(B, room in n_ctx, tokens left
+    // under exact_max_tokens); < 2: no round.)
     // A round's result into the stats.
     void count(const round_result & r);
     emitted commit_step(std::vector<int32_t> committed, std::vector<token_logprobs> lps, double t0);

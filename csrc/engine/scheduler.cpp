@@ -5,6 +5,7 @@
 #include "kernels/cpu/matmul/matmul.h"
 
 #include <algorithm>
+#include <map>
 
 namespace dfn {
 
@@ -191,15 +192,36 @@ void scheduler::step_once() {
     // the others' steps: planned (drafts run), then one pass over the batchable ones
     std::vector<batch_item> items;
     std::vector<int> in_pass;
-    int64_t solo = 0;
+    int64_t solo = 0, drafter_passes_saved = 0;
     bool taps = false, logits = false;
-    for (int k = 0; k < n_slots(); ++k) {
-        if (!active[k] || !active[k]->started || err[k]) continue;
-        if (std::find(admitted.begin(), admitted.end(), k) != admitted.end()) continue;
-        request & r = *active[k]->req;
-        if (r.done()) continue;
+    auto steps = [&](int k) {
+        return active[k] && active[k]->started && !err[k] && !active[k]->req->done() &&
+               std::find(admitted.begin(), admitted.end(), k) == admitted.end();
+    };
+    // the greedy rounds' drafts: one drafter pass per block size over their slots
+    std::map<int64_t, std::vector<int>> groups;
+    for (int k = 0; k < n_slots(); ++k)
+        if (steps(k) && active[k]->req->top1_round()) groups[active[k]->req->round_room()].push_back(k);
+    std::vector<std::optional<top1_draft>> pre(n_slots());
+    for (const auto & [B, ks] : groups) {
+        if (ks.size() < 2) continue;
+        std::vector<spec_session *> ss;
+        std::vector<int32_t> lasts;
+        for (int k : ks) ss.push_back(active[k]->req->spec()), lasts.push_back(active[k]->req->last());
+        std::vector<top1_draft> drafts;
         try {
-            std::optional<batch_item> it = r.begin_step();
+            spec_session::draft_top1_batch(ss, lasts, B, drafts);
+        } catch (const non_finite_error &) {
+            continue;  // each drafts alone: a failed drafter is recorded per session, its step an AR step
+        }
+        for (size_t i = 0; i < ks.size(); ++i) pre[ks[i]] = std::move(drafts[i]);
+        drafter_passes_saved += (int64_t) ks.size() - 1;
+    }
+    for (int k = 0; k < n_slots(); ++k) {
+        if (!steps(k)) continue;
+        request & r = *active[k]->req;
+        try {
+            std::optional<batch_item> it = r.begin_step(pre[k] ? &*pre[k] : nullptr);
             if (!it) {  // a step only step() runs: alone, now
                 out[k] = r.step();
                 solo += 1;
@@ -263,6 +285,7 @@ void scheduler::step_once() {
     }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;
+    stats_.shared_drafts += drafter_passes_saved;
     for (int k = 0; k < n_slots(); ++k) {
         if (!active[k]) continue;
         ticket & t = *active[k];

@@ -5,7 +5,9 @@
 // batch), then each request's acceptance and commit. A request's tokens in any batch are its
 // tokens run alone, bit for bit (the matmul contract: each column computed as alone). Requests
 // join and leave between steps (continuous batching). Tree rounds and the last token's AR step
-// run alone, between the batched passes.
+// run alone, between the batched passes. The greedy rounds' drafts of one block size come from one
+// drafter pass over their slots (spec_session::draft_top1_batch); other drafts (sampled, constrained,
+// DFlash 2's selector, forced) run per slot.
 //
 // Threads: any number of callers submit and wait (next()); whichever waits while no step runs
 // runs the next one for everybody (no thread of the scheduler's own).
@@ -57,6 +59,7 @@ public:
     // tokens, and histogram of passes by the number of requests in them.
     struct pass_stats {
         int64_t passes = 0, tokens = 0, solo_steps = 0;
+        int64_t shared_drafts = 0;  // draft graphs saved by drafting several slots' blocks in one pass
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;

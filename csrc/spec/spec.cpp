@@ -354,18 +354,11 @@ void spec_session::set_draft_inputs(const draft_graph & d, int32_t last) const {
     }
 }
 
-void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
-                             float * topk_out, int64_t K, bool dv_logits, float * lattice_out) {
+int64_t spec_session::prepare_draft(draft_graph & d, int32_t last, int64_t B) {
     check_draft(last, B);
-    draft_graph d;
     d.B = B;
     d.rows = drafter_->hparams().block_rows(B);
-    d.K = K;
     d.n_past = tgt().n_past();
-    d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
-             : lattice_out ? draft_graph::LATTICE : draft_graph::ARGMAX;
-    if (topk_out) top1_out = topk_out;  // read_draft's f32 output
-    if (lattice_out) top1_out = lattice_out;
     // The features the last round committed are written into the ring by this graph, ahead of
     // the block (ggml computes nodes in order); the ring counts them from here on.
     if (pending_m_ > 0) d.push = ring_segments(pending_m_, pending_pos0_);
@@ -380,6 +373,18 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     // per query: key position k is visible from query position q when q - k < w.
     d.lo = params_.window > 0 ? d.n_past - params_.window : 0;
     d.w = drafter_->hparams().sliding_window;
+    return n_pushed_before;
+}
+
+void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, float * logits_out, float * top1_out,
+                             float * topk_out, int64_t K, bool dv_logits, float * lattice_out) {
+    draft_graph d;
+    d.what = logits_out ? draft_graph::LOGITS : top1_out ? draft_graph::TOP1 : topk_out ? draft_graph::TOPK
+             : lattice_out ? draft_graph::LATTICE : draft_graph::ARGMAX;
+    d.K = K;
+    if (topk_out) top1_out = topk_out;  // read_draft's f32 output
+    if (lattice_out) top1_out = lattice_out;
+    const int64_t n_pushed_before = prepare_draft(d, last, B);
     // the drafts come from the draft vocabulary's rows when there is one (logits_out: the whole
     // vocabulary for tests, the draft vocabulary's rows for sampled drafts)
     d.sub = (!logits_out || dv_logits) && drafts_over_draft_vocab();
@@ -417,9 +422,17 @@ void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float
         if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));
     }
     if (d.what == draft_graph::LATTICE) return;  // walk_lattice checks its scores
-    if (d.conf) {  // DSpark's confidence head: each draft's acceptance probability replaces its top-1 p
-        std::vector<float> conf(d.B - 1);
+    std::vector<float> conf;
+    if (d.conf) {
+        conf.resize(d.B - 1);
         ggml_backend_tensor_get(d.conf, conf.data(), 0, conf.size() * sizeof(float));
+    }
+    finish_draft(d, argmax_out, f32_out, d.conf ? conf.data() : nullptr);
+}
+
+void spec_session::finish_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out, const float * conf) const {
+    const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;
+    if (conf) {  // DSpark's confidence head: each draft's acceptance probability replaces its top-1 p
         for (int64_t i = 0; i + 1 < d.B; ++i) f32_out[2 * i + 1] = conf[i];
     }
     for (int64_t i = 0; i + 1 < d.B; ++i) {  // d_{i+1} sits at position n_past + i + 1

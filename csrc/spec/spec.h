@@ -56,6 +56,12 @@ struct round_result {
 
 class spec_session;
 
+// A block's drafts d_1..d_{B-1} and their probabilities (spec_session::draft_top1's outputs).
+struct top1_draft {
+    std::vector<int32_t> tok;
+    std::vector<float> p;
+};
+
 // A chain step between its drafts and its target pass (spec_session::begin_step / finish_step).
 struct pending_step {
     bool ar = false;       // an AR step: `last` decoded with the taps; else a verify of `input`
@@ -134,7 +140,20 @@ public:
     // finish_step takes that pass's result (logits rows, or the argmax per row when the pass
     // computed only those: pending_step::wants_logits false) and commits: the same round step()
     // gives. step() is begin_step, the pass alone (run_step), finish_step.
-    pending_step begin_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
+    // pre: the drafts and probabilities draft_top1 would give (draft_top1_batch's), when the step
+    // takes them (top1_step).
+    pending_step begin_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
+                            const top1_draft * pre = nullptr);
+    // Whether begin_step's next drafts are draft_top1's (a greedy round under the controller, an
+    // unconstrained session of a drafter without a selector, no draft override, a healthy
+    // drafter): those draft_top1_batch may give.
+    bool top1_step(const sampling_params * sampling) const;
+    // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
+    // own slot and ring, CPU): out[i] is draft_top1(lasts[i], B) of ss[i] alone, bit for bit
+    // (drafter_model::build_blocks: each block's columns as alone; the head per column). Each
+    // session's pending features are written into its ring by the same graph.
+    static void draft_top1_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts, int64_t B,
+                                 std::vector<top1_draft> & out);
     round_result finish_step(pending_step & s, decode_result & v);
     round_result run_step(pending_step & s);
 
@@ -285,6 +304,13 @@ private:
     void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
     // argmax_out: the argmax output; f32_out: the logits or top1 output
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
+    // read_draft's checks on the read outputs: DSpark's confidences (conf, [B-1]) in place of the
+    // top-1 p, non-finite rows raised, draft-vocabulary rows mapped to token ids
+    void finish_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out, const float * conf) const;
+    // d's sizes for a block of B after `last` at the slot's n_past, the pending features as its
+    // ring pushes (the ring counts them from here on); returns the ring's count before, which a
+    // failed graph restores.
+    int64_t prepare_draft(draft_graph & d, int32_t last, int64_t B);
     // The number of drafts the draft_cutoff keeps: while the running product of p stays >= it.
     int64_t cutoff_keep(const std::vector<float> & p) const;
     // round()'s drafts: all B-1 argmaxes, or those the draft_cutoff keeps
@@ -360,7 +386,7 @@ private:
     // A chain step's plan: the drafts (the controller's choice among them when `controlled`) or an AR
     // step (a failed drafter, the controller's AR mode).
     pending_step plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
-                            const std::vector<int32_t> * forced, bool controlled);
+                            const std::vector<int32_t> * forced, bool controlled, const top1_draft * pre = nullptr);
     pending_step plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const;
     // The target's choice after input row i of `v` at position pos: the in-graph argmax, else
     // choose_token's (the argmax of the row at temperature 0; `mask`: under the constraint's mask).

@@ -1,0 +1,115 @@
+// One drafter pass over several slots' blocks (spec.h: spec_session::draft_top1_batch): the
+// scheduler's drafts for the greedy rounds of a step, where each slot's spec_session would run a
+// draft graph of its own. Every weight of the drafter and its head is read once for all blocks;
+// attention runs per block over its own slot's ring with its own mask.
+#include "spec/spec.h"
+
+#include "base/common.h"
+#include "kernels/cpu/top1.h"
+
+namespace dfn {
+
+void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
+                                    int64_t B, std::vector<top1_draft> & out) {
+    const size_t n = ss.size();
+    DFN_REQUIRE(n >= 1 && lasts.size() == n, "draft", "one last token per session");
+    spec_session & s0 = *ss[0];
+    const drafter_model & dm = *s0.drafter_;
+    const drafter_hparams & dh = dm.hparams();
+    const bool sub = s0.drafts_over_draft_vocab();
+    std::vector<draft_graph> d(n);
+    std::vector<int64_t> pushed_before(n, -1);
+    std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "");
+    auto restore = [&] {  // a failed graph: the pending features stay pending
+        for (size_t i = 0; i < n; ++i)
+            if (pushed_before[i] >= 0) ss[i]->ring_->n_pushed = pushed_before[i];
+    };
+    try {
+        for (size_t i = 0; i < n; ++i) {
+            spec_session & s = *ss[i];
+            DFN_REQUIRE(s.drafter_ == s0.drafter_ && s.top1_step(nullptr) && s.drafts_over_draft_vocab() == sub, "draft",
+                        "a batched draft needs sessions of one drafter, each at a greedy round");
+            d[i].what = draft_graph::TOP1;
+            d[i].sub = sub;
+            pushed_before[i] = s.prepare_draft(d[i], lasts[i], B);
+            for (const ring_segment & sg : d[i].push) key += cat(":push", sg.k);
+            key += "|";
+        }
+    } catch (...) {
+        restore();
+        throw;
+    }
+    const int64_t R = d[0].rows;
+    ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr;
+    auto build = [&](const build_context & b) {
+        ggml_context * ctx = b.ctx;
+        std::vector<drafter_model::block_ring> blocks;
+        for (size_t i = 0; i < n; ++i) {
+            draft_graph & g = d[i];
+            ss[i]->build_push(b, g.push, g.push_f, g.push_pos, /*from_queue=*/false);  // ahead of every block
+            g.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_att, R);
+            ggml_set_input(g.mask);
+            if (g.w > 0) {
+                g.mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_att, R);
+                ggml_set_input(g.mask_swa);
+            }
+            blocks.push_back({ss[i]->ring_.get(), g.n_ctx, g.mask, g.mask_swa});
+        }
+        tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n * R);  // block i: [last_i, MASK x]
+        pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n * R);
+        ggml_set_input(tok);
+        ggml_set_input(pos);
+        ggml_tensor * h = dm.build_blocks(b, tok, pos, blocks, s0.tgt().model().tok_embd);  // [n_embd, n (B-1)]
+        ggml_tensor * head = sub ? dm.draft_head : s0.lm_head();
+        ggml_tensor * logits = dm.build_draft_logits(b, head, h, tok, (int64_t) n, &conf);  // [n_cols, n (B-1)]
+        if (conf) {
+            ggml_set_output(conf);
+            ggml_build_forward_expand(b.gf, conf);
+        }
+        top1 = top1_op(ctx, logits);  // F32 [2, n (B-1)]
+        ggml_set_output(top1);
+        ggml_build_forward_expand(b.gf, top1);
+    };
+    auto set_inputs = [&] {
+        std::vector<int32_t> t((size_t) n * R, (int32_t) dh.mask_token_id), p((size_t) n * R);
+        std::vector<ggml_fp16_t> m;
+        for (size_t i = 0; i < n; ++i) {
+            const draft_graph & g = d[i];
+            ss[i]->set_push_inputs(g.push, ss[i]->pending_feats_.data(), g.push_f, g.push_pos);
+            t[i * R] = lasts[i];
+            for (int64_t j = 0; j < R; ++j) p[i * R + j] = (int32_t) (g.n_past + j);
+            for (int swa = 0; swa < (g.w > 0 ? 2 : 1); ++swa) {
+                ss[i]->fill_draft_mask(g, swa, m);
+                ggml_tensor * dst = swa ? g.mask_swa : g.mask;
+                if (dst->buffer) ggml_backend_tensor_set(dst, m.data(), 0, m.size() * sizeof(ggml_fp16_t));
+            }
+        }
+        ggml_backend_tensor_set(tok, t.data(), 0, t.size() * sizeof(int32_t));
+        ggml_backend_tensor_set(pos, p.data(), 0, p.size() * sizeof(int32_t));
+    };
+    std::vector<float> all((size_t) n * (B - 1) * 2), confs;
+    auto read = [&] {
+        ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
+        if (conf) {
+            confs.resize((size_t) n * (B - 1));
+            ggml_backend_tensor_get(conf, confs.data(), 0, confs.size() * sizeof(float));
+        }
+    };
+    try {
+        s0.runner_.run(key, build, set_inputs, read);
+        out.assign(n, {});
+        for (size_t i = 0; i < n; ++i) {  // as read_draft reads a block alone
+            float * f = all.data() + i * (B - 1) * 2;
+            ss[i]->finish_draft(d[i], nullptr, f, conf ? confs.data() + i * (B - 1) : nullptr);
+            out[i].tok.resize(B - 1);
+            out[i].p.resize(B - 1);
+            for (int64_t j = 0; j + 1 < B; ++j) out[i].tok[j] = (int32_t) f[2 * j], out[i].p[j] = f[2 * j + 1];
+        }
+    } catch (...) {
+        restore();
+        throw;
+    }
+    for (spec_session * s : ss) s->pending_m_ = 0;
+}
+
+}  // namespace dfn
