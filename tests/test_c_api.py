@@ -406,7 +406,7 @@ def test_c_program_concurrent_calls_on_an_n_seq_engine(consumer, pair, verify):
     assert r["n_seq_zero"] == "DFN_ERR_INVALID_ARGUMENT | [engine] n_seq must be >= 1, got 0"
     assert r["n_seq_gpu"].startswith("DFN_ERR_INVALID_ARGUMENT | [engine] n_seq > 1 (several sequence slots) runs on the CPU")
     status, _, msg = r["n_seq_huge"].partition(" | ")
-    assert status == "DFN_ERR_OUT_OF_MEMORY" and "n_seq = 1000 sequence slots" in msg and "lower n_seq or n_ctx" in msg
+    assert status == "DFN_ERR_OUT_OF_MEMORY" and "n_seq = 4000 sequence slots" in msg and "lower n_seq or n_ctx" in msg
     assert r["n_seq_huge_handle"] == "null"
     assert r["before_n_seq"] == "DFN_OK | " and r["create_n_seq_4"] == "DFN_OK | "
     assert r["destroy_while_running"].startswith("DFN_ERR_INVALID_ARGUMENT | [dfn_engine_destroy] the engine is running")

@@ -507,8 +507,8 @@ static int cmd_batched(char ** argv) {
     dfn_engine_destroy(e);
     e = NULL;
     o.device_name = NULL;
-    o.n_seq = 1000;
-    o.n_ctx = 1 << 19;  /* 1000 caches of 512 MiB: more than the machine's memory, refused before any is made */
+    o.n_seq = 4000;
+    o.n_ctx = 1 << 18;  /* 4000 caches of 256 MiB (1 TiB): more than the machine's memory, refused before slot 1's */
     report("n_seq_huge", dfn_engine_create(argv[2], argv[3], &o, &e));
     printf("n_seq_huge_handle: %s\n", e == NULL ? "null" : "set");
     o.n_ctx = 256;
