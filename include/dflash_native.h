@@ -178,8 +178,9 @@ typedef struct dfn_generate_params {
 DFN_API dfn_generate_params dfn_generate_params_default(void);
 
 /* Called once per generated token, in order; return non-zero to stop after this token. It may call
- * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused (see
- * Threads); dfn_engine_destroy on it is refused with DFN_ERR_INVALID_ARGUMENT (stop, then destroy after the return). */
+ * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused on an
+ * engine with n_seq = 1 and runs as one more request with n_seq > 1 (see Threads);
+ * dfn_engine_destroy on it is refused with DFN_ERR_INVALID_ARGUMENT (stop, then destroy after the return). */
 typedef int (*dfn_token_callback)(int32_t token, void * user_data);
 
 typedef enum dfn_stop_reason {
