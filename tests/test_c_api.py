@@ -437,4 +437,7 @@ def test_c_program_concurrent_calls_on_an_n_seq_engine(consumer, pair, verify):
     # each thread's dfn_last_error is its own: only thread 0 ran the failing call
     assert "outside the vocabulary" in r["last_error 0"]
     assert [r.get(f"last_error {k}", "?").strip() for k in (1, 2, 3)] == ["", "", ""]
+    assert r["empty_prompt"].startswith("DFN_ERR_INVALID_ARGUMENT | ") and "empty" in r["empty_prompt"]
+    assert r["prompt_over_n_ctx"].startswith("DFN_ERR_INVALID_ARGUMENT | ") and "context" in r["prompt_over_n_ctx"]
+    assert r["after_failures"] == "DFN_OK 1"  # the failed requests' slots serve the next request as before
     assert r["destroy_after"] == "DFN_OK | "

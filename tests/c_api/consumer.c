@@ -17,7 +17,8 @@
  *       outside the vocabulary, one whose callback stops it after 5 tokens, one whose callback makes
  *       a call of its own, and a dfn_engine_destroy tried while they run), each against the same
  *       call alone on an n_seq = 1 engine: one "job" line per call, then how many calls' tokens
- *       interleaved, the nested call's result and each thread's last error.
+ *       interleaved, the nested call's result, each thread's last error, and more failing calls
+ *       (an empty prompt, one over n_ctx) before a call that must still give the solo tokens.
  *   dfn_consumer ids TARGET DRAFTER|- N_CTX MAX_TOKENS ID...
  *       greedy dfn_generate from token ids: "tokens: ..." and "stats: STOP_REASON N_GENERATED EOS_TOKEN".
  *   dfn_consumer novocab TARGET
@@ -599,6 +600,16 @@ static int cmd_batched(char ** argv) {
     printf("overlap: %d\n", most);
     printf("nested: %s %d\n", dfn_status_name(b.jobs[6].nest_status), b.jobs[6].nest_equal);
     for (int k = 0; k < N_THREADS; ++k) printf("last_error %d: %s\n", k, b.last_error[k]);
+    /* more failing calls, then the engine still gives the solo tokens */
+    int32_t longp[300], again[JOB_MAX];
+    size_t n_again = 0;
+    for (int i = 0; i < 300; ++i) longp[i] = b.jobs[0].prompt[i % b.jobs[0].n_prompt];
+    report("empty_prompt", dfn_generate(e4, b.jobs[0].prompt, 0, NULL, again, 8, NULL, NULL, &n_again));
+    report("prompt_over_n_ctx", dfn_generate(e4, longp, 300, NULL, again, 8, NULL, NULL, &n_again));
+    dfn_generate_params g = batch_params(&b.jobs[0]);
+    s = dfn_generate(e4, b.jobs[0].prompt, b.jobs[0].n_prompt, &g, again, b.jobs[0].max_tokens, NULL, NULL, &n_again);
+    printf("after_failures: %s %d\n", dfn_status_name(s),
+           n_again == b.jobs[0].n_want && memcmp(again, b.jobs[0].want, n_again * sizeof(int32_t)) == 0);
     report("destroy_after", dfn_engine_destroy(e4));
     dfn_engine_destroy(e1);
     return 0;
