@@ -2,7 +2,8 @@
 // tokenizer) and the generation loop of python/dflash_native/engine.py's _Run without text (no
 // stop strings, no prompt cache, no logprobs): the same steps in the same order, so the tokens
 // equal Engine.generate's. Every entry point catches everything; failures become a dfn_status
-// and the calling thread's dfn_last_error().
+// and the calling thread's dfn_last_error(). An engine with n_seq > 1 runs every dfn_generate as a
+// ticket of its scheduler (engine/scheduler.h: run_ticket), so calls from several threads batch.
 #define DFN_BUILDING_LIBRARY
 #include "dflash_native.h"
 
