@@ -18,10 +18,24 @@
  *   - Nothing aborts, exits or throws across this API: every failure returns a dfn_status and
  *     leaves a message in dfn_last_error() (thread-local: the calling thread's last failure).
  *
- * Threads: different engines may run on different threads at once. One engine runs one call at a
- * time (calls on the same engine from several threads at once must be serialised by the caller);
- * a dfn_generate on an engine that is running one (from another thread, or from its own token
- * callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the running call alone. An engine runs
+ * Threads: different engines may run on different threads at once. An engine created with
+ * n_seq = 1 (the default) runs one call at a time (calls on the same engine from several threads at
+ * once must be serialised by the caller); a dfn_generate on an engine that is running one (from
+ * another thread, or from its own token callback) returns DFN_ERR_INVALID_ARGUMENT and leaves the
+ * running call alone.
+ *   An engine created with n_seq > 1 (dfn_engine_options.n_seq) takes dfn_generate calls from any
+ * number of threads at once, and from its token callbacks: each call is one request of the
+ * engine's scheduler, which runs up to n_seq of them in the same steps (one target pass over all
+ * of them; later calls wait for a free slot, in the order they came) and returns when the call's
+ * own request ends. A call's tokens equal those of the same call alone on an n_seq = 1 engine,
+ * bit for bit. The steps run on the calling threads (the library starts none): a call waiting for
+ * tokens while no step runs runs the next step for all of them. A call's token callback runs on
+ * its own thread, between steps (a slow callback delays only its own call); its non-zero return
+ * ends that call's request alone (tokens the request made after that one are dropped). A call's
+ * failure (a bad prompt, its sampling settings) is its own status and its thread's
+ * dfn_last_error; the other calls go on. dfn_engine_last_stats is per thread on such an engine,
+ * and dfn_engine_destroy refuses it (DFN_ERR_INVALID_ARGUMENT) while any call runs.
+ *   An engine runs
  * only in the process that made it: in a fork() of it, dfn_generate returns DFN_ERR_RUNTIME; there,
  * once the parent's engines ran ggml's OpenMP pool, dfn_engine_create with n_threads != 1 returns
  * DFN_ERR_RUNTIME too (that pool cannot start again in a fork()).
@@ -108,6 +122,11 @@ typedef struct dfn_engine_options {
     int32_t use_mmap;              /* weights are the mapped file's pages (1) */
     const char * device_name;      /* NULL: `device` decides; else an Engine device string: "cpu", "gpu",
                                     * a ggml device name ("CUDA0", "Vulkan0") or "rpc://HOST:PORT" (NULL) */
+    /* sequence slots, >= 1: with more than one, concurrent dfn_generate calls run batched (see
+     * Threads); each slot has caches of its own (n_ctx each): an n_seq whose caches do not fit is
+     * DFN_ERR_OUT_OF_MEMORY here. More than one: CPU only. Added after device_name: a caller compiled
+     * before it passes the smaller struct_size and gets 1 (1) */
+    int32_t n_seq;
 } dfn_engine_options;
 
 DFN_API dfn_engine_options dfn_engine_options_default(void);
@@ -208,8 +227,9 @@ typedef struct dfn_constraint {
 } dfn_constraint;
 
 /* Called once per generated token, in order; return non-zero to stop after this token. It may call
- * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused (see
- * Threads); dfn_engine_destroy on it is refused with DFN_ERR_INVALID_ARGUMENT (stop, then destroy after the return). */
+ * dfn_detokenize and dfn_engine_last_stats on the engine; a dfn_generate on it is refused on an
+ * engine with n_seq = 1 and runs as one more request with n_seq > 1 (see Threads);
+ * dfn_engine_destroy on it is refused with DFN_ERR_INVALID_ARGUMENT (stop, then destroy after the return). */
 typedef int (*dfn_token_callback)(int32_t token, void * user_data);
 
 typedef enum dfn_stop_reason {
@@ -230,7 +250,8 @@ DFN_API dfn_status dfn_generate(dfn_engine * engine, const int32_t * prompt, siz
 
 #define DFN_MAX_BLOCK_SIZE 64
 
-/* The last dfn_generate's statistics (also after a stop by the callback). */
+/* The last dfn_generate's statistics (also after a stop by the callback); on an engine with
+ * n_seq > 1, the calling thread's last dfn_generate on it (DFN_STOP_NONE and zeros before its first). */
 typedef struct dfn_stats {
     size_t struct_size;          /* sizeof(dfn_stats) */
     int64_t n_prompt_tokens;
@@ -255,7 +276,8 @@ typedef struct dfn_stats {
 
 /* Why the engine's drafter failed ("" while it is healthy, or without one; NULL for NULL or a dead
    handle): a draft whose logits were not finite (NaN / inf weights). The engine then decodes AR, with
-   AR's output, for the rest of its life. The text lives as long as the engine. */
+   AR's output, for the rest of its life (n_seq > 1: the first failure a finished dfn_generate saw, in
+   any slot; the slot it failed in decodes AR). The text lives as long as the engine. */
 DFN_API const char * dfn_engine_drafter_failure(const dfn_engine * engine);
 
 /* Copies the last generate's statistics into *stats (stats->struct_size set by the caller). */

@@ -503,3 +503,63 @@ def test_c_program_out_of_memory(consumer, pair):
     assert msg.startswith("[cache] out of memory") and "KV/GDN cache" in msg and "n_ctx = 2147483647" in msg, msg
     assert r["huge_cache_handle"] == "null"
     assert r["small_after"] == "DFN_OK | " and r["generate_after"] == "DFN_OK | " and r["generated_after"] == "4"
+
+
+# ---- one engine, several threads: n_seq > 1 (issue 35) --------------------------------------------------
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+def test_c_program_concurrent_calls_on_an_n_seq_engine(consumer, pair, verify):
+    """dfn_engine_options.n_seq = 4: 10 dfn_generate calls from 4 pthreads at once on one engine
+    (greedy and seeded sampled, speculative and AR) run batched through the core's scheduler, each
+    call's tokens and statistics those of the same call alone on an n_seq = 1 engine. A call with a
+    token id outside the vocabulary fails with its own status and message (on its thread only)
+    while the others succeed; a callback's stop ends its call alone; a call from a callback runs as
+    one more request; dfn_engine_destroy is refused while calls run."""
+    try:
+        p = subprocess.run([str(c) for c in (consumer, "batched", *pair, verify)], capture_output=True, text=True,
+                           timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail("dfn_consumer batched hung")
+    out = _check(p, "dfn_consumer batched")
+    r = dict(line.split(": ", 1) for line in out.splitlines())
+    # the option: default 1, checked by the core, a caller compiled before it gets one slot
+    assert r["default_n_seq"] == "1"
+    assert r["n_seq_zero"] == "DFN_ERR_INVALID_ARGUMENT | [engine] n_seq must be >= 1, got 0"
+    assert r["n_seq_gpu"].startswith("DFN_ERR_INVALID_ARGUMENT | [engine] n_seq > 1 (several sequence slots) runs on the CPU")
+    status, _, msg = r["n_seq_huge"].partition(" | ")
+    assert status == "DFN_ERR_OUT_OF_MEMORY" and "n_seq = 4000 sequence slots" in msg and "lower n_seq or n_ctx" in msg
+    assert r["n_seq_huge_handle"] == "null"
+    assert r["before_n_seq"] == "DFN_OK | " and r["create_n_seq_4"] == "DFN_OK | "
+    assert r["destroy_while_running"].startswith("DFN_ERR_INVALID_ARGUMENT | [dfn_engine_destroy] the engine is running")
+    jobs = {}
+    for i in range(10):
+        fields, _, msg = r[f"job {i}"].partition(" | ")
+        status, *nums = fields.split()
+        n_got, n_want, equal, stop, want_stop, n_gen, spec, want_spec = map(int, nums)
+        jobs[i] = dict(status=status, n_got=n_got, n_want=n_want, equal=equal, stop=stop, want_stop=want_stop,
+                       n_gen=n_gen, spec=spec, want_spec=want_spec, msg=msg)
+    for i in range(8):  # greedy / sampled, speculative / AR: the solo call's tokens and statistics
+        j = jobs[i]
+        assert j["status"] == "DFN_OK" and j["msg"] == "", (i, j)
+        assert j["n_got"] == j["n_want"] > 0 and j["equal"] == 1, (i, j)
+        assert j["stop"] == j["want_stop"] in (1, 2) and j["n_gen"] == j["n_got"], (i, j)
+        assert j["spec"] == j["want_spec"], (i, j)
+    assert [jobs[i]["spec"] for i in range(8)] == [1, 0, 1, 0, 1, 1, 1, 0]
+    bad = jobs[8]
+    assert bad["status"] == "DFN_ERR_INVALID_ARGUMENT" and "outside the vocabulary" in bad["msg"], bad
+    assert bad["n_got"] == 0 and bad["stop"] == 0 and bad["n_gen"] == 0, bad  # DFN_STOP_NONE
+    stopped = jobs[9]
+    assert stopped["status"] == "DFN_OK" and stopped["n_want"] > 5, stopped
+    assert stopped["n_got"] == stopped["n_gen"] == 5 and stopped["equal"] == 1, stopped  # the solo call's first 5
+    assert stopped["stop"] == 4, stopped  # DFN_STOP_CALLBACK
+    # the calls ran at once: tokens of several calls came between one call's first and last
+    assert int(r["overlap"]) >= 2, r["overlap"]
+    assert r["nested"] == "DFN_OK 1"
+    # each thread's dfn_last_error is its own: only thread 0 ran the failing call
+    assert "outside the vocabulary" in r["last_error 0"]
+    assert [r.get(f"last_error {k}", "?").strip() for k in (1, 2, 3)] == ["", "", ""]
+    assert r["empty_prompt"].startswith("DFN_ERR_INVALID_ARGUMENT | ") and "empty" in r["empty_prompt"]
+    assert r["prompt_over_n_ctx"].startswith("DFN_ERR_INVALID_ARGUMENT | ") and "context" in r["prompt_over_n_ctx"]
+    assert r["after_failures"] == "DFN_OK 1"  # the failed requests' slots serve the next request as before
+    assert r["destroy_after"] == "DFN_OK | "

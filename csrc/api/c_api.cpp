@@ -2,7 +2,8 @@
 // tokenizer) and the generation loop of python/dflash_native/engine.py's _Run without text (no
 // stop strings, no prompt cache, no logprobs): the same steps in the same order, so the tokens
 // equal Engine.generate's. Every entry point catches everything; failures become a dfn_status
-// and the calling thread's dfn_last_error().
+// and the calling thread's dfn_last_error(). An engine with n_seq > 1 runs every dfn_generate as a
+// ticket of its scheduler (engine/scheduler.h: run_ticket), so calls from several threads batch.
 #define DFN_BUILDING_LIBRARY
 #include "dflash_native.h"
 
@@ -14,6 +15,7 @@
 #include "kernels/cpu/sampler.h"
 #include "runtime/session.h"
 #include "engine/request.h"
+#include "engine/scheduler.h"
 #include "spec/spec.h"
 #include "gguf/tokenizer.h"
 
@@ -27,6 +29,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <unordered_map>
 #include <unordered_set>
 #include <mutex>
 #include <memory>
@@ -50,11 +53,20 @@ struct dfn_engine {
     std::unique_ptr<target_session> target;
     std::unique_ptr<spec_session> spec;  // after target: destroyed first (it refers to the target)
     std::unique_ptr<tokenizer> tok;      // null: the GGUF has no vocabulary
+    // n_seq > 1: the scheduler over the target's slots, which runs every dfn_generate (destroyed
+    // first: its slots' spec sessions refer to the target and to spec's drafter); null: n_seq = 1
+    std::unique_ptr<scheduler> sched;
     bool tree = false;
     dfn_stats stats{};
-    // a dfn_generate is running: another (from a second thread, or from its own token callback) is
-    // refused rather than left to corrupt the sequence or abort in ggml
+    // n_seq = 1: a dfn_generate is running: another (from a second thread, or from its own token
+    // callback) is refused rather than left to corrupt the sequence or abort in ggml
     std::atomic<bool> busy{false};
+    // n_seq > 1: the dfn_generate calls running (dfn_engine_destroy refuses the engine while any
+    // runs); each thread's last statistics, by thread_key(); the first drafter failure a call saw
+    std::atomic<int> calls{0};
+    mutable std::mutex mu;  // guards thread_stats (the map: each entry is its own thread's) and failure
+    std::unordered_map<uint64_t, dfn_stats> thread_stats;
+    std::string failure;
     // the process that made it: in a fork() of that process a graph would wait for ever on ggml's
     // OpenMP worker threads, which fork() does not copy (dfn_generate refuses to run there)
     long pid = current_pid();
@@ -72,6 +84,41 @@ const char * k_not_live = "engine is not a live engine: destroyed already, or no
 bool live(const dfn_engine * e) {
     std::lock_guard<std::mutex> lock(g_live_mu);
     return e && g_live.count(e) != 0;
+}
+
+// dfn_generate's entry, under the lock dfn_engine_destroy checks under: the engine live, then
+// n_seq = 1: claimed (busy; a running call refuses it), n_seq > 1: one more call running.
+enum class entry { dead, busy, ok };
+entry enter(dfn_engine * e) {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    if (!g_live.count(e)) return entry::dead;
+    if (e->sched) {
+        e->calls += 1;
+        return entry::ok;
+    }
+    bool idle = false;
+    return e->busy.compare_exchange_strong(idle, true) ? entry::ok : entry::busy;
+}
+
+// This thread's number for its statistics on n_seq > 1 engines (never reused, unlike thread ids).
+uint64_t thread_key() {
+    static std::atomic<uint64_t> next{0};
+    thread_local const uint64_t key = ++next;
+    return key;
+}
+
+// The statistics dfn_generate fills and dfn_engine_last_stats reads: the engine's (n_seq = 1) or
+// the calling thread's on it (n_seq > 1; null from find_stats before its first call).
+dfn_stats & stats_of(dfn_engine & e) {
+    if (!e.sched) return e.stats;
+    std::lock_guard<std::mutex> lock(e.mu);
+    return e.thread_stats[thread_key()];  // the map's nodes stay put; only this thread touches its own
+}
+const dfn_stats * find_stats(const dfn_engine & e) {
+    if (!e.sched) return &e.stats;
+    std::lock_guard<std::mutex> lock(e.mu);
+    auto it = e.thread_stats.find(thread_key());
+    return it == e.thread_stats.end() ? nullptr : &it->second;
 }
 
 }  // namespace
@@ -185,6 +232,7 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     p.max_verify = max_verify;
     p.matmul = MATMUL_OWN;  // the ggml baseline is for benchmarks (Engine.for_benchmark), not the C API
     p.use_mmap = o.use_mmap != 0;
+    p.n_seq = o.n_seq;
     e->target = std::make_unique<target_session>(target_path, p);
     if (drafter_path) {
         spec_params s;
@@ -201,6 +249,7 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
     if (e->tok && e->tok->n_vocab() > e->target->hparams().n_vocab)
         throw input_error(cat("[load_gguf] tokenizer has ", e->tok->n_vocab(), " tokens but the model's embedding has only ",
                               e->target->hparams().n_vocab, " rows"));
+    if (o.n_seq > 1) e->sched = std::make_unique<scheduler>(*e->target, e->spec.get(), e->tok.get());
     e->stats.struct_size = sizeof(dfn_stats);
     *out = e.release();
     return DFN_OK;
@@ -256,6 +305,62 @@ void fill_stats(const request & r, dfn_stats & st, size_t n) {
     st.drafter_failed = !s.drafter_failure.empty();
 }
 
+// dfn_generate on an engine with n_seq > 1: the request as a ticket of the engine's scheduler,
+// batched with the other calls' (engine/scheduler.h); next() hands this thread its tokens (stepping
+// the engine for every call while no other thread does), each shown to the callback here. A
+// nonzero answer cancels the ticket; the tokens it made before the cancel took hold are dropped.
+dfn_status run_ticket(dfn_engine & e, const request_policy & pol, const int32_t * prompt, size_t n_prompt, int32_t * out,
+                      dfn_token_callback cb, void * user, size_t * n_out, dfn_stats & st) {
+    scheduler & s = *e.sched;
+    std::shared_ptr<scheduler::ticket> t = s.submit(std::vector<int32_t>(prompt, prompt + n_prompt), pol);
+    size_t n = 0;
+    bool stopped = false;
+    struct settle {  // on every way out: *n_out, no ticket left running, the statistics
+        dfn_engine & e;
+        scheduler & s;
+        scheduler::ticket & t;
+        const size_t & n;
+        const bool & stopped;
+        size_t * n_out;
+        dfn_stats mine;  // st as dfn_generate set it (the seed): a nested call on this thread rewrites st
+        dfn_stats & st;
+        ~settle() {
+            *n_out = n;
+            if (!s.done(t)) {  // stopped by the callback, or a step failed under another request
+                s.cancel(t);
+                try {
+                    while (!s.done(t)) s.next(t);
+                } catch (...) {  // the slot frees at a later call's step
+                }
+            }
+            const request * r = s.result(t);
+            if (!r) return;  // never admitted
+            fill_stats(*r, mine, n);
+            // the request went on past the token the callback stopped at (another thread's step)
+            if (stopped && r->output().size() > n) mine.stop_reason = DFN_STOP_CALLBACK;
+            st = mine;
+            const std::string & why = r->stats().drafter_failure;
+            try {
+                std::lock_guard<std::mutex> lock(e.mu);
+                if (e.failure.empty() && !why.empty()) e.failure = why;
+            } catch (...) {  // nothing crosses the C boundary
+            }
+        }
+    } settled{e, s, *t, n, stopped, n_out, st, st};
+    while (!stopped) {
+        const request::emitted em = s.next(*t);
+        for (int32_t tok : em.tokens) {
+            out[n++] = tok;
+            if (cb && cb(tok, user) != 0) {
+                stopped = true;
+                break;
+            }
+        }
+        if (s.done(*t)) break;
+    }
+    return DFN_OK;
+}
+
 dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, const dfn_generate_params & g, int32_t * out,
                     size_t max_tokens, dfn_token_callback cb, void * user, size_t * n_out) {
     // Engine.generate's checks: the sampling settings always (sampler.h), then speculative
@@ -271,7 +376,7 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     if (g.speculative == 1 && !e.spec)
         return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] speculative=1 needs an engine created with a drafter");
     if (n_prompt > (size_t) INT64_MAX) return fail(DFN_ERR_INVALID_ARGUMENT, "[generate] n_prompt is too large");
-    dfn_stats & st = e.stats;  // zeroed by dfn_generate
+    dfn_stats & st = stats_of(e);  // zeroed by dfn_generate
     const bool spec = g.speculative == -1 ? (bool) e.spec : g.speculative == 1;
     st.seed = sp.greedy() ? 0 : sp.seed;
     request_policy pol;
@@ -282,6 +387,8 @@ dfn_status generate(dfn_engine & e, const int32_t * prompt, size_t n_prompt, con
     std::optional<c_constraint> constraint;
     if (g.constraint) pol.constraint = &constraint.emplace(read_struct(g.constraint, dfn_constraint{}));
     request r(*e.target, spec ? e.spec.get() : nullptr, e.tok.get(), pol);  // start() below is a cold start
+    // n_seq > 1: r has checked the policy on this thread; the scheduler runs the request in a slot
+    if (e.sched) return run_ticket(e, r.policy(), prompt, n_prompt, out, cb, user, n_out, st);
     struct count_out {  // *n_out and the statistics as they stand, also when a step throws
         const request & r;
         dfn_stats & st;
@@ -351,6 +458,7 @@ dfn_engine_options dfn_engine_options_default(void) {
     o.draft_cutoff = 0.0;
     o.draft_vocab = 1;
     o.use_mmap = 1;
+    o.n_seq = 1;
     return o;
 }
 
@@ -393,7 +501,7 @@ dfn_status dfn_engine_destroy(dfn_engine * engine) {
     {
         std::lock_guard<std::mutex> lock(g_live_mu);
         if (!g_live.count(engine)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
-        if (engine->busy)
+        if (engine->busy || engine->calls > 0)
             return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] the engine is running a dfn_generate: destroy it after "
                                                       "that call returns"));
         g_live.erase(engine);
@@ -454,23 +562,29 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
     const char * W = "dfn_generate";
     const char * nulls = "] engine and n_out must not be NULL, nor prompt or out when their size is not 0";
     if (!e) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
-    if (!live(e)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
-    bool idle = false;
-    if (!e->busy.compare_exchange_strong(idle, true))
+    const entry entered = enter(e);
+    if (entered == entry::dead) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] ", k_not_live));
+    if (entered == entry::busy)
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] this engine is running another dfn_generate (on another "
                                                   "thread, or this call comes from its token callback): one engine "
                                                   "runs one call at a time"));
-    struct idle_again {
-        std::atomic<bool> & busy;
-        ~idle_again() { busy = false; }
-    } release{e->busy};
+    struct idle_again {  // what enter() took
+        dfn_engine & e;
+        ~idle_again() {
+            if (e.sched)
+                e.calls -= 1;
+            else
+                e.busy = false;
+        }
+    } release{*e};
     if (e->pid != current_pid())
         return fail(DFN_ERR_RUNTIME, cat("[", W, "] this engine was made in process ", e->pid, ", and this process (",
                                          current_pid(), ") is a fork() of it: ggml's worker threads do not survive "
                                          "fork(), so it cannot run here; make engines in the process that uses them"));
     // a call that fails leaves DFN_STOP_NONE, not the statistics of the call before it
-    e->stats = dfn_stats{};
-    e->stats.struct_size = sizeof(dfn_stats);
+    dfn_stats & st = stats_of(*e);
+    st = dfn_stats{};
+    st.struct_size = sizeof(dfn_stats);
     if (!n_out || (!prompt && n_prompt) || (!out && max_tokens)) return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, nulls));
     *n_out = 0;
     if (params && !size_ok(params, k_generate_v1))
@@ -495,6 +609,10 @@ dfn_status dfn_generate(dfn_engine * e, const int32_t * prompt, size_t n_prompt,
 
 const char * dfn_engine_drafter_failure(const dfn_engine * e) {
     if (!live(e)) return nullptr;
+    if (e->sched) {  // n_seq > 1: set once, by a finished call (a slot's spec session is its stepping thread's)
+        std::lock_guard<std::mutex> lock(e->mu);
+        return e->failure.empty() ? "" : e->failure.c_str();
+    }
     return e->spec ? e->spec->drafter_failure().c_str() : "";
 }
 
@@ -506,7 +624,9 @@ dfn_status dfn_engine_last_stats(const dfn_engine * e, dfn_stats * stats) {
         return fail(DFN_ERR_INVALID_ARGUMENT, cat("[", W, "] stats->struct_size = ", stats->struct_size,
                                                   " (set it to sizeof(dfn_stats))"));
     const size_t n = stats->struct_size;
-    std::memcpy(stats, &e->stats, n);
+    dfn_stats none{};  // n_seq > 1: this thread has not called dfn_generate on the engine yet
+    const dfn_stats * mine = find_stats(*e);
+    std::memcpy(stats, mine ? mine : &none, n);
     stats->struct_size = n;
     return DFN_OK;
 }

@@ -65,6 +65,7 @@ cdef extern from "dflash_native.h" nogil:
         int32_t draft_vocab
         int32_t use_mmap
         const char * device_name
+        int32_t n_seq
 
     dfn_engine_options dfn_engine_options_default()
     dfn_status dfn_engine_create(const char * target_path, const char * drafter_path,

@@ -11,6 +11,14 @@
  *       dfn_generate in a fork() of the process whose engine ran, and a new 2-thread engine there:
  *       the child's status lines, then "child_exit: N" (a hang ends the child by SIGALRM) and the
  *       parent's own generate after it.
+ *   dfn_consumer batched TARGET DRAFTER VERIFY
+ *       an engine with n_seq = 4 (VERIFY: chain or tree): the option's statuses, then 10 dfn_generate
+ *       calls from 4 threads at once (greedy and sampled, speculative and AR; one with a token id
+ *       outside the vocabulary, one whose callback stops it after 5 tokens, one whose callback makes
+ *       a call of its own, and a dfn_engine_destroy tried while they run), each against the same
+ *       call alone on an n_seq = 1 engine: one "job" line per call, then how many calls' tokens
+ *       interleaved, the nested call's result, each thread's last error, and more failing calls
+ *       (an empty prompt, one over n_ctx) before a call that must still give the solo tokens.
  *   dfn_consumer ids TARGET DRAFTER|- N_CTX MAX_TOKENS ID...
  *       greedy dfn_generate from token ids: "tokens: ..." and "stats: STOP_REASON N_GENERATED EOS_TOKEN".
  *   dfn_consumer novocab TARGET
@@ -420,6 +428,247 @@ static int cmd_overlap(char ** argv) {
     return 0;
 }
 
+/* ---- batched: one engine with n_seq = 4, dfn_generate from several threads at once ---- */
+
+#define N_JOBS 10
+#define N_THREADS 4
+#define JOB_MAX 64
+
+struct batch_job {
+    const char * text;        /* the prompt */
+    double temperature, top_p;
+    int32_t top_k;
+    uint64_t seed;
+    int speculative;
+    size_t max_tokens;
+    int stop_after;           /* > 0: the callback stops the call after this many tokens */
+    int bad_id;               /* 1: the prompt ends with a token id outside the vocabulary */
+    int nest;                 /* >= 0: at its 2nd token the callback runs that job's call (a nested dfn_generate) */
+    int32_t prompt[256];
+    size_t n_prompt;
+    /* the same call alone, on the n_seq = 1 engine */
+    int32_t want[JOB_MAX];
+    size_t n_want;
+    dfn_stats want_st;
+    /* the batched call */
+    int32_t got[JOB_MAX];
+    size_t n_got, n_seen;
+    dfn_status status;
+    char message[512];
+    dfn_stats st;
+    long first_tick, last_tick;  /* the shared token counter at its first and last token */
+    dfn_status nest_status;
+    int nest_equal;
+};
+
+struct batch {
+    dfn_engine * e;
+    struct batch_job jobs[N_JOBS];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    long ticks;               /* tokens every call's callback saw, together */
+    int started;              /* threads at the start line */
+    int destroy_tried;        /* the main thread's dfn_engine_destroy while the calls run is done */
+    dfn_status destroy_status;
+    char destroy_message[512];
+    char last_error[N_THREADS][512];  /* each thread's dfn_last_error() after its calls */
+};
+
+struct batch_call {
+    struct batch * b;
+    struct batch_job * j;
+};
+
+static dfn_generate_params batch_params(const struct batch_job * j);
+
+static int batch_cb(int32_t token, void * user) {
+    struct batch_call * c = (struct batch_call *) user;
+    struct batch_job * j = c->j;
+    (void) token;
+    if (j->nest >= 0 && j->n_seen == 1) {  /* before its 2nd token: a call from the callback */
+        const struct batch_job * o = &c->b->jobs[j->nest];
+        dfn_generate_params g = batch_params(o);
+        int32_t got[JOB_MAX];
+        size_t n = 0;
+        j->nest_status = dfn_generate(c->b->e, o->prompt, o->n_prompt, &g, got, o->max_tokens, NULL, NULL, &n);
+        j->nest_equal = n == o->n_want && memcmp(got, o->want, n * sizeof(int32_t)) == 0;
+    }
+    pthread_mutex_lock(&c->b->mu);
+    long tick = c->b->ticks++;
+    if (j->n_seen++ == 0) j->first_tick = tick;
+    j->last_tick = tick;
+    if (j->stop_after > 0 && j->n_seen == 3) {  /* this call is running: the main thread tries to destroy the engine */
+        pthread_cond_broadcast(&c->b->cv);
+        while (!c->b->destroy_tried) pthread_cond_wait(&c->b->cv, &c->b->mu);
+    }
+    pthread_mutex_unlock(&c->b->mu);
+    return j->stop_after > 0 && (int) j->n_seen >= j->stop_after;
+}
+
+static dfn_generate_params batch_params(const struct batch_job * j) {
+    dfn_generate_params g = dfn_generate_params_default();
+    g.temperature = j->temperature;
+    g.top_p = j->top_p;
+    g.top_k = j->top_k;
+    g.seed = j->seed;
+    g.speculative = j->speculative;
+    return g;
+}
+
+static void batch_run(struct batch * b, struct batch_job * j) {
+    struct batch_call c = {b, j};
+    dfn_generate_params g = batch_params(j);
+    j->status = dfn_generate(b->e, j->prompt, j->n_prompt, &g, j->got, j->max_tokens, batch_cb, &c, &j->n_got);
+    snprintf(j->message, sizeof j->message, "%s", j->status == DFN_OK ? "" : dfn_last_error());
+    j->st.struct_size = sizeof j->st;
+    if (dfn_engine_last_stats(b->e, &j->st) != DFN_OK) j->st.stop_reason = -1;
+}
+
+/* thread k runs jobs k, k + 4, k + 8 (the failing call and the stopped one first) */
+static const int batch_order[N_THREADS][3] = {{8, 0, 4}, {9, 1, 5}, {2, 6, -1}, {3, 7, -1}};
+
+struct batch_thread {
+    struct batch * b;
+    int k;
+};
+
+static void * batch_thread_main(void * user) {
+    struct batch_thread * t = (struct batch_thread *) user;
+    struct batch * b = t->b;
+    pthread_mutex_lock(&b->mu);  /* all at once */
+    b->started += 1;
+    pthread_cond_broadcast(&b->cv);
+    while (b->started < N_THREADS) pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
+    for (int i = 0; i < 3; ++i)
+        if (batch_order[t->k][i] >= 0) batch_run(b, &b->jobs[batch_order[t->k][i]]);
+    snprintf(b->last_error[t->k], sizeof b->last_error[t->k], "%s", dfn_last_error());
+    return NULL;
+}
+
+static int cmd_batched(char ** argv) {
+    dfn_engine_options o = dfn_engine_options_default();
+    o.n_ctx = 256;
+    o.n_threads = 2;
+    o.verify = strcmp(argv[4], "tree") == 0 ? DFN_VERIFY_TREE : DFN_VERIFY_CHAIN;
+    dfn_engine * e1 = NULL, * e4 = NULL, * e = NULL;
+    /* the option: its default, its checks, a caller compiled before it */
+    printf("default_n_seq: %d\n", (int) o.n_seq);
+    o.n_seq = 0;
+    report("n_seq_zero", dfn_engine_create(argv[2], argv[3], &o, &e));
+    o.n_seq = 2;
+    o.device_name = "gpu";
+    report("n_seq_gpu", dfn_engine_create(argv[2], argv[3], &o, &e));
+    dfn_engine_destroy(e);
+    e = NULL;
+    o.device_name = NULL;
+    o.n_seq = 4000;
+    o.n_ctx = 1 << 18;  /* 4000 caches of 256 MiB (1 TiB): more than the machine's memory, refused before slot 1's */
+    report("n_seq_huge", dfn_engine_create(argv[2], argv[3], &o, &e));
+    printf("n_seq_huge_handle: %s\n", e == NULL ? "null" : "set");
+    o.n_ctx = 256;
+    o.n_seq = 4;
+    o.struct_size = offsetof(dfn_engine_options, n_seq);  /* a caller compiled before n_seq: one slot */
+    report("before_n_seq", dfn_engine_create(argv[2], argv[3], &o, &e1));
+    if (e1 == NULL) return 1;
+    o.struct_size = sizeof o;
+    dfn_status s = dfn_engine_create(argv[2], argv[3], &o, &e4);
+    report("create_n_seq_4", s);
+    if (s != DFN_OK) return 1;
+
+    static struct batch b;  /* static: large */
+    memset(&b, 0, sizeof b);
+    b.e = e4;
+    pthread_mutex_init(&b.mu, NULL);
+    pthread_cond_init(&b.cv, NULL);
+    const char * texts[4] = {"def fibonacci(n):\n    ", "The capital of France is", "import numpy as np\n",
+                             "Once upon a time, there"};
+    /*                  text   temp  top_p  top_k  seed  spec  max  stop  bad */
+    const struct { int text; double temperature, top_p; int top_k; uint64_t seed; int spec; size_t max; int stop, bad, nest; }
+        cfg[N_JOBS] = {{0, 0.0, 1.0, 0, 0, 1, 24, 0, 0, -1},     /* greedy, speculative */
+                       {1, 0.0, 1.0, 0, 0, 0, 12, 0, 0, -1},     /* greedy, AR */
+                       {2, 0.8, 1.0, 0, 1234, 1, 24, 0, 0, -1},  /* sampled, speculative */
+                       {3, 0.8, 1.0, 40, 99, 0, 12, 0, 0, -1},   /* sampled, AR */
+                       {1, 0.0, 1.0, 0, 0, 1, 32, 0, 0, -1},
+                       {0, 1.0, 0.9, 0, 7, 1, 20, 0, 0, -1},
+                       {3, 0.0, 1.0, 0, 0, -1, 16, 0, 0, 2},     /* its callback runs job 2's call */
+                       {2, 0.7, 1.0, 0, 5, 0, 10, 0, 0, -1},
+                       {0, 0.0, 1.0, 0, 0, 1, 16, 0, 1, -1},     /* a token id outside the vocabulary */
+                       {2, 0.0, 1.0, 0, 0, 1, 32, 5, 0, -1}};    /* the callback stops it after 5 tokens */
+    for (int i = 0; i < N_JOBS; ++i) {
+        struct batch_job * j = &b.jobs[i];
+        j->text = texts[cfg[i].text];
+        j->temperature = cfg[i].temperature, j->top_p = cfg[i].top_p, j->top_k = cfg[i].top_k;
+        j->seed = cfg[i].seed, j->speculative = cfg[i].spec, j->max_tokens = cfg[i].max;
+        j->stop_after = cfg[i].stop, j->bad_id = cfg[i].bad, j->nest = cfg[i].nest;
+        s = dfn_tokenize(e1, j->text, strlen(j->text), j->prompt, 255, &j->n_prompt);
+        if (s != DFN_OK) return die("tokenize", s);
+        if (j->bad_id) j->prompt[j->n_prompt++] = dfn_engine_n_vocab(e1) + 5;
+        if (j->bad_id) continue;
+        /* alone, without the callback (the stopped call's tokens are a prefix of these) */
+        dfn_generate_params g = batch_params(j);
+        s = dfn_generate(e1, j->prompt, j->n_prompt, &g, j->want, j->max_tokens, NULL, NULL, &j->n_want);
+        if (s != DFN_OK) return die("generate alone", s);
+        j->want_st.struct_size = sizeof j->want_st;
+        if ((s = dfn_engine_last_stats(e1, &j->want_st)) != DFN_OK) return die("stats alone", s);
+    }
+
+    struct batch_thread th[N_THREADS];
+    pthread_t ids[N_THREADS];
+    for (int k = 0; k < N_THREADS; ++k) {
+        th[k].b = &b, th[k].k = k;
+        pthread_create(&ids[k], NULL, batch_thread_main, &th[k]);
+    }
+    /* while the stopped call waits in its callback: destroy is refused */
+    pthread_mutex_lock(&b.mu);
+    while (b.jobs[9].n_seen < 3) pthread_cond_wait(&b.cv, &b.mu);
+    pthread_mutex_unlock(&b.mu);
+    b.destroy_status = dfn_engine_destroy(e4);
+    snprintf(b.destroy_message, sizeof b.destroy_message, "%s", b.destroy_status == DFN_OK ? "" : dfn_last_error());
+    pthread_mutex_lock(&b.mu);
+    b.destroy_tried = 1;
+    pthread_cond_broadcast(&b.cv);
+    pthread_mutex_unlock(&b.mu);
+    for (int k = 0; k < N_THREADS; ++k) pthread_join(ids[k], NULL);
+
+    printf("destroy_while_running: %s | %s\n", dfn_status_name(b.destroy_status), b.destroy_message);
+    /* job I: STATUS N_GOT N_WANT EQUAL STOP WANT_STOP N_GENERATED SPECULATIVE WANT_SPECULATIVE | message */
+    for (int i = 0; i < N_JOBS; ++i) {
+        const struct batch_job * j = &b.jobs[i];
+        int equal = j->n_got <= j->n_want && memcmp(j->got, j->want, j->n_got * sizeof(int32_t)) == 0;
+        printf("job %d: %s %zu %zu %d %d %d %lld %d %d | %s\n", i, dfn_status_name(j->status), j->n_got, j->n_want,
+               equal, j->st.stop_reason, j->want_st.stop_reason, (long long) j->st.n_generated, j->st.speculative,
+               j->want_st.speculative, j->message);
+    }
+    /* the most calls whose first-to-last token spans share a moment */
+    int most = 0;
+    for (int i = 0; i < N_JOBS; ++i) {
+        if (b.jobs[i].n_seen == 0) continue;
+        int here = 0;
+        for (int k = 0; k < N_JOBS; ++k)
+            if (b.jobs[k].n_seen > 0 && b.jobs[k].first_tick <= b.jobs[i].first_tick &&
+                b.jobs[i].first_tick <= b.jobs[k].last_tick)
+                ++here;
+        if (here > most) most = here;
+    }
+    printf("overlap: %d\n", most);
+    printf("nested: %s %d\n", dfn_status_name(b.jobs[6].nest_status), b.jobs[6].nest_equal);
+    for (int k = 0; k < N_THREADS; ++k) printf("last_error %d: %s\n", k, b.last_error[k]);
+    /* more failing calls, then the engine still gives the solo tokens */
+    int32_t longp[300], again[JOB_MAX];
+    size_t n_again = 0;
+    for (int i = 0; i < 300; ++i) longp[i] = b.jobs[0].prompt[i % b.jobs[0].n_prompt];
+    report("empty_prompt", dfn_generate(e4, b.jobs[0].prompt, 0, NULL, again, 8, NULL, NULL, &n_again));
+    report("prompt_over_n_ctx", dfn_generate(e4, longp, 300, NULL, again, 8, NULL, NULL, &n_again));
+    dfn_generate_params g = batch_params(&b.jobs[0]);
+    s = dfn_generate(e4, b.jobs[0].prompt, b.jobs[0].n_prompt, &g, again, b.jobs[0].max_tokens, NULL, NULL, &n_again);
+    printf("after_failures: %s %d\n", dfn_status_name(s),
+           n_again == b.jobs[0].n_want && memcmp(again, b.jobs[0].want, n_again * sizeof(int32_t)) == 0);
+    report("destroy_after", dfn_engine_destroy(e4));
+    dfn_engine_destroy(e1);
+    return 0;
+}
+
 static int cmd_fork(char ** argv) {
     dfn_engine_options opt = dfn_engine_options_default();
     opt.n_ctx = 256;
@@ -676,6 +925,7 @@ int main(int argc, char ** argv) {
     if (argc == 3 && strcmp(argv[1], "novocab") == 0) return cmd_novocab(argv);
     if (argc == 3 && strcmp(argv[1], "oom") == 0) return cmd_oom(argv);
     if (argc == 4 && strcmp(argv[1], "overlap") == 0) return cmd_overlap(argv);
+    if (argc == 5 && strcmp(argv[1], "batched") == 0) return cmd_batched(argv);
     if (argc == 4 && strcmp(argv[1], "fork") == 0) return cmd_fork(argv);
     if (argc >= 15 && strcmp(argv[1], "constrained") == 0) return cmd_constrained(argc, argv);
     fprintf(stderr, "usage: dfn_consumer generate TARGET DRAFTER|- PROMPT MAX_TOKENS TEMPERATURE SEED STOP_AFTER VERIFY\n"
@@ -684,6 +934,7 @@ int main(int argc, char ** argv) {
                     "       dfn_consumer ids TARGET DRAFTER|- N_CTX MAX_TOKENS ID...\n"
                     "       dfn_consumer novocab TARGET\n"
                     "       dfn_consumer oom TARGET\n"
+                    "       dfn_consumer batched TARGET DRAFTER VERIFY\n"
                     "       dfn_consumer overlap TARGET DRAFTER\n"
                     "       dfn_consumer fork TARGET DRAFTER\n"
                     "       dfn_consumer constrained TARGET DRAFTER|- VERIFY GATE PROMPT MAX_TOKENS TEMPERATURE SEED "
