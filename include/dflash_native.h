@@ -199,9 +199,11 @@ DFN_API dfn_generate_params dfn_generate_params_default(void);
  * user_data and returns an int; a negative return is an error: dfn_generate stops and returns
  * DFN_ERR_CONSTRAINT, dfn_last_error() naming the callback and the value it returned. The engine is
  * left as usable as after any other request (the next dfn_generate starts afresh); the tokens
- * emitted before the error are in out[0 .. *n_out). The callbacks run on the calling thread, inside
- * dfn_generate: they may call dfn_detokenize, dfn_engine_n_vocab or dfn_engine_eos_token on the
- * engine, and a dfn_generate on it is refused (see Threads).
+ * emitted before the error are in out[0 .. *n_out). On an engine of one slot the callbacks run on
+ * the calling thread, inside dfn_generate: they may call dfn_detokenize, dfn_engine_n_vocab or
+ * dfn_engine_eos_token on the engine, and a dfn_generate on it is refused (see Threads). With
+ * n_seq > 1 they run on whichever caller's thread runs the engine's step (see Threads), one call
+ * at a time: a constraint must not rely on the thread it runs on.
  *
  * A token the mask allows that accept then rejects, or a mask that allows no token while the
  * request goes on, fails the call with DFN_ERR_RUNTIME ("... the constraint allows no token at

@@ -158,12 +158,14 @@ void scheduler::fail(slot_state & s, std::exception_ptr e) {
 void scheduler::step_once() {
     std::vector<int> admitted;
     std::vector<std::shared_ptr<ticket>> active(n_slots());
+    std::vector<char> cancelled(n_slots(), 0);  // read under the lock (cancel() writes from any thread)
     {
         std::lock_guard<std::mutex> lock(m_);
         admitted = admit();
         for (int k = 0; k < n_slots(); ++k) {
             active[k] = slots_[k].t;
-            if (active[k] && active[k]->cancelled && active[k]->req) active[k]->req->stop();
+            cancelled[k] = active[k] && active[k]->cancelled;
+            if (cancelled[k] && active[k]->req) active[k]->req->stop();
         }
     }
     std::vector<request::emitted> out(n_slots());
@@ -182,7 +184,7 @@ void scheduler::step_once() {
             }
             t.req = std::make_unique<request>(target_, spec, vocab_, t.policy, k);
             if (t.forced) t.req->set_draft_source(t.forced);
-            if (t.cancelled) t.req->stop();
+            if (cancelled[k]) t.req->stop();
             out[k] = t.req->start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached);
             t.started = true;
         } catch (...) {
