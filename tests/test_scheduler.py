@@ -302,3 +302,46 @@ def test_memory_report_counts_every_slot(pair):
         assert rep[part] == sum(s[part] for s in slots) == 3 * solo[part], part
     assert rep["drafter_weights_mapped"] + rep["drafter_weights_copied"] == \
         solo["drafter_weights_mapped"] + solo["drafter_weights_copied"]  # one drafter, shared
+
+
+def fixed_costs(spec):
+    # speculation pays and the controller's choices depend only on acceptance (no timing)
+    T.controller_fixed_costs(spec, ar_s=1.0, draft_s=0.2, verify0_s=0.9, verify1_s=0.05)
+
+
+def test_batched_drafter_pass_drafts_as_alone(pair):
+    """Greedy rounds under the controller (fixed costs: its choices depend on acceptance only) draft
+    in one drafter pass over the slots (pass_stats shared_drafts): every request's rounds (its
+    acceptance histogram) and tokens equal its run alone on a one-slot engine."""
+    check_batched_drafts(pair, selector=False)
+
+
+def test_batched_drafter_pass_of_each_kind(kind_pair):
+    """The same for DSpark (Markov and confidence heads: batched) and DFlash 2 (its selector drafts
+    per slot)."""
+    check_batched_drafts(kind_pair, selector="dflash2" in kind_pair["drafter"])
+
+
+def check_batched_drafts(pair, selector):
+    rng = np.random.default_rng(4)
+    n = 3
+    with engine(pair, n) as eng:
+        sched = eng._sched
+        for k in range(n):
+            fixed_costs(sched.spec(k))
+        prompts = [list(map(int, rng.integers(3, eng.n_vocab, int(rng.integers(4, 30))))) for _ in range(n)]
+        tickets = [sched.submit(p, True, max_tokens=40) for p in prompts]  # all admitted at the first step
+        outs = [[] for _ in range(n)]
+        while not all(t.done for t in tickets):
+            for i, t in enumerate(tickets):
+                if not t.done:
+                    outs[i] += t.next()[0]
+        shared = sched.pass_stats["shared_drafts"]
+        hist = [t.stats["acceptance_histogram"] for t in tickets]
+    for i, p in enumerate(prompts):
+        with engine(pair, 1) as solo:
+            fixed_costs(solo._spec)
+            r = solo.generate(p, max_tokens=40)
+        assert outs[i] == r.tokens, f"request {i}: tokens differ from its solo run"
+        assert hist[i] == r.stats.acceptance_histogram, f"request {i}: rounds differ from its solo run"
+    assert (shared > 0) != selector, f"shared drafter passes: {shared}"
