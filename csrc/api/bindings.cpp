@@ -868,13 +868,13 @@ void bind_testing_sessions(py::module_ & t) {
         "baseline_target",
         [](const std::string & path, const std::string & rollback, const std::string & matmul, int64_t n_ctx,
            int n_threads, const std::string & kv_type, int64_t n_batch, const std::string & device, int64_t max_verify,
-           bool use_mmap) {
+           bool use_mmap, int n_seq) {
             return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, rollback, matmul,
-                                     use_mmap, 1);
+                                     use_mmap, n_seq);
         },
         py::arg("path"), py::arg("rollback") = "tape", py::arg("matmul") = "own", py::arg("n_ctx") = 4096,
         py::arg("n_threads") = 0, py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu",
-        py::arg("max_verify") = 0, py::arg("use_mmap") = true,
+        py::arg("max_verify") = 0, py::arg("use_mmap") = true, py::arg("n_seq") = 1,
         "A Target on a benchmark baseline (Engine.for_benchmark): the GDN rollback strategy 'tape', 'snapshot' "
         "or 'redecode' (runtime/rollback.h), the matmul 'own' or 'ggml' (ggml_mul_mat everywhere)");
     t.def("n_graph_plans", &target_session::n_graph_plans, py::arg("target"),
