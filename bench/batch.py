@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import threading
 import time
@@ -96,6 +95,19 @@ def run_cell(engines, prompts, max_tokens: int, speculative: bool) -> dict:
     return dict(wall=wall, lat=[x[0] for o in out for x in o], results=[x[1] for o in out for x in o])
 
 
+def private_gib() -> float | None:
+    """This process's private (anonymous) resident memory, GiB (Linux): the engines' own buffers;
+    weights are the GGUF files' pages, shared by every engine mapping them (VmRSS counts them once
+    per mapping)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
 def pass_counts(sched) -> dict:
     """Scheduler.pass_stats as sums: batched passes, their tokens, the requests in them, solo steps
     (all 0 without a scheduler: Engine(n_seq=1) runs its one request without one)."""
@@ -106,7 +118,8 @@ def pass_counts(sched) -> dict:
                 solo_steps=p["solo_steps"])
 
 
-def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus: list, B: int, info: dict) -> list[dict]:
+def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus: list, B: int,
+                info: dict) -> list[dict]:
     import dflash_native as dn
 
     rows = []
@@ -119,7 +132,8 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
         singles, skipped = [], ""
         if C <= a.oneseq_max:
             try:
-                singles = [dn.Engine(target, n_threads=one_threads, **kw) for _ in range(C)]
+                for _ in range(C):
+                    singles.append(dn.Engine(target, n_threads=one_threads, **kw))
             except MemoryError as e:
                 skipped = f"MemoryError: {e}"
                 for e_ in singles:
@@ -166,7 +180,8 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
                 p = s["passes"] if batched._sched is not None and name != "oneseq" else \
                     dict(passes=None, solo_steps=None)
                 if p["passes"] is not None:
-                    p.update(req_per_pass=p["requests"] / max(p["passes"], 1), tok_per_pass=p["tokens"] / max(p["passes"], 1))
+                    n = max(p["passes"], 1)
+                    p.update(req_per_pass=p["requests"] / n, tok_per_pass=p["tokens"] / n)
                 row = dict(bench="batch_concurrency", setup=name, concurrency=C, tau=tau, block=B,
                            requests=s["n"], tokens=s["tokens"], wall_s=s["wall"], tok_s=s["tokens"] / s["wall"],
                            latency_p50_s=pct(s["lat"], 0.5), latency_p95_s=pct(s["lat"], 0.95),
@@ -186,11 +201,11 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
                          spec_over_ar=cell["spec"]["tok_s"] / cell["ar"]["tok_s"],
                          spec_over_oneseq=cell["spec"]["tok_s"] / cell["oneseq"]["tok_s"] if singles else None,
                          oneseq_skipped=skipped, mismatches=sum(c["mismatches"] for c in cell.values()),
-                         peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **info)
+                         private_gib=private_gib(), **info)
             rows.append(ratio)
             print(f"{C:>3} {tau or 'pair':>4} ratios: spec/ar {ratio['spec_over_ar']:.2f}, spec/oneseq "
                   + (f"{ratio['spec_over_oneseq']:.2f}" if singles else f"- (one-sequence engines skipped: {skipped})")
-                  + f"; peak RSS {ratio['peak_rss_gib']:.1f} GiB",
+                  + (f"; private memory {ratio['private_gib']:.1f} GiB" if ratio["private_gib"] is not None else ""),
                   flush=True)
         for e in [batched] + singles:
             e.close()
