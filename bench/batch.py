@@ -1,53 +1,224 @@
-"""Batched target steps vs one-sequence steps (docs/architecture.md, "Batched target").
+"""Concurrent requests on one batched engine against today's one-sequence engines (issue 35,
+"Benchmarks"; docs/architecture.md, "Batched target").
 
-For each concurrency N: one target pass over N sequences' work (N AR tokens, or N verify blocks of B
-tokens, each sequence at its own positions after its own prompt: target_session::decode_batch) against
-the same work as N one-sequence passes (Target.decode_greedy / verify + commit), timed side by side in
-one run, alternating, on the same file. Reported: milliseconds per step (the batched pass, the N solo
-passes), their ratio, and the aggregate tokens per second each gives. With --engine also the batch
-engine (spec/batch_engine.h): N greedy requests at once against the same N requests one at a time
-through a one-slot engine, aggregate tokens per second.
+For each concurrency C (--concurrency), C client threads each run R requests (--requests) of
+--max-tokens tokens, greedy, every request its own prompt, on three setups, interleaved within
+one run (their order rotates per rep):
 
-The default target is the 0.5B-shaped Qwen3.5 hybrid at Q8_0 (its matmuls take the wide GEMM above
-64 columns, so wide batches stay exact); --tiny: a smoke-run size.
+- spec:   one Engine(n_seq=C) with the drafter: each engine step is one target pass over every
+          active request's verify block (csrc/engine/scheduler.h);
+- ar:     the same engine, generate(speculative=False): batched AR steps;
+- oneseq: today's server (dflash_native/server: one engine per slot, each run by its own thread,
+          n_threads = threads // C each, speculative): C Engine(n_seq=1), one per client thread.
 
-    python bench/batch.py --json bench/results/batch.jsonl
+Reported per (C, tau, setup): aggregate tok/s (every generated token over the cell's wall time),
+per-request latency p50 / p95 (one generate() call, queueing included), the mean acceptance
+length, the batched engine's mean requests and tokens per target pass (Scheduler.pass_stats), and
+"same as solo": how many requests' tokens equal that request's tokens from a one-sequence engine
+alone (AR; speculative output equals it bit for bit, in any batch). Then the ratios spec / ar and
+spec / oneseq. Only such side-by-side ratios mean anything on a shared machine.
+
+Targets: the default is the 0.5B-shaped Qwen3.5 hybrid (_common.QWEN35_05B) at --outtype (q8_0;
+q4_k_m: llama.cpp's quantizer, with a Q8_0 drafter) and a random one-layer drafter, its drafts
+forced to a fixed acceptance (--tau): the first tau - 1 drafts of every round are the AR
+continuation (one AR run per prompt beforehand), the next one wrong, so each round commits tau
+tokens whatever the drafter (tau = B: every draft right); the controller is off (every step a
+round of B). --embedded: the shipped pair on held-out code prompts, its own drafts, the
+controller on. --tiny: a smoke-run size.
+
+--passes: also the target passes alone (target_session::decode_batch through _core.testing): one
+pass over C sequences' AR tokens or verify blocks against the same work as C one-sequence passes.
+
+    python bench/batch.py --tau 4 8 --json bench/results/batch.jsonl
+    python bench/batch.py --outtype q4_k_m --tau 4 8 --json bench/results/batch.jsonl
+    python bench/batch.py --embedded --json bench/results/batch.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, git_rev, machine, summarize, write_jsonl  # noqa: E402
+from _common import (QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, git_rev, machine,  # noqa: E402
+                     resolve_pair, summarize, write_jsonl)
+from serve import pct  # noqa: E402
 
 
-def main():
+def forced_drafts(refs: dict, tau: int, n_vocab: int):
+    """Engine._draft_override: per prompt (its token ids), the AR continuation `refs[prompt]` as the
+    first tau - 1 drafts of a round, then a wrong token (tau >= B: all right)."""
+    def override(prompt, out, B):
+        ref, n = refs[tuple(prompt)], len(out)
+        d = (list(ref[n: n + B - 1]) + [1] * B)[: B - 1]
+        if tau < B:
+            d[tau - 1] = (d[tau - 1] + 1) % n_vocab
+        return d
+    return override
+
+
+def run_cell(engines, prompts, max_tokens: int, speculative: bool) -> dict:
+    """len(engines) client threads, thread i running its prompts prompts[i] one after another on
+    engines[i] (the same engine for every thread: the batched engine). Wall time, per-request
+    latencies and results."""
+    C = len(engines)
+    out: list[list] = [[] for _ in range(C)]
+    errors: list[BaseException] = []
+    go = threading.Barrier(C + 1)
+
+    def client(i):
+        try:
+            go.wait()
+            for p in prompts[i]:
+                t0 = time.perf_counter()
+                r = engines[i].generate(p, max_tokens=max_tokens, speculative=speculative)
+                out[i].append((time.perf_counter() - t0, r))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return dict(wall=wall, lat=[x[0] for o in out for x in o], results=[x[1] for o in out for x in o])
+
+
+def private_gib() -> float | None:
+    """This process's private (anonymous) resident memory, GiB (Linux): the engines' own buffers;
+    weights are the GGUF files' pages, shared by every engine mapping them (VmRSS counts them once
+    per mapping)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def pass_counts(sched) -> dict:
+    """Scheduler.pass_stats as sums: batched passes, their tokens, the requests in them, solo steps
+    (all 0 without a scheduler: Engine(n_seq=1) runs its one request without one)."""
+    if sched is None:
+        return dict(passes=0, tokens=0, requests=0, solo_steps=0)
+    p = sched.pass_stats
+    return dict(passes=p["passes"], tokens=p["tokens"], requests=sum(n * w for n, w in enumerate(p["width"])),
+                solo_steps=p["solo_steps"])
+
+
+def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus: list, B: int,
+                info: dict) -> list[dict]:
+    import dflash_native as dn
+
+    rows = []
+    print(f"\n{'C':>3} {'tau':>4} {'setup':7} {'requests':>8} {'tokens':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} "
+          f"{'acc len':>7} {'req/pass':>8} {'tok/pass':>8} {'same as solo':>12}")
+    for C in a.concurrency:
+        kw = dict(drafter=drafter, block_size=B, n_ctx=a.prompt + a.max_tokens + 2 * B + 64, gate=a.gate)
+        batched = dn.Engine(target, n_seq=C, n_threads=a.threads, **kw)
+        one_threads = max(1, a.threads // C)  # the server's split (dflash_native/server/app.py)
+        singles, skipped = [], ""
+        if C <= a.oneseq_max:
+            try:
+                for _ in range(C):
+                    singles.append(dn.Engine(target, n_threads=one_threads, **kw))
+            except MemoryError as e:
+                skipped = f"MemoryError: {e}"
+                for e_ in singles:
+                    e_.close()
+                singles = []
+        else:
+            skipped = f"C > --oneseq-max {a.oneseq_max}"
+        mine = [[prompts[i * a.requests + k] for k in range(a.requests)] for i in range(C)]
+        solo = [[refs[i * a.requests + k][: a.max_tokens] for k in range(a.requests)] for i in range(C)]
+        solo_flat = [t for s in solo for t in s]
+        setups = [("spec", [batched] * C, True), ("ar", [batched] * C, False)]
+        if singles:
+            setups.append(("oneseq", singles, True))
+        for tau in taus:
+            for e in [batched] + singles:
+                e._draft_override = None if tau is None else forced_drafts(dict(zip(map(tuple, prompts), refs)), tau,
+                                                                           batched.n_vocab)
+            # warm-up (graph plans at every width): every setup once, short requests
+            for _, engs, spec in setups:
+                run_cell(engs, [[p[0]] for p in mine], 2 * B, spec)
+            acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0,
+                             passes=dict(passes=0, tokens=0, requests=0, solo_steps=0))
+                   for name, _, _ in setups}
+            for rep in range(a.reps):
+                for name, engs, spec in setups[rep % len(setups):] + setups[: rep % len(setups)]:
+                    before = pass_counts(batched._sched)
+                    r = run_cell(engs, mine, a.max_tokens, spec)
+                    s = acc[name]
+                    s["wall"] += r["wall"]
+                    s["lat"] += r["lat"]
+                    s["n"] += len(r["results"])
+                    s["tokens"] += sum(len(x.tokens) for x in r["results"])
+                    s["same"] += sum(x.tokens == want for x, want in zip(r["results"], solo_flat))
+                    for x in r["results"]:
+                        h = x.stats.acceptance_histogram
+                        s["committed"] += sum(k * n for k, n in enumerate(h))
+                        s["rounds"] += sum(h)
+                    if engs[0] is batched:
+                        for k, v in pass_counts(batched._sched).items():
+                            s["passes"][k] += v - before[k]
+            cell = {}
+            for name, _, spec in setups:
+                s = acc[name]
+                p = s["passes"] if batched._sched is not None and name != "oneseq" else \
+                    dict(passes=None, solo_steps=None)
+                if p["passes"] is not None:
+                    n = max(p["passes"], 1)
+                    p.update(req_per_pass=p["requests"] / n, tok_per_pass=p["tokens"] / n)
+                row = dict(bench="batch_concurrency", setup=name, concurrency=C, tau=tau, block=B,
+                           requests=s["n"], tokens=s["tokens"], wall_s=s["wall"], tok_s=s["tokens"] / s["wall"],
+                           latency_p50_s=pct(s["lat"], 0.5), latency_p95_s=pct(s["lat"], 0.95),
+                           latency_s=summarize(s["lat"]),
+                           acceptance=s["committed"] / s["rounds"] if s["rounds"] else None,
+                           passes=p.get("passes"), solo_steps=p.get("solo_steps"), req_per_pass=p.get("req_per_pass"),
+                           tok_per_pass=p.get("tok_per_pass"), same_as_solo=s["same"], mismatches=s["n"] - s["same"],
+                           n_threads=a.threads if name != "oneseq" else one_threads, reps=a.reps, **info)
+                cell[name] = row
+                rows.append(row)
+                fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+                print(f"{C:>3} {tau or 'pair':>4} {name:7} {s['n']:>8} {s['tokens']:>7} {row['tok_s']:>8.1f} "
+                      f"{row['latency_p50_s']:>7.2f} {row['latency_p95_s']:>7.2f} {fmt(row['acceptance'], '.2f'):>7} "
+                      f"{fmt(row['req_per_pass'], '.2f'):>8} {fmt(row['tok_per_pass'], '.1f'):>8} "
+                      f"{s['same']:>5}/{s['n']:<6}", flush=True)
+            ratio = dict(bench="batch_concurrency_ratio", concurrency=C, tau=tau, block=B,
+                         spec_over_ar=cell["spec"]["tok_s"] / cell["ar"]["tok_s"],
+                         spec_over_oneseq=cell["spec"]["tok_s"] / cell["oneseq"]["tok_s"] if singles else None,
+                         oneseq_skipped=skipped, mismatches=sum(c["mismatches"] for c in cell.values()),
+                         private_gib=private_gib(), **info)
+            rows.append(ratio)
+            print(f"{C:>3} {tau or 'pair':>4} ratios: spec/ar {ratio['spec_over_ar']:.2f}, spec/oneseq "
+                  + (f"{ratio['spec_over_oneseq']:.2f}" if singles else f"- (one-sequence engines skipped: {skipped})")
+                  + (f"; private memory {ratio['private_gib']:.1f} GiB" if ratio["private_gib"] is not None else ""),
+                  flush=True)
+        for e in [batched] + singles:
+            e.close()
+    return rows
+
+
+def target_passes(a, target: Path, info: dict) -> list[dict]:
+    """One target pass over N sequences' work against N one-sequence passes, alternating."""
     from dflash_native import _core
 
     T = _core.testing
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--outtype", default="q8_0")
-    ap.add_argument("--tiny", action="store_true", help="a small random target (smoke run)")
-    ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--block", type=int, default=8, help="verify block B")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engine", action="store_true", help="also the batch engine end to end")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request (--engine)")
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-
-    name, arch, shape = bench_target(moe=False, tiny=a.tiny)
-    target = cached_typed_gguf(name, arch, a.outtype, **shape)
     rng = np.random.default_rng(0)
-    n_max, B = max(a.n), a.block
+    n_max, B = max(a.concurrency), a.block
     n_ctx = a.prompt + (a.reps + 2) * (B + 1) * n_max + 64
     common = dict(n_ctx=n_ctx, n_threads=a.threads, max_verify=B)
     batch_t = T.batch_target(str(target), n_max, **common)
@@ -63,13 +234,11 @@ def main():
         solo_t.decode(prompts[0])
 
     rows = []
-    mach, rev = machine(), git_rev()
-    print(f"{machine()}\ntarget {target.name}, B = {B}, prompt {a.prompt}, {a.threads} threads, "
-          f"side by side (alternating), median of {a.reps}")
+    print(f"\ntarget passes: B = {B}, prompt {a.prompt}, side by side (alternating), median of {a.reps}")
     print(f"{'kind':7} {'N':>3} {'tokens':>6} {'batched ms':>11} {'N solo ms':>10} {'solo/batched':>12} "
           f"{'batched tok/s':>14} {'solo tok/s':>11}")
     for kind in ("ar", "verify"):
-        for n in a.n:
+        for n in a.concurrency:
             prefill()
             width = 1 if kind == "ar" else B
             t_batch, t_solo = [], []
@@ -94,42 +263,85 @@ def main():
             tok = n * width
             r = dict(bench="batch", kind=kind, n=n, block=width, tokens=tok, batched_s=sb, solo_s=ss,
                      ratio=ss["median"] / sb["median"], batched_tok_s=tok / sb["median"], solo_tok_s=tok / ss["median"],
-                     target=target.name, outtype=a.outtype, prompt=a.prompt, threads=a.threads, machine=mach, rev=rev)
+                     **info)
             rows.append(r)
             print(f"{kind:7} {n:>3} {tok:>6} {sb['median'] * 1e3:>11.2f} {ss['median'] * 1e3:>10.2f} "
                   f"{r['ratio']:>12.2f} {r['batched_tok_s']:>14.1f} {r['solo_tok_s']:>11.1f}")
+    return rows
 
-    if a.engine:
-        drafter = cached_drafter(name, a.outtype if a.outtype in ("f16", "q8_0", "f32") else "f16",
-                                 dict(QWEN35_05B, **shape), block_size=B, n_layers=1)
-        print(f"\nbatch engine, drafter {drafter.name}: N greedy requests of {a.max_tokens} tokens")
-        print(f"{'N':>3} {'batched s':>10} {'one at a time s':>16} {'batched tok/s':>14} {'sequential tok/s':>17}")
-        one_t = T.batch_target(str(target), 1, **common)
-        one = T.BatchEngine(one_t, str(drafter), block_size=B)
-        for n in a.n:
-            eng = T.BatchEngine(T.batch_target(str(target), n, **common), str(drafter), block_size=B)
-            t0 = time.perf_counter()
-            slots = [eng.start(prompts[i], a.max_tokens) for i in range(n)]
-            while eng.step():
-                pass
-            t_b = time.perf_counter() - t0
-            for s in slots:
-                eng.release(s)
-            t0 = time.perf_counter()
-            for i in range(n):
-                s = one.start(prompts[i], a.max_tokens)
-                while one.step():
-                    pass
-                one.release(s)
-            t_s = time.perf_counter() - t0
-            tok = n * a.max_tokens
-            r = dict(bench="batch_engine", n=n, block=B, max_tokens=a.max_tokens, batched_s=t_b, sequential_s=t_s,
-                     batched_tok_s=tok / t_b, sequential_tok_s=tok / t_s, target=target.name, drafter=drafter.name,
-                     outtype=a.outtype, prompt=a.prompt, threads=a.threads, machine=mach, rev=rev)
-            rows.append(r)
-            print(f"{n:>3} {t_b:>10.2f} {t_s:>16.2f} {r['batched_tok_s']:>14.1f} {r['sequential_tok_s']:>17.1f}")
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--outtype", default="q8_0", help="the random target's type: q8_0 or q4_k_m (any llama.cpp type)")
+    ap.add_argument("--tiny", action="store_true", help="a small random target (smoke run)")
+    ap.add_argument("--embedded", action="store_true", help="the shipped pair on held-out prompts, its own drafts")
+    ap.add_argument("--target", help="with --drafter: these GGUF files instead (forced drafts unless --embedded)")
+    ap.add_argument("--drafter")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client threads (up to 32)")
+    ap.add_argument("--requests", type=int, default=4, help="requests per client thread (R)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--tau", type=int, nargs="+", default=[4, 8], help="forced acceptance lengths (not --embedded)")
+    ap.add_argument("--block", type=int, default=8, help="verify block B")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random prompts; held-out: at most)")
+    ap.add_argument("--reps", type=int, default=1, help="interleaved passes of every setup per cell")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="the batched engine's; one-sequence engines "
+                                                                        "get threads // C each")
+    ap.add_argument("--gate", choices=("auto", "on", "off"), default="auto",
+                    help="the speculation controller: auto = off under forced drafts (every step a round of B), on "
+                         "with --embedded")
+    ap.add_argument("--oneseq-max", type=int, default=32, help="skip the one-sequence engines above this C")
+    ap.add_argument("--passes", action="store_true", help="also the target passes alone (decode_batch)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    if max(a.concurrency) > 32 or min(a.concurrency) < 1:
+        ap.error("--concurrency: 1..32")
+    a.gate = a.embedded if a.gate == "auto" else a.gate == "on"
+
+    import dflash_native as dn
+    from dflash_native.convert_dflash import OUTTYPES as DRAFTER_OUTTYPES
+
+    B = a.block
+    if a.embedded or a.target:
+        target, drafter = resolve_pair(a.target, a.drafter)
+        label = "embedded pair" if not a.target else "given pair"
+    else:
+        name, arch, shape = bench_target(moe=False, tiny=a.tiny)
+        target = cached_typed_gguf(name, arch, a.outtype, **shape)
+        drafter_type = a.outtype if a.outtype in DRAFTER_OUTTYPES else "q8_0"
+        drafter = cached_drafter(name, drafter_type, dict(QWEN35_05B, **shape), block_size=max(B, 16), n_layers=1)
+        label = f"{name} {a.outtype}"
+    taus = [None] if a.embedded else sorted({min(t, B) for t in a.tau})
+    if any(t is not None and t < 1 for t in taus):
+        ap.error("--tau: 1..B")
+
+    n_prompts = max(a.concurrency) * a.requests
+    ref_eng = dn.Engine(target, n_ctx=a.prompt + a.max_tokens + 2 * B + 64, n_threads=a.threads)
+    if a.embedded:
+        from dflash_native.train import corpus
+
+        prompts = [p.text for p in corpus.heldout_prompts(n_prompts, a.prompt, ref_eng, seed=0)]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [list(map(int, rng.integers(10, 600, a.prompt))) for _ in range(n_prompts)]
+    # each prompt's AR output alone (the solo reference; under forced drafts also the drafts' source)
+    t0 = time.perf_counter()
+    refs = [ref_eng.generate(p, max_tokens=a.max_tokens + B, speculative=False).tokens for p in prompts]
+    ref_eng.close()
+    info = dict(target=Path(target).name, drafter=Path(drafter).name, model=label,
+                outtype=None if (a.embedded or a.target) else a.outtype, max_tokens=a.max_tokens,
+                prompt=a.prompt, gate=a.gate, threads=a.threads, machine=machine(), rev=git_rev())
+    print(f"{info['machine']}\n{label}: {info['target']} + {info['drafter']}, B = {B}, {a.max_tokens} tokens per "
+          f"request, {a.requests} per client, prompts {a.prompt} tokens{' (held-out, at most)' if a.embedded else ''}, "
+          f"{a.threads} threads, controller {'on' if a.gate else 'off'}, {a.reps} interleaved rep(s); "
+          f"solo references {time.perf_counter() - t0:.0f} s; rev {info['rev']}")
+    rows = concurrency(a, target, drafter, prompts, refs, taus, B, info)
+    if a.passes:
+        rows += target_passes(a, target, info)
+    bad = sum(r["mismatches"] for r in rows if r["bench"] == "batch_concurrency")
+    print(f"\nrequests whose tokens differ from the same request run alone: {bad}")
     write_jsonl(a.json, rows)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -601,8 +601,7 @@ round_result spec_round(spec_session & s, int32_t last, int64_t B, const py::obj
     }
     py::gil_scoped_release release;
     constraint_scope scope(&s, c);
-    spec_session * forced_on = f ? &s : nullptr;  // before f is moved
-    draft_override_scope forced_scope(forced_on, std::move(f));
+    draft_override_scope forced_scope(&s, std::move(f));
     switch (kind) {
         case round_kind::step: return s.step(last, B, sampling);
         case round_kind::round_tree: return s.round_tree(last, B, sampling);

@@ -106,8 +106,7 @@ void request::count(const round_result & r) {
 }
 
 round_result request::round(int64_t Bc) {
-    draft_override f = override_of(forced_, policy_, out_);
-    draft_override_scope scope(f ? spec_ : nullptr, std::move(f));
+    draft_override_scope scope(spec_, override_of(forced_, policy_, out_));
     round_result r = policy_.tree ? spec_->step_tree(last_, Bc, sampling()) : spec_->step(last_, Bc, sampling());
     count(r);
     return r;
@@ -182,8 +181,7 @@ std::optional<batch_item> request::begin_step(const top1_draft * pre) {
     }
     if (round_room() < 2) return std::nullopt;
     constraint_scope scope(spec_, policy_.constraint);
-    draft_override f = override_of(forced_, policy_, out_);
-    draft_override_scope forced(f ? spec_ : nullptr, std::move(f));
+    draft_override_scope forced(spec_, override_of(forced_, policy_, out_));
     pending_ = spec_->begin_step(last_, round_room(), sampling(), pre);
     pending_->n_past0 = target_.slot_n_past(slot());
     it.tokens = pending_->input;

@@ -428,10 +428,12 @@ private:
     void sink_taps(int64_t n);
 };
 
-// A spec_session's draft override (set_draft_override) for one scope; a null session is left alone.
+// A spec_session's draft override (set_draft_override) for one scope; a null session or an
+// empty override leaves the session alone (the override is tested here, after it has been moved
+// into the parameter: a call site's own `f ? s : nullptr` beside `std::move(f)` may see it moved).
 struct draft_override_scope {
     spec_session * s;
-    draft_override_scope(spec_session * s, draft_override f) : s(s) {
+    draft_override_scope(spec_session * s_, draft_override f) : s(f ? s_ : nullptr) {
         if (s) s->set_draft_override(std::move(f));
     }
     ~draft_override_scope() {
