@@ -345,3 +345,17 @@ def check_batched_drafts(pair, selector):
         assert outs[i] == r.tokens, f"request {i}: tokens differ from its solo run"
         assert hist[i] == r.stats.acceptance_histogram, f"request {i}: rounds differ from its solo run"
     assert (shared > 0) != selector, f"shared drafter passes: {shared}"
+
+
+def test_eval_between_requests_drops_the_prompt_caches(pair):
+    """eval() runs on the target outside the scheduler: a later cache_prompt request starts cold
+    (its output still the cold start's)."""
+    with engine(pair, 2) as eng:
+        a = [5, 6, 7, 8, 9, 10]
+        ra = eng.generate(a, max_tokens=4, cache_prompt=True)
+        eng.eval([11, 12, 13, 14])
+        a2 = a + ra.tokens + [20]
+        r = eng.generate(a2, max_tokens=6, cache_prompt=True)
+        assert r.stats.n_cached_tokens == 0
+    with engine(pair, 1) as solo:
+        assert r.tokens == solo.generate(a2, max_tokens=6).tokens

@@ -1453,6 +1453,7 @@ void bind_scheduler(py::module_ & m) {
             py::arg("cache_prompt") = false, py::arg("draft_source") = py::none(), py::keep_alive<0, 1>(),
             py::keep_alive<0, 8>(), "Queues a request; its Ticket")
         .def_property_readonly("n_slots", &scheduler::n_slots)
+        .def("forget_held", &scheduler::forget_held, "Drop every slot's prompt cache (Engine.eval runs on the target)")
         .def("spec", &scheduler::spec, py::arg("slot"), py::return_value_policy::reference_internal)
         .def_property_readonly("pass_stats", [](const scheduler & s) {
             const scheduler::pass_stats p = s.stats();

@@ -63,6 +63,11 @@ bool scheduler::done(const ticket & t) const {
     return t.finished && t.buf.tokens.empty();
 }
 
+void scheduler::forget_held() {
+    std::lock_guard<std::mutex> lock(m_);
+    for (slot_state & s : slots_) s.held.clear();
+}
+
 int scheduler::slot_of(const ticket & t) const {
     std::lock_guard<std::mutex> lock(m_);
     return t.slot;

@@ -52,6 +52,9 @@ public:
     // The request once it has ended (stats, committed tokens); null before.
     const request * result(const ticket & t) const;
 
+    // Drops every slot's prompt cache (another user of the target, Engine.eval, is about to run on
+    // it); call with no request in flight.
+    void forget_held();
     int n_slots() const { return (int) specs_.size(); }
     spec_session * spec(int slot) { return specs_.at(slot); }
 

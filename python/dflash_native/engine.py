@@ -664,6 +664,8 @@ class Engine:
             self._cv.wait(wait)  # woken by _release; the timeout re-checks the owner's thread
         claim = _Claim(me)
         self._owner = claim
+        if getattr(self, "_sched", None) is not None:  # the call runs on the target's slots outside the scheduler
+            self._sched.forget_held()
         if not keep:
             self._held = None
             core.reset()
