@@ -19,19 +19,6 @@ logits_row mask_row(const logits_row & row, const uint32_t * mask, std::vector<f
     return {buf.data(), row.n, row.ids};
 }
 
-// The first index of the row's largest entry, when every entry is finite or -inf and one is finite;
-// -1 otherwise (a NaN, +inf or a row of -inf: the checked paths decide what that means).
-static int64_t finite_argmax(const logits_row & row) {
-    int64_t best = -1;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < row.n; ++i) {
-        const float x = row.l[i];
-        if (x != x || x == INFINITY) return -1;
-        if (x > mx) mx = x, best = i;
-    }
-    return best;
-}
-
 // A greedy choice that returns no logprobs: the masked argmax is then the row's argmax whenever
 // the mask allows it (the masked row keeps that entry and every entry before it is smaller), so
 // neither the masked copy of the row nor, for choose_constrained, the mask itself is needed.
