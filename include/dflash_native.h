@@ -218,7 +218,8 @@ typedef struct dfn_constraint {
        allowed tokens' bits (none once terminated). 0: done; negative: an error. */
     int (*fill_mask)(void * user_data, uint32_t * mask, size_t n_words);
     /* Advance by token: 1 accepted; 0 rejected (the state unchanged; drafts end at a rejected one);
-       negative: an error. */
+       negative: an error. It must accept exactly the tokens fill_mask would allow: a greedy step
+       offers the logits' argmax to accept first and asks for the mask only when it is rejected. */
     int (*accept)(void * user_data, int32_t token);
     /* Undo the last n accepted tokens (n >= 1; never more than DFN_MAX_BLOCK_SIZE, never a token
        dfn_generate has emitted). 0: done; negative: an error. */

@@ -121,6 +121,49 @@ def test_default_pair_constrained_ar_is_masked_argmax(pair):
             assert sp.stats.rounds > 0 and sp.stats.ar_steps <= 1
 
 
+def test_matcher_accept_takes_what_its_mask_allows(pair, capfd):
+    """The core tests a greedy choice by Matcher.accept alone, without a mask (constraint.h: AR steps,
+    tree pruning, tree verify rows): accept(t) must hold for exactly the tokens fill_mask allows, at
+    every state along a constrained output, for every id (control tokens, ids past the vocabulary:
+    False, without xgrammar's warning)."""
+    with dn.Engine(pair[0], n_ctx=256, n_threads=1) as eng:
+        r = eng.generate(PROMPTS[1], max_tokens=24, speculative=False, constraint=PERSON)
+        m = eng._grammar_engine().matcher(dn.JsonSchema(PERSON))
+        n = eng.n_vocab
+        mask = np.zeros((n + 31) // 32, dtype=np.int32)
+        ids = np.arange(n)
+        n_states = 0
+        for t in r.tokens[:12]:
+            m.fill_mask(mask)
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:n].astype(bool)
+            took = np.zeros(n, dtype=bool)
+            for i in ids.tolist():
+                if m.accept(i):
+                    took[i] = True
+                    m.rollback(1)
+            assert (took == bits).all(), np.flatnonzero(took != bits)[:8]
+            assert 0 < bits.sum() < n
+            assert not m.accept(n) and not m.accept(-1)
+            assert m.accept(t)
+            n_states += 1
+        assert n_states == 12
+    assert "Warning" not in capfd.readouterr().err
+
+
+def test_greedy_constrained_steps_mask_only_where_the_argmax_is_refused(pair):
+    """Greedy without logprobs, the masked argmax is the row's argmax whenever the grammar accepts
+    it: constrained AR makes a mask only at the steps where it does not (fewer masks than tokens on
+    a schema with fixed keys), and its output is still the masked argmax at every step. With
+    logprobs every step makes its mask (the logprobs are the masked row's)."""
+    with dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2) as eng:
+        r = eng.generate(PROMPTS[1], max_tokens=40, speculative=False, constraint=PERSON)
+        _replay_ar(eng, PROMPTS[1], r.tokens, dn.JsonSchema(PERSON))
+        assert 0 < r.stats.n_masks < r.stats.n_generated
+        lp = eng.generate(PROMPTS[1], max_tokens=40, speculative=False, constraint=PERSON, logprobs=0)
+        assert lp.tokens == r.tokens
+        assert lp.stats.n_masks >= lp.stats.n_generated
+
+
 def test_unbounded_schema_stops_at_max_tokens(engine):
     """A free string / integer the model never closes: stop_reason "length", no error, spec == AR;
     the text so far is a prefix the grammar accepts."""

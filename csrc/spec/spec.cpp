@@ -546,17 +546,18 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
     if (sampling) {
         // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR
         // makes at n_past0 + depth(i) + 1, drawn only along the path accept_tree_by walks; under a
-        // constraint from the row masked by masks_ row i (the grammar after node i's path)
+        // constraint from the row masked by the grammar after node i's path: the constraint's state
+        // there (prune_tree left it at the root's), which accepting each choice moves along the path
         std::vector<int64_t> depth(n, 0);
         for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
-        const int64_t n_vocab = tgt().hparams().n_vocab, W = mask_words(n_vocab);
+        const int64_t n_vocab = tgt().hparams().n_vocab;
         r.committed = accept_tree_by(
             parents.data(), tokens.data(), n,
             [&](int64_t i) {
                 token_logprobs lp;
                 const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
                 const int64_t pos = n_past0 + depth[i] + 1;
-                const int32_t t = constraint_ ? choose_masked(row, masks_.data() + (size_t) i * W, *sampling, pos, "verify", &lp)
+                const int32_t t = constraint_ ? choose_constrained(*constraint_, row, *sampling, pos, "verify", &lp)
                                               : choose_token(row, *sampling, pos, "verify", &lp);
                 if (sampling->want_logprobs()) r.logprobs.push_back(std::move(lp));
                 return t;
@@ -565,7 +566,6 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
     } else {
         r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
     }
-    constraint_commit(0, r.committed);  // prune_tree left it at the root's state
     tgt().commit_tree(r.path);
     // the path's taps in path order: the ring gets exactly the committed positions
     const size_t row = (size_t) drafter_->hparams().n_feature_row();
@@ -641,18 +641,16 @@ draft_tree spec_session::draft_tree_for(int32_t last, int64_t B, const sampling_
 }
 
 void spec_session::prune_tree(draft_tree & tree) {
-    const int64_t n = tree.size(), W = mask_words(tgt().hparams().n_vocab);
+    const int64_t n = tree.size();
     std::vector<std::vector<int32_t>> children(n);
     for (int64_t i = 1; i < n; ++i) children[tree.parent[i]].push_back((int32_t) i);
-    std::vector<uint32_t> mask_of((size_t) n * W, 0);  // by the old index
     std::vector<char> keep(n, 0);
     keep[0] = 1;
-    // depth first: the constraint holds node i's path while its children are tried
+    // depth first: the constraint holds node i's path while its children are tried (accept takes
+    // what the mask allows: no mask is made)
     auto visit = [&](auto & self, int32_t i) -> void {
-        uint32_t * mask = mask_of.data() + (size_t) i * W;
-        constraint_->fill_mask(mask, W);
         for (const int32_t c : children[i]) {
-            if (!mask_allows(mask, tree.token[c]) || !constraint_->accept(tree.token[c])) continue;
+            if (!constraint_->accept(tree.token[c])) continue;
             if (!constraint_->terminated()) {  // a stop token: nothing to verify after it
                 keep[c] = 1;
                 self(self, c);
@@ -664,7 +662,6 @@ void spec_session::prune_tree(draft_tree & tree) {
     // the kept nodes in their order (parents first, so still best-first), parents renumbered
     std::vector<int32_t> index(n, -1);
     draft_tree out;
-    masks_.clear();
     for (int64_t i = 0; i < n; ++i) {
         if (!keep[i]) continue;
         index[i] = (int32_t) out.size();
@@ -673,7 +670,6 @@ void spec_session::prune_tree(draft_tree & tree) {
         out.depth.push_back(tree.depth[i]);
         out.score.push_back(tree.score[i]);
         out.prob.push_back(tree.prob[i]);
-        masks_.insert(masks_.end(), mask_of.begin() + (size_t) i * W, mask_of.begin() + (size_t) (i + 1) * W);
     }
     tree = std::move(out);
 }

@@ -372,11 +372,11 @@ private:
     int64_t draft_topk_constrained(int32_t last, int64_t B, const sampling_params & p, std::vector<int32_t> & tok,
                                    std::vector<float> & w);
     // A tree under the constraint: the nodes whose token the grammar rejects after their parent's
-    // path (and those that would terminate it) are dropped with their subtrees; masks_ row i is the
-    // mask after node i's path. The constraint ends at the root's state.
+    // path (and those that would terminate it) are dropped with their subtrees. The constraint ends
+    // at the root's state, which the verify moves along the path (choose_constrained per row).
     void prune_tree(draft_tree & tree);
-    // The grammar's state back to the round's start plus its committed tokens: rollback of the
-    // n_in drafts it holds, then accept(committed).
+    // The grammar's state at the round's start plus its committed tokens: it holds the n_in drafts,
+    // whose first committed.size() - 1 are committed; rollback of the others, then accept the last.
     void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
     // The sampling paths' refusal of what the constraint cannot take.
     void require_unconstrained(const char * what) const;
@@ -413,7 +413,7 @@ private:
     int64_t block_size_ = 0;
     controller ctl_;
     token_constraint * constraint_ = nullptr;
-    // Under a constraint, the round's masks: [n_rows, mask_words(n_vocab)], row i the verify's row i
+    // Under a constraint, a chain round's masks: [n_rows, mask_words(n_vocab)], row i the verify's row i
     std::vector<uint32_t> masks_;
     std::vector<float> pending_feats_;  // [>= pending_m_, n_taps * n_embd]: the verify's taps
     int64_t pending_m_ = 0, pending_pos0_ = 0;

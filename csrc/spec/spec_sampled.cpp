@@ -140,10 +140,10 @@ std::vector<int32_t> spec_session::draft_constrained(int32_t last, int64_t B, co
 
 void spec_session::constraint_commit(int64_t n_in, const std::vector<int32_t> & committed) {
     if (!constraint_) return;
-    constraint_->rollback(n_in);
-    for (const int32_t t : committed) {
-        if (!constraint_->accept(t)) throw runtime_error(cat("[verify] the constraint rejected committed token ", t));
-    }
+    // it holds the n_in drafts, of which the committed tokens but the last are the first ones
+    const int32_t t = committed.back();
+    constraint_->rollback(n_in - ((int64_t) committed.size() - 1));
+    if (!constraint_->accept(t)) throw runtime_error(cat("[verify] the constraint rejected committed token ", t));
 }
 
 void spec_session::require_unconstrained(const char * what) const {

@@ -166,6 +166,11 @@ class Matcher(_core.Constraint):
     def __init__(self, compiled):
         super().__init__()
         self._m = _xgrammar().GrammarMatcher(compiled)
+        # tokens the mask never allows: the core may offer one to accept() without a mask
+        # (constraint.h), which xgrammar rejects with a warning on stderr; rejected here quietly
+        info = compiled.tokenizer_info
+        self._never = frozenset(info.special_token_ids)
+        self._n_vocab = info.vocab_size
         self.mask_s = 0.0
         self.n_masks = 0
 
@@ -180,7 +185,7 @@ class Matcher(_core.Constraint):
 
     def accept(self, token: int) -> bool:
         t0 = time.perf_counter()
-        ok = self._m.accept_token(int(token))
+        ok = 0 <= token < self._n_vocab and token not in self._never and self._m.accept_token(token)
         self.mask_s += time.perf_counter() - t0
         return ok
 

@@ -19,8 +19,19 @@ logits_row mask_row(const logits_row & row, const uint32_t * mask, std::vector<f
     return {buf.data(), row.n, row.ids};
 }
 
+// A greedy choice that returns no logprobs: the masked argmax is then the row's argmax whenever
+// the mask allows it (the masked row keeps that entry and every entry before it is smaller), so
+// neither the masked copy of the row nor, for choose_constrained, the mask itself is needed.
+static bool plain_greedy(const sampling_params & p, const token_logprobs * lp) {
+    return p.greedy() && !(lp && p.want_logprobs());
+}
+
 int32_t choose_masked(const logits_row & row, const uint32_t * mask, const sampling_params & p, int64_t pos,
                       const char * where, token_logprobs * lp) {
+    if (plain_greedy(p, lp)) {
+        const int64_t i = finite_argmax(row);
+        if (i >= 0 && mask_allows(mask, row.id(i))) return row.id(i);
+    }
     std::vector<float> buf;
     int64_t n_allowed = 0;
     const logits_row masked = mask_row(row, mask, buf, &n_allowed);
@@ -46,6 +57,10 @@ void row_topk(const logits_row & row, int64_t K, std::vector<int32_t> & idx, std
 
 int32_t choose_constrained(token_constraint & c, const logits_row & row, const sampling_params & p, int64_t pos,
                            const char * where, token_logprobs * lp) {
+    if (plain_greedy(p, lp)) {  // accept() takes exactly what the mask allows
+        const int64_t i = finite_argmax(row);
+        if (i >= 0 && c.accept(row.id(i))) return row.id(i);
+    }
     std::vector<uint32_t> mask((size_t) mask_words(row.n));
     c.fill_mask(mask.data(), (int64_t) mask.size());
     const int32_t t = choose_masked(row, mask.data(), p, pos, where, lp);

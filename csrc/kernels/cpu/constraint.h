@@ -23,7 +23,9 @@ struct token_constraint {
     virtual ~token_constraint() = default;
     // the tokens allowed next, into mask [n_words]; all zero once terminated
     virtual void fill_mask(uint32_t * mask, int64_t n_words) = 0;
-    // advance by one token; false (the state unchanged) when the grammar rejects it
+    // advance by one token; false (the state unchanged) when the grammar rejects it. It takes
+    // exactly the tokens fill_mask would allow (choose_constrained and prune_tree test a token by
+    // accept alone, without a mask)
     virtual bool accept(int32_t token) = 0;
     // undo the last n accepted tokens
     virtual void rollback(int64_t n) = 0;
@@ -48,7 +50,9 @@ int32_t choose_masked(const logits_row & row, const uint32_t * mask, const sampl
 // entries above -inf: a masked row's greedy top-K (constrained tree drafts).
 void row_topk(const logits_row & row, int64_t K, std::vector<int32_t> & idx, std::vector<float> & prob);
 
-// The committed token of an AR step under c: c's mask, choose_masked, then c accepts it.
+// The committed token of an AR step under c: c's mask, choose_masked, then c accepts it. Greedy
+// without logprobs, the row's argmax is tried by c.accept first: the mask is made only when the
+// grammar rejects it.
 int32_t choose_constrained(token_constraint & c, const logits_row & row, const sampling_params & p, int64_t pos,
                            const char * where, token_logprobs * lp = nullptr);
 

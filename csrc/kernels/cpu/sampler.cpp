@@ -179,6 +179,13 @@ DFN_MULTIVERSION(float, scan_row, (const float * l, int64_t n, int64_t & n_bad, 
     return mx;
 }
 
+// The first index of mx, which the row holds.
+int64_t first_of(const logits_row & row, float mx) {
+    int64_t best = 0;
+    while (!(row.l[best] == mx)) ++best;
+    return best;
+}
+
 // The row's largest logit and its first index; NaN or +inf, or a row without a finite logit,
 // raise. all_finite: no -inf entry either.
 int64_t checked_argmax(const logits_row & row, const char * where, int64_t pos, bool * all_finite = nullptr) {
@@ -187,9 +194,7 @@ int64_t checked_argmax(const logits_row & row, const char * where, int64_t pos, 
     if (n_bad > 0) throw_non_finite_logits(where, pos);
     if (mx == -INFINITY) throw runtime_error(cat("[", where, "] every logit is -inf at position ", pos, ": nothing to sample"));
     if (all_finite) *all_finite = n_neg_inf == 0;
-    int64_t best = 0;
-    while (!(row.l[best] == mx)) ++best;
-    return best;
+    return first_of(row, mx);
 }
 
 // Sort order of the filters: larger logit first, the lower index first among equal logits (a total
@@ -443,6 +448,12 @@ void fill_logprobs(const logits_row & row, const std::vector<int32_t> & kept, in
 }
 
 }  // namespace
+
+int64_t finite_argmax(const logits_row & row) {
+    int64_t n_bad = 0, n_neg_inf = 0;
+    const float mx = row.n > 0 ? scan_row(row.l, row.n, n_bad, n_neg_inf) : -INFINITY;
+    return n_bad > 0 || mx == -INFINITY ? -1 : first_of(row, mx);
+}
 
 std::vector<int32_t> sampling_filter(const logits_row & row, const sampling_params & p, const char * where, int64_t pos) {
     bool all_finite;

@@ -93,6 +93,10 @@ struct token_logprobs {
     std::vector<double> top_logprobs;  // [<= n_logprobs]
 };
 
+// The first index of the row's largest entry (choose_token's greedy choice) when no entry is NaN or
+// +inf and one is above -inf; -1 otherwise (where choose_token raises).
+int64_t finite_argmax(const logits_row & row);
+
 // The committed token at position pos from its logits row: the argmax (p.greedy(): the first
 // maximum, as argmax_op picks it in the graph) or sample_row's draw. lp (when given and
 // p.want_logprobs()): its logprobs.
