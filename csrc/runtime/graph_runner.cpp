@@ -263,6 +263,66 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     phase(":read");
 }
 
+graph_runner::~graph_runner() {
+    if (!worker_) return;
+    if (worker_->pid != process_id()) {  // a fork(): the thread is not in this process
+        (void) worker_.release();
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lock(worker_->m);
+        worker_->stop = true;
+    }
+    worker_->cv.notify_all();
+    worker_->thread.join();
+}
+
+void graph_runner::on_compute_thread(const std::function<void()> & f) {
+    if (worker_ && worker_->pid != process_id()) {
+        throw runtime_error("[engine] this process is a fork() of the one whose engine ran its compute thread; fork() "
+                            "does not copy threads, so this engine cannot run here");
+    }
+    if (worker_ && std::this_thread::get_id() == worker_->thread.get_id()) {
+        f();
+        return;
+    }
+    if (!worker_) {
+        worker_ = std::make_unique<compute_worker>();
+        worker_->pid = process_id();
+        compute_worker & w = *worker_;
+        w.thread = std::thread([&w] {
+            std::unique_lock<std::mutex> l(w.m);
+            while (true) {
+                w.cv.wait(l, [&w] { return w.task != nullptr || w.stop; });
+                if (w.task == nullptr) return;  // stopped
+                const std::function<void()> * task = w.task;
+                l.unlock();
+                std::exception_ptr e;
+                try {
+                    (*task)();
+                } catch (...) {
+                    e = std::current_exception();
+                }
+                l.lock();
+                w.task = nullptr;
+                w.error = e;
+                w.done = true;
+                w.cv.notify_all();
+            }
+        });
+    }
+    compute_worker & w = *worker_;
+    std::unique_lock<std::mutex> lock(w.m);
+    // the runner runs one graph at a time (its callers hold their engine's lock)
+    w.task = &f;
+    w.done = false;
+    w.cv.notify_all();
+    w.cv.wait(lock, [&w] { return w.done; });
+    std::exception_ptr e = w.error;
+    w.error = nullptr;
+    if (e) std::rethrow_exception(e);
+}
+
 // Computes an allocated graph; out of memory (checked before, or inside ggml or a kernel) throws.
 ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
     // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
@@ -275,7 +335,11 @@ ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sc
     if (n_threads_ != 1 && openmp && g_pool_pid.load(std::memory_order_relaxed) == 0) g_pool_pid = process_id();
     ggml_status st;
     try {
-        st = ggml_backend_sched_graph_compute(sched, gf);
+        if (n_threads_ != 1 && openmp && backend_ == cpu_.get()) {
+            on_compute_thread([&] { st = ggml_backend_sched_graph_compute(sched, gf); });
+        } else {
+            st = ggml_backend_sched_graph_compute(sched, gf);
+        }
     } catch (const std::bad_alloc &) {
         // thrown by a backend's allocation inside ggml: its state may be inconsistent
         broken_ = cat("out of memory inside ggml while running graph '", shape_key, "'");
