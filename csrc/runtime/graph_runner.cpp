@@ -263,63 +263,70 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     phase(":read");
 }
 
-graph_runner::~graph_runner() {
-    if (!worker_) return;
-    if (worker_->pid != process_id()) {  // a fork(): the thread is not in this process
-        (void) worker_.release();
-        return;
-    }
-    {
-        std::lock_guard<std::mutex> lock(worker_->m);
-        worker_->stop = true;
-    }
-    worker_->cv.notify_all();
-    worker_->thread.join();
-}
+namespace {
+// graph_runner::on_compute_thread's thread, and the one task it runs at a time
+struct compute_worker {
+    std::thread::id id;
+    long pid = 0;  // the process that started it (a fork() has no such thread)
+    std::mutex m;  // held while a caller hands a task over and waits for it (one task at a time)
+    std::mutex hand;
+    std::condition_variable cv;
+    const std::function<void()> * task = nullptr;
+    std::exception_ptr error;
+    bool done = false;
+};
+compute_worker * g_worker = nullptr;  // never freed: the thread lives as long as the process
+std::mutex g_worker_m;
+}  // namespace
 
 void graph_runner::on_compute_thread(const std::function<void()> & f) {
-    if (worker_ && worker_->pid != process_id()) {
-        throw runtime_error("[engine] this process is a fork() of the one whose engine ran its compute thread; fork() "
-                            "does not copy threads, so this engine cannot run here");
+    compute_worker * w;
+    {
+        std::lock_guard<std::mutex> lock(g_worker_m);
+        if (g_worker && g_worker->pid != process_id()) {
+            throw runtime_error("[engine] this process is a fork() of the one whose engines ran the compute thread; "
+                                "fork() does not copy threads, so no graph on more than one thread can run here");
+        }
+        if (!g_worker) {
+            g_worker = new compute_worker();
+            g_worker->pid = process_id();
+            compute_worker & cw = *g_worker;
+            std::thread t([&cw] {
+                std::unique_lock<std::mutex> l(cw.m);
+                while (true) {
+                    cw.cv.wait(l, [&cw] { return cw.task != nullptr; });
+                    const std::function<void()> * task = cw.task;
+                    l.unlock();
+                    std::exception_ptr e;
+                    try {
+                        (*task)();
+                    } catch (...) {
+                        e = std::current_exception();
+                    }
+                    l.lock();
+                    cw.task = nullptr;
+                    cw.error = e;
+                    cw.done = true;
+                    cw.cv.notify_all();
+                }
+            });
+            cw.id = t.get_id();
+            t.detach();
+        }
+        w = g_worker;
     }
-    if (worker_ && std::this_thread::get_id() == worker_->thread.get_id()) {
+    if (std::this_thread::get_id() == w->id) {  // a graph run from inside a graph's callback
         f();
         return;
     }
-    if (!worker_) {
-        worker_ = std::make_unique<compute_worker>();
-        worker_->pid = process_id();
-        compute_worker & w = *worker_;
-        w.thread = std::thread([&w] {
-            std::unique_lock<std::mutex> l(w.m);
-            while (true) {
-                w.cv.wait(l, [&w] { return w.task != nullptr || w.stop; });
-                if (w.task == nullptr) return;  // stopped
-                const std::function<void()> * task = w.task;
-                l.unlock();
-                std::exception_ptr e;
-                try {
-                    (*task)();
-                } catch (...) {
-                    e = std::current_exception();
-                }
-                l.lock();
-                w.task = nullptr;
-                w.error = e;
-                w.done = true;
-                w.cv.notify_all();
-            }
-        });
-    }
-    compute_worker & w = *worker_;
-    std::unique_lock<std::mutex> lock(w.m);
-    // the runner runs one graph at a time (its callers hold their engine's lock)
-    w.task = &f;
-    w.done = false;
-    w.cv.notify_all();
-    w.cv.wait(lock, [&w] { return w.done; });
-    std::exception_ptr e = w.error;
-    w.error = nullptr;
+    std::lock_guard<std::mutex> one(w->hand);  // the engines' graphs take turns
+    std::unique_lock<std::mutex> lock(w->m);
+    w->task = &f;
+    w->done = false;
+    w->cv.notify_all();
+    w->cv.wait(lock, [w] { return w->done; });
+    std::exception_ptr e = w->error;
+    w->error = nullptr;
     if (e) std::rethrow_exception(e);
 }
 

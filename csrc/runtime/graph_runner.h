@@ -31,7 +31,6 @@ public:
     // CPU kernels; any other device runs stock ggml ops only (build_context::device).
     // max_nodes: the most nodes one graph may have (the target's forward pass sizes it).
     graph_runner(const std::string & device, int n_threads, matmul_kind kernels, size_t max_nodes);
-    ~graph_runner();
     graph_runner(const graph_runner &) = delete;
     graph_runner & operator=(const graph_runner &) = delete;
 
@@ -105,25 +104,15 @@ private:
     ggml_status compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
 
     // The compute thread: with ggml's CPU backend on OpenMP and more than one thread, every graph
-    // computes on this one thread, whichever thread called run(). OpenMP keeps a team of workers
-    // per thread that starts parallel regions; callers on several threads (the server's workers,
-    // the scheduler's steps run by whichever caller waits) would make a team each, more threads
-    // than cores, and libgomp then throttles its spin-waits to sleeps at every barrier: a small
-    // model's step on a worker thread measured 10x slower than on the main thread. One thread, one
-    // team (n_threads threads in all). Started at the first graph; joined by the destructor.
-    void on_compute_thread(const std::function<void()> & f);
-    struct compute_worker {
-        std::thread thread;
-        long pid = 0;  // the process that started it (a fork() has no such thread)
-        std::mutex m;
-        std::condition_variable cv;
-        const std::function<void()> * task = nullptr;
-        std::exception_ptr error;
-        bool done = false, stop = false;
-    };
-    // In a fork() the thread is gone while its condition variable still counts it as a waiter
-    // (destroying it would wait for ever): the child leaves the whole worker unfreed.
-    std::unique_ptr<compute_worker> worker_;
+    // of every runner in the process computes on one thread, whichever thread called run(). OpenMP
+    // keeps a team of workers per thread that starts parallel regions; callers on several threads
+    // (the server's workers, the scheduler's steps run by whichever caller waits, several engines
+    // in one process) would make a team each, more threads than cores, and libgomp then throttles
+    // its spin-waits to sleeps at every barrier: a small model's step on a worker thread measured
+    // 10x slower than on the main thread. One thread, one team; the graphs of several engines take
+    // turns, each on all its threads. Started at the first such graph and kept for the process's
+    // life; a fork() has no such thread, and its graphs throw.
+    static void on_compute_thread(const std::function<void()> & f);
 
     // Declaration order is destruction order reversed: the plans go before the backends.
     ggml_backend_ptr cpu_;                  // CPU backend
