@@ -216,11 +216,13 @@ void scheduler::step_once() {
         std::vector<int32_t> lasts;
         for (int k : ks) ss.push_back(active[k]->req->spec()), lasts.push_back(active[k]->req->last());
         std::vector<top1_draft> drafts;
+        const double t0 = profile_now();
         try {
             spec_session::draft_top1_batch(ss, lasts, B, drafts);
         } catch (const non_finite_error &) {
             continue;  // each drafts alone: a failed drafter is recorded per session, its step an AR step
         }
+        for (top1_draft & d : drafts) d.seconds = (profile_now() - t0) / (double) drafts.size();
         for (size_t i = 0; i < ks.size(); ++i) pre[ks[i]] = std::move(drafts[i]);
         drafter_passes_saved += (int64_t) ks.size() - 1;
     }

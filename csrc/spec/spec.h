@@ -60,6 +60,7 @@ class spec_session;
 struct top1_draft {
     std::vector<int32_t> tok;
     std::vector<float> p;
+    double seconds = 0;  // this block's share of the shared drafter pass (the controller's draft cost)
 };
 
 // A chain step between its drafts and its target pass (spec_session::begin_step / finish_step).

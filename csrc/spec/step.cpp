@@ -76,8 +76,9 @@ pending_step spec_session::plan_chain(int32_t last, int64_t B, const sampling_pa
         // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
         // drafter's filtered distribution)
         std::vector<float> & p = s.p;
-        if (pre) {
+        if (pre) {  // drafted before, in a pass shared with other slots: its share is the draft's time
             d = pre->tok, p = pre->p;
+            s.t0 -= pre->seconds;
         } else if (!drafted([&] {
                 d = constraint_ ? draft_constrained(last, B, *sampling, &p)  // may stop short of B-1
                     : drawn     ? draft_sampled(last, B, *sampling, &p)
