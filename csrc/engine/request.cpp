@@ -201,16 +201,10 @@ request::emitted request::finish_step(decode_result & v, double pass_s) {
     if (!policy_.speculative) {  // an AR step: the choice from its row, as ar() takes it
         if (want_logprobs()) lps.resize(1);
         const int64_t pos = target_.slot_n_past(slot());
-        if (!sampling()) {
-            committed = {v.argmax.empty() ? choose_token(logits_row{v.logits.data(), target_.hparams().n_vocab},
-                                                         sampling_params{}, pos, "decode")
-                                          : v.argmax[0]};
-        } else {
-            const logits_row row{v.logits.data(), target_.hparams().n_vocab};
-            token_logprobs * lp = want_logprobs() ? &lps[0] : nullptr;
-            committed = {policy_.constraint ? choose_constrained(*policy_.constraint, row, *sampling(), pos, "decode", lp)
-                                            : choose_token(row, *sampling(), pos, "decode", lp)};
-        }
+        const int64_t n_vocab = target_.hparams().n_vocab;
+        committed = {sampling() ? choose_next(policy_.constraint, logits_row{v.logits.data(), n_vocab}, *sampling(), pos,
+                                              "decode", want_logprobs() ? &lps[0] : nullptr)
+                                : greedy_of(v, 0, n_vocab, pos, "decode")};
         ring_ok_ = false;
     } else {
         constraint_scope scope(spec_, policy_.constraint);

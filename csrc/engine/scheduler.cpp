@@ -219,8 +219,10 @@ void scheduler::step_once() {
         const double t0 = profile_now();
         try {
             spec_session::draft_top1_batch(ss, lasts, B, drafts);
-        } catch (const non_finite_error &) {
-            continue;  // each drafts alone: a failed drafter is recorded per session, its step an AR step
+        } catch (...) {
+            // each drafts alone: a failed drafter is recorded per session (its step an AR step),
+            // and any other error reaches that request's own caller
+            continue;
         }
         for (top1_draft & d : drafts) d.seconds = (profile_now() - t0) / (double) drafts.size();
         for (size_t i = 0; i < ks.size(); ++i) pre[ks[i]] = std::move(drafts[i]);

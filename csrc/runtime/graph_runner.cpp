@@ -15,7 +15,11 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <condition_variable>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace dfn {
 

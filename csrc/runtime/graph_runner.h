@@ -10,12 +10,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
-#include <condition_variable>
-#include <exception>
 #include <functional>
-#include <memory>
-#include <mutex>
-#include <thread>
 #include <string>
 #include <unordered_map>
 #include <vector>

@@ -165,8 +165,7 @@ int32_t target_session::decode_sampled(const int32_t * tokens, int64_t n, const 
     check_sampling_params(p);
     const decode_result r = decode(tokens, n, false);
     const logits_row row{r.logits.data(), model_->hparams().n_vocab};
-    if (constraint) return choose_constrained(*constraint, row, p, cache_->n_past, W, lp);
-    return choose_token(row, p, cache_->n_past, W, lp);
+    return choose_next(constraint, row, p, cache_->n_past, W, lp);
 }
 
 decode_result target_session::verify(const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers,
@@ -261,6 +260,11 @@ void target_session::commit_tree(const std::vector<int32_t> & path) {
     for (size_t d = 0; d < path.size(); ++d) slots_[cur_].pending_tokens[d] = slots_[cur_].pending_tokens[path[d]];
     slots_[cur_].pending_parents.clear();
     commit((int64_t) path.size());
+}
+
+int32_t greedy_of(const decode_result & v, int64_t i, int64_t n_vocab, int64_t pos, const char * where) {
+    if (!v.argmax.empty()) return v.argmax[i];
+    return choose_token(logits_row{v.logits.data() + (size_t) i * n_vocab, n_vocab}, sampling_params{}, pos, where);
 }
 
 void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep) {

@@ -65,6 +65,11 @@ struct decode_result {
     std::vector<int32_t> argmax;  // [n_rows] when only the greedy tokens were asked for (logits empty)
 };
 
+// Row i's greedy token from a pass: its in-graph argmax when the pass computed those, else the
+// row's first maximum (choose_token at temperature 0: the token the in-graph argmax takes), for a
+// token at position pos.
+int32_t greedy_of(const decode_result & v, int64_t i, int64_t n_vocab, int64_t pos, const char * where);
+
 // Attention's key range (the target's KV cache, the drafter's ring) is padded to a multiple of
 // this many rows, masked: the graph's sizes, and with them its allocation plan, hold for that
 // many tokens instead of changing every step.

@@ -557,8 +557,7 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
                 token_logprobs lp;
                 const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
                 const int64_t pos = n_past0 + depth[i] + 1;
-                const int32_t t = constraint_ ? choose_constrained(*constraint_, row, *sampling, pos, "verify", &lp)
-                                              : choose_token(row, *sampling, pos, "verify", &lp);
+                const int32_t t = choose_next(constraint_, row, *sampling, pos, "verify", &lp);
                 if (sampling->want_logprobs()) r.logprobs.push_back(std::move(lp));
                 return t;
             },

@@ -24,7 +24,7 @@ int32_t spec_session::prefill_sampled(const int32_t * prompt, int64_t n, const s
     decode_result r = prefill_pass(prompt, n, n_cached, /*argmax_only=*/false,
                                    regime_key(p.temperature, p.top_k, p.top_p, p.min_p));
     const logits_row row{r.logits.data(), tgt().hparams().n_vocab};
-    return constraint_ ? choose_constrained(*constraint_, row, p, n, "decode", lp) : choose_token(row, p, n, "decode", lp);
+    return choose_next(constraint_, row, p, n, "decode", lp);
 }
 
 int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, token_logprobs * lp) {
@@ -34,8 +34,7 @@ int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, t
     decode_result r = tgt().decode(&last, 1, false, drafter_->hparams().tap_layers);
     queue_features(std::move(r.taps), 1, pos);
     const logits_row row{r.logits.data(), tgt().hparams().n_vocab};
-    return constraint_ ? choose_constrained(*constraint_, row, p, pos + 1, "decode", lp)
-                       : choose_token(row, p, pos + 1, "decode", lp);
+    return choose_next(constraint_, row, p, pos + 1, "decode", lp);
 }
 
 std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {

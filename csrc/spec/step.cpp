@@ -129,19 +129,13 @@ round_result spec_session::run_step(pending_step & s) {
 
 int32_t spec_session::choice(const pending_step & s, const decode_result & v, int64_t i, int64_t pos,
                              const uint32_t * mask, token_logprobs * lp) const {
-    if (!s.sampling) {
-        if (!v.argmax.empty()) return v.argmax[i];
-        // a pass that gave the logits (a batch with sampled steps in it): the first maximum, as
-        // the in-graph argmax takes it (sampler.h: choose_token at temperature 0)
-        const int64_t n_vocab = target_.hparams().n_vocab;
-        return choose_token(logits_row{v.logits.data() + (size_t) i * n_vocab, n_vocab}, sampling_params{}, pos, "verify");
-    }
     const int64_t n_vocab = target_.hparams().n_vocab;
-    const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
     const char * where = s.ar ? "decode" : "verify";
-    if (!constraint_) return choose_token(row, *s.sampling, pos, where, lp);
-    if (s.ar) return choose_constrained(*constraint_, row, *s.sampling, pos, where, lp);  // accepts it
-    return choose_masked(row, mask, *s.sampling, pos, where, lp);
+    // greedy: a pass that gave the logits (a batch with sampled steps in it) gives the same token
+    if (!s.sampling) return greedy_of(v, i, n_vocab, pos, where);
+    const logits_row row{v.logits.data() + (size_t) i * n_vocab, n_vocab};
+    if (constraint_ && !s.ar) return choose_masked(row, mask, *s.sampling, pos, where, lp);
+    return choose_next(constraint_, row, *s.sampling, pos, where, lp);  // an AR step's: the constraint accepts it
 }
 
 round_result spec_session::finish_step(pending_step & s, decode_result & v) {

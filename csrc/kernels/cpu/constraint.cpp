@@ -68,4 +68,9 @@ int32_t choose_constrained(token_constraint & c, const logits_row & row, const s
     return t;
 }
 
+int32_t choose_next(token_constraint * c, const logits_row & row, const sampling_params & p, int64_t pos,
+                    const char * where, token_logprobs * lp) {
+    return c ? choose_constrained(*c, row, p, pos, where, lp) : choose_token(row, p, pos, where, lp);
+}
+
 }  // namespace dfn

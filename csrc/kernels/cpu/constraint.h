@@ -55,5 +55,9 @@ void row_topk(const logits_row & row, int64_t K, std::vector<int32_t> & idx, std
 // grammar rejects it.
 int32_t choose_constrained(token_constraint & c, const logits_row & row, const sampling_params & p, int64_t pos,
                            const char * where, token_logprobs * lp = nullptr);
+// An AR step's committed token: choose_constrained under c (which then holds it), or choose_token
+// without one.
+int32_t choose_next(token_constraint * c, const logits_row & row, const sampling_params & p, int64_t pos,
+                    const char * where, token_logprobs * lp = nullptr);
 
 }  // namespace dfn
