@@ -109,13 +109,14 @@ def private_gib() -> float | None:
 
 
 def pass_counts(sched) -> dict:
-    """Scheduler.pass_stats as sums: batched passes, their tokens, the requests in them, solo steps
-    (all 0 without a scheduler: Engine(n_seq=1) runs its one request without one)."""
+    """Scheduler.pass_stats as sums: batched passes, their tokens, the requests in them, solo steps,
+    the steps the batch's controller made AR for every request (all 0 without a scheduler:
+    Engine(n_seq=1) runs its one request without one)."""
     if sched is None:
-        return dict(passes=0, tokens=0, requests=0, solo_steps=0)
+        return dict(passes=0, tokens=0, requests=0, solo_steps=0, batch_ar_steps=0)
     p = sched.pass_stats
     return dict(passes=p["passes"], tokens=p["tokens"], requests=sum(n * w for n, w in enumerate(p["width"])),
-                solo_steps=p["solo_steps"])
+                solo_steps=p["solo_steps"], batch_ar_steps=p["batch_ar_steps"])
 
 
 def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus: list, B: int,
@@ -155,7 +156,7 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
             for _, engs, spec in setups:
                 run_cell(engs, [[p[0]] for p in mine], 2 * B, spec)
             acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0,
-                             passes=dict(passes=0, tokens=0, requests=0, solo_steps=0))
+                             passes=dict(passes=0, tokens=0, requests=0, solo_steps=0, batch_ar_steps=0))
                    for name, _, _ in setups}
             for rep in range(a.reps):
                 for name, engs, spec in setups[rep % len(setups):] + setups[: rep % len(setups)]:
@@ -187,7 +188,8 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
                            latency_p50_s=pct(s["lat"], 0.5), latency_p95_s=pct(s["lat"], 0.95),
                            latency_s=summarize(s["lat"]),
                            acceptance=s["committed"] / s["rounds"] if s["rounds"] else None,
-                           passes=p.get("passes"), solo_steps=p.get("solo_steps"), req_per_pass=p.get("req_per_pass"),
+                           passes=p.get("passes"), solo_steps=p.get("solo_steps"),
+                           batch_ar_steps=p.get("batch_ar_steps"), req_per_pass=p.get("req_per_pass"),
                            tok_per_pass=p.get("tok_per_pass"), same_as_solo=s["same"], mismatches=s["n"] - s["same"],
                            n_threads=a.threads if name != "oneseq" else one_threads, reps=a.reps, **info)
                 cell[name] = row

@@ -327,6 +327,7 @@ def check_batched_drafts(pair, selector):
     n = 3
     with engine(pair, n) as eng:
         sched = eng._sched
+        T.batch_controller_params(sched, enabled=False)  # its AR steps would change the rounds
         for k in range(n):
             fixed_costs(sched.spec(k))
         prompts = [list(map(int, rng.integers(3, eng.n_vocab, int(rng.integers(4, 30))))) for _ in range(n)]
@@ -359,3 +360,92 @@ def test_eval_between_requests_drops_the_prompt_caches(pair):
         assert r.stats.n_cached_tokens == 0
     with engine(pair, 1) as solo:
         assert r.tokens == solo.generate(a2, max_tokens=6).tokens
+
+
+# The batch's controller (engine/batch_controller.h): whole steps judged by committed tokens per
+# second against all-AR steps over as many requests.
+
+def feed(bc, n, spec_rate, ar_rate, steps, tokens=4, stall=None):
+    """steps of the controller's own choosing at width n: a speculative step commits `tokens` at
+    spec_rate tokens/s, an all-AR step n tokens at ar_rate; stall(i) -> extra seconds of step i.
+    Returns the choices made."""
+    choices = []
+    for i in range(steps):
+        spec = bc.speculate(n)
+        choices.append(spec)
+        tok = tokens if spec else n
+        sec = tok / (spec_rate if spec else ar_rate) + (stall(i) if stall else 0.0)
+        bc.observe(n, spec, tok, sec)
+    return choices
+
+
+def test_batch_controller_keeps_speculation_that_wins():
+    """Speculation twice as fast as AR: kept, with one all-AR step per ar_every steps after the
+    first (which measures AR)."""
+    bc = T.BatchController(4, ar_every=8)
+    ch = feed(bc, 3, spec_rate=200.0, ar_rate=100.0, steps=100)
+    assert ch[0] is False  # the width's first step is AR
+    ar_at = [i for i, c in enumerate(ch) if not c]
+    assert ar_at == list(range(0, 100, 9)), ar_at  # then 8 speculative steps per AR step
+    assert bc.switches == 0
+    assert bc.rate(3, True) == pytest.approx(200.0) and bc.rate(3, False) == pytest.approx(100.0)
+
+
+def test_batch_controller_falls_back_to_ar_and_probes():
+    """Speculation slower than AR: after probe_steps speculative steps the batch goes AR for
+    backoff_min steps, probes again for probe_steps, and each lost probe doubles the back-off
+    (capped). Once speculation wins again, it is kept."""
+    bc = T.BatchController(4, ar_every=16, probe_steps=4, backoff_min=8, backoff_max=32)
+    ch = feed(bc, 2, spec_rate=50.0, ar_rate=100.0, steps=1 + 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32)
+    runs = []  # [mode, length] runs
+    for c in ch:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    assert [tuple(r) for r in runs] == [(False, 1), (True, 4), (False, 8), (True, 4), (False, 16), (True, 4),
+                                        (False, 32), (True, 4), (False, 32)], runs
+    assert sum(1 for c in ch if not c) == bc.forced_ar_steps  # every AR step was the controller's
+    # speculation becomes the faster: the next probe keeps it, with its periodic AR steps
+    ch = feed(bc, 2, spec_rate=300.0, ar_rate=100.0, steps=40)
+    assert ch == [True] * 16 + [False] + [True] * 16 + [False] + [True] * 6, ch
+
+
+def test_batch_controller_widths_are_judged_apart():
+    """At 2 requests speculation wins, at 6 it loses: each width keeps its own mode."""
+    bc = T.BatchController(8, probe_steps=4, backoff_min=64)
+    for _ in range(4):
+        feed(bc, 2, spec_rate=300.0, ar_rate=100.0, steps=20)
+        feed(bc, 6, spec_rate=80.0, ar_rate=100.0, steps=20)
+    assert sum(feed(bc, 2, 300.0, 100.0, 16)) >= 15
+    assert sum(feed(bc, 6, 80.0, 100.0, 16)) == 0
+
+
+def test_batch_controller_ignores_stalls():
+    """A stall of the machine (one step in ten takes 50x its time) in either mode does not turn the
+    decision: speculation 1.5x AR is kept; 0.7x AR is dropped."""
+    stall = lambda i: 2.0 if i % 10 == 3 else 0.0  # noqa: E731
+    bc = T.BatchController(4, probe_steps=4)
+    ch = feed(bc, 3, spec_rate=150.0, ar_rate=100.0, steps=200, stall=stall)
+    assert bc.switches == 0 and sum(ch) > 180
+    bc = T.BatchController(4, probe_steps=4, backoff_min=64, backoff_max=64)
+    ch = feed(bc, 3, spec_rate=70.0, ar_rate=100.0, steps=200, stall=stall)
+    assert sum(ch) < 40, sum(ch)
+
+
+def test_steps_the_batch_makes_ar_equal_solo(pair):
+    """A batch controller that makes every other step AR for every request (ar_every 1): the
+    requests' tokens, logprobs and stop reasons are still their solo runs' (greedy and seeded
+    sampled, speculative and AR requests), and the AR steps it imposed are counted."""
+    rng = np.random.default_rng(7)
+    with engine(pair, 3) as eng:
+        T.batch_controller_params(eng._sched, ar_every=1)
+        reqs = random_requests(rng, eng.n_vocab, 6, logprobs=True)
+        for r in reqs:
+            r["max_tokens"] = max(r["max_tokens"], 12)
+        got = interleaved(eng, reqs, rng)
+        ps = eng._sched.pass_stats
+    want = solo_results(pair, reqs)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert result_of(g) == result_of(w), f"request {i} ({reqs[i]}) differs from its solo run"
+    assert ps["batch_ar_steps"] > 0, ps

@@ -600,6 +600,9 @@ def test_parallel_streams_equal_solo(server4, offline):
     solo = after['dflash_batch_width_bucket{le="1"}'] - before.get('dflash_batch_width_bucket{le="1"}', 0.0)
     assert passes > 0 and passes - solo > 0, (passes, solo)  # passes over 2 or more requests
     assert after["dflash_batch_width_mean"] > 1.0
+    # the batch's controller measured AR over the batch (a width's first step is AR for everybody)
+    assert after["dflash_batch_controller_ar_steps_total"] > 0
+    assert "dflash_batch_controller_switches_total" in after
     assert all(after[f'dflash_slot_requests_total{{slot="{k}"}}'] > 0 for k in range(4)), after
     assert sum(after[f'dflash_slot_rounds_total{{slot="{k}"}}'] for k in range(4)) \
         == after["dflash_acceptance_length_count"]

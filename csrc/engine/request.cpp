@@ -161,7 +161,7 @@ bool request::top1_round() const {
            round_room() >= 2 && spec_->top1_step(sampling());
 }
 
-std::optional<batch_item> request::begin_step(const top1_draft * pre) {
+std::optional<batch_item> request::begin_step(const top1_draft * pre, bool force_ar) {
     DFN_REQUIRE(!committed_.empty(), "generate", "begin_step() before start()");
     DFN_REQUIRE(!pending_, "generate", "a step is pending: finish_step() it first");
     if (done() || policy_.tree) return std::nullopt;
@@ -181,8 +181,13 @@ std::optional<batch_item> request::begin_step(const top1_draft * pre) {
     }
     if (round_room() < 2) return std::nullopt;
     constraint_scope scope(spec_, policy_.constraint);
-    draft_override_scope forced(spec_, override_of(forced_, policy_, out_));
-    pending_ = spec_->begin_step(last_, round_room(), sampling(), pre);
+    DFN_REQUIRE(!(pre && force_ar), "generate", "given drafts for a step forced to AR");
+    if (force_ar) {
+        pending_ = spec_->begin_ar_step(last_, sampling());
+    } else {
+        draft_override_scope forced(spec_, override_of(forced_, policy_, out_));
+        pending_ = spec_->begin_step(last_, round_room(), sampling(), pre);
+    }
     pending_->n_past0 = target_.slot_n_past(slot());
     it.tokens = pending_->input;
     if (!pending_->ar) it.kind = BATCH_VERIFY;

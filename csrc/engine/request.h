@@ -92,8 +92,10 @@ public:
     // when wants_logits()) and commits, as step() would have. nullopt: the step is one only
     // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
     // pre: this step's drafts from a drafter pass shared with other requests
-    // (spec_session::draft_top1_batch), when top1_round() said the step takes them.
-    std::optional<batch_item> begin_step(const top1_draft * pre = nullptr);
+    // (spec_session::draft_top1_batch), when top1_round() said the step takes them. force_ar: a
+    // speculative request's step is an AR step whatever its controller says (the batch's
+    // controller, engine/batch_controller.h); the ring stays in step.
+    std::optional<batch_item> begin_step(const top1_draft * pre = nullptr, bool force_ar = false);
     // Whether the next step is a greedy chain round whose drafts draft_top1_batch may give (the
     // spec's top1_step, no draft source, no constraint); its block size then is round_room().
     bool top1_round() const;

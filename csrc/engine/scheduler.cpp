@@ -23,7 +23,8 @@ struct scheduler::ticket {
 };
 
 scheduler::scheduler(target_session & target, spec_session * spec0, const tokenizer * vocab)
-    : target_(target), vocab_(vocab), costs_(std::min(target.params().n_batch, k_matmul_max_cols)) {
+    : target_(target), vocab_(vocab), costs_(std::min(target.params().n_batch, k_matmul_max_cols)),
+      batch_ctl_(target.n_seq()) {
     DFN_REQUIRE(!spec0 || spec0->slot() == 0, "engine", "the scheduler's first spec session must serve slot 0");
     specs_.push_back(spec0);
     for (int k = 1; k < target.n_seq(); ++k) {
@@ -205,9 +206,23 @@ void scheduler::step_once() {
         return active[k] && active[k]->started && !err[k] && !active[k]->req->done() &&
                std::find(admitted.begin(), admitted.end(), k) == admitted.end();
     };
+    // the batch's controller: judged over the chain requests' steps (tree rounds run alone), when
+    // the speculative ones are under the controller
+    int n_step = 0;
+    bool controlled = false;
+    std::vector<size_t> committed0(n_slots(), 0);
+    for (int k = 0; k < n_slots(); ++k) {
+        if (!steps(k) || active[k]->policy.tree) continue;
+        n_step += 1;
+        committed0[k] = active[k]->req->committed().size();
+        if (active[k]->policy.speculative) controlled = controlled || active[k]->req->spec()->params().use_controller;
+    }
+    const bool force_ar = controlled && !batch_ctl_.speculate(n_step);
+    const double t_step = profile_now();
+    double t_solo = 0;
     // the greedy rounds' drafts: one drafter pass per block size over their slots
     std::map<int64_t, std::vector<int>> groups;
-    for (int k = 0; k < n_slots(); ++k)
+    for (int k = 0; k < n_slots() && !force_ar; ++k)
         if (steps(k) && active[k]->req->top1_round()) groups[active[k]->req->round_room()].push_back(k);
     std::vector<std::optional<top1_draft>> pre(n_slots());
     for (const auto & [B, ks] : groups) {
@@ -232,9 +247,12 @@ void scheduler::step_once() {
         if (!steps(k)) continue;
         request & r = *active[k]->req;
         try {
-            std::optional<batch_item> it = r.begin_step(pre[k] ? &*pre[k] : nullptr);
+            const bool ar = force_ar && r.policy().speculative && r.spec()->params().use_controller;
+            std::optional<batch_item> it = r.begin_step(pre[k] ? &*pre[k] : nullptr, ar);
             if (!it) {  // a step only step() runs: alone, now
+                const double t0 = profile_now();
                 out[k] = r.step();
+                t_solo += profile_now() - t0;
                 solo += 1;
                 continue;
             }
@@ -294,9 +312,24 @@ void scheduler::step_once() {
         }
         i0 = i1;
     }
+    // the step's committed tokens per second (its solo steps apart) for the batch's controller,
+    // when every chain request it judged was in the pass
+    if (controlled && (int) in_pass.size() == n_step) {
+        int64_t tokens = 0;
+        bool speculated = false;
+        for (size_t i = 0; i < in_pass.size(); ++i) {
+            const int k = in_pass[i];
+            if (err[k]) continue;
+            tokens += (int64_t) (active[k]->req->committed().size() - committed0[k]);
+            speculated = speculated || items[i].kind == BATCH_VERIFY;
+        }
+        batch_ctl_.observe(n_step, speculated, tokens, profile_now() - t_step - t_solo);
+    }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;
     stats_.shared_drafts += drafter_passes_saved;
+    stats_.batch_ar_steps = batch_ctl_.forced_ar_steps();
+    stats_.batch_switches = batch_ctl_.switches();
     for (int k = 0; k < n_slots(); ++k) {
         if (!active[k]) continue;
         ticket & t = *active[k];

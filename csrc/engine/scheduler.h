@@ -7,12 +7,15 @@
 // join and leave between steps (continuous batching). Tree rounds and the last token's AR step
 // run alone, between the batched passes. The greedy rounds' drafts of one block size come from one
 // drafter pass over their slots (spec_session::draft_top1_batch); other drafts (sampled, constrained,
-// DFlash 2's selector, forced) run per slot.
+// DFlash 2's selector, forced) run per slot. Under the controller (spec_params::use_controller), the
+// batch's controller (engine/batch_controller.h) may make a step AR for every request: it judges
+// whole steps by their committed tokens per second against all-AR steps over as many requests.
 //
 // Threads: any number of callers submit and wait (next()); whichever waits while no step runs
 // runs the next one for everybody (no thread of the scheduler's own).
 #pragma once
 
+#include "engine/batch_controller.h"
 #include "engine/batch_costs.h"
 #include "engine/request.h"
 
@@ -57,12 +60,16 @@ public:
     void forget_held();
     int n_slots() const { return (int) specs_.size(); }
     spec_session * spec(int slot) { return specs_.at(slot); }
+    // The batch's controller (tests set its parameters; call with no request in flight).
+    batch_controller & batch_control() { return batch_ctl_; }
 
     // What the batched passes ran, summed over the engine's life (metrics, benchmarks): passes,
     // tokens, and histogram of passes by the number of requests in them.
     struct pass_stats {
         int64_t passes = 0, tokens = 0, solo_steps = 0;
         int64_t shared_drafts = 0;  // draft graphs saved by drafting several slots' blocks in one pass
+        // the batch's controller: all-AR steps it imposed, and its mode changes
+        int64_t batch_ar_steps = 0, batch_switches = 0;
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;
@@ -89,6 +96,7 @@ private:
     bool stepping_ = false;
     pass_stats stats_;
     batch_costs costs_;  // the shared passes' costs, split into the requests' shares
+    batch_controller batch_ctl_;  // whether the batch speculates at all
 };
 
 }  // namespace dfn

@@ -145,6 +145,10 @@ public:
     // takes them (top1_step).
     pending_step begin_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
                             const top1_draft * pre = nullptr);
+    // An AR step's plan whatever the controller says (the batch's controller chose AR for every
+    // request: engine/batch_controller.h): the taps keep the ring in step; the controller is not
+    // told (its AR price is its own AR steps').
+    pending_step begin_ar_step(int32_t last, const sampling_params * sampling = nullptr) const;
     // Whether begin_step's next drafts are draft_top1's (a greedy round under the controller, an
     // unconstrained session of a drafter without a selector, no draft override, a healthy
     // drafter): those draft_top1_batch may give.

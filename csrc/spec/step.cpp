@@ -36,6 +36,10 @@ pending_step spec_session::begin_step(int32_t last, int64_t B, const sampling_pa
     return plan_chain(last, B, sampling, forced, params_.use_controller, pre);
 }
 
+pending_step spec_session::begin_ar_step(int32_t last, const sampling_params * sampling) const {
+    return plan_ar(last, sampling, profile_now(), /*observe=*/false);
+}
+
 bool spec_session::top1_step(const sampling_params * sampling) const {
     return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !constraint_ &&
            (!sampling || sampling->greedy()) && !has_selector() && !override_ && !dev_queue_;

@@ -186,13 +186,16 @@ class Metrics:
         out.append(f"# TYPE {p}slot_acceptance_length gauge")
         out += [f'{p}slot_acceptance_length{{slot="{k}"}} {t / n if n else 0.0}' for k, _, n, t in rows]
         # the scheduler's batched target passes (Engine(n_seq > 1)): how many, their tokens, the
-        # steps run alone (tree rounds, a request's last AR step), and the passes by batch width
-        # (requests in the pass)
+        # steps run alone (tree rounds, a request's last AR step), the steps the batch's controller
+        # made AR for every request and its mode changes, and the passes by batch width (requests
+        # in the pass)
         sched = pool.engine._sched
         if sched is not None:
             ps = sched.pass_stats
             for name, v in [("batch_passes_total", ps["passes"]), ("batch_tokens_total", ps["tokens"]),
-                            ("batch_solo_steps_total", ps["solo_steps"])]:
+                            ("batch_solo_steps_total", ps["solo_steps"]),
+                            ("batch_controller_ar_steps_total", ps["batch_ar_steps"]),
+                            ("batch_controller_switches_total", ps["batch_switches"])]:
                 out += [f"# TYPE {p}{name} counter", f"{p}{name} {v}"]
             out += _histogram(f"{p}batch_width", dict(enumerate(ps["width"])), range(1, len(ps["width"])))
             mean = sum(w * n for w, n in enumerate(ps["width"])) / ps["passes"] if ps["passes"] else 0.0

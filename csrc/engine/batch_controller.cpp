@@ -1,0 +1,87 @@
+#include "engine/batch_controller.h"
+
+#include <algorithm>
+
+namespace dfn {
+
+batch_controller::batch_controller(int max_requests, batch_controller_params p)
+    : p_(p), w_((size_t) std::max(max_requests, 1) + 1) {
+    // left = 0: a width's first step is AR for every request (it measures AR)
+}
+
+void batch_controller::set_params(const batch_controller_params & p) {
+    p_ = p;
+    w_.assign(w_.size(), width_state{});
+}
+
+bool batch_controller::speculate(int n) const {
+    if (!p_.enabled || n <= 0 || n >= (int) w_.size()) return true;
+    const width_state & s = w_[n];
+    return !s.ar_mode && s.left > 0;
+}
+
+double batch_controller::rate_of(const std::deque<sample> & w) {
+    std::vector<double> spt;  // seconds per token
+    for (const sample & x : w)
+        if (x.tokens > 0) spt.push_back(x.seconds / (double) x.tokens);
+    if (spt.empty()) return 0;
+    std::vector<double> sorted = spt;
+    std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
+    const double cap = k_stall * sorted[sorted.size() / 2];
+    double tokens = 0, seconds = 0;
+    for (const sample & x : w) {
+        if (x.tokens <= 0 || x.seconds / (double) x.tokens > cap) continue;
+        tokens += (double) x.tokens, seconds += x.seconds;
+    }
+    return seconds > 0 ? tokens / seconds : 0;
+}
+
+double batch_controller::rate(int n, bool speculated) const {
+    if (n <= 0 || n >= (int) w_.size()) return 0;
+    return rate_of(speculated ? w_[n].spec : w_[n].ar);
+}
+
+void batch_controller::judge(width_state & s) {
+    const int64_t seen = s.probing ? s.probe_seen : (int64_t) s.spec.size();
+    if (seen < p_.probe_steps || s.ar.empty()) return;
+    if (rate_of(s.spec) < rate_of(s.ar)) {
+        s.backoff = s.probing ? std::min(std::max(s.backoff * 2, p_.backoff_min), p_.backoff_max) : p_.backoff_min;
+        s.ar_mode = true;
+        s.probing = false;
+        s.left = s.backoff;
+        switches_ += 1;
+    } else if (s.probing) {
+        s.probing = false;
+        s.backoff = p_.backoff_min;
+    }
+}
+
+void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds) {
+    if (!p_.enabled || n <= 0 || n >= (int) w_.size() || tokens <= 0 || !(seconds > 0)) return;
+    width_state & s = w_[n];
+    const bool imposed = !speculate(n);
+    if (imposed && !speculated) forced_ += 1;
+    std::deque<sample> & w = speculated ? s.spec : s.ar;
+    w.push_back({tokens, seconds});
+    while ((int64_t) w.size() > (speculated ? p_.spec_window : p_.ar_window)) w.pop_front();
+    if (s.ar_mode) {
+        if (!speculated && --s.left <= 0) {  // the back-off is over: probe speculation afresh
+            s.ar_mode = false;
+            s.probing = true;
+            s.probe_seen = 0;
+            s.spec.clear();
+            s.left = p_.ar_every;
+            switches_ += 1;
+        }
+        return;
+    }
+    if (!speculated) {
+        if (imposed) s.left = p_.ar_every;  // the periodic AR step was taken
+        return;
+    }
+    s.left -= 1;
+    if (s.probing) s.probe_seen += 1;
+    judge(s);
+}
+
+}  // namespace dfn

@@ -1,0 +1,78 @@
+// The batch's own check on speculation (engine/scheduler.h; issue 35, "Speculate for the batch"):
+// a batch never commits fewer tokens per second than batched AR would on the same requests.
+//
+// Each request's controller (spec/controller.h) chooses its verify length, or AR, from its share
+// of the shared pass (batch_costs.h). Those prices leave out what a step costs besides the target
+// pass: the drafter's pass, the planning, acceptance and commit of every request, which on a small
+// pair with many requests outweigh what the verified drafts save. This controller judges the
+// whole step instead, by what it measured: the engine's committed tokens per second over its steps
+// that speculated (any request verified drafts) against its steps that were AR for every request,
+// at the same number of requests in the pass. When speculation is the slower, every speculative
+// request takes AR steps (spec_session::plan_ar: exact, the ring kept in step) for a back-off of
+// steps, then speculation is probed again for `probe_steps` steps: kept when it wins, else the
+// back-off doubles (up to backoff_max). While speculation is kept, one step in `ar_every` is AR
+// for every request, so that the AR rate stays current (it moves with the contexts' lengths).
+//
+// Rates are ratios of sums over each mode's last steps, without the steps whose seconds per token
+// exceed k_stall times the window's median (a stall of the machine, not the step's cost), so that
+// a heavy-tailed wait for a core enters neither rate; a steady load slows both alike, and both are
+// measured within a few dozen steps of each other.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+namespace dfn {
+
+struct batch_controller_params {
+    bool enabled = true;        // false: the batch always speculates (each request's controller alone)
+    int64_t ar_every = 16;      // SPEC: one all-AR step per this many steps
+    int64_t probe_steps = 8;    // speculative steps a probe (and the first judgement) takes
+    int64_t backoff_min = 16;   // all-AR steps before the first re-probe
+    int64_t backoff_max = 1024;
+    int64_t spec_window = 32;   // speculative steps the rate looks back on
+    int64_t ar_window = 8;      // all-AR steps the rate looks back on
+};
+
+class batch_controller {
+public:
+    explicit batch_controller(int max_requests, batch_controller_params p = {});
+    // New settings (tests); the measurements and modes start afresh.
+    void set_params(const batch_controller_params & p);
+    const batch_controller_params & params() const { return p_; }
+    // Whether the next step over n requests may speculate (false: each speculative request's step
+    // is an AR step).
+    bool speculate(int n) const;
+    // A step over n requests committed `tokens` in `seconds`; speculated: any of them verified drafts.
+    void observe(int n, bool speculated, int64_t tokens, double seconds);
+
+    // Read-outs (metrics, tests): tokens/s of each mode's window at n (0: no step yet), the mode's
+    // changes so far, and the all-AR steps the controller imposed.
+    double rate(int n, bool speculated) const;
+    int64_t switches() const { return switches_; }
+    int64_t forced_ar_steps() const { return forced_; }
+
+private:
+    static constexpr double k_stall = 3.0;
+    struct sample {
+        int64_t tokens;
+        double seconds;
+    };
+    struct width_state {
+        std::deque<sample> spec, ar;
+        bool ar_mode = false;
+        bool probing = false;  // SPEC for probe_steps steps after an AR back-off
+        int64_t left = 0;      // AR mode: all-AR steps before the probe; SPEC: steps before an AR step
+        int64_t backoff = 0;
+        int64_t probe_seen = 0;  // speculative steps seen in this probe
+    };
+    static double rate_of(const std::deque<sample> & w);
+    void judge(width_state & s);
+
+    batch_controller_params p_;
+    std::vector<width_state> w_;  // [max_requests + 1]
+    int64_t switches_ = 0, forced_ = 0;
+};
+
+}  // namespace dfn
