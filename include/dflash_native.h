@@ -275,6 +275,11 @@ typedef struct dfn_stats {
        every speculative step of this engine is an AR step, with AR's output
        (dfn_engine_drafter_failure says why) */
     int32_t drafter_failed;
+    /* A request with params->constraint: the seconds spent in its callbacks (fill_mask, accept,
+       rollback, is_terminated) and the masks it filled (every AR step, verify row and draft the
+       grammar masked); 0 without one. */
+    double constraint_s;
+    int64_t n_masks;
 } dfn_stats;
 
 /* Why the engine's drafter failed ("" while it is healthy, or without one; NULL for NULL or a dead

@@ -335,6 +335,7 @@ def test_c_constraint_speculative_equals_ar(consumer, pair, allowed_set, verify,
     if rounds:  # the drafts moved the constraint and a verify rolled it back
         assert rollback >= 1 and 1 <= max_rollback <= 64
     assert fill >= K_SET and accept >= K_SET and terminated >= 1
+    assert r["constraint_stats"] == [fill, 1]  # dfn_stats.n_masks: every fill_mask call; constraint_s > 0
 
 
 @pytest.mark.parametrize("drafter,verify,temperature,seed", [(True, "chain", 0.0, 0), (True, "tree", 0.8, 1234),

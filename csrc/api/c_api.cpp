@@ -9,6 +9,7 @@
 
 #include "base/alloc.h"
 #include "base/common.h"
+#include "base/profile.h"
 #include "models/drafter.h"
 #include "gguf/gguf_file.h"
 #include "kernels/cpu/constraint.h"
@@ -257,20 +258,33 @@ dfn_status create(const char * target_path, const char * drafter_path, const dfn
 
 // The caller's dfn_constraint as the core's token_constraint (kernels/cpu/constraint.h): each
 // method calls its callback; a negative return throws constraint_failure.
+// Its callbacks' seconds and the masks filled go to dfn_stats (constraint_s, n_masks).
 class c_constraint final : public token_constraint {
 public:
     explicit c_constraint(const dfn_constraint & c) : c_(c) {}
     void fill_mask(uint32_t * mask, int64_t n_words) override {
         std::fill(mask, mask + n_words, 0u);  // the header: the mask arrives all zero
-        check(c_.fill_mask(c_.user_data, mask, (size_t) n_words), "fill_mask", "");
+        n_masks += 1;
+        check(timed([&] { return c_.fill_mask(c_.user_data, mask, (size_t) n_words); }), "fill_mask", "");
     }
-    bool accept(int32_t token) override { return check(c_.accept(c_.user_data, token), "accept", cat(" (token ", token, ")")) > 0; }
+    bool accept(int32_t token) override {
+        return check(timed([&] { return c_.accept(c_.user_data, token); }), "accept", cat(" (token ", token, ")")) > 0;
+    }
     void rollback(int64_t n) override {
-        if (n > 0) check(c_.rollback(c_.user_data, (size_t) n), "rollback", cat(" (n = ", n, ")"));
+        if (n > 0) check(timed([&] { return c_.rollback(c_.user_data, (size_t) n); }), "rollback", cat(" (n = ", n, ")"));
     }
-    bool terminated() override { return check(c_.is_terminated(c_.user_data), "is_terminated", "") > 0; }
+    bool terminated() override { return check(timed([&] { return c_.is_terminated(c_.user_data); }), "is_terminated", "") > 0; }
+
+    double seconds = 0;
+    int64_t n_masks = 0;
 
 private:
+    template <class F> int timed(F && f) {
+        const double t0 = profile_now();
+        const int r = f();
+        seconds += profile_now() - t0;
+        return r;
+    }
     static int check(int r, const char * what, const std::string & args) {
         if (r < 0) throw constraint_failure(cat("[dfn_generate] the constraint's ", what, " callback returned ", r, args));
         return r;
@@ -278,9 +292,14 @@ private:
     dfn_constraint c_;
 };
 
-// A request's statistics (engine/request.h) as dfn_stats; n: the tokens written to the output.
+// A request's statistics (engine/request.h) and its constraint's as dfn_stats; n: the tokens
+// written to the output.
 void fill_stats(const request & r, dfn_stats & st, size_t n) {
     const request_stats & s = r.stats();
+    if (const c_constraint * c = dynamic_cast<const c_constraint *>(r.policy().constraint)) {
+        st.constraint_s = c->seconds;
+        st.n_masks = c->n_masks;
+    }
     st.n_prompt_tokens = s.n_prompt;
     st.n_generated = (int64_t) n;
     st.prefill_s = s.prefill_s;

@@ -899,6 +899,8 @@ static int cmd_constrained(int argc, char ** argv) {
                (long long) hist_tokens, (long long) st.ar_steps);
         printf("calls: %ld %ld %ld %ld %lld\n", a.calls[CB_FILL], a.calls[CB_ACCEPT], a.calls[CB_ROLLBACK],
                a.calls[CB_TERMINATED], (long long) a.max_rollback);
+        /* the statistics' count of the masks and whether its callbacks' time was counted */
+        printf("constraint_stats: %lld %d\n", (long long) st.n_masks, st.constraint_s > 0);
         printf("valid: %d\n", am_valid(&a, out, n_out, st.stop_reason));
         if (drafter) {
             g.speculative = 0;
