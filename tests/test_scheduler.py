@@ -309,20 +309,33 @@ def fixed_costs(spec):
     T.controller_fixed_costs(spec, ar_s=1.0, draft_s=0.2, verify0_s=0.9, verify1_s=0.05)
 
 
-def test_batched_drafter_pass_drafts_as_alone(pair):
-    """Greedy rounds under the controller (fixed costs: its choices depend on acceptance only) draft
-    in one drafter pass over the slots (pass_stats shared_drafts): every request's rounds (its
-    acceptance histogram) and tokens equal its run alone on a one-slot engine."""
-    check_batched_drafts(pair, selector=False)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_batched_drafter_pass_drafts_as_alone(pair, sampled):
+    """Rounds under the controller (fixed costs: its choices depend on acceptance only) draft in one
+    drafter pass over the slots (pass_stats shared_drafts): every request's rounds (its acceptance
+    histogram) and tokens equal its run alone on a one-slot engine. sampled: seeded sampled requests
+    (their draws from the shared pass's logits rows) beside greedy ones with logprobs."""
+    check_batched_drafts(pair, selector=False, sampled=sampled)
 
 
-def test_batched_drafter_pass_of_each_kind(kind_pair):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_batched_drafter_pass_of_each_kind(kind_pair, sampled):
     """The same for DSpark (Markov and confidence heads: batched) and DFlash 2 (its selector drafts
     per slot)."""
-    check_batched_drafts(kind_pair, selector="dflash2" in kind_pair["drafter"])
+    check_batched_drafts(kind_pair, selector="dflash2" in kind_pair["drafter"], sampled=sampled)
 
 
-def check_batched_drafts(pair, selector):
+def batched_sampling(i, sampled):
+    """Request i's settings in check_batched_drafts: greedy, or (sampled) alternately seeded sampled
+    and greedy with logprobs (both read the pass's logits rows)."""
+    if not sampled:
+        return {}
+    if i % 2 == 0:
+        return dict(temperature=0.8, top_p=0.95, seed=100 + i)
+    return dict(temperature=0.0, logprobs=2)
+
+
+def check_batched_drafts(pair, selector, sampled=False):
     rng = np.random.default_rng(4)
     n = 3
     with engine(pair, n) as eng:
@@ -331,7 +344,12 @@ def check_batched_drafts(pair, selector):
         for k in range(n):
             fixed_costs(sched.spec(k))
         prompts = [list(map(int, rng.integers(3, eng.n_vocab, int(rng.integers(4, 30))))) for _ in range(n)]
-        tickets = [sched.submit(p, True, max_tokens=40) for p in prompts]  # all admitted at the first step
+        tickets = []
+        for i, p in enumerate(prompts):  # all admitted at the first step
+            kw = batched_sampling(i, sampled)
+            smp = _core.Sampling(kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0), seed=kw.get("seed", 0),
+                                 logprobs=kw.get("logprobs", -1)) if kw else None
+            tickets.append(sched.submit(p, True, sampling=smp, max_tokens=40))
         outs = [[] for _ in range(n)]
         while not all(t.done for t in tickets):
             for i, t in enumerate(tickets):
@@ -342,7 +360,7 @@ def check_batched_drafts(pair, selector):
     for i, p in enumerate(prompts):
         with engine(pair, 1) as solo:
             fixed_costs(solo._spec)
-            r = solo.generate(p, max_tokens=40)
+            r = solo.generate(p, max_tokens=40, **batched_sampling(i, sampled))
         assert outs[i] == r.tokens, f"request {i}: tokens differ from its solo run"
         assert hist[i] == r.stats.acceptance_histogram, f"request {i}: rounds differ from its solo run"
     assert (shared > 0) != selector, f"shared drafter passes: {shared}"

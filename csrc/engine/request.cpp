@@ -156,12 +156,12 @@ request::emitted request::step() {
     return commit_step(std::move(committed), std::move(lps), t0);
 }
 
-bool request::top1_round() const {
+bool request::shared_draft_round() const {
     return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && !policy_.constraint && !forced_ &&
-           round_room() >= 2 && spec_->top1_step(sampling());
+           round_room() >= 2 && spec_->batch_draftable();
 }
 
-std::optional<batch_item> request::begin_step(const top1_draft * pre, bool force_ar) {
+std::optional<batch_item> request::begin_step(const shared_draft * pre, bool force_ar) {
     DFN_REQUIRE(!committed_.empty(), "generate", "begin_step() before start()");
     DFN_REQUIRE(!pending_, "generate", "a step is pending: finish_step() it first");
     if (done() || policy_.tree) return std::nullopt;

@@ -92,13 +92,14 @@ public:
     // when wants_logits()) and commits, as step() would have. nullopt: the step is one only
     // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
     // pre: this step's drafts from a drafter pass shared with other requests
-    // (spec_session::draft_top1_batch), when top1_round() said the step takes them. force_ar: a
+    // (spec_session::draft_batch), when shared_draft_round() said the step takes them. force_ar: a
     // speculative request's step is an AR step whatever its controller says (the batch's
     // controller, engine/batch_controller.h); the ring stays in step.
-    std::optional<batch_item> begin_step(const top1_draft * pre = nullptr, bool force_ar = false);
-    // Whether the next step is a greedy chain round whose drafts draft_top1_batch may give (the
-    // spec's top1_step, no draft source, no constraint); its block size then is round_room().
-    bool top1_round() const;
+    std::optional<batch_item> begin_step(const shared_draft * pre = nullptr, bool force_ar = false);
+    // Whether the next step is a chain round whose drafts draft_batch may give, greedy or sampled
+    // (the spec's batch_draftable, no draft source, no constraint); its block size then is
+    // round_room().
+    bool shared_draft_round() const;
     int64_t round_room() const;
     int32_t last() const { return last_; }
     spec_session * spec() const { return spec_; }

@@ -220,26 +220,31 @@ void scheduler::step_once() {
     const bool force_ar = controlled && !batch_ctl_.speculate(n_step);
     const double t_step = profile_now();
     double t_solo = 0;
-    // the greedy rounds' drafts: one drafter pass per block size over their slots
+    // the rounds' drafts (greedy and sampled): one drafter pass per block size over their slots
     std::map<int64_t, std::vector<int>> groups;
     for (int k = 0; k < n_slots() && !force_ar; ++k)
-        if (steps(k) && active[k]->req->top1_round()) groups[active[k]->req->round_room()].push_back(k);
-    std::vector<std::optional<top1_draft>> pre(n_slots());
+        if (steps(k) && active[k]->req->shared_draft_round()) groups[active[k]->req->round_room()].push_back(k);
+    std::vector<std::optional<shared_draft>> pre(n_slots());
     for (const auto & [B, ks] : groups) {
         if (ks.size() < 2) continue;
         std::vector<spec_session *> ss;
         std::vector<int32_t> lasts;
-        for (int k : ks) ss.push_back(active[k]->req->spec()), lasts.push_back(active[k]->req->last());
-        std::vector<top1_draft> drafts;
+        std::vector<const sampling_params *> samplings;
+        for (int k : ks) {
+            const request & r = *active[k]->req;
+            ss.push_back(r.spec()), lasts.push_back(r.last());
+            samplings.push_back(r.policy().sampling ? &*r.policy().sampling : nullptr);
+        }
+        std::vector<shared_draft> drafts;
         const double t0 = profile_now();
         try {
-            spec_session::draft_top1_batch(ss, lasts, B, drafts);
+            spec_session::draft_batch(ss, lasts, samplings, B, drafts);
         } catch (...) {
             // each drafts alone: a failed drafter is recorded per session (its step an AR step),
             // and any other error reaches that request's own caller
             continue;
         }
-        for (top1_draft & d : drafts) d.seconds = (profile_now() - t0) / (double) drafts.size();
+        for (shared_draft & d : drafts) d.seconds = (profile_now() - t0) / (double) drafts.size();
         for (size_t i = 0; i < ks.size(); ++i) pre[ks[i]] = std::move(drafts[i]);
         drafter_passes_saved += (int64_t) ks.size() - 1;
     }

@@ -5,9 +5,9 @@
 // batch), then each request's acceptance and commit. A request's tokens in any batch are its
 // tokens run alone, bit for bit (the matmul contract: each column computed as alone). Requests
 // join and leave between steps (continuous batching). Tree rounds and the last token's AR step
-// run alone, between the batched passes. The greedy rounds' drafts of one block size come from one
-// drafter pass over their slots (spec_session::draft_top1_batch); other drafts (sampled, constrained,
-// DFlash 2's selector, forced) run per slot. Under the controller (spec_params::use_controller), the
+// run alone, between the batched passes. The rounds' drafts of one block size, greedy and sampled,
+// come from one drafter pass over their slots (spec_session::draft_batch); other drafts
+// (constrained, DFlash 2's selector, forced) run per slot. Under the controller (spec_params::use_controller), the
 // batch's controller (engine/batch_controller.h) may make a step AR for every request: it judges
 // whole steps by their committed tokens per second against all-AR steps over as many requests.
 //

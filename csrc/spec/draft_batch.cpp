@@ -1,25 +1,31 @@
-// One drafter pass over several slots' blocks (spec.h: spec_session::draft_top1_batch): the
-// scheduler's drafts for the greedy rounds of a step, where each slot's spec_session would run a
-// draft graph of its own. Every weight of the drafter and its head is read once for all blocks;
+// One drafter pass over several slots' blocks (spec.h: spec_session::draft_batch): the
+// scheduler's drafts for the rounds of a step (greedy: the top-1 per row; sampled: the draws from
+// the block's logits rows), where each slot's spec_session would run a draft graph of its own. Every weight of the drafter and its head is read once for all blocks;
 // attention runs per block over its own slot's ring with its own mask.
 #include "spec/spec.h"
 
 #include "base/common.h"
+#include "kernels/cpu/sampler.h"
 #include "kernels/cpu/top1.h"
 
 namespace dfn {
 
-void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
-                                    int64_t B, std::vector<top1_draft> & out) {
+void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
+                              const std::vector<const sampling_params *> & samplings, int64_t B,
+                              std::vector<shared_draft> & out) {
     const size_t n = ss.size();
-    DFN_REQUIRE(n >= 1 && lasts.size() == n, "draft", "one last token per session");
+    DFN_REQUIRE(n >= 1 && lasts.size() == n && samplings.size() == n, "draft", "one last token and sampling per session");
+    auto drawn = [&](size_t i) { return samplings[i] && !samplings[i]->greedy(); };
+    bool any_drawn = false;
+    for (size_t i = 0; i < n; ++i) any_drawn = any_drawn || drawn(i);
     spec_session & s0 = *ss[0];
     const drafter_model & dm = *s0.drafter_;
     const drafter_hparams & dh = dm.hparams();
     const bool sub = s0.drafts_over_draft_vocab();
     std::vector<draft_graph> d(n);
     std::vector<int64_t> pushed_before(n, -1);
-    std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "");
+    std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "",
+                          any_drawn ? ":logits" : "");
     auto restore = [&] {  // a failed graph: the pending features stay pending
         for (size_t i = 0; i < n; ++i)
             if (pushed_before[i] >= 0) ss[i]->ring_->n_pushed = pushed_before[i];
@@ -27,8 +33,8 @@ void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, cons
     try {
         for (size_t i = 0; i < n; ++i) {
             spec_session & s = *ss[i];
-            DFN_REQUIRE(s.drafter_ == s0.drafter_ && s.top1_step(nullptr) && s.drafts_over_draft_vocab() == sub, "draft",
-                        "a batched draft needs sessions of one drafter, each at a greedy round");
+            DFN_REQUIRE(s.drafter_ == s0.drafter_ && s.batch_draftable() && s.drafts_over_draft_vocab() == sub, "draft",
+                        "a batched draft needs sessions of one drafter, each at a round under its controller");
             d[i].what = draft_graph::TOP1;
             d[i].sub = sub;
             pushed_before[i] = s.prepare_draft(d[i], lasts[i], B);
@@ -40,7 +46,7 @@ void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, cons
         throw;
     }
     const int64_t R = d[0].rows;
-    ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr;
+    ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr, * logits = nullptr;
     auto build = [&](const build_context & b) {
         ggml_context * ctx = b.ctx;
         std::vector<drafter_model::block_ring> blocks;
@@ -61,7 +67,8 @@ void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, cons
         ggml_set_input(pos);
         ggml_tensor * h = dm.build_blocks(b, tok, pos, blocks, s0.tgt().model().tok_embd);  // [n_embd, n (B-1)]
         ggml_tensor * head = sub ? dm.draft_head : s0.lm_head();
-        ggml_tensor * logits = dm.build_draft_logits(b, head, h, tok, (int64_t) n, &conf);  // [n_cols, n (B-1)]
+        logits = dm.build_draft_logits(b, head, h, tok, (int64_t) n, &conf);  // [n_cols, n (B-1)]
+        if (any_drawn) ggml_set_output(logits);  // the drawn blocks' rows, as draft_logits_for_sampling's
         if (conf) {
             ggml_set_output(conf);
             ggml_build_forward_expand(b.gf, conf);
@@ -88,18 +95,37 @@ void spec_session::draft_top1_batch(const std::vector<spec_session *> & ss, cons
         ggml_backend_tensor_set(pos, p.data(), 0, p.size() * sizeof(int32_t));
     };
     std::vector<float> all((size_t) n * (B - 1) * 2), confs;
+    // a drawn block's logits rows [B-1, row.n] (over the draft vocabulary when it is on)
+    logits_row row{nullptr, sub ? (int64_t) dh.draft_vocab.size() : s0.tgt().hparams().n_vocab,
+                   sub ? dh.draft_vocab.data() : nullptr};
+    std::vector<std::vector<float>> rows(n);
     auto read = [&] {
         ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
         if (conf) {
             confs.resize((size_t) n * (B - 1));
             ggml_backend_tensor_get(conf, confs.data(), 0, confs.size() * sizeof(float));
         }
+        const size_t block = (size_t) (B - 1) * row.n;
+        for (size_t i = 0; i < n; ++i) {
+            if (!drawn(i)) continue;
+            rows[i].resize(block);
+            ggml_backend_tensor_get(logits, rows[i].data(), i * block * sizeof(float), block * sizeof(float));
+        }
     };
     try {
         s0.runner_.run(key, build, set_inputs, read);
         out.assign(n, {});
-        for (size_t i = 0; i < n; ++i) {  // as read_draft reads a block alone
-            float * f = all.data() + i * (B - 1) * 2;
+        for (size_t i = 0; i < n; ++i) {
+            if (drawn(i)) {  // draft_sampled's draws from its rows, with their probabilities
+                const int64_t n_past = d[i].n_past;
+                const sampling_params & p = *samplings[i];
+                out[i].tok = ss[i]->drawn_block(B, false, &out[i].p, [&](int64_t j) {
+                    return sample_row({rows[i].data() + (size_t) j * row.n, row.n, row.ids}, p, n_past + 1 + j, "draft",
+                                      true);
+                });
+                continue;
+            }
+            float * f = all.data() + i * (B - 1) * 2;  // as read_draft reads a block alone
             ss[i]->finish_draft(d[i], nullptr, f, conf ? confs.data() + i * (B - 1) : nullptr);
             out[i].tok.resize(B - 1);
             out[i].p.resize(B - 1);

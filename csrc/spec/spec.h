@@ -56,8 +56,9 @@ struct round_result {
 
 class spec_session;
 
-// A block's drafts d_1..d_{B-1} and their probabilities (spec_session::draft_top1's outputs).
-struct top1_draft {
+// A block's drafts d_1..d_{B-1} and their probabilities (spec_session::draft_top1's outputs, or
+// draft_sampled's draws and theirs).
+struct shared_draft {
     std::vector<int32_t> tok;
     std::vector<float> p;
     double seconds = 0;  // this block's share of the shared drafter pass (the controller's draft cost)
@@ -141,24 +142,27 @@ public:
     // finish_step takes that pass's result (logits rows, or the argmax per row when the pass
     // computed only those: pending_step::wants_logits false) and commits: the same round step()
     // gives. step() is begin_step, the pass alone (run_step), finish_step.
-    // pre: the drafts and probabilities draft_top1 would give (draft_top1_batch's), when the step
-    // takes them (top1_step).
+    // pre: the drafts and probabilities the step's own drafter pass would give (draft_top1's,
+    // or draft_sampled's draws: draft_batch's), when the step takes them (batch_draftable).
     pending_step begin_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr,
-                            const top1_draft * pre = nullptr);
+                            const shared_draft * pre = nullptr);
     // An AR step's plan whatever the controller says (the batch's controller chose AR for every
     // request: engine/batch_controller.h): the taps keep the ring in step; the controller is not
     // told (its AR price is its own AR steps').
     pending_step begin_ar_step(int32_t last, const sampling_params * sampling = nullptr) const;
-    // Whether begin_step's next drafts are draft_top1's (a greedy round under the controller, an
-    // unconstrained session of a drafter without a selector, no draft override, a healthy
-    // drafter): those draft_top1_batch may give.
-    bool top1_step(const sampling_params * sampling) const;
+    // Whether begin_step's next drafts are draft_top1's or draft_sampled's draws (a round under
+    // the controller, an unconstrained session of a drafter without a selector, no draft
+    // override, a healthy drafter): those draft_batch may give.
+    bool batch_draftable() const;
     // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
-    // own slot and ring, CPU): out[i] is draft_top1(lasts[i], B) of ss[i] alone, bit for bit
-    // (drafter_model::build_blocks: each block's columns as alone; the head per column). Each
-    // session's pending features are written into its ring by the same graph.
-    static void draft_top1_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts, int64_t B,
-                                 std::vector<top1_draft> & out);
+    // own slot and ring, CPU): out[i] is ss[i]'s own pass alone, bit for bit
+    // (drafter_model::build_blocks: each block's columns as alone; the head per column):
+    // draft_top1(lasts[i], B) greedy (samplings[i] null or greedy), else draft_sampled's draws
+    // from the block's logits rows with their probabilities. Each session's pending features are
+    // written into its ring by the same graph.
+    static void draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
+                            const std::vector<const sampling_params *> & samplings, int64_t B,
+                            std::vector<shared_draft> & out);
     round_result finish_step(pending_step & s, decode_result & v);
     round_result run_step(pending_step & s);
 
@@ -341,6 +345,9 @@ private:
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
     std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
                                        std::vector<float> * probs = nullptr);
+    // draft_sampled's loop: d_{i+1} = draw(i) for i < B - 1, cut or with probabilities as there
+    std::vector<int32_t> drawn_block(int64_t B, bool cut, std::vector<float> * probs,
+                                     const std::function<sample_result(int64_t)> & draw) const;
     // The drafter's top-K tokens and probabilities at block positions 1..B-1, [B-1, K] each
     // (K = min(tree_budget, rows of the head)); returns K.
     int64_t draft_topk(int32_t last, int64_t B, std::vector<int32_t> & tok, std::vector<float> & p);
@@ -391,7 +398,7 @@ private:
     // A chain step's plan: the drafts (the controller's choice among them when `controlled`) or an AR
     // step (a failed drafter, the controller's AR mode).
     pending_step plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
-                            const std::vector<int32_t> * forced, bool controlled, const top1_draft * pre = nullptr);
+                            const std::vector<int32_t> * forced, bool controlled, const shared_draft * pre = nullptr);
     pending_step plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const;
     // The target's choice after input row i of `v` at position pos: the in-graph argmax, else
     // choose_token's (the argmax of the row at temperature 0; `mask`: under the constraint's mask).

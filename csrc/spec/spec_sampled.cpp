@@ -51,29 +51,32 @@ std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const 
                                                  std::vector<float> * probs) {
     const int64_t n_past = tgt().n_past();
     const bool cut = !probs && params_.draft_cutoff > 0.0f;
-    logits_row row0{nullptr, 0};
-    std::vector<float> logits;  // [B-1, row0.n]; DFlash 2: the selector lattice [B-1, lattice_row]
+    if (!has_selector()) {
+        logits_row row0{nullptr, 0};
+        const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);  // [B-1, row0.n]
+        return drawn_block(B, cut, probs, [&](int64_t i) {
+            return sample_row({logits.data() + (size_t) i * row0.n, row0.n, row0.ids}, p, n_past + 1 + i, "draft",
+                              cut || probs);
+        });
+    }
+    // DFlash 2 draws a coherent block: among row i's k candidates of the selector lattice
+    // [B-1, lattice_row] by their transition scores from the previous draw, under the same noise.
+    const std::vector<float> lat = draft_lattice(last, B);
     const int64_t k = drafter_->hparams().selector_top_k;
     std::vector<int32_t> cand(k);
-    int64_t pred = 0;  // DFlash 2: the previous draw's column among its row's candidates
-    if (has_selector()) {
-        logits = draft_lattice(last, B);
-    } else {
-        logits = draft_logits_for_sampling(last, B, row0);
-    }
-    // d_{i+1}: the draw at position n_past + 1 + i. DFlash 2 draws a coherent block: among row i's
-    // k candidates by their transition scores from the previous draw, under the same noise.
-    auto draw = [&](int64_t i) {
-        if (!has_selector()) {
-            const logits_row row{logits.data() + (size_t) i * row0.n, row0.n, row0.ids};
-            return sample_row(row, p, n_past + 1 + i, "draft", cut || probs);
-        }
-        const float * lat = logits.data() + (size_t) i * drafter_->hparams().lattice_row();
-        for (int64_t j = 0; j < k; ++j) cand[j] = (int32_t) lat[j];
-        const sample_result s = sample_row({lat + k + pred * k, k, cand.data()}, p, n_past + 1 + i, "draft", cut || probs);
+    int64_t pred = 0;  // the previous draw's column among its row's candidates
+    return drawn_block(B, cut, probs, [&](int64_t i) {
+        const float * row = lat.data() + (size_t) i * drafter_->hparams().lattice_row();
+        for (int64_t j = 0; j < k; ++j) cand[j] = (int32_t) row[j];
+        const sample_result s = sample_row({row + k + pred * k, k, cand.data()}, p, n_past + 1 + i, "draft", cut || probs);
         pred = std::find(cand.begin(), cand.end(), s.token) - cand.begin();
         return s;
-    };
+    });
+}
+
+std::vector<int32_t> spec_session::drawn_block(int64_t B, bool cut, std::vector<float> * probs,
+                                               const std::function<sample_result(int64_t)> & draw) const {
+    // d_{i+1}: the draw at position n_past + 1 + i
     std::vector<int32_t> out;
     if (probs) probs->clear();
     double p_all = 1.0;

@@ -29,10 +29,10 @@ round_result spec_session::step(int32_t last, int64_t B, const sampling_params *
     return run_step(s);
 }
 
-pending_step spec_session::begin_step(int32_t last, int64_t B, const sampling_params * sampling, const top1_draft * pre) {
+pending_step spec_session::begin_step(int32_t last, int64_t B, const sampling_params * sampling, const shared_draft * pre) {
     // whatever the controller chooses, before the drafts move the constraint
     const std::vector<int32_t> * forced = forced_draft(B);
-    DFN_REQUIRE(!pre || (top1_step(sampling) && !forced), "round", "given drafts where the step drafts otherwise");
+    DFN_REQUIRE(!pre || (batch_draftable() && !forced), "round", "given drafts where the step drafts otherwise");
     return plan_chain(last, B, sampling, forced, params_.use_controller, pre);
 }
 
@@ -40,9 +40,9 @@ pending_step spec_session::begin_ar_step(int32_t last, const sampling_params * s
     return plan_ar(last, sampling, profile_now(), /*observe=*/false);
 }
 
-bool spec_session::top1_step(const sampling_params * sampling) const {
+bool spec_session::batch_draftable() const {
     return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !constraint_ &&
-           (!sampling || sampling->greedy()) && !has_selector() && !override_ && !dev_queue_;
+           !has_selector() && !override_ && !dev_queue_;
 }
 
 pending_step spec_session::plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const {
@@ -64,7 +64,7 @@ round_result spec_session::ar_round(int32_t last, double t0, const sampling_para
 }
 
 pending_step spec_session::plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
-                                      const std::vector<int32_t> * forced, bool controlled, const top1_draft * pre) {
+                                      const std::vector<int32_t> * forced, bool controlled, const shared_draft * pre) {
     const double t0 = profile_now();
     if (sampling) check_sampling_params(*sampling);
     else require_unconstrained("the in-graph argmax round");
