@@ -1214,6 +1214,34 @@ void bind_testing_batch(py::module_ & t) {
         py::arg("n_batch") = 512, py::arg("max_verify") = 0, py::arg("matmul") = "own",
         "A Target with n_seq sequence slots (slot 0 is the one its own methods serve)");
     t.def("n_seq", [](const target_session & s) { return s.n_seq(); }, py::arg("target"));
+    // runtime/thread_governor.h: the CPU graphs' thread count, alone and a target's runner's
+    py::class_<thread_governor>(t, "ThreadGovernor", "runtime/thread_governor.h alone")
+        .def(py::init<int>(), py::arg("n_threads"))
+        .def("threads", &thread_governor::threads, py::arg("now"))
+        .def("observe", &thread_governor::observe, py::arg("threads"), py::arg("wall"), py::arg("cpu"), py::arg("now"))
+        .def_property_readonly("current", &thread_governor::current)
+        .def_property_readonly("reductions", &thread_governor::reductions)
+        .def_property_readonly_static("k_probe", [](py::object) { return thread_governor::k_probe; })
+        .def_property_readonly_static("k_probe_min_s", [](py::object) { return thread_governor::k_probe_min_s; })
+        .def_property_readonly_static("k_probe_max_s", [](py::object) { return thread_governor::k_probe_max_s; });
+    t.def(
+        "runner_threads",
+        [](target_session & s) {
+            py::dict d;
+            d["asked"] = s.runner().n_threads();
+            d["now"] = s.runner().threads_now();
+            d["reductions"] = s.runner().thread_reductions();
+            return d;
+        },
+        py::arg("target"), "The target's runner: threads asked, threads its CPU graphs run on now, reductions");
+    t.def(
+        "set_threads",
+        [](target_session & s, int n) {
+            if (n < 0 || n > s.runner().n_threads())
+                throw input_error(cat("[engine] threads must be in [0, ", s.runner().n_threads(), "], got ", n));
+            s.runner().set_threads_override(n);
+        },
+        py::arg("target"), py::arg("n"), "Every CPU graph of the target's runner on n threads (0: the governor's)");
     t.def(
         "decode_batch",
         [](target_session & s, const std::vector<std::tuple<int, py::object, std::string>> & work,

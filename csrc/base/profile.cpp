@@ -1,5 +1,7 @@
 #include "base/profile.h"
 
+#include <ctime>
+
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -25,6 +27,14 @@ state & st() {
 
 double profile_now() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double thread_cpu_seconds() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    timespec ts{};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
+#endif
+    return 0.0;
 }
 
 void profile_set_level(int level) { st().level = level; }

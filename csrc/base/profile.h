@@ -41,6 +41,7 @@ struct profile_graph {
 };
 
 double profile_now();  // seconds on the steady clock (also the round timings in spec.cpp)
+double thread_cpu_seconds();  // the calling thread's CPU time (thread_governor.h); 0 where unknown
 
 // Adds its lifetime under "<graph>/<what>" when profiling is on (level >= 1).
 class profile_scope {

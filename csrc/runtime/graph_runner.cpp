@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <condition_variable>
@@ -52,7 +53,7 @@ std::atomic<long> g_pool_pid{0};
 }  // namespace
 
 graph_runner::graph_runner(const std::string & device, int n_threads, matmul_kind kernels, size_t max_nodes)
-    : n_threads_(n_threads), kernels_(kernels), max_nodes_(max_nodes) {
+    : n_threads_(n_threads), gov_(n_threads), kernels_(kernels), max_nodes_(max_nodes) {
     if (const long pool = g_pool_pid.load(); n_threads != 1 && pool != 0 && pool != process_id())
         throw runtime_error(cat("[engine] this process is a fork() of process ", pool, ", whose engines ran ggml's "
                                 "OpenMP worker threads; fork() does not copy them, and a graph on more than one thread "
@@ -345,11 +346,24 @@ ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sc
     static const bool openmp = cpu_uses_openmp();
     if (n_threads_ != 1 && openmp && g_pool_pid.load(std::memory_order_relaxed) == 0) g_pool_pid = process_id();
     ggml_status st;
+    // the thread count for this graph: the governor's, timed by the computing thread's CPU clock
+    // (DFLASH_NATIVE_FIXED_THREADS set, or no per-thread CPU clock: always n_threads)
+    static const bool fixed = std::getenv("DFLASH_NATIVE_FIXED_THREADS") != nullptr || thread_cpu_seconds() <= 0;
+    const bool governed = n_threads_ > 1 && backend_ == cpu_.get() && !fixed && override_threads_ == 0;
+    const int nt = override_threads_ > 0 ? override_threads_ : governed ? gov_.threads(profile_now()) : n_threads_;
+    if (n_threads_ > 1) ggml_backend_cpu_set_n_threads(cpu_.get(), nt);
+    auto graph = [&] {
+        const double w0 = profile_now(), c0 = thread_cpu_seconds();
+        st = ggml_backend_sched_graph_compute(sched, gf);
+        if (governed) gov_.observe(nt, profile_now() - w0, thread_cpu_seconds() - c0, profile_now());
+    };
     try {
-        if (n_threads_ != 1 && openmp && backend_ == cpu_.get()) {
-            on_compute_thread([&] { st = ggml_backend_sched_graph_compute(sched, gf); });
+        // on one thread ggml starts no OpenMP team: the calling thread computes (no hand-over,
+        // which on a busy machine waits for a core twice per graph)
+        if (nt != 1 && openmp && backend_ == cpu_.get()) {
+            on_compute_thread(graph);
         } else {
-            st = ggml_backend_sched_graph_compute(sched, gf);
+            graph();
         }
     } catch (const std::bad_alloc &) {
         // thrown by a backend's allocation inside ggml: its state may be inconsistent

@@ -6,6 +6,7 @@
 
 #include "graph/build_context.h"
 #include "kernels/cpu/matmul/dispatch.h"
+#include "runtime/thread_governor.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -69,6 +70,12 @@ public:
     // True after a failure inside ggml's compute left the CPU backend unusable (every run throws).
     bool broken() const { return !broken_.empty(); }
     int n_threads() const { return n_threads_; }
+    // The threads the CPU graphs run on now (thread_governor.h: fewer while the machine is
+    // oversubscribed), and how often the governor lowered them.
+    int threads_now() const { return override_threads_ > 0 ? override_threads_ : gov_.current(); }
+    int64_t thread_reductions() const { return gov_.reductions(); }
+    // Tests: every CPU graph on this many threads (0: the governor's choice again).
+    void set_threads_override(int n) { override_threads_ = n; }
     matmul_kind kernels() const { return kernels_; }
     size_t n_plans() const { return plans_.size(); }
     // Drops the cached plans whose shape key starts with `prefix` (tune_matmul's, once measured).
@@ -117,6 +124,8 @@ private:
     std::vector<std::string> placement_;
     void check_placement(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
     int n_threads_ = 0;
+    thread_governor gov_;      // the CPU graphs' thread count (read and written on the computing thread)
+    int override_threads_ = 0;
     matmul_kind kernels_ = MATMUL_OWN;
     size_t max_nodes_ = 0;
     std::vector<uint8_t> meta_;             // graph metadata arena
