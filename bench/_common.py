@@ -353,3 +353,27 @@ def heldout_eval(target, drafter, blocks, *, cutoffs=(0.0,), n_prompts: int = 16
                   f"{row['other_ms_per_round']:.2f} | {t['rounds']} | {cell} |", flush=True)
             rows.append(row)
     return rows
+
+
+def load_phase_args(ap, *, load: int, gen: int) -> None:
+    """The options of a bench run in quiet / load / after phases (controller_load.py, threads_load.py)."""
+    ap.add_argument("--target"), ap.add_argument("--drafter")
+    ap.add_argument("--load", type=int, default=load, help="busy-loop processes during the load phase")
+    ap.add_argument("--requests", type=int, default=4, help="requests per phase")
+    ap.add_argument("--gen", type=int, default=gen)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+
+
+def load_phases(n_load: int):
+    """Yields "quiet", "load" and "after"; during "load", n_load busy-loop processes
+    (`while True: pass`) run beside the caller, killed when the phase ends."""
+    for phase in ("quiet", "load", "after"):
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n_load)] \
+            if phase == "load" else []
+        try:
+            yield phase
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()

@@ -12,23 +12,17 @@ measured side by side in one run mean anything on a shared machine.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, resolve_pair, write_jsonl  # noqa: E402
+from _common import git_rev, load_phase_args, load_phases, machine, resolve_pair, write_jsonl  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target"), ap.add_argument("--drafter")
-    ap.add_argument("--load", type=int, default=4, help="busy-loop processes during the load phase")
-    ap.add_argument("--requests", type=int, default=4, help="requests per phase")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", type=Path)
+    load_phase_args(ap, load=4, gen=128)
     a = ap.parse_args()
 
     import dflash_native as dn
@@ -51,33 +45,26 @@ def main() -> None:
     print(f"{'phase':7} {'req':>3} {'mode':5} " + " ".join(f"{n + ' tok/s':>15}" for n in names)
           + f" {'governed/fixed':>14} {'threads now':>11} {'same':>5}")
     rows, k = [], 0
-    for phase in ("quiet", "load", "after"):
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)] \
-            if phase == "load" else []
-        try:
-            for i in range(a.requests):
-                p, k = prompts[k].text, k + 1
-                for spec in (False, True):
-                    tok_s, toks = {}, {}
-                    for n in names:
-                        t0 = time.perf_counter()
-                        r = engines[n].generate(p, max_tokens=a.gen, speculative=spec)
-                        tok_s[n] = len(r.tokens) / (time.perf_counter() - t0)
-                        toks[n] = r.tokens
-                    th = T.runner_threads(engines["governed"]._core)
-                    same = all(toks[n] == toks["fixed"] for n in names)
-                    row = dict(bench="threads_load", phase=phase, request=i, mode="spec" if spec else "ar",
-                               load=a.load if phase == "load" else 0, tok_s=tok_s,
-                               governed_over_fixed=tok_s["governed"] / tok_s["fixed"], threads_now=th["now"],
-                               reductions=th["reductions"], same=same, gen=a.gen, threads=a.threads,
-                               machine=info, rev=rev)
-                    rows.append(row)
-                    print(f"{phase:7} {i:>3} {row['mode']:5} " + " ".join(f"{tok_s[n]:15.1f}" for n in names)
-                          + f" {row['governed_over_fixed']:14.2f} {th['now']:>11} {str(same):>5}", flush=True)
-        finally:
-            for pr in procs:
-                pr.kill()
-                pr.wait()
+    for phase in load_phases(a.load):
+        for i in range(a.requests):
+            p, k = prompts[k].text, k + 1
+            for spec in (False, True):
+                tok_s, toks = {}, {}
+                for n in names:
+                    t0 = time.perf_counter()
+                    r = engines[n].generate(p, max_tokens=a.gen, speculative=spec)
+                    tok_s[n] = len(r.tokens) / (time.perf_counter() - t0)
+                    toks[n] = r.tokens
+                th = T.runner_threads(engines["governed"]._core)
+                same = all(toks[n] == toks["fixed"] for n in names)
+                row = dict(bench="threads_load", phase=phase, request=i, mode="spec" if spec else "ar",
+                           load=a.load if phase == "load" else 0, tok_s=tok_s,
+                           governed_over_fixed=tok_s["governed"] / tok_s["fixed"], threads_now=th["now"],
+                           reductions=th["reductions"], same=same, gen=a.gen, threads=a.threads,
+                           machine=info, rev=rev)
+                rows.append(row)
+                print(f"{phase:7} {i:>3} {row['mode']:5} " + " ".join(f"{tok_s[n]:15.1f}" for n in names)
+                      + f" {row['governed_over_fixed']:14.2f} {th['now']:>11} {str(same):>5}", flush=True)
     bad = sum(not r["same"] for r in rows)
     print(f"requests whose tokens differ between the setups: {bad}")
     write_jsonl(a.json, rows)
