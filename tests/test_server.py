@@ -596,6 +596,7 @@ def test_parallel_streams_equal_solo(server4, offline):
         assert g == w, (i, g, w)
     after = _metrics(server4)
     assert after["dflash_slots"] == 4
+    assert after["dflash_cpu_threads"] >= 1 and "dflash_cpu_thread_reductions_total" in after
     passes = after["dflash_batch_passes_total"] - before["dflash_batch_passes_total"]
     solo = after['dflash_batch_width_bucket{le="1"}'] - before.get('dflash_batch_width_bucket{le="1"}', 0.0)
     assert passes > 0 and passes - solo > 0, (passes, solo)  # passes over 2 or more requests

@@ -476,6 +476,10 @@ void bind_target(py::module_ & m) {
              py::arg("kv_type") = "f16", py::arg("n_batch") = 512, py::arg("device") = "cpu", py::arg("max_verify") = 0,
              py::arg("use_mmap") = true, py::arg("n_seq") = 1)
         .def_property_readonly("n_seq", &target_session::n_seq)
+        .def_property_readonly("threads_now", [](target_session & s) { return s.runner().threads_now(); },
+                               "Threads its CPU graphs run on now (runtime/thread_governor.h)")
+        .def_property_readonly("thread_reductions", [](target_session & s) { return s.runner().thread_reductions(); },
+                               "Times the thread governor lowered the count (a busy machine)")
         .def_property_readonly("arch", [](const target_session & s) { return s.hparams().arch; })
         .def_property_readonly("n_vocab", [](const target_session & s) { return s.hparams().n_vocab; })
         .def_property_readonly("n_embd", [](const target_session & s) { return s.hparams().n_embd; })

@@ -172,6 +172,9 @@ class Metrics:
             ("slots", pool.n_slots, "gauge"),
             ("slots_busy", pool.n_busy, "gauge"),
             ("queue_length", len(pool.waiting), "gauge"),
+            # the CPU graphs' threads now, and how often a busy machine lowered them
+            ("cpu_threads", pool.engine._core.threads_now, "gauge"),
+            ("cpu_thread_reductions_total", pool.engine._core.thread_reductions, "counter"),
         ]:
             out += [f"# TYPE {p}{name} {kind}", f"{p}{name} {v}"]
         # acceptance length (committed tokens per speculative round) as a cumulative histogram
