@@ -25,7 +25,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     std::vector<draft_graph> d(n);
     std::vector<int64_t> pushed_before(n, -1);
     std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "",
-                          any_drawn ? ":logits" : "");
+                          s0.has_selector() ? ":lattice" : any_drawn ? ":logits" : "");
     auto restore = [&] {  // a failed graph: the pending features stay pending
         for (size_t i = 0; i < n; ++i)
             if (pushed_before[i] >= 0) ss[i]->ring_->n_pushed = pushed_before[i];
@@ -46,7 +46,9 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         throw;
     }
     const int64_t R = d[0].rows;
+    const bool sel = s0.has_selector();
     ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr, * logits = nullptr;
+    std::vector<ggml_tensor *> lats(n, nullptr);
     auto build = [&](const build_context & b) {
         ggml_context * ctx = b.ctx;
         std::vector<drafter_model::block_ring> blocks;
@@ -68,10 +70,23 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         ggml_tensor * h = dm.build_blocks(b, tok, pos, blocks, s0.tgt().model().tok_embd);  // [n_embd, n (B-1)]
         ggml_tensor * head = sub ? dm.draft_head : s0.lm_head();
         logits = dm.build_draft_logits(b, head, h, tok, (int64_t) n, &conf);  // [n_cols, n (B-1)]
-        if (any_drawn) ggml_set_output(logits);  // the drawn blocks' rows, as draft_logits_for_sampling's
+        if (any_drawn && !sel) ggml_set_output(logits);  // the drawn blocks' rows, as draft_logits_for_sampling's
         if (conf) {
             ggml_set_output(conf);
             ggml_build_forward_expand(b.gf, conf);
+        }
+        if (sel) {  // DFlash 2: each block's selector lattice over its own rows and anchor, as alone
+            for (size_t i = 0; i < n; ++i) {
+                const int64_t c0 = (int64_t) i * (B - 1);
+                ggml_tensor * hi = ggml_cont(ctx, ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], c0 * h->nb[1]));
+                ggml_tensor * li = ggml_cont(ctx, ggml_view_2d(ctx, logits, logits->ne[0], B - 1, logits->nb[1],
+                                                               c0 * logits->nb[1]));
+                ggml_tensor * ti = ggml_view_1d(ctx, tok, R, (size_t) i * R * sizeof(int32_t));
+                lats[i] = dm.build_selector(b, hi, li, ti);  // F32 [lattice_row, B-1]
+                ggml_set_output(lats[i]);
+                ggml_build_forward_expand(b.gf, lats[i]);
+            }
+            return;
         }
         top1 = top1_op(ctx, logits);  // F32 [2, n (B-1)]
         ggml_set_output(top1);
@@ -99,7 +114,15 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     logits_row row{nullptr, sub ? (int64_t) dh.draft_vocab.size() : s0.tgt().hparams().n_vocab,
                    sub ? dh.draft_vocab.data() : nullptr};
     std::vector<std::vector<float>> rows(n);
+    const int64_t lat_row = dh.lattice_row();
     auto read = [&] {
+        if (sel) {
+            for (size_t i = 0; i < n; ++i) {
+                rows[i].resize((size_t) (B - 1) * lat_row);
+                ggml_backend_tensor_get(lats[i], rows[i].data(), 0, rows[i].size() * sizeof(float));
+            }
+            return;
+        }
         ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
         if (conf) {
             confs.resize((size_t) n * (B - 1));
@@ -116,6 +139,17 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         s0.runner_.run(key, build, set_inputs, read);
         out.assign(n, {});
         for (size_t i = 0; i < n; ++i) {
+            if (sel) {  // the selector's path (draft_top1's) or its coherent draws (draft_sampled's)
+                const int64_t n_past = d[i].n_past;
+                if (drawn(i)) {
+                    out[i].tok = ss[i]->lattice_draws(rows[i].data(), B, *samplings[i], n_past, false, &out[i].p);
+                } else {
+                    out[i].tok.resize(B - 1);
+                    out[i].p.resize(B - 1);
+                    walk_lattice(rows[i].data(), B - 1, dh.selector_top_k, out[i].tok.data(), out[i].p.data(), n_past + 1);
+                }
+                continue;
+            }
             if (drawn(i)) {  // draft_sampled's draws from its rows, with their probabilities
                 const int64_t n_past = d[i].n_past;
                 const sampling_params & p = *samplings[i];

@@ -151,15 +151,16 @@ public:
     // told (its AR price is its own AR steps').
     pending_step begin_ar_step(int32_t last, const sampling_params * sampling = nullptr) const;
     // Whether begin_step's next drafts are draft_top1's or draft_sampled's draws (a round under
-    // the controller, an unconstrained session of a drafter without a selector, no draft
-    // override, a healthy drafter): those draft_batch may give.
+    // the controller, an unconstrained session, no draft override, a healthy drafter): those
+    // draft_batch may give.
     bool batch_draftable() const;
     // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
     // own slot and ring, CPU): out[i] is ss[i]'s own pass alone, bit for bit
     // (drafter_model::build_blocks: each block's columns as alone; the head per column):
     // draft_top1(lasts[i], B) greedy (samplings[i] null or greedy), else draft_sampled's draws
-    // from the block's logits rows with their probabilities. Each session's pending features are
-    // written into its ring by the same graph.
+    // from the block's logits rows with their probabilities; a DFlash 2 drafter's from each
+    // block's selector lattice. Each session's pending features are written into its ring by the
+    // same graph.
     static void draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
                             const std::vector<const sampling_params *> & samplings, int64_t B,
                             std::vector<shared_draft> & out);
@@ -345,6 +346,10 @@ private:
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
     std::vector<int32_t> draft_sampled(int32_t last, int64_t B, const sampling_params & p,
                                        std::vector<float> * probs = nullptr);
+    // draft_sampled's draws of a DFlash 2 drafter from its selector lattice lat [B-1, lattice_row]
+    // (draft_lattice's), positions n_past + 1 ..
+    std::vector<int32_t> lattice_draws(const float * lat, int64_t B, const sampling_params & p, int64_t n_past,
+                                       bool cut, std::vector<float> * probs) const;
     // draft_sampled's loop: d_{i+1} = draw(i) for i < B - 1, cut or with probabilities as there
     std::vector<int32_t> drawn_block(int64_t B, bool cut, std::vector<float> * probs,
                                      const std::function<sample_result(int64_t)> & draw) const;

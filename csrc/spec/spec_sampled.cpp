@@ -59,14 +59,18 @@ std::vector<int32_t> spec_session::draft_sampled(int32_t last, int64_t B, const 
                               cut || probs);
         });
     }
+    return lattice_draws(draft_lattice(last, B).data(), B, p, n_past, cut, probs);
+}
+
+std::vector<int32_t> spec_session::lattice_draws(const float * lat, int64_t B, const sampling_params & p,
+                                                 int64_t n_past, bool cut, std::vector<float> * probs) const {
     // DFlash 2 draws a coherent block: among row i's k candidates of the selector lattice
     // [B-1, lattice_row] by their transition scores from the previous draw, under the same noise.
-    const std::vector<float> lat = draft_lattice(last, B);
     const int64_t k = drafter_->hparams().selector_top_k;
     std::vector<int32_t> cand(k);
     int64_t pred = 0;  // the previous draw's column among its row's candidates
     return drawn_block(B, cut, probs, [&](int64_t i) {
-        const float * row = lat.data() + (size_t) i * drafter_->hparams().lattice_row();
+        const float * row = lat + (size_t) i * drafter_->hparams().lattice_row();
         for (int64_t j = 0; j < k; ++j) cand[j] = (int32_t) row[j];
         const sample_result s = sample_row({row + k + pred * k, k, cand.data()}, p, n_past + 1 + i, "draft", cut || probs);
         pred = std::find(cand.begin(), cand.end(), s.token) - cand.begin();
