@@ -325,6 +325,22 @@ def test_batched_drafter_pass_of_each_kind(kind_pair, sampled):
     check_batched_drafts(kind_pair, sampled=sampled)
 
 
+def test_batched_drafter_pass_with_forced_drafts(pair):
+    """A draft source (benchmarks' forced acceptance) replaces the shared pass's drafts as it
+    replaces a solo round's: the same rounds and tokens as solo, the pass still shared."""
+    check_batched_drafts(pair, forced=True)
+
+
+def forced_source(ref, n_vocab, tau=3):
+    """Drafts: the AR continuation ref after the tokens so far, its tau-th draft made wrong."""
+    def source(out, B):
+        d = (list(ref[len(out): len(out) + B - 1]) + [1] * B)[: B - 1]
+        if tau <= len(d):
+            d[tau - 1] = (d[tau - 1] + 1) % n_vocab
+        return d
+    return source
+
+
 def batched_sampling(i, sampled):
     """Request i's settings in check_batched_drafts: greedy, or (sampled) alternately seeded sampled
     and greedy with logprobs (both read the pass's logits rows)."""
@@ -335,21 +351,29 @@ def batched_sampling(i, sampled):
     return dict(temperature=0.0, logprobs=2)
 
 
-def check_batched_drafts(pair, sampled=False):
+def check_batched_drafts(pair, sampled=False, forced=False):
     rng = np.random.default_rng(4)
     n = 3
+    refs = sources = None
+    if forced:
+        with engine(pair, 1) as ar:
+            prompts0 = [list(map(int, np.random.default_rng(4).integers(3, ar.n_vocab, int(k)))) for k in (9, 17, 25)]
+            refs = [ar.generate(p, max_tokens=48, speculative=False).tokens for p in prompts0]
+            sources = [forced_source(r, ar.n_vocab) for r in refs]
     with engine(pair, n) as eng:
         sched = eng._sched
         T.batch_controller_params(sched, enabled=False)  # its AR steps would change the rounds
         for k in range(n):
             fixed_costs(sched.spec(k))
-        prompts = [list(map(int, rng.integers(3, eng.n_vocab, int(rng.integers(4, 30))))) for _ in range(n)]
+        prompts = prompts0 if forced else \
+            [list(map(int, rng.integers(3, eng.n_vocab, int(rng.integers(4, 30))))) for _ in range(n)]
         tickets = []
         for i, p in enumerate(prompts):  # all admitted at the first step
             kw = batched_sampling(i, sampled)
             smp = _core.Sampling(kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0), seed=kw.get("seed", 0),
                                  logprobs=kw.get("logprobs", -1)) if kw else None
-            tickets.append(sched.submit(p, True, sampling=smp, max_tokens=40))
+            tickets.append(sched.submit(p, True, sampling=smp, max_tokens=40,
+                                        draft_source=sources[i] if forced else None))
         outs = [[] for _ in range(n)]
         while not all(t.done for t in tickets):
             for i, t in enumerate(tickets):
@@ -360,6 +384,8 @@ def check_batched_drafts(pair, sampled=False):
     for i, p in enumerate(prompts):
         with engine(pair, 1) as solo:
             fixed_costs(solo._spec)
+            if forced:
+                solo._draft_override = lambda prompt, out, B, f=sources[i]: f(out, B)
             r = solo.generate(p, max_tokens=40, **batched_sampling(i, sampled))
         assert outs[i] == r.tokens, f"request {i}: tokens differ from its solo run"
         assert hist[i] == r.stats.acceptance_histogram, f"request {i}: rounds differ from its solo run"

@@ -157,7 +157,7 @@ request::emitted request::step() {
 }
 
 bool request::shared_draft_round() const {
-    return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && !policy_.constraint && !forced_ &&
+    return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && !policy_.constraint &&
            round_room() >= 2 && spec_->batch_draftable();
 }
 

@@ -151,8 +151,8 @@ public:
     // told (its AR price is its own AR steps').
     pending_step begin_ar_step(int32_t last, const sampling_params * sampling = nullptr) const;
     // Whether begin_step's next drafts are draft_top1's or draft_sampled's draws (a round under
-    // the controller, an unconstrained session, no draft override, a healthy drafter): those
-    // draft_batch may give.
+    // the controller, an unconstrained session, a healthy drafter): those draft_batch may give
+    // (a draft override then replaces them, as it replaces the drafter's own).
     bool batch_draftable() const;
     // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
     // own slot and ring, CPU): out[i] is ss[i]'s own pass alone, bit for bit

@@ -32,7 +32,8 @@ round_result spec_session::step(int32_t last, int64_t B, const sampling_params *
 pending_step spec_session::begin_step(int32_t last, int64_t B, const sampling_params * sampling, const shared_draft * pre) {
     // whatever the controller chooses, before the drafts move the constraint
     const std::vector<int32_t> * forced = forced_draft(B);
-    DFN_REQUIRE(!pre || (batch_draftable() && !forced), "round", "given drafts where the step drafts otherwise");
+    // (a forced draft replaces the given ones after them, as it replaces the drafter's own)
+    DFN_REQUIRE(!pre || batch_draftable(), "round", "given drafts where the step drafts otherwise");
     return plan_chain(last, B, sampling, forced, params_.use_controller, pre);
 }
 
@@ -42,7 +43,7 @@ pending_step spec_session::begin_ar_step(int32_t last, const sampling_params * s
 
 bool spec_session::batch_draftable() const {
     return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !constraint_ &&
-           !override_ && !dev_queue_;
+           !dev_queue_;
 }
 
 pending_step spec_session::plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const {
