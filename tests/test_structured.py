@@ -109,6 +109,43 @@ def test_default_pair_constrained_spec_equals_constrained_ar(engine, sampled):
     assert n_rounds > 0 and n_committed / n_rounds > 1.0, "no drafts accepted under the constraint"
 
 
+def test_constrained_requests_share_the_drafter_pass(pair):
+    """Constrained requests (greedy and seeded sampled) on Engine(n_seq=3), the requests'
+    controllers on fixed costs (their choices depend on acceptance only) and the batch's controller
+    off: their drafts come from one shared drafter pass, each slot masking its own rows, and each
+    request's tokens and rounds equal its solo run's."""
+    from dflash_native import _core
+
+    T = _core.testing
+    reqs = [dict(prompt=PROMPTS[0]), dict(prompt=PROMPTS[1], temperature=0.8, top_p=0.95, seed=5),
+            dict(prompt=PROMPTS[2])]
+
+    def fixed(spec):
+        T.controller_fixed_costs(spec, ar_s=1.0, draft_s=0.2, verify0_s=0.9, verify1_s=0.05)
+
+    with dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2, n_seq=3) as eng:
+        sched = eng._sched
+        T.batch_controller_params(sched, enabled=False)
+        for k in range(3):
+            fixed(sched.spec(k))
+        streams = [eng.generate(**r, max_tokens=40, constraint=dn.JsonSchema(BOUNDED), stream=True) for r in reqs]
+        got = [None] * 3
+        while any(g is None for g in got):
+            for i, st in enumerate(streams):
+                if got[i] is None:
+                    piece = next(st)
+                    if getattr(piece, "result", None) is not None:
+                        got[i] = piece.result
+        shared = sched.pass_stats["shared_drafts"]
+    for i, r in enumerate(reqs):
+        with dn.Engine(pair[0], drafter=pair[1], n_ctx=512, n_threads=2) as solo:
+            fixed(solo._spec)
+            want = solo.generate(**r, max_tokens=40, constraint=dn.JsonSchema(BOUNDED))
+        assert got[i].tokens == want.tokens, f"request {i}"
+        assert got[i].stats.acceptance_histogram == want.stats.acceptance_histogram, f"request {i}"
+    assert shared > 0
+
+
 def test_default_pair_constrained_ar_is_masked_argmax(pair):
     """Constrained greedy AR is the argmax of the grammar-masked logits at every step, and the
     speculative output equals it (without the controller: every step a round)."""

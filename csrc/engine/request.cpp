@@ -157,8 +157,8 @@ request::emitted request::step() {
 }
 
 bool request::shared_draft_round() const {
-    return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && !policy_.constraint &&
-           round_room() >= 2 && spec_->batch_draftable();
+    return !committed_.empty() && !done() && policy_.speculative && !policy_.tree && round_room() >= 2 &&
+           spec_->batch_draftable();
 }
 
 std::optional<batch_item> request::begin_step(const shared_draft * pre, bool force_ar) {

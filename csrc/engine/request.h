@@ -96,9 +96,9 @@ public:
     // speculative request's step is an AR step whatever its controller says (the batch's
     // controller, engine/batch_controller.h); the ring stays in step.
     std::optional<batch_item> begin_step(const shared_draft * pre = nullptr, bool force_ar = false);
-    // Whether the next step is a chain round whose drafts draft_batch may give, greedy or sampled
-    // (the spec's batch_draftable, no constraint; a draft source replaces them after, as it
-    // replaces the drafter's own); its block size then is round_room().
+    // Whether the next step is a chain round whose drafts draft_batch may give, greedy, sampled or
+    // constrained (the spec's batch_draftable; a draft source replaces them after, as it replaces
+    // the drafter's own); its block size then is round_room().
     bool shared_draft_round() const;
     int64_t round_room() const;
     int32_t last() const { return last_; }

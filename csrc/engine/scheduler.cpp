@@ -220,7 +220,7 @@ void scheduler::step_once() {
     const bool force_ar = controlled && !batch_ctl_.speculate(n_step);
     const double t_step = profile_now();
     double t_solo = 0;
-    // the rounds' drafts (greedy and sampled): one drafter pass per block size over their slots
+    // the rounds' drafts (greedy, sampled, constrained): one drafter pass per block size over their slots
     std::map<int64_t, std::vector<int>> groups;
     for (int k = 0; k < n_slots() && !force_ar; ++k)
         if (steps(k) && active[k]->req->shared_draft_round()) groups[active[k]->req->round_room()].push_back(k);
@@ -230,15 +230,17 @@ void scheduler::step_once() {
         std::vector<spec_session *> ss;
         std::vector<int32_t> lasts;
         std::vector<const sampling_params *> samplings;
+        std::vector<char> constrained;
         for (int k : ks) {
             const request & r = *active[k]->req;
             ss.push_back(r.spec()), lasts.push_back(r.last());
             samplings.push_back(r.policy().sampling ? &*r.policy().sampling : nullptr);
+            constrained.push_back(r.policy().constraint != nullptr);
         }
         std::vector<shared_draft> drafts;
         const double t0 = profile_now();
         try {
-            spec_session::draft_batch(ss, lasts, samplings, B, drafts);
+            spec_session::draft_batch(ss, lasts, samplings, constrained, B, drafts);
         } catch (...) {
             // each drafts alone: a failed drafter is recorded per session (its step an AR step),
             // and any other error reaches that request's own caller

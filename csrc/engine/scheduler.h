@@ -5,10 +5,10 @@
 // batch), then each request's acceptance and commit. A request's tokens in any batch are its
 // tokens run alone, bit for bit (the matmul contract: each column computed as alone). Requests
 // join and leave between steps (continuous batching). Tree rounds and the last token's AR step
-// run alone, between the batched passes. The rounds' drafts of one block size, greedy and sampled,
-// come from one drafter pass over their slots (spec_session::draft_batch; DFlash 2's selector per
-// block in it; a draft source's forced drafts replace a slot's after it); constrained drafts run
-// per slot. Under the controller (spec_params::use_controller), the
+// run alone, between the batched passes. The rounds' drafts of one block size, greedy, sampled and
+// constrained, come from one drafter pass over their slots (spec_session::draft_batch; DFlash 2's
+// selector per block in it; a constrained slot masks its rows in its own step; a draft source's
+// forced drafts replace a slot's after it). Under the controller (spec_params::use_controller), the
 // batch's controller (engine/batch_controller.h) may make a step AR for every request: it judges
 // whole steps by their committed tokens per second against all-AR steps over as many requests.
 //

@@ -11,13 +11,19 @@
 namespace dfn {
 
 void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
-                              const std::vector<const sampling_params *> & samplings, int64_t B,
-                              std::vector<shared_draft> & out) {
+                              const std::vector<const sampling_params *> & samplings,
+                              const std::vector<char> & constrained, int64_t B, std::vector<shared_draft> & out) {
     const size_t n = ss.size();
-    DFN_REQUIRE(n >= 1 && lasts.size() == n && samplings.size() == n, "draft", "one last token and sampling per session");
-    auto drawn = [&](size_t i) { return samplings[i] && !samplings[i]->greedy(); };
-    bool any_drawn = false;
-    for (size_t i = 0; i < n; ++i) any_drawn = any_drawn || drawn(i);
+    DFN_REQUIRE(n >= 1 && lasts.size() == n && samplings.size() == n && constrained.size() == n, "draft",
+                "one last token, sampling and constraint flag per session");
+    const bool sel = ss[0]->has_selector();
+    // drawn: draws from the block's rows here; rows: the rows go to the session (a constrained
+    // step masks them); a selector drafter draws from its lattice instead, but a constrained
+    // session of one still takes the rows (draft_constrained's)
+    auto drawn = [&](size_t i) { return !constrained[i] && samplings[i] && !samplings[i]->greedy(); };
+    auto wants_rows = [&](size_t i) { return constrained[i] || (drawn(i) && !sel); };
+    bool any_rows = false;
+    for (size_t i = 0; i < n; ++i) any_rows = any_rows || wants_rows(i);
     spec_session & s0 = *ss[0];
     const drafter_model & dm = *s0.drafter_;
     const drafter_hparams & dh = dm.hparams();
@@ -25,7 +31,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     std::vector<draft_graph> d(n);
     std::vector<int64_t> pushed_before(n, -1);
     std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "",
-                          s0.has_selector() ? ":lattice" : any_drawn ? ":logits" : "");
+                          sel ? ":lattice" : "", any_rows ? ":logits" : "");
     auto restore = [&] {  // a failed graph: the pending features stay pending
         for (size_t i = 0; i < n; ++i)
             if (pushed_before[i] >= 0) ss[i]->ring_->n_pushed = pushed_before[i];
@@ -46,7 +52,6 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         throw;
     }
     const int64_t R = d[0].rows;
-    const bool sel = s0.has_selector();
     ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr, * logits = nullptr;
     std::vector<ggml_tensor *> lats(n, nullptr);
     auto build = [&](const build_context & b) {
@@ -70,7 +75,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         ggml_tensor * h = dm.build_blocks(b, tok, pos, blocks, s0.tgt().model().tok_embd);  // [n_embd, n (B-1)]
         ggml_tensor * head = sub ? dm.draft_head : s0.lm_head();
         logits = dm.build_draft_logits(b, head, h, tok, (int64_t) n, &conf);  // [n_cols, n (B-1)]
-        if (any_drawn && !sel) ggml_set_output(logits);  // the drawn blocks' rows, as draft_logits_for_sampling's
+        if (any_rows) ggml_set_output(logits);  // the blocks' rows, as draft_logits_for_sampling's
         if (conf) {
             ggml_set_output(conf);
             ggml_build_forward_expand(b.gf, conf);
@@ -111,42 +116,44 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     };
     std::vector<float> all((size_t) n * (B - 1) * 2), confs;
     // a drawn block's logits rows [B-1, row.n] (over the draft vocabulary when it is on)
-    logits_row row{nullptr, sub ? (int64_t) dh.draft_vocab.size() : s0.tgt().hparams().n_vocab,
-                   sub ? dh.draft_vocab.data() : nullptr};
+    const logits_row row = s0.sampling_row_shape();
     std::vector<std::vector<float>> rows(n);
     const int64_t lat_row = dh.lattice_row();
+    std::vector<std::vector<float>> lat(n);  // a selector drafter's lattices [B-1, lattice_row]
     auto read = [&] {
-        if (sel) {
-            for (size_t i = 0; i < n; ++i) {
-                rows[i].resize((size_t) (B - 1) * lat_row);
-                ggml_backend_tensor_get(lats[i], rows[i].data(), 0, rows[i].size() * sizeof(float));
+        const size_t block = (size_t) (B - 1) * row.n;
+        for (size_t i = 0; i < n; ++i) {
+            if (sel && !constrained[i]) {
+                lat[i].resize((size_t) (B - 1) * lat_row);
+                ggml_backend_tensor_get(lats[i], lat[i].data(), 0, lat[i].size() * sizeof(float));
             }
-            return;
+            if (!wants_rows(i)) continue;
+            rows[i].resize(block);
+            ggml_backend_tensor_get(logits, rows[i].data(), i * block * sizeof(float), block * sizeof(float));
         }
+        if (sel) return;
         ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
         if (conf) {
             confs.resize((size_t) n * (B - 1));
             ggml_backend_tensor_get(conf, confs.data(), 0, confs.size() * sizeof(float));
-        }
-        const size_t block = (size_t) (B - 1) * row.n;
-        for (size_t i = 0; i < n; ++i) {
-            if (!drawn(i)) continue;
-            rows[i].resize(block);
-            ggml_backend_tensor_get(logits, rows[i].data(), i * block * sizeof(float), block * sizeof(float));
         }
     };
     try {
         s0.runner_.run(key, build, set_inputs, read);
         out.assign(n, {});
         for (size_t i = 0; i < n; ++i) {
+            if (constrained[i]) {  // its step masks them (draft_constrained), the constraint there
+                out[i].rows = std::move(rows[i]);
+                continue;
+            }
             if (sel) {  // the selector's path (draft_top1's) or its coherent draws (draft_sampled's)
                 const int64_t n_past = d[i].n_past;
                 if (drawn(i)) {
-                    out[i].tok = ss[i]->lattice_draws(rows[i].data(), B, *samplings[i], n_past, false, &out[i].p);
+                    out[i].tok = ss[i]->lattice_draws(lat[i].data(), B, *samplings[i], n_past, false, &out[i].p);
                 } else {
                     out[i].tok.resize(B - 1);
                     out[i].p.resize(B - 1);
-                    walk_lattice(rows[i].data(), B - 1, dh.selector_top_k, out[i].tok.data(), out[i].p.data(), n_past + 1);
+                    walk_lattice(lat[i].data(), B - 1, dh.selector_top_k, out[i].tok.data(), out[i].p.data(), n_past + 1);
                 }
                 continue;
             }

@@ -61,6 +61,9 @@ class spec_session;
 struct shared_draft {
     std::vector<int32_t> tok;
     std::vector<float> p;
+    // a constrained session's: the drafter's rows [B-1, n] (draft_logits_for_sampling's), which
+    // its step masks and draws from (the constraint moves there, not in the shared pass)
+    std::vector<float> rows;
     double seconds = 0;  // this block's share of the shared drafter pass (the controller's draft cost)
 };
 
@@ -150,9 +153,10 @@ public:
     // request: engine/batch_controller.h): the taps keep the ring in step; the controller is not
     // told (its AR price is its own AR steps').
     pending_step begin_ar_step(int32_t last, const sampling_params * sampling = nullptr) const;
-    // Whether begin_step's next drafts are draft_top1's or draft_sampled's draws (a round under
-    // the controller, an unconstrained session, a healthy drafter): those draft_batch may give
-    // (a draft override then replaces them, as it replaces the drafter's own).
+    // Whether begin_step's next drafts are draft_top1's, draft_sampled's draws or, under a
+    // constraint, draft_constrained's from the drafter's rows (a round under the controller, a
+    // healthy drafter): those draft_batch may give (a draft override then replaces them, as it
+    // replaces the drafter's own).
     bool batch_draftable() const;
     // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
     // own slot and ring, CPU): out[i] is ss[i]'s own pass alone, bit for bit
@@ -161,9 +165,10 @@ public:
     // from the block's logits rows with their probabilities; a DFlash 2 drafter's from each
     // block's selector lattice. Each session's pending features are written into its ring by the
     // same graph.
+    // constrained[i]: session i's step runs under a constraint: out[i].rows only.
     static void draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
-                            const std::vector<const sampling_params *> & samplings, int64_t B,
-                            std::vector<shared_draft> & out);
+                            const std::vector<const sampling_params *> & samplings,
+                            const std::vector<char> & constrained, int64_t B, std::vector<shared_draft> & out);
     round_result finish_step(pending_step & s, decode_result & v);
     round_result run_step(pending_step & s);
 
@@ -329,6 +334,8 @@ private:
     // draft vocabulary when it is on (row.ids its token ids), else the whole vocabulary; sets
     // row.n and row.ids (row i's logits start at i * row.n of the result).
     std::vector<float> draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row);
+    // Its rows' shape: n and ids (data null).
+    logits_row sampling_row_shape() const;
     // r's draft, verify and rollback seconds from the round's start t0, draft end t1, verify end t2
     // and now (the end of the commit).
     static void set_times(round_result & r, double t0, double t1, double t2);
@@ -380,8 +387,11 @@ private:
     // would terminate the grammar (a stop token: nothing is verified after it). Fills masks_ rows
     // 0..n (row i: the mask after i drafts, the verify's row i). probs, cut: as draft_sampled's.
     // The constraint is left after all the drafts returned.
+    // rows: the drafter's rows [B-1, row.n] from a pass shared with other slots (draft_batch),
+    // in place of its own pass.
     std::vector<int32_t> draft_constrained(int32_t last, int64_t B, const sampling_params & p,
-                                           std::vector<float> * probs = nullptr);
+                                           std::vector<float> * probs = nullptr,
+                                           const std::vector<float> * rows = nullptr);
     // draft_topk's form under the constraint (spec_sampled.cpp): position i's K candidates from the
     // drafter's row i masked by the grammar after the spine (the rank-0 candidates of positions
     // before it: the chain draft_constrained takes), greedy (row_topk) or by perturbed score; the

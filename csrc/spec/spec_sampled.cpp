@@ -37,11 +37,14 @@ int32_t spec_session::ar_step_sampled(int32_t last, const sampling_params & p, t
     return choose_next(constraint_, row, p, pos + 1, "decode", lp);
 }
 
-std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {
+logits_row spec_session::sampling_row_shape() const {
     const bool dv = drafts_over_draft_vocab();
     const std::vector<int32_t> & ids = drafter_->hparams().draft_vocab;
-    row.n = dv ? (int64_t) ids.size() : tgt().hparams().n_vocab;
-    row.ids = dv ? ids.data() : nullptr;
+    return {nullptr, dv ? (int64_t) ids.size() : target_.hparams().n_vocab, dv ? ids.data() : nullptr};
+}
+
+std::vector<float> spec_session::draft_logits_for_sampling(int32_t last, int64_t B, logits_row & row) {
+    row = sampling_row_shape();
     std::vector<float> logits((size_t) (B - 1) * row.n);  // [B-1, row.n]
     run_draft(last, B, nullptr, logits.data(), nullptr, nullptr, 0, /*dv_logits=*/true);
     return logits;
@@ -107,11 +110,13 @@ static void check_draft_rows(const std::vector<float> & logits, int64_t n, int64
 }
 
 std::vector<int32_t> spec_session::draft_constrained(int32_t last, int64_t B, const sampling_params & p,
-                                                     std::vector<float> * probs) {
+                                                     std::vector<float> * probs, const std::vector<float> * rows) {
     const int64_t n_past = tgt().n_past();
     const int64_t W = mask_words(tgt().hparams().n_vocab);
-    logits_row row0{nullptr, 0};
-    const std::vector<float> logits = draft_logits_for_sampling(last, B, row0);
+    logits_row row0 = sampling_row_shape();
+    const std::vector<float> logits = rows ? *rows : draft_logits_for_sampling(last, B, row0);
+    DFN_REQUIRE((int64_t) logits.size() == (B - 1) * row0.n, "draft", "the drafter's rows hold ", logits.size(),
+                " logits, not ", B - 1, " x ", row0.n);
     check_draft_rows(logits, row0.n, n_past + 1);
     const bool cut = !probs && params_.draft_cutoff > 0.0f;
     sampling_params q = p;

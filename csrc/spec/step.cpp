@@ -42,8 +42,7 @@ pending_step spec_session::begin_ar_step(int32_t last, const sampling_params * s
 }
 
 bool spec_session::batch_draftable() const {
-    return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !constraint_ &&
-           !dev_queue_;
+    return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !dev_queue_;
 }
 
 pending_step spec_session::plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const {
@@ -81,15 +80,18 @@ pending_step spec_session::plan_chain(int32_t last, int64_t B, const sampling_pa
         // the drafts with their probabilities (greedy: the top-1's; sampled: the draw's under the
         // drafter's filtered distribution)
         std::vector<float> & p = s.p;
-        if (pre) {  // drafted before, in a pass shared with other slots: its share is the draft's time
+        // pre: drafted before, in a pass shared with other slots (its share is the draft's time);
+        // under the constraint the pass gave the drafter's rows, masked and drawn from here
+        if (pre) s.t0 -= pre->seconds;
+        if (pre && !constraint_) {
             d = pre->tok, p = pre->p;
-            s.t0 -= pre->seconds;
         } else if (!drafted([&] {
-                d = constraint_ ? draft_constrained(last, B, *sampling, &p)  // may stop short of B-1
+                d = constraint_ ? draft_constrained(last, B, *sampling, &p, pre ? &pre->rows : nullptr)  // may stop short
                     : drawn     ? draft_sampled(last, B, *sampling, &p)
                                 : draft_top1(last, B, p);
-            }))
+            })) {
             return plan_ar(last, sampling, t0, false);
+        }
         if (forced) d = *forced;
         const int64_t k = std::min(ctl_.choose(p.data(), (int64_t) p.size()), cutoff_keep(p));
         // the first draft left unverified: when every verified one is accepted, the bonus token
