@@ -188,11 +188,16 @@ def cached_typed_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overr
     return path
 
 
-def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
-    """A random DFlash drafter for a cached random target (only the shape matters for speed)."""
+def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1,
+                   target_gguf: Path | None = None):
+    """A random DFlash drafter for a cached random target (only the shape matters for speed).
+    target_gguf: the drafter carries that target's tokenizer (its mask token included), as a
+    converted DFlash GGUF does; llama.cpp's DFlash needs it (without a vocabulary its mask token
+    is -1). Without it, no vocabulary (the older cached files)."""
     from dflash_native.random_models import make_random_drafter_gguf
 
-    path = CACHE / f"{target_name}-drafter{n_layers}-{outtype}-s{seed}.gguf"
+    tok = f"-b{block_size}-vocab" if target_gguf is not None else ""
+    path = CACHE / f"{target_name}-drafter{n_layers}{tok}-{outtype}-s{seed}.gguf"
     if not path.exists():
         cfg = dict(shape, model_type="qwen3_5_text", num_hidden_layers=shape["num_hidden_layers"],
                    mask_token_id=shape["vocab_size"] - 1)
@@ -201,7 +206,8 @@ def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int,
         tmp = path.with_suffix(".tmp.gguf")
         make_random_drafter_gguf(tmp, cfg, outtype=outtype, seed=seed, block_size=block_size,
                                  num_hidden_layers=n_layers, target_layer_ids=ids,
-                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                 target_gguf=target_gguf)
         tmp.rename(path)
     return path
 
