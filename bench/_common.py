@@ -212,6 +212,41 @@ def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int,
     return path
 
 
+def concurrent_clients(per_client: list[list], call) -> tuple[float, list[tuple[float, object]]]:
+    """len(per_client) client threads started together, thread i calling call(i, item) on its
+    items per_client[i] one after another. Returns the wall seconds from the common start to the
+    last return and every call's (seconds, result), client by client, each in its items' order;
+    a call's exception is re-raised here."""
+    import threading
+
+    C = len(per_client)
+    out: list[list] = [[] for _ in range(C)]
+    errors: list[BaseException] = []
+    go = threading.Barrier(C + 1)
+
+    def client(i):
+        try:
+            go.wait()
+            for item in per_client[i]:
+                t0 = time.perf_counter()
+                r = call(i, item)
+                out[i].append((time.perf_counter() - t0, r))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, [x for o in out for x in o]
+
+
 def summarize(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}

@@ -35,14 +35,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CACHE  # noqa: E402  (also puts tests/ on sys.path)
+from _common import CACHE, concurrent_clients  # noqa: E402  (also puts tests/ on sys.path)
 
 _HASHED = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor")
 _TARGETS = ("llama-server",)
@@ -315,30 +314,11 @@ def run_clients(server: LlamaServer, per_client: list[list[list[int]]], n_predic
     another (as bench/batch.py's run_cell does with engines); returns every request's complete()
     result (client by client, each in its prompts' order) and the wall seconds from the common
     start to the last reply."""
-    C = len(per_client)
-    out: list[list[dict]] = [[] for _ in range(C)]
-    errors: list[BaseException] = []
-    go = threading.Barrier(C + 1)
-
-    def client(i):
-        try:
-            go.wait()
-            for p in per_client[i]:
-                out[i].append(server.complete(p, n_predict))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"llama-server request failed: {errors[0]}\n{server.log_tail()}") from errors[0]
-    return [r for o in out for r in o], wall
+    try:
+        wall, done = concurrent_clients(per_client, lambda i, p: server.complete(p, n_predict))
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"llama-server request failed: {e}\n{server.log_tail()}") from e
+    return [r for _, r in done], wall
 
 
 if __name__ == "__main__":

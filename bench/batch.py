@@ -55,15 +55,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, git_rev, machine,  # noqa: E402
-                     resolve_pair, summarize, write_jsonl)
+from _common import (QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, concurrent_clients,  # noqa: E402
+                     git_rev, machine, resolve_pair, summarize, write_jsonl)
 from serve import pct  # noqa: E402
 from _llamacpp_server import llama_bufts as llama_server_bufts  # noqa: E402
 
@@ -86,32 +85,9 @@ def run_cell(engines, prompts, max_tokens: int, speculative: bool) -> dict:
     """len(engines) client threads, thread i running its prompts prompts[i] one after another on
     engines[i] (the same engine for every thread: the batched engine). Wall time, per-request
     latencies and results."""
-    C = len(engines)
-    out: list[list] = [[] for _ in range(C)]
-    errors: list[BaseException] = []
-    go = threading.Barrier(C + 1)
-
-    def client(i):
-        try:
-            go.wait()
-            for p in prompts[i]:
-                t0 = time.perf_counter()
-                r = engines[i].generate(p, max_tokens=max_tokens, speculative=speculative)
-                out[i].append((time.perf_counter() - t0, r))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return dict(wall=wall, lat=[x[0] for o in out for x in o], results=[x[1] for o in out for x in o])
+    wall, done = concurrent_clients(
+        prompts, lambda i, p: engines[i].generate(p, max_tokens=max_tokens, speculative=speculative))
+    return dict(wall=wall, lat=[x[0] for x in done], results=[x[1] for x in done])
 
 
 def run_llama(server, prompt_ids, max_tokens: int) -> dict:
