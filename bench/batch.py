@@ -144,7 +144,9 @@ def pass_counts(sched) -> dict:
 
 
 def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list, refs: list, taus: list, B: int,
-                info: dict) -> list[dict]:
+                info: dict, gap_of=None) -> list[dict]:
+    """The table. gap_of(prompt, solo tokens, other tokens): the top-2 logit gap of our AR at
+    their first difference (dflash_native.lossless), for the llama-server requests that differ."""
     import dflash_native as dn
 
     rows = []
@@ -171,6 +173,7 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
         servers = llama_servers(a, C, target, drafter, B) if a.llama_server else []
         solo = [[refs[i * a.requests + k][: a.max_tokens] for k in range(a.requests)] for i in range(C)]
         solo_flat = [t for s in solo for t in s]
+        flat = [p for m in mine for p in m]
         setups = [("spec", [batched] * C, True), ("ar", [batched] * C, False)]
         if singles:
             setups.append(("oneseq", singles, True))
@@ -189,7 +192,7 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
             # warm-up (graph plans at every width): every setup once, short requests
             for setup in setups:
                 run(setup, 2 * B, warm=True)
-            acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0,
+            acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0, gaps=[],
                              passes=dict(passes=0, tokens=0, requests=0, solo_steps=0))
                    for name, _, _ in setups}
             for rep in range(a.reps):
@@ -207,6 +210,8 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
                     if name in LLAMA_SETUPS:  # llama.cpp's own count: 1 + accepted drafts per round
                         s["committed"] += r["spec"]["rounds"] + r["spec"]["accepted"]
                         s["rounds"] += r["spec"]["rounds"]
+                        s["gaps"] += [gap_of(p, want, t) for p, t, want in zip(flat, toks, solo_flat)
+                                      if t != want and gap_of is not None]
                     for x in r["results"] if name not in LLAMA_SETUPS else ():
                         h = x.stats.acceptance_histogram
                         s["committed"] += sum(k * n for k, n in enumerate(h))
@@ -233,6 +238,7 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
                 if name in LLAMA_SETUPS:
                     srv = dict(servers)[name]
                     row.update(peer="llama.cpp llama-server", llama_bufts=llama_server_bufts(), parallel=C,
+                               divergence_gaps=s["gaps"],
                                spec_type=srv.spec_type, draft_max=B - 1 if srv.spec_type else None,
                                note=("drafts not forced: llama-server's DFlash runs the random drafter as it is "
                                      "(--tau cannot be forced into llama-server)") if srv.spec_type and tau else None)
@@ -242,7 +248,9 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
                 print(f"{C:>3} {tau or 'pair':>4} {name:12} {s['n']:>8} {s['tokens']:>7} {row['tok_s']:>8.1f} "
                       f"{row['latency_p50_s']:>7.2f} {row['latency_p95_s']:>7.2f} {fmt(row['acceptance'], '.2f'):>7} "
                       f"{fmt(row['req_per_pass'], '.2f'):>8} {fmt(row['tok_per_pass'], '.1f'):>8} "
-                      f"{s['same']:>5}/{s['n']:<6}", flush=True)
+                      f"{s['same']:>5}/{s['n']:<6}"
+                      + (f" (ours AR's top-2 gap where they differ: {', '.join(f'{g:.1e}' for g in s['gaps'])})"
+                         if s["gaps"] else ""), flush=True)
             best = max((n for n in LLAMA_SETUPS if n in cell), key=lambda n: cell[n]["tok_s"], default=None)
             ratio = dict(bench="batch_concurrency_ratio", concurrency=C, tau=tau, block=B,
                          spec_over_ar=cell["spec"]["tok_s"] / cell["ar"]["tok_s"],
@@ -388,7 +396,6 @@ def main():
     t0 = time.perf_counter()
     refs = [ref_eng.generate(p, max_tokens=a.max_tokens + B, speculative=False).tokens for p in prompts]
     prompt_ids = [ref_eng.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]  # what generate() feeds
-    ref_eng.close()
     if a.llama_server:
         from _llamacpp_server import llama_server_binary
 
@@ -400,7 +407,11 @@ def main():
           f"request, {a.requests} per client, prompts {a.prompt} tokens{' (held-out, at most)' if a.embedded else ''}, "
           f"{a.threads} threads, controller {'on' if a.gate else 'off'}, {a.reps} interleaved rep(s); "
           f"solo references {time.perf_counter() - t0:.0f} s; rev {info['rev']}")
-    rows = concurrency(a, target, drafter, prompts, prompt_ids, refs, taus, B, info)
+    from dflash_native.lossless import first_divergence_gap
+
+    rows = concurrency(a, target, drafter, prompts, prompt_ids, refs, taus, B, info,
+                       gap_of=lambda p, solo, other: first_divergence_gap(ref_eng, p, solo, other))
+    ref_eng.close()
     if a.passes:
         rows += target_passes(a, target, info)
     bad = sum(r["mismatches"] for r in rows if r["bench"] == "batch_concurrency" and r["setup"] not in LLAMA_SETUPS)
