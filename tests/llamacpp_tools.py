@@ -5,6 +5,8 @@ vendor/llama.cpp/convert_hf_to_gguf.py with its `conversion` package and its mat
   pip's cache makes a second download cheap) and extracts only the converter, `conversion/` and
   gguf-py. `DFLASH_LLAMACPP_SRC` may name an already-extracted tree instead (the sdist root or its
   vendor/llama.cpp).
+- `llamacpp_tree(cache_dir)`: the sdist's whole vendor/llama.cpp tree (what cmake builds llama.cpp's
+  tools from: bench/_llamacpp_server.py), extracted once; `DFLASH_LLAMACPP_SRC` may name it instead.
 - `convert_with_llamacpp(src, jobs)` runs the converter in one child process (imports once, one
   forked child per job) with PYTHONPATH on the sdist's gguf-py: the converter's gguf-py is not the
   installed `gguf` the package and the tests use, and must not replace it in this process.
