@@ -188,11 +188,16 @@ def cached_typed_gguf(name: str, arch: str, outtype: str, seed: int = 0, **overr
     return path
 
 
-def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1):
-    """A random DFlash drafter for a cached random target (only the shape matters for speed)."""
+def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int, n_layers: int, seed: int = 1,
+                   target_gguf: Path | None = None):
+    """A random DFlash drafter for a cached random target (only the shape matters for speed).
+    target_gguf: the drafter carries that target's tokenizer (its mask token included), as a
+    converted DFlash GGUF does; llama.cpp's DFlash needs it (without a vocabulary its mask token
+    is -1). Without it, no vocabulary (the older cached files)."""
     from dflash_native.random_models import make_random_drafter_gguf
 
-    path = CACHE / f"{target_name}-drafter{n_layers}-{outtype}-s{seed}.gguf"
+    tok = f"-b{block_size}-vocab" if target_gguf is not None else ""
+    path = CACHE / f"{target_name}-drafter{n_layers}{tok}-{outtype}-s{seed}.gguf"
     if not path.exists():
         cfg = dict(shape, model_type="qwen3_5_text", num_hidden_layers=shape["num_hidden_layers"],
                    mask_token_id=shape["vocab_size"] - 1)
@@ -201,9 +206,45 @@ def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int,
         tmp = path.with_suffix(".tmp.gguf")
         make_random_drafter_gguf(tmp, cfg, outtype=outtype, seed=seed, block_size=block_size,
                                  num_hidden_layers=n_layers, target_layer_ids=ids,
-                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                 target_gguf=target_gguf)
         tmp.rename(path)
     return path
+
+
+def concurrent_clients(per_client: list[list], call) -> tuple[float, list[tuple[float, object]]]:
+    """len(per_client) client threads started together, thread i calling call(i, item) on its
+    items per_client[i] one after another. Returns the wall seconds from the common start to the
+    last return and every call's (seconds, result), client by client, each in its items' order;
+    a call's exception is re-raised here."""
+    import threading
+
+    C = len(per_client)
+    out: list[list] = [[] for _ in range(C)]
+    errors: list[BaseException] = []
+    go = threading.Barrier(C + 1)
+
+    def client(i):
+        try:
+            go.wait()
+            for item in per_client[i]:
+                t0 = time.perf_counter()
+                r = call(i, item)
+                out[i].append((time.perf_counter() - t0, r))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, [x for o in out for x in o]
 
 
 def summarize(xs: list[float]) -> dict:

@@ -9,14 +9,29 @@ one run (their order rotates per rep):
           active request's verify block (csrc/engine/scheduler.h);
 - ar:     the same engine, generate(speculative=False): batched AR steps;
 - oneseq: today's server (dflash_native/server: one engine per slot, each run by its own thread,
-          n_threads = threads // C each, speculative): C Engine(n_seq=1), one per client thread.
+          n_threads = threads // C each, speculative): C Engine(n_seq=1), one per client thread;
+- with --llama-server, llama.cpp's own llama-server (built from the pinned llama-cpp-python
+  sdist's sources: bench/_llamacpp_server.py) as a real process on 127.0.0.1, `--parallel C`,
+  the batched engine's threads, a context of C slots of the engines' n_ctx, the same prompts as
+  token ids on /completion (temperature 0, no prompt cache, EOS stops as in Engine.generate) from
+  the same C client threads:
+  llama-srv:    without speculation;
+  llama-dflash: with the same drafter GGUF as its DFlash drafter (`-md ... --spec-type
+                draft-dflash`, at most B - 1 draft tokens a round: the same verify block). Its
+                acceptance length is llama.cpp's own (/metrics: 1 + accepted drafts per round).
+                Drafts cannot be forced into llama-server: under --tau it drafts with the random
+                drafter as it is (acceptance near 1), which the table's note says; the llama-srv
+                row is the fair comparison there.
+  Their "same as solo" compares llama.cpp's tokens with our solo AR tokens (reported, not failed
+  on: llama.cpp's kernels may round differently near ties).
 
 Reported per (C, tau, setup): aggregate tok/s (every generated token over the cell's wall time),
 per-request latency p50 / p95 (one generate() call, queueing included), the mean acceptance
 length, the batched engine's mean requests and tokens per target pass (Scheduler.pass_stats), and
 "same as solo": how many requests' tokens equal that request's tokens from a one-sequence engine
 alone (AR; speculative output equals it bit for bit, in any batch). Then the ratios spec / ar and
-spec / oneseq. Only such side-by-side ratios mean anything on a shared machine.
+spec / oneseq (and with --llama-server spec / the faster llama-server row). Only such
+side-by-side ratios mean anything on a shared machine.
 
 Targets: the default is the 0.5B-shaped Qwen3.5 hybrid (_common.QWEN35_05B) at --outtype (q8_0;
 q4_k_m: llama.cpp's quantizer, with a Q8_0 drafter) and a random one-layer drafter, its drafts
@@ -32,6 +47,7 @@ pass over C sequences' AR tokens or verify blocks against the same work as C one
     python bench/batch.py --tau 4 8 --json bench/results/batch.jsonl
     python bench/batch.py --outtype q4_k_m --tau 4 8 --json bench/results/batch.jsonl
     python bench/batch.py --embedded --json bench/results/batch.jsonl
+    python bench/batch.py --llama-server --concurrency 1 2 4 8 16 32 --tau 4 8 --json bench/results/batch.jsonl
 """
 
 from __future__ import annotations
@@ -39,16 +55,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, git_rev, machine,  # noqa: E402
-                     resolve_pair, summarize, write_jsonl)
+from _common import (QWEN35_05B, bench_target, cached_drafter, cached_typed_gguf, concurrent_clients,  # noqa: E402
+                     git_rev, machine, resolve_pair, summarize, write_jsonl)
 from serve import pct  # noqa: E402
+from _llamacpp_server import llama_bufts as llama_server_bufts  # noqa: E402
+
+LLAMA_SETUPS = ("llama-srv", "llama-dflash")
 
 
 def forced_drafts(refs: dict, tau: int, n_vocab: int):
@@ -67,32 +85,39 @@ def run_cell(engines, prompts, max_tokens: int, speculative: bool) -> dict:
     """len(engines) client threads, thread i running its prompts prompts[i] one after another on
     engines[i] (the same engine for every thread: the batched engine). Wall time, per-request
     latencies and results."""
-    C = len(engines)
-    out: list[list] = [[] for _ in range(C)]
-    errors: list[BaseException] = []
-    go = threading.Barrier(C + 1)
+    wall, done = concurrent_clients(
+        prompts, lambda i, p: engines[i].generate(p, max_tokens=max_tokens, speculative=speculative))
+    return dict(wall=wall, lat=[x[0] for x in done], results=[x[1] for x in done])
 
-    def client(i):
-        try:
-            go.wait()
-            for p in prompts[i]:
-                t0 = time.perf_counter()
-                r = engines[i].generate(p, max_tokens=max_tokens, speculative=speculative)
-                out[i].append((time.perf_counter() - t0, r))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-            errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(C)]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return dict(wall=wall, lat=[x[0] for o in out for x in o], results=[x[1] for o in out for x in o])
+def run_llama(server, prompt_ids, max_tokens: int) -> dict:
+    """run_cell for a llama-server: client thread i sends prompt_ids[i] one after another. The
+    results are {"tokens", "timings", "latency_s"} dicts; "spec" holds the server's speculation
+    counters over the cell (rounds, drafted, accepted)."""
+    from _llamacpp_server import run_clients
+
+    before = server.spec_counters()
+    results, wall = run_clients(server, prompt_ids, max_tokens)
+    after = server.spec_counters()
+    return dict(wall=wall, lat=[r["latency_s"] for r in results], results=results,
+                spec={k: after[k] - before[k] for k in after})
+
+
+def llama_servers(a, C: int, target: Path, drafter: Path, B: int) -> list:
+    """The llama-server setups for C concurrent streams: [(name, LlamaServer)]."""
+    from _llamacpp_server import LlamaServer
+
+    ctx = a.prompt + a.max_tokens + 2 * B + 64  # the engines' n_ctx, per slot
+    out = []
+    try:
+        out.append(("llama-srv", LlamaServer(target, parallel=C, threads=a.threads, ctx_per_slot=ctx)))
+        out.append(("llama-dflash", LlamaServer(target, parallel=C, threads=a.threads, ctx_per_slot=ctx,
+                                                drafter=drafter, draft_max=B - 1)))
+    except BaseException:
+        for _, srv in out:
+            srv.close()
+        raise
+    return out
 
 
 def private_gib() -> float | None:
@@ -119,12 +144,14 @@ def pass_counts(sched) -> dict:
                 solo_steps=p["solo_steps"], batch_ar_steps=p["batch_ar_steps"])
 
 
-def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus: list, B: int,
-                info: dict) -> list[dict]:
+def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list, refs: list, taus: list, B: int,
+                info: dict, gap_of=None) -> list[dict]:
+    """The table. gap_of(prompt, solo tokens, other tokens): the top-2 logit gap of our AR at
+    their first difference (dflash_native.lossless), for the llama-server requests that differ."""
     import dflash_native as dn
 
     rows = []
-    print(f"\n{'C':>3} {'tau':>4} {'setup':7} {'requests':>8} {'tokens':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} "
+    print(f"\n{'C':>3} {'tau':>4} {'setup':12} {'requests':>8} {'tokens':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} "
           f"{'acc len':>7} {'req/pass':>8} {'tok/pass':>8} {'same as solo':>12}")
     for C in a.concurrency:
         kw = dict(drafter=drafter, block_size=B, n_ctx=a.prompt + a.max_tokens + 2 * B + 64, gate=a.gate)
@@ -143,42 +170,60 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
         else:
             skipped = f"C > --oneseq-max {a.oneseq_max}"
         mine = [[prompts[i * a.requests + k] for k in range(a.requests)] for i in range(C)]
+        mine_ids = [[prompt_ids[i * a.requests + k] for k in range(a.requests)] for i in range(C)]
+        servers = llama_servers(a, C, target, drafter, B) if a.llama_server else []
         solo = [[refs[i * a.requests + k][: a.max_tokens] for k in range(a.requests)] for i in range(C)]
         solo_flat = [t for s in solo for t in s]
+        flat = [p for m in mine for p in m]
         setups = [("spec", [batched] * C, True), ("ar", [batched] * C, False)]
         if singles:
             setups.append(("oneseq", singles, True))
+        setups += [(name, srv, None) for name, srv in servers]
+
+        def run(setup, max_tokens, warm=False):
+            name, engs, spec = setup
+            if name in LLAMA_SETUPS:
+                return run_llama(engs, [[p[0]] for p in mine_ids] if warm else mine_ids, max_tokens)
+            return run_cell(engs, [[p[0]] for p in mine] if warm else mine, max_tokens, spec)
+
         for tau in taus:
             for e in [batched] + singles:
                 e._draft_override = None if tau is None else forced_drafts(dict(zip(map(tuple, prompts), refs)), tau,
                                                                            batched.n_vocab)
             # warm-up (graph plans at every width): every setup once, short requests
-            for _, engs, spec in setups:
-                run_cell(engs, [[p[0]] for p in mine], 2 * B, spec)
-            acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0,
+            for setup in setups:
+                run(setup, 2 * B, warm=True)
+            acc = {name: dict(wall=0.0, lat=[], tokens=0, same=0, n=0, committed=0, rounds=0, gaps=[],
                              passes=dict(passes=0, tokens=0, requests=0, solo_steps=0, batch_ar_steps=0))
                    for name, _, _ in setups}
             for rep in range(a.reps):
-                for name, engs, spec in setups[rep % len(setups):] + setups[: rep % len(setups)]:
+                for setup in setups[rep % len(setups):] + setups[: rep % len(setups)]:
+                    name, engs = setup[:2]
                     before = pass_counts(batched._sched)
-                    r = run_cell(engs, mine, a.max_tokens, spec)
+                    r = run(setup, a.max_tokens)
                     s = acc[name]
                     s["wall"] += r["wall"]
                     s["lat"] += r["lat"]
                     s["n"] += len(r["results"])
-                    s["tokens"] += sum(len(x.tokens) for x in r["results"])
-                    s["same"] += sum(x.tokens == want for x, want in zip(r["results"], solo_flat))
-                    for x in r["results"]:
+                    toks = [x["tokens"] if name in LLAMA_SETUPS else x.tokens for x in r["results"]]
+                    s["tokens"] += sum(len(t) for t in toks)
+                    s["same"] += sum(t == want for t, want in zip(toks, solo_flat))
+                    if name in LLAMA_SETUPS:  # llama.cpp's own count: 1 + accepted drafts per round
+                        s["committed"] += r["spec"]["rounds"] + r["spec"]["accepted"]
+                        s["rounds"] += r["spec"]["rounds"]
+                        s["gaps"] += [gap_of(p, want, t) for p, t, want in zip(flat, toks, solo_flat)
+                                      if t != want and gap_of is not None]
+                    for x in r["results"] if name not in LLAMA_SETUPS else ():
                         h = x.stats.acceptance_histogram
                         s["committed"] += sum(k * n for k, n in enumerate(h))
                         s["rounds"] += sum(h)
-                    if engs[0] is batched:
+                    if name in ("spec", "ar"):
                         for k, v in pass_counts(batched._sched).items():
                             s["passes"][k] += v - before[k]
             cell = {}
             for name, _, spec in setups:
                 s = acc[name]
-                p = s["passes"] if batched._sched is not None and name != "oneseq" else \
+                p = s["passes"] if batched._sched is not None and name in ("spec", "ar") else \
                     dict(passes=None, solo_steps=None)
                 if p["passes"] is not None:
                     n = max(p["passes"], 1)
@@ -192,25 +237,44 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, refs: list, taus:
                            batch_ar_steps=p.get("batch_ar_steps"), req_per_pass=p.get("req_per_pass"),
                            tok_per_pass=p.get("tok_per_pass"), same_as_solo=s["same"], mismatches=s["n"] - s["same"],
                            n_threads=a.threads if name != "oneseq" else one_threads, reps=a.reps, **info)
+                if name in LLAMA_SETUPS:
+                    srv = dict(servers)[name]
+                    row.update(peer="llama.cpp llama-server", llama_bufts=llama_server_bufts(), parallel=C,
+                               divergence_gaps=s["gaps"],
+                               spec_type=srv.spec_type, draft_max=B - 1 if srv.spec_type else None,
+                               note=("drafts not forced: llama-server's DFlash runs the random drafter as it is "
+                                     "(--tau cannot be forced into llama-server)") if srv.spec_type and tau else None)
                 cell[name] = row
                 rows.append(row)
                 fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-                print(f"{C:>3} {tau or 'pair':>4} {name:7} {s['n']:>8} {s['tokens']:>7} {row['tok_s']:>8.1f} "
+                print(f"{C:>3} {tau or 'pair':>4} {name:12} {s['n']:>8} {s['tokens']:>7} {row['tok_s']:>8.1f} "
                       f"{row['latency_p50_s']:>7.2f} {row['latency_p95_s']:>7.2f} {fmt(row['acceptance'], '.2f'):>7} "
                       f"{fmt(row['req_per_pass'], '.2f'):>8} {fmt(row['tok_per_pass'], '.1f'):>8} "
-                      f"{s['same']:>5}/{s['n']:<6}", flush=True)
+                      f"{s['same']:>5}/{s['n']:<6}"
+                      + (f" (ours AR's top-2 gap where they differ: {', '.join(f'{g:.1e}' for g in s['gaps'])})"
+                         if s["gaps"] else ""), flush=True)
+            best = max((n for n in LLAMA_SETUPS if n in cell), key=lambda n: cell[n]["tok_s"], default=None)
             ratio = dict(bench="batch_concurrency_ratio", concurrency=C, tau=tau, block=B,
                          spec_over_ar=cell["spec"]["tok_s"] / cell["ar"]["tok_s"],
                          spec_over_oneseq=cell["spec"]["tok_s"] / cell["oneseq"]["tok_s"] if singles else None,
-                         oneseq_skipped=skipped, mismatches=sum(c["mismatches"] for c in cell.values()),
+                         spec_over_llama_best=cell["spec"]["tok_s"] / cell[best]["tok_s"] if best else None,
+                         llama_best=best, oneseq_skipped=skipped,
+                         mismatches=sum(c["mismatches"] for n, c in cell.items() if n not in LLAMA_SETUPS),
+                         llama_mismatches=sum(cell[n]["mismatches"] for n in LLAMA_SETUPS if n in cell) if best else None,
                          private_gib=private_gib(), **info)
             rows.append(ratio)
             print(f"{C:>3} {tau or 'pair':>4} ratios: spec/ar {ratio['spec_over_ar']:.2f}, spec/oneseq "
                   + (f"{ratio['spec_over_oneseq']:.2f}" if singles else f"- (one-sequence engines skipped: {skipped})")
+                  + (f", spec/llama-server-best ({best}) {ratio['spec_over_llama_best']:.2f}" if best else "")
                   + (f"; private memory {ratio['private_gib']:.1f} GiB" if ratio["private_gib"] is not None else ""),
                   flush=True)
+            if best and tau:
+                print(f"{C:>3} {tau:>4} note: llama-dflash drafts with the random drafter as it is (drafts cannot "
+                      f"be forced into llama-server); llama-srv is the fair comparison", flush=True)
         for e in [batched] + singles:
             e.close()
+        for _, srv in servers:
+            srv.close()
     return rows
 
 
@@ -293,6 +357,9 @@ def main():
                          "with --embedded")
     ap.add_argument("--oneseq-max", type=int, default=32, help="skip the one-sequence engines above this C")
     ap.add_argument("--passes", action="store_true", help="also the target passes alone (decode_batch)")
+    ap.add_argument("--llama-server", action="store_true",
+                    help="also llama.cpp's llama-server -np C, without and with its DFlash (built on first use: "
+                         "bench/_llamacpp_server.py)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if max(a.concurrency) > 32 or min(a.concurrency) < 1:
@@ -310,7 +377,9 @@ def main():
         name, arch, shape = bench_target(moe=False, tiny=a.tiny)
         target = cached_typed_gguf(name, arch, a.outtype, **shape)
         drafter_type = a.outtype if a.outtype in DRAFTER_OUTTYPES else "q8_0"
-        drafter = cached_drafter(name, drafter_type, dict(QWEN35_05B, **shape), block_size=max(B, 16), n_layers=1)
+        # with the target's vocabulary: llama-server's DFlash (--llama-server) reads its mask token
+        drafter = cached_drafter(name, drafter_type, dict(QWEN35_05B, **shape), block_size=max(B, 16), n_layers=1,
+                                 target_gguf=target)
         label = f"{name} {a.outtype}"
     taus = [None] if a.embedded else sorted({min(t, B) for t in a.tau})
     if any(t is not None and t < 1 for t in taus):
@@ -328,7 +397,11 @@ def main():
     # each prompt's AR output alone (the solo reference; under forced drafts also the drafts' source)
     t0 = time.perf_counter()
     refs = [ref_eng.generate(p, max_tokens=a.max_tokens + B, speculative=False).tokens for p in prompts]
-    ref_eng.close()
+    prompt_ids = [ref_eng.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]  # what generate() feeds
+    if a.llama_server:
+        from _llamacpp_server import llama_server_binary
+
+        print(f"llama-server: {llama_server_binary()}", flush=True)  # built here (once) before any timing
     info = dict(target=Path(target).name, drafter=Path(drafter).name, model=label,
                 outtype=None if (a.embedded or a.target) else a.outtype, max_tokens=a.max_tokens,
                 prompt=a.prompt, gate=a.gate, threads=a.threads, machine=machine(), rev=git_rev())
@@ -336,11 +409,19 @@ def main():
           f"request, {a.requests} per client, prompts {a.prompt} tokens{' (held-out, at most)' if a.embedded else ''}, "
           f"{a.threads} threads, controller {'on' if a.gate else 'off'}, {a.reps} interleaved rep(s); "
           f"solo references {time.perf_counter() - t0:.0f} s; rev {info['rev']}")
-    rows = concurrency(a, target, drafter, prompts, refs, taus, B, info)
+    from dflash_native.lossless import first_divergence_gap
+
+    rows = concurrency(a, target, drafter, prompts, prompt_ids, refs, taus, B, info,
+                       gap_of=lambda p, solo, other: first_divergence_gap(ref_eng, p, solo, other))
+    ref_eng.close()
     if a.passes:
         rows += target_passes(a, target, info)
-    bad = sum(r["mismatches"] for r in rows if r["bench"] == "batch_concurrency")
+    bad = sum(r["mismatches"] for r in rows if r["bench"] == "batch_concurrency" and r["setup"] not in LLAMA_SETUPS)
     print(f"\nrequests whose tokens differ from the same request run alone: {bad}")
+    if a.llama_server:
+        peer = sum(r["mismatches"] for r in rows if r["bench"] == "batch_concurrency" and r["setup"] in LLAMA_SETUPS)
+        print(f"llama-server requests whose tokens differ from our solo AR tokens: {peer} (reported only: "
+              f"llama.cpp's kernels may round differently near ties)")
     write_jsonl(a.json, rows)
     return 1 if bad else 0
 

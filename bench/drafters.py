@@ -16,6 +16,18 @@ decode time), speedup over AR in the same run, and whether every prompt's output
     python bench/drafters.py --out /tmp/drafters --json bench/results/drafters.jsonl
     python bench/drafters.py --out /tmp/drafters --steps 20 --prompts 16 --eval-prompts 2 --gen 32  # smoke
 
+--llama-server: llama.cpp's own DFlash beside ours (issue 36, "against llama.cpp's DFlash 2 on the
+same files"): llama-server built from the pinned llama-cpp-python sdist's sources
+(bench/_llamacpp_server.py), one slot, the same threads, with each drafter GGUF above as its
+drafter (`--spec-type draft-dflash`, draft-dspark for the DSpark file: what llama.cpp infers from
+the file), at most 15 draft tokens a round (B = 16), and once without a drafter. The same
+held-out prompts as token ids, T = 0, interleaved with our runs prompt by prompt. Columns:
+llama.cpp's mean acceptance length (its /metrics: 1 + accepted drafts per round), tok/s (its
+timings: tokens after the first over the time from the first to the last), speedup over
+llama-server's AR and over our AR, and how many prompts' tokens equal our AR's.
+
+    python bench/drafters.py --out /tmp/drafters --llama-server --json bench/results/drafters.jsonl
+
 --cost: the draft pass's cost per kind over DFlash's, random drafters with the same backbone (same
 seed, layers, heads, taps) on one random target (the 0.5B-shaped hybrid, or --tiny): the greedy
 draft pass (`Spec.draft`: the block, the head, and DFlash 2's lattice read-back and walk) and the
@@ -136,6 +148,7 @@ def main_trained(a) -> None:
     ar_eng = engines["shipped", "chain"]
     prompts = corpus.heldout_prompts(a.eval_prompts, 96, ar_eng, seed=0)
     ar_eng.generate(prompts[0].text, max_tokens=8, speculative=False)  # warm-up (graph plans)
+    llama = LlamaPeers(target, files, a, n_ctx=96 + a.gen + 64) if a.llama_server else None
     tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0) for key in [("ar", T, "-") for T in (0.0, 0.7)]
            + [(k, T, v) for k in files for T, v in modes]}
     for i, p in enumerate(prompts):
@@ -146,6 +159,8 @@ def main_trained(a) -> None:
             for k in files:
                 for v in ("chain", "tree"):
                     _add(tot[k, T, v], engines[k, v].generate(p.text, **kw), ar)
+            if llama is not None and T == 0.0:
+                llama.run(ar_eng.tokenize(p.text), a.gen, ar.tokens)
     rows = []
     print(f"embedded target, held-out prompts {len(prompts)} x {a.gen} tokens, B = 16, tree budget 15, gate off, "
           f"drafters trained {a.steps} steps on {a.prompts} prompts (shipped: its own recipe), {a.threads} threads")
@@ -163,7 +178,72 @@ def main_trained(a) -> None:
         print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
               f"{t['same']}/{len(prompts)} |", flush=True)
         rows.append(row)
+    if llama is not None:
+        rows += llama.report(tot["ar", 0.0, "-"]["n"] / tot["ar", 0.0, "-"]["s"], len(prompts))
+        llama.close()
     write_jsonl(a.json, rows)
+
+
+class LlamaPeers:
+    """llama-server (one slot) per drafter file, and one without a drafter: llama.cpp's DFlash on
+    the same files (see the module's --llama-server)."""
+
+    def __init__(self, target: Path, files: dict, a, n_ctx: int):
+        from _llamacpp_server import LlamaServer
+
+        self.a = a
+        self.files = files
+        self.servers = {}
+        try:
+            self.servers["ar"] = LlamaServer(target, threads=a.threads, ctx_per_slot=n_ctx)
+            for k, path in files.items():
+                self.servers[k] = LlamaServer(target, threads=a.threads, ctx_per_slot=n_ctx, drafter=path, draft_max=15)
+        except BaseException:
+            self.close()
+            raise
+        for srv in self.servers.values():
+            srv.complete([1, 2, 3, 4], 8)  # warm-up
+        self.before = {k: srv.spec_counters() for k, srv in self.servers.items()}
+        self.tot = {k: dict(n=0, s=0.0, same=0) for k in self.servers}
+
+    def run(self, prompt_ids: list[int], gen: int, ar_tokens: list[int]) -> None:
+        for k, srv in self.servers.items():
+            r = srv.complete(prompt_ids, gen)
+            t = self.tot[k]
+            t["n"] += max(int(r["timings"].get("predicted_n", 0)) - 1, 0)
+            t["s"] += float(r["timings"].get("predicted_ms", 0.0)) / 1e3
+            t["same"] += r["tokens"] == list(ar_tokens)
+
+    def report(self, our_ar_tok_s: float, n_prompts: int) -> list[dict]:
+        from _llamacpp_server import accept_length, llama_bufts
+
+        rows = []
+        llama_ar = self.tot["ar"]["n"] / max(self.tot["ar"]["s"], 1e-9)
+        print(f"\nllama.cpp llama-server (pinned sources), one slot, T = 0, at most 15 drafts a round, "
+              f"{self.a.threads} threads, the same held-out prompts")
+        print("| drafter | llama.cpp type | mean acceptance length | tok/s | speedup over its AR | over our AR | "
+              "tokens == our AR |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for k, srv in self.servers.items():
+            t = self.tot[k]
+            tok_s = t["n"] / max(t["s"], 1e-9)
+            acc = accept_length(self.before[k], srv.spec_counters()) if srv.spec_type else None
+            row = dict(bench="drafters_llamacpp", drafter=k, spec_type=srv.spec_type, temperature=0.0,
+                       mean_acceptance_length=acc, tok_s=tok_s, llama_ar_tok_s=llama_ar,
+                       speedup_over_llama_ar=tok_s / llama_ar, speedup_over_our_ar=tok_s / our_ar_tok_s,
+                       tokens_equal_our_ar=t["same"], prompts=n_prompts, gen=self.a.gen, draft_max=15 if srv.spec_type else None,
+                       file=self.files[k].name if k in self.files else None, threads=self.a.threads,
+                       peer="llama.cpp llama-server", llama_bufts=llama_bufts(), machine=machine(), isa=isa(),
+                       rev=git_rev())
+            print(f"| {k if k != 'ar' else '(none: AR)'} | {srv.spec_type or '-'} | "
+                  f"{format(acc, '.2f') if acc is not None else '-'} | {tok_s:.1f} | {row['speedup_over_llama_ar']:.2f}x | "
+                  f"{row['speedup_over_our_ar']:.2f}x | {t['same']}/{n_prompts} |", flush=True)
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        for srv in self.servers.values():
+            srv.close()
 
 
 def _add(t: dict, r, ar) -> None:
@@ -189,6 +269,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per held-out prompt")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", action="store_true",
+                    help="also llama.cpp's llama-server with each drafter file (built on first use)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     (main_cost if a.cost else main_trained)(a)

@@ -5,6 +5,8 @@ vendor/llama.cpp/convert_hf_to_gguf.py with its `conversion` package and its mat
   pip's cache makes a second download cheap) and extracts only the converter, `conversion/` and
   gguf-py. `DFLASH_LLAMACPP_SRC` may name an already-extracted tree instead (the sdist root or its
   vendor/llama.cpp).
+- `llamacpp_tree(cache_dir)`: the sdist's whole vendor/llama.cpp tree (what cmake builds llama.cpp's
+  tools from: bench/_llamacpp_server.py), extracted once; `DFLASH_LLAMACPP_SRC` may name it instead.
 - `convert_with_llamacpp(src, jobs)` runs the converter in one child process (imports once, one
   forked child per job) with PYTHONPATH on the sdist's gguf-py: the converter's gguf-py is not the
   installed `gguf` the package and the tests use, and must not replace it in this process.
@@ -183,6 +185,15 @@ def llamacpp_source(cache_dir: str | os.PathLike[str]) -> Path:
     d = _converter_dir(cache)
     if d is not None:
         return d
+    _extract_sdist(cache, _MEMBERS)
+    d = _converter_dir(cache)
+    assert d is not None, f"the sdist of {LLAMA_CPP_PYTHON} has no {_SDIST_PREFIX}convert_hf_to_gguf.py"
+    return d
+
+
+def _extract_sdist(cache: Path, prefixes: tuple[str, ...]) -> None:
+    """Download the llama-cpp-python sdist (pip's cache makes a second download cheap) and extract
+    its vendor/llama.cpp members whose paths start with one of `prefixes` ("" : all) under cache."""
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         # --no-binary for this one package only: ":all:" would also build its build dependencies
@@ -192,10 +203,33 @@ def llamacpp_source(cache_dir: str | os.PathLike[str]) -> Path:
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(_SDIST_PREFIX)
-                       and m.name[len(_SDIST_PREFIX):].startswith(_MEMBERS) and (m.isfile() or m.isdir())]
+                       and m.name[len(_SDIST_PREFIX):].startswith(prefixes) and (m.isfile() or m.isdir())]
             tar.extractall(cache, members=members, filter="data")
-    d = _converter_dir(cache)
-    assert d is not None, f"the sdist of {LLAMA_CPP_PYTHON} has no {_SDIST_PREFIX}convert_hf_to_gguf.py"
+
+
+def _full_tree(root: Path) -> Path | None:
+    for d in (root, root / "vendor" / "llama.cpp", root / _SDIST_PREFIX):
+        if (d / "CMakeLists.txt").is_file() and (d / "src" / "llama.cpp").is_file() and (d / "tools" / "server").is_dir():
+            return d
+    return None
+
+
+def llamacpp_tree(cache_dir: str | os.PathLike[str]) -> Path:
+    """llama.cpp's whole source tree (what cmake builds its tools from) as the llama-cpp-python
+    sdist vendors it: $DFLASH_LLAMACPP_SRC when set (the sdist root or its vendor/llama.cpp), else
+    the sdist's vendor/llama.cpp extracted under cache_dir (once)."""
+    if os.environ.get(ENV_SRC):
+        d = _full_tree(Path(os.environ[ENV_SRC]))
+        if d is None:
+            raise FileNotFoundError(f"{ENV_SRC}={os.environ[ENV_SRC]} is not llama.cpp's full source tree "
+                                    "(no CMakeLists.txt, src/llama.cpp and tools/server)")
+        return d
+    cache = Path(cache_dir)
+    d = _full_tree(cache)
+    if d is None:
+        _extract_sdist(cache, ("",))
+        d = _full_tree(cache)
+    assert d is not None, f"the sdist of {LLAMA_CPP_PYTHON} has no full {_SDIST_PREFIX} tree"
     return d
 
 
