@@ -124,12 +124,15 @@ def test_random_mix_equals_solo(pair, n_seq, seed):
     rng = np.random.default_rng(seed)
     with engine(pair, n_seq) as eng:
         reqs = random_requests(rng, eng.n_vocab, n_seq + 3)
+        # and a prompt wider than the batch-invariant width (64): its prefill runs alone
+        reqs.insert(2, dict(prompt=list(map(int, rng.integers(3, eng.n_vocab, 90))), max_tokens=12))
         got = interleaved(eng, reqs, rng)
-        widths = eng._sched.pass_stats["width"]
+        ps = eng._sched.pass_stats
     want = solo_results(pair, reqs)
     for i, (g, w) in enumerate(zip(got, want)):
         assert result_of(g) == result_of(w), f"request {i} ({reqs[i]}) differs from its solo run"
-    assert sum(widths[2:]) > 0, f"no pass ran several requests' work: {widths}"
+    assert sum(ps["width"][2:]) > 0, f"no pass ran several requests' work: {ps}"
+    assert ps["batched_prefills"] > 0, ps  # prompts of 2-40 tokens: prefilled in the shared pass
 
 
 @pytest.mark.parametrize("seed", [2])

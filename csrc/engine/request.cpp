@@ -67,6 +67,10 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
         if (want_logprobs()) lps.resize(1);
         tok = spec_->prefill_sampled(prompt, n, *sampling(), want_logprobs() ? &lps[0] : nullptr, n_cached);
     }
+    return started(tok, std::move(lps), n, n_cached, t0);
+}
+
+request::emitted request::started(int32_t tok, std::vector<token_logprobs> lps, int64_t n, int64_t n_cached, double t0) {
     committed_.push_back(tok);
     stats_.n_prompt = n;
     stats_.n_cached = n_cached;
@@ -77,6 +81,49 @@ request::emitted request::start(const int32_t * prompt, int64_t n, int64_t n_cac
     }
     last_ = tok;
     return emit({tok}, lps);
+}
+
+std::optional<batch_item> request::begin_start(const int32_t * prompt, int64_t n, int64_t n_cached, int64_t max_width) {
+    DFN_REQUIRE(committed_.empty() && !start_, "generate", "a request starts once");
+    // anything start() may refuse runs there, alone (its error reaches this request only)
+    const int64_t m = n - n_cached, n_vocab = target_.hparams().n_vocab;
+    if (done() || m < 1 || m > max_width || n_cached < 0 || n > target_.params().n_ctx) return std::nullopt;
+    for (int64_t i = n_cached; i < n; ++i)
+        if (prompt[i] < 0 || prompt[i] >= n_vocab) return std::nullopt;
+    target_.select_slot(slot());
+    const double t0 = profile_now();
+    if (!policy_.speculative) {
+        if (n_cached == 0) target_.reset();
+    } else {
+        const sampling_params * p = sampling();
+        spec_->begin_prefill(n, n_cached, p ? regime_key(p->temperature, p->top_k, p->top_p, p->min_p) : 0);
+    }
+    start_.emplace(pending_start{n, n_cached, t0});
+    batch_item it;
+    it.slot = slot();
+    it.kind = BATCH_DECODE;  // the last row's logits (its argmax), the taps of every token
+    it.tokens.assign(prompt + n_cached, prompt + n);
+    return it;
+}
+
+request::emitted request::finish_start(decode_result & v) {
+    DFN_REQUIRE(start_, "generate", "finish_start() without begin_start()");
+    const pending_start ps = *start_;
+    start_.reset();
+    target_.select_slot(slot());
+    if (policy_.speculative) spec_->finish_prefill(v, ps.n, ps.n_cached);
+    // the first token, as start()'s paths choose it at position n
+    std::vector<token_logprobs> lps;
+    const int64_t n_vocab = target_.hparams().n_vocab;
+    int32_t tok;
+    if (sampling()) {
+        if (want_logprobs()) lps.resize(1);
+        tok = choose_next(policy_.constraint, logits_row{v.logits.data(), n_vocab}, *sampling(), ps.n, "decode",
+                          want_logprobs() ? &lps[0] : nullptr);
+    } else {
+        tok = greedy_of(v, 0, n_vocab, ps.n, "decode");
+    }
+    return started(tok, std::move(lps), ps.n, ps.n_cached, ps.t0);
 }
 
 // The draft source as a spec draft override (a forced draft is refused under a constraint: a

@@ -82,6 +82,14 @@ public:
     // hold prompt[0, n_cached): only the rest runs; 0: a cold start that resets them); its first
     // token. max_tokens 0 ends the request after the prefill (the prompt is still checked).
     emitted start(const int32_t * prompt, int64_t n, int64_t n_cached = 0);
+    // start() split around its target pass, for a scheduler that runs a short prompt's prefill in
+    // its shared pass: begin_start returns the pass's work for this request's slot (a BATCH_DECODE of
+    // prompt[n_cached, n): the last row's logits or argmax, every token's taps for a speculative
+    // request), or nullopt when the prefill should run alone (start()): wider than max_width
+    // tokens, or anything start() would refuse; finish_start takes that work's result and chooses
+    // the first token as start() would.
+    std::optional<batch_item> begin_start(const int32_t * prompt, int64_t n, int64_t n_cached, int64_t max_width);
+    emitted finish_start(decode_result & v);
     // One AR step or one speculative round (the controller's choice under it). done() after a stop.
     emitted step();
     // step() split around its target pass, for a scheduler that runs several requests' passes as
@@ -140,6 +148,14 @@ private:
     emitted commit_step(std::vector<int32_t> committed, std::vector<token_logprobs> lps, double t0);
     // begin_step's pending work: a round's (spec's pending_step) or an AR request's step
     std::optional<pending_step> pending_;
+    // begin_start's: the prompt's length, the cached prefix, the prefill's start time
+    struct pending_start {
+        int64_t n, n_cached;
+        double t0;
+    };
+    std::optional<pending_start> start_;
+    // start()'s end, after the first token is chosen
+    emitted started(int32_t tok, std::vector<token_logprobs> lps, int64_t n, int64_t n_cached, double t0);
     double pending_t0_ = 0;
     const sampling_params * sampling() const { return policy_.sampling ? &*policy_.sampling : nullptr; }
     bool want_logprobs() const { return policy_.sampling && policy_.sampling->want_logprobs(); }

@@ -176,7 +176,14 @@ void scheduler::step_once() {
     }
     std::vector<request::emitted> out(n_slots());
     std::vector<std::exception_ptr> err(n_slots());
-    // the new requests' prefills, each alone
+    // the pass's work: the short prompts' prefills (begin_start), then the steps (begin_step)
+    std::vector<batch_item> items;
+    std::vector<int> in_pass;
+    std::vector<char> starting(n_slots(), 0);
+    const int64_t budget = std::min(target_.params().n_batch, k_matmul_max_cols);
+    bool taps = false, logits = false;
+    // the new requests' prefills: a short one in the pass, a longer one alone now (a prefill chunk
+    // wider than the matmul's batch-invariant width computes differently from a narrower one)
     for (int k : admitted) {
         ticket & t = *active[k];
         try {
@@ -191,6 +198,16 @@ void scheduler::step_once() {
             t.req = std::make_unique<request>(target_, spec, vocab_, t.policy, k);
             if (t.forced) t.req->set_draft_source(t.forced);
             if (cancelled[k]) t.req->stop();
+            std::optional<batch_item> it;
+            if (!cancelled[k]) it = t.req->begin_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached, budget);
+            if (it) {
+                taps = taps || t.policy.speculative;
+                logits = logits || t.req->wants_logits();
+                items.push_back(std::move(*it));
+                in_pass.push_back(k);
+                starting[k] = 1;
+                continue;
+            }
             out[k] = t.req->start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached);
             t.started = true;
         } catch (...) {
@@ -198,10 +215,8 @@ void scheduler::step_once() {
         }
     }
     // the others' steps: planned (drafts run), then one pass over the batchable ones
-    std::vector<batch_item> items;
-    std::vector<int> in_pass;
+    const size_t n_starting = items.size();
     int64_t solo = 0, drafter_passes_saved = 0;
-    bool taps = false, logits = false;
     auto steps = [&](int k) {
         return active[k] && active[k]->started && !err[k] && !active[k]->req->done() &&
                std::find(admitted.begin(), admitted.end(), k) == admitted.end();
@@ -272,7 +287,6 @@ void scheduler::step_once() {
         }
     }
     // One pass, or several when the work is wider than the matmul's batch-invariant width.
-    const int64_t budget = std::min(target_.params().n_batch, k_matmul_max_cols);
     const std::vector<int> * tap_layers = nullptr;
     for (int k = 0; k < n_slots() && taps; ++k) {
         if (specs_[k]) {
@@ -297,7 +311,11 @@ void scheduler::step_once() {
             res = target_.decode_batch(part, tap_layers ? *tap_layers : no_taps, /*argmax_only=*/!logits);
             pass_s = profile_now() - t0;
         } catch (...) {
-            for (size_t i = i0; i < i1; ++i) err[in_pass[i]] = std::current_exception();
+            for (size_t i = i0; i < i1; ++i) {
+                const int k = in_pass[i];
+                err[k] = std::current_exception();
+                if (starting[k]) active[k]->started = true;  // failed: the ticket ends with its error
+            }
             i0 = i1;
             continue;
         }
@@ -311,6 +329,11 @@ void scheduler::step_once() {
         for (size_t i = i0; i < i1; ++i) {
             const int k = in_pass[i];
             try {
+                if (starting[k]) {
+                    active[k]->started = true;
+                    out[k] = active[k]->req->finish_start(res[i - i0]);
+                    continue;
+                }
                 const double share = costs_.share((int64_t) part[i - i0].tokens.size(), width, (int64_t) (i1 - i0), pass_s);
                 out[k] = active[k]->req->finish_step(res[i - i0], share);
             } catch (...) {
@@ -321,7 +344,7 @@ void scheduler::step_once() {
     }
     // the step's committed tokens per second (its solo steps apart) for the batch's controller,
     // when every chain request it judged was in the pass
-    if (controlled && (int) in_pass.size() == n_step) {
+    if (controlled && n_starting == 0 && (int) in_pass.size() == n_step) {
         int64_t tokens = 0;
         bool speculated = false;
         for (size_t i = 0; i < in_pass.size(); ++i) {
@@ -336,6 +359,7 @@ void scheduler::step_once() {
     stats_.solo_steps += solo;
     stats_.shared_drafts += drafter_passes_saved;
     stats_.batch_ar_steps = batch_ctl_.forced_ar_steps();
+    for (size_t i = 0; i < n_starting; ++i) stats_.batched_prefills += !err[in_pass[i]];
     stats_.batch_switches = batch_ctl_.switches();
     for (int k = 0; k < n_slots(); ++k) {
         if (!active[k]) continue;

@@ -71,6 +71,7 @@ public:
         int64_t shared_drafts = 0;  // draft graphs saved by drafting several slots' blocks in one pass
         // the batch's controller: all-AR steps it imposed, and its mode changes
         int64_t batch_ar_steps = 0, batch_switches = 0;
+        int64_t batched_prefills = 0;  // prompts prefilled in a shared pass (request::begin_start)
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;

@@ -232,6 +232,17 @@ int32_t spec_session::ar_step(int32_t last) {
 
 decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int64_t n_cached, bool argmax_only,
                                          uint64_t regime) {
+    begin_prefill(n, n_cached, regime);
+    decode_result r = tgt().decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
+    finish_prefill(r, n, n_cached);
+    return r;
+}
+
+void spec_session::finish_prefill(const decode_result & r, int64_t n, int64_t n_cached) {
+    push_features(r.taps.data(), n - n_cached, n_cached);
+}
+
+void spec_session::begin_prefill(int64_t n, int64_t n_cached, uint64_t regime) {
     if (n_cached == 0) {
         reset();
     } else {
@@ -242,9 +253,6 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
                     " but the target holds ", tgt().n_past(), " positions and the ring ", ring_next);
     }
     ctl_.begin_request(regime);
-    decode_result r = tgt().decode(prompt + n_cached, n - n_cached, false, drafter_->hparams().tap_layers, argmax_only);
-    push_features(r.taps.data(), n - n_cached, n_cached);
-    return r;
 }
 
 int32_t spec_session::prefill(const int32_t * prompt, int64_t n, int64_t n_cached) {

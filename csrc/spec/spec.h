@@ -117,6 +117,13 @@ public:
     // already hold (n_cached == target.n_past() == the ring's next position; the caller checks the
     // tokens), so only prompt[n_cached, n) runs, its taps pushed as a prefill pushes them.
     int32_t prefill(const int32_t * prompt, int64_t n, int64_t n_cached = 0);
+    // The prefill split around its target pass (a scheduler runs a short prompt's prefill in its
+    // shared pass): begin_prefill resets (n_cached 0) or checks the continuation and begins the
+    // controller's request (regime: regime_key of the sampling, 0 greedy); the pass decodes
+    // prompt[n_cached, n) on the slot with the drafter's tap layers; finish_prefill pushes its taps
+    // into the ring.
+    void begin_prefill(int64_t n, int64_t n_cached, uint64_t regime);
+    void finish_prefill(const decode_result & r, int64_t n, int64_t n_cached);
 
     // Draft d_1 .. d_{B-1} after `last` at position target.n_past() (nothing is committed).
     std::vector<int32_t> draft(int32_t last, int64_t B);
