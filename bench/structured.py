@@ -13,7 +13,15 @@ by round (fixed block size, no controller), where at each round's start the draf
 greedy drafts and its masked drafts (the constrained round's) are matched against the same text,
 against the unconstrained round's acceptance on the unconstrained text.
 
+--drafters NAME=PATH ...: each drafter in turn on the same target (all the tables per drafter, its
+speedups against its own AR in the same run), e.g. a drafter trained with `train-drafter
+--constrained-share` against its control. --heldout N adds, per drafter, the acceptance on N held-out
+code prompts (corpus.heldout_prompts: stdlib files never trained on; greedy chain, B = 16, gate
+off: counts that do not depend on the load), unconstrained and under the schema, and whether every
+output equals AR's.
+
     python bench/structured.py --json bench/results/structured.jsonl
+    python bench/structured.py --drafters shipped=A.gguf new=B.gguf --heldout 16 --json ...
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--drafters", nargs="+", metavar="NAME=PATH", help="several drafters, one after another")
+    ap.add_argument("--heldout", type=int, default=0, help="held-out code prompts for the acceptance table")
+    ap.add_argument("--heldout-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -52,9 +63,17 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
+    target, drafter = resolve_pair(args.target, args.drafter)
+    drafters = dict(d.split("=", 1) for d in args.drafters) if args.drafters else {Path(drafter).stem: drafter}
+    rows = []
+    for name, path in drafters.items():
+        rows += one_drafter(args, target, name, path)
+    write_jsonl(args.json, rows)
+
+
+def one_drafter(args, target, name: str, drafter) -> list[dict]:
     import dflash_native as dn
 
-    target, drafter = resolve_pair(args.target, args.drafter)
     eng = dn.Engine(target, drafter=drafter, n_ctx=1024, n_threads=args.threads, verify=args.verify)
     c = dn.JsonSchema(SCHEMA)
     modes = {"constrained spec": dict(constraint=c), "constrained AR": dict(constraint=c, speculative=False),
@@ -84,7 +103,7 @@ def main() -> None:
     ar_step_s = 1.0 / statistics.median(res["unconstrained AR"]["tok_s"])
     mach, rev = machine(), git_rev()
     rows = []
-    print(f"{Path(target).name} + {Path(drafter).name}, verify={args.verify}, max_tokens={args.max_tokens}, "
+    print(f"\n=== drafter {name}\n{Path(target).name} + {Path(drafter).name}, verify={args.verify}, max_tokens={args.max_tokens}, "
           f"{args.reps} reps x {len(PROMPTS)} prompts; {mach}")
     print(f"{'mode':<20} {'tok/s':>8} {'spread':>15} {'accept':>7} {'vs AR':>6} {'grammar/AR step':>16}")
     for m in modes:
@@ -101,10 +120,42 @@ def main() -> None:
     rows += per_prompt(by_prompt)
     if args.verify == "chain":
         rows += same_text(eng, c, args.max_tokens)
+    eng.close()
+    if args.heldout:
+        rows += heldout(target, drafter, c, args)
     for r in rows:
-        r.update(bench="structured", target=Path(target).name, verify=args.verify, max_tokens=args.max_tokens,
-                 machine=mach, git=rev)
-    write_jsonl(args.json, rows)
+        r.update(bench="structured", target=Path(target).name, drafter=name, drafter_file=str(drafter),
+                 verify=args.verify, max_tokens=args.max_tokens, machine=mach, git=rev)
+    return rows
+
+
+def heldout(target, drafter, c, args) -> list[dict]:
+    """Mean acceptance length (committed tokens per round, pooled) on held-out code prompts, greedy
+    chain, B = 16, gate off, unconstrained and under the schema; outputs checked equal to AR's."""
+    import dflash_native as dn
+    from dflash_native.train import corpus
+
+    eng = dn.Engine(target, drafter=drafter, block_size=16, gate=False, n_ctx=96 + args.heldout_tokens + 64,
+                    n_threads=args.threads)
+    prompts = corpus.heldout_prompts(args.heldout, 96, eng, seed=0)
+    rows = []
+    for mode, kw in (("unconstrained", {}), ("constrained", {"constraint": c})):
+        committed = rounds = same = 0
+        for p in prompts:
+            r = eng.generate(p.text, max_tokens=args.heldout_tokens, **kw)
+            same += r.tokens == eng.generate(p.text, max_tokens=args.heldout_tokens, speculative=False, **kw).tokens
+            h = r.stats.acceptance_histogram
+            committed += sum(k * n for k, n in enumerate(h))
+            rounds += sum(h)
+        row = {"table": "heldout", "mode": mode, "prompts": len(prompts), "gen": args.heldout_tokens,
+               "block_size": 16, "rounds": rounds, "mean_acceptance_length": committed / max(rounds, 1),
+               "spec_equals_ar": same}
+        print(f"held-out code prompts ({len(prompts)} x {args.heldout_tokens} tokens, B = 16, gate off), {mode}: "
+              f"mean acceptance length {row['mean_acceptance_length']:.2f} over {rounds} rounds, "
+              f"spec == AR {same}/{len(prompts)}", flush=True)
+        rows.append(row)
+    eng.close()
+    return rows
 
 
 def per_round(pooled: dict, verify: str) -> list[dict]:

@@ -49,10 +49,33 @@ def test_train_drafter_cli_end_to_end(target, tmp_path):
     assert eng.generate(prompt, max_tokens=16).tokens == eng.generate(prompt, max_tokens=16, speculative=False).tokens
 
 
+def test_train_drafter_cli_constrained_share(target, tmp_path):
+    """--constrained-share: that share of the continuations is written under random JSON schemas
+    (the recipe counts them; the cache holds them, each a JSON object's text), and the drafter
+    trained on them runs constrained speculative decoding equal to constrained AR."""
+    ckpt, tg, data = target
+    p = cli("--target", ckpt, "--data", data, "--out", tmp_path / "d", "--gguf", tmp_path / "d.gguf",
+            "--target-gguf", tg, "--outtype", "f32", "--block-size", "4", "--steps", "4", "--prompts", "4",
+            "--prompt-tokens", "16", "--max-new-tokens", "12", "--threads", "1", "--constrained-share", "0.5",
+            "--constraint", "schemas", "--continuations-file", tmp_path / "c.json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recipe = json.loads((tmp_path / "d" / "recipe.json").read_text())
+    assert recipe["n_constrained"] == 2 and recipe["constraint"] == "schemas"
+    saved = json.loads((tmp_path / "c.json").read_text())
+    tok = dn.Engine(tg, n_ctx=64, n_threads=1)
+    texts = [tok.detokenize(s[len(q):]) for q, s, e in zip(saved["prompts"], saved["sequences"], saved["plan"]) if e]
+    assert len(texts) == 2 and all(t.startswith('{"') for t in texts)
+    eng = dn.Engine(tg, drafter=tmp_path / "d.gguf", n_ctx=128, kv_type="f32", n_threads=2)
+    c = dn.JsonSchema(saved["plan"][1]["constraint"]["schema"])
+    assert eng.generate([5, 6, 7, 8], max_tokens=16, constraint=c).tokens == \
+        eng.generate([5, 6, 7, 8], max_tokens=16, constraint=c, speculative=False).tokens
+
+
 @pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config", "no-target-gguf", "engine-no-gguf",
-                                  "window-over-context", "zero-window", "share-without-context", "share-over-one"])
+                                  "window-over-context", "zero-window", "share-without-context", "share-over-one",
+                                  "constrained-torch", "constrained-over-one", "bad-constraint", "chat-prompts"])
 def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
-    ckpt, _, data = target
+    ckpt, tg, data = target
     args = {"--target": ckpt, "--data": data, "--out": tmp_path / "o"}
     if case == "no-data":
         args["--data"] = tmp_path / "missing"
@@ -73,6 +96,14 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
         args["--long-share"] = 0.5
     elif case == "share-over-one":
         args.update({"--context-length": 64, "--long-share": 1.5})
+    elif case == "constrained-torch":
+        args["--constrained-share"] = 0.5
+    elif case == "constrained-over-one":
+        args.update({"--target-gguf": tg, "--constrained-share": 1.5})
+    elif case == "bad-constraint":
+        args.update({"--target-gguf": tg, "--constrained-share": 0.5, "--constraint": tmp_path / "none.json"})
+    elif case == "chat-prompts":
+        args.update({"--target-gguf": tg, "--constrained-share": 0.5, "--constrained-prompts": "markdown"})
     else:
         args["--target"] = tmp_path
     p = cli(*[x for kv in args.items() for x in kv])
@@ -82,5 +113,7 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
     msg = {"no-data": "does not exist", "empty-data": "is empty", "deep-tap": "not a tap layer", "no-config": "no config.json",
            "no-target-gguf": "missing.gguf' does not exist", "engine-no-gguf": "needs the target's GGUF",
            "window-over-context": "window 65 is longer than context_length 64", "zero-window": "window must be an int",
-           "share-without-context": "long_share needs context_length", "share-over-one": "long_share must be in [0, 1]"}
+           "share-without-context": "long_share needs context_length", "share-over-one": "long_share must be in [0, 1]",
+           "constrained-torch": "constrained_share > 0) need", "constrained-over-one": "constrained_share must be in",
+           "bad-constraint": "none.json' is neither", "chat-prompts": "invalid choice: 'markdown'"}
     assert msg[case] in p.stderr

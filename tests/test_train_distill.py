@@ -1,5 +1,5 @@
-"""Drafter distillation (issue 15's speed goal): the KL term of train/drafter.py, sampled
-continuations (train/pipeline.py), the GGUF -> PyTorch readers (train/from_gguf.py) and a
+"""Drafter distillation (issue 15's speed goal): the KL term of train/drafter.py, sampled and
+constrained (JSON grammar, issue 37) continuations (train/pipeline.py), the GGUF -> PyTorch readers (train/from_gguf.py) and a
 fine-tune from a drafter GGUF through the pipeline, on tiny random Qwen3.5 targets."""
 
 from __future__ import annotations
@@ -164,9 +164,150 @@ def test_continuations_file_is_reused_and_continued(env, tmp_path):
     f.write_text(json.dumps(saved))
     again = pipeline._cached_continuations(f, env["target_gguf"], prompts, 8, plan, N_THREADS, 0, save_every=2)
     assert again == [marked] + full[1:]
+    # another plan: the entries it shares (prompt and plan entry, greedy 0 and 2) are read, the rest generated
     greedy = pipeline._cached_continuations(f, env["target_gguf"], prompts, 8, [None] * 4, N_THREADS, 0)
-    assert greedy[0] != marked and greedy == pipeline.engine_continuations(env["target_gguf"], prompts, 8,
-                                                                          n_threads=N_THREADS)
+    fresh = pipeline.engine_continuations(env["target_gguf"], prompts, 8, n_threads=N_THREADS)
+    assert greedy == [marked] + fresh[1:] and fresh[2] == full[2] and fresh[1] != full[1]
+    assert json.loads(f.read_text())["plan"] == [None] * 4
+    # another max_new_tokens: nothing is read
+    assert pipeline._cached_continuations(f, env["target_gguf"], prompts, 6, [None] * 4, N_THREADS, 0)[0] == \
+        fresh[0][:len(prompts[0]) + 6]
+
+
+# ---------------------------------------------------------------------------
+# constrained continuations
+# ---------------------------------------------------------------------------
+
+def test_constraint_plan_spreads_the_constrained_share(tmp_path):
+    base = pipeline.sampling_plan(8, 0.25, [1.0])
+    plan = pipeline.constraint_plan(base, 0.5, "json")
+    assert [bool(p and p.get("constraint")) for p in plan] == [False, True] * 4
+    assert all(p["constraint"] == {"type": "json_object"} for p in plan if p and "constraint" in p)
+    assert [p and p.get("temperature") for p in plan] == [p and p.get("temperature") for p in base]  # kept
+    assert plan[3]["temperature"] == 1.0 and plan[3]["constraint"]  # a sampled one constrained too
+    a = pipeline.constraint_plan([None] * 6, 1.0, "schemas", seed=3)
+    assert a == pipeline.constraint_plan([None] * 6, 1.0, "schemas", seed=3)  # reproducible
+    assert a != pipeline.constraint_plan([None] * 6, 1.0, "schemas", seed=4)
+    schemas = [p["constraint"]["schema"] for p in a]
+    assert all(p["constraint"]["type"] == "json_schema" for p in a) and len({json.dumps(x) for x in schemas}) == 6
+    assert all(s["type"] == "object" and s["required"] == list(s["properties"]) for s in schemas)
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}))
+    assert pipeline.constraint_plan([None] * 2, 1.0, str(f))[1]["constraint"]["schema"]["required"] == ["a"]
+    assert pipeline.constraint_plan([None] * 3, 0.0, "nonsense") == [None] * 3  # no share: nothing to check
+    for share, c, msg in ((1.5, "json", "constrained_share"), (0.5, "yaml", "json, schemas or a JSON schema file"),
+                          (0.5, str(tmp_path / "missing.json"), "neither")):
+        with pytest.raises(ValueError, match=msg):
+            pipeline.constraint_plan([None] * 4, share, c)
+    f.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        pipeline.constraint_plan([None] * 4, 0.5, str(f))
+
+
+def _grammar_check(target_gguf, prompts, seqs, plan, max_new):
+    """Each constrained continuation: its tokens are accepted one by one by the grammar (a JSON
+    prefix under its schema) and its text starts an object; one that ended before `max_new` tokens
+    (the grammar complete: the engine stopped at end-of-generation, which it does not return)
+    parses as JSON with the schema's required keys, and the grammar accepts the end-of-generation
+    token there. Returns how many ended."""
+    from dflash_native._tokenizer import Tokenizer
+    from dflash_native.constraint import GrammarEngine
+
+    tok = Tokenizer(target_gguf)
+    ge = GrammarEngine(tok, tok.n_vocab)
+    ended = 0
+    for p, s, e in zip(prompts, seqs, plan):
+        new = s[len(p):]
+        m = ge.matcher(pipeline._constraint_of(e["constraint"]))
+        assert all(m.accept(t) for t in new)
+        text = tok.detokenize(new)
+        assert text.startswith("{")
+        assert not any(tok.is_eog(t) for t in new) and len(new) <= max_new
+        if len(new) < max_new:
+            ended += 1
+            assert not m.terminated() and m.accept(tok.eos_token_id) and m.terminated()
+            value = json.loads(text)
+            schema = e["constraint"].get("schema")
+            assert isinstance(value, dict) and (schema is None or set(value) == set(schema["required"]))
+    return ended
+
+
+def test_constrained_continuations_are_under_the_grammar(env, tmp_path):
+    """Continuations under "json", "schemas" and a schema file: every token is the grammar's, a
+    finished one parses as JSON; the unconstrained entries are the greedy continuations."""
+    rng = np.random.default_rng(8)
+    prompts = [[int(x) for x in rng.integers(3, 400, 6)] for _ in range(6)]
+    greedy = pipeline.engine_continuations(env["target_gguf"], prompts, 24, n_threads=N_THREADS)
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    ended = 0
+    for constraint in ("json", "schemas", str(f)):
+        plan = pipeline.constraint_plan([None] * 6, 0.5, constraint, seed=1)
+        seqs = pipeline.engine_continuations(env["target_gguf"], prompts, 24, n_threads=N_THREADS, sampling=plan)
+        assert [s for s, e in zip(seqs, plan) if e is None] == [g for g, e in zip(greedy, plan) if e is None]
+        on = [i for i, e in enumerate(plan) if e]
+        assert len(on) == 3 and all(seqs[i] != greedy[i] for i in on)  # the random target alone writes no JSON
+        ended += _grammar_check(env["target_gguf"], [prompts[i] for i in on], [seqs[i] for i in on],
+                                [plan[i] for i in on], 24)
+    assert ended >= 3  # the one-key schema's continuations end
+
+
+def test_chat_prompts_ask_for_json(env, tmp_path):
+    """constrained_prompts='chat': the constrained prompts become chat requests rendered with the
+    GGUF's template; the others stay; a GGUF without a template is refused."""
+    import shutil
+
+    def gguf(name, template):
+        ckpt = tmp_path / name
+        shutil.copytree(env["ckpt"], ckpt)
+        cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+        if template:
+            (ckpt / "chat_template.jinja").write_text(template)
+        return convert_hf_to_gguf(ckpt, tmp_path / f"{name}.gguf", outtype="f32")
+
+    tg = gguf("chat", "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    prompts = [[10, 11, 12, 13], [20, 21, 22, 23]]
+    plan = pipeline.constraint_plan([None] * 2, 0.5, "json")
+    out = pipeline.as_chat_prompts(prompts, plan, tg)
+    from dflash_native._tokenizer import Tokenizer
+
+    tok = Tokenizer(tg)
+    assert out[0] == prompts[0]
+    text = tok.detokenize(out[1])
+    assert text == (f"<|im_start|>user\n{tok.detokenize(prompts[1])}\n\nReply with one JSON object.<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    seqs = pipeline.engine_continuations(tg, out, 12, n_threads=N_THREADS, sampling=plan)
+    _grammar_check(tg, out[1:], seqs[1:], plan[1:], 12)
+    with pytest.raises(ValueError, match="needs a chat template"):
+        pipeline.as_chat_prompts(prompts, plan, gguf("plain", None))
+
+
+def test_constrained_share_through_the_pipeline(env, tmp_path):
+    """pipeline.run with a constrained share: the recipe counts the constrained continuations, the
+    continuations file holds them under the grammar, and the drafter trained on them serves
+    constrained speculative output equal to constrained AR output."""
+    data = tmp_path / "text"
+    data.mkdir()
+    (data / "m.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n\n" for j in range(60)))
+    recipe = pipeline.run(env["ckpt"], data, tmp_path / "d", n_prompts=4, prompt_tokens=10, max_new_tokens=16,
+                          target_gguf=env["target_gguf"], out_gguf=tmp_path / "d.gguf", outtype="f32", steps=4,
+                          constrained_share=0.5, constraint="schemas", continuations_file=tmp_path / "c.json",
+                          target_layer_ids=TAPS, block_size=B, n_threads=N_THREADS, engine_threads=N_THREADS, seed=0)
+    assert recipe["n_constrained"] == 2 and recipe["constraint"] == "schemas" and recipe["n_sampled"] == 0
+    assert 0 < recipe["n_constrained_tokens"] <= 2 * 16
+    saved = json.loads((tmp_path / "c.json").read_text())
+    on = [i for i, e in enumerate(saved["plan"]) if e]
+    assert on == [1, 3]
+    _grammar_check(env["target_gguf"], [saved["prompts"][i] for i in on], [saved["sequences"][i] for i in on],
+                   [saved["plan"][i] for i in on], 16)
+    eng = dn.Engine(env["target_gguf"], drafter=tmp_path / "d.gguf", n_ctx=128, kv_type="f32", n_threads=2)
+    c = dn.JsonSchema(saved["plan"][1]["constraint"]["schema"])
+    prompt = saved["prompts"][0]
+    assert eng.generate(prompt, max_tokens=16, constraint=c).tokens == \
+        eng.generate(prompt, max_tokens=16, constraint=c, speculative=False).tokens
 
 
 # ---------------------------------------------------------------------------

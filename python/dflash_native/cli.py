@@ -154,7 +154,9 @@ def _cmd_train_drafter(a) -> int:
                           long_share=a.long_share, w_ce=a.w_ce, w_kl=a.w_kl, init_from=a.init_from,
                           sampled_share=a.sampled_share,
                           sample_temperatures=[float(x) for x in a.sample_temperatures.split(",") if x.strip()],
-                          sample_top_p=a.sample_top_p, continuations_file=a.continuations_file,
+                          sample_top_p=a.sample_top_p, constrained_share=a.constrained_share,
+                          constraint=a.constraint, constrained_prompts=a.constrained_prompts,
+                          continuations_file=a.continuations_file,
                           continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
     return 0
@@ -428,6 +430,14 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--sample-temperatures", default="0.7,1.0",
                    help="comma-separated temperatures the sampled continuations cycle through")
     t.add_argument("--sample-top-p", type=float, default=0.95)
+    t.add_argument("--constrained-share", type=float, default=0.0,
+                   help="share of the engine continuations written under a JSON grammar (0..1), so the drafter "
+                        "learns the target's structured output too")
+    t.add_argument("--constraint", default="json",
+                   help="their grammar: json (any JSON object, response_format json_object), schemas (a random "
+                        "small JSON schema per continuation), or a JSON schema file")
+    t.add_argument("--constrained-prompts", default="text", choices=["text", "chat"],
+                   help="their prompts: the text as it is, or a chat request for JSON (the GGUF's chat template)")
     t.add_argument("--continuations-file", default=None,
                    help="JSON cache of the engine continuations: reused when it matches, else written")
     t.add_argument("--seed", type=int, default=0)

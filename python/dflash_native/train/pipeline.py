@@ -5,7 +5,9 @@ the Python standard library by default), tokenized with the target's own tokeniz
 continues each greedily and the drafter learns those continuations (train/drafter.py). With the
 target's GGUF given, the continuations come from our engine on that file (the target the drafter
 will serve, at its own precision, and ~10x faster than PyTorch's token-by-token decode); without
-it, from the PyTorch model.
+it, from the PyTorch model. A `constrained_share` of the engine continuations is written under a
+JSON grammar (`constraint_plan`: any JSON object, random small schemas, or one schema file), so the
+drafter also learns the text the target writes for a structured-output request.
 Everything that can be checked is checked before the target is loaded or any text is read.
 """
 
@@ -122,12 +124,113 @@ def sampling_plan(n: int, sampled_share: float, temperatures: Sequence[float], t
     return plan
 
 
+# Property names and enum words of the random schemas: common field names, none of them
+# bench/structured.py's schema's (its names and enum values stay held out of training).
+_FIELD_NAMES = ("id", "name", "title", "kind", "value", "count", "path", "size", "owner", "email", "price", "total",
+                "tags", "enabled", "version", "created", "label", "score", "level", "mode", "code", "note", "city",
+                "unit", "width", "height", "color", "role", "source", "target")
+_ENUM_WORDS = ("open", "closed", "low", "high", "red", "blue", "yes", "no", "draft", "final", "ok", "error", "on",
+               "off", "auto", "none")
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A small JSON schema: an object of 2-5 required properties, each a string of at most 4-32
+    characters, an integer, a number, a boolean, an enum of 2-4 words, or (at the top level only)
+    an object of the same kind or an array of exactly 1-3 of them."""
+    names = rng.sample(_FIELD_NAMES, rng.randint(2, 5))
+    props: dict[str, dict] = {}
+    for n in names:
+        nested = ("array", "object") if depth == 0 else ()
+        kind = rng.choice(("string", "integer", "number", "boolean", "enum") + nested)
+        if kind == "string":
+            props[n] = {"type": "string", "maxLength": rng.choice((4, 8, 16, 32))}
+        elif kind == "enum":
+            props[n] = {"enum": rng.sample(_ENUM_WORDS, rng.randint(2, 4))}
+        elif kind == "array":
+            k = rng.randint(1, 3)
+            props[n] = {"type": "array", "minItems": k, "maxItems": k, "items": random_schema(rng, depth + 1)}
+        elif kind == "object":
+            props[n] = random_schema(rng, depth + 1)
+        else:
+            props[n] = {"type": kind}
+    return {"type": "object", "properties": props, "required": names}
+
+
+CONSTRAINTS = ("json", "schemas")
+
+
+def constraint_plan(plan: Sequence[dict | None], constrained_share: float, constraint: str = "json",
+                    seed: int = 0) -> list[dict | None]:
+    """`plan` (see `sampling_plan`) with a share `constrained_share` of its continuations written
+    under a JSON grammar, spread evenly as the sampled ones are (the same rule, so with both shares
+    the constrained continuations are the sampled ones first): their entry gains "constraint", a
+    JSON-able {"type": "json_object"} (`constraint` "json": any JSON object, the server's
+    response_format json_object) or {"type": "json_schema", "schema": ...} ("schemas": a
+    `random_schema` per continuation, drawn from `seed`; or the path of a JSON schema file: that
+    schema for all)."""
+    if not 0.0 <= constrained_share <= 1.0:
+        raise ValueError(f"[train_drafter] constrained_share must be in [0, 1], got {constrained_share!r}")
+    n = len(plan)
+    chosen = [int((i + 1) * constrained_share) > int(i * constrained_share) for i in range(n)]
+    if not any(chosen):
+        return list(plan)
+    fixed = None
+    if constraint == "json":
+        fixed = {"type": "json_object"}
+    elif constraint != "schemas":
+        path = Path(constraint)
+        if not path.is_file():
+            raise ValueError(f"[train_drafter] constraint must be one of {', '.join(CONSTRAINTS)} or a JSON schema "
+                             f"file; '{constraint}' is neither")
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"[train_drafter] constraint schema '{path}' is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"[train_drafter] constraint schema '{path}' must be a JSON object")
+        fixed = {"type": "json_schema", "schema": schema}
+    rng = random.Random(seed * 1_000_003 + 37)
+    return [({**(p or {}), "constraint": fixed if fixed is not None else {"type": "json_schema",
+                                                                         "schema": random_schema(rng)}}
+             if c else p) for p, c in zip(plan, chosen)]
+
+
+def as_chat_prompts(prompts: Sequence[Sequence[int]], plan: Sequence[dict | None], target_gguf,
+                    instruction: str = "Reply with one JSON object.") -> list[list[int]]:
+    """Each prompt whose plan entry has a constraint as a chat request for JSON: its text (the
+    GGUF's tokenizer) as a user message, followed by `instruction`, rendered with the GGUF's chat
+    template and tokenized as Engine.chat does; the other prompts as they are."""
+    from .._tokenizer import Tokenizer
+
+    tok = Tokenizer(target_gguf)
+    if not tok.chat_template:
+        raise ValueError(f"[train_drafter] constrained_prompts='chat' needs a chat template; '{target_gguf}' has "
+                         f"none (use 'text')")
+    out = []
+    for p, entry in zip(prompts, plan):
+        if entry and entry.get("constraint"):
+            text = tok.apply_chat_template([{"role": "user", "content": f"{tok.detokenize(p)}\n\n{instruction}"}])
+            p = tok.tokenize(text, add_special=False, parse_special=True)
+        out.append([int(t) for t in p])
+    return out
+
+
+def _constraint_of(spec: dict | None):
+    """The engine's constraint for a plan entry's "constraint" (see `constraint_plan`)."""
+    from ..constraint import JsonSchema
+
+    if spec is None:
+        return None
+    return JsonSchema(spec.get("schema")) if spec["type"] == "json_schema" else JsonSchema()
+
+
 def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                          n_threads: int | None = None, sampling: Sequence[dict | None] | None = None,
                          log_every: int = 0) -> list[list[int]]:
     """prompt + `max_new_tokens` tokens of our engine on `target_gguf` (AR, stopping early only
-    at the end-of-generation token), one prompt at a time: greedy, or sampled with
-    `sampling[i]` ({temperature, top_p, seed}, see `sampling_plan`) where that is not None."""
+    at the end-of-generation token, or where a grammar is complete), one prompt at a time: greedy,
+    or sampled with `sampling[i]` ({temperature, top_p, seed}, see `sampling_plan`) where that is
+    not None, under its "constraint" where it has one (`constraint_plan`)."""
     from ..engine import Engine
 
     if sampling is not None and len(sampling) != len(prompts):
@@ -136,8 +239,10 @@ def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_
     eng = Engine(target_gguf, n_ctx=longest + max_new_tokens + 8, n_threads=n_threads)
     out = []
     for i, p in enumerate(prompts):
-        kw = (sampling[i] if sampling is not None else None) or {}
-        r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False, **kw)
+        kw = dict((sampling[i] if sampling is not None else None) or {})
+        constraint = _constraint_of(kw.pop("constraint", None))
+        r = eng.generate([int(t) for t in p], max_tokens=max_new_tokens, speculative=False, constraint=constraint,
+                         **kw)
         out.append([int(t) for t in p] + list(r.tokens))
         if log_every and (i + 1) % (10 * log_every) == 0:
             print(f"[train_drafter] engine continuations {i + 1}/{len(prompts)}", flush=True)
@@ -147,25 +252,35 @@ def engine_continuations(target_gguf, prompts: Sequence[Sequence[int]], max_new_
 def _cached_continuations(path, target_gguf, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                           plan: Sequence[dict | None], n_threads: int | None, log_every: int,
                           save_every: int = 16) -> list[list[int]]:
-    """engine_continuations, kept in the JSON file `path` (None: not kept): a file of the same
-    prompts and plan is read, and a partial one (a run that stopped) is continued, the file being
-    rewritten every `save_every` prompts."""
+    """engine_continuations, kept in the JSON file `path` (None: not kept): a continuation the file
+    holds for the same target file size, max_new_tokens, prompt and plan entry is read, whatever
+    its place in the file (a run that stopped is continued; a run that changes part of the plan,
+    such as a constrained share, generates only the changed entries); the others are generated and
+    the file rewritten (the current prompts and plan) every `save_every` prompts."""
     key = {"target_gguf_size": Path(target_gguf).stat().st_size, "max_new_tokens": max_new_tokens,
            "prompts": [list(map(int, p)) for p in prompts], "plan": list(plan)}
-    seqs: list[list[int]] = []
+    known: dict[str, list[int]] = {}
+    saved: dict = {}
     if path is not None and Path(path).is_file():
         saved = json.loads(Path(path).read_text())
-        if {k: saved.get(k) for k in key} == key:
-            seqs = saved["sequences"]
+        if all(saved.get(k) == key[k] for k in ("target_gguf_size", "max_new_tokens")):
+            for p, e, s in zip(saved.get("prompts", []), saved.get("plan", []), saved.get("sequences", [])):
+                known[json.dumps([p, e], sort_keys=True)] = s
+    seqs: list[list[int]] = []
     step = len(prompts) if path is None else save_every
     while len(seqs) < len(prompts):
-        part = slice(len(seqs), min(len(seqs) + step, len(prompts)))
-        seqs += engine_continuations(target_gguf, prompts[part], max_new_tokens, n_threads=n_threads,
-                                     sampling=plan[part], log_every=0)
-        if path is not None:
+        part = range(len(seqs), min(len(seqs) + step, len(prompts)))
+        have = [known.get(json.dumps([key["prompts"][i], key["plan"][i]], sort_keys=True)) for i in part]
+        todo = [i for i, h in zip(part, have) if h is None]
+        made = iter(engine_continuations(target_gguf, [prompts[i] for i in todo], max_new_tokens, n_threads=n_threads,
+                                         sampling=[plan[i] for i in todo], log_every=0) if todo else [])
+        seqs += [h if h is not None else next(made) for h in have]
+        if path is not None and todo:
             Path(path).write_text(json.dumps({**key, "sequences": seqs}))
-        if log_every:
+        if log_every and todo:
             print(f"[train_drafter] engine continuations {len(seqs)}/{len(prompts)}", flush=True)
+    if path is not None and {k: saved.get(k) for k in key} != key:  # all read from another run's file
+        Path(path).write_text(json.dumps({**key, "sequences": seqs}))
     return seqs
 
 
@@ -173,6 +288,7 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
         target_layer_ids: Sequence[int] | None = None, target_gguf=None, out_gguf=None, outtype: str = "f16",
         continuations: str | None = None, engine_threads: int | None = None, long_share: float | None = None,
         sampled_share: float = 0.0, sample_temperatures: Sequence[float] = (0.7, 1.0), sample_top_p: float = 0.95,
+        constrained_share: float = 0.0, constraint: str = "json", constrained_prompts: str = "text",
         continuations_file=None, **train_kwargs) -> dict:
     """Check, sample prompts, generate the target's continuations, train, and (with out_gguf)
     convert. `continuations`: "engine" (our engine on `target_gguf`, the default when it is
@@ -180,9 +296,12 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     `long_share` of the prompts (default all) have lengths spread over [prompt_tokens,
     N - max_new_tokens] and the rest `prompt_tokens` (see `_prompt_mix`). A `sampled_share` of
     the engine continuations are sampled at `sample_temperatures` / `sample_top_p` instead of
-    greedy (see `sampling_plan`; seeds from train_kwargs' `seed`). `continuations_file` (JSON):
-    the engine continuations are read from it when it holds those of the same prompts and plan,
-    else generated and written to it (a rerun or a crash skips the slow part). Returns the recipe."""
+    greedy (see `sampling_plan`; seeds from train_kwargs' `seed`). A `constrained_share` of them
+    is written under `constraint` ("json", "schemas" or a schema file, see `constraint_plan`),
+    their prompts as they are (`constrained_prompts` "text") or as chat requests for JSON ("chat",
+    `as_chat_prompts`). `continuations_file` (JSON): each engine continuation is read from it when
+    it holds one of the same prompt and plan entry, else generated and written to it (a rerun or a
+    crash skips the slow part). Returns the recipe."""
     from .drafter import check_context_args, train_drafter
 
     target_dir = Path(target_dir)
@@ -200,21 +319,41 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
         raise ValueError(f"[train_drafter] target GGUF '{target_gguf}' does not exist")
     if sampled_share and continuations != "engine":
         raise ValueError("[train_drafter] sampled continuations (sampled_share > 0) need continuations='engine'")
+    if constrained_share and continuations != "engine":
+        raise ValueError("[train_drafter] constrained continuations (constrained_share > 0) need "
+                         "continuations='engine'")
+    if constrained_prompts not in ("text", "chat"):
+        raise ValueError(f"[train_drafter] constrained_prompts must be 'text' or 'chat', got {constrained_prompts!r}")
     seed = train_kwargs.get("seed", 0)
     plan = sampling_plan(n_prompts, sampled_share, sample_temperatures, sample_top_p, seed)
+    plan = constraint_plan(plan, constrained_share, constraint, seed)
+    n_constrained = sum(bool(p and p.get("constraint")) for p in plan)
+    if n_constrained:
+        from ..constraint import _xgrammar
+
+        try:
+            _xgrammar()
+        except ImportError as e:
+            raise ValueError(f"[train_drafter] constrained continuations: {e}") from None
+        if constrained_prompts == "chat":
+            as_chat_prompts([], [], target_gguf)  # the GGUF has a chat template
     files = check_request(target_dir, data, target_layer_ids)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = _prompt_mix(files, tok, n_prompts, prompt_tokens, max_new_tokens, train_kwargs.get("context_length"),
                           long_share, seed)
+    if n_constrained and constrained_prompts == "chat":
+        prompts = as_chat_prompts(prompts, plan, target_gguf)
     t0 = time.perf_counter()
     if continuations == "engine":
         seqs = _cached_continuations(continuations_file, target_gguf, prompts, max_new_tokens, plan,
                                      engine_threads, train_kwargs.get("log_every", 0))
+        n_constrained_tokens = sum(len(s) - len(p) for s, p, e in zip(seqs, prompts, plan) if e and e.get("constraint"))
         result = train_drafter(target_dir, out_dir, sequences=seqs, sequence_prompt_lengths=[len(p) for p in prompts],
                                max_new_tokens=max_new_tokens, target_layer_ids=target_layer_ids, **train_kwargs)
     else:
+        n_constrained_tokens = 0
         result = train_drafter(target_dir, out_dir, prompts=prompts, max_new_tokens=max_new_tokens,
                                target_layer_ids=target_layer_ids, **train_kwargs)
     recipe = json.loads(Path(result.recipe).read_text())
@@ -222,7 +361,10 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
                   final_loss=result.losses[-1] if result.losses else None, continuations=continuations,
                   n_prompts=n_prompts, prompt_tokens=prompt_tokens, long_share=long_share,
                   sampled_share=sampled_share, sample_temperatures=[float(t) for t in sample_temperatures],
-                  sample_top_p=sample_top_p, n_sampled=sum(p is not None for p in plan),
+                  sample_top_p=sample_top_p, n_sampled=sum(bool(p and "temperature" in p) for p in plan),
+                  constrained_share=constrained_share, constraint=constraint if n_constrained else None,
+                  constrained_prompts=constrained_prompts if n_constrained else None, n_constrained=n_constrained,
+                  n_constrained_tokens=n_constrained_tokens,
                   prompt_lengths=_length_summary([len(p) for p in prompts]),
                   pipeline_seconds=time.perf_counter() - t0)
     if out_gguf is not None:
