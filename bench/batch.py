@@ -237,6 +237,8 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
                            batch_ar_steps=p.get("batch_ar_steps"), req_per_pass=p.get("req_per_pass"),
                            tok_per_pass=p.get("tok_per_pass"), same_as_solo=s["same"], mismatches=s["n"] - s["same"],
                            n_threads=a.threads if name != "oneseq" else one_threads, reps=a.reps, **info)
+                if name in ("spec", "ar"):  # the thread governor's count after the cell, and its reductions
+                    row.update(threads_now=batched._core.threads_now, thread_reductions=batched._core.thread_reductions)
                 if name in LLAMA_SETUPS:
                     srv = dict(servers)[name]
                     row.update(peer="llama.cpp llama-server", llama_bufts=llama_server_bufts(), parallel=C,
