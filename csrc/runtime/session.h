@@ -186,7 +186,10 @@ public:
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
-    void commit_on_device(int64_t n_keep, int64_t n_verified);
+    // (of a slot's cache: each slot's states and tape live in device buffers of their own)
+    void commit_on_device(const model_cache & cache, int64_t n_keep, int64_t n_verified);
+    // n_seq > 1 on a device: a MemoryError unless each device can hold the other slots' caches
+    static void require_device_room(const model_cache & first, int n_seq, const std::string & what);
     // one sequence slot: its cache and its pending verify
     struct seq_slot {
         std::unique_ptr<model_cache> cache;
