@@ -18,7 +18,7 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.lossless import NEAR_TIE, first_divergence_gap
-from fixtures import cycling_drafts, drafts_kept_until, make_spec_pair
+from fixtures import cycling_drafts, drafts_kept_until, make_spec_pair, walk_tickets
 
 B = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -431,22 +431,15 @@ def test_slot_caches_after_a_batched_step_equal_a_fresh_device_computation(pair,
     ar = [solo.generate(p, max_tokens=24, speculative=False).tokens for p in prompts]
     eng = engine(pair, device, n_seq=N_SEQ)
     fresh = _core.Target(pair["target"], n_ctx=256, n_threads=1, kv_type="f32", n_batch=64, device=device)
-    live, outs, pending, checked = {}, {}, list(range(len(prompts))), 0
-    while pending or live:
-        if pending and (not live or rng.random() < 0.4):
-            i = pending.pop(0)
-            src = cycling_drafts(ar[i], every=(3, 5, 7, 3)[i])
-            # exact_max_tokens: no round commits past max_tokens, so the slot holds just the tokens emitted
-            live[i] = eng._sched.submit(prompts[i], True, max_tokens=24, exact_max_tokens=True,
-                                        draft_source=lambda out, Bc, src=src, p=prompts[i]: src(p, out, Bc))
-            outs[i] = []
-        i = int(rng.choice(list(live)))
-        toks, _ = live[i].next()
-        outs[i] += toks
-        t = live[i]
-        if t.done:
-            del live[i]
-            continue
+
+    def submit(i):
+        src = cycling_drafts(ar[i], every=(3, 5, 7, 3)[i])
+        # exact_max_tokens: no round commits past max_tokens, so the slot holds just the tokens emitted
+        return eng._sched.submit(prompts[i], True, max_tokens=24, exact_max_tokens=True,
+                                 draft_source=lambda out, Bc: src(prompts[i], out, Bc))
+
+    outs, checked = {}, 0
+    for i, t in walk_tickets(rng, len(prompts), submit, outs):
         seq = prompts[i] + outs[i][:-1]
         assert _core.testing.slot_n_past(eng._core, t.slot) == len(seq)
         fresh.reset()
