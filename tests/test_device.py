@@ -424,7 +424,9 @@ def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device):
 def test_slot_caches_after_a_batched_step_equal_a_fresh_device_computation(pair, device):
     """The scheduler's tickets on an n_seq = 3 device engine, forced drafts (rounds keep 1..B of
     their B tokens): after every step the advanced request's slot holds the caches of its sequence
-    (prompt and every emitted token but the last) decoded afresh on a one-slot device Target."""
+    (prompt and every emitted token but the last) decoded afresh on a one-slot device Target, and
+    its feature ring (filled from the batched passes' taps, which stay in the slot's device queue)
+    holds, at every position it has, the rows a one-slot engine's prefill of that sequence pushes."""
     rng = np.random.default_rng(8)
     prompts = [[int(x) for x in rng.integers(3, 500, int(rng.integers(3, 20)))] for _ in range(4)]
     solo = engine(pair, device)
@@ -438,15 +440,25 @@ def test_slot_caches_after_a_batched_step_equal_a_fresh_device_computation(pair,
         return eng._sched.submit(prompts[i], True, max_tokens=24, exact_max_tokens=True,
                                  draft_source=lambda out, Bc: src(prompts[i], out, Bc))
 
-    outs, checked = {}, 0
+    outs, checked, ring_past_prompt = {}, 0, 0
     for i, t in walk_tickets(rng, len(prompts), submit, outs):
         seq = prompts[i] + outs[i][:-1]
         assert _core.testing.slot_n_past(eng._core, t.slot) == len(seq)
         fresh.reset()
         fresh.decode(seq)
         assert_caches_close(slot_caches(eng._core, t.slot), caches(fresh), device, f"request {i} slot {t.slot}")
+        spec = eng._sched.spec(t.slot)
+        held = np.array(_core.testing.ring_slot_positions(spec))
+        solo._spec.prefill(seq)
+        assert (np.array(_core.testing.ring_slot_positions(solo._spec))[held >= 0] == held[held >= 0]).all()
+        ring_past_prompt += held.max() >= len(prompts[i])
+        rows = held >= 0
+        for il in range(spec.drafter_n_layer):
+            got, want = _core.testing.ring_kv(spec, il), _core.testing.ring_kv(solo._spec, il)
+            assert_caches_close([[g[rows] for g in got]], [[w[rows] for w in want]], device,
+                                f"request {i} slot {t.slot} ring layer {il}")
         checked += 1
-    assert checked >= 5
+    assert checked >= 5 and ring_past_prompt >= 3
     assert sum(eng._sched.pass_stats["width"][2:]) > 0, eng._sched.pass_stats
     for i, p in enumerate(prompts):
         gap = first_divergence_gap(solo, p, ar[i], outs[i])

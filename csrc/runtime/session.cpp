@@ -107,6 +107,16 @@ int target_session::check_slot(int slot) const {
     return slot;
 }
 
+void target_session::set_slot_tap_queue(int slot, tap_queue q) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    if (!s.queue.dst) s.queue = std::move(q);
+}
+
+void target_session::clear_slot_tap_queue(int slot, const ggml_tensor * dst) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    if (s.queue.dst == dst) s.queue = {};
+}
+
 void target_session::reset_slot(int slot) {
     seq_slot & s = slots_.at(check_slot(slot));
     s.cache->clear();
@@ -599,6 +609,19 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
         key += cat(",", seg.n_tokens, "PDV"[it.kind]);
     }
+    // on a device, the taps of each slot with a feature queue stay there (set_slot_tap_queue)
+    std::vector<int64_t> sink_col(items.size(), -1);
+    std::string sunk;  // the items whose taps stay (the graph's copies into the queues)
+    for (size_t i = 0; i < items.size() && !tap_layers.empty() && runner_->on_device(); ++i) {
+        const tap_queue & q = slots_[items[i].slot].queue;
+        if (!q.dst) continue;
+        const int64_t n = g.segs[i].n_tokens;
+        sink_col[i] = q.reserve(n);
+        DFN_REQUIRE(sink_col[i] >= 0 && sink_col[i] + n <= q.dst->ne[1], "batch", "the tap queue of slot ", items[i].slot,
+                    " holds ", q.dst->ne[1], " columns, not ", sink_col[i] + n);
+        sunk += cat(",", i);
+    }
+    if (!sunk.empty()) key += ":sink" + sunk;
     key += argmax_only ? ":argmax:taps" : ":taps";
     for (int il : tap_layers) key += cat(",", il);
     const int64_t n_rows = (int64_t) rows.size();
@@ -618,6 +641,18 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             ggml_set_input(s.kq_mask);
         }
         ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n_total]
+        for (size_t i = 0; i < items.size(); ++i) {
+            if (sink_col[i] < 0) continue;
+            // taps[t] F32 [n_embd, n_total], the segment's columns -> rows [t * n_embd, (t + 1) * n_embd)
+            // of the queue's columns sink_col[i].. (as build_chunk's sink)
+            ggml_tensor * d = slots_[items[i].slot].queue.dst;
+            for (size_t t = 0; t < g.taps.size(); ++t) {
+                const int64_t ne = g.taps[t]->ne[0];
+                ggml_tensor * view = ggml_view_2d(ctx, d, ne, g.segs[i].n_tokens, d->nb[1],
+                                                  sink_col[i] * d->nb[1] + t * ne * sizeof(float));
+                ggml_build_forward_expand(g.gf, ggml_cpy(ctx, segment_view(b, g.taps[t], 1, g.segs[i]), view));
+            }
+        }
         if (n_rows == 0) {
             ggml_build_forward_expand(g.gf, hidden);
             return;
@@ -666,7 +701,8 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             ggml_backend_tensor_get(argmax, ids.data(), 0, ids.size() * sizeof(int32_t));
         }
         std::vector<std::vector<float>> taps(tap_layers.size());
-        for (size_t t = 0; t < tap_layers.size(); ++t) {
+        const bool all_sunk = std::all_of(sink_col.begin(), sink_col.end(), [](int64_t c) { return c >= 0; });
+        for (size_t t = 0; t < tap_layers.size() && !all_sunk; ++t) {
             taps[t].resize((size_t) hp.n_embd * n_total);
             ggml_backend_tensor_get(g.taps[t], taps[t].data(), 0, taps[t].size() * sizeof(float));
         }
@@ -687,6 +723,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
                     if (!std::isfinite(r.logits[k])) throw_non_finite_logits(where, pos0 + (int64_t) k / hp.n_vocab);
                 }
             }
+            if (sink_col[i] >= 0) continue;  // in the slot's device queue
             // taps [n_tokens, n_taps, n_embd] as decode() gives them
             r.taps.resize((size_t) s.n_tokens * tap_layers.size() * hp.n_embd);
             for (int64_t j = 0; j < s.n_tokens; ++j) {
