@@ -392,13 +392,16 @@ def _interleave(eng, reqs, rng):
     return [results[i] for i in range(len(reqs))]
 
 
-def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device):
+@pytest.mark.parametrize("gate", [False, True])
+def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device, gate):
     """An n_seq = 3 engine on the device, 5 requests (more than its slots) joining at random
     points: greedy speculative ones with drafts forced from their AR output (misses cycling through
     the block, so rounds commit 1..B tokens), one with logprobs (the pass then reads logit rows) and
     an AR one. Each request's tokens equal its solo AR run's on the same device, or first differ
     where AR's top-2 logits are a near-tie. Passes ran several requests' work, and every node of every
-    graph (the batched target pass, commits, drafts and ring pushes of three slots) ran on the device."""
+    graph (the batched target pass, commits, drafts and ring pushes of three slots) ran on the device.
+    gate=True: each slot's controller chooses AR or a round and how many drafts to verify (by timings:
+    no claim on the acceptance then)."""
     rng = np.random.default_rng(4)
     prompts = [[int(x) for x in rng.integers(3, 500, int(rng.integers(3, 20)))] for _ in range(5)]
     reqs = [dict(prompt=p, max_tokens=int(rng.integers(16, 33))) for p in prompts]
@@ -406,7 +409,7 @@ def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device):
     reqs[4]["speculative"] = False
     solo = engine(pair, device)
     ar = [solo.generate(**dict(r, speculative=False)).tokens for r in reqs]
-    eng = engine(pair, device, n_seq=N_SEQ)
+    eng = engine(pair, device, n_seq=N_SEQ, gate=gate)
     _core.testing.check_placement(eng._core, True)
     drafts = {tuple(r["prompt"]): cycling_drafts(a, every=(3, 5, 7, 3, 5)[i]) for i, (r, a) in enumerate(zip(reqs, ar))}
     eng._draft_override = lambda prompt, out, Bc: drafts[tuple(prompt)](prompt, out, Bc)
@@ -415,7 +418,7 @@ def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device):
         gap = first_divergence_gap(solo, r["prompt"], a, g.tokens)
         assert gap is None or gap < NEAR_TIE, f"request {i}: first divergence at a top-2 gap of {gap}"
     assert got[3].logprobs is not None and len(got[3].logprobs) == len(got[3].tokens)
-    assert np.mean([g.stats.mean_acceptance_length for g in got[:4]]) > 1.5
+    assert gate or np.mean([g.stats.mean_acceptance_length for g in got[:4]]) > 1.5
     assert got[4].stats.rounds == 0
     assert sum(eng._sched.pass_stats["width"][2:]) > 0, eng._sched.pass_stats
     assert _core.testing.placement(eng._core) == []

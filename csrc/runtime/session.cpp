@@ -46,8 +46,10 @@ target_session::target_session(const std::string & path, const session_params & 
     DFN_REQUIRE(params.n_seq == 1 || params.rollback == ROLLBACK_TAPE, "engine",
                 "n_seq > 1 (several sequence slots) runs with tape rollback only");
     // a batch adds, per layer and sequence, its views, K/V writes, the tape's copies and the joins of
-    // the outputs (a device's stock attention and GDN ops take more nodes than the CPU's custom ops)
-    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 64 * (params.n_seq - 1)) + 256);
+    // the outputs: measured on the tiny test models, under 20 nodes a layer on the CPU, up to 34 a GDN
+    // layer and 20 an attention layer on a device (its stock ops). A pass holds at most n_batch sequences.
+    const int64_t max_segs = std::min<int64_t>(params.n_seq, params_.n_batch);
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 64 * (max_segs - 1)) + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
     // by layer over the devices of a split (graph_runner::target_buffer_type); one device or the CPU:
@@ -393,6 +395,17 @@ void target_session::flush_replay(model_cache & c) {
     c.replay_n = 0;
 }
 
+// Columns c0..c0 + n of the taps (each F32 [n_embd, cols]) into a device feature queue dst (F32
+// [n_taps * n_embd, cols]) at columns col0..: tap t to rows [t * n_embd, (t + 1) * n_embd).
+static void sink_tap_columns(const build_context & b, const std::vector<ggml_tensor *> & taps, int64_t c0, int64_t n,
+                             ggml_tensor * dst, int64_t col0) {
+    for (size_t t = 0; t < taps.size(); ++t) {
+        const int64_t ne = taps[t]->ne[0];
+        ggml_tensor * view = ggml_view_2d(b.ctx, dst, ne, n, dst->nb[1], col0 * dst->nb[1] + t * ne * sizeof(float));
+        ggml_build_forward_expand(b.gf, ggml_cpy(b.ctx, columns_view(b, taps[t], 1, c0, n), view));
+    }
+}
+
 void target_session::build_chunk(const build_context & b, chunk_graph & c) const {
     graph_inputs & g = c.g;
     static_cast<build_context &>(g) = b;
@@ -410,15 +423,7 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     }
 
     ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
-    if (c.sink) {
-        // taps[t] F32 [n_embd, n] -> rows [t * n_embd, (t + 1) * n_embd) of sink columns col0..
-        ggml_tensor * d = c.sink;
-        for (size_t t = 0; t < g.taps.size(); ++t) {
-            const int64_t ne = g.taps[t]->ne[0];
-            ggml_tensor * view = ggml_view_2d(ctx, d, ne, n, d->nb[1], c.sink_col0 * d->nb[1] + t * ne * sizeof(float));
-            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, g.taps[t], view));
-        }
-    }
+    if (c.sink) sink_tap_columns(b, g.taps, 0, n, c.sink, c.sink_col0);
     if (!c.want_logits) {
         ggml_build_forward_expand(g.gf, hidden);
         return;
@@ -642,16 +647,8 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         }
         ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n_total]
         for (size_t i = 0; i < items.size(); ++i) {
-            if (sink_col[i] < 0) continue;
-            // taps[t] F32 [n_embd, n_total], the segment's columns -> rows [t * n_embd, (t + 1) * n_embd)
-            // of the queue's columns sink_col[i].. (as build_chunk's sink)
-            ggml_tensor * d = slots_[items[i].slot].queue.dst;
-            for (size_t t = 0; t < g.taps.size(); ++t) {
-                const int64_t ne = g.taps[t]->ne[0];
-                ggml_tensor * view = ggml_view_2d(ctx, d, ne, g.segs[i].n_tokens, d->nb[1],
-                                                  sink_col[i] * d->nb[1] + t * ne * sizeof(float));
-                ggml_build_forward_expand(g.gf, ggml_cpy(ctx, segment_view(b, g.taps[t], 1, g.segs[i]), view));
-            }
+            const graph_inputs::seq_segment & s = g.segs[i];
+            if (sink_col[i] >= 0) sink_tap_columns(b, g.taps, s.tok0, s.n_tokens, slots_[items[i].slot].queue.dst, sink_col[i]);
         }
         if (n_rows == 0) {
             ggml_build_forward_expand(g.gf, hidden);
