@@ -468,6 +468,28 @@ def test_slot_caches_after_a_batched_step_equal_a_fresh_device_computation(pair,
         assert gap is None or gap < NEAR_TIE, f"request {i}: first divergence at a top-2 gap of {gap}"
 
 
+def test_slots_over_a_split_compute_what_one_server_does(pair, two_servers):
+    """n_seq = 3 over a model split by layers over two RPC servers: each slot's caches beside its
+    layers' weights, the batched passes handing hidden states between the servers. Both run ggml's
+    CPU kernels and the hand-offs are copies, so the same batched requests, advanced in the same
+    order, give bit for bit the tokens and rounds of one server's engine; every node on a device."""
+    ar = engine(pair, two_servers[0]).generate(PROMPT, max_tokens=24, speculative=False).tokens
+    reqs = [dict(prompt=PROMPT, max_tokens=24), dict(prompt=PROMPT[:6], max_tokens=20),
+            dict(prompt=PROMPT[3:], max_tokens=16, speculative=False), dict(prompt=PROMPT[:4] + [9], max_tokens=20)]
+    results = []
+    for dev in (two_servers[0], ",".join([two_servers[0], two_servers[1][len("rpc://"):]])):
+        eng = engine(pair, dev, n_seq=N_SEQ)
+        _core.testing.check_placement(eng._core, True)
+        eng._draft_override = lambda prompt, out, Bc: (list(ar[len(out):len(out) + Bc - 1]) + [1] * Bc)[:Bc - 1]
+        results.append(_interleave(eng, reqs, np.random.default_rng(2)))
+        assert sum(eng._sched.pass_stats["width"][2:]) > 0, eng._sched.pass_stats
+        assert _core.testing.placement(eng._core) == []
+    assert results[0][0].stats.mean_acceptance_length > 1.5  # its drafts are its AR output
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a.tokens == b.tokens, f"request {i}"
+        assert a.stats.acceptance_histogram == b.stats.acceptance_histogram, f"request {i}"
+
+
 def test_slots_on_a_device_hold_their_caches_there(pair, device):
     """memory_report per slot: each slot's caches and ring are a one-slot engine's, held by the
     device; an n_seq whose caches the device cannot hold is a MemoryError at creation."""
