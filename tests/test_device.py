@@ -464,22 +464,53 @@ def test_slot_caches_after_a_batched_step_equal_a_fresh_device_computation(pair,
         fresh.reset()
         fresh.decode(seq)
         assert_caches_close(slot_caches(eng._core, t.slot), caches(fresh), device, f"request {i} slot {t.slot}")
-        spec = eng._sched.spec(t.slot)
-        held = np.array(_core.testing.ring_slot_positions(spec))
-        solo._spec.prefill(seq)
-        assert (np.array(_core.testing.ring_slot_positions(solo._spec))[held >= 0] == held[held >= 0]).all()
-        ring_past_prompt += held.max() >= len(prompts[i])
-        rows = held >= 0
-        for il in range(spec.drafter_n_layer):
-            got, want = _core.testing.ring_kv(spec, il), _core.testing.ring_kv(solo._spec, il)
-            assert_caches_close([[g[rows] for g in got]], [[w[rows] for w in want]], device,
-                                f"request {i} slot {t.slot} ring layer {il}")
+        ring_past_prompt += _check_ring(eng._sched.spec(t.slot), solo, seq, device, f"request {i} slot {t.slot}") \
+            >= len(prompts[i])
         checked += 1
     assert checked >= 5 and ring_past_prompt >= 3
-    assert sum(eng._sched.pass_stats["width"][2:]) > 0, eng._sched.pass_stats
+    ps = eng._sched.pass_stats
+    assert sum(ps["width"][2:]) > 0 and ps["batched_prefills"] > 0, ps  # prompts in the shared pass too
     for i, p in enumerate(prompts):
         gap = first_divergence_gap(solo, p, ar[i], outs[i])
         assert gap is None or gap < NEAR_TIE, f"request {i}: first divergence at a top-2 gap of {gap}"
+
+
+def _check_ring(spec, solo, seq, device, what):
+    """spec's ring rows, at every position it holds, against a one-slot engine's prefill of seq."""
+    held = np.array(_core.testing.ring_slot_positions(spec))
+    solo._spec.prefill(seq)
+    assert (np.array(_core.testing.ring_slot_positions(solo._spec))[held >= 0] == held[held >= 0]).all()
+    rows = held >= 0
+    for il in range(spec.drafter_n_layer):
+        got, want = _core.testing.ring_kv(spec, il), _core.testing.ring_kv(solo._spec, il)
+        assert_caches_close([[g[rows] for g in got]], [[w[rows] for w in want]], device, f"{what} ring layer {il}")
+    return held.max()
+
+
+def test_prompt_cache_continues_a_slot_on_a_device(pair, device):
+    """A request continuing the sequence a slot holds (cache_prompt) prefills only its new tokens, in
+    the step's shared pass: their taps go to the slot's device queue behind the rows the last
+    request left queued, and the ring then holds, at every position, the rows of the whole sequence
+    prefilled afresh; the tokens are the solo AR run's under the near-tie rule."""
+    solo = engine(pair, device)
+    eng = engine(pair, device, n_seq=N_SEQ)
+    sched = eng._sched
+    t1 = sched.submit(PROMPT, True, max_tokens=12, exact_max_tokens=True, cache_prompt=True)
+    out1 = []
+    while not t1.done:
+        out1 += t1.next()[0]
+    prompt2 = PROMPT + out1 + [7]
+    t2 = sched.submit(prompt2, True, max_tokens=10, exact_max_tokens=True, cache_prompt=True)
+    out2 = t2.next()[0]
+    assert t2.slot == t1.slot and sched.pass_stats["batched_prefills"] >= 2, sched.pass_stats
+    while not t2.done:
+        out2 += t2.next()[0]
+        if not t2.done:
+            seq = prompt2 + out2[:-1]
+            assert _check_ring(sched.spec(t2.slot), solo, seq, device, "continued request") >= len(PROMPT)
+    ar = solo.generate(prompt2, max_tokens=10, speculative=False).tokens
+    gap = first_divergence_gap(solo, prompt2, ar, out2)
+    assert gap is None or gap < NEAR_TIE, f"first divergence at a top-2 gap of {gap}"
 
 
 def test_slots_over_a_split_compute_what_one_server_does(pair, two_servers):

@@ -249,6 +249,12 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
 }
 
 void spec_session::finish_prefill(const decode_result & r, int64_t n, int64_t n_cached) {
+    if (dev_queue_ && r.taps.empty()) {
+        // a batched pass on a device left the taps in this slot's queue at its next columns
+        // (target_session::set_slot_tap_queue): queued as a verify's rows are, pushed by the next draft
+        queue_features({}, n - n_cached, n_cached);
+        return;
+    }
     push_features(r.taps.data(), n - n_cached, n_cached);
 }
 
