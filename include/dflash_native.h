@@ -123,9 +123,9 @@ typedef struct dfn_engine_options {
     const char * device_name;      /* NULL: `device` decides; else an Engine device string: "cpu", "gpu",
                                     * a ggml device name ("CUDA0", "Vulkan0") or "rpc://HOST:PORT" (NULL) */
     /* sequence slots, >= 1: with more than one, concurrent dfn_generate calls run batched (see
-     * Threads); each slot has caches of its own (n_ctx each): an n_seq whose caches do not fit is
-     * DFN_ERR_OUT_OF_MEMORY here. More than one: CPU only. Added after device_name: a caller compiled
-     * before it passes the smaller struct_size and gets 1 (1) */
+     * Threads); each slot has caches of its own (n_ctx each), on the engine's device: an n_seq whose
+     * caches do not fit (a device: its free memory) is DFN_ERR_OUT_OF_MEMORY here. Added after
+     * device_name: a caller compiled before it passes the smaller struct_size and gets 1 (1) */
     int32_t n_seq;
 } dfn_engine_options;
 

@@ -18,7 +18,7 @@ import pytest
 
 import dflash_native as dn
 from dflash_native import _core
-from fixtures import make_spec_pair
+from fixtures import make_spec_pair, walk_tickets
 
 T = _core.testing
 N_CTX = 192
@@ -171,24 +171,16 @@ def test_slot_caches_after_each_step_equal_a_fresh_computation(pair):
     with engine(pair, 3, gate=False) as eng:
         sched = eng._sched
         reqs = random_requests(rng, eng.n_vocab, 5, logprobs=False)
-        live, outs = {}, {}
-        pending = list(range(len(reqs)))
-        while pending or live:
-            if pending and (not live or rng.random() < 0.4):
-                i = pending.pop(0)
-                r = reqs[i]
-                sampling = _core.Sampling(r["temperature"], top_p=r["top_p"], seed=r["seed"]) if "temperature" in r else None
-                # exact_max_tokens: no round commits past max_tokens, so the slot holds just the tokens emitted
-                live[i] = sched.submit(r["prompt"], r.get("speculative", True), sampling=sampling,
-                                       max_tokens=r["max_tokens"] + 8, exact_max_tokens=True)
-                outs[i] = []
-            i = int(rng.choice(list(live)))
-            toks, _ = live[i].next()
-            outs[i] += toks
-            t = live[i]
-            if t.done:
-                del live[i]
-                continue
+
+        def submit(i):
+            r = reqs[i]
+            sampling = _core.Sampling(r["temperature"], top_p=r["top_p"], seed=r["seed"]) if "temperature" in r else None
+            # exact_max_tokens: no round commits past max_tokens, so the slot holds just the tokens emitted
+            return sched.submit(r["prompt"], r.get("speculative", True), sampling=sampling,
+                                max_tokens=r["max_tokens"] + 8, exact_max_tokens=True)
+
+        outs = {}
+        for i, t in walk_tickets(rng, len(reqs), submit, outs):
             seq = reqs[i]["prompt"] + outs[i][:-1]
             assert T.slot_n_past(eng._core, t.slot) == len(seq)
             fresh.reset()

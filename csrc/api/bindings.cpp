@@ -433,7 +433,8 @@ py::object target_verify(target_session & s, const py::object & tokens, const st
 py::dict memory_report(const target_session & t, const spec_session * s, scheduler * sched) {
     memory_usage u = t.memory();
     if (s) s->add_memory(u);
-    py::list slots;  // a scheduler's slots: each one's caches, ring and feature queue
+    graph_runner & r = const_cast<target_session &>(t).runner();
+    py::list slots;  // a scheduler's slots: each one's caches, ring and feature queue (and their device bytes)
     for (int k = 0; sched && k < sched->n_slots(); ++k) {
         memory_usage m = t.slot_memory(k);
         if (spec_session * sk = sched->spec(k)) {
@@ -446,9 +447,9 @@ py::dict memory_report(const target_session & t, const spec_session * s, schedul
         d["gdn_tape"] = m.gdn_tape;
         d["feature_ring"] = m.feature_ring;
         d["feature_queue"] = m.feature_queue;
+        d["on_device"] = r.on_device() ? m.kv_cache + m.gdn_state + m.gdn_tape + m.feature_ring : 0;
         slots.append(d);
     }
-    graph_runner & r = const_cast<target_session &>(t).runner();
     if (r.on_device()) {
         u.on_device = u.target_weights_copied + u.drafter_weights_copied + u.kv_cache + u.gdn_state + u.gdn_tape +
                       u.feature_ring + r.compute_bytes({"target:", "commit:", "draft:", "encode:"}, /*device_only=*/true);
@@ -1211,11 +1212,11 @@ void bind_testing_batch(py::module_ & t) {
     t.def(
         "batch_target",
         [](const std::string & path, int n_seq, int64_t n_ctx, int n_threads, const std::string & kv_type, int64_t n_batch,
-           int64_t max_verify, const std::string & matmul) {
-            return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, "cpu", max_verify, "tape", matmul, true, n_seq);
+           int64_t max_verify, const std::string & matmul, const std::string & device) {
+            return make_target_slots(path, n_ctx, n_threads, kv_type, n_batch, device, max_verify, "tape", matmul, true, n_seq);
         },
         py::arg("path"), py::arg("n_seq"), py::arg("n_ctx") = 4096, py::arg("n_threads") = 0, py::arg("kv_type") = "f16",
-        py::arg("n_batch") = 512, py::arg("max_verify") = 0, py::arg("matmul") = "own",
+        py::arg("n_batch") = 512, py::arg("max_verify") = 0, py::arg("matmul") = "own", py::arg("device") = "cpu",
         "A Target with n_seq sequence slots (slot 0 is the one its own methods serve)");
     t.def("n_seq", [](const target_session & s) { return s.n_seq(); }, py::arg("target"));
     // runtime/thread_governor.h: the CPU graphs' thread count, alone and a target's runner's

@@ -64,6 +64,8 @@ public:
     size_t kv_bytes() const;         // attention K/V, all layers
     size_t gdn_state_bytes() const;  // GDN recurrent + conv state
     size_t gdn_tape_bytes() const;   // GDN tape (with the snapshot baseline's snapshots)
+    // The buffers holding the tensors' data, one per device (or the host) they live on.
+    const std::vector<ggml_backend_buffer_ptr> & buffers() const { return bufs_; }
 
 private:
     ggml_context_ptr ctx_;         // tensor metadata (freed last: declared first)

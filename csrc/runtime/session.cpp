@@ -43,10 +43,13 @@ target_session::target_session(const std::string & path, const session_params & 
     const int n_threads = params.n_threads > 0 ? params.n_threads : (int) std::max(1u, std::thread::hardware_concurrency());
     params_.n_threads = n_threads;
     DFN_REQUIRE(params.n_seq >= 1, "engine", "n_seq must be >= 1, got ", params.n_seq);
-    DFN_REQUIRE(params.n_seq == 1 || (params.device == "cpu" && params.rollback == ROLLBACK_TAPE), "engine",
-                "n_seq > 1 (several sequence slots) runs on the CPU with tape rollback only");
-    // a batch adds, per layer and sequence, its views, K/V writes and the joins of the outputs
-    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 32 * (params.n_seq - 1)) + 256);
+    DFN_REQUIRE(params.n_seq == 1 || params.rollback == ROLLBACK_TAPE, "engine",
+                "n_seq > 1 (several sequence slots) runs with tape rollback only");
+    // a batch adds, per layer and sequence, its views, K/V writes, the tape's copies and the joins of
+    // the outputs: measured on the tiny test models, under 20 nodes a layer on the CPU, up to 34 a GDN
+    // layer and 20 an attention layer on a device (its stock ops). A pass holds at most n_batch sequences.
+    const int64_t max_segs = std::min<int64_t>(params.n_seq, params_.n_batch);
+    const size_t max_nodes = std::max<size_t>(2048, (size_t) model_->hparams().n_layer * (96 + 64 * (max_segs - 1)) + 256);
     runner_ = std::make_unique<graph_runner>(params.device, n_threads, params.matmul, max_nodes);
 
     // by layer over the devices of a split (graph_runner::target_buffer_type); one device or the CPU:
@@ -68,21 +71,52 @@ target_session::target_session(const std::string & path, const session_params & 
         const size_t per_slot = slots_[0].cache->bytes(), rest = per_slot * (size_t) (params.n_seq - 1);
         const std::string what = cat("the caches of n_seq = ", params.n_seq, " sequence slots (", format_bytes(per_slot),
                                      " each at n_ctx = ", params.n_ctx, ")");
-        const size_t phys = physical_memory_bytes();
-        if (phys > 0 && per_slot * (size_t) params.n_seq > phys) {
-            throw memory_error(cat("[engine] out of memory: ", what, " need ", format_bytes(per_slot * params.n_seq),
-                                   ", more than this machine's ", format_bytes(phys), "; lower n_seq or n_ctx"));
+        if (runner_->on_device()) {
+            require_device_room(*slots_[0].cache, params.n_seq, what);
+        } else {
+            const size_t phys = physical_memory_bytes();
+            if (phys > 0 && per_slot * (size_t) params.n_seq > phys) {
+                throw memory_error(cat("[engine] out of memory: ", what, " need ", format_bytes(per_slot * params.n_seq),
+                                       ", more than this machine's ", format_bytes(phys), "; lower n_seq or n_ctx"));
+            }
+            require_headroom(rest, "engine", what);
         }
-        require_headroom(rest, "engine", what);
         for (int i = 1; i < params.n_seq; ++i) slots_[i].cache = new_cache();
     }
     cache_ = slots_[0].cache.get();
+}
+
+void target_session::require_device_room(const model_cache & first, int n_seq, const std::string & what) {
+    // each device (several: a model split by layers) holds its layers' caches of every slot: the
+    // other slots' beside the first's, which is allocated already
+    for (const ggml_backend_buffer_ptr & b : first.buffers()) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(b.get()));
+        size_t free = 0, total = 0;
+        if (dev) ggml_backend_dev_memory(dev, &free, &total);
+        const size_t size = ggml_backend_buffer_get_size(b.get()), need = size * (size_t) (n_seq - 1);
+        if (free > 0 && need > free) {
+            throw memory_error(cat("[engine] out of memory: ", what, " need ", format_bytes(size * (size_t) n_seq), " on device ",
+                                   ggml_backend_dev_name(dev), ", whose ", format_bytes(free),
+                                   " free memory cannot hold the other slots' ", format_bytes(need),
+                                   "; lower n_seq or n_ctx"));
+        }
+    }
 }
 
 int target_session::check_slot(int slot) const {
     DFN_REQUIRE(slot >= 0 && slot < (int) slots_.size(), "batch", "sequence slot ", slot, " outside [0, ", slots_.size(),
                 ") (n_seq = ", slots_.size(), ")");
     return slot;
+}
+
+void target_session::set_slot_tap_queue(int slot, tap_queue q) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    if (!s.queue.dst) s.queue = std::move(q);
+}
+
+void target_session::clear_slot_tap_queue(int slot, const ggml_tensor * dst) {
+    seq_slot & s = slots_.at(check_slot(slot));
+    if (s.queue.dst == dst) s.queue = {};
 }
 
 void target_session::reset_slot(int slot) {
@@ -300,7 +334,7 @@ void target_session::commit_slot(int slot, int64_t n_keep) {
     }
 
     if (runner_->on_device()) {
-        commit_on_device(n_keep, n_verified);
+        commit_on_device(cache, n_keep, n_verified);
         return;
     }
     const int64_t S = hp.ssm_head_dim, H_v = hp.ssm_n_v_heads, n_ch = hp.ssm_conv_channels();
@@ -327,7 +361,7 @@ void target_session::commit_slot(int slot, int64_t n_keep) {
     if (defer) cache.replay_n = n_keep;
 }
 
-void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
+void target_session::commit_on_device(const model_cache & cache, int64_t n_keep, int64_t n_verified) {
     // One graph on the device: per GDN layer, the state the rollback strategy restores (rollback.h:
     // the tape's kept prefix replayed through the same ggml_gated_delta_net the AR step runs), and
     // the conv state from the kept conv inputs. Nothing crosses the bus.
@@ -339,7 +373,7 @@ void target_session::commit_on_device(int64_t n_keep, int64_t n_verified) {
         ggml_context * ctx = b.ctx;
         for (int il = 0; il < hp.n_layer; ++il) {
             if (!hp.is_gdn[il]) continue;
-            const gdn_layer & L = cache_->gdn[il];
+            const gdn_layer & L = cache.gdn[il];
             rollback_->restore_device(b, L, S, H_v, n_keep, n_verified);
             // conv state: the last kc columns of [old state (kc columns); the n_keep kept inputs]
             ggml_tensor * qkv = ggml_view_2d(ctx, L.tape_qkv, n_ch, n_keep, L.tape_qkv->nb[1], 0);  // [n_ch, n_keep]
@@ -361,6 +395,17 @@ void target_session::flush_replay(model_cache & c) {
     c.replay_n = 0;
 }
 
+// Columns c0..c0 + n of the taps (each F32 [n_embd, cols]) into a device feature queue dst (F32
+// [n_taps * n_embd, cols]) at columns col0..: tap t to rows [t * n_embd, (t + 1) * n_embd).
+static void sink_tap_columns(const build_context & b, const std::vector<ggml_tensor *> & taps, int64_t c0, int64_t n,
+                             ggml_tensor * dst, int64_t col0) {
+    for (size_t t = 0; t < taps.size(); ++t) {
+        const int64_t ne = taps[t]->ne[0];
+        ggml_tensor * view = ggml_view_2d(b.ctx, dst, ne, n, dst->nb[1], col0 * dst->nb[1] + t * ne * sizeof(float));
+        ggml_build_forward_expand(b.gf, ggml_cpy(b.ctx, columns_view(b, taps[t], 1, c0, n), view));
+    }
+}
+
 void target_session::build_chunk(const build_context & b, chunk_graph & c) const {
     graph_inputs & g = c.g;
     static_cast<build_context &>(g) = b;
@@ -378,15 +423,7 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     }
 
     ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n]
-    if (c.sink) {
-        // taps[t] F32 [n_embd, n] -> rows [t * n_embd, (t + 1) * n_embd) of sink columns col0..
-        ggml_tensor * d = c.sink;
-        for (size_t t = 0; t < g.taps.size(); ++t) {
-            const int64_t ne = g.taps[t]->ne[0];
-            ggml_tensor * view = ggml_view_2d(ctx, d, ne, n, d->nb[1], c.sink_col0 * d->nb[1] + t * ne * sizeof(float));
-            ggml_build_forward_expand(g.gf, ggml_cpy(ctx, g.taps[t], view));
-        }
-    }
+    if (c.sink) sink_tap_columns(b, g.taps, 0, n, c.sink, c.sink_col0);
     if (!c.want_logits) {
         ggml_build_forward_expand(g.gf, hidden);
         return;
@@ -577,12 +614,26 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
         key += cat(",", seg.n_tokens, "PDV"[it.kind]);
     }
+    // on a device, the taps of each slot with a feature queue stay there (set_slot_tap_queue)
+    std::vector<int64_t> sink_col(items.size(), -1);
+    std::string sunk;  // the items whose taps stay (the graph's copies into the queues)
+    for (size_t i = 0; i < items.size() && !tap_layers.empty() && runner_->on_device(); ++i) {
+        const tap_queue & q = slots_[items[i].slot].queue;
+        if (!q.dst) continue;
+        const int64_t n = g.segs[i].n_tokens;
+        sink_col[i] = q.reserve(n);
+        DFN_REQUIRE(sink_col[i] >= 0 && sink_col[i] + n <= q.dst->ne[1], "batch", "the tap queue of slot ", items[i].slot,
+                    " holds ", q.dst->ne[1], " columns, not ", sink_col[i] + n);
+        sunk += cat(",", i);
+    }
+    if (!sunk.empty()) key += ":sink" + sunk;
     key += argmax_only ? ":argmax:taps" : ":taps";
     for (int il : tap_layers) key += cat(",", il);
     const int64_t n_rows = (int64_t) rows.size();
     const bool all_rows = n_rows == n_total;
 
     ggml_tensor * rows_in = nullptr, * logits = nullptr, * argmax = nullptr;
+    device_head head;  // on a device: the argmax in stock ops (device_heads.h)
     auto build = [&](const build_context & b) {
         static_cast<build_context &>(g) = b;
         ggml_context * ctx = b.ctx;
@@ -595,6 +646,10 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             ggml_set_input(s.kq_mask);
         }
         ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n_total]
+        for (size_t i = 0; i < items.size(); ++i) {
+            const graph_inputs::seq_segment & s = g.segs[i];
+            if (sink_col[i] >= 0) sink_tap_columns(b, g.taps, s.tok0, s.n_tokens, slots_[items[i].slot].queue.dst, sink_col[i]);
+        }
         if (n_rows == 0) {
             ggml_build_forward_expand(g.gf, hidden);
             return;
@@ -607,6 +662,11 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             hidden = ggml_get_rows(ctx, hidden, rows_in);  // [n_embd, n_rows]
         }
         logits = matmul(g, model_->output, hidden);  // [n_vocab, n_rows]
+        if (argmax_only && b.device) {
+            head = device_argmax(b, logits, /*with_p=*/false);  // as the one-sequence pass's (build_chunk)
+            argmax = head.ids;
+            return;
+        }
         // the greedy tokens by the AR step's op (it flags non-finite rows: top1.h)
         ggml_tensor * res = argmax_only ? (argmax = argmax_op(ctx, logits)) : logits;  // I32 [n_rows]
         ggml_set_output(res);
@@ -630,9 +690,16 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         std::vector<float> all((size_t) (argmax_only ? 0 : n_rows) * hp.n_vocab);
         std::vector<int32_t> ids(argmax_only ? n_rows : 0);
         if (!all.empty()) ggml_backend_tensor_get(logits, all.data(), 0, all.size() * sizeof(float));
-        if (!ids.empty()) ggml_backend_tensor_get(argmax, ids.data(), 0, ids.size() * sizeof(int32_t));
+        if (!ids.empty() && head.ids) {
+            // a non-finite row (its sum says so: ggml_argmax cannot) is marked as top1_op marks it
+            const int64_t bad = read_device_head(head, ids.data(), nullptr);
+            if (bad >= 0) ids[bad] = -1;
+        } else if (!ids.empty()) {
+            ggml_backend_tensor_get(argmax, ids.data(), 0, ids.size() * sizeof(int32_t));
+        }
         std::vector<std::vector<float>> taps(tap_layers.size());
-        for (size_t t = 0; t < tap_layers.size(); ++t) {
+        const bool all_sunk = std::all_of(sink_col.begin(), sink_col.end(), [](int64_t c) { return c >= 0; });
+        for (size_t t = 0; t < tap_layers.size() && !all_sunk; ++t) {
             taps[t].resize((size_t) hp.n_embd * n_total);
             ggml_backend_tensor_get(g.taps[t], taps[t].data(), 0, taps[t].size() * sizeof(float));
         }
@@ -653,6 +720,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
                     if (!std::isfinite(r.logits[k])) throw_non_finite_logits(where, pos0 + (int64_t) k / hp.n_vocab);
                 }
             }
+            if (sink_col[i] >= 0) continue;  // in the slot's device queue
             // taps [n_tokens, n_taps, n_embd] as decode() gives them
             r.taps.resize((size_t) s.n_tokens * tap_layers.size() * hp.n_embd);
             for (int64_t j = 0; j < s.n_tokens; ++j) {

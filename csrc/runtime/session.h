@@ -12,6 +12,7 @@
 
 #include "ggml-backend.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -181,12 +182,26 @@ public:
     // device tensor) at columns col0.. instead of copying them to the host (decode_result::taps
     // stays empty): the spec session's device feature queue. One call only; cleared by it.
     void set_tap_sink(ggml_tensor * dst, int64_t col0) { sink_ = {dst, col0}; }
+    // A slot's device feature queue (its spec_session's, F32 [n_taps * n_embd, cols]): a batched
+    // pass (decode_batch) with taps writes that slot's taps there, at the first of its n tokens'
+    // columns that reserve(n) gives (which may push the queue into the ring first), instead of
+    // copying them to the host (that item's decode_result::taps stays empty). The first queue
+    // registered for a slot serves it until cleared by the same dst.
+    struct tap_queue {
+        ggml_tensor * dst = nullptr;
+        std::function<int64_t(int64_t)> reserve;
+    };
+    void set_slot_tap_queue(int slot, tap_queue q);
+    void clear_slot_tap_queue(int slot, const ggml_tensor * dst);
     ggml_backend_buffer_type_t buffer_type() const { return runner_->buffer_type(); }
 
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
-    void commit_on_device(int64_t n_keep, int64_t n_verified);
+    // (of a slot's cache: each slot's states and tape live in device buffers of their own)
+    void commit_on_device(const model_cache & cache, int64_t n_keep, int64_t n_verified);
+    // n_seq > 1 on a device: a MemoryError unless each device can hold the other slots' caches
+    static void require_device_room(const model_cache & first, int n_seq, const std::string & what);
     // one sequence slot: its cache and its pending verify
     struct seq_slot {
         std::unique_ptr<model_cache> cache;
@@ -194,6 +209,7 @@ private:
         int64_t pending_past = 0;    // n_past before it
         std::vector<int32_t> pending_tokens;   // its tokens (re-decode rollback)
         std::vector<int32_t> pending_parents;  // a pending tree verify's parents (empty: a chain)
+        tap_queue queue;                       // where a batched pass writes its taps (set_slot_tap_queue)
     };
     int check_slot(int slot) const;
     void flush_replay(model_cache & c);  // the replay commit() left to the next graph, done now on the host

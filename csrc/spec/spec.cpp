@@ -66,7 +66,12 @@ spec_session::spec_session(target_session & target, std::shared_ptr<drafter_mode
                                         std::max<int64_t>(64, 2 * block_size_));
         ggml_set_name(dev_queue_, "feature_queue");
         queue_buf_.reset(alloc_ctx_tensors(queue_ctx_.get(), runner_.last_buffer_type(), "feature_ring", "the device feature queue"));
+        target.set_slot_tap_queue(slot, {dev_queue_, [this](int64_t n) { return reserve_taps(n); }});
     }
+}
+
+spec_session::~spec_session() {
+    if (dev_queue_) target_.clear_slot_tap_queue(slot_, dev_queue_);
 }
 
 void spec_session::add_memory(memory_usage & m) const {
@@ -169,10 +174,15 @@ void spec_session::flush_features() {
     push_features(dev_queue_ ? nullptr : pending_feats_.data(), m, pending_pos0_);
 }
 
+int64_t spec_session::reserve_taps(int64_t n) {
+    if (pending_m_ + n > dev_queue_->ne[1]) flush_features();
+    return pending_m_;
+}
+
 void spec_session::sink_taps(int64_t n) {
     if (!dev_queue_) return;
-    if (pending_m_ + n > dev_queue_->ne[1]) flush_features();
-    tgt().set_tap_sink(dev_queue_, pending_m_);
+    const int64_t col0 = reserve_taps(n);
+    tgt().set_tap_sink(dev_queue_, col0);
 }
 
 void spec_session::queue_features(std::vector<float> && feats, int64_t m, int64_t pos0) {
@@ -239,6 +249,12 @@ decode_result spec_session::prefill_pass(const int32_t * prompt, int64_t n, int6
 }
 
 void spec_session::finish_prefill(const decode_result & r, int64_t n, int64_t n_cached) {
+    if (dev_queue_ && r.taps.empty()) {
+        // a batched pass on a device left the taps in this slot's queue at its next columns
+        // (target_session::set_slot_tap_queue): queued as a verify's rows are, pushed by the next draft
+        queue_features({}, n - n_cached, n_cached);
+        return;
+    }
     push_features(r.taps.data(), n - n_cached, n_cached);
 }
 

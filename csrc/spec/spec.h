@@ -109,6 +109,9 @@ public:
     // with a drafter another session loaded (drafter()): its weights are shared, while the ring,
     // the feature queue, the controller and the constraint are this session's own.
     spec_session(target_session & target, std::shared_ptr<drafter_model> drafter, const spec_params & params, int slot);
+    ~spec_session();
+    spec_session(const spec_session &) = delete;
+    spec_session & operator=(const spec_session &) = delete;
     const std::shared_ptr<drafter_model> & drafter() const { return drafter_; }
     int slot() const { return slot_; }
 
@@ -460,6 +463,9 @@ private:
     // Before a target pass of n tokens with taps: on a device, room for n more rows in the queue
     // (pushing the queue into the ring when full) and the target's tap sink at its next column.
     void sink_taps(int64_t n);
+    // On a device: the first of n free columns of the queue (pushing it into the ring when full);
+    // the target's batched passes write this slot's taps there (target_session::set_slot_tap_queue).
+    int64_t reserve_taps(int64_t n);
 };
 
 // A spec_session's draft override (set_draft_override) for one scope; a null session or an

@@ -216,7 +216,7 @@ class Engine:
         that map the same file share its pages. False reads them into memory of their own instead
         (which may take transparent huge pages). A GPU device always loads its own copy.
 
-        n_seq: sequence slots (CPU). With more than one, generate() calls from several threads run
+        n_seq: sequence slots (on the CPU or a device). With more than one, generate() calls from several threads run
         at once, batched: each engine step runs one target pass over every active request's work
         (a round's verify, an AR step) through the core's scheduler (csrc/engine/scheduler.h),
         and requests join and leave between steps. Each request's output is the one it gets run
@@ -516,7 +516,8 @@ class Engine:
 
         Parts the engine does not have (a drafter, GDN layers) are 0. With n_seq > 1 the caches,
         rings and queues are every slot's, and "slots" lists each slot's kv_cache, gdn_state,
-        gdn_tape, feature_ring and feature_queue."""
+        gdn_tape, feature_ring and feature_queue, and on_device: of these, the bytes the device
+        holds (its caches and ring; 0 on the CPU)."""
         with self._cv:
             return dict(self._live().memory_report(self._spec, self._sched))
 
