@@ -15,6 +15,7 @@ decode time), speedup over AR in the same run, and whether every prompt's output
 
     python bench/drafters.py --out /tmp/drafters --json bench/results/drafters.jsonl
     python bench/drafters.py --out /tmp/drafters --steps 20 --prompts 16 --eval-prompts 2 --gen 32  # smoke
+    python bench/drafters.py --out /tmp/drafters --kinds dflash2  # one kind beside the shipped drafter
 
 --llama-server: llama.cpp's own DFlash beside ours (issue 36, "against llama.cpp's DFlash 2 on the
 same files"): llama-server built from the pinned llama-cpp-python sdist's sources
@@ -121,7 +122,7 @@ def trained_drafters(a) -> dict[str, Path]:
     if not (target_dir / "config.json").is_file():
         target_checkpoint_from_gguf(target_gguf, target_dir, train_tokenizer(a.out / "tokenizer", vocab_size=4096))
     out = {"shipped": shipped}
-    for kind in KINDS:
+    for kind in a.kinds:
         gguf = a.out / f"{kind}-s{a.steps}-p{a.prompts}.gguf"
         if not gguf.is_file():
             # the shipped drafter's recipe (models/default-drafter-recipe.json) at this budget
@@ -268,11 +269,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1536, help="training prompts (the engine continues each)")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per held-out prompt")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to train and measure")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", action="store_true",
                     help="also llama.cpp's llama-server with each drafter file (built on first use)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    a.kinds = [k for k in a.kinds.split(",") if k]
+    if unknown := [k for k in a.kinds if k not in KINDS]:
+        ap.error(f"--kinds: unknown kind(s) {unknown}, known: {list(KINDS)}")
     (main_cost if a.cost else main_trained)(a)
 
 

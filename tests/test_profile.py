@@ -35,9 +35,11 @@ def test_profile_levels(engine):
             calls, seconds = rep[key]
             assert calls >= 1 and seconds > 0.0, key
     assert not any("/" in k and not k.split("/", 1)[1].startswith(":") for k in rep1), "level 1 times no ops"
-    # level 2: our custom ops by name, ggml ops by op; the verify passes record the GDN tape
-    for key in ("target/matmul", "target/attn", "target/gdn_record", "target/RMS_NORM", "draft/matmul", "draft/top1"
-                if engine.draft_cutoff > 0 else "draft/argmax"):
+    # level 2: our custom ops by name, ggml ops by op; the verify passes record the GDN tape; the draft
+    # graph ends in DFlash 2's selector lattice (TOP_K), else in top1 under a draft cutoff, else argmax
+    last = ("draft/TOP_K" if engine._spec.selector_top_k else "draft/top1" if engine.draft_cutoff > 0
+            else "draft/argmax")
+    for key in ("target/matmul", "target/attn", "target/gdn_record", "target/RMS_NORM", "draft/matmul", last):
         assert rep2[key][0] >= 1, key
     # off: nothing accumulates
     engine.generate(PROMPT, max_tokens=8)

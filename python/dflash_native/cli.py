@@ -174,6 +174,9 @@ def default_pair() -> tuple[Path, Path] | None:
     return None
 
 
+_KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}  # train-drafter --kind
+
+
 def _pair_description() -> str:
     """One paragraph on the embedded pair, from its recipes."""
     try:
@@ -184,10 +187,11 @@ def _pair_description() -> str:
         minutes = t["results"]["wall_s"] / 60
         return (f"a {n_params:.0f}M-parameter Qwen3.5-architecture hybrid target (GDN + attention layers) trained here "
                 f"from scratch for {minutes:.0f} minutes ({n_tok:.1f}M tokens of the Python standard library), and a "
-                f"{d['num_layers']}-layer DFlash drafter (block {d['block_size']}, taps {d['target_layer_ids']}) "
+                f"{d['num_layers']}-layer {_KIND_NAMES[d.get('kind', 'dflash')]} drafter (block {d['block_size']}, "
+                f"taps {d['target_layer_ids']}) "
                 f"trained on its greedy continuations; recipes in dflash_native/models/")
     except (OSError, KeyError, ValueError):
-        return "a small trained target and its DFlash drafter (dflash_native/models/)"
+        return "a small trained target and its drafter (dflash_native/models/)"
 
 
 def _cmd_demo(a) -> int:
