@@ -427,7 +427,8 @@ def test_batch_controller_keeps_speculation_that_wins():
     ar_at = [i for i, c in enumerate(ch) if not c]
     assert ar_at == list(range(0, 100, 9)), ar_at  # then 8 speculative steps per AR step
     assert bc.switches == 0
-    assert bc.rate(3, True) == pytest.approx(200.0) and bc.rate(3, False) == pytest.approx(100.0)
+    # tokens per request per second
+    assert bc.rate(3, True) == pytest.approx(200.0 / 3) and bc.rate(3, False) == pytest.approx(100.0 / 3)
 
 
 def test_batch_controller_falls_back_to_ar_and_probes():
@@ -451,13 +452,16 @@ def test_batch_controller_falls_back_to_ar_and_probes():
 
 
 def test_batch_controller_widths_are_judged_apart():
-    """At 2 requests speculation wins, at 6 it loses: each width keeps its own mode."""
+    """At 2 requests speculation wins, at 6 it loses: each width class (2-3, 4-7) keeps its own
+    mode, and 5 is judged with 6."""
     bc = T.BatchController(8, probe_steps=4, backoff_min=64)
     for _ in range(4):
         feed(bc, 2, spec_rate=300.0, ar_rate=100.0, steps=20)
         feed(bc, 6, spec_rate=80.0, ar_rate=100.0, steps=20)
     assert sum(feed(bc, 2, 300.0, 100.0, 16)) >= 15
     assert sum(feed(bc, 6, 80.0, 100.0, 16)) == 0
+    assert sum(feed(bc, 5, 80.0, 100.0, 16)) == 0
+    assert [T.BatchController.width_class(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [0, 1, 1, 2, 2, 3, 4]
 
 
 def test_batch_controller_ignores_stalls():

@@ -50,8 +50,12 @@ def test_governor_halves_when_the_thread_waits_and_probes_back():
     assert used == [2] * G.k_probe + [1] * (10 - G.k_probe) and g.current == 1
     used, now = run_graphs(g, 10, ratio=lambda k: 0.3, now=now + 2 * G.k_probe_min_s)
     assert set(used) == {1}  # the interval doubled again (4 s)
-    # the load goes: probes succeed one doubling at a time back to 8
-    for want in (2, 4, 8):
+    # the load goes: the one-thread graphs run freely, which brings the next probe within
+    # k_probe_min_s though the interval had doubled; probes succeed one doubling at a time back to 8
+    used, now = run_graphs(g, 8, ratio=lambda k: 0.95, now=now)  # a free window at 1 thread
+    used, now = run_graphs(g, G.k_probe, ratio=lambda k: 0.95, now=now + G.k_probe_min_s)
+    assert used == [2] * G.k_probe and g.current == 2
+    for want in (4, 8):
         used, now = run_graphs(g, G.k_probe, ratio=lambda k: 0.95, now=now + G.k_probe_max_s)
         assert used == [want] * G.k_probe and g.current == want
 

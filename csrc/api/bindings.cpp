@@ -1314,6 +1314,7 @@ void bind_testing_batch(py::module_ & t) {
         .def("observe", &batch_controller::observe, py::arg("n"), py::arg("speculated"), py::arg("tokens"),
              py::arg("seconds"))
         .def("rate", &batch_controller::rate, py::arg("n"), py::arg("speculated"))
+        .def_static("width_class", &batch_controller::width_class, py::arg("n"))
         .def_property_readonly("switches", &batch_controller::switches)
         .def_property_readonly("forced_ar_steps", &batch_controller::forced_ar_steps);
     t.def(

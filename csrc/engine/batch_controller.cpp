@@ -5,8 +5,22 @@
 namespace dfn {
 
 batch_controller::batch_controller(int max_requests, batch_controller_params p)
-    : p_(p), w_((size_t) std::max(max_requests, 1) + 1) {
-    // left = 0: a width's first step is AR for every request (it measures AR)
+    : p_(p), w_((size_t) width_class(std::max(max_requests, 1)) + 1) {
+    // left = 0: a width class's first step is AR for every request (it measures AR)
+}
+
+int batch_controller::width_class(int n) {
+    int c = 0;
+    while (n > 1) n >>= 1, ++c;
+    return c;
+}
+
+batch_controller::width_state * batch_controller::state(int n) {
+    return n <= 0 || width_class(n) >= (int) w_.size() ? nullptr : &w_[width_class(n)];
+}
+
+const batch_controller::width_state * batch_controller::state(int n) const {
+    return n <= 0 || width_class(n) >= (int) w_.size() ? nullptr : &w_[width_class(n)];
 }
 
 void batch_controller::set_params(const batch_controller_params & p) {
@@ -15,30 +29,30 @@ void batch_controller::set_params(const batch_controller_params & p) {
 }
 
 bool batch_controller::speculate(int n) const {
-    if (!p_.enabled || n <= 0 || n >= (int) w_.size()) return true;
-    const width_state & s = w_[n];
-    return !s.ar_mode && s.left > 0;
+    const width_state * s = state(n);
+    if (!p_.enabled || !s) return true;
+    return !s->ar_mode && s->left > 0;
 }
 
 double batch_controller::rate_of(const std::deque<sample> & w) {
     std::vector<double> spt;  // seconds per token
     for (const sample & x : w)
-        if (x.tokens > 0) spt.push_back(x.seconds / (double) x.tokens);
+        if (x.tokens > 0) spt.push_back(x.seconds / x.tokens);
     if (spt.empty()) return 0;
     std::vector<double> sorted = spt;
     std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
     const double cap = k_stall * sorted[sorted.size() / 2];
     double tokens = 0, seconds = 0;
     for (const sample & x : w) {
-        if (x.tokens <= 0 || x.seconds / (double) x.tokens > cap) continue;
-        tokens += (double) x.tokens, seconds += x.seconds;
+        if (x.tokens <= 0 || x.seconds / x.tokens > cap) continue;
+        tokens += x.tokens, seconds += x.seconds;
     }
     return seconds > 0 ? tokens / seconds : 0;
 }
 
 double batch_controller::rate(int n, bool speculated) const {
-    if (n <= 0 || n >= (int) w_.size()) return 0;
-    return rate_of(speculated ? w_[n].spec : w_[n].ar);
+    const width_state * s = state(n);
+    return s ? rate_of(speculated ? s->spec : s->ar) : 0;
 }
 
 void batch_controller::judge(width_state & s) {
@@ -57,12 +71,13 @@ void batch_controller::judge(width_state & s) {
 }
 
 void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds) {
-    if (!p_.enabled || n <= 0 || n >= (int) w_.size() || tokens <= 0 || !(seconds > 0)) return;
-    width_state & s = w_[n];
+    width_state * ps = state(n);
+    if (!p_.enabled || !ps || tokens <= 0 || !(seconds > 0)) return;
+    width_state & s = *ps;
     const bool imposed = !speculate(n);
     if (imposed && !speculated) forced_ += 1;
     std::deque<sample> & w = speculated ? s.spec : s.ar;
-    w.push_back({tokens, seconds});
+    w.push_back({(double) tokens / (double) n, seconds});
     while ((int64_t) w.size() > (speculated ? p_.spec_window : p_.ar_window)) w.pop_front();
     if (s.ar_mode) {
         if (!speculated && --s.left <= 0) {  // the back-off is over: probe speculation afresh

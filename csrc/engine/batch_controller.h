@@ -13,10 +13,13 @@
 // back-off doubles (up to backoff_max). While speculation is kept, one step in `ar_every` is AR
 // for every request, so that the AR rate stays current (it moves with the contexts' lengths).
 //
-// Rates are ratios of sums over each mode's last steps, without the steps whose seconds per token
-// exceed k_stall times the window's median (a stall of the machine, not the step's cost), so that
-// a heavy-tailed wait for a core enters neither rate; a steady load slows both alike, and both are
-// measured within a few dozen steps of each other.
+// Steps are judged by width class (the number of requests in the step: 1, 2-3, 4-7, 8-15, ...),
+// so that a batch whose requests come and go still gathers enough steps of each kind; within a
+// class a step counts as committed tokens per request per second (tokens / n over seconds), which
+// compares steps of neighbouring widths. Rates are ratios of sums over each mode's last steps,
+// without the steps whose seconds per token exceed k_stall times the window's median (a stall of
+// the machine, not the step's cost), so that a heavy-tailed wait for a core enters neither rate; a
+// steady load slows both alike, and both are measured within a few dozen steps of each other.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +31,7 @@ namespace dfn {
 struct batch_controller_params {
     bool enabled = true;        // false: the batch always speculates (each request's controller alone)
     int64_t ar_every = 16;      // SPEC: one all-AR step per this many steps
-    int64_t probe_steps = 8;    // speculative steps a probe (and the first judgement) takes
+    int64_t probe_steps = 4;    // speculative steps a probe (and the first judgement) takes
     int64_t backoff_min = 16;   // all-AR steps before the first re-probe
     int64_t backoff_max = 1024;
     int64_t spec_window = 32;   // speculative steps the rate looks back on
@@ -47,16 +50,17 @@ public:
     // A step over n requests committed `tokens` in `seconds`; speculated: any of them verified drafts.
     void observe(int n, bool speculated, int64_t tokens, double seconds);
 
-    // Read-outs (metrics, tests): tokens/s of each mode's window at n (0: no step yet), the mode's
-    // changes so far, and the all-AR steps the controller imposed.
+    // Read-outs (metrics, tests): tokens per request per second of each mode's window in n's width
+    // class (0: no step yet), the mode's changes so far, and the all-AR steps the controller imposed.
     double rate(int n, bool speculated) const;
+    static int width_class(int n);  // 0 for 1, 1 for 2-3, 2 for 4-7, ...
     int64_t switches() const { return switches_; }
     int64_t forced_ar_steps() const { return forced_; }
 
 private:
     static constexpr double k_stall = 3.0;
     struct sample {
-        int64_t tokens;
+        double tokens;  // committed tokens per request in the step
         double seconds;
     };
     struct width_state {
@@ -71,7 +75,9 @@ private:
     void judge(width_state & s);
 
     batch_controller_params p_;
-    std::vector<width_state> w_;  // [max_requests + 1]
+    std::vector<width_state> w_;  // by width class
+    width_state * state(int n);
+    const width_state * state(int n) const;
     int64_t switches_ = 0, forced_ = 0;
 };
 

@@ -344,10 +344,12 @@ void scheduler::step_once() {
     }
     // the step's committed tokens per second (its solo steps apart) for the batch's controller,
     // when every chain request it judged was in the pass
-    if (controlled && n_starting == 0 && (int) in_pass.size() == n_step) {
+    // (a prefill riding in the pass adds its time to either kind of step alike: requests come and go
+    // in both, and a busy batch rarely has a step without one)
+    if (controlled && n_step > 0 && in_pass.size() == n_starting + (size_t) n_step) {
         int64_t tokens = 0;
         bool speculated = false;
-        for (size_t i = 0; i < in_pass.size(); ++i) {
+        for (size_t i = n_starting; i < in_pass.size(); ++i) {
             const int k = in_pass[i];
             if (err[k]) continue;
             tokens += (int64_t) (active[k]->req->committed().size() - committed0[k]);

@@ -16,6 +16,7 @@ void thread_governor::observe(int threads, double wall, double cpu, double now) 
         if (win_n_ < k_window || win_wall_ < k_window_s) return;
         const double r = win_cpu_ / win_wall_;
         win_wall_ = win_cpu_ = 0, win_n_ = 0;
+        if (r >= k_high && cur_ < n_) next_probe_ = std::min(next_probe_, now + k_probe_min_s);
         if (r < k_low && cur_ > 1) {
             cur_ = std::max(1, cur_ / 2);
             down_ += 1;

@@ -12,10 +12,12 @@
 // the thread computes or spins at the barriers all along (near 1); when it waits for a core, or
 // sleeps at a barrier for a descheduled peer, the ratio falls. Over each window of graphs
 // (k_window of them and at least k_window_s of wall time) at the current count, a ratio under
-// k_low halves the count (down to 1). While below the asked count, every probe interval (1 s,
-// doubling on each failed probe up to 16 s) the next k_probe graphs run at twice the count: kept
+// k_low halves the count (down to 1). While below the asked count, every probe interval (0.5 s,
+// doubling on each failed probe up to 4 s) the next k_probe graphs run at twice the count: kept
 // when their ratio is k_high or more; a probe graph whose own ratio is under k_low fails the probe
-// at once (on a busy machine each such graph is many times slower).
+// at once (on a busy machine each such graph is many times slower). A window at the lower count
+// whose ratio is k_high or more (its threads run freely: the load may have gone) brings the next
+// probe to within k_probe_min_s.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +39,7 @@ public:
     static constexpr double k_window_s = 0.005;
     static constexpr int k_probe = 4;
     static constexpr double k_low = 0.5, k_high = 0.75;
-    static constexpr double k_probe_min_s = 1.0, k_probe_max_s = 16.0;
+    static constexpr double k_probe_min_s = 0.5, k_probe_max_s = 4.0;
 
 private:
     int n_, cur_;
