@@ -182,6 +182,13 @@ void scheduler::step_once() {
     std::vector<char> starting(n_slots(), 0);
     const int64_t budget = std::min(target_.params().n_batch, k_matmul_max_cols);
     bool taps = false, logits = false;
+    auto join = [&](int k, batch_item && it) {  // request k's work into the pass
+        const request & r = *active[k]->req;
+        taps = taps || r.policy().speculative;
+        logits = logits || r.wants_logits();
+        items.push_back(std::move(it));
+        in_pass.push_back(k);
+    };
     // the new requests' prefills: a short one in the pass, a longer one alone now (a prefill chunk
     // wider than the matmul's batch-invariant width computes differently from a narrower one)
     for (int k : admitted) {
@@ -198,13 +205,10 @@ void scheduler::step_once() {
             t.req = std::make_unique<request>(target_, spec, vocab_, t.policy, k);
             if (t.forced) t.req->set_draft_source(t.forced);
             if (cancelled[k]) t.req->stop();
-            std::optional<batch_item> it;
-            if (!cancelled[k]) it = t.req->begin_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached, budget);
+            // (a cancelled request is done: begin_start leaves it to start())
+            std::optional<batch_item> it = t.req->begin_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached, budget);
             if (it) {
-                taps = taps || t.policy.speculative;
-                logits = logits || t.req->wants_logits();
-                items.push_back(std::move(*it));
-                in_pass.push_back(k);
+                join(k, std::move(*it));
                 starting[k] = 1;
                 continue;
             }
@@ -278,10 +282,7 @@ void scheduler::step_once() {
                 solo += 1;
                 continue;
             }
-            taps = taps || r.policy().speculative;
-            logits = logits || r.wants_logits();
-            items.push_back(std::move(*it));
-            in_pass.push_back(k);
+            join(k, std::move(*it));
         } catch (...) {
             err[k] = std::current_exception();
         }
