@@ -216,7 +216,8 @@ size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes, bo
 }
 
 void graph_runner::run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
-                       const std::function<void()> & read_outputs) {
+                       const std::function<void()> & read_outputs, const std::string & plan_key) {
+    const std::string & pk = plan_key.empty() || !devs_.empty() ? shape_key : plan_key;
     const int prof = profile_level();
     profile_graph pg{shape_key.substr(0, shape_key.find(':')), prof ? profile_now() : 0.0};
     auto phase = [&](const char * what) {
@@ -244,14 +245,14 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     phase(":build");
     ggml_backend_sched_t sched = nullptr;
     for (int attempt = 0;; ++attempt) {
-        const bool fresh = plans_.find(shape_key) == plans_.end();
-        sched = plan_for(shape_key, gf);
+        const bool fresh = plans_.find(pk) == plans_.end();
+        sched = plan_for(pk, gf);
         if (fresh && !devs_.empty()) build_graph();
         phase(":plan");
-        if (alloc_graph(shape_key, gf, sched)) break;
+        if (alloc_graph(pk, gf, sched)) break;
         // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
         const std::string why = last_ggml_error();
-        plans_.erase(shape_key);
+        plans_.erase(pk);
         if (attempt > 0) throw compute_buffers_oom(shape_key, why);
         plans_.clear();  // only a cache: plan again without the others
         if (!devs_.empty()) build_graph();
@@ -261,7 +262,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
     set_inputs();
     phase(":inputs");
     ggml_backend_sched_set_eval_callback(sched, prof >= 2 ? profile_eval_cb : nullptr, prof >= 2 ? &pg : nullptr);
-    const ggml_status st = compute(shape_key, sched, gf);
+    const ggml_status st = compute(shape_key, pk, sched, gf);
     if (st != GGML_STATUS_SUCCESS) throw runtime_error(cat("[graph] compute failed with status ", (int) st));
     phase(":compute");
     read_outputs();
@@ -336,12 +337,13 @@ void graph_runner::on_compute_thread(const std::function<void()> & f) {
 }
 
 // Computes an allocated graph; out of memory (checked before, or inside ggml or a kernel) throws.
-ggml_status graph_runner::compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf) {
+ggml_status graph_runner::compute(const std::string & shape_key, const std::string & plan_key, ggml_backend_sched_t sched,
+                                  ggml_cgraph * gf) {
     // ggml's CPU backend allocates its work buffer, threadpool and OpenMP threads without a check
     // that survives failure (a failed work buffer leaves a dangling pointer behind): make room first
     if (address_space_limited()) {  // else nothing can fail to map (alloc.h): no per-step cost
         const size_t work = backend_ == cpu_.get() ? ggml_graph_plan(gf, n_threads_, nullptr).work_size : 0;
-        make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), shape_key);
+        make_room(graph_headroom(n_threads_) + work, cat("running graph '", shape_key, "'"), plan_key);
     }
     static const bool openmp = cpu_uses_openmp();
     if (n_threads_ != 1 && openmp && g_pool_pid.load(std::memory_order_relaxed) == 0) g_pool_pid = process_id();

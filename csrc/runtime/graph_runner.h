@@ -41,11 +41,16 @@ public:
     // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
     // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
     // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
+    // `plan_key` (empty: the shape key) lets graphs of many shapes share one plan on a runner
+    // without devices: the batched passes, whose shape changes with every step's mix of requests
+    // (a plan a shape would make a scheduler and a compute buffer per step); ggml's allocator
+    // re-plans the shared one for each new shape, and its buffer only grows. On a device every
+    // shape keeps its own plan (the scheduler splits the graph it was planned on).
     // Out of memory it throws memory_error naming the graph (after dropping the other plans and
     // trying once more); the runner stays usable, except after a failure inside ggml's compute
     // that leaves the CPU backend inconsistent: then every later run throws.
     void run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
-             const std::function<void()> & read_outputs);
+             const std::function<void()> & read_outputs, const std::string & plan_key = "");
 
     // Where weights, caches and the ring are allocated: the main backend's buffers.
     ggml_backend_buffer_type_t buffer_type() const { return ggml_backend_get_default_buffer_type(backend_); }
@@ -103,7 +108,8 @@ private:
     // false: the graph outgrew its plan and the larger buffers did not fit
     bool alloc_graph(const std::string & shape_key, ggml_cgraph * gf, ggml_backend_sched_t sched);
     void make_room(size_t bytes, const std::string & what, const std::string & keep_key);
-    ggml_status compute(const std::string & shape_key, ggml_backend_sched_t sched, ggml_cgraph * gf);
+    ggml_status compute(const std::string & shape_key, const std::string & plan_key, ggml_backend_sched_t sched,
+                        ggml_cgraph * gf);
 
     // The compute thread: with ggml's CPU backend on OpenMP and more than one thread, every graph
     // of every runner in the process computes on one thread, whichever thread called run(). OpenMP

@@ -731,7 +731,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             }
         }
     };
-    runner_->run(key, build, set_inputs, read_outputs);
+    runner_->run(key, build, set_inputs, read_outputs, "target:batch");  // one plan for every mix (a CPU runner)
     // the caches took the tokens (K/V rows, GDN state or tape) and the replay commit_slot deferred
     for (size_t i = 0; i < items.size(); ++i) {
         seq_slot & s = slots_[items[i].slot];

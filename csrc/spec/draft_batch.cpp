@@ -139,7 +139,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         }
     };
     try {
-        s0.runner_.run(key, build, set_inputs, read);
+        s0.runner_.run(key, build, set_inputs, read, "draft:batch");  // one plan for every mix (a CPU runner)
         out.assign(n, {});
         for (size_t i = 0; i < n; ++i) {
             if (constrained[i]) {  // its step masks them (draft_constrained), the constraint there
