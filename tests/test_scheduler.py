@@ -387,6 +387,72 @@ def check_batched_drafts(pair, sampled=False, forced=False):
     assert shared > 0, f"shared drafter passes: {shared}"
 
 
+def drain(ticket, out):
+    while not ticket.done:
+        out += ticket.next()[0]
+    return out
+
+
+@pytest.mark.parametrize("n_batch", [32, 80])
+def test_long_prompts_prefill_a_chunk_a_step(pair, n_batch):
+    """A prompt longer than the batch-invariant width prefills one n_batch chunk per engine step,
+    alone (the chunks start() runs), between the other requests' steps; its last chunk rides the
+    shared pass when it fits (n_batch 32: 150 = 4 x 32 + 22), else runs alone too (n_batch 80:
+    150 = 80 + 70). Every request, greedy or sampled, speculative or AR, equals its solo run on an
+    engine of the same n_batch, and the other requests commit tokens while the prompt prefills."""
+    rng = np.random.default_rng(7)
+    with engine(pair, 2, n_batch=n_batch) as eng:
+        sched = eng._sched
+        long_ = list(map(int, rng.integers(3, eng.n_vocab, 150)))
+        a = sched.submit([5, 6, 7, 8], False, max_tokens=40)
+        got_a = list(a.next()[0])
+        b = sched.submit(long_, True, max_tokens=10)
+        chunks = []
+        for _ in range(2):  # each next() of a's: one engine step (an AR token), one chunk of b's prompt
+            got_a += a.next()[0]
+            chunks.append(sched.pass_stats["prefill_chunks"])
+        assert chunks == [1, 2], chunks
+        assert len(got_a) == 3 and b.slot >= 0
+        drain(a, got_a)
+        got_b = drain(b, [])
+        # and a random mix with long prompts of both kinds
+        mix = random_requests(rng, eng.n_vocab, 4)
+        mix.insert(1, dict(prompt=list(map(int, rng.integers(3, eng.n_vocab, 120))), max_tokens=8,
+                           temperature=0.8, seed=3, logprobs=2))
+        mix.insert(3, dict(prompt=list(map(int, rng.integers(3, eng.n_vocab, 100))), max_tokens=8,
+                           speculative=False))
+        got = interleaved(eng, mix, rng)
+        ps = sched.pass_stats
+    reqs = [dict(prompt=[5, 6, 7, 8], max_tokens=40, speculative=False), dict(prompt=long_, max_tokens=10)]
+    want = solo_results(pair, reqs + mix, n_batch=n_batch)
+    assert got_a == want[0].tokens and got_b == want[1].tokens
+    for i, (g, w) in enumerate(zip(got, want[2:])):
+        assert result_of(g) == result_of(w), f"request {i} ({mix[i]}) differs from its solo run"
+    assert ps["prefill_chunks"] >= (4 + 3 + 3 if n_batch == 32 else 2 + 1 + 1), ps
+
+
+def test_a_cancelled_chunked_prefill_leaves_the_slot_clean(pair):
+    """A request cancelled between its prompt's chunks ends with nothing; the request beside it and
+    the next ones on the engine equal their solo runs."""
+    rng = np.random.default_rng(8)
+    with engine(pair, 2, n_batch=32) as eng:
+        sched = eng._sched
+        long_ = list(map(int, rng.integers(3, eng.n_vocab, 150)))
+        a = sched.submit([5, 6, 7, 8], True, max_tokens=30)
+        got_a = list(a.next()[0])
+        b = sched.submit(long_, True, max_tokens=10)
+        got_a += a.next()[0]
+        assert sched.pass_stats["prefill_chunks"] == 1
+        b.stop()  # cancelled mid-prefill
+        assert drain(b, []) == [] and b.stop_reason == "stop"
+        drain(a, got_a)
+        after = [eng.generate(long_[:140], max_tokens=6), eng.generate(long_[:100], max_tokens=6)]
+    with engine(pair, 1, n_batch=32) as solo:
+        assert got_a == solo.generate([5, 6, 7, 8], max_tokens=30).tokens
+        for r, p in zip(after, (long_[:140], long_[:100])):
+            assert r.tokens == solo.generate(p, max_tokens=6).tokens
+
+
 def test_eval_between_requests_drops_the_prompt_caches(pair):
     """eval() runs on the target outside the scheduler: a later cache_prompt request starts cold
     (its output still the cold start's)."""

@@ -1537,6 +1537,7 @@ void bind_scheduler(py::module_ & m) {
             d["batch_ar_steps"] = p.batch_ar_steps;
             d["batch_switches"] = p.batch_switches;
             d["batched_prefills"] = p.batched_prefills;
+            d["prefill_chunks"] = p.prefill_chunks;
             d["width"] = p.width;
             return d;
         }, "Batched target passes: count, tokens, solo steps, and passes by the number of requests in them");

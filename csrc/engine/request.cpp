@@ -83,34 +83,82 @@ request::emitted request::started(int32_t tok, std::vector<token_logprobs> lps, 
     return emit({tok}, lps);
 }
 
-std::optional<batch_item> request::begin_start(const int32_t * prompt, int64_t n, int64_t n_cached, int64_t max_width) {
-    DFN_REQUIRE(committed_.empty() && !start_, "generate", "a request starts once");
-    // anything start() may refuse runs there, alone (its error reaches this request only)
-    const int64_t m = n - n_cached, n_vocab = target_.hparams().n_vocab;
-    if (done() || m < 1 || m > max_width || n_cached < 0 || n > target_.params().n_ctx) return std::nullopt;
-    for (int64_t i = n_cached; i < n; ++i)
-        if (prompt[i] < 0 || prompt[i] >= n_vocab) return std::nullopt;
+void request::begin_prefill(int64_t n, int64_t n_cached) {
     target_.select_slot(slot());
-    const double t0 = profile_now();
     if (!policy_.speculative) {
         if (n_cached == 0) target_.reset();
     } else {
         const sampling_params * p = sampling();
         spec_->begin_prefill(n, n_cached, p ? regime_key(p->temperature, p->top_k, p->top_p, p->min_p) : 0);
     }
-    start_.emplace(pending_start{n, n_cached, t0});
+}
+
+batch_item request::prefill_item(const int32_t * prompt, int64_t from, int64_t to) const {
     batch_item it;
     it.slot = slot();
     it.kind = BATCH_DECODE;  // the last row's logits (its argmax), the taps of every token
-    it.tokens.assign(prompt + n_cached, prompt + n);
+    it.tokens.assign(prompt + from, prompt + to);
     return it;
+}
+
+// Whether start() would take prompt[0, n) without refusing it (the split forms leave those to it).
+static bool startable(const target_session & target, const int32_t * prompt, int64_t n, int64_t n_cached) {
+    const int64_t n_vocab = target.hparams().n_vocab;
+    if (n - n_cached < 1 || n_cached < 0 || n > target.params().n_ctx) return false;
+    for (int64_t i = n_cached; i < n; ++i)
+        if (prompt[i] < 0 || prompt[i] >= n_vocab) return false;
+    return true;
+}
+
+std::optional<batch_item> request::begin_start(const int32_t * prompt, int64_t n, int64_t n_cached, int64_t max_width) {
+    DFN_REQUIRE(committed_.empty() && !start_, "generate", "a request starts once");
+    // anything start() may refuse runs there, alone (its error reaches this request only)
+    if (done() || n - n_cached > max_width || !startable(target_, prompt, n, n_cached)) return std::nullopt;
+    const double t0 = profile_now();
+    begin_prefill(n, n_cached);
+    start_.emplace(pending_start{n, n_cached, t0});
+    return prefill_item(prompt, n_cached, n);
+}
+
+bool request::begin_chunked_start(const int32_t * prompt, int64_t n, int64_t n_cached) {
+    DFN_REQUIRE(committed_.empty() && !start_, "generate", "a request starts once");
+    // on a device a slot's taps stay in its queue (spec.h: finish_prefill), which one pass fills
+    if (done() || target_.runner().on_device() || !startable(target_, prompt, n, n_cached)) return false;
+    const double t0 = profile_now();
+    begin_prefill(n, n_cached);
+    start_.emplace(pending_start{n, n_cached, t0, std::vector<int32_t>(prompt, prompt + n), n_cached, {}});
+    return true;
+}
+
+std::optional<batch_item> request::prefill_step(int64_t max_width, emitted & out) {
+    DFN_REQUIRE(start_ && !start_->prompt.empty(), "generate", "prefill_step() without begin_chunked_start()");
+    pending_start & ps = *start_;
+    const int64_t left = ps.n - ps.done;
+    // start()'s chunks: n_batch tokens each from n_cached on (target_session::decode)
+    const int64_t m = std::min(left, target_.params().n_batch);
+    if (m == left && m <= max_width) return prefill_item(ps.prompt.data(), ps.done, ps.n);
+    target_.select_slot(slot());
+    static const std::vector<int> no_taps;
+    const std::vector<int> & taps = policy_.speculative ? spec_->drafter_hparams_().tap_layers : no_taps;
+    // the last chunk's last row chooses the first token (its logits when sampled)
+    decode_result v = target_.decode(ps.prompt.data() + ps.done, m, false, taps, /*argmax_only=*/!wants_logits());
+    ps.done += m;
+    ps.taps.insert(ps.taps.end(), v.taps.begin(), v.taps.end());
+    if (ps.done < ps.n) return std::nullopt;
+    v.taps.clear();
+    out = finish_start(v);
+    return std::nullopt;
 }
 
 request::emitted request::finish_start(decode_result & v) {
     DFN_REQUIRE(start_, "generate", "finish_start() without begin_start()");
-    const pending_start ps = *start_;
+    pending_start ps = std::move(*start_);
     start_.reset();
     target_.select_slot(slot());
+    if (!ps.taps.empty()) {  // a chunked start: the chunks run alone first, then v's
+        ps.taps.insert(ps.taps.end(), v.taps.begin(), v.taps.end());
+        v.taps = std::move(ps.taps);
+    }
     if (policy_.speculative) spec_->finish_prefill(v, ps.n, ps.n_cached);
     // the first token, as start()'s paths choose it at position n
     std::vector<token_logprobs> lps;

@@ -90,6 +90,17 @@ public:
     // the first token as start() would.
     std::optional<batch_item> begin_start(const int32_t * prompt, int64_t n, int64_t n_cached, int64_t max_width);
     emitted finish_start(decode_result & v);
+    // A longer prompt's prefill spread over a scheduler's steps, so that the other requests' steps
+    // go on between its chunks: begin_chunked_start keeps the prompt (false: the prefill should run
+    // alone, start(): anything start() would refuse, or a target on a device), then each
+    // prefill_step runs one chunk of start()'s (n_batch tokens from n_cached on, the same chunks,
+    // so the same caches) alone, or returns the last chunk as the shared pass's work when it fits
+    // in max_width tokens (finish_start takes its result). started() once the first token is out
+    // (`out`: it, from a chunk run alone).
+    bool begin_chunked_start(const int32_t * prompt, int64_t n, int64_t n_cached);
+    std::optional<batch_item> prefill_step(int64_t max_width, emitted & out);
+    bool prefilling() const { return start_.has_value(); }
+    bool started() const { return !committed_.empty(); }
     // One AR step or one speculative round (the controller's choice under it). done() after a stop.
     emitted step();
     // step() split around its target pass, for a scheduler that runs several requests' passes as
@@ -148,11 +159,19 @@ private:
     emitted commit_step(std::vector<int32_t> committed, std::vector<token_logprobs> lps, double t0);
     // begin_step's pending work: a round's (spec's pending_step) or an AR request's step
     std::optional<pending_step> pending_;
-    // begin_start's: the prompt's length, the cached prefix, the prefill's start time
+    // begin_start's: the prompt's length, the cached prefix, the prefill's start time; a chunked
+    // start's prompt, the tokens prefilled so far and their taps ([token][tap layer][n_embd])
     struct pending_start {
         int64_t n, n_cached;
         double t0;
+        std::vector<int32_t> prompt;
+        int64_t done = 0;
+        std::vector<float> taps;
     };
+    // the batch item of prompt[from, to) on this request's slot (a BATCH_DECODE)
+    batch_item prefill_item(const int32_t * prompt, int64_t from, int64_t to) const;
+    // the prefill's beginning: the slot selected, the target reset (or the spec's ring checked)
+    void begin_prefill(int64_t n, int64_t n_cached);
     std::optional<pending_start> start_;
     // start()'s end, after the first token is chosen
     emitted started(int32_t tok, std::vector<token_logprobs> lps, int64_t n, int64_t n_cached, double t0);

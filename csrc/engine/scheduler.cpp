@@ -189,8 +189,36 @@ void scheduler::step_once() {
         items.push_back(std::move(it));
         in_pass.push_back(k);
     };
-    // the new requests' prefills: a short one in the pass, a longer one alone now (a prefill chunk
-    // wider than the matmul's batch-invariant width computes differently from a narrower one)
+    // the prefills: a short prompt in the pass; a longer one a chunk a step, each alone (a prefill
+    // chunk wider than the matmul's batch-invariant width computes differently from a narrower
+    // one), its last in the pass when it fits
+    std::vector<char> began(n_slots(), 0);  // prefilling in this step: no step of theirs besides
+    int64_t chunks = 0;
+    for (int k : admitted) began[k] = 1;
+    auto prefill_step = [&](int k) {
+        ticket & t = *active[k];
+        began[k] = 1;
+        std::optional<batch_item> it = t.req->prefill_step(budget, out[k]);
+        chunks += !it;
+        if (it) {
+            join(k, std::move(*it));
+            starting[k] = 1;
+        } else if (t.req->started() || t.req->done()) {
+            t.started = true;
+        }
+    };
+    for (int k = 0; k < n_slots(); ++k) {  // the chunked prefills begun in earlier steps
+        if (!active[k] || active[k]->started || !active[k]->req || err[k]) continue;
+        try {
+            if (cancelled[k]) {  // done: the ticket ends with nothing
+                active[k]->started = true;
+                continue;
+            }
+            prefill_step(k);
+        } catch (...) {
+            err[k] = std::current_exception();
+        }
+    }
     for (int k : admitted) {
         ticket & t = *active[k];
         try {
@@ -212,6 +240,10 @@ void scheduler::step_once() {
                 starting[k] = 1;
                 continue;
             }
+            if (t.req->begin_chunked_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached)) {
+                prefill_step(k);
+                continue;
+            }
             out[k] = t.req->start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached);
             t.started = true;
         } catch (...) {
@@ -222,8 +254,7 @@ void scheduler::step_once() {
     const size_t n_starting = items.size();
     int64_t solo = 0, drafter_passes_saved = 0;
     auto steps = [&](int k) {
-        return active[k] && active[k]->started && !err[k] && !active[k]->req->done() &&
-               std::find(admitted.begin(), admitted.end(), k) == admitted.end();
+        return active[k] && active[k]->started && !err[k] && !active[k]->req->done() && !began[k];
     };
     // the batch's controller: judged over the chain requests' steps (tree rounds run alone), when
     // the speculative ones are under the controller
@@ -360,6 +391,7 @@ void scheduler::step_once() {
     }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;
+    stats_.prefill_chunks += chunks;
     stats_.shared_drafts += drafter_passes_saved;
     stats_.batch_ar_steps = batch_ctl_.forced_ar_steps();
     for (size_t i = 0; i < n_starting; ++i) stats_.batched_prefills += !err[in_pass[i]];

@@ -72,6 +72,7 @@ public:
         // the batch's controller: all-AR steps it imposed, and its mode changes
         int64_t batch_ar_steps = 0, batch_switches = 0;
         int64_t batched_prefills = 0;  // prompts prefilled in a shared pass (request::begin_start)
+        int64_t prefill_chunks = 0;    // chunks of longer prompts run alone between steps (prefill_step)
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;
