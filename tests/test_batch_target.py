@@ -51,18 +51,18 @@ def assert_caches_equal(a, b, what):
             assert np.array_equal(u, v), f"{what}: layer {il} differs by {np.abs(u - v).max()}"
 
 
-def run_schedule(path, seed, n_seq, inspect_every_step):
+def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
     """A random mix of prompt chunks, AR steps and verify blocks over n_seq slots, each step one
     decode_batch, against one solo Target per slot; returns how many items of each kind ran."""
     rng = np.random.default_rng(seed)
-    bt = T.batch_target(str(path), n_seq, n_ctx=N_CTX, n_threads=2, max_verify=MAX_VERIFY)
+    bt = T.batch_target(str(path), n_seq, n_ctx=N_CTX, n_threads=2, max_verify=MAX_VERIFY, n_batch=256)
     ref = [solo(path) for _ in range(n_seq)]
     fresh = _core.Target(str(path), n_ctx=N_CTX, n_threads=2, n_batch=32)
     vocab = bt.n_vocab
-    prompts = [list(map(int, rng.integers(3, vocab, int(rng.integers(2, 30))))) for _ in range(n_seq)]
+    prompts = [list(map(int, rng.integers(3, vocab, int(rng.integers(2, 3 * chunk))))) for _ in range(n_seq)]
     fed = [0] * n_seq          # prompt tokens fed so far
     history = [[] for _ in range(n_seq)]  # committed tokens per slot
-    counts = {"prefill": 0, "decode": 0, "verify": 0, "commit": 0, "fresh": 0}
+    counts = {"prefill": 0, "decode": 0, "verify": 0, "commit": 0, "fresh": 0, "wide": 0}
     for step in range(14):
         slots = [s for s in range(n_seq) if rng.random() < 0.75 and T.slot_n_past(bt, s) + MAX_VERIFY + 12 < N_CTX]
         if not slots:
@@ -72,7 +72,7 @@ def run_schedule(path, seed, n_seq, inspect_every_step):
         for s in slots:
             left = len(prompts[s]) - fed[s]
             if left > 0:
-                n = int(rng.integers(1, min(left, 12) + 1))
+                n = int(rng.integers(1, min(left, chunk) + 1))
                 toks = prompts[s][fed[s]:fed[s] + n]
                 work.append((s, toks, "prefill" if n < left else "decode"))
             elif rng.random() < 0.4:
@@ -82,6 +82,7 @@ def run_schedule(path, seed, n_seq, inspect_every_step):
                 work.append((s, list(map(int, rng.integers(3, vocab, n))), "verify"))
         out = T.decode_batch(bt, work)
         assert len(out) == len(work)
+        counts["wide"] += sum(len(t) for _, t, _ in work) > 64  # past the kernel's old column limit
         for (s, toks, kind), logits in zip(work, out):
             counts[kind] += 1
             if kind == "verify":
@@ -123,10 +124,12 @@ def run_schedule(path, seed, n_seq, inspect_every_step):
     return counts
 
 
-@pytest.mark.parametrize("seed,n_seq,inspect", [(0, 3, True), (1, 4, False)])
+@pytest.mark.parametrize("seed,n_seq,inspect", [(0, 3, True), (1, 4, False), (2, 12, False)])
 def test_batch_equals_solo(gguf, seed, n_seq, inspect):
-    counts = run_schedule(gguf, seed, n_seq, inspect)
+    counts = run_schedule(gguf, seed, n_seq, inspect, chunk=24 if n_seq == 12 else 12)
     print(counts)
+    if n_seq == 12:  # passes wider than 64 columns (build_context::any_width) equal solo too
+        assert counts["wide"], counts
     # the schedule exercised every kind of work (else this test checks less than it says)
     assert counts["prefill"] and counts["decode"] and counts["verify"] and counts["commit"]
     if inspect:

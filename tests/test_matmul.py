@@ -210,6 +210,23 @@ def test_quantized_batch_invariant_bitwise(qtype):
         np.testing.assert_array_equal(_core.testing.matmul(raw, x[5:6], isa, 2, qtype)[0], cols[5])
 
 
+@pytest.mark.parametrize("qtype", ["F16", "F32", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_wide_batches_bitwise(qtype):
+    """Past k_matmul_max_cols too (a batched pass of many requests' steps takes the kernel at any
+    width: build_context::any_width): 65..256 columns give each column the bits it has alone."""
+    M, K = 29, 256
+    if qtype in ("F16", "F32"):
+        W, x = _case(M, K, 256, np.float16 if qtype == "F16" else np.float32, seed=3)
+        mm = lambda xs, isa, nt=1: _core.testing.matmul(W, xs, isa, nt)  # noqa: E731
+    else:
+        raw, _, x = _qcase(qtype, M, K, 256, seed=3)
+        mm = lambda xs, isa, nt=1: _core.testing.matmul(raw, xs, isa, nt, qtype)  # noqa: E731
+    cols = np.stack([mm(x[i:i + 1], ISAS[-1])[0] for i in range(256)])
+    for isa in ISAS:
+        for n in (65, 100, 128, 256):
+            np.testing.assert_array_equal(mm(x[:n], isa, 2), cols[:n], err_msg=f"{qtype} {isa} N={n}")
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("K", [32, 96, 800, 1024])
 def test_q8_0_block_counts_bitwise(qtype, K):

@@ -23,7 +23,7 @@ struct scheduler::ticket {
 };
 
 scheduler::scheduler(target_session & target, spec_session * spec0, const tokenizer * vocab)
-    : target_(target), vocab_(vocab), costs_(std::min(target.params().n_batch, k_matmul_max_cols)),
+    : target_(target), vocab_(vocab), costs_(target.batch_width()),
       batch_ctl_(target.n_seq()) {
     DFN_REQUIRE(!spec0 || spec0->slot() == 0, "engine", "the scheduler's first spec session must serve slot 0");
     specs_.push_back(spec0);
@@ -180,7 +180,10 @@ void scheduler::step_once() {
     std::vector<batch_item> items;
     std::vector<int> in_pass;
     std::vector<char> starting(n_slots(), 0);
-    const int64_t budget = std::min(target_.params().n_batch, k_matmul_max_cols);
+    const int64_t budget = target_.batch_width();
+    // a prompt rides the pass only as wide as its one-sequence prefill computes each column alone
+    // too (a wider chunk takes ggml's or the wide GEMM's kernels there: matmul.h)
+    const int64_t ride = std::min(target_.params().n_batch, k_matmul_max_cols);
     bool taps = false, logits = false;
     auto join = [&](int k, batch_item && it) {  // request k's work into the pass
         const request & r = *active[k]->req;
@@ -198,7 +201,7 @@ void scheduler::step_once() {
     auto prefill_step = [&](int k) {
         ticket & t = *active[k];
         began[k] = 1;
-        std::optional<batch_item> it = t.req->prefill_step(budget, out[k]);
+        std::optional<batch_item> it = t.req->prefill_step(ride, out[k]);
         chunks += !it;
         if (it) {
             join(k, std::move(*it));
@@ -234,7 +237,7 @@ void scheduler::step_once() {
             if (t.forced) t.req->set_draft_source(t.forced);
             if (cancelled[k]) t.req->stop();
             // (a cancelled request is done: begin_start leaves it to start())
-            std::optional<batch_item> it = t.req->begin_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached, budget);
+            std::optional<batch_item> it = t.req->begin_start(t.prompt.data(), (int64_t) t.prompt.size(), t.n_cached, ride);
             if (it) {
                 join(k, std::move(*it));
                 starting[k] = 1;

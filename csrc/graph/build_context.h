@@ -23,6 +23,10 @@ struct build_context {
     // only, no custom op (ggml runs custom ops on the CPU alone; one would drag activations back to
     // the host every layer). docs/architecture.md, "Devices".
     bool device = false;
+    // A batched pass (target_session::decode_batch): matmul_op at any width, not only up to
+    // k_matmul_max_cols, so that each column computes as it does alone in a one-sequence pass
+    // however many requests' columns the pass holds (matmul.h).
+    bool any_width = false;
     bool own_kernels() const { return kernels == MATMUL_OWN && !device; }
 };
 

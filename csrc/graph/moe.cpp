@@ -51,7 +51,7 @@ void load_moe(gguf_file & F, int il, const target_hparams & hp, layer_weights & 
 // wide GEMM takes W's type (wide_gemm.h); else ggml_mul_mat_id.
 static ggml_tensor * experts_matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x, ggml_tensor * ids) {
     const bool wide_ok = q8_kind_of(W->type) != q8_kind::none && matmul_wide_available();
-    if (b.own_kernels() && (ids->ne[1] <= k_matmul_max_cols || wide_ok) && moe_experts_supported(W, x, ids))
+    if (b.own_kernels() && (ids->ne[1] <= k_matmul_max_cols || wide_ok || b.any_width) && moe_experts_supported(W, x, ids))
         return moe_experts_op(b.ctx, W, x, ids, b.dispatch);
     return ggml_mul_mat_id(b.ctx, W, x, ids);
 }

@@ -309,6 +309,11 @@ void target_session::replay_state(const gdn_layer & L, int64_t S, int64_t H_v, i
 
 void target_session::commit(int64_t n_keep) { commit_slot(cur_, n_keep); }
 
+int64_t target_session::batch_width() const {
+    const bool own = params_.matmul == MATMUL_OWN && !runner_->on_device();
+    return own ? params_.n_batch : std::min(params_.n_batch, k_matmul_max_cols);
+}
+
 void target_session::select_slot(int slot) {
     cur_ = check_slot(slot);
     cache_ = slots_[cur_].cache.get();
@@ -582,7 +587,8 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
                     " tokens > max_verify = ", s.cache->n_tape, " (the GDN tape capacity this engine was created with)");
         n_total += n;
     }
-    DFN_REQUIRE(n_total <= params_.n_batch, "batch", n_total, " tokens in one batch > n_batch = ", params_.n_batch);
+    DFN_REQUIRE(n_total <= batch_width(), "batch", n_total, " tokens in one batch > ", batch_width(),
+                " (batch_width(): n_batch = ", params_.n_batch, ")");
 
     // the segments (graph.h: graph_inputs::seq_segment) and the batch columns whose logits are read
     graph_inputs g;
@@ -636,6 +642,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
     device_head head;  // on a device: the argmax in stock ops (device_heads.h)
     auto build = [&](const build_context & b) {
         static_cast<build_context &>(g) = b;
+        g.any_width = true;  // every column as alone, however wide the pass (build_context.h)
         ggml_context * ctx = b.ctx;
         g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_total);
         g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_total * model_->n_pos_per_token());

@@ -148,6 +148,10 @@ public:
     // argmax_only: the greedy token of each of its rows (in the graph) instead of the logits.
     std::vector<decode_result> decode_batch(const std::vector<batch_item> & items, const std::vector<int> & tap_layers = {},
                                             bool argmax_only = false);
+    // The most tokens one decode_batch pass may hold with that contract: n_batch where every weight
+    // matmul is this package's kernel (the CPU, matmul "own": each column computes alone at any
+    // width); else k_matmul_max_cols (ggml's kernels, or a device's, choose by width).
+    int64_t batch_width() const;
     // The slot the one-sequence methods above (decode, verify, commit, n_past, reset, cache) serve
     // from now on; slot 0 until changed. A spec_session bound to a slot selects it before each use.
     void select_slot(int slot);

@@ -54,7 +54,9 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     const int64_t R = d[0].rows;
     ggml_tensor * tok = nullptr, * pos = nullptr, * top1 = nullptr, * conf = nullptr, * logits = nullptr;
     std::vector<ggml_tensor *> lats(n, nullptr);
-    auto build = [&](const build_context & b) {
+    auto build = [&](const build_context & b0) {
+        build_context b = b0;
+        b.any_width = true;  // each block's columns as its own draft computes them (build_context.h)
         ggml_context * ctx = b.ctx;
         std::vector<drafter_model::block_ring> blocks;
         for (size_t i = 0; i < n; ++i) {

@@ -539,7 +539,8 @@ ggml_tensor * matmul_op(ggml_context * ctx, ggml_tensor * W, ggml_tensor * x, co
 }
 
 ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x) {
-    if (b.own_kernels() && x->ne[1] <= k_matmul_max_cols && matmul_op_supported(W, x)) return matmul_op(b.ctx, W, x, b.dispatch);
+    if (b.own_kernels() && (x->ne[1] <= k_matmul_max_cols || b.any_width) && matmul_op_supported(W, x))
+        return matmul_op(b.ctx, W, x, b.dispatch);
     if (ggml_tensor * y = matmul_wide(b, W, x)) return y;  // a prompt chunk of Q4_0 / Q8_0 / Q4_K
     return ggml_mul_mat(b.ctx, W, x);
 }

@@ -115,7 +115,9 @@ constexpr int64_t k_matmul_max_cols = 64;
 
 // What every graph builder calls for a weight matmul: matmul_op where supported, b asks for
 // our own kernels (the session's `matmul` setting) and x has at most k_matmul_max_cols
-// columns; matmul_wide for wider x where it applies (wide_gemm.h); else ggml_mul_mat.
+// columns, or any number in a batched pass (build_context::any_width: its columns are several
+// requests' steps, each computed as alone); matmul_wide for wider x where it applies
+// (wide_gemm.h); else ggml_mul_mat.
 ggml_tensor * matmul(const build_context & b, ggml_tensor * W, ggml_tensor * x);
 
 // The kernel itself, for tests and benchmarks: rows [r0, r1) of y[n * ldy + r] =
