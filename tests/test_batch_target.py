@@ -51,7 +51,7 @@ def assert_caches_equal(a, b, what):
             assert np.array_equal(u, v), f"{what}: layer {il} differs by {np.abs(u - v).max()}"
 
 
-def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
+def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12, trees=False):
     """A random mix of prompt chunks, AR steps and verify blocks over n_seq slots, each step one
     decode_batch, against one solo Target per slot; returns how many items of each kind ran."""
     rng = np.random.default_rng(seed)
@@ -62,7 +62,7 @@ def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
     prompts = [list(map(int, rng.integers(3, vocab, int(rng.integers(2, 3 * chunk))))) for _ in range(n_seq)]
     fed = [0] * n_seq          # prompt tokens fed so far
     history = [[] for _ in range(n_seq)]  # committed tokens per slot
-    counts = {"prefill": 0, "decode": 0, "verify": 0, "commit": 0, "fresh": 0, "wide": 0}
+    counts = {"prefill": 0, "decode": 0, "verify": 0, "tree": 0, "commit": 0, "fresh": 0, "wide": 0}
     for step in range(14):
         slots = [s for s in range(n_seq) if rng.random() < 0.75 and T.slot_n_past(bt, s) + MAX_VERIFY + 12 < N_CTX]
         if not slots:
@@ -77,15 +77,22 @@ def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
                 work.append((s, toks, "prefill" if n < left else "decode"))
             elif rng.random() < 0.4:
                 work.append((s, [int(rng.integers(3, vocab))], "decode"))
+            elif trees and rng.random() < 0.5:  # a tree verify: node i's parent any earlier node
+                n = int(rng.integers(1, MAX_VERIFY + 1))
+                parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+                work.append((s, list(map(int, rng.integers(3, vocab, n))), "tree", parents))
             else:
                 n = int(rng.integers(1, MAX_VERIFY + 1))
                 work.append((s, list(map(int, rng.integers(3, vocab, n))), "verify"))
         out = T.decode_batch(bt, work)
         assert len(out) == len(work)
-        counts["wide"] += sum(len(t) for _, t, _ in work) > 64  # past the kernel's old column limit
-        for (s, toks, kind), logits in zip(work, out):
+        counts["wide"] += sum(len(w[1]) for w in work) > 64  # past the kernel's old column limit
+        for (s, toks, kind, *parents), logits in zip(work, out):
             counts[kind] += 1
-            if kind == "verify":
+            if kind == "tree":
+                want = T.target_verify_tree(ref[s], toks, parents[0], logits=True)
+                assert logits.shape == (len(toks), vocab)
+            elif kind == "verify":
                 want = ref[s].verify(toks)
                 assert logits.shape == (len(toks), vocab)
             else:
@@ -98,8 +105,17 @@ def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
                     fed[s] = min(len(prompts[s]), fed[s] + len(toks))  # the last chunk, or an AR step
                     assert logits.shape == (1, vocab)
             assert np.array_equal(logits, want), f"step {step} slot {s} {kind}: logits differ"
-        for s, toks, kind in work:
-            if kind == "verify":
+        for s, toks, kind, *parents in work:
+            if kind == "tree":  # a random root-to-node path kept
+                node, path = int(rng.integers(0, len(toks))), []
+                while node >= 0:
+                    path.insert(0, node)
+                    node = parents[0][node]
+                T.commit_tree(bt, path, slot=s)
+                T.commit_tree(ref[s], path)
+                history[s] += [toks[i] for i in path]
+                counts["commit"] += 1
+            elif kind == "verify":
                 keep = int(rng.integers(1, len(toks) + 1))
                 T.commit_slot(bt, s, keep)
                 ref[s].commit(keep)
@@ -112,8 +128,8 @@ def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
         if inspect_every_step or step % 5 == 4:
             for s in slots:
                 assert_caches_equal(caches(bt, s), caches(ref[s]), f"step {step} slot {s}")
-            for s, toks, kind in work:
-                if kind == "verify":
+            for s, toks, kind, *_ in work:
+                if kind in ("verify", "tree"):
                     # after a commit: the state of the committed tokens computed afresh
                     fresh.reset()
                     fresh.decode(history[s])
@@ -126,10 +142,12 @@ def run_schedule(path, seed, n_seq, inspect_every_step, chunk=12):
 
 @pytest.mark.parametrize("seed,n_seq,inspect", [(0, 3, True), (1, 4, False), (2, 12, False)])
 def test_batch_equals_solo(gguf, seed, n_seq, inspect):
-    counts = run_schedule(gguf, seed, n_seq, inspect, chunk=24 if n_seq == 12 else 12)
+    counts = run_schedule(gguf, seed, n_seq, inspect, chunk=24 if n_seq == 12 else 12, trees=seed == 1)
     print(counts)
     if n_seq == 12:  # passes wider than 64 columns (build_context::any_width) equal solo too
         assert counts["wide"], counts
+    if seed == 1:  # tree verifies beside the other work (their masks, positions and GDN tree ops per segment)
+        assert counts["tree"], counts
     # the schedule exercised every kind of work (else this test checks less than it says)
     assert counts["prefill"] and counts["decode"] and counts["verify"] and counts["commit"]
     if inspect:
@@ -162,7 +180,13 @@ def test_bad_batches_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="max_verify"):
         T.decode_batch(bt, [(0, [5] * 5, "verify")])
     with pytest.raises(ValueError, match="kind"):
+        T.decode_batch(bt, [(0, [5], "bogus")])
+    with pytest.raises(ValueError, match="parents"):
         T.decode_batch(bt, [(0, [5], "tree")])
+    with pytest.raises(ValueError, match="parent"):  # node 1's parent must come before it
+        T.decode_batch(bt, [(0, [5, 6], "tree", [-1, 1])])
+    with pytest.raises(ValueError, match="one parent per node"):
+        T.decode_batch(bt, [(0, [5, 6], "tree", [-1])])
     with pytest.raises(ValueError, match="no work"):
         T.decode_batch(bt, [])
     with pytest.raises(ValueError, match="vocabulary"):

@@ -851,23 +851,32 @@ void bind_testing_sessions(py::module_ & t) {
     t.def("controller_state", &controller_state, py::arg("spec"), "The controller's cost and rate estimates (a dict)");
     t.def(
         "target_verify_tree",
-        [](target_session & s, const py::object & tokens, const py::object & parents) {
+        [](target_session & s, const py::object & tokens, const py::object & parents, bool logits) -> py::object {
             std::vector<int32_t> toks = to_tokens(tokens), par = to_tokens(parents);
             if (par.size() != toks.size()) throw input_error(cat("[verify] ", toks.size(), " tokens but ", par.size(), " parents"));
-            py::gil_scoped_release release;
-            return s.verify_tree(toks.data(), par.data(), (int64_t) toks.size(), {}, true).argmax;
+            decode_result r;
+            {
+                py::gil_scoped_release release;
+                r = s.verify_tree(toks.data(), par.data(), (int64_t) toks.size(), {}, !logits);
+            }
+            if (logits) return result_to_py(std::move(r), (int64_t) toks.size(), 0, s.hparams());
+            return py::cast(r.argmax);
         },
-        py::arg("target"), py::arg("tokens"), py::arg("parents"),
+        py::arg("target"), py::arg("tokens"), py::arg("parents"), py::arg("logits") = false,
         "Tree verify (what a tree round runs): tokens[i] is node i, parents[i] < i its parent (-1 for the root); "
-        "returns the greedy token after each node. Follow with commit_tree(target, path).");
+        "returns the greedy token after each node (logits: every node's logits row instead). Follow with "
+        "commit_tree(target, path).");
     t.def(
         "commit_tree",
-        [](target_session & s, const py::object & path) {
+        [](target_session & s, const py::object & path, int slot) {
             std::vector<int32_t> p = to_tokens(path);
             py::gil_scoped_release release;
+            if (slot >= 0) s.select_slot(slot);
             s.commit_tree(p);
         },
-        py::arg("target"), py::arg("path"), "Keep the accepted path (node indices from the root 0) of the pending tree verify");
+        py::arg("target"), py::arg("path"), py::arg("slot") = -1,
+        "Keep the accepted path (node indices from the root 0) of the pending tree verify (of sequence slot `slot` "
+        "of a batch target, selecting it)");
     t.def(
         "baseline_target",
         [](const std::string & path, const std::string & rollback, const std::string & matmul, int64_t n_ctx,
@@ -1249,18 +1258,22 @@ void bind_testing_batch(py::module_ & t) {
         py::arg("target"), py::arg("n"), "Every CPU graph of the target's runner on n threads (0: the governor's)");
     t.def(
         "decode_batch",
-        [](target_session & s, const std::vector<std::tuple<int, py::object, std::string>> & work,
-           const std::vector<int> & taps) {
+        [](target_session & s, const py::list & work, const std::vector<int> & taps) {
             std::vector<batch_item> items;
-            for (const auto & w : work) {
+            for (const py::handle & h : work) {
+                const py::tuple w = py::cast<py::tuple>(h);
+                if (w.size() != 3 && w.size() != 4)
+                    throw input_error("[batch] each item is (slot, tokens, kind) or (slot, tokens, 'tree', parents)");
                 batch_item it;
-                it.slot = std::get<0>(w);
-                it.tokens = to_tokens(std::get<1>(w));
-                const std::string & kind = std::get<2>(w);
+                it.slot = py::cast<int>(w[0]);
+                it.tokens = to_tokens(py::reinterpret_borrow<py::object>(w[1]));
+                const std::string kind = py::cast<std::string>(w[2]);
                 if (kind == "prefill") it.kind = BATCH_PREFILL;
                 else if (kind == "decode") it.kind = BATCH_DECODE;
-                else if (kind == "verify") it.kind = BATCH_VERIFY;
-                else throw input_error(cat("[batch] kind must be 'prefill', 'decode' or 'verify', got '", kind, "'"));
+                else if (kind == "verify" || kind == "tree") it.kind = BATCH_VERIFY;
+                else throw input_error(cat("[batch] kind must be 'prefill', 'decode', 'verify' or 'tree', got '", kind, "'"));
+                if ((kind == "tree") != (w.size() == 4)) throw input_error("[batch] a 'tree' item, and only one, takes parents");
+                if (kind == "tree") it.parents = py::cast<std::vector<int32_t>>(w[3]);
                 items.push_back(std::move(it));
             }
             std::vector<decode_result> res;
@@ -1275,9 +1288,9 @@ void bind_testing_batch(py::module_ & t) {
             return out;
         },
         py::arg("target"), py::arg("work"), py::arg("taps") = std::vector<int>{},
-        "One target pass over several slots' work [(slot, tokens, 'prefill' | 'decode' | 'verify')]: per item what "
-        "decode() / verify() of it alone returns (prefill: no logit rows; decode: the last row; verify: all rows, "
-        "pending until commit_slot)");
+        "One target pass over several slots' work [(slot, tokens, 'prefill' | 'decode' | 'verify') or (slot, tokens, "
+        "'tree', parents)]: per item what decode() / verify() / verify_tree() of it alone returns (prefill: no logit "
+        "rows; decode: the last row; verify and tree: all rows, pending until commit_slot / commit_tree_slot)");
     t.def(
         "commit_slot",
         [](target_session & s, int slot, int64_t n_keep) {
@@ -1538,6 +1551,7 @@ void bind_scheduler(py::module_ & m) {
             d["batch_switches"] = p.batch_switches;
             d["batched_prefills"] = p.batched_prefills;
             d["prefill_chunks"] = p.prefill_chunks;
+            d["tree_verifies"] = p.tree_verifies;
             d["width"] = p.width;
             return d;
         }, "Batched target passes: count, tokens, solo steps, and passes by the number of requests in them");

@@ -259,7 +259,7 @@ bool request::shared_draft_round() const {
 std::optional<batch_item> request::begin_step(const shared_draft * pre, bool force_ar) {
     DFN_REQUIRE(!committed_.empty(), "generate", "begin_step() before start()");
     DFN_REQUIRE(!pending_, "generate", "a step is pending: finish_step() it first");
-    if (done() || policy_.tree) return std::nullopt;
+    if (done()) return std::nullopt;
     const int64_t room = target_.params().n_ctx - target_.slot_n_past(slot());
     batch_item it;
     it.slot = slot();
@@ -281,10 +281,13 @@ std::optional<batch_item> request::begin_step(const shared_draft * pre, bool for
         pending_ = spec_->begin_ar_step(last_, sampling());
     } else {
         draft_override_scope forced(spec_, override_of(forced_, policy_, out_));
-        pending_ = spec_->begin_step(last_, round_room(), sampling(), pre);
+        DFN_REQUIRE(!(pre && policy_.tree), "generate", "given chain drafts for a tree round");
+        pending_ = policy_.tree ? spec_->begin_tree_step(last_, round_room(), sampling())
+                                : spec_->begin_step(last_, round_room(), sampling(), pre);
     }
     pending_->n_past0 = target_.slot_n_past(slot());
     it.tokens = pending_->input;
+    it.parents = pending_->parents;  // a tree round's (empty: a chain)
     if (!pending_->ar) it.kind = BATCH_VERIFY;
     return it;
 }

@@ -104,12 +104,13 @@ public:
     // One AR step or one speculative round (the controller's choice under it). done() after a stop.
     emitted step();
     // step() split around its target pass, for a scheduler that runs several requests' passes as
-    // one (engine/scheduler.h): when the next step is a chain round or an AR step, begin_step runs
-    // its drafts and returns the pass's work for this request's slot (a BATCH_VERIFY of the
-    // verified tokens, or a BATCH_DECODE of one token); finish_step takes that work's result from
-    // the shared pass (target_session::decode_batch, with the drafter's tap layers; logits rows
-    // when wants_logits()) and commits, as step() would have. nullopt: the step is one only
-    // step() runs (a tree round, the last token's AR step, the end of the context, a done request).
+    // one (engine/scheduler.h): when the next step is a round (chain or tree) or an AR step,
+    // begin_step runs its drafts and returns the pass's work for this request's slot (a
+    // BATCH_VERIFY of the verified tokens, with a tree's parents, or a BATCH_DECODE of one
+    // token); finish_step takes that work's result from the shared pass
+    // (target_session::decode_batch, with the drafter's tap layers; logits rows when
+    // wants_logits()) and commits, as step() would have. nullopt: the step is one only step()
+    // runs (the last token's AR step, the end of the context, a done request).
     // pre: this step's drafts from a drafter pass shared with other requests
     // (spec_session::draft_batch), when shared_draft_round() said the step takes them. force_ar: a
     // speculative request's step is an AR step whatever its controller says (the batch's

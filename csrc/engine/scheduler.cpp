@@ -259,13 +259,13 @@ void scheduler::step_once() {
     auto steps = [&](int k) {
         return active[k] && active[k]->started && !err[k] && !active[k]->req->done() && !began[k];
     };
-    // the batch's controller: judged over the chain requests' steps (tree rounds run alone), when
-    // the speculative ones are under the controller
+    // the batch's controller: judged over the requests' steps, when the speculative ones are
+    // under the controller
     int n_step = 0;
     bool controlled = false;
     std::vector<size_t> committed0(n_slots(), 0);
     for (int k = 0; k < n_slots(); ++k) {
-        if (!steps(k) || active[k]->policy.tree) continue;
+        if (!steps(k)) continue;
         n_step += 1;
         committed0[k] = active[k]->req->committed().size();
         if (active[k]->policy.speculative) controlled = controlled || active[k]->req->spec()->params().use_controller;
@@ -359,6 +359,7 @@ void scheduler::step_once() {
             stats_.passes += 1;
             stats_.tokens += width;
             stats_.width[i1 - i0] += 1;
+            for (size_t i = i0; i < i1; ++i) stats_.tree_verifies += !items[i].parents.empty();
         }
         costs_.observe(width, pass_s);
         for (size_t i = i0; i < i1; ++i) {

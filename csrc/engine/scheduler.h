@@ -73,6 +73,7 @@ public:
         int64_t batch_ar_steps = 0, batch_switches = 0;
         int64_t batched_prefills = 0;  // prompts prefilled in a shared pass (request::begin_start)
         int64_t prefill_chunks = 0;    // chunks of longer prompts run alone between steps (prefill_step)
+        int64_t tree_verifies = 0;     // tree rounds' verifies in the shared passes
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;

@@ -35,6 +35,7 @@ graph_inputs graph_inputs::segment(const seq_segment & s) const {
     g.pos = pos;
     g.kq_mask = s.kq_mask;
     g.record_tape = s.record_tape;
+    g.tree_parents = s.tree_parents;
     return g;
 }
 

@@ -53,7 +53,8 @@ struct graph_inputs : build_context {
         int64_t n_past = 0;
         int64_t n_kv = 0;      // as above, for this sequence
         ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tokens]
-        bool record_tape = false;         // a chain verify
+        bool record_tape = false;         // a verify
+        ggml_tensor * tree_parents = nullptr;  // I32 [n_tokens]: a tree verify's (null: a chain)
     };
     std::vector<seq_segment> segs;
 

@@ -447,23 +447,33 @@ void target_session::build_chunk(const build_context & b, chunk_graph & c) const
     ggml_build_forward_expand(g.gf, res);
 }
 
+void target_session::tree_positions(int64_t n_past, int64_t n, const int32_t * parents, int64_t * text_pos) {
+    std::vector<int64_t> depth(n, 0);
+    for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
+    for (int64_t i = 0; i < n; ++i) text_pos[i] = n_past + depth[i];
+}
+
+void target_session::fill_tree_mask(int64_t n_past, int64_t n, int64_t n_kv, const int32_t * parents, ggml_fp16_t * mask) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    std::fill(mask, mask + (size_t) n_kv * n, ninf);
+    for (int64_t i = 0; i < n; ++i) {
+        ggml_fp16_t * row = mask + (size_t) i * n_kv;
+        for (int64_t j = 0; j < n_past; ++j) row[j] = zero;
+        for (int64_t a = i; a >= 0; a = parents[a]) row[n_past + a] = zero;
+    }
+}
+
 void target_session::set_tree_inputs(const chunk_graph & c) const {
     const graph_inputs & g = c.g;
     const int64_t n = g.n_tokens;
-    std::vector<int64_t> depth(n, 0), text_pos(n);
-    for (int64_t i = 1; i < n; ++i) depth[i] = depth[c.parents[i]] + 1;
-    for (int64_t i = 0; i < n; ++i) text_pos[i] = g.n_past + depth[i];
+    std::vector<int64_t> text_pos(n);
+    tree_positions(g.n_past, n, c.parents, text_pos.data());
     std::vector<int32_t> pos(n * model_->n_pos_per_token());
     model_->fill_positions_at(text_pos.data(), n, pos.data());
     if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
     // each node sees the committed rows and its ancestors (and itself) among the tree's rows
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n, ninf);
-    for (int64_t i = 0; i < n; ++i) {
-        ggml_fp16_t * row = mask.data() + (size_t) i * g.n_kv;
-        for (int64_t j = 0; j < g.n_past; ++j) row[j] = zero;
-        for (int64_t a = i; a >= 0; a = c.parents[a]) row[g.n_past + a] = zero;
-    }
+    std::vector<ggml_fp16_t> mask((size_t) g.n_kv * n);
+    fill_tree_mask(g.n_past, n, g.n_kv, c.parents, mask.data());
     if (g.kq_mask->buffer) ggml_backend_tensor_set(g.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
     if (g.tree_parents->buffer) ggml_backend_tensor_set(g.tree_parents, c.parents, 0, n * sizeof(int32_t));
 }
@@ -585,6 +595,14 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         check_slot_tokens(s, it.tokens.data(), n, tap_layers);
         DFN_REQUIRE(it.kind != BATCH_VERIFY || n <= s.cache->n_tape || hp.is_gdn.empty(), "verify", n,
                     " tokens > max_verify = ", s.cache->n_tape, " (the GDN tape capacity this engine was created with)");
+        if (!it.parents.empty()) {  // a tree verify: what verify_tree checks
+            DFN_REQUIRE(it.kind == BATCH_VERIFY && (int64_t) it.parents.size() == n, "batch",
+                        "a tree item is a verify with one parent per node");
+            check_tree_parents(it.parents.data(), n, "verify");
+            DFN_REQUIRE(n <= std::max<int64_t>(params_.max_verify, 1), "verify", "a tree of ", n,
+                        " nodes > max_verify = ", params_.max_verify, " (the verify capacity this engine was created with)");
+            DFN_REQUIRE(rollback_->supports_tree() || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
+        }
         n_total += n;
     }
     DFN_REQUIRE(n_total <= batch_width(), "batch", n_total, " tokens in one batch > ", batch_width(),
@@ -612,13 +630,15 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         seg.record_tape = it.kind == BATCH_VERIFY;
         g.segs.push_back(seg);
         row0[i] = (int64_t) rows.size();
+        std::vector<int64_t> seg_pos(seg.n_tokens);
+        if (!it.parents.empty()) tree_positions(c.n_past, seg.n_tokens, it.parents.data(), seg_pos.data());
         for (int64_t j = 0; j < seg.n_tokens; ++j) {
             const bool row = it.kind == BATCH_VERIFY || (it.kind == BATCH_DECODE && j == seg.n_tokens - 1);
             if (row) rows.push_back((int32_t) (seg.tok0 + j));
-            text_pos.push_back(c.n_past + j);
+            text_pos.push_back(it.parents.empty() ? c.n_past + j : seg_pos[j]);
         }
         tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
-        key += cat(",", seg.n_tokens, "PDV"[it.kind]);
+        key += cat(",", seg.n_tokens, it.parents.empty() ? "PDV"[it.kind] : 'T');
     }
     // on a device, the taps of each slot with a feature queue stay there (set_slot_tap_queue)
     std::vector<int64_t> sink_col(items.size(), -1);
@@ -648,9 +668,14 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_total * model_->n_pos_per_token());
         ggml_set_input(g.tokens);
         ggml_set_input(g.pos);
-        for (graph_inputs::seq_segment & s : g.segs) {
+        for (size_t i = 0; i < items.size(); ++i) {
+            graph_inputs::seq_segment & s = g.segs[i];
             s.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, s.n_kv, s.n_tokens);
             ggml_set_input(s.kq_mask);
+            if (!items[i].parents.empty()) {
+                s.tree_parents = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, s.n_tokens);
+                ggml_set_input(s.tree_parents);
+            }
         }
         ggml_tensor * hidden = model_->build_forward(g);  // [n_embd, n_total]
         for (size_t i = 0; i < items.size(); ++i) {
@@ -684,10 +709,15 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         std::vector<int32_t> pos(n_total * model_->n_pos_per_token());
         model_->fill_positions_at(text_pos.data(), n_total, pos.data());
         if (g.pos->buffer) ggml_backend_tensor_set(g.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-        for (const graph_inputs::seq_segment & s : g.segs) {
+        for (size_t i = 0; i < items.size(); ++i) {
+            const graph_inputs::seq_segment & s = g.segs[i];
+            const int32_t * parents = items[i].parents.empty() ? nullptr : items[i].parents.data();
+            if (parents && s.tree_parents->buffer)
+                ggml_backend_tensor_set(s.tree_parents, parents, 0, s.n_tokens * sizeof(int32_t));
             if (!s.kq_mask->buffer) continue;  // no attention layer reads it
             std::vector<ggml_fp16_t> mask((size_t) s.n_kv * s.n_tokens);
-            fill_causal_mask(s.n_past, s.n_tokens, s.n_kv, mask.data());
+            if (parents) fill_tree_mask(s.n_past, s.n_tokens, s.n_kv, parents, mask.data());
+            else fill_causal_mask(s.n_past, s.n_tokens, s.n_kv, mask.data());
             ggml_backend_tensor_set(s.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
         }
         if (rows_in) ggml_backend_tensor_set(rows_in, rows.data(), 0, rows.size() * sizeof(int32_t));
@@ -738,6 +768,12 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             }
         }
     };
+    for (const batch_item & it : items) {  // a tree's GDN ops read its parents from the cache (verify_tree)
+        if (it.parents.empty()) continue;
+        model_cache & c = *slots_[it.slot].cache;
+        c.tree.parents = it.parents;
+        c.tree.replay_n = c.replay_n;
+    }
     runner_->run(key, build, set_inputs, read_outputs, "target:batch");  // one plan for every mix (a CPU runner)
     // the caches took the tokens (K/V rows, GDN state or tape) and the replay commit_slot deferred
     for (size_t i = 0; i < items.size(); ++i) {
@@ -747,7 +783,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             s.pending_past = s.cache->n_past;
             s.pending_n = n;
             s.pending_tokens = items[i].tokens;
-            s.pending_parents.clear();
+            s.pending_parents = items[i].parents;
         }
         s.cache->n_past += n;
         s.cache->replay_n = 0;

@@ -90,6 +90,9 @@ struct batch_item {
     int slot = 0;
     std::vector<int32_t> tokens;
     batch_kind kind = BATCH_DECODE;
+    // A tree verify (BATCH_VERIFY): node i's parent (parents[0] = -1, parents[i] < i), as
+    // verify_tree takes them; empty: a chain.
+    std::vector<int32_t> parents;
 };
 
 class target_session {
@@ -223,6 +226,10 @@ private:
     void check_slot_tokens(const seq_slot & s, const int32_t * tokens, int64_t n, const std::vector<int> & tap_layers) const;
     // the causal mask of n tokens after n_past over n_kv rows: F16 [n_kv, n] (0 or -inf)
     static void fill_causal_mask(int64_t n_past, int64_t n, int64_t n_kv, ggml_fp16_t * mask);
+    // a tree's: node i sees the n_past committed rows and its ancestors and itself among the n
+    // rows after them; text_pos[i] = n_past + depth(i)
+    static void fill_tree_mask(int64_t n_past, int64_t n, int64_t n_kv, const int32_t * parents, ggml_fp16_t * mask);
+    static void tree_positions(int64_t n_past, int64_t n, const int32_t * parents, int64_t * text_pos);
     // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
     decode_result run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
                              const std::vector<int> & tap_layers, bool argmax_only);

@@ -556,25 +556,37 @@ int64_t spec_session::draft_topk(int32_t last, int64_t B, std::vector<int32_t> &
     return K;
 }
 
-void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
-                                          round_result & r, double t0, double t1, const sampling_params * sampling) {
-    const int64_t n = (int64_t) tokens.size();
+round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
+                                       const sampling_params * sampling) {
+    require_unconstrained("verify_tree");
+    if (sampling) check_sampling_params(*sampling);
     DFN_REQUIRE(parents.size() == tokens.size(), "verify", "parents and tokens must have one entry per node");
-    const int64_t n_past0 = tgt().n_past();
-    decode_result v = tgt().verify_tree(tokens.data(), parents.data(), n, drafter_->hparams().tap_layers,
-                                          /*argmax_only=*/sampling == nullptr);  // logits [n, n_vocab] otherwise
-    const double t2 = profile_now();
+    pending_step s;
+    s.sampling = sampling;
+    s.last = tokens.empty() ? -1 : tokens[0];
+    s.input = tokens;
+    s.parents = parents;
+    s.t0 = s.t1 = profile_now();
+    return run_step(s);
+}
+
+round_result spec_session::finish_tree(pending_step & s, decode_result & v, double t2) {
+    round_result & r = s.r;
+    const std::vector<int32_t> & parents = s.parents, & tokens = s.input;
+    const int64_t n = (int64_t) tokens.size(), n_past0 = s.n_past0;
+    const sampling_params * sampling = s.sampling;
     r.n_verified = n;
     r.parents = parents;
     r.draft.assign(tokens.begin() + 1, tokens.end());
+    // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR makes
+    // at n_past0 + depth(i) + 1
+    std::vector<int64_t> depth(n, 0);
+    for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
+    const int64_t n_vocab = tgt().hparams().n_vocab;
     if (sampling) {
-        // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR
-        // makes at n_past0 + depth(i) + 1, drawn only along the path accept_tree_by walks; under a
-        // constraint from the row masked by the grammar after node i's path: the constraint's state
-        // there (prune_tree left it at the root's), which accepting each choice moves along the path
-        std::vector<int64_t> depth(n, 0);
-        for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
-        const int64_t n_vocab = tgt().hparams().n_vocab;
+        // drawn only along the path accept_tree_by walks; under a constraint from the row masked by
+        // the grammar after node i's path: the constraint's state there (prune_tree left it at the
+        // root's), which accepting each choice moves along the path
         r.committed = accept_tree_by(
             parents.data(), tokens.data(), n,
             [&](int64_t i) {
@@ -587,7 +599,10 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
             },
             &r.path);
     } else {
-        r.committed = accept_tree(parents.data(), tokens.data(), v.argmax.data(), n, &r.path);
+        // greedy: a pass that gave the logits (a batch with sampled steps in it) gives the same argmax
+        std::vector<int32_t> am(n);
+        for (int64_t i = 0; i < n; ++i) am[i] = greedy_of(v, i, n_vocab, n_past0 + depth[i] + 1, "verify");
+        r.committed = accept_tree(parents.data(), tokens.data(), am.data(), n, &r.path);
     }
     tgt().commit_tree(r.path);
     // the path's taps in path order: the ring gets exactly the committed positions
@@ -597,17 +612,20 @@ void spec_session::verify_tree_and_commit(const std::vector<int32_t> & parents, 
         std::copy_n(v.taps.begin() + (size_t) r.path[d] * row, row, feats.begin() + d * row);
     }
     queue_features(std::move(feats), (int64_t) r.path.size(), n_past0);
-    set_times(r, t0, t1, t2);
-}
-
-round_result spec_session::verify_tree(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
-                                       const sampling_params * sampling) {
-    require_unconstrained("verify_tree");
-    if (sampling) check_sampling_params(*sampling);
-    round_result r;
-    const double t0 = profile_now();
-    verify_tree_and_commit(parents, tokens, r, t0, t0, sampling);
-    return r;
+    set_times(r, s.t0, s.t1, t2);
+    if (s.observe) {
+        // the controller's calibration sees every child of every accepted node: accepted (the
+        // path's next node) or turned down
+        std::vector<std::pair<float, bool>> outcomes;
+        for (size_t d = 0; d < r.path.size(); ++d) {
+            const int32_t next = d + 1 < r.path.size() ? r.path[d + 1] : -1;
+            for (size_t i = (size_t) r.path[d] + 1; i < (size_t) n; ++i)
+                if (parents[i] == r.path[d]) outcomes.emplace_back(s.p[i], (int32_t) i == next);
+        }
+        ctl_.observe_tree_round(outcomes, r.n_verified, (int64_t) r.committed.size(), r.draft_s,
+                                r.verify_s + r.rollback_s);
+    }
+    return std::move(r);
 }
 
 // A forced tree draft (spec.h: round_tree): forced[i] at rank 0 of position i with probability 1,
@@ -698,46 +716,47 @@ void spec_session::prune_tree(draft_tree & tree) {
 }
 
 round_result spec_session::round_tree(int32_t last, int64_t B, const sampling_params * sampling) {
-    return round_tree_of(last, B, sampling, forced_draft(B));
-}
-
-round_result spec_session::round_tree_of(int32_t last, int64_t B, const sampling_params * sampling,
-                                         const std::vector<int32_t> * forced) {
-    if (sampling) check_sampling_params(*sampling);
-    round_result r;
-    const double t0 = profile_now();
-    draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced); })) return ar_round(last, t0, sampling);
-    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
-    return r;
+    pending_step s = plan_tree(last, B, sampling, forced_draft(B), /*controlled=*/false);
+    return run_step(s);
 }
 
 round_result spec_session::step_tree(int32_t last, int64_t B, const sampling_params * sampling) {
+    pending_step s = begin_tree_step(last, B, sampling);
+    return run_step(s);
+}
+
+pending_step spec_session::begin_tree_step(int32_t last, int64_t B, const sampling_params * sampling) {
     const std::vector<int32_t> * forced = forced_draft(B);  // whatever the controller chooses
-    if (!params_.use_controller) return round_tree_of(last, B, sampling, forced);
+    return plan_tree(last, B, sampling, forced, params_.use_controller);
+}
+
+pending_step spec_session::plan_tree(int32_t last, int64_t B, const sampling_params * sampling,
+                                     const std::vector<int32_t> * forced, bool controlled) {
     const double t0 = profile_now();
-    if (!drafter_failure_.empty()) return ar_round(last, t0, sampling);
-    if (ctl_.next() == controller::mode::ar) return ar_round(last, t0, sampling, /*observe=*/true);
-    if (sampling) check_sampling_params(*sampling);
-    // The controller verifies the prefix of the best-first node order (a tree: parents first)
-    // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
-    // weights (perturbed_topk's) stand in for the probabilities.
-    draft_tree tree;
-    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced); })) return ar_round(last, t0, sampling);
-    const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
-    tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
-    round_result r;
-    verify_tree_and_commit(tree.parent, tree.token, r, t0, profile_now(), sampling);
-    // Its calibration sees every child of every accepted node: accepted (the path's next node)
-    // or turned down.
-    std::vector<std::pair<float, bool>> outcomes;
-    for (size_t d = 0; d < r.path.size(); ++d) {
-        const int32_t next = d + 1 < r.path.size() ? r.path[d + 1] : -1;
-        for (size_t i = (size_t) r.path[d] + 1; i < n; ++i)
-            if (tree.parent[i] == r.path[d]) outcomes.emplace_back(tree.prob[i], (int32_t) i == next);
+    if (controlled) {
+        if (!drafter_failure_.empty()) return plan_ar(last, sampling, t0, false);
+        if (ctl_.next() == controller::mode::ar) return plan_ar(last, sampling, t0, true);
     }
-    ctl_.observe_tree_round(outcomes, r.n_verified, (int64_t) r.committed.size(), r.draft_s, r.verify_s + r.rollback_s);
-    return r;
+    if (sampling) check_sampling_params(*sampling);
+    draft_tree tree;
+    if (!drafted([&] { tree = draft_tree_for(last, B, sampling, forced); })) return plan_ar(last, sampling, t0, false);
+    if (controlled) {
+        // The controller verifies the prefix of the best-first node order (a tree: parents first)
+        // with the most expected tokens per second; tree_budget caps it. A sampled tree's node
+        // weights (perturbed_topk's) stand in for the probabilities.
+        const size_t n = (size_t) ctl_.choose_tree(tree.parent.data(), tree.prob.data(), tree.size()) + 1;
+        tree.parent.resize(n), tree.token.resize(n), tree.prob.resize(n);
+    }
+    pending_step s;
+    s.observe = controlled;
+    s.sampling = sampling;
+    s.last = last;
+    s.input = std::move(tree.token);
+    s.parents = std::move(tree.parent);
+    s.p = std::move(tree.prob);
+    s.t0 = t0;
+    s.t1 = profile_now();
+    return s;
 }
 
 }  // namespace dfn

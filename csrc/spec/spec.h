@@ -67,15 +67,17 @@ struct shared_draft {
     double seconds = 0;  // this block's share of the shared drafter pass (the controller's draft cost)
 };
 
-// A chain step between its drafts and its target pass (spec_session::begin_step / finish_step).
+// A step between its drafts and its target pass (spec_session::begin_step / begin_tree_step /
+// finish_step): an AR step, a chain verify, or a tree verify (parents non-empty).
 struct pending_step {
     bool ar = false;       // an AR step: `last` decoded with the taps; else a verify of `input`
     bool observe = false;  // the controller measures it (its AR step, or its round)
     const sampling_params * sampling = nullptr;
     int32_t last = -1;
-    std::vector<int32_t> input;  // the target pass's tokens: [last] or [last, d_1 .. d_k]
+    std::vector<int32_t> input;  // the target pass's tokens: [last] or [last, d_1 .. d_k], or a tree's nodes
+    std::vector<int32_t> parents;  // a tree verify's (node 0 the root `last`); empty: AR or a chain
     int64_t n_past0 = 0;         // the slot's n_past before the pass (finish_step)
-    std::vector<float> p;        // the drafts' probabilities, as the controller chose k from them
+    std::vector<float> p;        // the drafts' probabilities, as the controller chose k from them (a tree: per node)
     int32_t next = -1;           // the first draft left unverified (the controller's calibration)
     double t0 = 0, t1 = 0;       // the step's start, the drafts' end
     // The target pass's cost to this step when the pass was shared (the scheduler's share of it:
@@ -179,6 +181,9 @@ public:
     static void draft_batch(const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts,
                             const std::vector<const sampling_params *> & samplings,
                             const std::vector<char> & constrained, int64_t B, std::vector<shared_draft> & out);
+    // step_tree's begin_step: the tree round's tree (or the controller's AR step), for a pass shared
+    // with other slots (a BATCH_VERIFY with the tree's parents); finish_step commits its path.
+    pending_step begin_tree_step(int32_t last, int64_t B, const sampling_params * sampling = nullptr);
     round_result finish_step(pending_step & s, decode_result & v);
     round_result run_step(pending_step & s);
 
@@ -355,9 +360,14 @@ private:
     const std::vector<int32_t> * forced_draft(int64_t B);
     draft_override override_;
     std::vector<int32_t> forced_;
-    // The tree step's body, given the step's forced draft (forced_draft(B), asked once per step).
-    round_result round_tree_of(int32_t last, int64_t B, const sampling_params * sampling,
-                               const std::vector<int32_t> * forced);
+    // A tree step's plan, given the step's forced draft (forced_draft(B), asked once per step):
+    // controlled, the controller's AR step or the prefix of the best-first tree it chooses; else
+    // the whole tree (an AR step when the drafter fails).
+    pending_step plan_tree(int32_t last, int64_t B, const sampling_params * sampling, const std::vector<int32_t> * forced,
+                           bool controlled);
+    // finish_step's tree verify: accept (greedy, or the target's draws by choose_token along the
+    // path, with their logprobs), commit_tree, queue the path's taps; the controller observes it.
+    round_result finish_tree(pending_step & s, decode_result & v, double t2);
     // d_1..d_{B-1} drawn by the sampler at positions n_past+1..; without `probs`, cut as
     // cutoff_keep cuts (the product of the drafts' probabilities under the drafter's filtered
     // distribution); with it, all B-1 and their probabilities (the controller cuts)
@@ -387,10 +397,6 @@ private:
     // (tree_budget at most).
     draft_tree draft_tree_for(int32_t last, int64_t B, const sampling_params * sampling,
                               const std::vector<int32_t> * forced);
-    // verify_tree's work for a round: verify, accept_tree, commit_tree, queue the path's taps.
-    // With `sampling`: the target's choice at each path node by choose_token (and its logprobs).
-    void verify_tree_and_commit(const std::vector<int32_t> & parents, const std::vector<int32_t> & tokens,
-                                round_result & r, double t0, double t1, const sampling_params * sampling = nullptr);
     // The drafts under the constraint (spec_sampled.cpp): d_{i+1} chosen from the drafter's row i
     // masked by the grammar after d_1..d_i (argmax at temperature 0, else the draw), each accepted
     // by the constraint; ends early where the drafter's row allows nothing, or before a token that
@@ -417,21 +423,19 @@ private:
     void constraint_commit(int64_t n_in, const std::vector<int32_t> & committed);
     // The sampling paths' refusal of what the constraint cannot take.
     void require_unconstrained(const char * what) const;
-    // An AR step as a round_result (ar = true), for the controller (observe: it measures it) and
-    // for a failed drafter: plan_ar's step run alone.
-    round_result ar_round(int32_t last, double t0, const sampling_params * sampling, bool observe = false);
     // A chain step's plan: the drafts (the controller's choice among them when `controlled`) or an AR
     // step (a failed drafter, the controller's AR mode).
     pending_step plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
                             const std::vector<int32_t> * forced, bool controlled, const shared_draft * pre = nullptr);
+    // An AR step's plan (observe: the controller measures it; not for a failed drafter's).
     pending_step plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const;
     // The target's choice after input row i of `v` at position pos: the in-graph argmax, else
     // choose_token's (the argmax of the row at temperature 0; `mask`: under the constraint's mask).
     int32_t choice(const pending_step & s, const decode_result & v, int64_t i, int64_t pos, const uint32_t * mask,
                    token_logprobs * lp) const;
     // Runs `draft` (a round's drafting: drafter graphs only, nothing of the target's state moves);
-    // false when the drafter has failed, before or now (drafter_failure()): the round is then an
-    // ar_round. Any other error propagates.
+    // false when the drafter has failed, before or now (drafter_failure()): the step is then an
+    // AR step (plan_ar). Any other error propagates.
     bool drafted(const std::function<void()> & draft);
     std::string drafter_failure_;
 

@@ -58,11 +58,6 @@ pending_step spec_session::plan_ar(int32_t last, const sampling_params * samplin
     return s;
 }
 
-round_result spec_session::ar_round(int32_t last, double t0, const sampling_params * sampling, bool observe) {
-    pending_step s = plan_ar(last, sampling, t0, observe);
-    return run_step(s);
-}
-
 pending_step spec_session::plan_chain(int32_t last, int64_t B, const sampling_params * sampling,
                                       const std::vector<int32_t> * forced, bool controlled, const shared_draft * pre) {
     const double t0 = profile_now();
@@ -127,10 +122,11 @@ round_result spec_session::run_step(pending_step & s) {
     target_session & t = tgt();
     const int64_t L = (int64_t) s.input.size();
     s.n_past0 = t.n_past();
-    sink_taps(L);
+    if (s.parents.empty()) sink_taps(L);  // a tree's path taps go from the host, in path order
     const std::vector<int> & taps = drafter_->hparams().tap_layers;
-    decode_result v = s.ar ? t.decode(s.input.data(), 1, false, taps, /*argmax_only=*/!s.wants_logits())
-                           : t.verify(s.input.data(), L, taps, /*argmax_only=*/!s.wants_logits());
+    decode_result v = s.ar                ? t.decode(s.input.data(), 1, false, taps, /*argmax_only=*/!s.wants_logits())
+                      : s.parents.empty() ? t.verify(s.input.data(), L, taps, /*argmax_only=*/!s.wants_logits())
+                                          : t.verify_tree(s.input.data(), s.parents.data(), L, taps, !s.wants_logits());
     return finish_step(s, v);
 }
 
@@ -162,6 +158,7 @@ round_result spec_session::finish_step(pending_step & s, decode_result & v) {
         if (s.observe) ctl_.observe_ar(r.verify_s);
         return std::move(r);
     }
+    if (!s.parents.empty()) return finish_tree(s, v, t2);
     const int64_t L = (int64_t) s.input.size();  // `last` + the drafts
     r.n_verified = L;
     // t_i: the target's choice after input i, at position n_past0 + i + 1; rows after the first
