@@ -212,25 +212,44 @@ def cached_drafter(target_name: str, outtype: str, shape: dict, block_size: int,
     return path
 
 
-def concurrent_clients(per_client: list[list], call) -> tuple[float, list[tuple[float, object]]]:
+def concurrent_clients(per_client: list[list], call, shared: bool = False) -> tuple[float, list[tuple[float, object]]]:
     """len(per_client) client threads started together, thread i calling call(i, item) on its
-    items per_client[i] one after another. Returns the wall seconds from the common start to the
-    last return and every call's (seconds, result), client by client, each in its items' order;
-    a call's exception is re-raised here."""
+    items per_client[i] one after another; shared: the items in one queue instead (the first of
+    every client's, then the second, ...), each thread taking the next when its call returns, so
+    that C requests stay in flight until the queue is empty (a serving benchmark's max
+    concurrency; per client, the wall time is the slowest client's list). Returns the wall seconds
+    from the common start to the last return and every call's (seconds, result), client by client,
+    each in its items' order (whichever thread ran it); a call's exception is re-raised here."""
+    import collections
     import threading
 
     C = len(per_client)
-    out: list[list] = [[] for _ in range(C)]
+    out: list[list] = [[None] * len(items) for items in per_client]
     errors: list[BaseException] = []
     go = threading.Barrier(C + 1)
+    width = max((len(items) for items in per_client), default=0)
+    queue = collections.deque((c, j) for j in range(width) for c in range(C) if j < len(per_client[c]))
+    lock = threading.Lock()
+
+    def take(i):
+        if not shared:
+            return None
+        with lock:
+            return queue.popleft() if queue else None
 
     def client(i):
         try:
             go.wait()
-            for item in per_client[i]:
+            j = 0
+            while True:
+                job = take(i) if shared else ((i, j) if j < len(per_client[i]) else None)
+                if job is None:
+                    return
+                c, k = job
+                j += 1
                 t0 = time.perf_counter()
-                r = call(i, item)
-                out[i].append((time.perf_counter() - t0, r))
+                r = call(i, per_client[c][k])
+                out[c][k] = (time.perf_counter() - t0, r)
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             errors.append(e)
 

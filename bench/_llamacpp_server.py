@@ -309,13 +309,14 @@ class LlamaServer:
         self.close()
 
 
-def run_clients(server: LlamaServer, per_client: list[list[list[int]]], n_predict: int) -> tuple[list[dict], float]:
+def run_clients(server: LlamaServer, per_client: list[list[list[int]]], n_predict: int,
+                shared: bool = False) -> tuple[list[dict], float]:
     """len(per_client) client threads, thread i sending its prompts per_client[i] one after
-    another (as bench/batch.py's run_cell does with engines); returns every request's complete()
-    result (client by client, each in its prompts' order) and the wall seconds from the common
-    start to the last reply."""
+    another, or (shared) all prompts from one queue (as bench/batch.py's run_cell does with engines;
+    _common.concurrent_clients); returns every request's complete() result (client by client, each
+    in its prompts' order) and the wall seconds from the common start to the last reply."""
     try:
-        wall, done = concurrent_clients(per_client, lambda i, p: server.complete(p, n_predict))
+        wall, done = concurrent_clients(per_client, lambda i, p: server.complete(p, n_predict), shared)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"llama-server request failed: {e}\n{server.log_tail()}") from e
     return [r for _, r in done], wall

@@ -2,7 +2,9 @@
 "Benchmarks"; docs/architecture.md, "Batched target").
 
 For each concurrency C (--concurrency), C client threads each run R requests (--requests) of
---max-tokens tokens, greedy, every request its own prompt, on three setups, interleaved within
+--max-tokens tokens, greedy, every request its own prompt (--queue shared: the C x R requests from
+one queue, C in flight until it is empty, as a serving benchmark's max concurrency; client: each
+thread its own R, so the wall time is the slowest thread's list), on three setups, interleaved within
 one run (their order rotates per rep):
 
 - spec:   one Engine(n_seq=C) with the drafter: each engine step is one target pass over every
@@ -81,23 +83,23 @@ def forced_drafts(refs: dict, tau: int, n_vocab: int):
     return override
 
 
-def run_cell(engines, prompts, max_tokens: int, speculative: bool) -> dict:
+def run_cell(engines, prompts, max_tokens: int, speculative: bool, shared: bool = False) -> dict:
     """len(engines) client threads, thread i running its prompts prompts[i] one after another on
-    engines[i] (the same engine for every thread: the batched engine). Wall time, per-request
-    latencies and results."""
+    engines[i] (the same engine for every thread: the batched engine), or (shared) every prompt
+    from one queue (_common.concurrent_clients). Wall time, per-request latencies and results."""
     wall, done = concurrent_clients(
-        prompts, lambda i, p: engines[i].generate(p, max_tokens=max_tokens, speculative=speculative))
+        prompts, lambda i, p: engines[i].generate(p, max_tokens=max_tokens, speculative=speculative), shared)
     return dict(wall=wall, lat=[x[0] for x in done], results=[x[1] for x in done])
 
 
-def run_llama(server, prompt_ids, max_tokens: int) -> dict:
+def run_llama(server, prompt_ids, max_tokens: int, shared: bool = False) -> dict:
     """run_cell for a llama-server: client thread i sends prompt_ids[i] one after another. The
     results are {"tokens", "timings", "latency_s"} dicts; "spec" holds the server's speculation
     counters over the cell (rounds, drafted, accepted)."""
     from _llamacpp_server import run_clients
 
     before = server.spec_counters()
-    results, wall = run_clients(server, prompt_ids, max_tokens)
+    results, wall = run_clients(server, prompt_ids, max_tokens, shared)
     after = server.spec_counters()
     return dict(wall=wall, lat=[r["latency_s"] for r in results], results=results,
                 spec={k: after[k] - before[k] for k in after})
@@ -182,9 +184,10 @@ def concurrency(a, target: Path, drafter: Path, prompts: list, prompt_ids: list,
 
         def run(setup, max_tokens, warm=False):
             name, engs, spec = setup
+            shared = a.queue == "shared" and not warm
             if name in LLAMA_SETUPS:
-                return run_llama(engs, [[p[0]] for p in mine_ids] if warm else mine_ids, max_tokens)
-            return run_cell(engs, [[p[0]] for p in mine] if warm else mine, max_tokens, spec)
+                return run_llama(engs, [[p[0]] for p in mine_ids] if warm else mine_ids, max_tokens, shared)
+            return run_cell(engs, [[p[0]] for p in mine] if warm else mine, max_tokens, spec, shared)
 
         for tau in taus:
             for e in [batched] + singles:
@@ -362,6 +365,10 @@ def main():
     ap.add_argument("--llama-server", action="store_true",
                     help="also llama.cpp's llama-server -np C, without and with its DFlash (built on first use: "
                          "bench/_llamacpp_server.py)")
+    ap.add_argument("--queue", choices=("client", "shared"), default="client",
+                    help="client: each client thread runs its own R requests (the wall time is the slowest "
+                         "client's); shared: the C x R requests in one queue, C in flight until it is empty "
+                         "(a serving benchmark's max concurrency)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if max(a.concurrency) > 32 or min(a.concurrency) < 1:
@@ -406,10 +413,10 @@ def main():
         print(f"llama-server: {llama_server_binary()}", flush=True)  # built here (once) before any timing
     info = dict(target=Path(target).name, drafter=Path(drafter).name, model=label,
                 outtype=None if (a.embedded or a.target) else a.outtype, max_tokens=a.max_tokens,
-                prompt=a.prompt, gate=a.gate, threads=a.threads, machine=machine(), rev=git_rev())
+                prompt=a.prompt, gate=a.gate, threads=a.threads, queue=a.queue, machine=machine(), rev=git_rev())
     print(f"{info['machine']}\n{label}: {info['target']} + {info['drafter']}, B = {B}, {a.max_tokens} tokens per "
           f"request, {a.requests} per client, prompts {a.prompt} tokens{' (held-out, at most)' if a.embedded else ''}, "
-          f"{a.threads} threads, controller {'on' if a.gate else 'off'}, {a.reps} interleaved rep(s); "
+          f"{a.threads} threads, controller {'on' if a.gate else 'off'}, queue {a.queue}, {a.reps} interleaved rep(s); "
           f"solo references {time.perf_counter() - t0:.0f} s; rev {info['rev']}")
     from dflash_native.lossless import first_divergence_gap
 
