@@ -591,7 +591,12 @@ def test_steps_the_batch_makes_ar_equal_solo(pair):
             r["max_tokens"] = max(r["max_tokens"], 12)
         got = interleaved(eng, reqs, rng)
         ps = eng._sched.pass_stats
+        # what it measured: the AR rate of the width classes it imposed AR steps in (tokens per
+        # request per second; the speculative window restarts at each probe)
+        rates = [T.batch_controller_rates(eng._sched, n) for n in (1, 2, 3)]
     want = solo_results(pair, reqs)
     for i, (g, w) in enumerate(zip(got, want)):
         assert result_of(g) == result_of(w), f"request {i} ({reqs[i]}) differs from its solo run"
     assert ps["batch_ar_steps"] > 0, ps
+    assert any(ar > 0 for _, ar, _ in rates) and all(spec >= 0 for spec, _, _ in rates), rates
+    assert ps["steps"] >= ps["passes"] / 2 and 0 < ps["step_s"], ps  # the engine's steps and their time

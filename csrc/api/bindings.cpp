@@ -1339,6 +1339,15 @@ void bind_testing_batch(py::module_ & t) {
         },
         py::arg("scheduler"), DFN_BATCH_CONTROLLER_ARGS, "Sets the scheduler's batch controller (no request in flight)");
 #undef DFN_BATCH_CONTROLLER_ARGS
+    t.def(
+        "batch_controller_rates",
+        [](scheduler & s, int n) {
+            const batch_controller & c = s.batch_control();
+            return py::make_tuple(c.rate(n, true), c.rate(n, false), c.speculate(n));
+        },
+        py::arg("scheduler"), py::arg("n"),
+        "(speculative rate, all-AR rate, whether the next step may speculate) of the scheduler's batch controller "
+        "at n requests: committed tokens per request per second over each mode's window");
 
 
 }
@@ -1552,6 +1561,8 @@ void bind_scheduler(py::module_ & m) {
             d["batched_prefills"] = p.batched_prefills;
             d["prefill_chunks"] = p.prefill_chunks;
             d["tree_verifies"] = p.tree_verifies;
+            d["steps"] = p.steps;
+            d["step_s"] = p.step_s;
             d["width"] = p.width;
             return d;
         }, "Batched target passes: count, tokens, solo steps, and passes by the number of requests in them");

@@ -162,6 +162,7 @@ void scheduler::fail(slot_state & s, std::exception_ptr e) {
 }
 
 void scheduler::step_once() {
+    const double t_begin = profile_now();
     std::vector<int> admitted;
     std::vector<std::shared_ptr<ticket>> active(n_slots());
     std::vector<char> cancelled(n_slots(), 0);  // read under the lock (cancel() writes from any thread)
@@ -395,6 +396,8 @@ void scheduler::step_once() {
     }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;
+    stats_.steps += 1;
+    stats_.step_s += profile_now() - t_begin;
     stats_.prefill_chunks += chunks;
     stats_.shared_drafts += drafter_passes_saved;
     stats_.batch_ar_steps = batch_ctl_.forced_ar_steps();

@@ -74,6 +74,8 @@ public:
         int64_t batched_prefills = 0;  // prompts prefilled in a shared pass (request::begin_start)
         int64_t prefill_chunks = 0;    // chunks of longer prompts run alone between steps (prefill_step)
         int64_t tree_verifies = 0;     // tree rounds' verifies in the shared passes
+        int64_t steps = 0;             // engine steps (step_once)
+        double step_s = 0;             // their seconds (the rest of a run's time is its callers')
         std::vector<int64_t> width;  // width[n]: passes over n requests
     };
     pass_stats stats() const;
