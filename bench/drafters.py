@@ -44,6 +44,7 @@ top-1 pass the controller and draft_cutoff use (`_core.testing.draft_top1`), med
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -167,7 +168,7 @@ def main_trained(a) -> None:
     prompts = corpus.heldout_prompts(a.eval_prompts, 96, ar_eng, seed=0)
     ar_eng.generate(prompts[0].text, max_tokens=8, speculative=False)  # warm-up (graph plans)
     llama = LlamaPeers(target, files, a, n_ctx=96 + a.gen + 64) if a.llama_server else None
-    tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0) for key in [("ar", T, "-") for T in (0.0, 0.7)]
+    tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0, per_prompt=[]) for key in [("ar", T, "-") for T in (0.0, 0.7)]
            + [(k, T, v) for k in files for T, v in modes]}
     for i, p in enumerate(prompts):
         for T in (0.0, 0.7):
@@ -193,15 +194,38 @@ def main_trained(a) -> None:
         row = dict(bench="drafters_trained", drafter=k, kind=kinds[k], temperature=T, verify=v,
                    mean_acceptance_length=t["committed"] / max(t["rounds"], 1), rounds=t["rounds"], tok_s=tok_s,
                    ar_tok_s=ar_tok_s, speedup=tok_s / ar_tok_s, spec_equals_ar=t["same"], prompts=len(prompts),
+                   per_prompt_acceptance_length=t["per_prompt"],
                    gen=a.gen, steps=a.steps if k in KINDS else None, train_prompts=a.prompts if k in KINDS else None,
                    file=files[k].name, threads=a.threads, machine=machine(), isa=isa(), rev=git_rev())
         print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
               f"{t['same']}/{len(prompts)} |", flush=True)
         rows.append(row)
+    paired_against_shipped(tot, rows)
     if llama is not None:
         rows += llama.report(tot["ar", 0.0, "-"]["n"] / tot["ar", 0.0, "-"]["s"], len(prompts))
         llama.close()
     write_jsonl(a.json, rows)
+
+
+def paired_against_shipped(tot: dict, rows: list[dict]) -> None:
+    """Per mode, each other drafter's per-prompt mean acceptance length minus the shipped drafter's
+    on the same prompt: the mean difference, its standard error and the prompts higher / lower
+    (printed, and added to the drafter's row)."""
+    others = [key for key in tot if key[0] not in ("ar", "shipped")]
+    if not others:
+        return
+    print("\nper prompt, against shipped (paired mean acceptance length difference)")
+    print("| drafter | T | verify | mean difference | standard error | prompts higher / lower |")
+    print("|---|---:|---|---:|---:|---|")
+    for key, row in zip([key for key in tot if key[0] != "ar"], rows):
+        if key not in others:
+            continue
+        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot["shipped", *key[1:]]["per_prompt"])]
+        se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+        row.update(diff_vs_shipped=statistics.mean(d), diff_vs_shipped_se=se,
+                   prompts_higher=sum(x > 0 for x in d), prompts_lower=sum(x < 0 for x in d))
+        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_shipped']:+.2f} | {se:.2f} | "
+              f"{row['prompts_higher']} / {row['prompts_lower']} |")
 
 
 class LlamaPeers:
@@ -267,10 +291,13 @@ class LlamaPeers:
 
 
 def _add(t: dict, r, ar) -> None:
-    """Adds one generation's rounds, committed tokens, decode time and AR equality to `t`."""
+    """Adds one generation's rounds, committed tokens, decode time and AR equality to `t`, and its
+    mean acceptance length to t["per_prompt"] (for paired comparisons of drafters)."""
     s = r.stats
-    t["committed"] += sum(k * n for k, n in enumerate(s.acceptance_histogram))
-    t["rounds"] += sum(s.acceptance_histogram)
+    committed, rounds = sum(k * n for k, n in enumerate(s.acceptance_histogram)), sum(s.acceptance_histogram)
+    t["committed"] += committed
+    t["rounds"] += rounds
+    t["per_prompt"].append(committed / max(rounds, 1))
     t["n"] += max(s.n_generated - 1, 0)
     t["s"] += s.decode_s
     t["same"] += r.tokens == ar.tokens
