@@ -16,6 +16,10 @@ decode time), speedup over AR in the same run, and whether every prompt's output
     python bench/drafters.py --out /tmp/drafters --json bench/results/drafters.jsonl
     python bench/drafters.py --out /tmp/drafters --steps 20 --prompts 16 --eval-prompts 2 --gen 32  # smoke
     python bench/drafters.py --out /tmp/drafters --kinds dflash2  # one kind beside the shipped drafter
+    python bench/drafters.py --out /tmp/drafters --kinds "" --drafter mix=mix.gguf  # a drafter file beside it
+
+--drafter NAME=PATH (repeatable): a drafter GGUF trained elsewhere (e.g. `train-drafter
+--constrained-extra`) measured beside the shipped one and the --kinds, on the same prompts and modes.
 
 --llama-server: llama.cpp's own DFlash beside ours (issue 36, "against llama.cpp's DFlash 2 on the
 same files"): llama-server built from the pinned llama-cpp-python sdist's sources
@@ -40,6 +44,7 @@ top-1 pass the controller and draft_cutoff use (`_core.testing.draft_top1`), med
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -133,7 +138,20 @@ def trained_drafters(a) -> dict[str, Path]:
                          engine_threads=a.threads, log_every=50, context_length=4096, window=256, long_share=0.25,
                          continuations_file=a.out / f"continuations-p{a.prompts}.json", seed=0)
         out[kind] = gguf
+    for name, path in a.drafter:
+        out[name] = path
     return {"target": target_gguf, **out}
+
+
+def gguf_kind(path: Path) -> str:
+    """The drafter kind a DFlash-architecture GGUF holds: DFlash 2 (its convolution keys), DSpark
+    (its confidence-head key) or DFlash."""
+    from gguf import GGUFReader
+
+    keys = GGUFReader(path).fields
+    if "dflash.conv_kernel_size" in keys:
+        return "dflash2"
+    return "dspark" if "dflash.has_confidence_head" in keys else "dflash"
 
 
 def main_trained(a) -> None:
@@ -150,7 +168,7 @@ def main_trained(a) -> None:
     prompts = corpus.heldout_prompts(a.eval_prompts, 96, ar_eng, seed=0)
     ar_eng.generate(prompts[0].text, max_tokens=8, speculative=False)  # warm-up (graph plans)
     llama = LlamaPeers(target, files, a, n_ctx=96 + a.gen + 64) if a.llama_server else None
-    tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0) for key in [("ar", T, "-") for T in (0.0, 0.7)]
+    tot = {key: dict(committed=0, rounds=0, n=0, s=0.0, same=0, per_prompt=[]) for key in [("ar", T, "-") for T in (0.0, 0.7)]
            + [(k, T, v) for k in files for T, v in modes]}
     for i, p in enumerate(prompts):
         for T in (0.0, 0.7):
@@ -163,26 +181,51 @@ def main_trained(a) -> None:
             if llama is not None and T == 0.0:
                 llama.run(ar_eng.tokenize(p.text), a.gen, ar.tokens)
     rows = []
+    kinds = {k: gguf_kind(path) for k, path in files.items()}
     print(f"embedded target, held-out prompts {len(prompts)} x {a.gen} tokens, B = 16, tree budget 15, gate off, "
-          f"drafters trained {a.steps} steps on {a.prompts} prompts (shipped: its own recipe), {a.threads} threads")
+          f"drafters trained {a.steps} steps on {a.prompts} prompts (shipped and --drafter files: their own recipes), "
+          f"{a.threads} threads")
     print("| drafter | T | verify | mean acceptance length | tok/s | speedup | spec == AR |")
     print("|---|---:|---|---:|---:|---:|---|")
     for (k, T, v), t in tot.items():
         if k == "ar":
             continue
         tok_s, ar_tok_s = t["n"] / t["s"], tot["ar", T, "-"]["n"] / tot["ar", T, "-"]["s"]
-        row = dict(bench="drafters_trained", drafter=k, kind=k if k in KINDS else "dflash", temperature=T, verify=v,
+        row = dict(bench="drafters_trained", drafter=k, kind=kinds[k], temperature=T, verify=v,
                    mean_acceptance_length=t["committed"] / max(t["rounds"], 1), rounds=t["rounds"], tok_s=tok_s,
                    ar_tok_s=ar_tok_s, speedup=tok_s / ar_tok_s, spec_equals_ar=t["same"], prompts=len(prompts),
+                   per_prompt_acceptance_length=t["per_prompt"],
                    gen=a.gen, steps=a.steps if k in KINDS else None, train_prompts=a.prompts if k in KINDS else None,
                    file=files[k].name, threads=a.threads, machine=machine(), isa=isa(), rev=git_rev())
         print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
               f"{t['same']}/{len(prompts)} |", flush=True)
         rows.append(row)
+    paired_against_shipped(tot, rows)
     if llama is not None:
         rows += llama.report(tot["ar", 0.0, "-"]["n"] / tot["ar", 0.0, "-"]["s"], len(prompts))
         llama.close()
     write_jsonl(a.json, rows)
+
+
+def paired_against_shipped(tot: dict, rows: list[dict]) -> None:
+    """Per mode, each other drafter's per-prompt mean acceptance length minus the shipped drafter's
+    on the same prompt: the mean difference, its standard error and the prompts higher / lower
+    (printed, and added to the drafter's row)."""
+    others = [key for key in tot if key[0] not in ("ar", "shipped")]
+    if not others:
+        return
+    print("\nper prompt, against shipped (paired mean acceptance length difference)")
+    print("| drafter | T | verify | mean difference | standard error | prompts higher / lower |")
+    print("|---|---:|---|---:|---:|---|")
+    for key, row in zip([key for key in tot if key[0] != "ar"], rows):
+        if key not in others:
+            continue
+        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot["shipped", *key[1:]]["per_prompt"])]
+        se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+        row.update(diff_vs_shipped=statistics.mean(d), diff_vs_shipped_se=se,
+                   prompts_higher=sum(x > 0 for x in d), prompts_lower=sum(x < 0 for x in d))
+        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_shipped']:+.2f} | {se:.2f} | "
+              f"{row['prompts_higher']} / {row['prompts_lower']} |")
 
 
 class LlamaPeers:
@@ -248,10 +291,13 @@ class LlamaPeers:
 
 
 def _add(t: dict, r, ar) -> None:
-    """Adds one generation's rounds, committed tokens, decode time and AR equality to `t`."""
+    """Adds one generation's rounds, committed tokens, decode time and AR equality to `t`, and its
+    mean acceptance length to t["per_prompt"] (for paired comparisons of drafters)."""
     s = r.stats
-    t["committed"] += sum(k * n for k, n in enumerate(s.acceptance_histogram))
-    t["rounds"] += sum(s.acceptance_histogram)
+    committed, rounds = sum(k * n for k, n in enumerate(s.acceptance_histogram)), sum(s.acceptance_histogram)
+    t["committed"] += committed
+    t["rounds"] += rounds
+    t["per_prompt"].append(committed / max(rounds, 1))
     t["n"] += max(s.n_generated - 1, 0)
     t["s"] += s.decode_s
     t["same"] += r.tokens == ar.tokens
@@ -270,6 +316,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per held-out prompt")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to train and measure")
+    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
+                    help="also this drafter GGUF (repeatable), beside the shipped one and the --kinds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", action="store_true",
                     help="also llama.cpp's llama-server with each drafter file (built on first use)")
@@ -278,6 +326,11 @@ def main() -> None:
     a.kinds = [k for k in a.kinds.split(",") if k]
     if unknown := [k for k in a.kinds if k not in KINDS]:
         ap.error(f"--kinds: unknown kind(s) {unknown}, known: {list(KINDS)}")
+    named = [d.partition("=") for d in a.drafter]
+    if bad := [d for d, (n, eq, p) in zip(a.drafter, named) if not (n and eq and Path(p).is_file())
+               or n in ("shipped", "target", *a.kinds)]:
+        ap.error(f"--drafter: NAME=PATH of an existing file, NAME not shipped, target or a --kinds kind; got {bad}")
+    a.drafter = [(n, Path(p)) for n, _, p in named]
     (main_cost if a.cost else main_trained)(a)
 
 

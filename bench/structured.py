@@ -16,9 +16,9 @@ against the unconstrained round's acceptance on the unconstrained text.
 --drafters NAME=PATH ...: each drafter in turn on the same target (all the tables per drafter, its
 speedups against its own AR in the same run), e.g. a drafter trained with `train-drafter
 --constrained-share` against its control. --heldout N adds, per drafter, the acceptance on N held-out
-code prompts (corpus.heldout_prompts: stdlib files never trained on; greedy chain, B = 16, gate
-off: counts that do not depend on the load), unconstrained and under the schema, and whether every
-output equals AR's.
+code prompts (corpus.heldout_prompts: stdlib files never trained on; greedy, --verify's chain or
+tree (budget 15, as bench/drafters.py's), B = 16, gate off: counts that do not depend on the load),
+unconstrained and under the schema, and whether every output equals AR's.
 
     python bench/structured.py --json bench/results/structured.jsonl
     python bench/structured.py --drafters shipped=A.gguf new=B.gguf --heldout 16 --json ...
@@ -131,12 +131,14 @@ def one_drafter(args, target, name: str, drafter) -> list[dict]:
 
 def heldout(target, drafter, c, args) -> list[dict]:
     """Mean acceptance length (committed tokens per round, pooled) on held-out code prompts, greedy
-    chain, B = 16, gate off, unconstrained and under the schema; outputs checked equal to AR's."""
+    chain or tree (args.verify, tree budget 15), B = 16, gate off, unconstrained and under the schema;
+    outputs checked equal to AR's."""
     import dflash_native as dn
     from dflash_native.train import corpus
 
     eng = dn.Engine(target, drafter=drafter, block_size=16, gate=False, n_ctx=96 + args.heldout_tokens + 64,
-                    n_threads=args.threads)
+                    n_threads=args.threads, verify=args.verify,
+                    **({"tree_budget": 15} if args.verify == "tree" else {}))
     prompts = corpus.heldout_prompts(args.heldout, 96, eng, seed=0)
     rows = []
     for mode, kw in (("unconstrained", {}), ("constrained", {"constraint": c})):
@@ -150,7 +152,8 @@ def heldout(target, drafter, c, args) -> list[dict]:
         row = {"table": "heldout", "mode": mode, "prompts": len(prompts), "gen": args.heldout_tokens,
                "block_size": 16, "rounds": rounds, "mean_acceptance_length": committed / max(rounds, 1),
                "spec_equals_ar": same}
-        print(f"held-out code prompts ({len(prompts)} x {args.heldout_tokens} tokens, B = 16, gate off), {mode}: "
+        print(f"held-out code prompts ({len(prompts)} x {args.heldout_tokens} tokens, B = 16, gate off, "
+              f"{args.verify}), {mode}: "
               f"mean acceptance length {row['mean_acceptance_length']:.2f} over {rounds} rounds, "
               f"spec == AR {same}/{len(prompts)}", flush=True)
         rows.append(row)

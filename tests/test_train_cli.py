@@ -73,7 +73,8 @@ def test_train_drafter_cli_constrained_share(target, tmp_path):
 
 @pytest.mark.parametrize("case", ["no-data", "empty-data", "deep-tap", "no-config", "no-target-gguf", "engine-no-gguf",
                                   "window-over-context", "zero-window", "share-without-context", "share-over-one",
-                                  "constrained-torch", "constrained-over-one", "bad-constraint", "chat-prompts"])
+                                  "constrained-torch", "constrained-over-one", "bad-constraint", "chat-prompts",
+                                  "extra-torch", "extra-negative"])
 def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
     ckpt, tg, data = target
     args = {"--target": ckpt, "--data": data, "--out": tmp_path / "o"}
@@ -104,6 +105,10 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
         args.update({"--target-gguf": tg, "--constrained-share": 0.5, "--constraint": tmp_path / "none.json"})
     elif case == "chat-prompts":
         args.update({"--target-gguf": tg, "--constrained-share": 0.5, "--constrained-prompts": "markdown"})
+    elif case == "extra-torch":
+        args["--constrained-extra"] = 4
+    elif case == "extra-negative":
+        args.update({"--target-gguf": tg, "--constrained-extra": -1})
     else:
         args["--target"] = tmp_path
     p = cli(*[x for kv in args.items() for x in kv])
@@ -114,6 +119,7 @@ def test_train_drafter_cli_fails_before_work(target, tmp_path, case):
            "no-target-gguf": "missing.gguf' does not exist", "engine-no-gguf": "needs the target's GGUF",
            "window-over-context": "window 65 is longer than context_length 64", "zero-window": "window must be an int",
            "share-without-context": "long_share needs context_length", "share-over-one": "long_share must be in [0, 1]",
-           "constrained-torch": "constrained_share > 0) need", "constrained-over-one": "constrained_share must be in",
-           "bad-constraint": "none.json' is neither", "chat-prompts": "invalid choice: 'markdown'"}
+           "constrained-torch": "constrained_share > 0 or", "constrained-over-one": "constrained_share must be in",
+           "bad-constraint": "none.json' is neither", "chat-prompts": "invalid choice: 'markdown'",
+           "extra-torch": "constrained_extra > 0) need", "extra-negative": "--constrained-extra: must be an int >= 0"}
     assert msg[case] in p.stderr

@@ -310,6 +310,48 @@ def test_constrained_share_through_the_pipeline(env, tmp_path):
         eng.generate(prompt, max_tokens=16, constraint=c, speculative=False).tokens
 
 
+def test_constrained_extra_adds_to_the_set_and_keeps_its_cache(env, tmp_path):
+    """pipeline.run with constrained_extra: the set's prompts, plan and cached continuations stay
+    (a marked cached continuation is read back, not generated again), that many other prompts follow
+    it, each continued under its random schema, the drafter trains on all of them and serves
+    constrained speculative output equal to constrained AR output."""
+    data = tmp_path / "text"
+    data.mkdir()
+    (data / "m.py").write_text("".join(f"def f{j}(x):\n    return x * {j} - {j % 7}\n\n" for j in range(80)))
+    f = tmp_path / "c.json"
+    kw = dict(n_prompts=4, prompt_tokens=10, max_new_tokens=16, target_gguf=env["target_gguf"], outtype="f32",
+              steps=2, continuations_file=f, target_layer_ids=TAPS, block_size=B, n_threads=N_THREADS,
+              engine_threads=N_THREADS, seed=0)
+    pipeline.run(env["ckpt"], data, tmp_path / "d0", **kw)
+    base = json.loads(f.read_text())
+    assert base["plan"] == [None] * 4
+    marked = base["sequences"][0][:-1] + [0 if base["sequences"][0][-1] else 1]
+    f.write_text(json.dumps({**base, "sequences": [marked] + base["sequences"][1:]}))
+    recipe = pipeline.run(env["ckpt"], data, tmp_path / "d", out_gguf=tmp_path / "d.gguf", constrained_extra=3,
+                          constraint="schemas", **kw)
+    assert recipe["n_prompts"] == 4 and recipe["constrained_extra"] == 3 and recipe["n_constrained"] == 3
+    assert recipe["constrained_share"] == 0.0 and recipe["n_sequences"] == 7
+    saved = json.loads(f.read_text())
+    assert saved["prompts"][:4] == base["prompts"] and saved["plan"][:4] == [None] * 4
+    assert saved["sequences"][:4] == [marked] + base["sequences"][1:]  # read from the cache
+    assert saved["plan"][4:] == pipeline.constraint_plan([None] * 3, 1.0, "schemas", seed=1)
+    extra = saved["prompts"][4:]
+    assert len(extra) == 3 and all(len(p) == 10 and p not in base["prompts"] for p in extra)
+    assert 0 < recipe["n_constrained_tokens"] <= 3 * 16
+    _grammar_check(env["target_gguf"], extra, saved["sequences"][4:], saved["plan"][4:], 16)
+    eng = dn.Engine(env["target_gguf"], drafter=tmp_path / "d.gguf", n_ctx=128, kv_type="f32", n_threads=2)
+    c = dn.JsonSchema(saved["plan"][4]["constraint"]["schema"])
+    prompt = saved["prompts"][1]
+    assert eng.generate(prompt, max_tokens=16, constraint=c).tokens == \
+        eng.generate(prompt, max_tokens=16, constraint=c, speculative=False).tokens
+    for bad, msg in ((dict(constrained_extra=-1), "constrained_extra must be an integer >= 0"),
+                     (dict(constrained_extra=2.0), "constrained_extra must be an integer >= 0"),
+                     (dict(constrained_extra=2, target_gguf=None), "constrained_extra > 0\\) need")):
+        with pytest.raises(ValueError, match=msg):
+            pipeline.run(env["ckpt"], data, tmp_path / "bad", **{**kw, **bad})
+    assert not (tmp_path / "bad").exists()
+
+
 # ---------------------------------------------------------------------------
 # GGUF -> PyTorch
 # ---------------------------------------------------------------------------

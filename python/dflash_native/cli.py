@@ -155,7 +155,8 @@ def _cmd_train_drafter(a) -> int:
                           sampled_share=a.sampled_share,
                           sample_temperatures=[float(x) for x in a.sample_temperatures.split(",") if x.strip()],
                           sample_top_p=a.sample_top_p, constrained_share=a.constrained_share,
-                          constraint=a.constraint, constrained_prompts=a.constrained_prompts,
+                          constrained_extra=a.constrained_extra, constraint=a.constraint,
+                          constrained_prompts=a.constrained_prompts,
                           continuations_file=a.continuations_file,
                           continuations=a.continuations, engine_threads=a.threads)
     print(json.dumps({k: recipe[k] for k in recipe if not isinstance(recipe[k], (list, dict))}, indent=1))
@@ -437,6 +438,10 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--constrained-share", type=float, default=0.0,
                    help="share of the engine continuations written under a JSON grammar (0..1), so the drafter "
                         "learns the target's structured output too")
+    t.add_argument("--constrained-extra", type=_int_from(0), default=0,
+                   help="this many more prompts (other draws of the same text and length mix), each continued "
+                        "under the JSON grammar, added on top of the --prompts set (which, with its cached "
+                        "continuations, stays as it is)")
     t.add_argument("--constraint", default="json",
                    help="their grammar: json (any JSON object, response_format json_object), schemas (a random "
                         "small JSON schema per continuation), or a JSON schema file")

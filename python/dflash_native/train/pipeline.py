@@ -7,7 +7,9 @@ target's GGUF given, the continuations come from our engine on that file (the ta
 will serve, at its own precision, and ~10x faster than PyTorch's token-by-token decode); without
 it, from the PyTorch model. A `constrained_share` of the engine continuations is written under a
 JSON grammar (`constraint_plan`: any JSON object, random small schemas, or one schema file), so the
-drafter also learns the text the target writes for a structured-output request.
+drafter also learns the text the target writes for a structured-output request; `constrained_extra`
+adds that many constrained continuations of other prompts after the set instead of replacing part
+of it (the set and its cached continuations unchanged).
 Everything that can be checked is checked before the target is loaded or any text is read.
 """
 
@@ -289,7 +291,7 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
         continuations: str | None = None, engine_threads: int | None = None, long_share: float | None = None,
         sampled_share: float = 0.0, sample_temperatures: Sequence[float] = (0.7, 1.0), sample_top_p: float = 0.95,
         constrained_share: float = 0.0, constraint: str = "json", constrained_prompts: str = "text",
-        continuations_file=None, **train_kwargs) -> dict:
+        constrained_extra: int = 0, continuations_file=None, **train_kwargs) -> dict:
     """Check, sample prompts, generate the target's continuations, train, and (with out_gguf)
     convert. `continuations`: "engine" (our engine on `target_gguf`, the default when it is
     given) or "torch" (the PyTorch target). With train_kwargs' `context_length` N, a
@@ -297,9 +299,12 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     N - max_new_tokens] and the rest `prompt_tokens` (see `_prompt_mix`). A `sampled_share` of
     the engine continuations are sampled at `sample_temperatures` / `sample_top_p` instead of
     greedy (see `sampling_plan`; seeds from train_kwargs' `seed`). A `constrained_share` of them
-    is written under `constraint` ("json", "schemas" or a schema file, see `constraint_plan`),
-    their prompts as they are (`constrained_prompts` "text") or as chat requests for JSON ("chat",
-    `as_chat_prompts`). `continuations_file` (JSON): each engine continuation is read from it when
+    is written under `constraint` ("json", "schemas" or a schema file, see `constraint_plan`);
+    `constrained_extra` more prompts (the same mix of lengths, drawn from seeds seed + 2 and
+    seed + 3, not the set's draws) follow the `n_prompts`, each continued under `constraint` (its
+    random schemas drawn from seed + 1), so the set's prompts, plan and cached continuations stay
+    as they are. The constrained prompts are used as they are (`constrained_prompts` "text") or
+    as chat requests for JSON ("chat", `as_chat_prompts`). `continuations_file` (JSON): each engine continuation is read from it when
     it holds one of the same prompt and plan entry, else generated and written to it (a rerun or a
     crash skips the slow part). Returns the recipe."""
     from .drafter import check_context_args, train_drafter
@@ -319,14 +324,17 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
         raise ValueError(f"[train_drafter] target GGUF '{target_gguf}' does not exist")
     if sampled_share and continuations != "engine":
         raise ValueError("[train_drafter] sampled continuations (sampled_share > 0) need continuations='engine'")
-    if constrained_share and continuations != "engine":
-        raise ValueError("[train_drafter] constrained continuations (constrained_share > 0) need "
-                         "continuations='engine'")
+    if isinstance(constrained_extra, bool) or not isinstance(constrained_extra, int) or constrained_extra < 0:
+        raise ValueError(f"[train_drafter] constrained_extra must be an integer >= 0, got {constrained_extra!r}")
+    if (constrained_share or constrained_extra) and continuations != "engine":
+        raise ValueError("[train_drafter] constrained continuations (constrained_share > 0 or constrained_extra > 0) "
+                         "need continuations='engine'")
     if constrained_prompts not in ("text", "chat"):
         raise ValueError(f"[train_drafter] constrained_prompts must be 'text' or 'chat', got {constrained_prompts!r}")
     seed = train_kwargs.get("seed", 0)
     plan = sampling_plan(n_prompts, sampled_share, sample_temperatures, sample_top_p, seed)
     plan = constraint_plan(plan, constrained_share, constraint, seed)
+    plan += constraint_plan([None] * constrained_extra, 1.0, constraint, seed + 1)
     n_constrained = sum(bool(p and p.get("constraint")) for p in plan)
     if n_constrained:
         from ..constraint import _xgrammar
@@ -343,6 +351,9 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = _prompt_mix(files, tok, n_prompts, prompt_tokens, max_new_tokens, train_kwargs.get("context_length"),
                           long_share, seed)
+    if constrained_extra:
+        prompts += _prompt_mix(files, tok, constrained_extra, prompt_tokens, max_new_tokens,
+                               train_kwargs.get("context_length"), long_share, seed + 2)
     if n_constrained and constrained_prompts == "chat":
         prompts = as_chat_prompts(prompts, plan, target_gguf)
     t0 = time.perf_counter()
@@ -362,7 +373,8 @@ def run(target_dir, data, out_dir, *, n_prompts: int = 64, prompt_tokens: int = 
                   n_prompts=n_prompts, prompt_tokens=prompt_tokens, long_share=long_share,
                   sampled_share=sampled_share, sample_temperatures=[float(t) for t in sample_temperatures],
                   sample_top_p=sample_top_p, n_sampled=sum(bool(p and "temperature" in p) for p in plan),
-                  constrained_share=constrained_share, constraint=constraint if n_constrained else None,
+                  constrained_share=constrained_share, constrained_extra=constrained_extra,
+                  constraint=constraint if n_constrained else None,
                   constrained_prompts=constrained_prompts if n_constrained else None, n_constrained=n_constrained,
                   n_constrained_tokens=n_constrained_tokens,
                   prompt_lengths=_length_summary([len(p) for p in prompts]),
