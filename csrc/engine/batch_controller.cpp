@@ -35,16 +35,18 @@ bool batch_controller::speculate(int n) const {
 }
 
 double batch_controller::rate_of(const std::deque<sample> & w) {
-    std::vector<double> spt;  // seconds per token
+    // a stall is a step that took far longer than the others, whatever it committed: a step's
+    // tokens vary with its acceptance (a speculative step that committed little is its mode's
+    // cost, not a stall), its seconds with its work and the machine
+    std::vector<double> secs;
     for (const sample & x : w)
-        if (x.tokens > 0) spt.push_back(x.seconds / x.tokens);
-    if (spt.empty()) return 0;
-    std::vector<double> sorted = spt;
-    std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
-    const double cap = k_stall * sorted[sorted.size() / 2];
+        if (x.tokens > 0) secs.push_back(x.seconds);
+    if (secs.empty()) return 0;
+    std::nth_element(secs.begin(), secs.begin() + secs.size() / 2, secs.end());
+    const double cap = k_stall * secs[secs.size() / 2];
     double tokens = 0, seconds = 0;
     for (const sample & x : w) {
-        if (x.tokens <= 0 || x.seconds / x.tokens > cap) continue;
+        if (x.tokens <= 0 || x.seconds > cap) continue;
         tokens += x.tokens, seconds += x.seconds;
     }
     return seconds > 0 ? tokens / seconds : 0;

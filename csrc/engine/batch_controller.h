@@ -17,8 +17,9 @@
 // so that a batch whose requests come and go still gathers enough steps of each kind; within a
 // class a step counts as committed tokens per request per second (tokens / n over seconds), which
 // compares steps of neighbouring widths. Rates are ratios of sums over each mode's last steps,
-// without the steps whose seconds per token exceed k_stall times the window's median (a stall of
-// the machine, not the step's cost), so that a heavy-tailed wait for a core enters neither rate; a
+// without the steps whose seconds exceed k_stall times the window's median (a stall of the
+// machine, not the step's cost; not seconds per token, which a speculative step's acceptance
+// moves as much as a stall does), so that a heavy-tailed wait for a core enters neither rate; a
 // steady load slows both alike, and both are measured within a few dozen steps of each other.
 #pragma once
 
