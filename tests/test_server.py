@@ -604,6 +604,9 @@ def test_parallel_streams_equal_solo(server4, offline):
     # the batch's controller measured AR over the batch (a width's first step is AR for everybody)
     assert after["dflash_batch_controller_ar_steps_total"] > 0
     assert "dflash_batch_controller_switches_total" in after
+    steps = after["dflash_batch_steps_total"] - before["dflash_batch_steps_total"]
+    assert steps > 0 and after["dflash_batch_step_seconds_total"] > before["dflash_batch_step_seconds_total"]
+    assert "dflash_batch_prefill_chunks_total" in after and "dflash_batch_tree_verifies_total" in after
     assert all(after[f'dflash_slot_requests_total{{slot="{k}"}}'] > 0 for k in range(4)), after
     assert sum(after[f'dflash_slot_rounds_total{{slot="{k}"}}'] for k in range(4)) \
         == after["dflash_acceptance_length_count"]

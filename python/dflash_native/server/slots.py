@@ -189,14 +189,18 @@ class Metrics:
         out.append(f"# TYPE {p}slot_acceptance_length gauge")
         out += [f'{p}slot_acceptance_length{{slot="{k}"}} {t / n if n else 0.0}' for k, _, n, t in rows]
         # the scheduler's batched target passes (Engine(n_seq > 1)): how many, their tokens, the
-        # steps run alone (tree rounds, a request's last AR step), the steps the batch's controller
-        # made AR for every request and its mode changes, and the passes by batch width (requests
-        # in the pass)
+        # steps run alone (a request's last AR step), the long prompts' chunks run alone, the tree
+        # verifies in the passes, the engine's steps and their seconds, the steps the batch's
+        # controller made AR for every request and its mode changes, and the passes by batch
+        # width (requests in the pass)
         sched = pool.engine._sched
         if sched is not None:
             ps = sched.pass_stats
             for name, v in [("batch_passes_total", ps["passes"]), ("batch_tokens_total", ps["tokens"]),
                             ("batch_solo_steps_total", ps["solo_steps"]),
+                            ("batch_prefill_chunks_total", ps["prefill_chunks"]),
+                            ("batch_tree_verifies_total", ps["tree_verifies"]),
+                            ("batch_steps_total", ps["steps"]), ("batch_step_seconds_total", ps["step_s"]),
                             ("batch_controller_ar_steps_total", ps["batch_ar_steps"]),
                             ("batch_controller_switches_total", ps["batch_switches"])]:
                 out += [f"# TYPE {p}{name} counter", f"{p}{name} {v}"]
