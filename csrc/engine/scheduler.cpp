@@ -380,7 +380,7 @@ void scheduler::step_once() {
         i0 = i1;
     }
     // the step's committed tokens per second (its solo steps apart) for the batch's controller,
-    // when every chain request it judged was in the pass
+    // when every request it judged was in the pass
     // (a prefill riding in the pass adds its time to either kind of step alike: requests come and go
     // in both, and a busy batch rarely has a step without one)
     if (controlled && n_step > 0 && in_pass.size() == n_starting + (size_t) n_step) {

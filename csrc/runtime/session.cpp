@@ -235,18 +235,25 @@ decode_result target_session::run_verify(const int32_t * tokens, const int32_t *
     return out;
 }
 
-decode_result target_session::verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
-                                          const std::vector<int> & tap_layers, bool argmax_only) {
-    const sink_reset once{sink_};  // the tap sink (set_tap_sink) serves this call only, whatever happens
-    const target_hparams & hp = model_->hparams();
-    check_tokens(tokens, n, tap_layers);
+void target_session::check_tree(const int32_t * parents, int64_t n) const {
     check_tree_parents(parents, n, "verify");
     DFN_REQUIRE(n <= std::max<int64_t>(params_.max_verify, 1), "verify", "a tree of ", n, " nodes > max_verify = ",
                 params_.max_verify, " (the verify capacity this engine was created with)");
+    DFN_REQUIRE(rollback_->supports_tree() || model_->hparams().is_gdn.empty(), "verify", "tree verify needs tape rollback");
+}
+
+void target_session::arm_tree(model_cache & c, const int32_t * parents, int64_t n) {
+    c.tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
+    c.tree.replay_n = c.replay_n;
+}
+
+decode_result target_session::verify_tree(const int32_t * tokens, const int32_t * parents, int64_t n,
+                                          const std::vector<int> & tap_layers, bool argmax_only) {
+    const sink_reset once{sink_};  // the tap sink (set_tap_sink) serves this call only, whatever happens
+    check_tokens(tokens, n, tap_layers);
+    check_tree(parents, n);
     DFN_REQUIRE(n <= params_.n_batch, "verify", n, " nodes > n_batch = ", params_.n_batch);
-    DFN_REQUIRE(rollback_->supports_tree() || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
-    cache_->tree.parents.assign(parents, parents + n);  // the GDN ops' (gdn_tape.h: gdn_tree_pass)
-    cache_->tree.replay_n = cache_->replay_n;
+    arm_tree(*cache_, parents, n);
     decode_result out = run_verify(tokens, parents, n, tap_layers, argmax_only);
     slots_[cur_].pending_parents.assign(parents, parents + n);
     return out;
@@ -598,10 +605,7 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
         if (!it.parents.empty()) {  // a tree verify: what verify_tree checks
             DFN_REQUIRE(it.kind == BATCH_VERIFY && (int64_t) it.parents.size() == n, "batch",
                         "a tree item is a verify with one parent per node");
-            check_tree_parents(it.parents.data(), n, "verify");
-            DFN_REQUIRE(n <= std::max<int64_t>(params_.max_verify, 1), "verify", "a tree of ", n,
-                        " nodes > max_verify = ", params_.max_verify, " (the verify capacity this engine was created with)");
-            DFN_REQUIRE(rollback_->supports_tree() || hp.is_gdn.empty(), "verify", "tree verify needs tape rollback");
+            check_tree(it.parents.data(), n);
         }
         n_total += n;
     }
@@ -768,12 +772,8 @@ std::vector<decode_result> target_session::decode_batch(const std::vector<batch_
             }
         }
     };
-    for (const batch_item & it : items) {  // a tree's GDN ops read its parents from the cache (verify_tree)
-        if (it.parents.empty()) continue;
-        model_cache & c = *slots_[it.slot].cache;
-        c.tree.parents = it.parents;
-        c.tree.replay_n = c.replay_n;
-    }
+    for (const batch_item & it : items)  // a tree's GDN ops read its parents from the cache (verify_tree)
+        if (!it.parents.empty()) arm_tree(*slots_[it.slot].cache, it.parents.data(), (int64_t) it.parents.size());
     runner_->run(key, build, set_inputs, read_outputs, "target:batch");  // one plan for every mix (a CPU runner)
     // the caches took the tokens (K/V rows, GDN state or tape) and the replay commit_slot deferred
     for (size_t i = 0; i < items.size(); ++i) {

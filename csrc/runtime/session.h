@@ -230,6 +230,10 @@ private:
     // rows after them; text_pos[i] = n_past + depth(i)
     static void fill_tree_mask(int64_t n_past, int64_t n, int64_t n_kv, const int32_t * parents, ggml_fp16_t * mask);
     static void tree_positions(int64_t n_past, int64_t n, const int32_t * parents, int64_t * text_pos);
+    // a tree verify of n nodes: its parents, the verify capacity and a rollback that takes trees
+    void check_tree(const int32_t * parents, int64_t n) const;
+    // the tree's parents where its GDN ops read them, with the replay the pass folds in
+    static void arm_tree(model_cache & c, const int32_t * parents, int64_t n);
     // verify's and verify_tree's pass (parents: the tree's, or nullptr for a chain), left pending
     decode_result run_verify(const int32_t * tokens, const int32_t * parents, int64_t n,
                              const std::vector<int> & tap_layers, bool argmax_only);
