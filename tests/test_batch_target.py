@@ -154,6 +154,41 @@ def test_batch_equals_solo(gguf, seed, n_seq, inspect):
         assert counts["fresh"]
 
 
+def test_graphs_of_another_structure_take_their_own_plan(gguf):
+    """Batched passes share a plan across shapes, never across structures (graph_runner.h: run's
+    plan_key). ggml's allocator reuses a plan for any graph of as many nodes whose tensors fit it:
+    the same AR steps with the taps marked as outputs crashed in it after the same steps without
+    taps, and two slots' step kinds swapped (a verify beside an AR step, then the other way round)
+    had as many nodes in another order. Each pass equals the slots' solo passes."""
+    bt = T.batch_target(str(gguf), 2, n_ctx=N_CTX, n_threads=2, max_verify=MAX_VERIFY)
+    ref = [solo(gguf) for _ in range(2)]
+    taps = [0, 1]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    T.decode_batch(bt, [(s, p, "prefill") for s, p in enumerate(prompts)])
+    for s, p in enumerate(prompts):
+        ref[s].decode(p)
+    for k, with_taps in enumerate([False, True, False, True]):
+        work = [(s, [20 + k + s], "decode") for s in range(2)]
+        out = T.decode_batch(bt, work, taps if with_taps else [])
+        for (s, toks, _), got in zip(work, out):
+            want = ref[s].decode(toks, taps=taps) if with_taps else ref[s].decode(toks)
+            if with_taps:
+                assert np.array_equal(got[0], want[0][-1:]) and np.array_equal(got[1], want[1]), f"pass {k} slot {s}"
+            else:
+                assert np.array_equal(got, want[-1:]), f"pass {k} slot {s}"
+    for k in range(4):  # a verify beside an AR step, the slots' kinds swapped each pass
+        v = k % 2
+        work = [(s, [30 + k, 31 + k, 32 + k] if s == v else [40 + k], "verify" if s == v else "decode") for s in range(2)]
+        out = T.decode_batch(bt, work)
+        for (s, toks, kind), got in zip(work, out):
+            want = ref[s].verify(toks) if kind == "verify" else ref[s].decode(toks)[-1:]
+            assert np.array_equal(got, want), f"pass {k} slot {s} {kind}"
+        T.commit_slot(bt, v, 2)
+        ref[v].commit(2)
+    for s in range(2):
+        assert_caches_equal(caches(bt, s), caches(ref[s]), f"slot {s}")
+
+
 def test_one_item_is_the_solo_pass(gguf):
     """A batch of one slot's work is that slot's solo pass (the default path's shapes)."""
     toks = list(range(5, 22))

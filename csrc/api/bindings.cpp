@@ -1302,40 +1302,47 @@ void bind_testing_batch(py::module_ & t) {
     t.def("slot_n_past", &target_session::slot_n_past, py::arg("target"), py::arg("slot"));
     // engine/batch_controller.h: the batch's controller, alone (its decisions from made-up
     // measurements) and a scheduler's (its parameters)
-    auto params_of = [](bool enabled, int64_t ar_every, int64_t probe_steps, int64_t backoff_min, int64_t backoff_max,
-                        int64_t spec_window, int64_t ar_window) {
+    auto params_of = [](bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps, int64_t probe_steps,
+                        int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
         batch_controller_params p;
-        p.enabled = enabled, p.ar_every = ar_every, p.probe_steps = probe_steps, p.backoff_min = backoff_min;
-        p.backoff_max = backoff_max, p.spec_window = spec_window, p.ar_window = ar_window;
+        p.enabled = enabled, p.ar_every = ar_every, p.ar_run = ar_run, p.settle_steps = settle_steps;
+        p.probe_steps = probe_steps;
+        p.backoff_min = backoff_min, p.backoff_max = backoff_max, p.spec_window = spec_window, p.ar_window = ar_window;
         for (int64_t v : {ar_every, probe_steps, backoff_min, backoff_max, spec_window, ar_window})
             if (v < 1) throw input_error(cat("[batch] controller parameters must be >= 1, got ", v));
+        if (settle_steps < 0 || ar_run <= settle_steps)
+            throw input_error(cat("[batch] ar_run must be > settle_steps >= 0 (a run's first settle_steps AR steps are "
+                                  "not measured), got ar_run ", ar_run, ", settle_steps ", settle_steps));
         return p;
     };
     const batch_controller_params d;
 #define DFN_BATCH_CONTROLLER_ARGS                                                                                  \
-    py::arg("enabled") = d.enabled, py::arg("ar_every") = d.ar_every, py::arg("probe_steps") = d.probe_steps,      \
+    py::arg("enabled") = d.enabled, py::arg("ar_every") = d.ar_every, py::arg("ar_run") = d.ar_run,                \
+        py::arg("settle_steps") = d.settle_steps, py::arg("probe_steps") = d.probe_steps,                          \
         py::arg("backoff_min") = d.backoff_min, py::arg("backoff_max") = d.backoff_max,                            \
         py::arg("spec_window") = d.spec_window, py::arg("ar_window") = d.ar_window
     py::class_<batch_controller>(t, "BatchController", "engine/batch_controller.h alone")
-        .def(py::init([params_of](int max_requests, bool enabled, int64_t ar_every, int64_t probe_steps,
-                                  int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
+        .def(py::init([params_of](int max_requests, bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps,
+                                  int64_t probe_steps, int64_t backoff_min, int64_t backoff_max, int64_t spec_window,
+                                  int64_t ar_window) {
                  return std::make_unique<batch_controller>(
-                     max_requests, params_of(enabled, ar_every, probe_steps, backoff_min, backoff_max, spec_window, ar_window));
+                     max_requests, params_of(enabled, ar_every, ar_run, settle_steps, probe_steps, backoff_min,
+                                             backoff_max, spec_window, ar_window));
              }),
              py::arg("max_requests"), DFN_BATCH_CONTROLLER_ARGS)
         .def("speculate", &batch_controller::speculate, py::arg("n"))
         .def("observe", &batch_controller::observe, py::arg("n"), py::arg("speculated"), py::arg("tokens"),
-             py::arg("seconds"))
+             py::arg("seconds"), py::arg("measure") = true)
         .def("rate", &batch_controller::rate, py::arg("n"), py::arg("speculated"))
         .def_static("width_class", &batch_controller::width_class, py::arg("n"))
         .def_property_readonly("switches", &batch_controller::switches)
         .def_property_readonly("forced_ar_steps", &batch_controller::forced_ar_steps);
     t.def(
         "batch_controller_params",
-        [params_of](scheduler & s, bool enabled, int64_t ar_every, int64_t probe_steps, int64_t backoff_min,
-                    int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
-            s.batch_control().set_params(
-                params_of(enabled, ar_every, probe_steps, backoff_min, backoff_max, spec_window, ar_window));
+        [params_of](scheduler & s, bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps,
+                    int64_t probe_steps, int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
+            s.batch_control().set_params(params_of(enabled, ar_every, ar_run, settle_steps, probe_steps, backoff_min,
+                                                   backoff_max, spec_window, ar_window));
         },
         py::arg("scheduler"), DFN_BATCH_CONTROLLER_ARGS, "Sets the scheduler's batch controller (no request in flight)");
 #undef DFN_BATCH_CONTROLLER_ARGS

@@ -1,12 +1,13 @@
 #include "engine/batch_controller.h"
 
 #include <algorithm>
+#include <cstddef>
 
 namespace dfn {
 
 batch_controller::batch_controller(int max_requests, batch_controller_params p)
     : p_(p), w_((size_t) width_class(std::max(max_requests, 1)) + 1) {
-    // left = 0: a width class's first step is AR for every request (it measures AR)
+    // left = 0: a width class's first steps are an AR run for every request (they measure AR)
 }
 
 int batch_controller::width_class(int n) {
@@ -26,6 +27,7 @@ const batch_controller::width_state * batch_controller::state(int n) const {
 void batch_controller::set_params(const batch_controller_params & p) {
     p_ = p;
     w_.assign(w_.size(), width_state{});
+    streak_ = 0;
 }
 
 bool batch_controller::speculate(int n) const {
@@ -42,8 +44,10 @@ double batch_controller::rate_of(const std::deque<sample> & w) {
     for (const sample & x : w)
         if (x.tokens > 0) secs.push_back(x.seconds);
     if (secs.empty()) return 0;
-    std::nth_element(secs.begin(), secs.begin() + secs.size() / 2, secs.end());
-    const double cap = k_stall * secs[secs.size() / 2];
+    // the lower median: of two steps, one stalled, the other sets the cap
+    const size_t mid = (secs.size() - 1) / 2;
+    std::nth_element(secs.begin(), secs.begin() + (std::ptrdiff_t) mid, secs.end());
+    const double cap = k_stall * secs[mid];
     double tokens = 0, seconds = 0;
     for (const sample & x : w) {
         if (x.tokens <= 0 || x.seconds > cap) continue;
@@ -72,15 +76,21 @@ void batch_controller::judge(width_state & s) {
     }
 }
 
-void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds) {
+void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds, bool measure) {
     width_state * ps = state(n);
     if (!p_.enabled || !ps || tokens <= 0 || !(seconds > 0)) return;
     width_state & s = *ps;
     const bool imposed = !speculate(n);
     if (imposed && !speculated) forced_ += 1;
+    // the first steps after a step of the other mode (or the very first) pay for the switch: not measured
+    const int64_t same = speculated ? std::max<int64_t>(streak_, 0) : std::max<int64_t>(-streak_, 0);
+    const bool measured = measure && same >= p_.settle_steps;
+    streak_ = speculated ? same + 1 : -(same + 1);
     std::deque<sample> & w = speculated ? s.spec : s.ar;
-    w.push_back({(double) tokens / (double) n, seconds});
-    while ((int64_t) w.size() > (speculated ? p_.spec_window : p_.ar_window)) w.pop_front();
+    if (measured) {
+        w.push_back({(double) tokens / (double) n, seconds});
+        while ((int64_t) w.size() > (speculated ? p_.spec_window : p_.ar_window)) w.pop_front();
+    }
     if (s.ar_mode) {
         if (!speculated && --s.left <= 0) {  // the back-off is over: probe speculation afresh
             s.ar_mode = false;
@@ -93,11 +103,14 @@ void batch_controller::observe(int n, bool speculated, int64_t tokens, double se
         return;
     }
     if (!speculated) {
-        if (imposed) s.left = p_.ar_every;  // the periodic AR step was taken
+        if (imposed && ++s.run >= p_.ar_run) {  // the periodic AR run was taken
+            s.run = 0;
+            s.left = p_.ar_every;
+        }
         return;
     }
     s.left -= 1;
-    if (s.probing) s.probe_seen += 1;
+    if (s.probing && measured) s.probe_seen += 1;
     judge(s);
 }
 

@@ -10,8 +10,17 @@
 // at the same number of requests in the pass. When speculation is the slower, every speculative
 // request takes AR steps (spec_session::plan_ar: exact, the ring kept in step) for a back-off of
 // steps, then speculation is probed again for `probe_steps` steps: kept when it wins, else the
-// back-off doubles (up to backoff_max). While speculation is kept, one step in `ar_every` is AR
-// for every request, so that the AR rate stays current (it moves with the contexts' lengths).
+// back-off doubles (up to backoff_max). While speculation is kept, a run of `ar_run` steps in every
+// `ar_every` + `ar_run` is AR for every request, so that the AR rate stays current (it moves with
+// the contexts' lengths).
+//
+// The first `settle_steps` steps after a step of the other mode are not measured: they pay for the
+// switch, not for their mode. The first AR steps after speculative ones find the target's weights
+// out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8
+// requests: 6.9, 4.6, then 3.0-4.0 ms), and the first speculative step after AR steps pushes the
+// features of every token they committed into the drafter. Measured with them, a lone periodic AR
+// step priced AR at 0.6-0.7x its steady rate, and the batch kept speculating where batched AR was
+// the faster.
 //
 // Steps are judged by width class (the number of requests in the step: 1, 2-3, 4-7, 8-15, ...),
 // so that a batch whose requests come and go still gathers enough steps of each kind; within a
@@ -31,7 +40,9 @@ namespace dfn {
 
 struct batch_controller_params {
     bool enabled = true;        // false: the batch always speculates (each request's controller alone)
-    int64_t ar_every = 16;      // SPEC: one all-AR step per this many steps
+    int64_t ar_every = 32;      // SPEC: speculative steps between two runs of all-AR steps
+    int64_t ar_run = 4;         // SPEC: all-AR steps a run takes (> settle_steps: the first are not measured)
+    int64_t settle_steps = 2;   // steps after a change of mode that are not measured
     int64_t probe_steps = 4;    // speculative steps a probe (and the first judgement) takes
     int64_t backoff_min = 16;   // all-AR steps before the first re-probe
     int64_t backoff_max = 1024;
@@ -49,7 +60,9 @@ public:
     // is an AR step).
     bool speculate(int n) const;
     // A step over n requests committed `tokens` in `seconds`; speculated: any of them verified drafts.
-    void observe(int n, bool speculated, int64_t tokens, double seconds);
+    // measure false: the step's time holds other work too (a prompt that rode its pass): it counts
+    // as a step of its mode, but its rate is not measured.
+    void observe(int n, bool speculated, int64_t tokens, double seconds, bool measure = true);
 
     // Read-outs (metrics, tests): tokens per request per second of each mode's window in n's width
     // class (0: no step yet), the mode's changes so far, and the all-AR steps the controller imposed.
@@ -68,9 +81,10 @@ private:
         std::deque<sample> spec, ar;
         bool ar_mode = false;
         bool probing = false;  // SPEC for probe_steps steps after an AR back-off
-        int64_t left = 0;      // AR mode: all-AR steps before the probe; SPEC: steps before an AR step
+        int64_t left = 0;      // AR mode: all-AR steps before the probe; SPEC: steps before an AR run
+        int64_t run = 0;       // SPEC: all-AR steps taken in the current run
         int64_t backoff = 0;
-        int64_t probe_seen = 0;  // speculative steps seen in this probe
+        int64_t probe_seen = 0;  // speculative steps measured in this probe
     };
     static double rate_of(const std::deque<sample> & w);
     void judge(width_state & s);
@@ -80,6 +94,7 @@ private:
     width_state * state(int n);
     const width_state * state(int n) const;
     int64_t switches_ = 0, forced_ = 0;
+    int64_t streak_ = 0;  // the last observed steps of one mode: +k speculative, -k AR, 0 none yet
 };
 
 }  // namespace dfn

@@ -380,9 +380,9 @@ void scheduler::step_once() {
         i0 = i1;
     }
     // the step's committed tokens per second (its solo steps apart) for the batch's controller,
-    // when every request it judged was in the pass
-    // (a prefill riding in the pass adds its time to either kind of step alike: requests come and go
-    // in both, and a busy batch rarely has a step without one)
+    // when every request it judged was in the pass; a step with a prompt riding in its pass is not
+    // measured (the prompt's columns are most of an AR step's; the controller's AR steps are few,
+    // and come first in a width class, when the requests that make it are being admitted)
     if (controlled && n_step > 0 && in_pass.size() == n_starting + (size_t) n_step) {
         int64_t tokens = 0;
         bool speculated = false;
@@ -392,7 +392,7 @@ void scheduler::step_once() {
             tokens += (int64_t) (active[k]->req->committed().size() - committed0[k]);
             speculated = speculated || items[i].kind == BATCH_VERIFY;
         }
-        batch_ctl_.observe(n_step, speculated, tokens, profile_now() - t_step - t_solo);
+        batch_ctl_.observe(n_step, speculated, tokens, profile_now() - t_step - t_solo, /*measure=*/n_starting == 0);
     }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;

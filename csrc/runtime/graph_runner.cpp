@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 namespace dfn {
 
@@ -215,9 +216,47 @@ size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes, bo
     return n;
 }
 
+namespace {
+// The graph's structure for a shared plan (graph_runner.h: run's plan_key): its nodes in order,
+// each its op, its input / output flags and where its sources and view source come from (an
+// earlier node, a leaf, or outside the graph), and its leafs' flags; not its shapes, nor its
+// op_params (a view's offset moves with the columns). ggml's allocator reuses a plan for a graph
+// of as many nodes and leafs whose tensors fit it, without checking that the graph is the one it
+// planned: a plan keeps tensors apart by the lifetimes of the graph it was made on, so a graph of
+// another structure must not take it (the same count of nodes with a tap marked as an output, or
+// two requests' step kinds swapped, reused a plan whose buffers overlap its live tensors).
+uint64_t graph_structure(ggml_cgraph * gf) {
+    // ids: the nodes 1, 2, ... in order; a tensor outside them (a leaf: an input, a weight, a
+    // cache) -1, -2, ... in the order of its first use, with its flags
+    std::unordered_map<const ggml_tensor *, int64_t> id;
+    int64_t n_outside = 0;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
+    auto mix = [&](int64_t v) {
+        h ^= (uint64_t) v;
+        h *= 1099511628211ull;
+    };
+    auto ref = [&](const ggml_tensor * t) -> int64_t {
+        if (!t) return 0;
+        auto it = id.find(t);
+        if (it != id.end()) return it->second;
+        mix(t->flags);
+        return id[t] = -(++n_outside);
+    };
+    const int n_nodes = ggml_graph_n_nodes(gf);
+    mix(n_nodes);
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * t = ggml_graph_node(gf, i);
+        mix(t->op), mix(t->flags), mix(ref(t->view_src));
+        for (const ggml_tensor * src : t->src) mix(ref(src));
+        id[t] = 1 + (int64_t) i;
+    }
+    return h;
+}
+}  // namespace
+
 void graph_runner::run(const std::string & shape_key, const build_fn & build, const std::function<void()> & set_inputs,
                        const std::function<void()> & read_outputs, const std::string & plan_key) {
-    const std::string & pk = plan_key.empty() || !devs_.empty() ? shape_key : plan_key;
+    std::string pk = plan_key.empty() || !devs_.empty() ? shape_key : plan_key;
     const int prof = profile_level();
     profile_graph pg{shape_key.substr(0, shape_key.find(':')), prof ? profile_now() : 0.0};
     auto phase = [&](const char * what) {
@@ -242,6 +281,7 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         build(build_context{ctx, gf, kernels_, &dispatch_, !devs_.empty()});
     };
     build_graph();
+    if (pk != shape_key) pk += cat(":", graph_structure(gf));  // graphs of one structure share a plan
     phase(":build");
     ggml_backend_sched_t sched = nullptr;
     for (int attempt = 0;; ++attempt) {

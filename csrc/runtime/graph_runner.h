@@ -41,10 +41,12 @@ public:
     // alternates draft, verify and ring-push graphs, re-plans none of them; ggml's allocator
     // re-plans by itself only when a tensor outgrows its plan (the KV length grows). The least
     // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
-    // `plan_key` (empty: the shape key) lets graphs of many shapes share one plan on a runner
+    // `plan_key` (empty: the shape key) lets graphs of many shapes share a plan on a runner
     // without devices: the batched passes, whose shape changes with every step's mix of requests
-    // (a plan a shape would make a scheduler and a compute buffer per step); ggml's allocator
-    // re-plans the shared one for each new shape, and its buffer only grows. On a device every
+    // (a plan a shape would make a scheduler and a compute buffer per step). Graphs share a plan
+    // when they also have one structure (graph_runner.cpp: graph_structure: the same nodes, flags
+    // and sources in the same order, any sizes); ggml's allocator re-plans the shared one when a
+    // tensor outgrows it, and its buffer only grows. On a device every
     // shape keeps its own plan (the scheduler splits the graph it was planned on).
     // Out of memory it throws memory_error naming the graph (after dropping the other plans and
     // trying once more); the runner stays usable, except after a failure inside ggml's compute
