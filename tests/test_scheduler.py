@@ -575,6 +575,18 @@ def test_batch_controller_leaves_out_the_switch_steps():
         T.BatchController(4, ar_run=2, settle_steps=2)
 
 
+def test_batch_controller_keeps_speculation_by_a_margin():
+    """Speculation 1.05x AR per measured step is dropped under the default margin (1.1: what the
+    steps' rates leave out, the admissions and the drain of requests that finish apart, costs
+    speculation more), and kept with margin 1."""
+    bc = T.BatchController(4, probe_steps=4, backoff_min=64, backoff_max=64)
+    assert runs_of(feed(bc, 4, spec_rate=105.0, ar_rate=100.0, steps=80)) == [(False, 4), (True, 6), (False, 64), (True, 6)]
+    bc = T.BatchController(4, probe_steps=4, margin=1.0)
+    assert sum(feed(bc, 4, spec_rate=105.0, ar_rate=100.0, steps=80)) > 60
+    with pytest.raises(ValueError, match="margin must be in"):
+        T.BatchController(4, margin=0.9)
+
+
 def test_batch_controller_widths_are_judged_apart():
     """At 2 requests speculation wins, at 6 it loses: each width class (2-3, 4-7) keeps its own
     mode, and 5 is judged with 6."""

@@ -1303,8 +1303,10 @@ void bind_testing_batch(py::module_ & t) {
     // engine/batch_controller.h: the batch's controller, alone (its decisions from made-up
     // measurements) and a scheduler's (its parameters)
     auto params_of = [](bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps, int64_t probe_steps,
-                        int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
+                        int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window, double margin) {
         batch_controller_params p;
+        if (!(margin >= 1.0 && margin <= 4.0)) throw input_error(cat("[batch] margin must be in [1, 4], got ", margin));
+        p.margin = margin;
         p.enabled = enabled, p.ar_every = ar_every, p.ar_run = ar_run, p.settle_steps = settle_steps;
         p.probe_steps = probe_steps;
         p.backoff_min = backoff_min, p.backoff_max = backoff_max, p.spec_window = spec_window, p.ar_window = ar_window;
@@ -1320,14 +1322,14 @@ void bind_testing_batch(py::module_ & t) {
     py::arg("enabled") = d.enabled, py::arg("ar_every") = d.ar_every, py::arg("ar_run") = d.ar_run,                \
         py::arg("settle_steps") = d.settle_steps, py::arg("probe_steps") = d.probe_steps,                          \
         py::arg("backoff_min") = d.backoff_min, py::arg("backoff_max") = d.backoff_max,                            \
-        py::arg("spec_window") = d.spec_window, py::arg("ar_window") = d.ar_window
+        py::arg("spec_window") = d.spec_window, py::arg("ar_window") = d.ar_window, py::arg("margin") = d.margin
     py::class_<batch_controller>(t, "BatchController", "engine/batch_controller.h alone")
         .def(py::init([params_of](int max_requests, bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps,
                                   int64_t probe_steps, int64_t backoff_min, int64_t backoff_max, int64_t spec_window,
-                                  int64_t ar_window) {
+                                  int64_t ar_window, double margin) {
                  return std::make_unique<batch_controller>(
                      max_requests, params_of(enabled, ar_every, ar_run, settle_steps, probe_steps, backoff_min,
-                                             backoff_max, spec_window, ar_window));
+                                             backoff_max, spec_window, ar_window, margin));
              }),
              py::arg("max_requests"), DFN_BATCH_CONTROLLER_ARGS)
         .def("speculate", &batch_controller::speculate, py::arg("n"))
@@ -1340,9 +1342,10 @@ void bind_testing_batch(py::module_ & t) {
     t.def(
         "batch_controller_params",
         [params_of](scheduler & s, bool enabled, int64_t ar_every, int64_t ar_run, int64_t settle_steps,
-                    int64_t probe_steps, int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window) {
+                    int64_t probe_steps, int64_t backoff_min, int64_t backoff_max, int64_t spec_window, int64_t ar_window,
+                    double margin) {
             s.batch_control().set_params(params_of(enabled, ar_every, ar_run, settle_steps, probe_steps, backoff_min,
-                                                   backoff_max, spec_window, ar_window));
+                                                   backoff_max, spec_window, ar_window, margin));
         },
         py::arg("scheduler"), DFN_BATCH_CONTROLLER_ARGS, "Sets the scheduler's batch controller (no request in flight)");
 #undef DFN_BATCH_CONTROLLER_ARGS

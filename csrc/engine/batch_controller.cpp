@@ -64,7 +64,7 @@ double batch_controller::rate(int n, bool speculated) const {
 void batch_controller::judge(width_state & s) {
     const int64_t seen = s.probing ? s.probe_seen : (int64_t) s.spec.size();
     if (seen < p_.probe_steps || s.ar.empty()) return;
-    if (rate_of(s.spec) < rate_of(s.ar)) {
+    if (rate_of(s.spec) < p_.margin * rate_of(s.ar)) {
         s.backoff = s.probing ? std::min(std::max(s.backoff * 2, p_.backoff_min), p_.backoff_max) : p_.backoff_min;
         s.ar_mode = true;
         s.probing = false;
