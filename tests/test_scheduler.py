@@ -580,7 +580,7 @@ def test_batch_controller_keeps_speculation_by_a_margin():
     steps' rates leave out, the admissions and the drain of requests that finish apart, costs
     speculation more), and kept with margin 1."""
     bc = T.BatchController(4, probe_steps=4, backoff_min=64, backoff_max=64)
-    assert runs_of(feed(bc, 4, spec_rate=105.0, ar_rate=100.0, steps=80)) == [(False, 4), (True, 6), (False, 64), (True, 6)]
+    assert runs_of(feed(bc, 4, spec_rate=105.0, ar_rate=100.0, steps=80)) == [(False, 6), (True, 7), (False, 64), (True, 3)]
     bc = T.BatchController(4, probe_steps=4, margin=1.0)
     assert sum(feed(bc, 4, spec_rate=105.0, ar_rate=100.0, steps=80)) > 60
     with pytest.raises(ValueError, match="margin must be in"):
@@ -594,8 +594,8 @@ def test_batch_controller_widths_are_judged_apart():
     for _ in range(4):
         feed(bc, 2, spec_rate=300.0, ar_rate=100.0, steps=20)
         feed(bc, 6, spec_rate=80.0, ar_rate=100.0, steps=20)
-    assert sum(feed(bc, 2, 300.0, 100.0, 16)) >= 15
-    assert sum(feed(bc, 6, 80.0, 100.0, 16)) == 0
+    assert sum(feed(bc, 2, 300.0, 100.0, 16)) >= 16 - 6  # speculating, but for an AR run at most
+    assert sum(feed(bc, 6, 80.0, 100.0, 16)) <= 3 + 4  # AR, but for a probe at most
     assert sum(feed(bc, 5, 80.0, 100.0, 16)) == 0
     assert [T.BatchController.width_class(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [0, 1, 1, 2, 2, 3, 4]
 
@@ -606,7 +606,7 @@ def test_batch_controller_ignores_stalls():
     stall = lambda i: 2.0 if i % 10 == 3 else 0.0  # noqa: E731
     bc = T.BatchController(4, probe_steps=4)
     ch = feed(bc, 3, spec_rate=150.0, ar_rate=100.0, steps=200, stall=stall)
-    assert bc.switches == 0 and sum(ch) > 170  # all but the periodic AR runs (4 steps in 36)
+    assert bc.switches == 0 and sum(ch) > 160  # all but the periodic AR runs (6 steps in 38)
     bc = T.BatchController(4, probe_steps=4, backoff_min=64, backoff_max=64)
     ch = feed(bc, 3, spec_rate=70.0, ar_rate=100.0, steps=200, stall=stall)
     assert sum(ch) < 40, sum(ch)

@@ -1334,7 +1334,7 @@ void bind_testing_batch(py::module_ & t) {
              py::arg("max_requests"), DFN_BATCH_CONTROLLER_ARGS)
         .def("speculate", &batch_controller::speculate, py::arg("n"))
         .def("observe", &batch_controller::observe, py::arg("n"), py::arg("speculated"), py::arg("tokens"),
-             py::arg("seconds"), py::arg("measure") = true)
+             py::arg("seconds"), py::arg("n_stepping") = 0)
         .def("rate", &batch_controller::rate, py::arg("n"), py::arg("speculated"))
         .def_static("width_class", &batch_controller::width_class, py::arg("n"))
         .def_property_readonly("switches", &batch_controller::switches)

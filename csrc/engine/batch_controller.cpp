@@ -76,7 +76,7 @@ void batch_controller::judge(width_state & s) {
     }
 }
 
-void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds, bool measure) {
+void batch_controller::observe(int n, bool speculated, int64_t tokens, double seconds, int n_stepping) {
     width_state * ps = state(n);
     if (!p_.enabled || !ps || tokens <= 0 || !(seconds > 0)) return;
     width_state & s = *ps;
@@ -84,11 +84,11 @@ void batch_controller::observe(int n, bool speculated, int64_t tokens, double se
     if (imposed && !speculated) forced_ += 1;
     // the first steps after a step of the other mode (or the very first) pay for the switch: not measured
     const int64_t same = speculated ? std::max<int64_t>(streak_, 0) : std::max<int64_t>(-streak_, 0);
-    const bool measured = measure && same >= p_.settle_steps;
+    const bool measured = same >= p_.settle_steps;
     streak_ = speculated ? same + 1 : -(same + 1);
     std::deque<sample> & w = speculated ? s.spec : s.ar;
     if (measured) {
-        w.push_back({(double) tokens / (double) n, seconds});
+        w.push_back({(double) tokens / (double) (n_stepping > 0 ? n_stepping : n), seconds});
         while ((int64_t) w.size() > (speculated ? p_.spec_window : p_.ar_window)) w.pop_front();
     }
     if (s.ar_mode) {

@@ -18,13 +18,12 @@
 // `ar_every` + `ar_run` is AR for every request, so that the AR rate stays current (it moves with
 // the contexts' lengths).
 //
-// The first `settle_steps` steps after a step of the other mode are not measured: they pay for the
-// switch, not for their mode. The first AR steps after speculative ones find the target's weights
-// out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8
-// requests: 6.9, 4.6, then 3.0-4.0 ms), and the first speculative step after AR steps pushes the
-// features of every token they committed into the drafter. Measured with them, a lone periodic AR
-// step priced AR at 0.6-0.7x its steady rate, and the batch kept speculating where batched AR was
-// the faster.
+// The first `settle_steps` steps after a step of the other mode are not measured: they pay for the switch, not for their mode. The first AR
+// steps after speculative ones find the target's weights out of the caches that the drafter's pass
+// and the wide verify filled (on the embedded pair at 8 requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms),
+// and the first speculative step after AR steps pushes the features of every token they
+// committed into the drafter. Measured with them, a lone periodic AR step priced AR at 0.6-0.7x
+// its steady rate, and the batch kept speculating where batched AR was the faster.
 //
 // Steps are judged by width class (the number of requests in the step: 1, 2-3, 4-7, 8-15, ...),
 // so that a batch whose requests come and go still gathers enough steps of each kind; within a
@@ -45,8 +44,8 @@ namespace dfn {
 struct batch_controller_params {
     bool enabled = true;        // false: the batch always speculates (each request's controller alone)
     int64_t ar_every = 32;      // SPEC: speculative steps between two runs of all-AR steps
-    int64_t ar_run = 4;         // SPEC: all-AR steps a run takes (> settle_steps: the first are not measured)
-    int64_t settle_steps = 2;   // steps after a change of mode that are not measured
+    int64_t ar_run = 6;         // SPEC: all-AR steps a run takes (> settle_steps: the first are not measured)
+    int64_t settle_steps = 3;   // steps after a change of mode (or a step with a riding prompt) not measured
     double margin = 1.1;        // speculation is kept while its rate is at least this times AR's
     int64_t probe_steps = 4;    // speculative steps a probe (and the first judgement) takes
     int64_t backoff_min = 16;   // all-AR steps before the first re-probe
@@ -64,10 +63,11 @@ public:
     // Whether the next step over n requests may speculate (false: each speculative request's step
     // is an AR step).
     bool speculate(int n) const;
-    // A step over n requests committed `tokens` in `seconds`; speculated: any of them verified drafts.
-    // measure false: the step's time holds other work too (a prompt that rode its pass): it counts
-    // as a step of its mode, but its rate is not measured.
-    void observe(int n, bool speculated, int64_t tokens, double seconds, bool measure = true);
+    // A step over n requests committed `tokens` in `seconds` (its riding prompts' share of the pass
+    // left out); speculated: any of them verified drafts. n is the step's width class: the requests
+    // in its pass, prompts riding in it too; n_stepping (default n) those that committed tokens,
+    // whose rate per request the step measures.
+    void observe(int n, bool speculated, int64_t tokens, double seconds, int n_stepping = 0);
 
     // Read-outs (metrics, tests): tokens per request per second of each mode's window in n's width
     // class (0: no step yet), the mode's changes so far, and the all-AR steps the controller imposed.

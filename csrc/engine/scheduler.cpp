@@ -271,9 +271,12 @@ void scheduler::step_once() {
         committed0[k] = active[k]->req->committed().size();
         if (active[k]->policy.speculative) controlled = controlled || active[k]->req->spec()->params().use_controller;
     }
-    const bool force_ar = controlled && !batch_ctl_.speculate(n_step);
+    // the width it judges by: the requests in the pass, the prompts riding in it too (an admission
+    // leaves a full batch's steps in the full batch's class)
+    const int n_judged = n_step + (int) n_starting;
+    const bool force_ar = controlled && !batch_ctl_.speculate(n_judged);
     const double t_step = profile_now();
-    double t_solo = 0;
+    double t_solo = 0, t_riders = 0;
     // the rounds' drafts (greedy, sampled, constrained): one drafter pass per block size over their slots
     std::map<int64_t, std::vector<int>> groups;
     for (int k = 0; k < n_slots() && !force_ar; ++k)
@@ -367,6 +370,7 @@ void scheduler::step_once() {
             const int k = in_pass[i];
             try {
                 if (starting[k]) {
+                    t_riders += costs_.share((int64_t) part[i - i0].tokens.size(), width, (int64_t) (i1 - i0), pass_s);
                     active[k]->started = true;
                     out[k] = active[k]->req->finish_start(res[i - i0]);
                     continue;
@@ -379,10 +383,10 @@ void scheduler::step_once() {
         }
         i0 = i1;
     }
-    // the step's committed tokens per second (its solo steps apart) for the batch's controller,
-    // when every request it judged was in the pass; a step with a prompt riding in its pass is not
-    // measured (the prompt's columns are most of an AR step's; the controller's AR steps are few,
-    // and come first in a width class, when the requests that make it are being admitted)
+    // the step's committed tokens per second for the batch's controller (its solo steps, and the
+    // riding prompts' shares of the passes, apart: a prompt's columns are most of an AR step's,
+    // and a busy batch admits a request nearly every step), when every request it judged was in
+    // the pass
     if (controlled && n_step > 0 && in_pass.size() == n_starting + (size_t) n_step) {
         int64_t tokens = 0;
         bool speculated = false;
@@ -392,7 +396,7 @@ void scheduler::step_once() {
             tokens += (int64_t) (active[k]->req->committed().size() - committed0[k]);
             speculated = speculated || items[i].kind == BATCH_VERIFY;
         }
-        batch_ctl_.observe(n_step, speculated, tokens, profile_now() - t_step - t_solo, /*measure=*/n_starting == 0);
+        batch_ctl_.observe(n_judged, speculated, tokens, profile_now() - t_step - t_solo - t_riders, n_step);
     }
     std::lock_guard<std::mutex> lock(m_);
     stats_.solo_steps += solo;
