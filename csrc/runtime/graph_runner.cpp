@@ -219,12 +219,13 @@ size_t graph_runner::compute_bytes(const std::vector<std::string> & prefixes, bo
 namespace {
 // The graph's structure for a shared plan (graph_runner.h: run's plan_key): its nodes in order,
 // each its op, its input / output flags and where its sources and view source come from (an
-// earlier node, a leaf, or outside the graph), and its leafs' flags; not its shapes, nor its
+// earlier node, or a tensor outside them in the order of first use), not its shapes nor its
 // op_params (a view's offset moves with the columns). ggml's allocator reuses a plan for a graph
 // of as many nodes and leafs whose tensors fit it, without checking that the graph is the one it
 // planned: a plan keeps tensors apart by the lifetimes of the graph it was made on, so a graph of
-// another structure must not take it (the same count of nodes with a tap marked as an output, or
-// two requests' step kinds swapped, reused a plan whose buffers overlap its live tensors).
+// another structure is planned again (the same count of nodes with a tap marked as an output
+// crashed in the allocator; two requests' step kinds swapped reused a plan whose buffers overlap
+// their live tensors).
 uint64_t graph_structure(ggml_cgraph * gf) {
     // ids: the nodes 1, 2, ... in order; a tensor outside them (a leaf: an input, a weight, a
     // cache) -1, -2, ... in the order of its first use, with its flags
@@ -281,15 +282,22 @@ void graph_runner::run(const std::string & shape_key, const build_fn & build, co
         build(build_context{ctx, gf, kernels_, &dispatch_, !devs_.empty()});
     };
     build_graph();
-    if (pk != shape_key) pk += cat(":", graph_structure(gf));  // graphs of one structure share a plan
+    // a shared plan (plan_key) is planned again for each graph of another structure than the last
+    const bool shared = pk != shape_key;
+    const uint64_t structure = shared ? graph_structure(gf) : 0;
     phase(":build");
     ggml_backend_sched_t sched = nullptr;
     for (int attempt = 0;; ++attempt) {
         const bool fresh = plans_.find(pk) == plans_.end();
         sched = plan_for(pk, gf);
         if (fresh && !devs_.empty()) build_graph();
+        graph_plan & plan = plans_.at(pk);
+        // (a fresh plan was reserved on this graph; ggml_backend_sched_reserve plans the lifetimes
+        // of the graph it is given, whatever the last one's node count)
+        const bool planned = fresh || !shared || plan.structure == structure || ggml_backend_sched_reserve(sched, gf);
+        if (planned) plan.structure = structure;
         phase(":plan");
-        if (alloc_graph(pk, gf, sched)) break;
+        if (planned && alloc_graph(pk, gf, sched)) break;
         // the graph outgrew its plan (the KV length grew) and the larger buffers did not fit
         const std::string why = last_ggml_error();
         plans_.erase(pk);

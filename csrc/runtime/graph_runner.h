@@ -43,10 +43,10 @@ public:
     // recently used plans are dropped beyond k_max_plans or k_max_plan_bytes of compute buffers.
     // `plan_key` (empty: the shape key) lets graphs of many shapes share a plan on a runner
     // without devices: the batched passes, whose shape changes with every step's mix of requests
-    // (a plan a shape would make a scheduler and a compute buffer per step). Graphs share a plan
-    // when they also have one structure (graph_runner.cpp: graph_structure: the same nodes, flags
-    // and sources in the same order, any sizes); ggml's allocator re-plans the shared one when a
-    // tensor outgrows it, and its buffer only grows. On a device every
+    // (a plan a shape would make a scheduler and a compute buffer per step). The shared plan is
+    // planned again (ggml_backend_sched_reserve) for each graph whose structure differs from the
+    // last one's (graph_runner.cpp: graph_structure: its nodes, flags and sources in order, any
+    // sizes); ggml's allocator re-plans it when a tensor outgrows it, and its buffer only grows. On a device every
     // shape keeps its own plan (the scheduler splits the graph it was planned on).
     // Out of memory it throws memory_error naming the graph (after dropping the other plans and
     // trying once more); the runner stays usable, except after a failure inside ggml's compute
@@ -99,6 +99,7 @@ private:
     struct graph_plan {
         ggml_backend_sched_ptr sched;
         uint64_t last_use = 0;
+        uint64_t structure = 0;  // a shared plan's: the structure of the graph it was last planned on
     };
     static constexpr size_t k_max_plans = 32;
     static constexpr size_t k_max_plan_bytes = size_t(512) << 20;
