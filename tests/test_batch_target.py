@@ -154,9 +154,10 @@ def test_batch_equals_solo(gguf, seed, n_seq, inspect):
         assert counts["fresh"]
 
 
-def test_graphs_of_another_structure_take_their_own_plan(gguf):
-    """Batched passes share a plan across shapes, never across structures (graph_runner.h: run's
-    plan_key). ggml's allocator reuses a plan for any graph of as many nodes whose tensors fit it:
+def test_a_graph_of_another_structure_is_planned_again(gguf):
+    """Batched passes share a plan across shapes, planned again for each graph of another structure
+    (graph_runner.h: run's plan_key). ggml's allocator reuses a plan for any graph of as many nodes
+    whose tensors fit it:
     the same AR steps with the taps marked as outputs crashed in it after the same steps without
     taps, and two slots' step kinds swapped (a verify beside an AR step, then the other way round)
     had as many nodes in another order. Each pass equals the slots' solo passes."""
