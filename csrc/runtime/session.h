@@ -202,6 +202,10 @@ public:
     void clear_slot_tap_queue(int slot, const ggml_tensor * dst);
     ggml_backend_buffer_type_t buffer_type() const { return runner_->buffer_type(); }
 
+    // A tree's positions: text_pos[i] = n_past + depth(i) (parents[i] < i, parents[0] = -1): where
+    // a tree verify runs node i, and (n_past 0) the depths its acceptance reads.
+    static void tree_positions(int64_t n_past, int64_t n, const int32_t * parents, int64_t * text_pos);
+
 private:
     void replay_state(const gdn_layer & L, int64_t S, int64_t H_v, int64_t n_keep);
     // commit() on a device: one graph replays the kept prefix into each GDN state and conv state
@@ -229,7 +233,6 @@ private:
     // a tree's: node i sees the n_past committed rows and its ancestors and itself among the n
     // rows after them; text_pos[i] = n_past + depth(i)
     static void fill_tree_mask(int64_t n_past, int64_t n, int64_t n_kv, const int32_t * parents, ggml_fp16_t * mask);
-    static void tree_positions(int64_t n_past, int64_t n, const int32_t * parents, int64_t * text_pos);
     // a tree verify of n nodes: its parents, the verify capacity and a rollback that takes trees
     void check_tree(const int32_t * parents, int64_t n) const;
     // the tree's parents where its GDN ops read them, with the replay the pass folds in

@@ -578,10 +578,10 @@ round_result spec_session::finish_tree(pending_step & s, decode_result & v, doub
     r.n_verified = n;
     r.parents = parents;
     r.draft.assign(tokens.begin() + 1, tokens.end());
-    // node i sits at position n_past0 + depth(i); the target's choice after it is the one AR makes
-    // at n_past0 + depth(i) + 1
-    std::vector<int64_t> depth(n, 0);
-    for (int64_t i = 1; i < n; ++i) depth[i] = depth[parents[i]] + 1;
+    // node i sits at position n_past0 + depth(i) (target_session::tree_positions: the verify's
+    // positions); the target's choice after it is the one AR makes at n_past0 + depth(i) + 1
+    std::vector<int64_t> depth(n);
+    target_session::tree_positions(0, n, parents.data(), depth.data());
     const int64_t n_vocab = tgt().hparams().n_vocab;
     if (sampling) {
         // drawn only along the path accept_tree_by walks; under a constraint from the row masked by
