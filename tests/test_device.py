@@ -18,7 +18,7 @@ import pytest
 import dflash_native as dn
 from dflash_native import _core
 from dflash_native.lossless import NEAR_TIE, first_divergence_gap
-from fixtures import cycling_drafts, drafts_kept_until, make_spec_pair, walk_tickets
+from fixtures import DRAFTER_KINDS, cycling_drafts, drafts_kept_until, make_kind_pair, make_spec_pair, walk_tickets
 
 B = 8
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(3, 500, 11)]
@@ -414,7 +414,7 @@ def test_batched_requests_on_a_device_equal_their_solo_runs(pair, device, gate):
     where AR's top-2 logits are a near-tie. Passes ran several requests' work, and every node of every
     graph (the batched target pass, commits, drafts and ring pushes of three slots) ran on the device.
     gate=True: each slot's controller chooses AR or a round and how many drafts to verify (by timings:
-    no claim on the acceptance then)."""
+    no claim on the acceptance then; the shared drafter pass: test_shared_drafter_pass_on_a_device)."""
     _skip_on_lavapipe(device)
     rng = np.random.default_rng(4)
     prompts = [[int(x) for x in rng.integers(3, 500, int(rng.integers(3, 20)))] for _ in range(5)]
@@ -559,3 +559,157 @@ def test_slots_on_a_device_hold_their_caches_there(pair, device):
     n_seq = int(free // per_slot) + 2
     with pytest.raises(MemoryError, match=f"n_seq = {n_seq} .*on device {eng.device}.*lower n_seq or n_ctx"):
         engine(pair, device, n_seq=n_seq, n_ctx=n_ctx)
+
+
+@pytest.fixture(scope="module", params=list(DRAFTER_KINDS))
+def kind_pair(request, tmp_path_factory):
+    return make_kind_pair(tmp_path_factory.mktemp("device-kind-" + request.param), request.param, block_size=B)
+
+
+def _fixed_costs(spec):
+    # speculation pays and the controller's choices depend only on acceptance (no timing)
+    _core.testing.controller_fixed_costs(spec, ar_s=1.0, draft_s=0.2, verify0_s=0.9, verify1_s=0.05)
+
+
+def _shared_settings(i):
+    """Request i's settings in check_shared_drafts: greedy, greedy with logprobs (the pass then
+    reads the target's logit rows), seeded sampled (its drafts drawn from the shared drafter pass's
+    logits rows, read back from the device)."""
+    return [{}, dict(temperature=0.0, logprobs=2), dict(temperature=0.8, top_p=0.95, seed=101)][i % 3]
+
+
+def check_shared_drafts(pair, device):
+    """Three requests on an n_seq = 3 device engine under the controller (fixed costs: its choices
+    depend on acceptance only; the batch's controller off, its AR steps would change the rounds),
+    all admitted at the first step, so their rounds draft in one drafter pass on the device
+    (pass_stats shared_drafts: a pass that failed, e.g. over a CPU op the device runner refuses,
+    falls back to drafting each slot alone and is not counted). Each request's tokens equal its run
+    alone on a one-slot engine on the same device: greedy ones under the near-tie rule (against the
+    solo speculative run and the solo AR run); the sampled one exactly over RPC (ggml-cpu rounds a
+    batched F32 matmul within 3e-6: a seeded draw moves only when it lands that close to a
+    boundary). Every node of every graph, the shared drafter pass's too, ran on the device."""
+    rng = np.random.default_rng(4)
+    n = 3
+    solo = engine(pair, device, gate=True)
+    _fixed_costs(solo._spec)
+    prompts = [[int(x) for x in rng.integers(3, 500, int(k))] for k in (9, 17, 25)]
+    want = [solo.generate(p, max_tokens=32, **_shared_settings(i)) for i, p in enumerate(prompts)]
+    ar = [solo.generate(p, max_tokens=32, speculative=False).tokens for p in prompts]
+    eng = engine(pair, device, n_seq=n, gate=True)
+    _core.testing.check_placement(eng._core, True)
+    sched = eng._sched
+    _core.testing.batch_controller_params(sched, enabled=False)
+    for k in range(n):
+        _fixed_costs(sched.spec(k))
+    tickets = []
+    for i, p in enumerate(prompts):
+        kw = _shared_settings(i)
+        smp = _core.Sampling(kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0), seed=kw.get("seed", 0),
+                             logprobs=kw.get("logprobs", -1)) if kw else None
+        tickets.append(sched.submit(p, True, sampling=smp, max_tokens=32))
+    outs = [[] for _ in range(n)]
+    while not all(t.done for t in tickets):
+        for i, t in enumerate(tickets):
+            if not t.done:
+                outs[i] += t.next()[0]
+    ps = sched.pass_stats
+    assert ps["shared_drafts"] > 0, ps
+    assert _core.testing.placement(eng._core) == []
+    assert sum(t.stats["rounds"] for t in tickets) > 0
+    for i, p in enumerate(prompts):
+        if "seed" in _shared_settings(i):
+            if device.startswith("rpc://"):
+                assert outs[i] == want[i].tokens, f"request {i}: sampled tokens differ from its solo run"
+            continue
+        for ref in (want[i].tokens, ar[i]):
+            gap = first_divergence_gap(solo, p, ref, outs[i])
+            assert gap is None or gap < NEAR_TIE, f"request {i}: first divergence at a top-2 gap of {gap}"
+
+
+def test_shared_drafter_pass_on_a_device(pair, device):
+    """The scheduler's rounds of several slots draft in one drafter pass on the device: each slot's
+    queued features pushed from its device feature queue, each block's top-1 in stock ops
+    (check_shared_drafts)."""
+    _skip_on_lavapipe(device)
+    check_shared_drafts(pair, device)
+
+
+def test_shared_drafter_pass_of_each_kind_on_a_device(kind_pair, device):
+    """The same for a DFlash 2 drafter (each block's selector lattice, stock ops, in the shared
+    pass) and DSpark (the Markov head's argmax chain and the confidence head per block)."""
+    _skip_on_lavapipe(device)
+    check_shared_drafts(kind_pair, device)
+
+
+def check_drafts_as_alone(pair, device):
+    """spec_session::draft_batch on 3 slots of a device engine, each after a prefill and a round
+    (whose committed rows wait in the slot's device feature queue, pushed into the ring by the
+    shared pass), against each sequence's draft alone on a one-slot device engine in the same
+    state: the same drafts with their probabilities within the batched rounding, or, where a
+    draft differs, one whose probability ties the solo one's there (the first difference ends the
+    comparison: a DSpark or DFlash 2 draft depends on the drafts before it). Every node on the
+    device."""
+    T = _core.testing
+    rng = np.random.default_rng(9)
+    prompts = [[int(x) for x in rng.integers(3, 500, int(k))] for k in (7, 15, 26)]
+    solo = engine(pair, device, gate=True)
+    ar = [solo.generate(p, max_tokens=B + 2, speculative=False).tokens for p in prompts]
+    eng = engine(pair, device, n_seq=N_SEQ, gate=True)
+    T.check_placement(eng._core, True)
+    specs = [eng._sched.spec(k) for k in range(N_SEQ)]
+    seqs = [_prefill_and_round(s, p, a) for s, p, a in zip(specs, prompts, ar)]
+    assert all(len(q) > 3 for q in seqs), seqs  # each round committed several rows
+    got = T.draft_batch(specs, [q[-1] for q in seqs], B)
+    assert T.placement(eng._core) == []
+    atol, _ = _tol(device)
+    for i, p in enumerate(prompts):
+        assert _prefill_and_round(solo._spec, p, ar[i]) == seqs[i], f"slot {i}: alone it committed other tokens"
+        last = seqs[i][-1]
+        want_tok, want_p = T.draft_top1(solo._spec, last, B)
+        tok, pr = got[i]
+        assert len(tok) == len(want_tok) == B - 1
+        for j in range(B - 1):
+            assert abs(pr[j] - want_p[j]) <= atol + 1e-3 * abs(want_p[j]), f"slot {i} draft {j}: p {pr[j]} vs {want_p[j]}"
+            if tok[j] != want_tok[j]:
+                break
+        else:
+            continue
+        gap = _draft_gap(solo, last, want_tok, j, tok[j])
+        assert gap < NEAR_TIE, f"slot {i} draft {j}: {tok[j]} vs {want_tok[j]} alone, {gap} apart in its scores"
+
+
+def _prefill_and_round(spec, prompt, ar):
+    """spec's prompt, the controller's first step (AR: it leaves the controller at a round, fixed
+    costs) and a round outside the controller of drafts forced from the AR output `ar` (so it
+    commits B tokens, their rows queued for the next draft's push); the tokens each gave."""
+    _fixed_costs(spec)
+    first = spec.prefill(prompt)
+    r = spec.step(first, B)
+    assert r.ar
+    rd = _core.testing.round(spec, r.committed[-1], B, forced_draft=ar[2:B + 1])
+    return [first] + list(r.committed) + list(rd.committed)
+
+
+def _draft_gap(solo, last, want, j, other):
+    """How far token `other` is, at draft j of solo's block after `last`, below solo's own choice
+    want[j] in the scores it chose by: the drafter's logits, or DFlash 2's selector scores from the
+    predecessor it chose (inf when `other` is not among its candidates)."""
+    T = _core.testing
+    k = solo._spec.selector_top_k
+    if not k:
+        logits = T.draft_logits(solo._spec, last, B, solo._core)[j]
+        return float(logits[want[j]] - logits[other])
+    lat = T.draft_lattice(solo._spec, last, B)  # [B-1, k + k*k]: candidates, then k scores per predecessor
+    pred = 0 if j == 0 else [int(c) for c in lat[j - 1][:k]].index(want[j - 1])
+    cand, score = [int(c) for c in lat[j][:k]], lat[j][k + pred * k: k + (pred + 1) * k]
+    return float(score.max() - score[cand.index(other)]) if other in cand else float("inf")
+
+
+def test_shared_drafter_pass_drafts_as_alone_on_a_device(pair, device):
+    _skip_on_lavapipe(device)
+    check_drafts_as_alone(pair, device)
+
+
+def test_shared_drafter_pass_of_each_kind_drafts_as_alone_on_a_device(kind_pair, device):
+    _skip_on_lavapipe(device)
+    check_drafts_as_alone(kind_pair, device)

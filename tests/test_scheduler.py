@@ -18,7 +18,7 @@ import pytest
 
 import dflash_native as dn
 from dflash_native import _core
-from fixtures import make_spec_pair, walk_tickets
+from fixtures import DRAFTER_KINDS, make_kind_pair, make_spec_pair, walk_tickets
 
 T = _core.testing
 N_CTX = 192
@@ -32,33 +32,9 @@ def pair(request, tmp_path_factory):
     return {"target": str(tg), "drafter": str(dg)}
 
 
-# drafter kinds beyond DFlash (docs/architecture.md, "Drafter kinds"): the target (a SPEC_PAIRS
-# name) and make_random_drafter_gguf overrides
-KINDS = {
-    # per-layer dynamic convolutions (rows mix within a block) and the top-k path selector
-    "dflash2": ("qwen35", dict(kind="dflash2", dflash_config={"selector_top_k": 3})),
-    # anchor-first rows, Markov and confidence heads, partial RoPE, the attention value scale
-    "dspark": ("qwen3", dict(kind="dspark", sample_from_anchor=True, confidence_head=True,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                              "partial_rotary_factor": 0.5},
-                             dflash_config={"attention_value_scale": 0.5})),
-}
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(scope="module", params=list(DRAFTER_KINDS))
 def kind_pair(request, tmp_path_factory):
-    from dflash_native.convert import convert_hf_to_gguf
-    from dflash_native.random_models import make_random_drafter_gguf
-    from fixtures import SPEC_PAIRS, make_random_checkpoint
-
-    d = tmp_path_factory.mktemp("sched-kind-" + request.param)
-    target, over = KINDS[request.param]
-    arch, t_over, d_over = SPEC_PAIRS[target]
-    ckpt = make_random_checkpoint(d / "target", arch, seed=5, **t_over)
-    tg = convert_hf_to_gguf(ckpt, d / "target.gguf", outtype="f32")
-    dg = make_random_drafter_gguf(d / "drafter.gguf", ckpt, outtype="f32", seed=6, target_gguf=tg, block_size=B,
-                                  **{**d_over, **over})
-    return {"target": str(tg), "drafter": str(dg)}
+    return make_kind_pair(tmp_path_factory.mktemp("sched-kind-" + request.param), request.param, block_size=B)
 
 
 def engine(pair, n_seq, **kw):

@@ -846,6 +846,22 @@ void bind_testing_sessions(py::module_ & t) {
         py::arg("spec"), py::arg("last"), py::arg("block_size"),
         "(drafts d_1..d_{B-1}, their probabilities) as the controller and draft_cutoff read them: the "
         "top-1 probability, DFlash 2's selector softmax, or DSpark's confidence head where the drafter has one");
+    t.def(
+        "draft_batch",
+        [](const std::vector<spec_session *> & ss, const std::vector<int32_t> & lasts, int64_t B) {
+            std::vector<shared_draft> out;
+            {
+                py::gil_scoped_release release;
+                const std::vector<const sampling_params *> greedy(ss.size(), nullptr);
+                spec_session::draft_batch(ss, lasts, greedy, std::vector<char>(ss.size(), 0), B, out);
+            }
+            py::list r;
+            for (const shared_draft & d : out) r.append(py::make_tuple(d.tok, d.p));
+            return r;
+        },
+        py::arg("specs"), py::arg("lasts"), py::arg("block_size"),
+        "The scheduler's shared drafter pass over greedy blocks (spec.h: draft_batch), each spec on its own slot "
+        "at a round under its controller: per spec (drafts d_1..d_{B-1}, their probabilities), draft_top1's alone");
     t.def("push_features", &spec_push_features, py::arg("spec"), py::arg("features"), py::arg("pos0"),
           "Push target features [m, n_taps, n_embd] of m committed positions from pos0 into the ring");
     t.def("controller_state", &controller_state, py::arg("spec"), "The controller's cost and rate estimates (a dict)");

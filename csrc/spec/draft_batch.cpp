@@ -1,10 +1,13 @@
 // One drafter pass over several slots' blocks (spec.h: spec_session::draft_batch): the
 // scheduler's drafts for the rounds of a step (greedy: the top-1 per row; sampled: the draws from
 // the block's logits rows), where each slot's spec_session would run a draft graph of its own. Every weight of the drafter and its head is read once for all blocks;
-// attention runs per block over its own slot's ring with its own mask.
+// attention runs per block over its own slot's ring with its own mask. On a device the same pass
+// in stock ops: each slot's features pushed from its device feature queue, each block's top-1 by
+// device_argmax (device_heads.h) in place of top1_op.
 #include "spec/spec.h"
 
 #include "base/common.h"
+#include "graph/device_heads.h"
 #include "kernels/cpu/sampler.h"
 #include "kernels/cpu/top1.h"
 
@@ -28,6 +31,8 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
     const drafter_model & dm = *s0.drafter_;
     const drafter_hparams & dh = dm.hparams();
     const bool sub = s0.drafts_over_draft_vocab();
+    // a device engine: each session's pending features are in its device queue (spec.h: dev_queue_)
+    const bool dev = s0.dev_queue_ != nullptr;
     std::vector<draft_graph> d(n);
     std::vector<int64_t> pushed_before(n, -1);
     std::string key = cat("draft:batch:", n, ":", B, dh.sliding_window > 0 ? ":swa" : "", sub ? ":dv" : "",
@@ -61,7 +66,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         std::vector<drafter_model::block_ring> blocks;
         for (size_t i = 0; i < n; ++i) {
             draft_graph & g = d[i];
-            ss[i]->build_push(b, g.push, g.push_f, g.push_pos, /*from_queue=*/false);  // ahead of every block
+            ss[i]->build_push(b, g.push, g.push_f, g.push_pos, /*from_queue=*/dev);  // ahead of every block
             g.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, g.n_att, R);
             ggml_set_input(g.mask);
             if (g.w > 0) {
@@ -95,6 +100,14 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
             }
             return;
         }
+        if (b.device) {  // per block, as its draft alone reads it (spec.cpp: build_draft)
+            for (size_t i = 0; i < n; ++i) {
+                ggml_tensor * li = ggml_view_2d(ctx, logits, logits->ne[0], B - 1, logits->nb[1],
+                                                (size_t) i * (B - 1) * logits->nb[1]);  // [n_cols, B-1]
+                d[i].head = device_argmax(b, li, /*with_p=*/true);
+            }
+            return;
+        }
         top1 = top1_op(ctx, logits);  // F32 [2, n (B-1)]
         ggml_set_output(top1);
         ggml_build_forward_expand(b.gf, top1);
@@ -104,7 +117,7 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
         std::vector<ggml_fp16_t> m;
         for (size_t i = 0; i < n; ++i) {
             const draft_graph & g = d[i];
-            ss[i]->set_push_inputs(g.push, ss[i]->pending_feats_.data(), g.push_f, g.push_pos);
+            ss[i]->set_push_inputs(g.push, dev ? nullptr : ss[i]->pending_feats_.data(), g.push_f, g.push_pos);
             t[i * R] = lasts[i];
             for (int64_t j = 0; j < R; ++j) p[i * R + j] = (int32_t) (g.n_past + j);
             for (int swa = 0; swa < (g.w > 0 ? 2 : 1); ++swa) {
@@ -134,14 +147,26 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
             ggml_backend_tensor_get(logits, rows[i].data(), i * block * sizeof(float), block * sizeof(float));
         }
         if (sel) return;
-        ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
+        if (dev) {  // each block's head in top1_op's [B-1, (index, p)] form, a non-finite row flagged as it flags one
+            std::vector<int32_t> ids(B - 1);
+            std::vector<float> p(B - 1);
+            for (size_t i = 0; i < n; ++i) {
+                const int64_t bad = read_device_head(d[i].head, ids.data(), p.data());
+                float * f = all.data() + i * (B - 1) * 2;
+                for (int64_t j = 0; j + 1 < B; ++j) f[2 * j] = (float) ids[j], f[2 * j + 1] = p[j];
+                if (bad >= 0) f[2 * bad] = -1.0f;  // finish_draft raises it
+            }
+        } else {
+            ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
+        }
         if (conf) {
             confs.resize((size_t) n * (B - 1));
             ggml_backend_tensor_get(conf, confs.data(), 0, confs.size() * sizeof(float));
         }
     };
     try {
-        s0.runner_.run(key, build, set_inputs, read, "draft:batch");  // one plan for every mix (a CPU runner)
+        // one plan for every mix on the CPU; a device's runner keeps one per shape key
+        s0.runner_.run(key, build, set_inputs, read, "draft:batch");
         out.assign(n, {});
         for (size_t i = 0; i < n; ++i) {
             if (constrained[i]) {  // its step masks them (draft_constrained), the constraint there

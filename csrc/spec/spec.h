@@ -171,8 +171,10 @@ public:
     // replaces the drafter's own).
     bool batch_draftable() const;
     // One drafter pass over several sessions' blocks of B (sessions of one drafter, each on its
-    // own slot and ring, CPU): out[i] is ss[i]'s own pass alone, bit for bit
-    // (drafter_model::build_blocks: each block's columns as alone; the head per column):
+    // own slot and ring): out[i] is ss[i]'s own pass alone, bit for bit on the CPU
+    // (drafter_model::build_blocks: each block's columns as alone; the head per column); on a
+    // device in stock ops (features pushed from each slot's device queue, each block's top-1 by
+    // device_argmax), there under the near-tie rule (ggml's kernels round by batch width):
     // draft_top1(lasts[i], B) greedy (samplings[i] null or greedy), else draft_sampled's draws
     // from the block's logits rows with their probabilities; a DFlash 2 drafter's from each
     // block's selector lattice. Each session's pending features are written into its ring by the

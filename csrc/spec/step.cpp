@@ -42,7 +42,7 @@ pending_step spec_session::begin_ar_step(int32_t last, const sampling_params * s
 }
 
 bool spec_session::batch_draftable() const {
-    return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec && !dev_queue_;
+    return params_.use_controller && drafter_failure_.empty() && ctl_.next() == controller::mode::spec;
 }
 
 pending_step spec_session::plan_ar(int32_t last, const sampling_params * sampling, double t0, bool observe) const {
