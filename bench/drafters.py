@@ -25,6 +25,7 @@ the JSON lines give each drafter's trained window as its GGUF records it (dflash
 
 --drafter NAME=PATH (repeatable): a drafter GGUF trained elsewhere (e.g. `train-drafter
 --constrained-extra`) measured beside the shipped one and the --kinds, on the same prompts and modes.
+--baseline NAME: the drafter the paired per-prompt table compares the others against (default shipped).
 
 --llama-server: llama.cpp's own DFlash beside ours (issue 36, "against llama.cpp's DFlash 2 on the
 same files"): llama-server built from the pinned llama-cpp-python sdist's sources
@@ -218,31 +219,31 @@ def main_trained(a) -> None:
         print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
               f"{t['same']}/{len(prompts)} |", flush=True)
         rows.append(row)
-    paired_against_shipped(tot, rows)
+    paired_against(tot, rows, a.baseline)
     if llama is not None:
         rows += llama.report(tot["ar", 0.0, "-"]["n"] / tot["ar", 0.0, "-"]["s"], len(prompts))
         llama.close()
     write_jsonl(a.json, rows)
 
 
-def paired_against_shipped(tot: dict, rows: list[dict]) -> None:
-    """Per mode, each other drafter's per-prompt mean acceptance length minus the shipped drafter's
-    on the same prompt: the mean difference, its standard error and the prompts higher / lower
+def paired_against(tot: dict, rows: list[dict], base: str) -> None:
+    """Per mode, each other drafter's per-prompt mean acceptance length minus drafter `base`'s on
+    the same prompt: the mean difference, its standard error and the prompts higher / lower
     (printed, and added to the drafter's row)."""
-    others = [key for key in tot if key[0] not in ("ar", "shipped")]
+    others = [key for key in tot if key[0] not in ("ar", base)]
     if not others:
         return
-    print("\nper prompt, against shipped (paired mean acceptance length difference)")
+    print(f"\nper prompt, against {base} (paired mean acceptance length difference)")
     print("| drafter | T | verify | mean difference | standard error | prompts higher / lower |")
     print("|---|---:|---|---:|---:|---|")
     for key, row in zip([key for key in tot if key[0] != "ar"], rows):
         if key not in others:
             continue
-        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot["shipped", *key[1:]]["per_prompt"])]
+        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot[base, *key[1:]]["per_prompt"])]
         se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
-        row.update(diff_vs_shipped=statistics.mean(d), diff_vs_shipped_se=se,
+        row.update(paired_baseline=base, diff_vs_baseline=statistics.mean(d), diff_vs_baseline_se=se,
                    prompts_higher=sum(x > 0 for x in d), prompts_lower=sum(x < 0 for x in d))
-        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_shipped']:+.2f} | {se:.2f} | "
+        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_baseline']:+.2f} | {se:.2f} | "
               f"{row['prompts_higher']} / {row['prompts_lower']} |")
 
 
@@ -339,6 +340,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to train and measure")
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
                     help="also this drafter GGUF (repeatable), beside the shipped one and the --kinds")
+    ap.add_argument("--baseline", default="shipped", metavar="NAME",
+                    help="the drafter the paired per-prompt table compares the others against (shipped, a --kinds "
+                         "kind or a --drafter NAME)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", action="store_true",
                     help="also llama.cpp's llama-server with each drafter file (built on first use)")
@@ -354,6 +358,8 @@ def main() -> None:
                or n in ("shipped", "target", *a.kinds)]:
         ap.error(f"--drafter: NAME=PATH of an existing file, NAME not shipped, target or a --kinds kind; got {bad}")
     a.drafter = [(n, Path(p)) for n, _, p in named]
+    if not a.cost and a.baseline not in ("shipped", *a.kinds, *(n for n, _ in a.drafter)):
+        ap.error(f"--baseline: shipped, a --kinds kind or a --drafter NAME, got {a.baseline!r}")
     (main_cost if a.cost else main_trained)(a)
 
 
