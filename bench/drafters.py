@@ -199,9 +199,10 @@ def main_trained(a) -> None:
     rows = []
     kinds = {k: gguf_kind(path) for k, path in files.items()}
     windows = {k: gguf_window(path) for k, path in files.items()}
+    trained = (f"{', '.join(a.kinds)} trained {a.steps} steps on {a.prompts} prompts with a {a.window}-token window "
+               f"(shipped and --drafter files: their own recipes), " if a.kinds else "")
     print(f"embedded target, held-out prompts {len(prompts)} x {a.gen} tokens, B = 16, tree budget 15, gate off, "
-          f"drafters trained {a.steps} steps on {a.prompts} prompts with a {a.window}-token window (shipped and "
-          f"--drafter files: their own recipes), {a.threads} threads; trained windows (dflash.trained_context_length): "
+          f"{trained}{a.threads} threads; trained windows (dflash.trained_context_length): "
           + ", ".join(f"{k} {w}" for k, w in windows.items()))
     print("| drafter | T | verify | mean acceptance length | tok/s | speedup | spec == AR |")
     print("|---|---:|---|---:|---:|---:|---|")
