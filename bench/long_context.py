@@ -8,6 +8,8 @@ Configurations, one engine each, same prompts, same run:
                     step (AR or a round, and how many drafts to verify), window = the drafter's
                     trained context (dflash.trained_context_length), B = the drafter's block size
     fixed ...       gate=False: every step a round of block size B, cut by draft_cutoff c
+    fixed B16 wW    gate=False, B=16, drafter_window = W (256, 1024) whatever the drafter was trained
+                    with: a drafter's training window apart from the window it drafts with
     whole ring      gate=False, B=8, c=0.1, drafter_window = ring = 4096: issue 13's failing default
 
 Two tables. Generated lengths (--gens, default 256..8192) after held-out prompts of ~96 tokens;
@@ -45,6 +47,8 @@ def configs() -> dict[str, dict]:
         "fixed B8": dict(fixed, block_size=8),
         "fixed B8 c0.1": dict(fixed, block_size=8, draft_cutoff=0.1),
         "fixed B4": dict(fixed, block_size=4),
+        "fixed B16 w256": dict(fixed, drafter_window=256),
+        "fixed B16 w1024": dict(fixed, drafter_window=1024),
         "whole ring": dict(fixed, block_size=8, draft_cutoff=0.1, drafter_window=RING, feature_ring_capacity=RING),
     }
 
