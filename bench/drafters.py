@@ -17,9 +17,15 @@ decode time), speedup over AR in the same run, and whether every prompt's output
     python bench/drafters.py --out /tmp/drafters --steps 20 --prompts 16 --eval-prompts 2 --gen 32  # smoke
     python bench/drafters.py --out /tmp/drafters --kinds dflash2  # one kind beside the shipped drafter
     python bench/drafters.py --out /tmp/drafters --kinds "" --drafter mix=mix.gguf  # a drafter file beside it
+    python bench/drafters.py --out /tmp/drafters --kinds dflash2 --window 1024  # a longer training window
+
+--window W: the --kinds' training window (`train-drafter --window`; default 256, the shipped
+recipe's); a drafter trained with another window is written as KIND-sS-pP-wW.gguf. The header and
+the JSON lines give each drafter's trained window as its GGUF records it (dflash.trained_context_length).
 
 --drafter NAME=PATH (repeatable): a drafter GGUF trained elsewhere (e.g. `train-drafter
 --constrained-extra`) measured beside the shipped one and the --kinds, on the same prompts and modes.
+--baseline NAME: the drafter the paired per-prompt table compares the others against (default shipped).
 
 --llama-server: llama.cpp's own DFlash beside ours (issue 36, "against llama.cpp's DFlash 2 on the
 same files"): llama-server built from the pinned llama-cpp-python sdist's sources
@@ -128,14 +134,15 @@ def trained_drafters(a) -> dict[str, Path]:
         target_checkpoint_from_gguf(target_gguf, target_dir, train_tokenizer(a.out / "tokenizer", vocab_size=4096))
     out = {"shipped": shipped}
     for kind in a.kinds:
-        gguf = a.out / f"{kind}-s{a.steps}-p{a.prompts}.gguf"
+        # the window in the name unless it is the recipe's 256 (the files trained before --window keep their names)
+        gguf = a.out / f"{kind}-s{a.steps}-p{a.prompts}{'' if a.window == 256 else f'-w{a.window}'}.gguf"
         if not gguf.is_file():
             # the shipped drafter's recipe (models/default-drafter-recipe.json) at this budget
             pipeline.run(target_dir, None, a.out / gguf.stem, n_prompts=a.prompts, prompt_tokens=64,
                          max_new_tokens=96, target_layer_ids=[1, 3, 5, 6], target_gguf=target_gguf, out_gguf=gguf,
                          outtype="f16", block_size=16, steps=a.steps, seqs_per_step=8, anchors_per_seq=16,
                          draft_vocab_size=1024 if kind == "dflash" else 0, kind=kind, n_threads=a.threads,
-                         engine_threads=a.threads, log_every=50, context_length=4096, window=256, long_share=0.25,
+                         engine_threads=a.threads, log_every=50, context_length=4096, window=a.window, long_share=0.25,
                          continuations_file=a.out / f"continuations-p{a.prompts}.json", seed=0)
         out[kind] = gguf
     for name, path in a.drafter:
@@ -152,6 +159,15 @@ def gguf_kind(path: Path) -> str:
     if "dflash.conv_kernel_size" in keys:
         return "dflash2"
     return "dspark" if "dflash.has_confidence_head" in keys else "dflash"
+
+
+def gguf_window(path: Path) -> int | None:
+    """The drafter window a DFlash-architecture GGUF was trained with (dflash.trained_context_length:
+    the engine's default drafter window), None when the file has no such key."""
+    from gguf import GGUFReader
+
+    f = GGUFReader(path).fields.get("dflash.trained_context_length")
+    return None if f is None else int(f.parts[f.data[0]][0])
 
 
 def main_trained(a) -> None:
@@ -182,9 +198,12 @@ def main_trained(a) -> None:
                 llama.run(ar_eng.tokenize(p.text), a.gen, ar.tokens)
     rows = []
     kinds = {k: gguf_kind(path) for k, path in files.items()}
+    windows = {k: gguf_window(path) for k, path in files.items()}
+    trained = (f"{', '.join(a.kinds)} trained {a.steps} steps on {a.prompts} prompts with a {a.window}-token window "
+               f"(shipped and --drafter files: their own recipes), " if a.kinds else "")
     print(f"embedded target, held-out prompts {len(prompts)} x {a.gen} tokens, B = 16, tree budget 15, gate off, "
-          f"drafters trained {a.steps} steps on {a.prompts} prompts (shipped and --drafter files: their own recipes), "
-          f"{a.threads} threads")
+          f"{trained}{a.threads} threads; trained windows (dflash.trained_context_length): "
+          + ", ".join(f"{k} {w}" for k, w in windows.items()))
     print("| drafter | T | verify | mean acceptance length | tok/s | speedup | spec == AR |")
     print("|---|---:|---|---:|---:|---:|---|")
     for (k, T, v), t in tot.items():
@@ -196,35 +215,36 @@ def main_trained(a) -> None:
                    ar_tok_s=ar_tok_s, speedup=tok_s / ar_tok_s, spec_equals_ar=t["same"], prompts=len(prompts),
                    per_prompt_acceptance_length=t["per_prompt"],
                    gen=a.gen, steps=a.steps if k in KINDS else None, train_prompts=a.prompts if k in KINDS else None,
+                   window=a.window if k in KINDS else None, trained_context_length=windows[k],
                    file=files[k].name, threads=a.threads, machine=machine(), isa=isa(), rev=git_rev())
         print(f"| {k} | {T:g} | {v} | {row['mean_acceptance_length']:.2f} | {tok_s:.1f} | {row['speedup']:.2f}x | "
               f"{t['same']}/{len(prompts)} |", flush=True)
         rows.append(row)
-    paired_against_shipped(tot, rows)
+    paired_against(tot, rows, a.baseline)
     if llama is not None:
         rows += llama.report(tot["ar", 0.0, "-"]["n"] / tot["ar", 0.0, "-"]["s"], len(prompts))
         llama.close()
     write_jsonl(a.json, rows)
 
 
-def paired_against_shipped(tot: dict, rows: list[dict]) -> None:
-    """Per mode, each other drafter's per-prompt mean acceptance length minus the shipped drafter's
-    on the same prompt: the mean difference, its standard error and the prompts higher / lower
+def paired_against(tot: dict, rows: list[dict], base: str) -> None:
+    """Per mode, each other drafter's per-prompt mean acceptance length minus drafter `base`'s on
+    the same prompt: the mean difference, its standard error and the prompts higher / lower
     (printed, and added to the drafter's row)."""
-    others = [key for key in tot if key[0] not in ("ar", "shipped")]
+    others = [key for key in tot if key[0] not in ("ar", base)]
     if not others:
         return
-    print("\nper prompt, against shipped (paired mean acceptance length difference)")
+    print(f"\nper prompt, against {base} (paired mean acceptance length difference)")
     print("| drafter | T | verify | mean difference | standard error | prompts higher / lower |")
     print("|---|---:|---|---:|---:|---|")
     for key, row in zip([key for key in tot if key[0] != "ar"], rows):
         if key not in others:
             continue
-        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot["shipped", *key[1:]]["per_prompt"])]
+        d = [x - y for x, y in zip(tot[key]["per_prompt"], tot[base, *key[1:]]["per_prompt"])]
         se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
-        row.update(diff_vs_shipped=statistics.mean(d), diff_vs_shipped_se=se,
+        row.update(paired_baseline=base, diff_vs_baseline=statistics.mean(d), diff_vs_baseline_se=se,
                    prompts_higher=sum(x > 0 for x in d), prompts_lower=sum(x < 0 for x in d))
-        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_shipped']:+.2f} | {se:.2f} | "
+        print(f"| {key[0]} | {key[1]:g} | {key[2]} | {row['diff_vs_baseline']:+.2f} | {se:.2f} | "
               f"{row['prompts_higher']} / {row['prompts_lower']} |")
 
 
@@ -313,17 +333,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=CACHE / "drafters", help="trained drafters and their data")
     ap.add_argument("--steps", type=int, default=2500, help="training steps per kind")
     ap.add_argument("--prompts", type=int, default=1536, help="training prompts (the engine continues each)")
+    ap.add_argument("--window", type=int, default=256,
+                    help="the --kinds' training window (train-drafter --window; the shipped recipe's 256); "
+                         "the file name carries it when it is not 256")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per held-out prompt")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to train and measure")
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
                     help="also this drafter GGUF (repeatable), beside the shipped one and the --kinds")
+    ap.add_argument("--baseline", default="shipped", metavar="NAME",
+                    help="the drafter the paired per-prompt table compares the others against (shipped, a --kinds "
+                         "kind or a --drafter NAME)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", action="store_true",
                     help="also llama.cpp's llama-server with each drafter file (built on first use)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     a.kinds = [k for k in a.kinds.split(",") if k]
+    if not 1 <= a.window <= 4096:  # the recipe's context_length
+        ap.error(f"--window: a training window of 1 to 4096 tokens (the recipe's context_length), got {a.window}")
     if unknown := [k for k in a.kinds if k not in KINDS]:
         ap.error(f"--kinds: unknown kind(s) {unknown}, known: {list(KINDS)}")
     named = [d.partition("=") for d in a.drafter]
@@ -331,6 +359,8 @@ def main() -> None:
                or n in ("shipped", "target", *a.kinds)]:
         ap.error(f"--drafter: NAME=PATH of an existing file, NAME not shipped, target or a --kinds kind; got {bad}")
     a.drafter = [(n, Path(p)) for n, _, p in named]
+    if not a.cost and a.baseline not in ("shipped", *a.kinds, *(n for n, _ in a.drafter)):
+        ap.error(f"--baseline: shipped, a --kinds kind or a --drafter NAME, got {a.baseline!r}")
     (main_cost if a.cost else main_trained)(a)
 
 

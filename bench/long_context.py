@@ -8,6 +8,9 @@ Configurations, one engine each, same prompts, same run:
                     step (AR or a round, and how many drafts to verify), window = the drafter's
                     trained context (dflash.trained_context_length), B = the drafter's block size
     fixed ...       gate=False: every step a round of block size B, cut by draft_cutoff c
+    fixed B16 wW    gate=False, B=16, drafter_window = W (256, 1024) whatever the drafter was trained
+                    with: a drafter's training window apart from the window it drafts with (only
+                    when --configs names it)
     whole ring      gate=False, B=8, c=0.1, drafter_window = ring = 4096: issue 13's failing default
 
 Two tables. Generated lengths (--gens, default 256..8192) after held-out prompts of ~96 tokens;
@@ -36,6 +39,9 @@ from _common import git_rev, isa, machine, resolve_pair, write_jsonl  # noqa: E4
 RING = 4096
 
 
+ON_REQUEST = ("fixed B16 w256", "fixed B16 w1024")  # run only when --configs names them
+
+
 def configs() -> dict[str, dict]:
     fixed = dict(gate=False)
     return {
@@ -45,6 +51,8 @@ def configs() -> dict[str, dict]:
         "fixed B8": dict(fixed, block_size=8),
         "fixed B8 c0.1": dict(fixed, block_size=8, draft_cutoff=0.1),
         "fixed B4": dict(fixed, block_size=4),
+        "fixed B16 w256": dict(fixed, drafter_window=256),
+        "fixed B16 w1024": dict(fixed, drafter_window=1024),
         "whole ring": dict(fixed, block_size=8, draft_cutoff=0.1, drafter_window=RING, feature_ring_capacity=RING),
     }
 
@@ -169,7 +177,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1, help="interleaved passes per prompt and configuration; "
                                                           "each one's fastest counts")
-    ap.add_argument("--configs", default="", help="comma-separated subset of the configurations (default: all)")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated subset of the configurations (default: all but the fixed B16 wW ones)")
     ap.add_argument("--target", type=Path, default=None, help="default: the embedded pair")
     ap.add_argument("--drafter", type=Path, default=None)
     ap.add_argument("--note", default="", help="recorded in every line (e.g. 'machine loaded by other jobs')")
@@ -181,8 +190,12 @@ def main() -> None:
     n_ctx = max([a.prompt_tokens + g for g in gens] + [a.long_prompt + g for g in long_gens]) + 64
     chosen = configs()
     if a.configs:
+        if unknown := [n for n in a.configs.split(",") if n not in chosen]:
+            ap.error(f"--configs: unknown configuration(s) {unknown}, known: {list(chosen)}")
         chosen = {n: chosen[n] for n in a.configs.split(",")}
         chosen.setdefault("defaults", {})
+    else:
+        chosen = {n: kw for n, kw in chosen.items() if n not in ON_REQUEST}
     engines = {name: dn.Engine(target, drafter=drafter, n_ctx=n_ctx, n_threads=a.threads, **kw)
                for name, kw in chosen.items()}
     eng0 = engines["defaults"]
