@@ -18,9 +18,9 @@
 // `ar_every` + `ar_run` is AR for every request, so that the AR rate stays current (it moves with
 // the contexts' lengths).
 //
-// The first `settle_steps` steps after a step of the other mode are not measured: they pay for the switch, not for their mode. The first AR
-// steps after speculative ones find the target's weights out of the caches that the drafter's pass
-// and the wide verify filled (on the embedded pair at 8 requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms),
+// The first `settle_steps` steps after a step of the other mode are not measured: they pay for the
+// switch, not for their mode. The first AR steps after speculative ones find the target's weights
+// out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8 requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms),
 // and the first speculative step after AR steps pushes the features of every token they
 // committed into the drafter. Measured with them, a lone periodic AR step priced AR at 0.6-0.7x
 // its steady rate, and the batch kept speculating where batched AR was the faster.
@@ -45,7 +45,7 @@ struct batch_controller_params {
     bool enabled = true;        // false: the batch always speculates (each request's controller alone)
     int64_t ar_every = 32;      // SPEC: speculative steps between two runs of all-AR steps
     int64_t ar_run = 6;         // SPEC: all-AR steps a run takes (> settle_steps: the first are not measured)
-    int64_t settle_steps = 3;   // steps after a change of mode (or a step with a riding prompt) not measured
+    int64_t settle_steps = 3;   // steps after a change of mode that are not measured
     double margin = 1.1;        // speculation is kept while its rate is at least this times AR's
     int64_t probe_steps = 4;    // speculative steps a probe (and the first judgement) takes
     int64_t backoff_min = 16;   // all-AR steps before the first re-probe
