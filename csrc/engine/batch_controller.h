@@ -20,19 +20,20 @@
 //
 // The first `settle_steps` steps after a step of the other mode are not measured: they pay for the
 // switch, not for their mode. The first AR steps after speculative ones find the target's weights
-// out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8 requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms),
-// and the first speculative step after AR steps pushes the features of every token they
-// committed into the drafter. Measured with them, a lone periodic AR step priced AR at 0.6-0.7x
+// out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8
+// requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms), and the first speculative step after AR steps pushes
+// the features of every token they committed into the drafter. Measured with them, a lone periodic AR step priced AR at 0.6-0.7x
 // its steady rate, and the batch kept speculating where batched AR was the faster.
 //
-// Steps are judged by width class (the number of requests in the step: 1, 2-3, 4-7, 8-15, ...),
-// so that a batch whose requests come and go still gathers enough steps of each kind; within a
-// class a step counts as committed tokens per request per second (tokens / n over seconds), which
-// compares steps of neighbouring widths. Rates are ratios of sums over each mode's last steps,
-// without the steps whose seconds exceed k_stall times the window's median (a stall of the
-// machine, not the step's cost; not seconds per token, which a speculative step's acceptance
-// moves as much as a stall does), so that a heavy-tailed wait for a core enters neither rate; a
-// steady load slows both alike, and both are measured within a few dozen steps of each other.
+// Steps are judged by width class (the number of requests in the step's pass, riding prompts too:
+// 1, 2-3, 4-7, 8-15, ...), so that a batch whose requests come and go still gathers enough steps
+// of each kind; within a class a step counts as committed tokens per request per second (tokens
+// over the requests that stepped, over seconds), which compares steps of neighbouring widths.
+// Rates are ratios of sums over each mode's last measured steps, without the steps whose seconds
+// exceed k_stall times the window's lower median (a stall of the machine, not the step's cost; not
+// seconds per token, which a speculative step's acceptance moves as much as a stall does), so that
+// a heavy-tailed wait for a core enters neither rate; a steady load slows both alike, and both are
+// measured within a few dozen steps of each other.
 #pragma once
 
 #include <cstdint>
