@@ -147,15 +147,8 @@ void spec_session::draft_batch(const std::vector<spec_session *> & ss, const std
             ggml_backend_tensor_get(logits, rows[i].data(), i * block * sizeof(float), block * sizeof(float));
         }
         if (sel) return;
-        if (dev) {  // each block's head in top1_op's [B-1, (index, p)] form, a non-finite row flagged as it flags one
-            std::vector<int32_t> ids(B - 1);
-            std::vector<float> p(B - 1);
-            for (size_t i = 0; i < n; ++i) {
-                const int64_t bad = read_device_head(d[i].head, ids.data(), p.data());
-                float * f = all.data() + i * (B - 1) * 2;
-                for (int64_t j = 0; j + 1 < B; ++j) f[2 * j] = (float) ids[j], f[2 * j + 1] = p[j];
-                if (bad >= 0) f[2 * bad] = -1.0f;  // finish_draft raises it
-            }
+        if (dev) {  // each block's head in top1_op's [B-1, (index, p)] form, as its draft alone reads it
+            for (size_t i = 0; i < n; ++i) ss[i]->read_device_top(d[i], nullptr, all.data() + i * (B - 1) * 2);
         } else {
             ggml_backend_tensor_get(top1, all.data(), 0, all.size() * sizeof(float));
         }

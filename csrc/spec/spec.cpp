@@ -428,19 +428,23 @@ void spec_session::run_draft(int32_t last, int64_t B, int32_t * argmax_out, floa
     pending_m_ = 0;
 }
 
-void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
+void spec_session::read_device_top(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
     const int64_t pairs = d.what == draft_graph::TOPK ? d.K : 1;  // (index, p) pairs per row
+    // a device's stock head: ids (and p) apart; f32_out takes top1_op's / topk_op's
+    // [B-1, pairs, (index, p)] form
+    std::vector<int32_t> ids((d.B - 1) * pairs);
+    std::vector<float> p((d.B - 1) * pairs);
+    const int64_t bad = read_device_head(d.head, ids.data(), d.head.p ? p.data() : nullptr);
+    if (bad >= 0) throw_non_finite_logits("draft", d.n_past + bad + 1);
+    for (int64_t i = 0; i < (d.B - 1) * pairs; ++i) {
+        if (argmax_out) argmax_out[i] = ids[i];
+        if (f32_out) f32_out[2 * i] = (float) ids[i], f32_out[2 * i + 1] = p[i];
+    }
+}
+
+void spec_session::read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const {
     if (d.head.ids) {
-        // a device's stock head: ids (and p) apart; f32_out takes top1_op's / topk_op's
-        // [B-1, pairs, (index, p)] form
-        std::vector<int32_t> ids((d.B - 1) * pairs);
-        std::vector<float> p((d.B - 1) * pairs);
-        const int64_t bad = read_device_head(d.head, ids.data(), d.head.p ? p.data() : nullptr);
-        if (bad >= 0) throw_non_finite_logits("draft", d.n_past + bad + 1);
-        for (int64_t i = 0; i < (d.B - 1) * pairs; ++i) {
-            if (argmax_out) argmax_out[i] = ids[i];
-            if (f32_out) f32_out[2 * i] = (float) ids[i], f32_out[2 * i + 1] = p[i];
-        }
+        read_device_top(d, argmax_out, f32_out);
     } else {
         if (argmax_out) ggml_backend_tensor_get(d.out, argmax_out, 0, ggml_nbytes(d.out));
         if (f32_out) ggml_backend_tensor_get(d.out, f32_out, 0, ggml_nbytes(d.out));

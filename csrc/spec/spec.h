@@ -336,6 +336,9 @@ private:
     void fill_draft_mask(const draft_graph & d, bool swa, std::vector<ggml_fp16_t> & m) const;
     // argmax_out: the argmax output; f32_out: the logits or top1 output
     void read_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
+    // read_draft's read of a device's stock head (d.head): the ids into argmax_out, or the (index,
+    // p) pairs into f32_out in top1_op's / topk_op's [B-1, pairs, 2] form; a non-finite row raised
+    void read_device_top(const draft_graph & d, int32_t * argmax_out, float * f32_out) const;
     // read_draft's checks on the read outputs: DSpark's confidences (conf, [B-1]) in place of the
     // top-1 p, non-finite rows raised, draft-vocabulary rows mapped to token ids
     void finish_draft(const draft_graph & d, int32_t * argmax_out, float * f32_out, const float * conf) const;
