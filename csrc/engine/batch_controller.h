@@ -22,8 +22,9 @@
 // switch, not for their mode. The first AR steps after speculative ones find the target's weights
 // out of the caches that the drafter's pass and the wide verify filled (on the embedded pair at 8
 // requests: 6.9, 4.6, 3.6, then 2.9-3.3 ms), and the first speculative step after AR steps pushes
-// the features of every token they committed into the drafter. Measured with them, a lone periodic AR step priced AR at 0.6-0.7x
-// its steady rate, and the batch kept speculating where batched AR was the faster.
+// the features of every token they committed into the drafter. Measured with them, a lone
+// periodic AR step priced AR at 0.6-0.7x its steady rate, and the batch kept speculating where
+// batched AR was the faster.
 //
 // Steps are judged by width class (the number of requests in the step's pass, riding prompts too:
 // 1, 2-3, 4-7, 8-15, ...), so that a batch whose requests come and go still gathers enough steps

@@ -46,8 +46,8 @@ public:
     // (a plan a shape would make a scheduler and a compute buffer per step). The shared plan is
     // planned again (ggml_backend_sched_reserve) for each graph whose structure differs from the
     // last one's (graph_runner.cpp: graph_structure: its nodes, flags and sources in order, any
-    // sizes); ggml's allocator re-plans it when a tensor outgrows it, and its buffer only grows. On a device every
-    // shape keeps its own plan (the scheduler splits the graph it was planned on).
+    // sizes); ggml's allocator re-plans it when a tensor outgrows it, and its buffer only grows.
+    // On a device every shape keeps its own plan (the scheduler splits the graph it was planned on).
     // Out of memory it throws memory_error naming the graph (after dropping the other plans and
     // trying once more); the runner stays usable, except after a failure inside ggml's compute
     // that leaves the CPU backend inconsistent: then every later run throws.
